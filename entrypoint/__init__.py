@@ -1,0 +1,1 @@
+"""The in-container launcher: environment -> launch plan -> exec. Standard library only."""

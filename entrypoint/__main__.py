@@ -1,0 +1,5 @@
+import sys
+
+from entrypoint.cli import main
+
+sys.exit(main())

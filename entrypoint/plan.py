@@ -1,0 +1,461 @@
+"""Launch plan: what the environment says about this process's place in a DDP job.
+
+Data flows one way: environment -> detect mode -> resolve a frozen `Plan` -> (validated on the way)
+-> exec. Every function here is pure over its inputs (`environ`, `Options`, `Host`) so the whole
+resolution is table-testable without Slurm, torchrun or Docker.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from entrypoint.hostlist import HostlistError, expand_hostlist, expand_tasks_per_node
+
+BACKENDS = ("gloo", "nccl", "mpi", "ucc")
+DEFAULT_MASTER_PORT = 29500
+# Ports derived from a Slurm job id land in [15000, 30000): below Linux's default ephemeral range
+# (32768-60999), so a rendezvous port never collides with an outgoing connection's source port.
+SLURM_PORT_LOW = 15000
+SLURM_PORT_SPAN = 15000
+SLURM_STEPS_PER_JOB_PORTS = 16
+
+
+def default_command() -> tuple[str, ...]:
+    """The bundle's trainer, run by the same interpreter as the launcher (the image's venv)."""
+    return (sys.executable, "-m", "train")
+
+
+class PlanError(ValueError):
+    """Input that cannot describe a DDP job; the message is the one line the user sees."""
+
+
+@dataclass(frozen=True)
+class Options:
+    """What the user asked for on the entrypoint's own command line."""
+
+    command: tuple[str, ...] = field(default_factory=lambda: default_command())
+    nproc_per_node: int | None = None
+    backend: str | None = None
+
+
+@dataclass(frozen=True)
+class Host:
+    """Facts about the machine, injected so that tests do not depend on the machine they run on."""
+
+    cpu_count: int
+    nvidia_device_files: int
+    free_port: int
+
+    @staticmethod
+    def probe() -> Host:
+        """Read the real machine: usable CPUs, /dev/nvidiaN files, and a port free right now."""
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        try:
+            nvidia = sum(1 for name in os.listdir("/dev") if re.fullmatch(r"nvidia\d+", name))
+        except OSError:
+            nvidia = 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        return Host(cpu_count=cpus or 1, nvidia_device_files=nvidia, free_port=port)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The resolved launch: printed by --print-plan, executed otherwise.
+
+    `launcher` is "exec" (run the command as this rank) or "torchrun" (this process becomes a
+    torchrun agent that starts `nproc_per_node` ranks). For "torchrun", rank and local rank are
+    assigned by torchrun and are None here.
+    """
+
+    mode: str
+    launcher: str
+    rank: int | None
+    world_size: int
+    local_rank: int | None
+    local_world_size: int
+    node_rank: int
+    nnodes: int
+    master_addr: str
+    master_port: int
+    backend: str
+    argv: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------- reading variables
+
+
+def _int_var(environ: Mapping[str, str], name: str, minimum: int = 0, what: str = "") -> int:
+    raw = environ.get(name)
+    if raw is None:
+        raise PlanError(f"{name} is not set; expected {what or 'an integer'}")
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        bound = "a non-negative integer" if minimum == 0 else f"an integer >= {minimum}"
+        raise PlanError(f"{name}={raw!r} is not {bound}{'; expected ' + what if what else ''}")
+    return value
+
+
+def _opt_int_var(environ: Mapping[str, str], name: str, default: int, minimum: int = 0) -> int:
+    return _int_var(environ, name, minimum) if name in environ else default
+
+
+def _port_var(environ: Mapping[str, str], name: str, default: int) -> int:
+    if name not in environ:
+        return default
+    raw = environ[name]
+    try:
+        port = int(raw.strip())
+    except ValueError:
+        port = -1
+    if not 1 <= port <= 65535:
+        raise PlanError(f"{name}={raw!r} is not a TCP port; expected an integer in 1-65535")
+    return port
+
+
+def bare_host(addr: str) -> str:
+    """MASTER_ADDR as a socket wants it: `[fe80::1]` -> `fe80::1`."""
+    addr = addr.strip()
+    return addr[1:-1] if addr.startswith("[") and addr.endswith("]") else addr
+
+
+def url_host(addr: str) -> str:
+    """A host as a URL or host:port endpoint wants it: bare IPv6 addresses get brackets."""
+    return f"[{addr}]" if ":" in addr else addr
+
+
+def visible_cuda_devices(environ: Mapping[str, str], host: Host) -> int:
+    """How many CUDA devices this process may use, without importing torch."""
+    cvd = environ.get("CUDA_VISIBLE_DEVICES")
+    if cvd is None:
+        return host.nvidia_device_files
+    cvd = cvd.strip()
+    if cvd in ("", "-1", "NoDevFiles"):
+        return 0
+    return len([dev for dev in cvd.split(",") if dev.strip()])
+
+
+def choose_backend(environ: Mapping[str, str], options: Options, host: Host) -> str:
+    """--backend, then DDPACK_BACKEND, then nccl when a CUDA device is visible, else gloo."""
+    if options.backend is not None:
+        backend, source = options.backend, "--backend"
+    elif environ.get("DDPACK_BACKEND"):
+        backend, source = environ["DDPACK_BACKEND"], "DDPACK_BACKEND"
+    else:
+        return "nccl" if visible_cuda_devices(environ, host) > 0 else "gloo"
+    if backend not in BACKENDS:
+        raise PlanError(f"{source}={backend!r} is not a known backend; expected one of {', '.join(BACKENDS)}")
+    return backend
+
+
+def slurm_master_port(job_id: int, step_id: int) -> int:
+    """A port every task of a Slurm step derives alike; concurrent steps of one job differ."""
+    slot = job_id * SLURM_STEPS_PER_JOB_PORTS + step_id % SLURM_STEPS_PER_JOB_PORTS
+    return SLURM_PORT_LOW + slot % SLURM_PORT_SPAN
+
+
+def _omp_threads(environ: Mapping[str, str], host: Host, local_procs: int, procs_per_task: int = 1) -> dict[str, str]:
+    """OMP_NUM_THREADS for each rank when the user has not set it, so ranks do not oversubscribe.
+
+    Under Slurm a task owns SLURM_CPUS_PER_TASK CPUs, shared only by the ranks that task starts
+    (`procs_per_task`: torchrun's children). Elsewhere the usable CPUs are shared by all local ranks.
+    """
+    if "OMP_NUM_THREADS" in environ:
+        return {}
+    if "SLURM_CPUS_PER_TASK" in environ:
+        threads = _int_var(environ, "SLURM_CPUS_PER_TASK", 1) // procs_per_task
+    else:
+        threads = host.cpu_count // max(1, local_procs)
+    return {"OMP_NUM_THREADS": str(max(1, threads))}
+
+
+# ---------------------------------------------------------------------------- detecting the mode
+
+
+def detect_mode(environ: Mapping[str, str]) -> str:
+    """torchelastic > slurm (inside a step) > env (RANK/WORLD_SIZE/NNODES given) > single.
+
+    Only step variables make Slurm mode: a shell from `salloc` (SLURM_JOB_NAME=bash/interactive)
+    or a batch script carries job variables but is not a task of a step.
+    """
+    if environ.get("TORCHELASTIC_RUN_ID"):
+        return "torchelastic"
+    if "SLURM_STEP_ID" in environ and "SLURM_STEP_NUM_TASKS" in environ:
+        return "slurm"
+    if any(name in environ for name in ("RANK", "WORLD_SIZE", "NNODES")):
+        return "env"
+    return "single"
+
+
+# ---------------------------------------------------------------------------- resolving
+
+
+def _torchrun_argv(command: tuple[str, ...], nnodes: int, nproc: int, endpoint: str | None, rdzv_id: str) -> tuple[str, ...]:
+    """torchrun as `python -m torch.distributed.run`, so the launcher itself never imports torch."""
+    argv = [sys.executable, "-m", "torch.distributed.run"]
+    if endpoint is None:
+        argv += ["--standalone"]
+    else:
+        argv += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}"]
+    argv += [f"--nproc-per-node={nproc}", "--no-python", *command]
+    return tuple(argv)
+
+
+def _exec_env(rank: int, world: int, local_rank: int, local_world: int, node_rank: int, addr: str, port: int) -> dict[str, str]:
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(local_world),
+        "NODE_RANK": str(node_rank),
+        "GROUP_RANK": str(node_rank),
+        "MASTER_ADDR": addr,
+        "MASTER_PORT": str(port),
+    }
+
+
+def _resolve_torchelastic(environ: Mapping[str, str], options: Options, host: Host, backend: str) -> Plan:
+    """Under torchrun the environment is already right: pass it through, adding only what is absent."""
+    world = _opt_int_var(environ, "WORLD_SIZE", 1, 1)
+    local_world = _opt_int_var(environ, "LOCAL_WORLD_SIZE", 1, 1)
+    env = {"DDPACK_BACKEND": backend} if "DDPACK_BACKEND" not in environ else {}
+    env.update(_omp_threads(environ, host, local_world))
+    return Plan(
+        mode="torchelastic",
+        launcher="exec",
+        rank=_opt_int_var(environ, "RANK", 0),
+        world_size=world,
+        local_rank=_opt_int_var(environ, "LOCAL_RANK", 0),
+        local_world_size=local_world,
+        node_rank=_opt_int_var(environ, "GROUP_RANK", 0),
+        nnodes=max(1, world // local_world),
+        master_addr=environ.get("MASTER_ADDR", ""),
+        master_port=_port_var(environ, "MASTER_PORT", 0) if "MASTER_PORT" in environ else 0,
+        backend=backend,
+        argv=options.command,
+        env=env,
+    )
+
+
+def _resolve_slurm(environ: Mapping[str, str], options: Options, host: Host, backend: str) -> Plan:
+    """A task of an `srun` step: the step's variables, not the job's, say where this task stands."""
+    world = _int_var(environ, "SLURM_STEP_NUM_TASKS", 1, "the number of tasks in the step")
+    rank = _int_var(environ, "SLURM_PROCID", 0, "this task's rank in the step")
+    node_rank = _int_var(environ, "SLURM_NODEID", 0, "this task's node index in the step")
+    local_rank = _int_var(environ, "SLURM_LOCALID", 0, "this task's index on its node")
+    step_id = _int_var(environ, "SLURM_STEP_ID", 0, "the step id")
+    job_var = "SLURM_JOB_ID" if "SLURM_JOB_ID" in environ else "SLURM_JOBID"
+    job_id = _int_var(environ, job_var, 0, "the job id")
+
+    nodelist_var = "SLURM_STEP_NODELIST" if "SLURM_STEP_NODELIST" in environ else "SLURM_JOB_NODELIST"
+    tpn_var = "SLURM_STEP_TASKS_PER_NODE" if "SLURM_STEP_TASKS_PER_NODE" in environ else "SLURM_TASKS_PER_NODE"
+    try:
+        hosts = expand_hostlist(environ.get(nodelist_var, ""))
+    except HostlistError as exc:
+        raise PlanError(f"{nodelist_var}={environ.get(nodelist_var, '')!r} is not a Slurm hostlist: {exc}") from None
+    try:
+        tasks_per_node = expand_tasks_per_node(environ.get(tpn_var, ""))
+    except HostlistError as exc:
+        raise PlanError(f"{tpn_var}={environ.get(tpn_var, '')!r} is malformed: {exc}") from None
+
+    if len(tasks_per_node) != len(hosts):
+        raise PlanError(
+            f"{tpn_var}={environ[tpn_var]!r} describes {len(tasks_per_node)} nodes but "
+            f"{nodelist_var} has {len(hosts)}; expected one count per node"
+        )
+    if sum(tasks_per_node) != world:
+        raise PlanError(
+            f"{tpn_var}={environ[tpn_var]!r} adds up to {sum(tasks_per_node)} tasks but "
+            f"SLURM_STEP_NUM_TASKS={world}; expected them to agree"
+        )
+    if rank >= world:
+        raise PlanError(f"SLURM_PROCID={rank} is not below SLURM_STEP_NUM_TASKS={world}")
+    if node_rank >= len(hosts):
+        raise PlanError(f"SLURM_NODEID={node_rank} is not below the step's {len(hosts)} nodes")
+    local_world = tasks_per_node[node_rank]
+    if local_rank >= local_world:
+        raise PlanError(f"SLURM_LOCALID={local_rank} is outside node {node_rank}'s {local_world} tasks ({tpn_var}={environ[tpn_var]!r})")
+
+    addr = bare_host(environ["MASTER_ADDR"]) if environ.get("MASTER_ADDR") else hosts[0]
+    port = _port_var(environ, "MASTER_PORT", slurm_master_port(job_id, step_id))
+    devices = visible_cuda_devices(environ, host)
+    one_task_per_node = all(count == 1 for count in tasks_per_node)
+    nproc = options.nproc_per_node
+    if nproc is not None and not one_task_per_node:
+        raise PlanError(
+            f"--nproc-per-node needs one Slurm task per node, but {tpn_var}={environ[tpn_var]!r}; "
+            "use --ntasks-per-node=1 or drop --nproc-per-node"
+        )
+    if one_task_per_node and (nproc or devices > 1):
+        nproc = nproc or devices
+        endpoint = f"{url_host(addr)}:{port}"
+        env = {"DDPACK_BACKEND": backend, **_omp_threads(environ, host, nproc, nproc)}
+        return Plan(
+            mode="slurm",
+            launcher="torchrun",
+            rank=None,
+            world_size=len(hosts) * nproc,
+            local_rank=None,
+            local_world_size=nproc,
+            node_rank=node_rank,
+            nnodes=len(hosts),
+            master_addr=addr,
+            master_port=port,
+            backend=backend,
+            argv=_torchrun_argv(options.command, len(hosts), nproc, endpoint, str(job_id)),
+            env=env,
+        )
+    env = _exec_env(rank, world, local_rank, local_world, node_rank, addr, port)
+    env.update({"DDPACK_BACKEND": backend, **_omp_threads(environ, host, local_world)})
+    return Plan(
+        mode="slurm",
+        launcher="exec",
+        rank=rank,
+        world_size=world,
+        local_rank=local_rank,
+        local_world_size=local_world,
+        node_rank=node_rank,
+        nnodes=len(hosts),
+        master_addr=addr,
+        master_port=port,
+        backend=backend,
+        argv=options.command,
+        env=env,
+    )
+
+
+def _resolve_env(environ: Mapping[str, str], options: Options, host: Host, backend: str) -> Plan:
+    """`docker run -e RANK=... -e WORLD_SIZE=... -e MASTER_ADDR=...`: use what is given.
+
+    With --nproc-per-node, each container is one node running torchrun: give NNODES and NODE_RANK
+    (not RANK/WORLD_SIZE, which torchrun assigns per process).
+    """
+    port = _port_var(environ, "MASTER_PORT", DEFAULT_MASTER_PORT)
+    addr = bare_host(environ.get("MASTER_ADDR", ""))
+    if options.nproc_per_node is not None:
+        if "RANK" in environ or "WORLD_SIZE" in environ:
+            raise PlanError(
+                "RANK/WORLD_SIZE are set together with --nproc-per-node; torchrun assigns them, so set NNODES and NODE_RANK instead"
+            )
+        nnodes = _opt_int_var(environ, "NNODES", 1, 1)
+        node_rank = _opt_int_var(environ, "NODE_RANK", 0)
+        if node_rank >= nnodes:
+            raise PlanError(f"NODE_RANK={node_rank} is not below NNODES={nnodes}")
+        if nnodes > 1 and not addr:
+            raise PlanError(f"NNODES={nnodes} but MASTER_ADDR is not set; set it to node 0's host name or address")
+        nproc = options.nproc_per_node
+        endpoint = f"{url_host(addr or '127.0.0.1')}:{port}"
+        rdzv_id = environ.get("RDZV_ID", "ddpack")
+        return Plan(
+            mode="env",
+            launcher="torchrun",
+            rank=None,
+            world_size=nnodes * nproc,
+            local_rank=None,
+            local_world_size=nproc,
+            node_rank=node_rank,
+            nnodes=nnodes,
+            master_addr=addr or "127.0.0.1",
+            master_port=port,
+            backend=backend,
+            argv=_torchrun_argv(options.command, nnodes, nproc, endpoint, rdzv_id),
+            env={"DDPACK_BACKEND": backend, **_omp_threads(environ, host, nproc)},
+        )
+    if "RANK" not in environ or "WORLD_SIZE" not in environ:
+        missing = "RANK" if "RANK" not in environ else "WORLD_SIZE"
+        raise PlanError(f"{missing} is not set; set RANK and WORLD_SIZE together (or neither, for one process)")
+    world = _int_var(environ, "WORLD_SIZE", 1, "the number of processes in the job")
+    rank = _int_var(environ, "RANK", 0, "this process's global rank")
+    if rank >= world:
+        raise PlanError(f"RANK={rank} is not below WORLD_SIZE={world}; expected 0..{world - 1}")
+    local_world = _opt_int_var(environ, "LOCAL_WORLD_SIZE", 1, 1)
+    local_rank = _opt_int_var(environ, "LOCAL_RANK", 0)
+    if local_rank >= local_world:
+        raise PlanError(f"LOCAL_RANK={local_rank} is not below LOCAL_WORLD_SIZE={local_world}")
+    node_rank = _opt_int_var(environ, "NODE_RANK", rank // local_world)
+    if world > 1 and not addr:
+        raise PlanError(f"WORLD_SIZE={world} but MASTER_ADDR is not set; set it to rank 0's host name or address")
+    addr = addr or "127.0.0.1"
+    env = _exec_env(rank, world, local_rank, local_world, node_rank, addr, port)
+    env.update({"DDPACK_BACKEND": backend, **_omp_threads(environ, host, local_world)})
+    return Plan(
+        mode="env",
+        launcher="exec",
+        rank=rank,
+        world_size=world,
+        local_rank=local_rank,
+        local_world_size=local_world,
+        node_rank=node_rank,
+        nnodes=max(1, world // local_world),
+        master_addr=addr,
+        master_port=port,
+        backend=backend,
+        argv=options.command,
+        env=env,
+    )
+
+
+def _resolve_single(environ: Mapping[str, str], options: Options, host: Host, backend: str) -> Plan:
+    """Nothing set: one process on loopback, or `torchrun --standalone` when N processes are asked for."""
+    addr = bare_host(environ.get("MASTER_ADDR") or "127.0.0.1")
+    port = _port_var(environ, "MASTER_PORT", host.free_port)
+    nproc = options.nproc_per_node or 1
+    if nproc > 1:
+        return Plan(
+            mode="single",
+            launcher="torchrun",
+            rank=None,
+            world_size=nproc,
+            local_rank=None,
+            local_world_size=nproc,
+            node_rank=0,
+            nnodes=1,
+            master_addr=addr,
+            master_port=port,
+            backend=backend,
+            argv=_torchrun_argv(options.command, 1, nproc, None, ""),
+            env={"DDPACK_BACKEND": backend, **_omp_threads(environ, host, nproc)},
+        )
+    env = _exec_env(0, 1, 0, 1, 0, addr, port)
+    env.update({"DDPACK_BACKEND": backend, **_omp_threads(environ, host, 1)})
+    return Plan(
+        mode="single",
+        launcher="exec",
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        local_world_size=1,
+        node_rank=0,
+        nnodes=1,
+        master_addr=addr,
+        master_port=port,
+        backend=backend,
+        argv=options.command,
+        env=env,
+    )
+
+
+_RESOLVERS = {
+    "torchelastic": _resolve_torchelastic,
+    "slurm": _resolve_slurm,
+    "env": _resolve_env,
+    "single": _resolve_single,
+}
+
+
+def resolve_plan(environ: Mapping[str, str], options: Options, host: Host) -> Plan:
+    """The one entry point: environment + options + host facts -> a validated Plan (or PlanError)."""
+    if options.nproc_per_node is not None and options.nproc_per_node < 1:
+        raise PlanError(f"--nproc-per-node={options.nproc_per_node} is not >= 1")
+    backend = choose_backend(environ, options, host)
+    return _RESOLVERS[detect_mode(environ)](environ, options, host, backend)

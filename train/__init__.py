@@ -1,0 +1,1 @@
+"""The DDP trainer that runs inside the image: `python -m train --help`."""

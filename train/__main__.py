@@ -1,0 +1,74 @@
+"""`python -m train`: flags -> task -> process group -> Trainer, with clear exits for every ending.
+
+Exit codes: 0 done; 1 failure (collective error, checksum mismatch); 2 bad input;
+128+N stopped by signal N with a snapshot (143 for SIGTERM, 138 for SIGUSR1): rerun to resume.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+from train.config import parse_config
+from train.distributed import init_distributed, shutdown
+from train.metrics import MetricsFile, RankLog
+from train.signals import PreemptionWatcher
+from train.tasks import TaskError, load_task
+from train.trainer import ChecksumMismatch, Preempted, Trainer
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_config(argv)
+    watcher = PreemptionWatcher()  # before the rendezvous, which can take a while under Slurm
+    try:
+        task = load_task(config)
+    except TaskError as exc:
+        print(f"train: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        ctx = init_distributed(config.backend, config.collective_timeout)
+    except (RuntimeError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"train: error: cannot join the process group: {first}", file=sys.stderr)
+        return 1
+    log = RankLog(ctx.rank, ctx.world_size)
+    log(
+        f"start: rank {ctx.rank} world {ctx.world_size} local_rank {ctx.local_rank}/{ctx.local_world_size} "
+        f"backend {ctx.backend} device {ctx.device} host {ctx.host} task {task.name} pid {os.getpid()}"
+    )
+    metrics = MetricsFile(config.metrics_file if ctx.is_main else None)
+    trainer = Trainer(config, task, ctx, log, metrics, watcher)
+    try:
+        result = trainer.fit()
+    except Preempted as stop:
+        log(str(stop))
+        metrics.close()
+        shutdown()
+        return 128 + stop.signum
+    except ChecksumMismatch as exc:
+        log(f"error: {exc}")
+        return 1
+    except RuntimeError as exc:  # gloo/nccl report a dead or silent peer as RuntimeError subclasses
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        log(
+            f"error: a collective failed ({type(exc).__name__}: {first}); a peer died or did not answer "
+            f"within --collective-timeout={config.collective_timeout:g}s"
+        )
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # tearing down a broken process group can itself hang
+    finally:
+        watcher.restore()
+    loss = f"{result.final_loss:.5f}" if result.final_loss is not None else "n/a"
+    log(
+        f"done: global step {result.global_step} final loss {loss} steps/s {result.steps_per_s:.1f} samples/s {result.samples_per_s:,.0f}",
+        main_only=True,
+    )
+    metrics.close()
+    shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

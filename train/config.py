@@ -1,0 +1,127 @@
+"""Trainer flags -> a frozen Config. Every flag is documented in `python -m train --help`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class Config:
+    task: str
+    epochs: int
+    batch_size: int
+    lr: float
+    optimizer: str
+    weight_decay: float
+    lr_schedule: str
+    warmup_steps: int
+    seed: int
+    data_seed: int
+    dataset_size: int | None
+    grad_accum: int
+    amp: bool
+    max_steps: int
+    snapshot_dir: str
+    snapshot_every: int
+    keep_snapshots: int
+    log_every: int
+    metrics_file: str | None
+    backend: str | None
+    collective_timeout: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not >= 1")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not >= 0")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not > 0")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m train",
+        description=(
+            "DDP trainer. Reads RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT from the environment "
+            "(set by `entrypoint` or torchrun; a single process when unset). Resumes from the newest "
+            "readable snapshot in --snapshot-dir; SIGTERM/SIGUSR1 on any rank stops all ranks at the "
+            "same step with a snapshot."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    task = parser.add_argument_group("task")
+    task.add_argument(
+        "--task",
+        default="regression",
+        help="'regression' (20 features -> 1, MSE), 'classification' (MLP on a fixed random teacher, "
+        "cross-entropy), or 'package.module:factory' for your own (factory(config) -> train.tasks.Task)",
+    )
+    task.add_argument(
+        "--dataset-size", type=_positive_int, default=None, help="samples in the built-in tasks' data (task default when unset)"
+    )
+    task.add_argument("--data-seed", type=int, default=1234, help="seed of the built-in tasks' data and teacher")
+
+    opt = parser.add_argument_group("optimisation")
+    opt.add_argument("--epochs", type=_positive_int, default=10, help="passes over the data")
+    opt.add_argument("--batch-size", type=_positive_int, default=32, help="samples per rank per micro-batch")
+    opt.add_argument("--grad-accum", type=_positive_int, default=1, help="micro-batches accumulated per optimizer step")
+    opt.add_argument("--lr", type=_positive_float, default=3e-3, help="peak learning rate")
+    opt.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="optimizer")
+    opt.add_argument("--weight-decay", type=float, default=0.0, help="weight decay")
+    opt.add_argument("--lr-schedule", choices=("cosine", "constant"), default="cosine", help="learning-rate schedule after warm-up")
+    opt.add_argument("--warmup-steps", type=_non_negative_int, default=0, help="linear warm-up steps")
+    opt.add_argument("--max-steps", type=_non_negative_int, default=0, help="stop after this many optimizer steps in all (0: no limit)")
+    opt.add_argument("--seed", type=int, default=0, help="seed of model initialisation, shuffling and dropout")
+    opt.add_argument("--amp", action="store_true", help="bfloat16 autocast (CUDA; also works on CPU)")
+
+    state = parser.add_argument_group("snapshots and logs")
+    state.add_argument(
+        "--snapshot-dir",
+        default=os.environ.get("DDPACK_SNAPSHOT_DIR", "snapshots"),
+        help="where rank 0 writes snapshots and every run resumes from ('' disables); default $DDPACK_SNAPSHOT_DIR or ./snapshots",
+    )
+    state.add_argument(
+        "--snapshot-every",
+        type=_non_negative_int,
+        default=100,
+        help="optimizer steps between snapshots (0: only at epoch ends, stop and finish)",
+    )
+    state.add_argument("--keep-snapshots", type=_positive_int, default=2, help="snapshots kept (the newest N readable ones)")
+    state.add_argument("--log-every", type=_positive_int, default=10, help="optimizer steps between progress lines")
+    state.add_argument("--metrics-file", default=None, help="JSON-lines metrics written by rank 0 (appended)")
+
+    dist = parser.add_argument_group("distributed")
+    dist.add_argument(
+        "--backend",
+        choices=("gloo", "nccl", "mpi", "ucc"),
+        default=os.environ.get("DDPACK_BACKEND") or None,
+        help="process-group backend (default: $DDPACK_BACKEND, else nccl with CUDA, else gloo)",
+    )
+    dist.add_argument(
+        "--collective-timeout", type=_positive_float, default=300.0, help="seconds a collective may wait for a peer before the run fails"
+    )
+    return parser
+
+
+def parse_config(argv: Sequence[str] | None = None) -> Config:
+    ns = build_parser().parse_args(argv)
+    return Config(**{name.replace("-", "_"): value for name, value in vars(ns).items()})

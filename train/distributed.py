@@ -1,0 +1,97 @@
+"""Process-group set-up and the few collectives the trainer agrees on (stop, loss, checksums, state)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Where this process stands, as the launcher (or torchrun) described it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    backend: str
+    device: torch.device
+    host: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def init_distributed(backend: str | None, timeout_s: float) -> DistContext:
+    """Join the process group described by the environment (env:// rendezvous).
+
+    Run without a launcher, this is a one-process group on loopback, so `python -m train` works alone.
+    """
+    if "RANK" not in os.environ:
+        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+    rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    local_rank, local_world = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", 1)
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise RuntimeError("backend nccl needs a CUDA device, but torch sees none; use --backend gloo")
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(
+        backend=backend,
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+        **({"device_id": device} if device.type == "cuda" else {}),
+    )
+    return DistContext(rank, world, local_rank, local_world, backend, device, socket.gethostname())
+
+
+def any_rank(flag: bool, ctx: DistContext) -> bool:
+    """True on every rank when it is true on any: how ranks agree to stop at the same step."""
+    tensor = torch.tensor([1 if flag else 0], dtype=torch.int32, device=ctx.device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return bool(tensor.item())
+
+
+def sum_over_ranks(values: list[float], ctx: DistContext) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor.tolist()
+
+
+def gather_objects(obj: Any, ctx: DistContext) -> list[Any]:
+    """Every rank's `obj`, on every rank (picklable objects only)."""
+    out: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_from_main(obj: Any, ctx: DistContext) -> Any:
+    """Rank 0's `obj` on every rank: only rank 0 needs to see the snapshot directory."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, device=ctx.device if ctx.device.type == "cuda" else None)
+    return box[0]
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

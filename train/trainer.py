@@ -1,0 +1,336 @@
+"""The DDP training loop: exact resume, agreed stops, snapshots on rank 0, cross-rank checksums.
+
+Position in training is (epoch, step_in_epoch, global_step), counted in optimizer steps. The sampler's
+order for an epoch is a pure function of (seed, epoch), so resuming means restoring that position and
+skipping the batches already consumed: nothing is replayed and nothing is skipped twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DistributedSampler, TensorDataset, default_collate
+
+from train.config import Config
+from train.distributed import DistContext, any_rank, broadcast_from_main, gather_objects, sum_over_ranks
+from train.metrics import MetricsFile, RankLog, format_duration
+from train.signals import PreemptionWatcher
+from train.snapshot import SnapshotStore
+from train.tasks import Task
+
+# Config fields that must match a snapshot for the resumed run to continue the same trajectory.
+TRAJECTORY_FIELDS = (
+    "task",
+    "batch_size",
+    "grad_accum",
+    "lr",
+    "optimizer",
+    "weight_decay",
+    "lr_schedule",
+    "warmup_steps",
+    "seed",
+    "data_seed",
+    "dataset_size",
+)
+
+
+class Preempted(Exception):
+    """All ranks agreed to stop on a signal; rank 0 has written a snapshot."""
+
+    def __init__(self, signal_name: str, signum: int, message: str) -> None:
+        super().__init__(message)
+        self.signal_name, self.signum = signal_name, signum
+
+
+class ChecksumMismatch(Exception):
+    """Ranks ended with different parameters: DDP's core promise was broken."""
+
+
+@dataclass(frozen=True)
+class Result:
+    global_step: int
+    final_loss: float | None
+    checksum: str
+    steps_per_s: float
+    samples_per_s: float
+
+
+def parameter_checksum(module: torch.nn.Module) -> str:
+    """SHA-256 (first 16 hex digits) over every parameter and buffer, in state-dict order."""
+    digest = hashlib.sha256()
+    for name, tensor in module.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+class Trainer:
+    def __init__(
+        self, config: Config, task: Task, ctx: DistContext, log: RankLog, metrics: MetricsFile, watcher: PreemptionWatcher
+    ) -> None:
+        self.config, self.task, self.ctx, self.log, self.metrics, self.watcher = config, task, ctx, log, metrics, watcher
+        self.module = task.model.to(ctx.device)
+        self.model = DistributedDataParallel(self.module, device_ids=[ctx.device] if ctx.device.type == "cuda" else None)
+        self.optimizer = self._make_optimizer()
+        self.sampler = DistributedSampler(task.train_data, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=config.seed)
+        self.batches_per_epoch = math.ceil(len(self.sampler) / config.batch_size)
+        self.steps_per_epoch = math.ceil(self.batches_per_epoch / config.grad_accum)
+        total = config.epochs * self.steps_per_epoch
+        self.total_steps = min(total, config.max_steps) if config.max_steps else total
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.store = SnapshotStore(Path(config.snapshot_dir), config.keep_snapshots) if config.snapshot_dir and ctx.is_main else None
+        self.epoch = 0
+        self.step_in_epoch = 0
+        self.global_step = 0
+        self.last_snapshot_step = -1
+        self.last_snapshot_path: Path | None = None
+
+    # ------------------------------------------------------------------ set-up
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        params, cfg = self.module.parameters(), self.config
+        if cfg.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+    def _lr_factor(self, step: int) -> float:
+        warmup = self.config.warmup_steps
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if self.config.lr_schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, self.total_steps - warmup))
+        return 0.05 + 0.95 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    # ------------------------------------------------------------------ snapshots
+
+    def _state(self, rng_all: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "model": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "epoch": self.epoch,
+            "step_in_epoch": self.step_in_epoch,
+            "global_step": self.global_step,
+            "rng": rng_all,
+            "world_size": self.ctx.world_size,
+            "config": self.config.to_dict(),
+        }
+
+    def snapshot(self) -> None:
+        """Collective: every rank hands rank 0 its RNG state; rank 0 writes atomically."""
+        if not self.config.snapshot_dir or self.last_snapshot_step == self.global_step:
+            return
+        rng_all = gather_objects(_rng_state(self.ctx.device), self.ctx)
+        if self.store is not None:
+            started = time.monotonic()
+            self.last_snapshot_path = self.store.save(self._state(rng_all))
+            self.log(f"snapshot saved: {self.last_snapshot_path} (step {self.global_step}, {time.monotonic() - started:.2f}s)")
+            self.metrics.write("snapshot", global_step=self.global_step, path=str(self.last_snapshot_path))
+        self.last_snapshot_step = self.global_step
+
+    def restore(self) -> None:
+        """Rank 0 picks the newest readable snapshot and sends it to every rank."""
+        state = None
+        if self.store is not None:
+            state, path, reports = self.store.load_latest()
+            for report in reports:
+                self.log(report)
+            if path is None:
+                self.log(f"no readable snapshot in {self.store.directory}; starting from step 0")
+            else:
+                self.log(f"resuming from {path}")
+        if not self.config.snapshot_dir:
+            return
+        state = broadcast_from_main(state, self.ctx)
+        if state is not None:
+            self._load_state(state)
+
+    def _load_state(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.epoch, self.step_in_epoch, self.global_step = state["epoch"], state["step_in_epoch"], state["global_step"]
+        self.last_snapshot_step = self.global_step
+        changed = [k for k in TRAJECTORY_FIELDS if state["config"].get(k) != getattr(self.config, k)]
+        if changed:
+            self.log(
+                f"warning: {', '.join(changed)} differ from the snapshot's; the run will not match an uninterrupted one", main_only=True
+            )
+        saved_world = state["world_size"]
+        if saved_world != self.ctx.world_size:
+            # Keep the samples already seen this epoch: map the position onto the new world size.
+            seen = self.step_in_epoch * self.config.grad_accum * self.config.batch_size * saved_world
+            self.step_in_epoch = min(self.steps_per_epoch, seen // (self.config.grad_accum * self.config.batch_size * self.ctx.world_size))
+            self.log(
+                f"warning: snapshot was written by {saved_world} ranks, now {self.ctx.world_size}: "
+                f"resuming at step {self.step_in_epoch} of epoch {self.epoch + 1}; not bit-exact",
+                main_only=True,
+            )
+        _set_rng_state(state["rng"][self.ctx.rank % len(state["rng"])], self.ctx.device)
+        self.log(f"resumed after {self._position()}", main_only=True)
+
+    # ------------------------------------------------------------------ one step
+
+    def _fetch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        data = self.task.train_data
+        if isinstance(data, TensorDataset):
+            inputs, targets = (t[indices] for t in data.tensors)
+        else:
+            inputs, targets = default_collate([data[i] for i in indices.tolist()])
+        return inputs.to(self.ctx.device, non_blocking=True), targets.to(self.ctx.device, non_blocking=True)
+
+    def _train_step(self, micro_batches: list[torch.Tensor]) -> tuple[float, int]:
+        """One optimizer step over `grad_accum` micro-batches; gradients sync only on the last."""
+        self.model.train()
+        total_loss, samples = 0.0, 0
+        autocast = torch.autocast(self.ctx.device.type, dtype=torch.bfloat16, enabled=self.config.amp)
+        for i, indices in enumerate(micro_batches):
+            inputs, targets = self._fetch(indices)
+            sync = nullcontext() if i == len(micro_batches) - 1 else self.model.no_sync()
+            with sync:
+                with autocast:
+                    loss = self.task.loss_fn(self.model(inputs), targets)
+                (loss / len(micro_batches)).backward()
+            total_loss += loss.item()
+            samples += len(indices)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total_loss / len(micro_batches), samples
+
+    # ------------------------------------------------------------------ the loop
+
+    def fit(self) -> Result:
+        cfg, ctx = self.config, self.ctx
+        self.restore()
+        start_step, started = self.global_step, time.monotonic()
+        window = [0.0, 0.0, 0.0]  # loss sum, steps, samples since the last progress line
+        window_started = started
+        last_loss: float | None = None
+        if self.global_step >= self.total_steps:
+            self.log(f"training already complete at global step {self.global_step}; nothing to do", main_only=True)
+        while self.global_step < self.total_steps:
+            self.sampler.set_epoch(self.epoch)
+            order = torch.tensor(list(iter(self.sampler)), dtype=torch.long)
+            batches = list(order.split(cfg.batch_size))
+            for step in range(self.step_in_epoch, self.steps_per_epoch):
+                loss, samples = self._train_step(batches[step * cfg.grad_accum : (step + 1) * cfg.grad_accum])
+                self.global_step, self.step_in_epoch = self.global_step + 1, step + 1
+                window = [window[0] + loss, window[1] + 1, window[2] + samples]
+                done = self.global_step >= self.total_steps
+                if self.global_step % cfg.log_every == 0 or done:
+                    last_loss = self._progress(window, time.monotonic() - window_started, start_step, started)
+                    window, window_started = [0.0, 0.0, 0.0], time.monotonic()
+                if any_rank(self.watcher.requested, ctx):
+                    self._stop()
+                if cfg.snapshot_every and self.global_step % cfg.snapshot_every == 0:
+                    self.snapshot()
+                if done:
+                    break
+            if self.step_in_epoch >= self.steps_per_epoch:
+                self._end_epoch()
+        self.snapshot()
+        elapsed = max(time.monotonic() - started, 1e-9)
+        steps = self.global_step - start_step
+        checksum = self._agree_on_checksum()
+        samples_per_s = steps * cfg.grad_accum * cfg.batch_size * ctx.world_size / elapsed
+        self.metrics.write(
+            "final",
+            global_step=self.global_step,
+            loss=last_loss,
+            checksum=checksum,
+            steps_per_s=steps / elapsed,
+            samples_per_s=samples_per_s,
+        )
+        return Result(self.global_step, last_loss, checksum, steps / elapsed, samples_per_s)
+
+    def _position(self) -> str:
+        """Where training stands, numbered as the progress lines number it (epochs from 1)."""
+        return (
+            f"epoch {self.epoch + 1}/{self.config.epochs} step {self.step_in_epoch}/{self.steps_per_epoch} "
+            f"(global {self.global_step}/{self.total_steps})"
+        )
+
+    def _progress(self, window: list[float], window_s: float, start_step: int, started: float) -> float:
+        """Collective: mean loss over ranks and global throughput; rank 0 prints and records them."""
+        loss_sum, steps, samples = sum_over_ranks(window, self.ctx)
+        loss = loss_sum / steps
+        samples_per_s = samples / max(window_s, 1e-9)
+        rate = (self.global_step - start_step) / max(time.monotonic() - started, 1e-9)
+        eta = (self.total_steps - self.global_step) / rate if rate > 0 else 0.0
+        lr = self.scheduler.get_last_lr()[0]
+        self.log(
+            f"{self._position()} loss {loss:.5f} lr {lr:.2e} samples/s {samples_per_s:,.0f} eta {format_duration(eta)}",
+            main_only=True,
+        )
+        self.metrics.write(
+            "progress",
+            epoch=self.epoch,
+            step=self.step_in_epoch,
+            global_step=self.global_step,
+            loss=loss,
+            lr=lr,
+            samples_per_s=samples_per_s,
+            eta_s=eta,
+        )
+        return loss
+
+    def _end_epoch(self) -> None:
+        finished = self.epoch
+        self.epoch, self.step_in_epoch = self.epoch + 1, 0
+        if self.ctx.is_main and self.task.eval_data is not None and self.task.metric is not None:
+            self.module.eval()
+            with torch.no_grad():
+                inputs, targets = (t.to(self.ctx.device) for t in self.task.eval_data.tensors)
+                results = self.task.metric(self.module(inputs), targets)
+            self.log(f"epoch {finished + 1} done: " + " ".join(f"{k} {v:.4f}" for k, v in results.items()))
+            self.metrics.write("eval", epoch=finished, global_step=self.global_step, **results)
+        if self.config.snapshot_every == 0:
+            self.snapshot()
+
+    def _stop(self) -> None:
+        """Every rank is here at the same step: snapshot, wait for the write, then leave together."""
+        received = self.watcher.received
+        name = received.name if received else "a signal on another rank"
+        self.snapshot()
+        dist.barrier()
+        where = self._position()
+        saved = f"snapshot {self.last_snapshot_path}" if self.last_snapshot_path else "snapshot written by rank 0"
+        if not self.config.snapshot_dir:
+            saved = "no snapshot (--snapshot-dir is empty)"
+        signum = int(received) if received else 15
+        raise Preempted(name, signum, f"stopped on {name} at {where}; {saved}; rerun the same command to resume")
+
+    def _agree_on_checksum(self) -> str:
+        mine = parameter_checksum(self.module)
+        everyone = gather_objects(mine, self.ctx)
+        self.log(f"final parameter checksum {mine} at global step {self.global_step}")
+        if len(set(everyone)) != 1:
+            raise ChecksumMismatch(f"ranks disagree on the final parameters: {dict(enumerate(everyone))}")
+        self.log(f"checksums agree across {self.ctx.world_size} ranks", main_only=True)
+        return mine
