@@ -65,11 +65,12 @@ def init_distributed(backend: str | None, timeout_s: float) -> DistContext:
     return DistContext(rank, world, local_rank, local_world, backend, device, socket.gethostname())
 
 
-def any_rank(flag: bool, ctx: DistContext) -> bool:
-    """True on every rank when it is true on any: how ranks agree to stop at the same step."""
-    tensor = torch.tensor([1 if flag else 0], dtype=torch.int32, device=ctx.device)
+def max_over_ranks(value: int, ctx: DistContext) -> int:
+    """The largest `value` of any rank, on every rank: how ranks agree to stop at the same step
+    (each contributes the number of the signal it received, 0 for none)."""
+    tensor = torch.tensor([value], dtype=torch.int64, device=ctx.device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return bool(tensor.item())
+    return int(tensor.item())
 
 
 def sum_over_ranks(values: list[float], ctx: DistContext) -> list[float]:
@@ -93,5 +94,8 @@ def broadcast_from_main(obj: Any, ctx: DistContext) -> Any:
 
 
 def shutdown() -> None:
+    """Leave together: a rank that tears down its group while a peer is still mid-collective can
+    abort the peer (seen with gloo as "terminate called without an active exception")."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()

@@ -2,7 +2,7 @@
 
 The handler only sets a flag. Acting inside a handler would stop one rank mid-collective and hang
 the others; instead every rank checks the flag at each step boundary through an all-reduce
-(`train.distributed.any_rank`), so a signal that reaches a single rank still stops them all cleanly.
+(`train.distributed.max_over_ranks`), so a signal that reaches a single rank still stops them all cleanly.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ class PreemptionWatcher:
             self.received = signal.Signals(signum)
 
     @property
-    def requested(self) -> bool:
-        return self.received is not None
+    def signum(self) -> int:
+        """The received signal's number, 0 while none has arrived."""
+        return int(self.received) if self.received is not None else 0
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+import signal
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler, TensorDataset, default_collate
 
 from train.config import Config
-from train.distributed import DistContext, any_rank, broadcast_from_main, gather_objects, sum_over_ranks
+from train.distributed import DistContext, broadcast_from_main, gather_objects, max_over_ranks, sum_over_ranks
 from train.metrics import MetricsFile, RankLog, format_duration
 from train.signals import PreemptionWatcher
 from train.snapshot import SnapshotStore
@@ -246,8 +247,9 @@ class Trainer:
                 if self.global_step % cfg.log_every == 0 or done:
                     last_loss = self._progress(window, time.monotonic() - window_started, start_step, started)
                     window, window_started = [0.0, 0.0, 0.0], time.monotonic()
-                if any_rank(self.watcher.requested, ctx):
-                    self._stop()
+                agreed = max_over_ranks(self.watcher.signum, ctx)
+                if agreed:
+                    self._stop(signal.Signals(agreed))
                 if cfg.snapshot_every and self.global_step % cfg.snapshot_every == 0:
                     self.snapshot()
                 if done:
@@ -313,18 +315,17 @@ class Trainer:
         if self.config.snapshot_every == 0:
             self.snapshot()
 
-    def _stop(self) -> None:
+    def _stop(self, agreed: signal.Signals) -> None:
         """Every rank is here at the same step: snapshot, wait for the write, then leave together."""
-        received = self.watcher.received
-        name = received.name if received else "a signal on another rank"
+        heard = "here" if self.watcher.received is not None else "by another rank"
+        name = f"{agreed.name} (received {heard})"
         self.snapshot()
         dist.barrier()
         where = self._position()
         saved = f"snapshot {self.last_snapshot_path}" if self.last_snapshot_path else "snapshot written by rank 0"
         if not self.config.snapshot_dir:
             saved = "no snapshot (--snapshot-dir is empty)"
-        signum = int(received) if received else 15
-        raise Preempted(name, signum, f"stopped on {name} at {where}; {saved}; rerun the same command to resume")
+        raise Preempted(agreed.name, int(agreed), f"stopped on {name} at {where}; {saved}; rerun the same command to resume")
 
     def _agree_on_checksum(self) -> str:
         mine = parameter_checksum(self.module)

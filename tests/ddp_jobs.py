@@ -1,0 +1,113 @@
+"""Start real multi-process DDP jobs the way a cluster would: one process per Slurm task, fed the
+variables srun sets, through the entrypoint; or torchrun via the entrypoint's standalone mode."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from conftest import clean_env
+
+ENTRYPOINT = [sys.executable, "-m", "entrypoint"]
+CHECKSUM_RE = re.compile(r"final parameter checksum ([0-9a-f]{16})")
+
+
+@dataclass
+class Job:
+    procs: list[subprocess.Popen[bytes]]
+    logs: list[Path]
+    started: float = field(default_factory=time.monotonic)
+
+    def wait(self, timeout: float = 180) -> list[int]:
+        deadline = time.monotonic() + timeout
+        codes = []
+        for proc in self.procs:
+            try:
+                codes.append(proc.wait(timeout=max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                self.kill(signal.SIGKILL)
+                raise AssertionError(f"job did not finish in {timeout}s:\n{self.output()}") from None
+        return codes
+
+    def send(self, sig: int, ranks: Sequence[int]) -> None:
+        for rank in ranks:
+            self.procs[rank].send_signal(sig)
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(sig)
+        for proc in self.procs:
+            proc.wait(timeout=30)
+
+    def output(self, index: int | None = None) -> str:
+        paths = self.logs if index is None else [self.logs[index]]
+        return "\n".join(p.read_text(errors="replace") for p in paths)
+
+    def checksums(self) -> list[str]:
+        return CHECKSUM_RE.findall(self.output())
+
+
+def _spawn(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    handle = open(log, "wb")  # noqa: SIM115 - the child owns it
+    return subprocess.Popen(argv, env=env, stdout=handle, stderr=subprocess.STDOUT)
+
+
+def start_slurm_step(
+    tmp: Path, tasks_per_node: Sequence[int], args: Sequence[str], nproc_per_node: int | None = None, job_id: int | None = None
+) -> Job:
+    """One process per task with the variables `srun` gives a step's tasks; nodes are 127.0.0.N."""
+    job_id = job_id if job_id is not None else random.randint(1000, 900000)
+    nodes = len(tasks_per_node)
+    tpn = ",".join(str(c) for c in tasks_per_node)
+    procs, logs, procid = [], [], 0
+    for node, count in enumerate(tasks_per_node):
+        for local in range(count):
+            env = clean_env(
+                SLURM_JOB_ID=str(job_id),
+                SLURM_STEP_ID="0",
+                SLURM_STEP_NUM_TASKS=str(sum(tasks_per_node)),
+                SLURM_PROCID=str(procid),
+                SLURM_LOCALID=str(local),
+                SLURM_NODEID=str(node),
+                SLURM_STEP_TASKS_PER_NODE=tpn,
+                SLURM_STEP_NUM_NODES=str(nodes),
+                SLURM_STEP_NODELIST=f"127.0.0.[1-{nodes}]" if nodes > 1 else "127.0.0.1",
+                SLURM_JOB_NAME="interactive",
+            )
+            opts = [f"--nproc-per-node={nproc_per_node}"] if nproc_per_node else []
+            logs.append(tmp / f"task{procid}.log")
+            procs.append(_spawn([*ENTRYPOINT, *opts, "--", sys.executable, "-m", "train", *args], env, logs[-1]))
+            procid += 1
+    return Job(procs, logs)
+
+
+def start_standalone(tmp: Path, nproc: int, args: Sequence[str]) -> Job:
+    """`entrypoint --nproc-per-node N` with nothing set: torchrun --standalone."""
+    log = tmp / "standalone.log"
+    return Job([_spawn([*ENTRYPOINT, f"--nproc-per-node={nproc}", *args], clean_env(), log)], [log])
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def metrics_step(path: Path) -> int:
+    """The newest global step in a JSON-lines metrics file (0 before the first line)."""
+    if not path.exists():
+        return 0
+    steps = [json.loads(line).get("global_step", 0) for line in path.read_text().splitlines() if line.strip().endswith("}")]
+    return max(steps, default=0)

@@ -1,0 +1,168 @@
+"""Real DDP jobs on this machine (gloo): convergence, agreement, preemption, exact resume, failures."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from ddp_jobs import metrics_step, start_slurm_step, start_standalone, wait_for
+
+pytestmark = pytest.mark.dist
+
+# 16384 samples (90% for training) / (2 ranks x 32) = 231 steps an epoch: a signal after step 30 lands mid-epoch.
+LONG = ["--dataset-size", "16384", "--epochs", "2", "--batch-size", "32", "--log-every", "1"]
+
+
+def losses(metrics: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in metrics.read_text().splitlines() if '"progress"' in line]
+
+
+def reference_checksum(tmp: Path, args: list[str], ranks: int = 2) -> str:
+    """An uninterrupted run's final checksum, the target every resumed run must hit exactly."""
+    ref = tmp / "reference"
+    ref.mkdir()
+    job = start_slurm_step(ref, [ranks], [*args, "--snapshot-dir", str(ref / "snap")])
+    assert job.wait() == [0] * ranks, job.output()
+    sums = job.checksums()
+    assert len(sums) == ranks and len(set(sums)) == 1
+    return sums[0]
+
+
+def test_two_ranks_slurm_step_learn_and_agree(tmp_path: Path) -> None:
+    metrics = tmp_path / "m.jsonl"
+    job = start_slurm_step(tmp_path, [2], ["--epochs", "4", "--snapshot-dir", "", "--metrics-file", str(metrics)])
+    assert job.wait() == [0, 0], job.output()
+    out = job.output()
+    assert "[rank 1/2] start: rank 1 world 2 local_rank 1/2 backend gloo device cpu" in out
+    assert "checksums agree across 2 ranks" in out
+    assert len(set(job.checksums())) == 1 and len(job.checksums()) == 2
+    seen = losses(metrics)
+    assert seen[-1] < seen[0] * 0.5, seen
+    evals = [json.loads(line) for line in metrics.read_text().splitlines() if '"eval"' in line]
+    assert evals[-1]["eval_mse"] < evals[0]["eval_mse"]
+    assert re.search(r"samples/s [\d,]+ eta \d+:\d\d:\d\d", out)
+
+
+def test_four_ranks_on_two_simulated_nodes_classification(tmp_path: Path) -> None:
+    metrics = tmp_path / "m.jsonl"
+    args = ["--task", "classification", "--epochs", "3", "--batch-size", "64", "--snapshot-dir", "", "--metrics-file", str(metrics)]
+    job = start_slurm_step(tmp_path, [2, 2], args)
+    assert job.wait() == [0] * 4, job.output()
+    assert len(job.checksums()) == 4 and len(set(job.checksums())) == 1
+    assert "[rank 3/4] start: rank 3 world 4 local_rank 1/2" in job.output()
+    accuracy = [json.loads(line)["eval_accuracy"] for line in metrics.read_text().splitlines() if '"eval"' in line]
+    assert accuracy[-1] > 0.5, accuracy  # ten classes: chance is 0.1
+
+
+def test_torchrun_two_processes_via_entrypoint(tmp_path: Path) -> None:
+    job = start_standalone(tmp_path, 2, ["--epochs", "3", "--snapshot-dir", ""])
+    assert job.wait() == [0], job.output()
+    assert len(job.checksums()) == 2 and len(set(job.checksums())) == 1
+
+
+def test_torchrun_per_node_shape_under_slurm_four_ranks(tmp_path: Path) -> None:
+    """One Slurm task per node, each a torchrun agent with 2 local ranks, c10d rendezvous on the job id."""
+    job = start_slurm_step(tmp_path, [1, 1], ["--epochs", "2", "--snapshot-dir", ""], nproc_per_node=2)
+    assert job.wait() == [0, 0], job.output()
+    assert len(job.checksums()) == 4 and len(set(job.checksums())) == 1
+    assert "checksums agree across 4 ranks" in job.output()
+
+
+def test_sigterm_to_one_rank_stops_all_and_resume_is_bit_exact(tmp_path: Path) -> None:
+    expected = reference_checksum(tmp_path, LONG)
+    snap, metrics = tmp_path / "snap", tmp_path / "m.jsonl"
+    args = [*LONG, "--snapshot-dir", str(snap), "--snapshot-every", "1000", "--metrics-file", str(metrics)]
+    job = start_slurm_step(tmp_path, [2], args)
+    wait_for(lambda: metrics_step(metrics) >= 30, 60, "step 30")
+    job.send(signal.SIGTERM, [1])  # only rank 1 hears it, as when one node is preempted
+    assert job.wait() == [143, 143], job.output()
+    out = job.output()
+    assert "[rank 1/2] stopped on SIGTERM (received here) at epoch 1/2 step" in out
+    assert "[rank 0/2] stopped on SIGTERM (received by another rank)" in out
+    stopped = re.search(r"step (\d+)/(\d+) \(global (\d+)/\d+\)", out.split("stopped on")[1])
+    assert stopped and 0 < int(stopped.group(1)) < int(stopped.group(2)), "the stop must land mid-epoch"
+    assert [p.name for p in snap.glob("snapshot-*.pt")] == [f"snapshot-{int(stopped.group(3)):010d}.pt"]
+
+    resumed = start_slurm_step(_sub(tmp_path, "resume"), [2], args)
+    assert resumed.wait() == [0, 0], resumed.output()
+    assert f"resumed after epoch 1/2 step {stopped.group(1)}/{stopped.group(2)}" in resumed.output()
+    assert set(resumed.checksums()) == {expected}
+
+
+def _sub(tmp: Path, name: str) -> Path:
+    path = tmp / name
+    path.mkdir()
+    return path
+
+
+def test_sigusr1_stops_with_snapshot_and_exit_code_138(tmp_path: Path) -> None:
+    metrics = tmp_path / "m.jsonl"
+    job = start_slurm_step(tmp_path, [2], [*LONG, "--snapshot-dir", str(tmp_path / "snap"), "--metrics-file", str(metrics)])
+    wait_for(lambda: metrics_step(metrics) >= 10, 60, "step 10")
+    job.send(signal.SIGUSR1, [0])
+    assert job.wait() == [138, 138], job.output()
+    assert "[rank 0/2] stopped on SIGUSR1 (received here)" in job.output()
+    assert "[rank 1/2] stopped on SIGUSR1 (received by another rank)" in job.output()
+    assert list((tmp_path / "snap").glob("snapshot-*.pt"))
+
+
+def test_sigkill_then_resume_from_last_snapshot_is_bit_exact(tmp_path: Path) -> None:
+    expected = reference_checksum(tmp_path, LONG)
+    snap = tmp_path / "snap"
+    args = [*LONG, "--snapshot-dir", str(snap), "--snapshot-every", "20"]
+    job = start_slurm_step(_sub(tmp_path, "killed"), [2], args)
+    wait_for(lambda: any(p.name >= "snapshot-0000000060.pt" for p in snap.glob("snapshot-*.pt")), 60, "a snapshot at step 60")
+    job.kill(signal.SIGKILL)
+    resumed = start_slurm_step(_sub(tmp_path, "resumed"), [2], args)
+    assert resumed.wait() == [0, 0], resumed.output()
+    assert "resuming from" in resumed.output()
+    assert set(resumed.checksums()) == {expected}
+
+
+def test_truncated_snapshot_is_reported_skipped_and_kept(tmp_path: Path) -> None:
+    args = ["--epochs", "3", "--snapshot-every", "40"]
+    expected = reference_checksum(tmp_path, args)
+    snap = tmp_path / "snap"
+    first = start_slurm_step(_sub(tmp_path, "first"), [2], [*args, "--snapshot-dir", str(snap)])
+    assert first.wait() == [0, 0], first.output()
+    newest, previous = sorted(snap.glob("snapshot-*.pt"), reverse=True)
+    data = newest.read_bytes()
+    newest.write_bytes(data[: len(data) // 2])
+    again = start_slurm_step(_sub(tmp_path, "again"), [2], [*args, "--snapshot-dir", str(snap)])
+    assert again.wait() == [0, 0], again.output()
+    out = again.output()
+    assert f"snapshot {newest} is unreadable" in out and "skipping it (left in place)" in out
+    assert f"resuming from {previous}" in out
+    assert set(again.checksums()) == {expected}
+    aside = newest.with_name(newest.name + ".unreadable")
+    assert aside.exists() and aside.stat().st_size == len(data) // 2
+
+
+def test_killed_peer_ends_the_survivor_within_the_timeout(tmp_path: Path) -> None:
+    metrics = tmp_path / "m.jsonl"
+    job = start_slurm_step(tmp_path, [2], [*LONG, "--snapshot-dir", "", "--collective-timeout", "10", "--metrics-file", str(metrics)])
+    wait_for(lambda: metrics_step(metrics) >= 5, 60, "step 5")
+    job.send(signal.SIGKILL, [1])
+    started = time.monotonic()
+    code = job.procs[0].wait(timeout=60)
+    assert code == 1 and time.monotonic() - started < 30
+    assert "a collective failed" in job.output(0) and "a peer died or did not answer within --collective-timeout=10s" in job.output(0)
+
+
+def test_silent_peer_times_out(tmp_path: Path) -> None:
+    """A peer that stops answering (SIGSTOP: a hung node) trips the collective timeout."""
+    metrics = tmp_path / "m.jsonl"
+    job = start_slurm_step(tmp_path, [2], [*LONG, "--snapshot-dir", "", "--collective-timeout", "5", "--metrics-file", str(metrics)])
+    wait_for(lambda: metrics_step(metrics) >= 5, 60, "step 5")
+    job.send(signal.SIGSTOP, [1])
+    started = time.monotonic()
+    try:
+        code = job.procs[0].wait(timeout=60)
+    finally:
+        job.send(signal.SIGKILL, [1])
+    assert code == 1 and 4 <= time.monotonic() - started < 40
+    assert "a collective failed" in job.output(0)

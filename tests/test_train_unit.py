@@ -1,0 +1,129 @@
+"""The trainer's parts in one process: flags, tasks, snapshot store."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, clean_env
+
+from train.config import build_parser, parse_config
+from train.snapshot import SnapshotStore, list_snapshots, snapshot_name
+from train.tasks import TaskError, load_task
+
+REQUIRED_FLAGS = [
+    "--epochs",
+    "--batch-size",
+    "--lr",
+    "--seed",
+    "--snapshot-dir",
+    "--snapshot-every",
+    "--log-every",
+    "--metrics-file",
+    "--grad-accum",
+    "--amp",
+    "--max-steps",
+    "--task",
+    "--collective-timeout",
+    "--backend",
+]
+
+
+def run_train(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    env = clean_env(PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}")
+    return subprocess.run([sys.executable, "-m", "train", *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def test_help_documents_every_flag() -> None:
+    text = build_parser().format_help()
+    for flag in REQUIRED_FLAGS:
+        assert flag in text, flag
+
+
+def test_bad_flag_values_are_rejected_by_name() -> None:
+    with pytest.raises(SystemExit):
+        parse_config(["--batch-size", "0"])
+
+
+@pytest.mark.parametrize(
+    ("spec", "needle"),
+    [
+        ("nonsense", "neither a built-in task"),
+        ("no_such_module_xyz:make", "cannot import 'no_such_module_xyz'"),
+        ("plugins.user_task:missing", "has no callable 'missing'"),
+        ("plugins.user_task:not_a_task", "returned str"),
+    ],
+)
+def test_bad_task_is_one_line_exit_2(spec: str, needle: str) -> None:
+    out = run_train("--task", spec)
+    assert out.returncode == 2
+    assert out.stderr.startswith("train: error: --task") and out.stderr.count("\n") == 1 and needle in out.stderr
+
+
+def test_user_task_plugs_in_and_learns_without_editing_the_bundle(tmp_path: Path) -> None:
+    out = run_train(
+        "--task", "plugins.user_task:make", "--epochs", "5", "--snapshot-dir", str(tmp_path / "s"), "--log-every", "8", "--grad-accum", "2"
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "task squares" in out.stdout and "checksums agree across 1 ranks" in out.stdout
+    losses = [float(line.split(" loss ")[1].split()[0]) for line in out.stdout.splitlines() if " loss " in line]
+    assert losses[-1] < losses[0]
+
+
+def test_rerun_after_completion_is_a_no_op_with_the_same_checksum(tmp_path: Path) -> None:
+    args = ("--epochs", "2", "--snapshot-dir", str(tmp_path / "s"))
+    first, second = run_train(*args), run_train(*args)
+    assert first.returncode == second.returncode == 0
+    assert "training already complete at global step" in second.stdout
+    checksum = [line for line in first.stdout.splitlines() if "final parameter checksum" in line]
+    assert checksum and checksum[0] in second.stdout
+
+
+def test_builtin_tasks_batch_by_tensor_indexing() -> None:
+    task = load_task(parse_config(["--task", "classification", "--dataset-size", "1000"]))
+    assert isinstance(task.train_data, torch.utils.data.TensorDataset)
+    assert len(task.train_data) == 900 and task.eval_data is not None and len(task.eval_data) == 100
+    with pytest.raises(TaskError):
+        load_task(parse_config(["--task", "a:b:c:"]))
+
+
+def _state(step: int) -> dict:
+    return {
+        "model": {"w": torch.full((3,), float(step))},
+        "optimizer": {},
+        "scheduler": {},
+        "epoch": 0,
+        "step_in_epoch": step,
+        "global_step": step,
+        "rng": [],
+        "world_size": 1,
+        "config": {},
+    }
+
+
+def test_store_keeps_newest_readable_and_leaves_no_temp_files(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path, keep=2)
+    for step in (10, 20, 30):
+        store.save(_state(step))
+    assert [p.name for p in list_snapshots(tmp_path)] == [snapshot_name(30), snapshot_name(20)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [snapshot_name(20), snapshot_name(30)]
+    state, path, reports = SnapshotStore(tmp_path).load_latest()
+    assert path == tmp_path / snapshot_name(30) and state["model"]["w"][0] == 30 and reports == []
+
+
+def test_store_skips_corrupt_and_incomplete_and_never_deletes_them(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path, keep=1)
+    store.save(_state(10))
+    (tmp_path / snapshot_name(30)).write_bytes(b"not a zip file")
+    torch.save({"format": 1, "model": {}}, tmp_path / snapshot_name(20))  # readable but missing keys
+    (tmp_path / ".snapshot-0000000040.pt.tmp-1").write_bytes(b"half")  # a crash mid-write: never a candidate
+    reader = SnapshotStore(tmp_path, keep=1)
+    state, path, reports = reader.load_latest()
+    assert path == tmp_path / snapshot_name(10)
+    assert len(reports) == 2 and "missing" in reports[1]
+    reader.save(_state(11))  # rotation may drop 10, never the unreadable 20 and 30
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == [".snapshot-0000000040.pt.tmp-1", snapshot_name(11), snapshot_name(20), snapshot_name(30)]
