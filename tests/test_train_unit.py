@@ -121,7 +121,7 @@ def test_store_skips_corrupt_and_incomplete_and_never_deletes_them(tmp_path: Pat
     torch.save({"format": 1, "model": {}}, tmp_path / snapshot_name(20))  # readable but missing keys
     (tmp_path / ".snapshot-0000000040.pt.tmp-1").write_bytes(b"half")  # a crash mid-write: never a candidate
     reader = SnapshotStore(tmp_path, keep=1)
-    state, path, reports = reader.load_latest()
+    _, path, reports = reader.load_latest()
     assert path == tmp_path / snapshot_name(10)
     assert len(reports) == 2 and "missing" in reports[1]
     reader.save(_state(11))  # rotation may drop 10, never the unreadable 20 and 30
