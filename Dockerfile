@@ -1,0 +1,47 @@
+# ddpack CPU image: the entrypoint and DDP trainer with the CPU build of torch (gloo).
+# Build with BuildKit (`make image`); the CA bundle, if any, is a secret and never stored in a layer.
+ARG BASE_IMAGE=python:3.11-slim-bookworm
+FROM ${BASE_IMAGE}
+ARG BASE_IMAGE
+
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG PIP_EXTRA_ARGS=""
+
+# Dependencies first: this layer is rebuilt only when torch's version or the base changes.
+RUN --mount=type=secret,id=pip_cert,required=false \
+    --mount=type=bind,source=wheelhouse,target=/wheelhouse \
+    --mount=type=bind,source=docker/install-runtime.sh,target=/tmp/install-runtime.sh \
+    PIP_EXTRA_ARGS="${PIP_EXTRA_ARGS}" sh /tmp/install-runtime.sh "torch==${TORCH_VERSION}+cpu" "${TORCH_INDEX_URL}"
+
+COPY docker/profile.sh /etc/profile.d/ddpack.sh
+
+# Set explicitly so host values that enroot/pyxis pass through cannot leak into the runtime.
+ENV VIRTUAL_ENV=/opt/ddpack/venv \
+    PATH=/opt/ddpack/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+    PYTHONPATH="" \
+    LD_LIBRARY_PATH="" \
+    PYTHONUNBUFFERED=1 \
+    PYTHONNOUSERSITE=1 \
+    DDPACK_VARIANT=cpu
+
+# The bundle's code last: a trainer change rebuilds only this layer.
+COPY entrypoint /opt/ddpack/lib/entrypoint
+COPY train /opt/ddpack/lib/train
+RUN chmod -R a+rX /opt/ddpack/lib && mkdir -p /workspace && chmod 1777 /workspace
+
+ARG VERSION=dev
+ARG REVISION=unknown
+ARG SOURCE=https://github.com/ddpack/ddpack
+LABEL org.opencontainers.image.title="ddpack" \
+      org.opencontainers.image.description="PyTorch DDP launcher and trainer (CPU, gloo)" \
+      org.opencontainers.image.source="${SOURCE}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.base.name="${BASE_IMAGE}" \
+      io.ddpack.torch.version="${TORCH_VERSION}+cpu" \
+      io.ddpack.variant="cpu"
+
+WORKDIR /workspace
+ENTRYPOINT ["/usr/local/bin/entrypoint"]
+CMD []

@@ -1,0 +1,156 @@
+"""`make smoke`: a two-container gloo DDP job with plain Docker (SDK), no compose.
+
+Variant `pair`: one process per container (RANK 0 and 1, MASTER_ADDR = rank 0's container name).
+Variant `torchrun`: one torchrun per container with two local processes (world size 4, c10d).
+Logs stream with a container prefix; at the end a report: exit codes, final loss, steps/s and whether
+every rank's parameter checksum agrees. Containers and the network are removed on every exit path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from docker.errors import ImageNotFound, NotFound
+from docker.models.containers import Container
+
+from ddpack.engine import docker_client
+from ddpack.errors import HostError, run_verb
+
+CHECKSUM_RE = re.compile(r"final parameter checksum ([0-9a-f]{16})")
+DONE_RE = re.compile(r"done: global step (\d+) final loss (\S+) steps/s (\S+)")
+TRAINER_ARGS = ("--epochs", "3", "--log-every", "25", "--snapshot-dir", "/tmp/snapshots")
+
+
+@dataclass
+class Member:
+    name: str
+    container: Container
+    lines: list[str] = field(default_factory=list)
+    exit_code: int | None = None
+
+
+def _stream(member: Member, lock: threading.Lock) -> None:
+    buffer = b""
+    for chunk in member.container.logs(stream=True, follow=True):
+        buffer += chunk
+        *complete, buffer = buffer.split(b"\n")
+        for raw in complete:
+            line = raw.decode(errors="replace")
+            member.lines.append(line)
+            with lock:
+                print(f"{member.name:>4} | {line}", flush=True)
+    if buffer:
+        member.lines.append(buffer.decode(errors="replace"))
+
+
+def _member_env(variant: str, node: int, master: str) -> tuple[dict[str, str], list[str]]:
+    if variant == "pair":
+        return {"RANK": str(node), "WORLD_SIZE": "2", "MASTER_ADDR": master, "MASTER_PORT": "29500"}, []
+    return {"NNODES": "2", "NODE_RANK": str(node), "MASTER_ADDR": master, "MASTER_PORT": "29500", "RDZV_ID": "smoke"}, [
+        "--nproc-per-node",
+        "2",
+    ]
+
+
+def run_smoke(image: str, variant: str, timeout_s: float, trainer_args: tuple[str, ...] = TRAINER_ARGS) -> bool:
+    """Run one smoke variant; returns True when every check passes (and prints the report)."""
+    client = docker_client()
+    try:
+        client.images.get(image)
+    except ImageNotFound:
+        raise HostError(f"image {image} not found; build it first: make image", code=2) from None
+    run_id = uuid.uuid4().hex[:8]
+    network = client.networks.create(f"ddpack-smoke-{run_id}", driver="bridge")
+    members: list[Member] = []
+    lock = threading.Lock()
+    world = 2 if variant == "pair" else 4
+    print(f"smoke[{variant}]: {image}, 2 containers, world size {world}, network {network.name}", flush=True)
+    try:
+        master = f"ddpack-smoke-{run_id}-0"
+        for node in range(2):
+            env, launcher_args = _member_env(variant, node, master)
+            name = f"ddpack-smoke-{run_id}-{node}"
+            container = client.containers.run(
+                image,
+                command=[*launcher_args, *trainer_args],
+                name=name,
+                hostname=name,
+                network=network.name,
+                environment={**env, "OMP_NUM_THREADS": "1"},
+                detach=True,
+                labels={"io.ddpack.smoke": run_id},
+            )
+            members.append(Member(f"c{node}", container))
+        threads = [threading.Thread(target=_stream, args=(m, lock), daemon=True) for m in members]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + timeout_s
+        for member in members:
+            remaining = max(1.0, deadline - time.monotonic())
+            try:
+                member.exit_code = member.container.wait(timeout=remaining)["StatusCode"]
+            except Exception:  # requests' ReadTimeout: the job overran
+                member.exit_code = None
+        for thread in threads:
+            thread.join(timeout=5)
+        return _report(variant, members, world, timeout_s)
+    finally:
+        for member in members:
+            try:
+                member.container.remove(force=True)
+            except NotFound:
+                pass
+        network.remove()
+
+
+def _report(variant: str, members: list[Member], world: int, timeout_s: float) -> bool:
+    text = "\n".join(line for m in members for line in m.lines)
+    checksums = CHECKSUM_RE.findall(text)
+    done = DONE_RE.search(text)
+    codes = {m.name: m.exit_code for m in members}
+    agree = len(checksums) == world and len(set(checksums)) == 1
+    ok = all(code == 0 for code in codes.values()) and agree and done is not None
+    print(f"smoke[{variant}]: exit codes {codes}")
+    if done:
+        print(f"smoke[{variant}]: final loss {done.group(2)}, steps/s {done.group(3)}, global steps {done.group(1)}")
+    print(
+        f"smoke[{variant}]: checksums {'agree' if agree else 'DISAGREE or missing'} ({len(checksums)}/{world} ranks: {sorted(set(checksums))})"
+    )
+    if not ok:
+        for member in members:
+            if member.exit_code != 0:
+                why = "timed out" if member.exit_code is None else f"exit {member.exit_code}"
+                print(f"smoke[{variant}]: {member.name} failed ({why} after at most {timeout_s:.0f}s); its last lines:", file=sys.stderr)
+                for line in member.lines[-15:]:
+                    print(f"    {line}", file=sys.stderr)
+    print(f"smoke[{variant}]: {'PASS' if ok else 'FAIL'}", flush=True)
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m ddpack.smoke", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--image", required=True, help="the CPU image to run, e.g. ddpack:1a2b3c4")
+    parser.add_argument("--variant", choices=("pair", "torchrun", "all"), default="all")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds each variant may take")
+    opts = parser.parse_args(argv)
+    variants = ("pair", "torchrun") if opts.variant == "all" else (opts.variant,)
+
+    def body() -> int:
+        results = [run_smoke(opts.image, v, opts.timeout) for v in variants]
+        if not all(results):
+            raise HostError("smoke run failed; see the report above")
+        return 0
+
+    return run_verb("smoke", body)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,39 @@
+#!/bin/sh
+# Installs the runtime into /opt/ddpack/venv. Run by both Dockerfiles in the dependency layer, so a
+# change to trainer code never reinstalls torch.
+#   $1: torch requirement (e.g. torch==2.13.0+cpu)   $2: pip index URL for torch ("" = pip's default)
+# A CA bundle mounted as a BuildKit secret (id=pip_cert) is used for TLS and never stored in a layer;
+# wheels in /wheelhouse (a bind mount) are preferred, for hosts without the package index.
+set -eu
+torch_req=$1
+torch_index=${2:-}
+
+if [ -s /run/secrets/pip_cert ]; then
+  export PIP_CERT=/run/secrets/pip_cert
+fi
+find_links=""
+if ls /wheelhouse/*.whl >/dev/null 2>&1; then
+  find_links="--find-links /wheelhouse"
+fi
+pip="/opt/ddpack/venv/bin/pip --no-cache-dir --disable-pip-version-check"
+
+python3 -m venv /opt/ddpack/venv
+if [ -n "$torch_index" ]; then
+  # torch alone from its own index (the CPU build lives there); its dependencies from the default index.
+  # shellcheck disable=SC2086
+  $pip install --no-deps --index-url "$torch_index" $find_links ${PIP_EXTRA_ARGS:-} "$torch_req"
+fi
+# shellcheck disable=SC2086
+$pip install $find_links ${PIP_EXTRA_ARGS:-} "$torch_req" numpy
+/opt/ddpack/venv/bin/python -c "import torch, numpy; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'numpy', numpy.__version__)"
+
+# The bundle's code is copied to /opt/ddpack/lib in a later layer; a .pth file puts it on the venv's path.
+site=$(/opt/ddpack/venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+echo /opt/ddpack/lib > "$site/ddpack.pth"
+mkdir -p /opt/ddpack/lib
+# entrypoint on the PATH that a login shell keeps (/usr/local/bin), bound to the venv's interpreter.
+printf '#!/opt/ddpack/venv/bin/python\nimport sys\nfrom entrypoint.cli import main\nsys.exit(main())\n' > /usr/local/bin/entrypoint
+chmod 0755 /usr/local/bin/entrypoint
+find /opt/ddpack -name __pycache__ -prune -exec rm -rf {} +
+# Any uid (pyxis runs tasks as the submitting user) must be able to read and run everything.
+chmod -R a+rX /opt/ddpack
