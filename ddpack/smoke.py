@@ -9,6 +9,7 @@ every rank's parameter checksum agrees. Containers and the network are removed o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import sys
 import threading
@@ -102,10 +103,8 @@ def run_smoke(image: str, variant: str, timeout_s: float, trainer_args: tuple[st
         return _report(variant, members, world, timeout_s)
     finally:
         for member in members:
-            try:
+            with contextlib.suppress(NotFound):
                 member.container.remove(force=True)
-            except NotFound:
-                pass
         network.remove()
 
 
