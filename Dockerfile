@@ -12,7 +12,7 @@ ARG PIP_EXTRA_ARGS=""
 RUN --mount=type=secret,id=pip_cert,required=false \
     --mount=type=bind,source=wheelhouse,target=/wheelhouse \
     --mount=type=bind,source=docker/install-runtime.sh,target=/tmp/install-runtime.sh \
-    PIP_EXTRA_ARGS="${PIP_EXTRA_ARGS}" sh /tmp/install-runtime.sh "torch==${TORCH_VERSION}+cpu" "${TORCH_INDEX_URL}"
+    PIP_EXTRA_ARGS="${PIP_EXTRA_ARGS}" sh /tmp/install-runtime.sh "torch==${TORCH_VERSION}+cpu" "${TORCH_INDEX_URL}" cpu
 
 COPY docker/profile.sh /etc/profile.d/ddpack.sh
 

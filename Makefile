@@ -9,9 +9,25 @@ TORCH_VERSION ?= 2.13.0
 PIP_TORCH_OPTS ?=
 PYTEST_ARGS   ?=
 
-VPY := $(VENV)/bin/python
+# Images: $(IMAGE):$(TAG) (CPU) and $(IMAGE):$(TAG)-gpu.
+IMAGE         ?= ddpack
+TAG           ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
+# Empty: python:3.11-slim-bookworm, or a base built from Debian's archive when that cannot be pulled.
+BASE_IMAGE    ?=
+# A folder of wheels (torch...) to install from instead of the network; default: pip's find-links, if set.
+WHEELHOUSE    ?= $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
+# A CA bundle for TLS to the package index during builds (a BuildKit secret: never stored in the image).
+CA_BUNDLE     ?= $(firstword $(wildcard $(PIP_CERT) $(SSL_CERT_FILE)))
+BUILD_ARGS    ?=
+REGISTRY      ?=
+AWS_REGION    ?=
 
-.PHONY: help venv test test-quick lint bench clean
+VPY := $(VENV)/bin/python
+CPU_REF := $(IMAGE):$(TAG)
+GPU_REF := $(IMAGE):$(TAG)-gpu
+IMAGE_ENV := BASE_IMAGE='$(BASE_IMAGE)' WHEELHOUSE='$(WHEELHOUSE)' CA_BUNDLE='$(CA_BUNDLE)' TORCH_VERSION='$(TORCH_VERSION)'
+
+.PHONY: help venv test test-quick lint bench clean engine base image image-gpu smoke
 
 help: ## list targets and variables
 	@echo "ddpack - build, ship and launch PyTorch DDP in containers on Slurm"
@@ -20,8 +36,13 @@ help: ## list targets and variables
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
 	@echo
 	@echo "Variables (make VAR=value or environment):"
-	@echo "  PYTHON=$(PYTHON) VENV=$(VENV) TORCH_VERSION=$(TORCH_VERSION)"
-	@echo "  PIP_TORCH_OPTS=$(PIP_TORCH_OPTS) PYTEST_ARGS=$(PYTEST_ARGS)"
+	@echo "  IMAGE=$(IMAGE) TAG=$(TAG)  ->  $(CPU_REF), $(GPU_REF)"
+	@echo "  BASE_IMAGE=$(BASE_IMAGE) (empty: python:3.11-slim-bookworm, else a Debian-archive base)"
+	@echo "  WHEELHOUSE=$(WHEELHOUSE) CA_BUNDLE=$(CA_BUNDLE)"
+	@echo "  BUILD_ARGS=$(BUILD_ARGS) (e.g. --build-arg INSTALL_EFA=1 for image-gpu)"
+	@echo "  REGISTRY=$(REGISTRY) AWS_REGION=$(AWS_REGION)"
+	@echo "  PYTHON=$(PYTHON) VENV=$(VENV) TORCH_VERSION=$(TORCH_VERSION) PIP_TORCH_OPTS=$(PIP_TORCH_OPTS)"
+	@echo "  PYTEST_ARGS=$(PYTEST_ARGS)"
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +64,21 @@ lint: venv ## ruff over the whole tree
 bench: venv ## print trainer throughput and launcher start-up figures
 	$(VPY) bench/bench_train.py
 	$(VPY) bench/bench_launcher.py
+
+engine: venv ## make sure a Docker engine answers (starts Debian's dockerd when root)
+	@$(VPY) -m ddpack.engine --start
+
+base: engine ## build the offline base image from Debian's archive (debootstrap)
+	$(VPY) -m ddpack.base
+
+image: engine ## build the CPU image IMAGE:TAG (gloo)
+	$(IMAGE_ENV) $(VPY) -m ddpack.images --variant cpu --tag $(CPU_REF) --version $(TAG) $(BUILD_ARGS)
+
+image-gpu: engine ## build the CUDA image IMAGE:TAG-gpu (nccl)
+	$(IMAGE_ENV) $(VPY) -m ddpack.images --variant gpu --tag $(GPU_REF) --version $(TAG) $(BUILD_ARGS)
+
+smoke: image ## two-container gloo DDP run (pair, then torchrun 2x2) with plain docker
+	$(VPY) -m ddpack.smoke --image $(CPU_REF)
 
 clean: ## remove the venv, caches and build outputs
 	rm -rf $(VENV) .pytest_cache .ruff_cache build out *.egg-info

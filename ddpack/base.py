@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
-from ddpack.engine import docker_client
+from ddpack.engine import docker_client, ensure_debian_packages
 from ddpack.errors import HostError, run_verb
 
 LOCAL_BASE = "ddpack-base:bookworm-py311"
@@ -23,10 +22,9 @@ PACKAGES = ("python3", "python3-venv", "python-is-python3", "ca-certificates")
 
 def build_base(tag: str = LOCAL_BASE, suite: str = "bookworm", mirror: str | None = None) -> str:
     """debootstrap a minimal root filesystem and import it as `tag`; returns the image id."""
-    if shutil.which("debootstrap") is None:
-        raise HostError("debootstrap is not installed; on Debian: apt-get install -y debootstrap")
     if os.geteuid() != 0:
         raise HostError("debootstrap needs root to build the base image; run as root or pull a base (BASE_IMAGE=...)")
+    ensure_debian_packages("debootstrap", ("debootstrap",))
     client = docker_client()
     with tempfile.TemporaryDirectory(prefix="ddpack-base-") as tmp:
         root = Path(tmp) / "rootfs"

@@ -70,6 +70,20 @@ def buildkit_cli() -> BuildCli:
     raise HostError("no docker CLI with BuildKit found; install docker-buildx (docker-ce) or Debian's docker.io (/usr/bin/docker 20.10)")
 
 
+def ensure_debian_packages(command: str, packages: tuple[str, ...]) -> None:
+    """Make `command` available, installing Debian packages when root on a Debian-like host."""
+    if shutil.which(command) is not None:
+        return
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        raise HostError(
+            f"{command} is not installed; install {' '.join(packages)} (as root on Debian: apt-get install -y {' '.join(packages)})"
+        )
+    print(f"installing Debian's {' '.join(packages)} for {command} ...", flush=True)
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
+    subprocess.run(["apt-get", "install", "-y", "-qq", *packages], check=True, env=env, stdout=subprocess.DEVNULL)
+
+
 def start_engine(wait_s: float = 60) -> None:
     """Install Debian's docker.io when dockerd is missing, start dockerd in the background, wait for it."""
     try:

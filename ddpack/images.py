@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,11 +33,13 @@ CONTEXT_ITEMS = ("pyproject.toml", "Dockerfile", "Dockerfile.gpu", "entrypoint",
 class Variant:
     dockerfile: str
     torch_index: str  # "" = the default package index
+    wheel_ok: Callable[[str], bool]  # which wheelhouse files this variant may install from
 
 
 VARIANTS = {
-    "cpu": Variant("Dockerfile", "https://download.pytorch.org/whl/cpu"),
-    "gpu": Variant("Dockerfile.gpu", ""),
+    "cpu": Variant("Dockerfile", "https://download.pytorch.org/whl/cpu", lambda name: True),
+    # `torch==X` also matches a local `X+cpu` wheel, which pip would prefer: keep those out of GPU builds.
+    "gpu": Variant("Dockerfile.gpu", "", lambda name: "+cpu" not in name),
 }
 
 
@@ -75,27 +78,32 @@ def _link_or_copy(src: Path, dest: Path) -> None:
         shutil.copy2(src, dest)
 
 
-def stage_context(dest: Path, wheelhouse: Path | None) -> Path:
-    """A fresh build context with only what the Dockerfiles use."""
+def check_wheelhouse(wheelhouse: Path | None) -> list[Path]:
+    """The wheels of a WHEELHOUSE, or a one-line error when it is not a folder of wheels."""
+    if wheelhouse is None:
+        return []
+    if not wheelhouse.is_dir():
+        raise HostError(f"WHEELHOUSE={wheelhouse} is not a directory; point it at a folder of .whl files", code=2)
+    found = sorted(wheelhouse.glob("*.whl"))
+    if not found:
+        raise HostError(f"WHEELHOUSE={wheelhouse} has no .whl files; put the torch wheel (and any others) there", code=2)
+    return found
+
+
+def stage_context(dest: Path, wheels: list[Path], source: Path = ROOT) -> Path:
+    """A fresh build context with only what the Dockerfiles use, taken from the checkout `source`."""
     if dest.exists():
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
     for item in CONTEXT_ITEMS:
-        src = ROOT / item
+        src = source / item
         if src.is_dir():
             shutil.copytree(src, dest / item, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         else:
             shutil.copy2(src, dest / item)
-    wheels = dest / "wheelhouse"
-    wheels.mkdir()
-    if wheelhouse is not None:
-        if not wheelhouse.is_dir():
-            raise HostError(f"WHEELHOUSE={wheelhouse} is not a directory; point it at a folder of .whl files", code=2)
-        found = sorted(wheelhouse.glob("*.whl"))
-        if not found:
-            raise HostError(f"WHEELHOUSE={wheelhouse} has no .whl files; put the torch wheel (and any others) there", code=2)
-        for wheel in found:
-            _link_or_copy(wheel, wheels / wheel.name)
+    (dest / "wheelhouse").mkdir()
+    for wheel in wheels:
+        _link_or_copy(wheel, dest / "wheelhouse" / wheel.name)
     return dest
 
 
@@ -118,6 +126,7 @@ def build_image(
     torch_index: str | None = None,
     version: str = "dev",
     extra_args: tuple[str, ...] = (),
+    source: Path = ROOT,
 ) -> str:
     """Build one variant as `tag`; returns the image id. Progress streams to the terminal."""
     if variant not in VARIANTS:
@@ -125,11 +134,12 @@ def build_image(
     if ca_bundle is not None and not ca_bundle.is_file():
         raise HostError(f"CA_BUNDLE={ca_bundle} is not a file; unset it or point it at a PEM bundle", code=2)
     spec = VARIANTS[variant]
+    wheels = [w for w in check_wheelhouse(wheelhouse) if spec.wheel_ok(w.name)]
     cli = buildkit_cli()
     base_image = resolve_base(base)
-    context = stage_context(ROOT / "build" / f"context-{variant}", wheelhouse)
+    context = stage_context(source / "build" / f"context-{variant}", wheels, source)
     index = spec.torch_index if torch_index is None else torch_index
-    if wheelhouse is not None and torch_index is None:
+    if torch_index is None and list((context / "wheelhouse").glob("torch-*.whl")):
         index = ""  # the wheelhouse holds torch; the default index serves its dependencies
     build_args = {
         "BASE_IMAGE": base_image,

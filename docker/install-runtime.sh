@@ -2,11 +2,13 @@
 # Installs the runtime into /opt/ddpack/venv. Run by both Dockerfiles in the dependency layer, so a
 # change to trainer code never reinstalls torch.
 #   $1: torch requirement (e.g. torch==2.13.0+cpu)   $2: pip index URL for torch ("" = pip's default)
+#   $3: the build this image must end up with: cpu or cuda (checked, so a wrong wheel fails the build)
 # A CA bundle mounted as a BuildKit secret (id=pip_cert) is used for TLS and never stored in a layer;
 # wheels in /wheelhouse (a bind mount) are preferred, for hosts without the package index.
 set -eu
 torch_req=$1
 torch_index=${2:-}
+expect=${3:-cpu}
 
 if [ -s /run/secrets/pip_cert ]; then
   export PIP_CERT=/run/secrets/pip_cert
@@ -25,7 +27,19 @@ if [ -n "$torch_index" ]; then
 fi
 # shellcheck disable=SC2086
 $pip install $find_links ${PIP_EXTRA_ARGS:-} "$torch_req" numpy
-/opt/ddpack/venv/bin/python -c "import torch, numpy; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'numpy', numpy.__version__)"
+/opt/ddpack/venv/bin/python - "$expect" <<'PY'
+import sys
+import numpy
+import torch
+import torch.distributed as dist
+
+expect = sys.argv[1]
+print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", dist.is_nccl_available(), "numpy", numpy.__version__)
+if expect == "cuda" and not (torch.version.cuda and dist.is_nccl_available()):
+    sys.exit(f"install-runtime: expected a CUDA build of torch with NCCL, got {torch.__version__}")
+if expect == "cpu" and torch.version.cuda:
+    sys.exit(f"install-runtime: expected the CPU build of torch, got {torch.__version__} (CUDA {torch.version.cuda})")
+PY
 
 # The bundle's code is copied to /opt/ddpack/lib in a later layer; a .pth file puts it on the venv's path.
 site=$(/opt/ddpack/venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")

@@ -172,7 +172,11 @@ def _omp_threads(environ: Mapping[str, str], host: Host, local_procs: int, procs
     """
     if "OMP_NUM_THREADS" in environ:
         return {}
-    threads = _int_var(environ, "SLURM_CPUS_PER_TASK", 1) // procs_per_task if "SLURM_CPUS_PER_TASK" in environ else host.cpu_count // max(1, local_procs)
+    threads = (
+        _int_var(environ, "SLURM_CPUS_PER_TASK", 1) // procs_per_task
+        if "SLURM_CPUS_PER_TASK" in environ
+        else host.cpu_count // max(1, local_procs)
+    )
     return {"OMP_NUM_THREADS": str(max(1, threads))}
 
 

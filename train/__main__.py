@@ -55,9 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"error: a collective failed ({type(exc).__name__}: {first}); a peer died or did not answer "
             f"within --collective-timeout={config.collective_timeout:g}s"
         )
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)  # tearing down a broken process group can itself hang
+        exit_now(1)  # tearing down a broken process group can itself hang
     finally:
         watcher.restore()
     loss = f"{result.final_loss:.5f}" if result.final_loss is not None else "n/a"
@@ -70,5 +68,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def exit_now(code: int) -> None:
+    """Flush and leave without running interpreter teardown. Once the process group is destroyed and
+    every file is closed there is nothing left to clean up, but torch's C++ statics (gloo and TCPStore
+    threads) can still abort the process on the way out ("terminate called without an active
+    exception"), turning a finished run into exit -6 at random."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        status = main()
+    except SystemExit as exc:  # argparse: --help (0) and bad flags (2)
+        status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    exit_now(status)

@@ -1,0 +1,43 @@
+"""The CUDA image builds here without a GPU: CUDA build of torch with NCCL compiled in, AWS NCCL
+defaults, and the trainer still runs (gloo) when no device is visible."""
+
+from __future__ import annotations
+
+import pytest
+from docker_support import TEST_GPU_TAG, build, engine_or_skip
+
+import docker
+
+pytestmark = pytest.mark.docker
+
+
+@pytest.fixture(scope="module")
+def gpu_image() -> tuple[docker.DockerClient, str]:
+    client = engine_or_skip()
+    build("gpu", TEST_GPU_TAG)
+    return client, TEST_GPU_TAG
+
+
+def test_gpu_image_has_cuda_torch_with_nccl(gpu_image: tuple[docker.DockerClient, str]) -> None:
+    client, image = gpu_image
+    probe = "import torch, torch.distributed as d; print(torch.__version__, torch.version.cuda, d.is_nccl_available())"
+    out = client.containers.run(image, ["python", "-c", probe], entrypoint=[], remove=True).decode()
+    version, cuda, nccl = out.split()
+    assert "+cpu" not in version and cuda not in ("None", "") and nccl == "True", out
+
+
+def test_gpu_image_labels_and_nccl_defaults(gpu_image: tuple[docker.DockerClient, str]) -> None:
+    client, image = gpu_image
+    config = client.images.get(image).attrs["Config"]
+    env = dict(item.split("=", 1) for item in config["Env"])
+    assert env["NCCL_SOCKET_IFNAME"] == "^lo,docker,veth" and env["DDPACK_VARIANT"] == "gpu"
+    assert config["Labels"]["io.ddpack.variant"] == "gpu" and config["Labels"]["io.ddpack.efa"] == "0"
+    assert config["Entrypoint"] == ["/usr/local/bin/entrypoint"]
+
+
+def test_gpu_image_trains_on_cpu_when_no_device_is_visible(gpu_image: tuple[docker.DockerClient, str]) -> None:
+    client, image = gpu_image
+    out = client.containers.run(
+        image, ["--epochs", "1"], environment={"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}, remove=True
+    ).decode()
+    assert "backend gloo device cpu" in out and "checksums agree across 1 ranks" in out

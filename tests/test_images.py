@@ -1,0 +1,169 @@
+"""The CPU image built for real, run as Docker and as pyxis would; secrets; the two-container smoke."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import tarfile
+from pathlib import Path
+
+import pytest
+from docker_support import TEST_TAG, build, build_settings, engine_or_skip
+
+import docker
+from ddpack.errors import HostError
+from ddpack.smoke import run_smoke
+
+pytestmark = pytest.mark.docker
+
+
+@pytest.fixture(scope="session")
+def client() -> docker.DockerClient:
+    return engine_or_skip()
+
+
+@pytest.fixture(scope="session")
+def image(client: docker.DockerClient) -> str:
+    build("cpu", TEST_TAG)
+    return TEST_TAG
+
+
+def run(client: docker.DockerClient, image: str, command: list[str] | str, **kwargs) -> tuple[int, str]:
+    container = client.containers.run(image, command=command, detach=True, **kwargs)
+    try:
+        code = container.wait(timeout=300)["StatusCode"]
+        return code, container.logs().decode(errors="replace")
+    finally:
+        container.remove(force=True)
+
+
+def test_cpu_image_has_cpu_torch_numpy_and_no_cuda_packages(client: docker.DockerClient, image: str) -> None:
+    probe = (
+        "import importlib.metadata as m, warnings, torch, numpy; warnings.simplefilter('error');"
+        "torch.from_numpy(numpy.ones(2));"
+        "print(torch.__version__, torch.version.cuda, torch.distributed.is_gloo_available(),"
+        " sorted(d.metadata['Name'] for d in m.distributions() if d.metadata['Name'].lower().startswith('nvidia')))"
+    )
+    code, out = run(client, image, ["python", "-c", probe])
+    assert code == 0, out
+    assert out.strip().endswith("+cpu None True []"), out
+    assert "Failed to initialize NumPy" not in out
+
+
+def test_docker_run_with_no_arguments_trains(client: docker.DockerClient, image: str) -> None:
+    code, out = run(client, image, [], environment={"OMP_NUM_THREADS": "1"})
+    assert code == 0, out
+    assert "[rank 0/1] start: rank 0 world 1" in out and "checksums agree across 1 ranks" in out
+
+
+def test_any_uid_with_a_login_shell_finds_entrypoint_and_the_venv(client: docker.DockerClient, image: str) -> None:
+    """pyxis: no ENTRYPOINT, PATH reset by /etc/profile, the submitting user's uid, host variables."""
+    script = "command -v entrypoint; command -v python; entrypoint --print-plan; python -c 'import torch, train, entrypoint'"
+    code, out = run(
+        client,
+        image,
+        ["/bin/sh", "-lc", script],
+        entrypoint=[],
+        user="31337:31337",
+        environment={
+            "PATH": "/host/bin:/usr/bin:/bin",
+            "SLURM_STEP_ID": "0",
+            "SLURM_STEP_NUM_TASKS": "4",
+            "SLURM_PROCID": "1",
+            "SLURM_LOCALID": "1",
+            "SLURM_NODEID": "0",
+            "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+            "SLURM_STEP_NODELIST": "gpu[07-08]",
+            "SLURM_JOB_ID": "9",
+        },
+    )
+    assert code == 0, out
+    lines = out.splitlines()
+    assert lines[0] == "/usr/local/bin/entrypoint" and lines[1] == "/opt/ddpack/venv/bin/python"
+    plan = json.loads("\n".join(lines[2:]))
+    assert plan["mode"] == "slurm" and plan["rank"] == 1 and plan["master_addr"] == "gpu07"
+    code, out = run(
+        client,
+        image,
+        ["sh", "-c", "cd /workspace && touch ok && python -m train --epochs 1 --snapshot-dir snaps"],
+        entrypoint=[],
+        user="4242",
+    )
+    assert code == 0 and "snapshot saved: snaps/snapshot-" in out, out
+
+
+def test_image_config_entrypoint_env_and_labels(client: docker.DockerClient, image: str) -> None:
+    config = client.images.get(image).attrs["Config"]
+    assert config["Entrypoint"] == ["/usr/local/bin/entrypoint"]
+    env = dict(item.split("=", 1) for item in config["Env"])
+    assert env["PYTHONPATH"] == "" and env["LD_LIBRARY_PATH"] == "" and env["PATH"].startswith("/opt/ddpack/venv/bin:")
+    labels = config["Labels"]
+    assert labels["io.ddpack.variant"] == "cpu" and labels["io.ddpack.torch.version"] == "2.13.0+cpu"
+    assert labels["org.opencontainers.image.version"] == "pytest"
+    assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?", labels["org.opencontainers.image.revision"])
+    assert labels["org.opencontainers.image.source"]
+
+
+def _pem_blocks(text: str) -> set[str]:
+    return {m.group(0) for m in re.finditer(r"-----BEGIN CERTIFICATE-----.+?-----END CERTIFICATE-----", text, re.S)}
+
+
+def ca_material_in_layers(client: docker.DockerClient, image: str, ca: Path) -> list[str]:
+    """Layers of `image` holding the host bundle or a certificate only the host trusts (a proxy's CA)."""
+    host_blocks = _pem_blocks(ca.read_text())
+    code, image_bundle = run(client, image, ["cat", "/etc/ssl/certs/ca-certificates.crt"], entrypoint=[])
+    private = host_blocks - _pem_blocks(image_bundle if code == 0 else "")
+    assert private, "the host bundle adds no certificate of its own; this check would prove nothing"
+    needles = [block.splitlines()[1].encode() for block in private] + [ca.read_bytes()]
+    found = []
+    saved = b"".join(client.images.get(image).save(named=True))
+    with tarfile.open(fileobj=io.BytesIO(saved)) as outer:
+        for member in outer.getmembers():
+            if member.isfile() and (member.name.endswith(".tar") or member.name.startswith("blobs/")):
+                data = outer.extractfile(member).read()
+                if any(needle in data for needle in needles) or b"run/secrets/pip_cert\x00" in data:
+                    found.append(member.name)
+    return found
+
+
+def _ca_or_skip() -> Path:
+    ca = build_settings()["ca_bundle"]
+    if ca is None:
+        pytest.skip("this host passes no CA bundle to builds, so there is none to leak")
+    return ca
+
+
+def test_no_ca_bundle_or_secret_in_any_layer_or_history(client: docker.DockerClient, image: str) -> None:
+    assert ca_material_in_layers(client, image, _ca_or_skip()) == []
+    assert "BEGIN CERTIFICATE" not in json.dumps(client.api.history(image))
+
+
+def test_the_leak_check_finds_a_planted_bundle(client: docker.DockerClient, image: str, tmp_path: Path) -> None:
+    ca = _ca_or_skip()
+    (tmp_path / "ca.crt").write_bytes(ca.read_bytes())
+    (tmp_path / "Dockerfile").write_text(f"FROM {image}\nCOPY ca.crt /usr/local/share/leaked.crt\n")
+    leaky, _ = client.images.build(path=str(tmp_path), tag="ddpack:pytest-leaky", rm=True)
+    try:
+        assert len(ca_material_in_layers(client, "ddpack:pytest-leaky", ca)) == 1
+    finally:
+        client.images.remove(leaky.id, force=True)
+
+
+def test_smoke_pair_and_torchrun_variants_pass_and_clean_up(client: docker.DockerClient, image: str) -> None:
+    assert run_smoke(image, "pair", timeout_s=300)
+    assert run_smoke(image, "torchrun", timeout_s=300)
+    assert not client.containers.list(all=True, filters={"label": "io.ddpack.smoke"})
+    assert not [n for n in client.networks.list() if n.name.startswith("ddpack-smoke-")]
+
+
+def test_smoke_failure_shows_the_failing_rank_and_still_cleans_up(client: docker.DockerClient, image: str, capsys) -> None:
+    assert not run_smoke(image, "pair", timeout_s=120, trainer_args=("--task", "no_such_mod:make"))
+    err = capsys.readouterr().err
+    assert "c0 failed (exit 2" in err and "train: error: --task 'no_such_mod:make'" in err
+    assert not client.containers.list(all=True, filters={"label": "io.ddpack.smoke"})
+
+
+def test_smoke_of_a_missing_image_is_one_line(client: docker.DockerClient) -> None:
+    with pytest.raises(HostError, match=r"image ddpack:does-not-exist not found; build it first: make image"):
+        run_smoke("ddpack:does-not-exist", "pair", timeout_s=10)
