@@ -27,7 +27,7 @@ CPU_REF := $(IMAGE):$(TAG)
 GPU_REF := $(IMAGE):$(TAG)-gpu
 IMAGE_ENV := BASE_IMAGE='$(BASE_IMAGE)' WHEELHOUSE='$(WHEELHOUSE)' CA_BUNDLE='$(CA_BUNDLE)' TORCH_VERSION='$(TORCH_VERSION)'
 
-.PHONY: help venv test test-quick lint bench clean engine base image image-gpu smoke
+.PHONY: help venv test test-quick lint bench bench-images clean engine base image image-gpu smoke
 
 help: ## list targets and variables
 	@echo "ddpack - build, ship and launch PyTorch DDP in containers on Slurm"
@@ -79,6 +79,9 @@ image-gpu: engine ## build the CUDA image IMAGE:TAG-gpu (nccl)
 
 smoke: image ## two-container gloo DDP run (pair, then torchrun 2x2) with plain docker
 	$(VPY) -m ddpack.smoke --image $(CPU_REF)
+
+bench-images: engine ## print image size vs floor, cold and one-line-change build times, GPU image size
+	$(IMAGE_ENV) $(VPY) bench/bench_images.py --gpu
 
 clean: ## remove the venv, caches and build outputs
 	rm -rf $(VENV) .pytest_cache .ruff_cache build out *.egg-info
