@@ -19,15 +19,19 @@ WHEELHOUSE    ?= $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/nu
 # A CA bundle for TLS to the package index during builds (a BuildKit secret: never stored in the image).
 CA_BUNDLE     ?= $(firstword $(wildcard $(PIP_CERT) $(SSL_CERT_FILE)))
 BUILD_ARGS    ?=
+# Push: the ECR repository (created when missing) and, for stand-ins, a registry host to use instead.
+ECR_REPOSITORY ?= $(IMAGE)
 REGISTRY      ?=
 AWS_REGION    ?=
+PUSH_ARGS     ?=
 
 VPY := $(VENV)/bin/python
 CPU_REF := $(IMAGE):$(TAG)
 GPU_REF := $(IMAGE):$(TAG)-gpu
+AWS_ENV := AWS_REGION='$(AWS_REGION)' REGISTRY='$(REGISTRY)'
 IMAGE_ENV := BASE_IMAGE='$(BASE_IMAGE)' WHEELHOUSE='$(WHEELHOUSE)' CA_BUNDLE='$(CA_BUNDLE)' TORCH_VERSION='$(TORCH_VERSION)'
 
-.PHONY: help venv test test-quick lint bench bench-images clean engine base image image-gpu smoke
+.PHONY: help venv test test-quick lint bench bench-images clean engine base image image-gpu smoke push push-gpu enroot-credentials
 
 help: ## list targets and variables
 	@echo "ddpack - build, ship and launch PyTorch DDP in containers on Slurm"
@@ -82,6 +86,15 @@ smoke: image ## two-container gloo DDP run (pair, then torchrun 2x2) with plain 
 
 bench-images: engine ## print image size vs floor, cold and one-line-change build times, GPU image size
 	$(IMAGE_ENV) $(VPY) bench/bench_images.py --gpu
+
+push: engine ## push IMAGE:TAG to ECR (boto3 + docker SDK; AWS_REGION, ECR_REPOSITORY, PUSH_ARGS)
+	$(AWS_ENV) $(VPY) -m ddpack.push --image $(CPU_REF) --repository $(ECR_REPOSITORY) --tag $(TAG) $(PUSH_ARGS)
+
+push-gpu: engine ## push IMAGE:TAG-gpu to ECR
+	$(AWS_ENV) $(VPY) -m ddpack.push --image $(GPU_REF) --repository $(ECR_REPOSITORY) --tag $(TAG)-gpu $(PUSH_ARGS)
+
+enroot-credentials: venv ## write enroot's ECR credential line ($$ENROOT_CONFIG_PATH/.credentials, mode 600)
+	$(AWS_ENV) $(VPY) -m ddpack.credentials
 
 clean: ## remove the venv, caches and build outputs
 	rm -rf $(VENV) .pytest_cache .ruff_cache build out *.egg-info
