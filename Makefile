@@ -24,6 +24,10 @@ ECR_REPOSITORY ?= $(IMAGE)
 REGISTRY      ?=
 AWS_REGION    ?=
 PUSH_ARGS     ?=
+# Squashfs output (pyxis: srun --container-image=/fsx/.../x.sqsh) and converter (auto: enroot if installed).
+SQSH          ?= build/$(IMAGE)+$(TAG).sqsh
+SQSH_GPU      ?= build/$(IMAGE)+$(TAG)-gpu.sqsh
+SQSH_CONVERTER ?= auto
 
 VPY := $(VENV)/bin/python
 CPU_REF := $(IMAGE):$(TAG)
@@ -31,7 +35,7 @@ GPU_REF := $(IMAGE):$(TAG)-gpu
 AWS_ENV := AWS_REGION='$(AWS_REGION)' REGISTRY='$(REGISTRY)'
 IMAGE_ENV := BASE_IMAGE='$(BASE_IMAGE)' WHEELHOUSE='$(WHEELHOUSE)' CA_BUNDLE='$(CA_BUNDLE)' TORCH_VERSION='$(TORCH_VERSION)'
 
-.PHONY: help venv test test-quick lint bench bench-images clean engine base image image-gpu smoke push push-gpu enroot-credentials
+.PHONY: help venv test test-quick lint bench bench-images clean engine base image image-gpu smoke push push-gpu enroot-credentials sqsh sqsh-gpu
 
 help: ## list targets and variables
 	@echo "ddpack - build, ship and launch PyTorch DDP in containers on Slurm"
@@ -44,7 +48,8 @@ help: ## list targets and variables
 	@echo "  BASE_IMAGE=$(BASE_IMAGE) (empty: python:3.11-slim-bookworm, else a Debian-archive base)"
 	@echo "  WHEELHOUSE=$(WHEELHOUSE) CA_BUNDLE=$(CA_BUNDLE)"
 	@echo "  BUILD_ARGS=$(BUILD_ARGS) (e.g. --build-arg INSTALL_EFA=1 for image-gpu)"
-	@echo "  REGISTRY=$(REGISTRY) AWS_REGION=$(AWS_REGION)"
+	@echo "  REGISTRY=$(REGISTRY) AWS_REGION=$(AWS_REGION) ECR_REPOSITORY=$(ECR_REPOSITORY) PUSH_ARGS=$(PUSH_ARGS)"
+	@echo "  SQSH=$(SQSH) SQSH_GPU=$(SQSH_GPU) SQSH_CONVERTER=$(SQSH_CONVERTER) ENROOT_SQUASH_OPTIONS=$(ENROOT_SQUASH_OPTIONS)"
 	@echo "  PYTHON=$(PYTHON) VENV=$(VENV) TORCH_VERSION=$(TORCH_VERSION) PIP_TORCH_OPTS=$(PIP_TORCH_OPTS)"
 	@echo "  PYTEST_ARGS=$(PYTEST_ARGS)"
 
@@ -95,6 +100,14 @@ push-gpu: engine ## push IMAGE:TAG-gpu to ECR
 
 enroot-credentials: venv ## write enroot's ECR credential line ($$ENROOT_CONFIG_PATH/.credentials, mode 600)
 	$(AWS_ENV) $(VPY) -m ddpack.credentials
+
+sqsh: engine ## convert IMAGE:TAG to an Enroot squashfs at SQSH (atomic, validated)
+	@mkdir -p build
+	$(VPY) -m ddpack.sqsh --image $(CPU_REF) --output $(SQSH) --converter $(SQSH_CONVERTER)
+
+sqsh-gpu: engine ## convert IMAGE:TAG-gpu to an Enroot squashfs at SQSH_GPU
+	@mkdir -p build
+	$(VPY) -m ddpack.sqsh --image $(GPU_REF) --output $(SQSH_GPU) --converter $(SQSH_CONVERTER)
 
 clean: ## remove the venv, caches and build outputs
 	rm -rf $(VENV) .pytest_cache .ruff_cache build out *.egg-info
