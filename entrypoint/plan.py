@@ -212,6 +212,19 @@ def _torchrun_argv(command: tuple[str, ...], nnodes: int, nproc: int, endpoint: 
     return tuple(argv)
 
 
+# torchrun's agent forwards only SIGTERM/INT/HUP/QUIT by default and dies of SIGUSR1, which Slurm's
+# --signal=USR1@90 sends it; with USR1 in this list (torchrun's --signals-to-handle, as an env var)
+# the agent forwards it and the workers snapshot and stop together.
+TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+
+
+def _torchrun_env(environ: Mapping[str, str], host: Host, backend: str, nproc: int, procs_per_task: int = 1) -> dict[str, str]:
+    env = {"DDPACK_BACKEND": backend, **_omp_threads(environ, host, nproc, procs_per_task)}
+    if "PET_SIGNALS_TO_HANDLE" not in environ:
+        env["PET_SIGNALS_TO_HANDLE"] = TORCHRUN_SIGNALS
+    return env
+
+
 def _exec_env(rank: int, world: int, local_rank: int, local_world: int, node_rank: int, addr: str, port: int) -> dict[str, str]:
     return {
         "RANK": str(rank),
@@ -300,7 +313,7 @@ def _resolve_slurm(environ: Mapping[str, str], options: Options, host: Host, bac
     if one_task_per_node and (nproc or devices > 1):
         nproc = nproc or devices
         endpoint = f"{url_host(addr)}:{port}"
-        env = {"DDPACK_BACKEND": backend, **_omp_threads(environ, host, nproc, nproc)}
+        env = _torchrun_env(environ, host, backend, nproc, nproc)
         return Plan(
             mode="slurm",
             launcher="torchrun",
@@ -370,7 +383,7 @@ def _resolve_env(environ: Mapping[str, str], options: Options, host: Host, backe
             master_port=port,
             backend=backend,
             argv=_torchrun_argv(options.command, nnodes, nproc, endpoint, rdzv_id),
-            env={"DDPACK_BACKEND": backend, **_omp_threads(environ, host, nproc)},
+            env=_torchrun_env(environ, host, backend, nproc),
         )
     if "RANK" not in environ or "WORLD_SIZE" not in environ:
         missing = "RANK" if "RANK" not in environ else "WORLD_SIZE"
@@ -425,7 +438,7 @@ def _resolve_single(environ: Mapping[str, str], options: Options, host: Host, ba
             master_port=port,
             backend=backend,
             argv=_torchrun_argv(options.command, 1, nproc, None, ""),
-            env={"DDPACK_BACKEND": backend, **_omp_threads(environ, host, nproc)},
+            env=_torchrun_env(environ, host, backend, nproc),
         )
     env = _exec_env(0, 1, 0, 1, 0, addr, port)
     env.update({"DDPACK_BACKEND": backend, **_omp_threads(environ, host, 1)})

@@ -213,6 +213,7 @@ CASES: list[tuple[str, dict[str, str], Options, Host, dict[str, Any]]] = [
             "nnodes": 2,
             "argv_has": "--nproc-per-node=8",
             "env.OMP_NUM_THREADS": "12",
+            "env.PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
         },
     ),
     (

@@ -1,0 +1,98 @@
+"""A real two-node Slurm on this one machine, for the tests (Debian's slurm-wlm + munge).
+
+Two slurmd daemons (`-N ddnode1`, `-N ddnode2`) on different ports stand in for two nodes; their names
+resolve to 127.0.0.1 through /etc/hosts, as cluster node names resolve on a real cluster. Idempotent:
+a running cluster is reused. Needs root; writes /etc/slurm/slurm.conf only when it is absent or ours.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+CONF = Path("/etc/slurm/slurm.conf")
+MARKER = "# ddpack test cluster"
+NODES = ("ddnode1", "ddnode2")
+SLURM_CONF = f"""{MARKER}
+ClusterName=ddpack
+SlurmctldHost=localhost
+AuthType=auth/munge
+CredType=cred/munge
+SlurmUser=root
+SlurmdUser=root
+SlurmctldPort=6817
+StateSaveLocation=/var/spool/slurmctld
+SlurmdSpoolDir=/var/spool/slurmd/%n
+SlurmctldPidFile=/run/slurmctld.pid
+SlurmdPidFile=/run/slurmd-%n.pid
+SlurmctldLogFile=/var/log/slurm/slurmctld.log
+SlurmdLogFile=/var/log/slurm/slurmd-%n.log
+SlurmdParameters=config_overrides
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+MpiDefault=none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+ReturnToService=2
+KillWait=5
+MinJobAge=30
+NodeName=ddnode1 NodeHostname=localhost NodeAddr=127.0.0.1 Port=17001 CPUs=2 RealMemory=4000 State=UNKNOWN
+NodeName=ddnode2 NodeHostname=localhost NodeAddr=127.0.0.1 Port=17002 CPUs=2 RealMemory=4000 State=UNKNOWN
+PartitionName=debug Nodes=ddnode[1-2] Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
+"""
+
+
+class ClusterUnavailable(RuntimeError):
+    """Why a Slurm cluster cannot be had here."""
+
+
+def _idle_nodes() -> int:
+    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, timeout=20)
+    if out.returncode != 0:
+        return 0
+    return sum(1 for line in out.stdout.splitlines() if line.split()[-1] in ("idle", "mixed", "allocated"))
+
+
+def ensure_cluster(timeout_s: float = 60) -> None:
+    """Start munged, slurmctld and two slurmd unless a cluster already answers with both nodes."""
+    if shutil.which("slurmctld") is None or shutil.which("munged") is None:
+        raise ClusterUnavailable("slurm-wlm and munge are not installed (apt-get install -y slurm-wlm munge)")
+    if _idle_nodes() >= len(NODES):
+        return
+    if os.geteuid() != 0:
+        raise ClusterUnavailable("starting a test Slurm cluster needs root")
+    if CONF.exists() and MARKER not in CONF.read_text():
+        raise ClusterUnavailable(f"{CONF} belongs to another Slurm set-up; not touching it")
+    CONF.parent.mkdir(parents=True, exist_ok=True)
+    CONF.write_text(SLURM_CONF)
+    hosts = Path("/etc/hosts")
+    if not all(node in hosts.read_text().split() for node in NODES):
+        with hosts.open("a") as handle:
+            handle.write(f"127.0.0.1 {' '.join(NODES)}\n")
+    for folder in ("/var/spool/slurmctld", "/var/log/slurm", *(f"/var/spool/slurmd/{n}" for n in NODES)):
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    Path("/run/munge").mkdir(exist_ok=True)
+    shutil.chown("/run/munge", "munge", "munge")
+    if subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode != 0:
+        subprocess.run(["runuser", "-u", "munge", "--", "munged"], check=True)
+    if subprocess.run(["pgrep", "-x", "slurmctld"], capture_output=True).returncode != 0:
+        subprocess.run(["slurmctld"], check=True)
+    for node in NODES:
+        if subprocess.run(["pgrep", "-f", f"slurmd -N {node}"], capture_output=True).returncode != 0:
+            subprocess.run(["slurmd", "-N", node], check=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if _idle_nodes() >= len(NODES):
+            return
+        time.sleep(1)
+    raise ClusterUnavailable(f"Slurm nodes did not become idle in {timeout_s:.0f}s; see /var/log/slurm/")
+
+
+if __name__ == "__main__":
+    ensure_cluster()
+    print(subprocess.run(["sinfo"], capture_output=True, text=True).stdout)

@@ -1,0 +1,161 @@
+"""A real Slurm (two slurmd on this machine): srun of the entrypoint in both launch shapes, the sbatch
+templates as a user submits them, and preemption with --signal semantics through requeue to resume."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, clean_env
+from slurm_cluster import ClusterUnavailable, ensure_cluster
+
+pytestmark = pytest.mark.slurm
+VENV = Path(sys.executable).parent.parent
+CHECKSUM_RE = re.compile(r"final parameter checksum ([0-9a-f]{16})")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster() -> None:
+    try:
+        ensure_cluster()
+    except ClusterUnavailable as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must provide the test Slurm cluster: {exc}")
+        pytest.skip(str(exc))
+
+
+def env(**extra: str) -> dict[str, str]:
+    return clean_env(DDPACK_VENV=str(VENV), **extra)
+
+
+def checksums(text: str) -> set[str]:
+    return set(CHECKSUM_RE.findall(text))
+
+
+def srun(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["srun", "--export=ALL", *args], env=env(), cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def test_srun_two_nodes_four_tasks_one_ddp_job(tmp_path: Path) -> None:
+    out = srun(["-N2", "-n4", "-l", str(VENV / "bin" / "entrypoint"), "--epochs", "2", "--snapshot-dir", ""], tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for rank in range(4):
+        assert f"[rank {rank}/4] start: rank {rank} world 4 local_rank {rank % 2}/2" in out.stdout
+    assert len(CHECKSUM_RE.findall(out.stdout)) == 4 and len(checksums(out.stdout)) == 1
+    assert "checksums agree across 4 ranks" in out.stdout
+
+
+def test_srun_one_task_per_node_runs_torchrun_with_c10d(tmp_path: Path) -> None:
+    args = [
+        "-N2",
+        "--ntasks-per-node=1",
+        "-l",
+        str(VENV / "bin" / "entrypoint"),
+        "--nproc-per-node",
+        "2",
+        "--epochs",
+        "2",
+        "--snapshot-dir",
+        "",
+    ]
+    out = srun(args, tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert len(CHECKSUM_RE.findall(out.stdout)) == 4 and len(checksums(out.stdout)) == 1
+
+
+def sbatch(template: str, cwd: Path, **settings: str) -> tuple[int, str]:
+    """Submit as a user does (logs folder first), wait for the end, return (exit code, job id)."""
+    (cwd / "logs").mkdir(exist_ok=True)
+    exports = ",".join(["ALL", *(f"{k}={v}" for k, v in settings.items())])
+    out = subprocess.run(
+        ["sbatch", "--wait", "--parsable", f"--export={exports}", str(ROOT / "enroot" / template)],
+        env=env(OMP_NUM_THREADS="1"),
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    return out.returncode, out.stdout.strip().split(";")[0]
+
+
+def test_baremetal_template(tmp_path: Path) -> None:
+    code, job = sbatch("baremetal.sbatch", tmp_path, DDPACK_TRAIN_ARGS="--epochs 2 --log-every 100")
+    log = (tmp_path / "logs" / f"ddpack-{job}.out").read_text()
+    assert code == 0, log
+    assert f"ddpack: job {job} (restart 0) on ddnode[1-2]" in log and "checksums agree across 4 ranks" in log
+    assert list((tmp_path / "runs" / "ddpack" / "snapshots").glob("snapshot-*.pt"))
+    assert (tmp_path / "runs" / "ddpack" / "metrics.jsonl").exists()
+
+
+def test_docker_hostnet_template(tmp_path: Path) -> None:
+    from docker_support import TEST_TAG, build, engine_or_skip
+
+    engine_or_skip()
+    build("cpu", TEST_TAG)
+    code, job = sbatch(
+        "docker-hostnet.sbatch",
+        tmp_path,
+        DDPACK_IMAGE=TEST_TAG,
+        DDPACK_TRAIN_ARGS="--epochs 2 --log-every 100",
+        DDPACK_DOCKER_ARGS="-e OMP_NUM_THREADS=1",
+    )
+    log = (tmp_path / "logs" / f"ddpack-docker-{job}.out").read_text()
+    assert code == 0, log
+    assert "checksums agree across 2 ranks" in log and "[rank 1/2] start: rank 1 world 2" in log
+
+
+def preempt_and_resume(tmp_path: Path, name: str, sbatch_args: tuple[str, ...] = (), **settings: str) -> str:
+    """Submit, signal USR1 mid-run as `--signal=USR1@90` would, let the job requeue and finish."""
+    (tmp_path / "logs").mkdir(exist_ok=True)
+    exports = ",".join(
+        ["ALL", "DDPACK_TRAIN_ARGS=--dataset-size 16384 --epochs 2 --log-every 1", *(f"{k}={v}" for k, v in settings.items())]
+    )
+    job = (
+        subprocess.run(
+            ["sbatch", "--parsable", f"--job-name={name}", f"--export={exports}", *sbatch_args, str(ROOT / "enroot" / "baremetal.sbatch")],
+            env=env(OMP_NUM_THREADS="1"),
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        .stdout.strip()
+        .split(";")[0]
+    )
+    metrics, log = tmp_path / "runs" / name / "metrics.jsonl", tmp_path / "logs" / f"{name}-{job}.out"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count('"progress"') >= 20):
+        assert time.monotonic() < deadline, "the job did not start training"
+        time.sleep(0.2)
+    subprocess.run(["scancel", "--signal=USR1", job], check=True)
+    deadline = time.monotonic() + 240
+    requeued = False
+    while True:
+        state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout.strip()
+        if not requeued and log.exists() and "requeueing job" in log.read_text():
+            # Slurm holds a requeued job for a while; let it start now.
+            requeued = subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], capture_output=True).returncode == 0
+        if not state and requeued:
+            break
+        assert time.monotonic() < deadline, f"job {job} did not finish: {state}\n{log.read_text() if log.exists() else ''}"
+        time.sleep(1)
+    return log.read_text()
+
+
+def test_usr1_preempts_requeues_and_resumes_per_task_shape(tmp_path: Path) -> None:
+    log = preempt_and_resume(tmp_path, "pre1")
+    assert log.count("stopped on SIGUSR1") == 4 and "ddpack: preempted (exit 138); requeueing" in log
+    assert "(restart 1)" in log and "[rank 0/4] resumed after epoch" in log
+    assert "checksums agree across 4 ranks" in log.split("(restart 1)")[1]
+
+
+def test_usr1_reaches_torchrun_workers_in_the_per_node_shape(tmp_path: Path) -> None:
+    log = preempt_and_resume(tmp_path, "pre2", ("--ntasks-per-node=1",), DDPACK_LAUNCH_ARGS="--nproc-per-node 2")
+    first = log.split("(restart 1)")[0]
+    assert first.count("stopped on SIGUSR1") == 4, first
+    assert "requeueing job" in first and "checksums agree across 4 ranks" in log.split("(restart 1)")[1]
