@@ -35,7 +35,7 @@ GPU_REF := $(IMAGE):$(TAG)-gpu
 AWS_ENV := AWS_REGION='$(AWS_REGION)' REGISTRY='$(REGISTRY)'
 IMAGE_ENV := BASE_IMAGE='$(BASE_IMAGE)' WHEELHOUSE='$(WHEELHOUSE)' CA_BUNDLE='$(CA_BUNDLE)' TORCH_VERSION='$(TORCH_VERSION)'
 
-.PHONY: help venv test test-quick lint bench bench-images clean engine base image image-gpu smoke push push-gpu enroot-credentials sqsh sqsh-gpu
+.PHONY: help venv test test-quick lint bench bench-images bench-sqsh clean engine base image image-gpu smoke push push-gpu enroot-credentials sqsh sqsh-gpu
 
 help: ## list targets and variables
 	@echo "ddpack - build, ship and launch PyTorch DDP in containers on Slurm"
@@ -91,6 +91,9 @@ smoke: image ## two-container gloo DDP run (pair, then torchrun 2x2) with plain 
 
 bench-images: engine ## print image size vs floor, cold and one-line-change build times, GPU image size
 	$(IMAGE_ENV) $(VPY) bench/bench_images.py --gpu
+
+bench-sqsh: image ## print squashfs conversion time and size per converter and compression
+	$(VPY) bench/bench_sqsh.py --image $(CPU_REF)
 
 push: engine ## push IMAGE:TAG to ECR (boto3 + docker SDK; AWS_REGION, ECR_REPOSITORY, PUSH_ARGS)
 	$(AWS_ENV) $(VPY) -m ddpack.push --image $(CPU_REF) --repository $(ECR_REPOSITORY) --tag $(TAG) $(PUSH_ARGS)
