@@ -169,16 +169,22 @@ def _tool(name: str, package: str) -> str:
     return path
 
 
+def _feed(argv: list[str], chunks: Iterator[bytes], metadata: dict[str, str]) -> int:
+    """Run `argv` with the rewritten root filesystem tar on its standard input; its exit code."""
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE)
+    try:
+        rootfs_tar(chunks, metadata, proc.stdin)
+    finally:
+        proc.stdin.close()
+        code = proc.wait()
+    return code
+
+
 def convert_mksquashfs(chunks: Iterator[bytes], metadata: dict[str, str], tmp_out: Path, workspace: Path) -> None:
     mksquashfs = _tool("mksquashfs", "squashfs-tools")
     root = workspace / "rootfs"
     root.mkdir()
-    tar = subprocess.Popen(["tar", "-C", str(root), "--numeric-owner", "-px"], stdin=subprocess.PIPE)
-    try:
-        rootfs_tar(chunks, metadata, tar.stdin)
-    finally:
-        tar.stdin.close()
-        code = tar.wait()
+    code = _feed(["tar", "-C", str(root), "--numeric-owner", "-px"], chunks, metadata)
     if code != 0:
         raise HostError(f"extracting the image failed (tar exit {code}); is there space in {workspace}?")
     argv = [mksquashfs, str(root), str(tmp_out), "-noappend", "-all-root", *_squash_options()]
@@ -193,12 +199,7 @@ def convert_tar2sqfs(chunks: Iterator[bytes], metadata: dict[str, str], tmp_out:
     argv = [tar2sqfs, "--force", "--quiet", "--no-keep-time"]
     if "-comp" in options and options.index("-comp") + 1 < len(options):
         argv += ["--compressor", options[options.index("-comp") + 1]]
-    proc = subprocess.Popen([*argv, str(tmp_out)], stdin=subprocess.PIPE)
-    try:
-        rootfs_tar(chunks, metadata, proc.stdin)
-    finally:
-        proc.stdin.close()
-        code = proc.wait()
+    code = _feed([*argv, str(tmp_out)], chunks, metadata)
     if code != 0:
         raise HostError(f"tar2sqfs failed (exit {code}); its output above says why")
 

@@ -218,15 +218,22 @@ def _torchrun_argv(command: tuple[str, ...], nnodes: int, nproc: int, endpoint: 
 TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 
-def _torchrun_env(environ: Mapping[str, str], host: Host, backend: str, nproc: int, procs_per_task: int = 1) -> dict[str, str]:
-    env = {"DDPACK_BACKEND": backend, **_omp_threads(environ, host, nproc, procs_per_task)}
-    if "PET_SIGNALS_TO_HANDLE" not in environ:
-        env["PET_SIGNALS_TO_HANDLE"] = TORCHRUN_SIGNALS
-    return env
+@dataclass(frozen=True)
+class _Inputs:
+    """Everything a resolver reads, passed as one value."""
+
+    mode: str
+    environ: Mapping[str, str]
+    options: Options
+    host: Host
+    backend: str
 
 
-def _exec_env(rank: int, world: int, local_rank: int, local_world: int, node_rank: int, addr: str, port: int) -> dict[str, str]:
-    return {
+def _exec_plan(
+    inp: _Inputs, rank: int, world: int, local_rank: int, local_world: int, node_rank: int, nnodes: int, addr: str, port: int
+) -> Plan:
+    """This process is the rank: exec the command with the DDP variables set."""
+    env = {
         "RANK": str(rank),
         "WORLD_SIZE": str(world),
         "LOCAL_RANK": str(local_rank),
@@ -235,15 +242,33 @@ def _exec_env(rank: int, world: int, local_rank: int, local_world: int, node_ran
         "GROUP_RANK": str(node_rank),
         "MASTER_ADDR": addr,
         "MASTER_PORT": str(port),
+        "DDPACK_BACKEND": inp.backend,
+        **_omp_threads(inp.environ, inp.host, local_world),
     }
+    return Plan(
+        inp.mode, "exec", rank, world, local_rank, local_world, node_rank, nnodes, addr, port, inp.backend, inp.options.command, env
+    )
 
 
-def _resolve_torchelastic(environ: Mapping[str, str], options: Options, host: Host, backend: str) -> Plan:
+def _torchrun_plan(
+    inp: _Inputs, nnodes: int, nproc: int, node_rank: int, addr: str, port: int, rdzv_id: str | None, procs_per_task: int = 1
+) -> Plan:
+    """This process becomes a torchrun agent for `nproc` local ranks; rdzv_id None means --standalone."""
+    endpoint = None if rdzv_id is None else f"{url_host(addr)}:{port}"
+    argv = _torchrun_argv(inp.options.command, nnodes, nproc, endpoint, rdzv_id or "")
+    env = {"DDPACK_BACKEND": inp.backend, **_omp_threads(inp.environ, inp.host, nproc, procs_per_task)}
+    if "PET_SIGNALS_TO_HANDLE" not in inp.environ:
+        env["PET_SIGNALS_TO_HANDLE"] = TORCHRUN_SIGNALS
+    return Plan(inp.mode, "torchrun", None, nnodes * nproc, None, nproc, node_rank, nnodes, addr, port, inp.backend, argv, env)
+
+
+def _resolve_torchelastic(inp: _Inputs) -> Plan:
     """Under torchrun the environment is already right: pass it through, adding only what is absent."""
+    environ = inp.environ
     world = _opt_int_var(environ, "WORLD_SIZE", 1, 1)
     local_world = _opt_int_var(environ, "LOCAL_WORLD_SIZE", 1, 1)
-    env = {"DDPACK_BACKEND": backend} if "DDPACK_BACKEND" not in environ else {}
-    env.update(_omp_threads(environ, host, local_world))
+    env = {"DDPACK_BACKEND": inp.backend} if "DDPACK_BACKEND" not in environ else {}
+    env.update(_omp_threads(environ, inp.host, local_world))
     return Plan(
         mode="torchelastic",
         launcher="exec",
@@ -254,15 +279,16 @@ def _resolve_torchelastic(environ: Mapping[str, str], options: Options, host: Ho
         node_rank=_opt_int_var(environ, "GROUP_RANK", 0),
         nnodes=max(1, world // local_world),
         master_addr=environ.get("MASTER_ADDR", ""),
-        master_port=_port_var(environ, "MASTER_PORT", 0) if "MASTER_PORT" in environ else 0,
-        backend=backend,
-        argv=options.command,
+        master_port=_port_var(environ, "MASTER_PORT", 0),
+        backend=inp.backend,
+        argv=inp.options.command,
         env=env,
     )
 
 
-def _resolve_slurm(environ: Mapping[str, str], options: Options, host: Host, backend: str) -> Plan:
+def _resolve_slurm(inp: _Inputs) -> Plan:
     """A task of an `srun` step: the step's variables, not the job's, say where this task stands."""
+    environ = inp.environ
     world = _int_var(environ, "SLURM_STEP_NUM_TASKS", 1, "the number of tasks in the step")
     rank = _int_var(environ, "SLURM_PROCID", 0, "this task's rank in the step")
     node_rank = _int_var(environ, "SLURM_NODEID", 0, "this task's node index in the step")
@@ -302,61 +328,30 @@ def _resolve_slurm(environ: Mapping[str, str], options: Options, host: Host, bac
 
     addr = bare_host(environ["MASTER_ADDR"]) if environ.get("MASTER_ADDR") else hosts[0]
     port = _port_var(environ, "MASTER_PORT", slurm_master_port(job_id, step_id))
-    devices = visible_cuda_devices(environ, host)
     one_task_per_node = all(count == 1 for count in tasks_per_node)
-    nproc = options.nproc_per_node
+    nproc = inp.options.nproc_per_node
     if nproc is not None and not one_task_per_node:
         raise PlanError(
             f"--nproc-per-node needs one Slurm task per node, but {tpn_var}={environ[tpn_var]!r}; "
             "use --ntasks-per-node=1 or drop --nproc-per-node"
         )
+    devices = visible_cuda_devices(environ, inp.host)
     if one_task_per_node and (nproc or devices > 1):
         nproc = nproc or devices
-        endpoint = f"{url_host(addr)}:{port}"
-        env = _torchrun_env(environ, host, backend, nproc, nproc)
-        return Plan(
-            mode="slurm",
-            launcher="torchrun",
-            rank=None,
-            world_size=len(hosts) * nproc,
-            local_rank=None,
-            local_world_size=nproc,
-            node_rank=node_rank,
-            nnodes=len(hosts),
-            master_addr=addr,
-            master_port=port,
-            backend=backend,
-            argv=_torchrun_argv(options.command, len(hosts), nproc, endpoint, str(job_id)),
-            env=env,
-        )
-    env = _exec_env(rank, world, local_rank, local_world, node_rank, addr, port)
-    env.update({"DDPACK_BACKEND": backend, **_omp_threads(environ, host, local_world)})
-    return Plan(
-        mode="slurm",
-        launcher="exec",
-        rank=rank,
-        world_size=world,
-        local_rank=local_rank,
-        local_world_size=local_world,
-        node_rank=node_rank,
-        nnodes=len(hosts),
-        master_addr=addr,
-        master_port=port,
-        backend=backend,
-        argv=options.command,
-        env=env,
-    )
+        return _torchrun_plan(inp, len(hosts), nproc, node_rank, addr, port, str(job_id), procs_per_task=nproc)
+    return _exec_plan(inp, rank, world, local_rank, local_world, node_rank, len(hosts), addr, port)
 
 
-def _resolve_env(environ: Mapping[str, str], options: Options, host: Host, backend: str) -> Plan:
+def _resolve_env(inp: _Inputs) -> Plan:
     """`docker run -e RANK=... -e WORLD_SIZE=... -e MASTER_ADDR=...`: use what is given.
 
     With --nproc-per-node, each container is one node running torchrun: give NNODES and NODE_RANK
     (not RANK/WORLD_SIZE, which torchrun assigns per process).
     """
+    environ = inp.environ
     port = _port_var(environ, "MASTER_PORT", DEFAULT_MASTER_PORT)
     addr = bare_host(environ.get("MASTER_ADDR", ""))
-    if options.nproc_per_node is not None:
+    if inp.options.nproc_per_node is not None:
         if "RANK" in environ or "WORLD_SIZE" in environ:
             raise PlanError(
                 "RANK/WORLD_SIZE are set together with --nproc-per-node; torchrun assigns them, so set NNODES and NODE_RANK instead"
@@ -367,24 +362,8 @@ def _resolve_env(environ: Mapping[str, str], options: Options, host: Host, backe
             raise PlanError(f"NODE_RANK={node_rank} is not below NNODES={nnodes}")
         if nnodes > 1 and not addr:
             raise PlanError(f"NNODES={nnodes} but MASTER_ADDR is not set; set it to node 0's host name or address")
-        nproc = options.nproc_per_node
-        endpoint = f"{url_host(addr or '127.0.0.1')}:{port}"
         rdzv_id = environ.get("RDZV_ID", "ddpack")
-        return Plan(
-            mode="env",
-            launcher="torchrun",
-            rank=None,
-            world_size=nnodes * nproc,
-            local_rank=None,
-            local_world_size=nproc,
-            node_rank=node_rank,
-            nnodes=nnodes,
-            master_addr=addr or "127.0.0.1",
-            master_port=port,
-            backend=backend,
-            argv=_torchrun_argv(options.command, nnodes, nproc, endpoint, rdzv_id),
-            env=_torchrun_env(environ, host, backend, nproc),
-        )
+        return _torchrun_plan(inp, nnodes, inp.options.nproc_per_node, node_rank, addr or "127.0.0.1", port, rdzv_id)
     if "RANK" not in environ or "WORLD_SIZE" not in environ:
         missing = "RANK" if "RANK" not in environ else "WORLD_SIZE"
         raise PlanError(f"{missing} is not set; set RANK and WORLD_SIZE together (or neither, for one process)")
@@ -399,64 +378,18 @@ def _resolve_env(environ: Mapping[str, str], options: Options, host: Host, backe
     node_rank = _opt_int_var(environ, "NODE_RANK", rank // local_world)
     if world > 1 and not addr:
         raise PlanError(f"WORLD_SIZE={world} but MASTER_ADDR is not set; set it to rank 0's host name or address")
-    addr = addr or "127.0.0.1"
-    env = _exec_env(rank, world, local_rank, local_world, node_rank, addr, port)
-    env.update({"DDPACK_BACKEND": backend, **_omp_threads(environ, host, local_world)})
-    return Plan(
-        mode="env",
-        launcher="exec",
-        rank=rank,
-        world_size=world,
-        local_rank=local_rank,
-        local_world_size=local_world,
-        node_rank=node_rank,
-        nnodes=max(1, world // local_world),
-        master_addr=addr,
-        master_port=port,
-        backend=backend,
-        argv=options.command,
-        env=env,
-    )
+    nnodes = max(1, world // local_world)
+    return _exec_plan(inp, rank, world, local_rank, local_world, node_rank, nnodes, addr or "127.0.0.1", port)
 
 
-def _resolve_single(environ: Mapping[str, str], options: Options, host: Host, backend: str) -> Plan:
+def _resolve_single(inp: _Inputs) -> Plan:
     """Nothing set: one process on loopback, or `torchrun --standalone` when N processes are asked for."""
-    addr = bare_host(environ.get("MASTER_ADDR") or "127.0.0.1")
-    port = _port_var(environ, "MASTER_PORT", host.free_port)
-    nproc = options.nproc_per_node or 1
+    addr = bare_host(inp.environ.get("MASTER_ADDR") or "127.0.0.1")
+    port = _port_var(inp.environ, "MASTER_PORT", inp.host.free_port)
+    nproc = inp.options.nproc_per_node or 1
     if nproc > 1:
-        return Plan(
-            mode="single",
-            launcher="torchrun",
-            rank=None,
-            world_size=nproc,
-            local_rank=None,
-            local_world_size=nproc,
-            node_rank=0,
-            nnodes=1,
-            master_addr=addr,
-            master_port=port,
-            backend=backend,
-            argv=_torchrun_argv(options.command, 1, nproc, None, ""),
-            env=_torchrun_env(environ, host, backend, nproc),
-        )
-    env = _exec_env(0, 1, 0, 1, 0, addr, port)
-    env.update({"DDPACK_BACKEND": backend, **_omp_threads(environ, host, 1)})
-    return Plan(
-        mode="single",
-        launcher="exec",
-        rank=0,
-        world_size=1,
-        local_rank=0,
-        local_world_size=1,
-        node_rank=0,
-        nnodes=1,
-        master_addr=addr,
-        master_port=port,
-        backend=backend,
-        argv=options.command,
-        env=env,
-    )
+        return _torchrun_plan(inp, 1, nproc, 0, addr, port, rdzv_id=None)
+    return _exec_plan(inp, 0, 1, 0, 1, 0, 1, addr, port)
 
 
 _RESOLVERS = {
@@ -471,5 +404,5 @@ def resolve_plan(environ: Mapping[str, str], options: Options, host: Host) -> Pl
     """The one entry point: environment + options + host facts -> a validated Plan (or PlanError)."""
     if options.nproc_per_node is not None and options.nproc_per_node < 1:
         raise PlanError(f"--nproc-per-node={options.nproc_per_node} is not >= 1")
-    backend = choose_backend(environ, options, host)
-    return _RESOLVERS[detect_mode(environ)](environ, options, host, backend)
+    mode = detect_mode(environ)
+    return _RESOLVERS[mode](_Inputs(mode, environ, options, host, choose_backend(environ, options, host)))

@@ -142,10 +142,17 @@ def test_truncated_snapshot_is_reported_skipped_and_kept(tmp_path: Path) -> None
     assert aside.exists() and aside.stat().st_size == len(data) // 2
 
 
-def test_killed_peer_ends_the_survivor_within_the_timeout(tmp_path: Path) -> None:
+def running_pair(tmp_path: Path, timeout_s: int):
+    """Two ranks with a short collective timeout, past their fifth step."""
     metrics = tmp_path / "m.jsonl"
-    job = start_slurm_step(tmp_path, [2], [*LONG, "--snapshot-dir", "", "--collective-timeout", "10", "--metrics-file", str(metrics)])
+    args = [*LONG, "--snapshot-dir", "", "--collective-timeout", str(timeout_s), "--metrics-file", str(metrics)]
+    job = start_slurm_step(tmp_path, [2], args)
     wait_for(lambda: metrics_step(metrics) >= 5, 60, "step 5")
+    return job
+
+
+def test_killed_peer_ends_the_survivor_within_the_timeout(tmp_path: Path) -> None:
+    job = running_pair(tmp_path, 10)
     job.send(signal.SIGKILL, [1])
     started = time.monotonic()
     code = job.procs[0].wait(timeout=60)
@@ -155,9 +162,7 @@ def test_killed_peer_ends_the_survivor_within_the_timeout(tmp_path: Path) -> Non
 
 def test_silent_peer_times_out(tmp_path: Path) -> None:
     """A peer that stops answering (SIGSTOP: a hung node) trips the collective timeout."""
-    metrics = tmp_path / "m.jsonl"
-    job = start_slurm_step(tmp_path, [2], [*LONG, "--snapshot-dir", "", "--collective-timeout", "5", "--metrics-file", str(metrics)])
-    wait_for(lambda: metrics_step(metrics) >= 5, 60, "step 5")
+    job = running_pair(tmp_path, 5)
     job.send(signal.SIGSTOP, [1])
     started = time.monotonic()
     try:
