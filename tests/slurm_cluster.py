@@ -21,6 +21,8 @@ ClusterName=ddpack
 SlurmctldHost=localhost
 AuthType=auth/munge
 CredType=cred/munge
+# A requeued job waits out the credential lifetime before it may start again (default 120 s).
+AuthInfo=cred_expire=10
 SlurmUser=root
 SlurmdUser=root
 SlurmctldPort=6817

@@ -109,6 +109,16 @@ def test_docker_hostnet_template(tmp_path: Path) -> None:
     assert "checksums agree across 2 ranks" in log and "[rank 1/2] start: rank 1 world 2" in log
 
 
+FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+
+
+def job_state(job: str) -> tuple[str, str, int]:
+    """(JobState, Reason, Restarts) from scontrol, which keeps a finished job for MinJobAge seconds."""
+    out = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True, text=True).stdout
+    fields = dict(item.split("=", 1) for item in out.split() if "=" in item)
+    return fields.get("JobState", ""), fields.get("Reason", ""), int(fields.get("Restarts", "0"))
+
+
 def preempt_and_resume(tmp_path: Path, name: str, sbatch_args: tuple[str, ...] = (), **settings: str) -> str:
     """Submit, signal USR1 mid-run as `--signal=USR1@90` would, let the job requeue and finish."""
     (tmp_path / "logs").mkdir(exist_ok=True)
@@ -133,18 +143,22 @@ def preempt_and_resume(tmp_path: Path, name: str, sbatch_args: tuple[str, ...] =
         assert time.monotonic() < deadline, "the job did not start training"
         time.sleep(0.2)
     subprocess.run(["scancel", "--signal=USR1", job], check=True)
-    deadline = time.monotonic() + 240
-    requeued = False
+    # Slurm itself starts the requeued job once the old credential expires (cred_expire in the test cluster).
+    deadline, pending_again, seen = time.monotonic() + 240, False, []
     while True:
-        state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout.strip()
-        if not requeued and log.exists() and "requeueing job" in log.read_text():
-            # Slurm holds a requeued job for a while; let it start now.
-            requeued = subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], capture_output=True).returncode == 0
-        if not state and requeued:
+        state, reason, restarts = job_state(job)
+        if not seen or seen[-1] != (state, reason, restarts):
+            seen.append((state, reason, restarts))
+        if restarts == 0 and state in FINAL_STATES:
+            pytest.fail(f"job {job} ended ({state}) without requeueing:\n{log.read_text()}")
+        pending_again = pending_again or (restarts >= 1 and state == "PENDING")
+        if pending_again and state in FINAL_STATES:  # the run after the requeue, not the preempted one ending
             break
         assert time.monotonic() < deadline, f"job {job} did not finish: {state}\n{log.read_text() if log.exists() else ''}"
         time.sleep(1)
-    return log.read_text()
+    text = log.read_text()
+    assert "(restart 1)" in text, f"job {job} states {seen}:\n{text}"
+    return text
 
 
 def test_usr1_preempts_requeues_and_resumes_per_task_shape(tmp_path: Path) -> None:
