@@ -17,24 +17,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
-from docker_support import build_settings  # noqa: E402
 
 from ddpack.engine import docker_client  # noqa: E402
-from ddpack.images import CONTEXT_ITEMS, build_image  # noqa: E402
+from ddpack.images import CONTEXT_ITEMS, build_image, default_ca_bundle, default_wheelhouse  # noqa: E402
 
 MIB = 2**20
 
 
 def timed_build(variant: str, tag: str, source: Path = ROOT, no_cache: bool = False) -> float:
-    settings = build_settings()
     started = time.monotonic()
     build_image(
         variant,
         tag,
-        wheelhouse=settings["wheelhouse"],
-        ca_bundle=settings["ca_bundle"],
+        wheelhouse=default_wheelhouse(),
+        ca_bundle=default_ca_bundle(),
         version="bench",
         extra_args=("--no-cache",) if no_cache else (),
         source=source,

@@ -13,6 +13,7 @@ import argparse
 import os
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -107,6 +108,25 @@ def stage_context(dest: Path, wheels: list[Path], source: Path = ROOT) -> Path:
     return dest
 
 
+def default_wheelhouse() -> Path | None:
+    """WHEELHOUSE, else the find-links folder of the user's pip config (where a local torch wheel lives)."""
+    if os.environ.get("WHEELHOUSE"):
+        return Path(os.environ["WHEELHOUSE"])
+    links = subprocess.run(
+        [sys.executable, "-m", "pip", "config", "get", "global.find-links"], capture_output=True, text=True
+    ).stdout.strip()
+    return Path(links) if links and Path(links).is_dir() else None
+
+
+def default_ca_bundle() -> Path | None:
+    """CA_BUNDLE, else the bundle pip or OpenSSL are told to trust, when it exists."""
+    for name in ("CA_BUNDLE", "PIP_CERT", "SSL_CERT_FILE"):
+        value = os.environ.get(name)
+        if value and (name == "CA_BUNDLE" or Path(value).is_file()):
+            return Path(value)
+    return None
+
+
 def git_revision() -> str:
     try:
         rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
@@ -173,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--base", default=os.environ.get("BASE_IMAGE") or None, help=f"base image (default {DEFAULT_BASE}, else {LOCAL_BASE})"
     )
-    parser.add_argument("--wheelhouse", type=Path, default=Path(os.environ["WHEELHOUSE"]) if os.environ.get("WHEELHOUSE") else None)
-    parser.add_argument("--ca-bundle", type=Path, default=Path(os.environ["CA_BUNDLE"]) if os.environ.get("CA_BUNDLE") else None)
+    parser.add_argument("--wheelhouse", type=Path, default=None, help="default: WHEELHOUSE, else pip's find-links folder")
+    parser.add_argument("--ca-bundle", type=Path, default=None, help="default: CA_BUNDLE, else PIP_CERT or SSL_CERT_FILE")
     parser.add_argument("--torch-version", default=os.environ.get("TORCH_VERSION", "2.13.0"))
     parser.add_argument("--torch-index", default=os.environ.get("TORCH_INDEX_URL") or None, help="index for torch (default: the variant's)")
     parser.add_argument("--version", default="dev", help="value of the org.opencontainers.image.version label")

@@ -4,13 +4,12 @@ images built once per session through the same code `make image` runs."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 from docker.errors import DockerException
 
 import docker
-from ddpack.images import build_image
+from ddpack.images import build_image, default_ca_bundle, default_wheelhouse
 
 TEST_TAG = "ddpack:pytest"
 TEST_GPU_TAG = "ddpack:pytest-gpu"
@@ -28,18 +27,8 @@ def engine_or_skip() -> docker.DockerClient:
 
 
 def build_settings() -> dict:
-    """What `make image` would pass: pip's find-links as wheelhouse and the CA bundle, when present."""
-    import subprocess
-    import sys
-
-    links = subprocess.run(
-        [sys.executable, "-m", "pip", "config", "get", "global.find-links"], capture_output=True, text=True
-    ).stdout.strip()
-    ca = os.environ.get("PIP_CERT") or os.environ.get("SSL_CERT_FILE")
-    return {
-        "wheelhouse": Path(links) if links and Path(links).is_dir() else None,
-        "ca_bundle": Path(ca) if ca and Path(ca).is_file() else None,
-    }
+    """What `make image` would pass (the same defaults the build command uses)."""
+    return {"wheelhouse": default_wheelhouse(), "ca_bundle": default_ca_bundle()}
 
 
 def build(variant: str, tag: str) -> str:
