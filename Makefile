@@ -14,10 +14,11 @@ IMAGE         ?= ddpack
 TAG           ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
 # Empty: python:3.11-slim-bookworm, or a base built from Debian's archive when that cannot be pulled.
 BASE_IMAGE    ?=
-# A folder of wheels (torch...) to install from instead of the network; default: pip's find-links, if set.
-WHEELHOUSE    ?= $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
-# A CA bundle for TLS to the package index during builds (a BuildKit secret: never stored in the image).
-CA_BUNDLE     ?= $(firstword $(wildcard $(PIP_CERT) $(SSL_CERT_FILE)))
+# A folder of wheels (torch...) to install from; empty: pip's find-links folders (ddpack/build_inputs.py).
+WHEELHOUSE    ?=
+# A CA bundle for TLS to the package index during builds (a BuildKit secret: never stored in the image);
+# empty: pip's cert (PIP_CERT or pip's config), else SSL_CERT_FILE.
+CA_BUNDLE     ?=
 BUILD_ARGS    ?=
 # Push: the ECR repository (created when missing) and, for stand-ins, a registry host to use instead.
 ECR_REPOSITORY ?= $(IMAGE)
@@ -46,7 +47,7 @@ help: ## list targets and variables
 	@echo "Variables (make VAR=value or environment):"
 	@echo "  IMAGE=$(IMAGE) TAG=$(TAG)  ->  $(CPU_REF), $(GPU_REF)"
 	@echo "  BASE_IMAGE=$(BASE_IMAGE) (empty: python:3.11-slim-bookworm, else a Debian-archive base)"
-	@echo "  WHEELHOUSE=$(WHEELHOUSE) CA_BUNDLE=$(CA_BUNDLE)"
+	@echo "  WHEELHOUSE=$(WHEELHOUSE) (empty: pip's find-links) CA_BUNDLE=$(CA_BUNDLE) (empty: pip's cert, else SSL_CERT_FILE)"
 	@echo "  BUILD_ARGS=$(BUILD_ARGS) (e.g. --build-arg INSTALL_EFA=1 for image-gpu)"
 	@echo "  REGISTRY=$(REGISTRY) AWS_REGION=$(AWS_REGION) ECR_REPOSITORY=$(ECR_REPOSITORY) PUSH_ARGS=$(PUSH_ARGS)"
 	@echo "  SQSH=$(SQSH) SQSH_GPU=$(SQSH_GPU) SQSH_CONVERTER=$(SQSH_CONVERTER) ENROOT_SQUASH_OPTIONS=$(ENROOT_SQUASH_OPTIONS)"

@@ -19,22 +19,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ddpack.engine import docker_client  # noqa: E402
-from ddpack.images import CONTEXT_ITEMS, build_image, default_ca_bundle, default_wheelhouse  # noqa: E402
+from ddpack.images import CONTEXT_ITEMS, build_image, plan_build  # noqa: E402
 
 MIB = 2**20
 
 
 def timed_build(variant: str, tag: str, source: Path = ROOT, no_cache: bool = False) -> float:
     started = time.monotonic()
-    build_image(
-        variant,
-        tag,
-        wheelhouse=default_wheelhouse(),
-        ca_bundle=default_ca_bundle(),
-        version="bench",
-        extra_args=("--no-cache",) if no_cache else (),
-        source=source,
-    )
+    build_image(plan_build(variant=variant, tag=tag, version="bench", extra_args=("--no-cache",) if no_cache else (), source=source))
     return time.monotonic() - started
 
 

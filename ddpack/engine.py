@@ -7,11 +7,13 @@ docker.io if needed and starts dockerd in the background.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import os
 import shutil
 import subprocess
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from docker.errors import DockerException
 
@@ -70,6 +72,72 @@ def buildkit_cli() -> BuildCli:
     raise HostError("no docker CLI with BuildKit found; install docker-buildx (docker-ce) or Debian's docker.io (/usr/bin/docker 20.10)")
 
 
+# dpkg's and apt's locks (fcntl locks, as apt takes them); unattended-upgrades holds them for minutes.
+APT_LOCKS = ("/var/lib/dpkg/lock-frontend", "/var/lib/dpkg/lock", "/var/lib/apt/lists/lock")
+APT_LOCK_WAIT_S = 300.0  # DDPACK_APT_LOCK_WAIT overrides it
+
+
+def apt_lock_wait_s() -> float:
+    try:
+        return float(os.environ.get("DDPACK_APT_LOCK_WAIT") or APT_LOCK_WAIT_S)
+    except ValueError:
+        raise HostError(f"DDPACK_APT_LOCK_WAIT={os.environ['DDPACK_APT_LOCK_WAIT']} is not a number of seconds", code=2) from None
+
+
+def _lock_held(path: str) -> bool:
+    """True when another process holds the fcntl lock on `path` (taking it here and releasing it at once)."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return False  # no such lock file, or not ours to open: nothing to wait for
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # closing drops the lock if it was taken
+    return False
+
+
+def wait_for_apt_locks(locks: tuple[str, ...], timeout_s: float, poll_s: float = 1.0) -> float:
+    """Wait until no other apt/dpkg holds its locks; returns the seconds left of `timeout_s`. One line
+    says who we wait for; after `timeout_s` a one-line error says what to do."""
+    deadline = time.monotonic() + timeout_s
+    announced = False
+    while True:
+        held = [lock for lock in locks if _lock_held(lock)]
+        if not held:
+            return max(1.0, deadline - time.monotonic())
+        if not announced:
+            print(f"engine: another apt/dpkg holds {held[0]} (unattended upgrades?); waiting up to {timeout_s:.0f}s", flush=True)
+            announced = True
+        if time.monotonic() >= deadline:
+            raise HostError(
+                f"{held[0]} is still held by another apt/dpkg after {timeout_s:.0f}s; wait for it to finish (ps -C apt-get,dpkg,unattended-upgr) and rerun"
+            )
+        time.sleep(poll_s)
+
+
+def _apt(args: list[str], wait_s: float) -> None:
+    argv = ["apt-get", "-o", f"DPkg::Lock::Timeout={int(wait_s)}", *args]
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    try:
+        result = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    except OSError as exc:
+        raise HostError(f"cannot run apt-get ({exc.strerror}); install the packages yourself") from None
+    if result.returncode != 0:
+        errors = [line for line in result.stderr.splitlines() if line.startswith("E:")] or result.stderr.strip().splitlines() or ["no message"]
+        raise HostError(f"apt-get {' '.join(args)} failed (exit {result.returncode}): {errors[-1][:200]}; fix apt, or install them yourself and rerun")
+
+
+def apt_install(packages: tuple[str, ...], locks: tuple[str, ...] = APT_LOCKS) -> None:
+    """apt-get update + install, waiting (bounded) for another apt/dpkg to finish first."""
+    wait_s = apt_lock_wait_s()
+    print(f"engine: installing Debian's {' '.join(packages)} ...", flush=True)
+    _apt(["update", "-qq"], wait_for_apt_locks(locks, wait_s))
+    _apt(["install", "-y", "-qq", *packages], wait_for_apt_locks(locks, wait_s))
+
+
 def ensure_debian_packages(command: str, packages: tuple[str, ...]) -> None:
     """Make `command` available, installing Debian packages when root on a Debian-like host."""
     if shutil.which(command) is not None:
@@ -78,10 +146,7 @@ def ensure_debian_packages(command: str, packages: tuple[str, ...]) -> None:
         raise HostError(
             f"{command} is not installed; install {' '.join(packages)} (as root on Debian: apt-get install -y {' '.join(packages)})"
         )
-    print(f"installing Debian's {' '.join(packages)} for {command} ...", flush=True)
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
-    subprocess.run(["apt-get", "install", "-y", "-qq", *packages], check=True, env=env, stdout=subprocess.DEVNULL)
+    apt_install(packages)
 
 
 def start_engine(wait_s: float = 60) -> None:
@@ -97,14 +162,13 @@ def start_engine(wait_s: float = 60) -> None:
     if shutil.which("dockerd") is None:
         if shutil.which("apt-get") is None:
             raise HostError("dockerd is not installed and this is not a Debian-like system; install Docker for your OS")
-        print("engine: installing Debian's docker.io ...", flush=True)
-        subprocess.run(["apt-get", "update", "-qq"], check=True)
-        subprocess.run(
-            ["apt-get", "install", "-y", "-qq", "docker.io"], check=True, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        )
+        apt_install(("docker.io",))
     print(f"engine: starting dockerd (log: {DOCKERD_LOG})", flush=True)
-    with open(DOCKERD_LOG, "ab") as log:
-        subprocess.Popen(["dockerd"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        with open(DOCKERD_LOG, "ab") as log:
+            daemon = subprocess.Popen(["dockerd"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    except OSError as exc:
+        raise HostError(f"cannot start dockerd ({exc.strerror}); is docker.io installed?") from None
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         try:
@@ -112,8 +176,18 @@ def start_engine(wait_s: float = 60) -> None:
             print("engine: dockerd is up")
             return
         except DockerException:
+            if daemon.poll() is not None:
+                raise HostError(f"dockerd exited ({daemon.returncode}): {_last_line(DOCKERD_LOG)}; see {DOCKERD_LOG}") from None
             time.sleep(0.5)
-    raise HostError(f"dockerd did not answer within {wait_s:.0f}s; see {DOCKERD_LOG}")
+    raise HostError(f"dockerd did not answer within {wait_s:.0f}s: {_last_line(DOCKERD_LOG)}; see {DOCKERD_LOG}")
+
+
+def _last_line(path: str) -> str:
+    try:
+        lines = Path(path).read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return "no log"
+    return lines[-1][:200] if lines else "no log"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,32 +1,36 @@
 """Build the CPU (`Dockerfile`) or GPU (`Dockerfile.gpu`) image with BuildKit.
 
-The build context is staged under build/context: the bundle's code, the Dockerfiles and, when
-WHEELHOUSE is given, hard links (or copies) of its wheels, which the Dockerfile bind-mounts so
-they never land in a layer. A CA bundle for the package index goes in as a BuildKit secret, likewise
-never stored. The base defaults to python:3.11-slim-bookworm and falls back to a base built from
+The build context is staged under build/context: the bundle's code, the Dockerfiles and hard links
+(or copies) of the wheelhouse's wheels, which the Dockerfile bind-mounts so they never land in a
+layer. A CA bundle for the package index goes in as a BuildKit secret, likewise never stored. Where
+the wheelhouse and the CA bundle come from is decided in one place, `ddpack.build_inputs`; a
+`--dry-run` prints what a build would use. The base defaults to python:3.11-slim-bookworm and falls back to a base built from
 Debian's archive (`ddpack.base`) when that cannot be pulled.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
-import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from docker.errors import APIError, ImageNotFound
+from docker.errors import APIError, ContainerError, ImageNotFound
 
 from ddpack.base import LOCAL_BASE, build_base
+from ddpack.build_inputs import BuildInputs, check_wheels_run_on, read_pip_settings, resolve_build_inputs
 from ddpack.engine import buildkit_cli, docker_client
 from ddpack.errors import HostError, run_verb
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BASE = "python:3.11-slim-bookworm"
+DEFAULT_TORCH_VERSION = "2.13.0"
 CONTEXT_ITEMS = ("pyproject.toml", "Dockerfile", "Dockerfile.gpu", "entrypoint", "train", "docker")
 
 
@@ -79,18 +83,6 @@ def _link_or_copy(src: Path, dest: Path) -> None:
         shutil.copy2(src, dest)
 
 
-def check_wheelhouse(wheelhouse: Path | None) -> list[Path]:
-    """The wheels of a WHEELHOUSE, or a one-line error when it is not a folder of wheels."""
-    if wheelhouse is None:
-        return []
-    if not wheelhouse.is_dir():
-        raise HostError(f"WHEELHOUSE={wheelhouse} is not a directory; point it at a folder of .whl files", code=2)
-    found = sorted(wheelhouse.glob("*.whl"))
-    if not found:
-        raise HostError(f"WHEELHOUSE={wheelhouse} has no .whl files; put the torch wheel (and any others) there", code=2)
-    return found
-
-
 def stage_context(dest: Path, wheels: list[Path], source: Path = ROOT) -> Path:
     """A fresh build context with only what the Dockerfiles use, taken from the checkout `source`."""
     if dest.exists():
@@ -108,25 +100,6 @@ def stage_context(dest: Path, wheels: list[Path], source: Path = ROOT) -> Path:
     return dest
 
 
-def default_wheelhouse() -> Path | None:
-    """WHEELHOUSE, else the find-links folder of the user's pip config (where a local torch wheel lives)."""
-    if os.environ.get("WHEELHOUSE"):
-        return Path(os.environ["WHEELHOUSE"])
-    links = subprocess.run(
-        [sys.executable, "-m", "pip", "config", "get", "global.find-links"], capture_output=True, text=True
-    ).stdout.strip()
-    return Path(links) if links and Path(links).is_dir() else None
-
-
-def default_ca_bundle() -> Path | None:
-    """CA_BUNDLE, else the bundle pip or OpenSSL are told to trust, when it exists."""
-    for name in ("CA_BUNDLE", "PIP_CERT", "SSL_CERT_FILE"):
-        value = os.environ.get(name)
-        if value and (name == "CA_BUNDLE" or Path(value).is_file()):
-            return Path(value)
-    return None
-
-
 def git_revision() -> str:
     try:
         rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
@@ -136,51 +109,80 @@ def git_revision() -> str:
     return f"{rev}-dirty" if dirty else rev
 
 
-def build_image(
-    variant: str,
-    tag: str,
-    base: str | None = None,
-    wheelhouse: Path | None = None,
-    ca_bundle: Path | None = None,
-    torch_version: str = "2.13.0",
-    torch_index: str | None = None,
-    version: str = "dev",
-    extra_args: tuple[str, ...] = (),
-    source: Path = ROOT,
-) -> str:
-    """Build one variant as `tag`; returns the image id. Progress streams to the terminal."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImageBuild:
+    """One build, named by keyword: what to build, from what, and what to call it."""
+
+    variant: str
+    tag: str
+    inputs: BuildInputs
+    base: str | None = None  # None: DEFAULT_BASE, else LOCAL_BASE when it cannot be pulled
+    torch_index: str | None = None  # None: the variant's index, or none when the wheelhouse holds torch
+    version: str = "dev"
+    extra_args: tuple[str, ...] = ()
+    source: Path = ROOT
+
+
+def plan_build(*, variant: str, tag: str, environ: Mapping[str, str] = os.environ, **settings: Any) -> ImageBuild:
+    """An ImageBuild whose wheelhouse and CA bundle follow the one rule (`ddpack.build_inputs`)."""
     if variant not in VARIANTS:
         raise HostError(f"variant {variant!r} is not one of {', '.join(VARIANTS)}", code=2)
-    if ca_bundle is not None and not ca_bundle.is_file():
-        raise HostError(f"CA_BUNDLE={ca_bundle} is not a file; unset it or point it at a PEM bundle", code=2)
-    spec = VARIANTS[variant]
-    wheels = [w for w in check_wheelhouse(wheelhouse) if spec.wheel_ok(w.name)]
+    torch_version = environ.get("TORCH_VERSION") or DEFAULT_TORCH_VERSION
+    inputs = resolve_build_inputs(variant=variant, torch_version=torch_version, environ=environ, pip=read_pip_settings())
+    return ImageBuild(variant=variant, tag=tag, inputs=inputs, **settings)
+
+
+def base_python(base: str) -> tuple[str, str]:
+    """(python tag, machine) of the base image's python3, e.g. ("cp311", "x86_64")."""
+    probe = "import platform, sys; print(f'cp{sys.version_info[0]}{sys.version_info[1]}', platform.machine())"
+    try:
+        out = docker_client().containers.run(base, ["python3", "-c", probe], entrypoint=[], remove=True)
+    except (APIError, ContainerError) as exc:
+        raise HostError(f"base image {base} has no working python3 ({str(exc).splitlines()[0][:120]}); choose a Python base image") from None
+    tag, machine = out.decode().split()
+    return tag, machine
+
+
+def build_image(build: ImageBuild) -> str:
+    """Build one variant as `build.tag`; returns the image id. Progress streams to the terminal."""
+    spec, inputs = VARIANTS[build.variant], build.inputs
+    for note in inputs.notes:
+        print(f"images: {note}", flush=True)
     cli = buildkit_cli()
-    base_image = resolve_base(base)
-    context = stage_context(source / "build" / f"context-{variant}", wheels, source)
-    index = spec.torch_index if torch_index is None else torch_index
-    if torch_index is None and list((context / "wheelhouse").glob("torch-*.whl")):
+    base_image = resolve_base(build.base)
+    python_tag, machine = base_python(base_image)
+    check_wheels_run_on(inputs, base=base_image, python_tag=python_tag, machine=machine)
+    wheels = [w for w in sorted(inputs.wheelhouse.glob("*.whl")) if spec.wheel_ok(w.name)] if inputs.wheelhouse else []
+    context = stage_context(build.source / "build" / f"context-{build.variant}", wheels, build.source)
+    index = spec.torch_index if build.torch_index is None else build.torch_index
+    if build.torch_index is None and inputs.torch_wheels:
         index = ""  # the wheelhouse holds torch; the default index serves its dependencies
     build_args = {
         "BASE_IMAGE": base_image,
-        "TORCH_VERSION": torch_version,
+        "TORCH_VERSION": inputs.torch_version,
         "TORCH_INDEX_URL": index,
-        "VERSION": version,
+        "VERSION": build.version,
         "REVISION": git_revision(),
     }
-    argv = [*cli.argv, "--progress=plain", "-f", str(context / spec.dockerfile), "-t", tag]
+    argv = [*cli.argv, "--progress=plain", "-f", str(context / spec.dockerfile), "-t", build.tag]
     for key, value in build_args.items():
         argv += ["--build-arg", f"{key}={value}"]
-    if ca_bundle is not None:
-        argv += ["--secret", f"id=pip_cert,src={ca_bundle}"]
-    argv += [*extra_args, str(context)]
-    print(f"images: building {tag} ({variant}) from {base_image}", flush=True)
+    if inputs.ca_bundle is not None:
+        argv += ["--secret", f"id=pip_cert,src={inputs.ca_bundle}"]
+    argv += [*build.extra_args, str(context)]
+    torch_from = index or "the package index"
+    if inputs.torch_wheels:
+        torch_from = f"{inputs.torch_wheels[0].path.name} in {inputs.wheelhouse} ({inputs.wheelhouse_from})"
+    ca = f"{inputs.ca_bundle} ({inputs.ca_from})" if inputs.ca_bundle else "none"
+    print(f"images: building {build.tag} ({build.variant}) from {base_image}; torch from {torch_from}; CA bundle {ca}", flush=True)
     started = time.monotonic()
     result = subprocess.run(argv, env={**os.environ, **cli.env})
     if result.returncode != 0:
-        raise HostError(f"docker build of {tag} failed (exit {result.returncode}); the build log above says why")
-    image = docker_client().images.get(tag)
-    print(f"images: built {tag} {image.short_id} {image.attrs['Size'] / 2**20:,.0f} MiB in {time.monotonic() - started:.0f}s")
+        raise HostError(f"docker build of {build.tag} failed (exit {result.returncode}); the build log above says why")
+    image = docker_client().images.get(build.tag)
+    print(f"images: built {build.tag} {image.short_id} {image.attrs['Size'] / 2**20:,.0f} MiB in {time.monotonic() - started:.0f}s")
     return image.id
 
 
@@ -193,31 +195,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--base", default=os.environ.get("BASE_IMAGE") or None, help=f"base image (default {DEFAULT_BASE}, else {LOCAL_BASE})"
     )
-    parser.add_argument("--wheelhouse", type=Path, default=None, help="default: WHEELHOUSE, else pip's find-links folder")
-    parser.add_argument("--ca-bundle", type=Path, default=None, help="default: CA_BUNDLE, else PIP_CERT or SSL_CERT_FILE")
-    parser.add_argument("--torch-version", default=os.environ.get("TORCH_VERSION", "2.13.0"))
+    parser.add_argument("--wheelhouse", help="folder of wheels (default: WHEELHOUSE, else pip's find-links folders)")
+    parser.add_argument("--ca-bundle", help="PEM bundle for TLS to the index (default: CA_BUNDLE, else pip's cert, else SSL_CERT_FILE)")
+    parser.add_argument("--torch-version", help=f"torch to install (default: TORCH_VERSION, else {DEFAULT_TORCH_VERSION})")
     parser.add_argument("--torch-index", default=os.environ.get("TORCH_INDEX_URL") or None, help="index for torch (default: the variant's)")
     parser.add_argument("--version", default="dev", help="value of the org.opencontainers.image.version label")
     parser.add_argument("--build-arg", action="append", default=[], help="extra KEY=VALUE build argument (e.g. INSTALL_EFA=1)")
+    parser.add_argument("--dry-run", action="store_true", help="resolve and check the build's inputs, print them as JSON, build nothing")
     opts = parser.parse_args(argv)
+    # Flags are another way to set the same variables: one rule resolves both.
+    flags = {"WHEELHOUSE": opts.wheelhouse, "CA_BUNDLE": opts.ca_bundle, "TORCH_VERSION": opts.torch_version}
+    environ = {**os.environ, **{k: v for k, v in flags.items() if v}}
     extra = tuple(arg for pair in opts.build_arg for arg in ("--build-arg", pair))
-    return run_verb(
-        "images",
-        lambda: (
-            build_image(
-                opts.variant,
-                opts.tag,
-                opts.base,
-                opts.wheelhouse,
-                opts.ca_bundle,
-                opts.torch_version,
-                opts.torch_index,
-                opts.version,
-                extra,
-            )
-            and 0
-        ),
-    )
+
+    def body() -> int:
+        build = plan_build(
+            variant=opts.variant,
+            tag=opts.tag,
+            environ=environ,
+            base=opts.base,
+            torch_index=opts.torch_index,
+            version=opts.version,
+            extra_args=extra,
+        )
+        if opts.dry_run:
+            print(json.dumps({"tag": build.tag, "base": build.base, **build.inputs.describe()}, indent=2))
+            return 0
+        build_image(build)
+        return 0
+
+    return run_verb("images", body)
 
 
 if __name__ == "__main__":

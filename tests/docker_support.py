@@ -1,16 +1,21 @@
 """Shared pieces of the Docker tier: an engine or a clear skip (never a skip under CI), and the
-images built once per session through the same code `make image` runs."""
+images built once per session the way users build them: `python -m ddpack.images` in a child process
+with only the environment to go on, as `make image` runs it."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from docker.errors import DockerException
 
 import docker
-from ddpack.images import build_image, default_ca_bundle, default_wheelhouse
+from ddpack.images import plan_build
 
+ROOT = Path(__file__).resolve().parents[1]
 TEST_TAG = "ddpack:pytest"
 TEST_GPU_TAG = "ddpack:pytest-gpu"
 
@@ -26,11 +31,13 @@ def engine_or_skip() -> docker.DockerClient:
         pytest.skip(f"no Docker engine here ({exc}); `make engine` starts one")
 
 
-def build_settings() -> dict:
-    """What `make image` would pass (the same defaults the build command uses)."""
-    return {"wheelhouse": default_wheelhouse(), "ca_bundle": default_ca_bundle()}
+def host_ca_bundle() -> Path | None:
+    """The CA bundle a build on this host gets (the same rule the build command follows)."""
+    return plan_build(variant="cpu", tag="unused").inputs.ca_bundle
 
 
-def build(variant: str, tag: str) -> str:
-    settings = build_settings()
-    return build_image(variant, tag, wheelhouse=settings["wheelhouse"], ca_bundle=settings["ca_bundle"], version="pytest")
+def build(variant: str, tag: str) -> None:
+    """Build as a user does; no setting is filled in here, so a default the command drops fails the build."""
+    argv = [sys.executable, "-m", "ddpack.images", "--variant", variant, "--tag", tag, "--version", "pytest"]
+    result = subprocess.run(argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=3600)
+    assert result.returncode == 0, f"{' '.join(argv)} failed (exit {result.returncode}); its log is above"

@@ -9,7 +9,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from docker_support import TEST_TAG, build, build_settings, engine_or_skip
+from docker_support import TEST_TAG, build, engine_or_skip, host_ca_bundle
 
 import docker
 from ddpack.errors import HostError
@@ -128,7 +128,7 @@ def ca_material_in_layers(client: docker.DockerClient, image: str, ca: Path) -> 
 
 
 def _ca_or_skip() -> Path:
-    ca = build_settings()["ca_bundle"]
+    ca = host_ca_bundle()
     if ca is None:
         pytest.skip("this host passes no CA bundle to builds, so there is none to leak")
     return ca
