@@ -1,7 +1,17 @@
-"""Trainer throughput on the seed regression workload: 2 gloo ranks, batch 32 per rank, 2048 samples.
+"""Trainer figures, each side by side with its competitor in one run (A B A B ..., medians, ratios):
 
-Prints global samples/s and optimizer steps/s as rank 0's metrics file reports them (the figure
-excludes process start-up and rendezvous), the median of --repeats runs.
+1. the trainer against the seed tutorial's approach on the tutorial's workload (2 gloo ranks, batch
+   32 per rank, 2048 samples, SGD lr 1e-3, no momentum): training samples/s, start-up excluded;
+2. the trainer against a minimal hand-written DDP loop (same model, AdamW, constant LR, batches cut
+   from tensors), on the seed workload and on a compute-heavier MLP: the overhead ratio;
+3. the per-step floor (one bare all-reduce of the gradient's size + one local step) next to the
+   trainer's step time;
+4. a map-style dataset whose __getitem__ waits ~1 ms: samples/s with 0 and with 2 DataLoader
+   workers per rank.
+
+Every process runs with OMP_NUM_THREADS=1 (2 ranks on this 2-core machine). The trainer runs as
+users run it, with progress lines every --log-every=100 steps and no snapshots; its figures come
+from rank 0's metrics file, the baselines' from their own JSON line.
 """
 
 from __future__ import annotations
@@ -14,9 +24,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+BENCH = Path(__file__).resolve().parent
+RANKS = 2
 
 
 def free_port() -> int:
@@ -25,65 +38,127 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def one_run(ranks: int, epochs: int, workdir: Path) -> dict:
-    metrics = workdir / "metrics.jsonl"
-    metrics.unlink(missing_ok=True)
+def run_job(argv: list[str], extra_env: dict[str, str] | None = None) -> str:
+    """Start RANKS processes of `argv` as one gloo job; returns rank 0's stdout."""
     port = str(free_port())
     procs = []
-    for rank in range(ranks):
+    for rank in range(RANKS):
         env = {
             **os.environ,
-            "PYTHONPATH": str(ROOT),
+            "PYTHONPATH": f"{ROOT}:{BENCH}",
             "RANK": str(rank),
-            "WORLD_SIZE": str(ranks),
+            "WORLD_SIZE": str(RANKS),
             "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(ranks),
+            "LOCAL_WORLD_SIZE": str(RANKS),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": port,
             "CUDA_VISIBLE_DEVICES": "",
-            "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks)),
+            "OMP_NUM_THREADS": "1",
+            **(extra_env or {}),
         }
-        args = [
-            sys.executable,
-            "-m",
-            "train",
-            "--task",
-            "regression",
-            "--dataset-size",
-            "2048",
-            "--batch-size",
-            "32",
-            "--epochs",
-            str(epochs),
-            "--snapshot-dir",
-            "",
-            "--log-every",
-            "1000000",
-            "--metrics-file",
-            str(metrics),
-        ]
-        procs.append(subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        procs.append(subprocess.Popen(argv, env=env, cwd=BENCH, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outputs = []
     for proc in procs:
-        _, err = proc.communicate(timeout=600)
+        out, err = proc.communicate(timeout=900)
         if proc.returncode != 0:
-            raise SystemExit(f"bench_train: a rank failed ({proc.returncode}): {err.strip().splitlines()[-1:]}")
-    final = [json.loads(line) for line in metrics.read_text().splitlines() if '"final"' in line]
-    return final[-1]
+            raise SystemExit(f"bench_train: {' '.join(argv[:4])} failed ({proc.returncode}): {err.strip().splitlines()[-1:]}")
+        outputs.append(out)
+    return outputs[0]
+
+
+def trainer(*flags: str, env: dict[str, str] | None = None) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = Path(tmp) / "m.jsonl"
+        argv = [sys.executable, "-P", "-m", "train", "--snapshot-dir", "", "--log-every", "100", "--metrics-file", str(metrics), *flags]
+        run_job(argv, env)
+        return [json.loads(line) for line in metrics.read_text().splitlines() if '"final"' in line][-1]
+
+
+def baseline(which: str, *flags: str) -> dict:
+    out = run_job([sys.executable, str(BENCH / "ddp_baselines.py"), which, *flags])
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def side_by_side(repeats: int, runs: dict[str, Callable[[], dict]], key: str = "samples_per_s") -> dict[str, float]:
+    """Each run once per round, rounds interleaved; the median of each."""
+    seen: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            seen[name].append(fn()[key])
+    return {name: statistics.median(values) for name, values in seen.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=40, help="epochs of the 2048-sample workloads")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds of each side-by-side comparison")
+    parser.add_argument("--only", choices=("tutorial", "bare", "floor", "loader"), action="append", help="run only these parts")
     opts = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        runs = [one_run(opts.ranks, opts.epochs, Path(tmp)) for _ in range(opts.repeats)]
-    samples = statistics.median(r["samples_per_s"] for r in runs)
-    steps = statistics.median(r["steps_per_s"] for r in runs)
-    print(f"trainer  regression, {opts.ranks} gloo ranks, batch 32/rank, 2048 samples, {opts.epochs} epochs, median of {opts.repeats}")
-    print(f"trainer  samples/s (global)   {samples:12,.0f}")
-    print(f"trainer  optimizer steps/s    {steps:12,.1f}")
+    parts = opts.only or ["tutorial", "bare", "floor", "loader"]
+    epochs = str(opts.epochs)
+    seed = ["--dataset-size", "2048", "--batch-size", "32", "--epochs", epochs]
+    print(f"trainer  {RANKS} gloo ranks on this machine, OMP_NUM_THREADS=1, medians of {opts.repeats} interleaved rounds")
+
+    if "tutorial" in parts:
+        got = side_by_side(
+            opts.repeats,
+            {
+                "tutorial": lambda: baseline("tutorial", "--epochs", epochs, "--lr", "1e-3"),
+                "trainer": lambda: trainer(*seed, "--optimizer", "sgd", "--momentum", "0", "--lr", "1e-3", "--lr-schedule", "constant"),
+            },
+        )
+        print(f"1 tutorial  seed workload, SGD: tutorial {got['tutorial']:9,.0f} samples/s   trainer {got['trainer']:9,.0f} samples/s")
+        print(f"1 tutorial  trainer / tutorial = {got['trainer'] / got['tutorial']:.2f}x   (target >= 1.5x)")
+
+    step_s: dict[str, float] = {}
+    if "bare" in parts or "floor" in parts:
+        for task in ("regression", "heavy"):
+            task_flags = ["--task", f"bench_tasks:{task}"] if task == "heavy" else []
+            got = side_by_side(
+                opts.repeats,
+                {
+                    "bare": lambda task=task: baseline("bare", "--epochs", epochs, "--task", task),
+                    "trainer": lambda task_flags=task_flags: trainer(*seed, *task_flags, "--lr-schedule", "constant"),
+                },
+                key="steps_per_s",
+            )
+            step_s[task] = 1 / got["trainer"]
+            if "bare" in parts:
+                ratio = got["bare"] / got["trainer"]
+                print(
+                    f"2 bare loop {task:10}  bare {1e3 / got['bare']:6.3f} ms/step   trainer {1e3 / got['trainer']:6.3f} ms/step   "
+                    f"overhead {ratio:.3f}x   (target <= 1.05x)"
+                )
+
+    if "floor" in parts:
+        for task in ("regression", "heavy"):
+            floors = [baseline("floor", "--task", task) for _ in range(3)]
+            fig = {key: statistics.median(f[key] for f in floors) for key in floors[0]}
+            alone = fig["all_reduce_s"] + fig["local_step_s"]
+            loop = min(fig["loop_blocking_s"], fig["loop_polling_s"])
+            print(
+                f"3 floor     {task:10}  alone: all-reduce of {int(fig['grad_elements']):,} floats {fig['all_reduce_s'] * 1e3:.3f} ms + local step "
+                f"{fig['local_step_s'] * 1e3:.3f} ms = {alone * 1e3:.3f} ms (medians)"
+            )
+            print(
+                f"3 floor     {task:10}  together, a loop of both: blocking {fig['loop_blocking_s'] * 1e3:.3f} ms, polling "
+                f"{fig['loop_polling_s'] * 1e3:.3f} ms per iteration"
+            )
+            print(
+                f"3 floor     {task:10}  trainer {step_s[task] * 1e3:.3f} ms/step = {step_s[task] / loop:.2f}x the loop floor "
+                f"(target <= 1.2x), {step_s[task] / alone:.2f}x the medians alone"
+            )
+
+    if "loader" in parts:
+        slow = ["--task", "bench_tasks:slow_samples", "--dataset-size", "2048", "--batch-size", "32", "--epochs", "2"]
+        got = side_by_side(
+            opts.repeats,
+            {"0 workers": lambda: trainer(*slow, "--num-workers", "0"), "2 workers": lambda: trainer(*slow, "--num-workers", "2")},
+        )
+        print(
+            f"4 loader    1 ms/sample dataset: 0 workers {got['0 workers']:7,.0f} samples/s   2 workers/rank {got['2 workers']:7,.0f} samples/s   "
+            f"({got['2 workers'] / got['0 workers']:.1f}x)"
+        )
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ from ddpack.errors import HostError, run_verb
 CHECKSUM_RE = re.compile(r"final parameter checksum ([0-9a-f]{16})")
 DONE_RE = re.compile(r"done: global step (\d+) final loss (\S+) steps/s (\S+)")
 TRAINER_ARGS = ("--epochs", "3", "--log-every", "25", "--snapshot-dir", "/tmp/snapshots")
+# DataLoader workers hand batches over in /dev/shm; Docker's default 64 MB kills them on real datasets.
+SHM_SIZE = "2g"
 
 
 @dataclass
@@ -86,6 +88,7 @@ def run_smoke(image: str, variant: str, timeout_s: float, trainer_args: tuple[st
                 environment={**env, "OMP_NUM_THREADS": "1"},
                 detach=True,
                 labels={"io.ddpack.smoke": run_id},
+                shm_size=SHM_SIZE,
             )
             members.append(Member(f"c{node}", container))
         threads = [threading.Thread(target=_stream, args=(m, lock), daemon=True) for m in members]

@@ -26,8 +26,14 @@ SLURM_STEPS_PER_JOB_PORTS = 16
 
 
 def default_command() -> tuple[str, ...]:
-    """The bundle's trainer, run by the same interpreter as the launcher (the image's venv)."""
-    return (sys.executable, "-m", "train")
+    """The bundle's trainer, run by the same interpreter as the launcher (the image's venv).
+
+    `-P` (Python 3.11+) keeps the working directory off the front of sys.path: `python -m train` in a
+    project folder with its own `train.py` or `train/` (the commonest names in ML repositories) would
+    otherwise run that instead of the bundle, silently. `--task module:factory` still imports from
+    the working directory, which the trainer appends to the path."""
+    safe_path = ("-P",) if sys.version_info >= (3, 11) else ()
+    return (sys.executable, *safe_path, "-m", "train")
 
 
 class PlanError(ValueError):
@@ -201,9 +207,12 @@ def detect_mode(environ: Mapping[str, str]) -> str:
 # ---------------------------------------------------------------------------- resolving
 
 
-def _torchrun_argv(command: tuple[str, ...], nnodes: int, nproc: int, endpoint: str | None, rdzv_id: str) -> tuple[str, ...]:
-    """torchrun as `python -m torch.distributed.run`, so the launcher itself never imports torch."""
-    argv = [sys.executable, "-m", "torch.distributed.run"]
+def _torchrun_argv(
+    command: tuple[str, ...], nnodes: int, nproc: int, endpoint: str | None, rdzv_id: str, shutdown_timeout: int
+) -> tuple[str, ...]:
+    """torchrun as `python -m entrypoint.agent` (torchrun ending on a signal with 128+N), so the
+    launcher itself never imports torch."""
+    argv = [sys.executable, "-m", "entrypoint.agent", f"--shutdown-timeout={shutdown_timeout}"]
     if endpoint is None:
         argv += ["--standalone"]
     else:
@@ -211,6 +220,12 @@ def _torchrun_argv(command: tuple[str, ...], nnodes: int, nproc: int, endpoint: 
     argv += [f"--nproc-per-node={nproc}", "--no-python", *command]
     return tuple(argv)
 
+
+# How long torchrun's agent lets its workers finish after forwarding a stop signal before it kills
+# them: rank 0 must finish its step and write its snapshot in that time. Under Slurm keep it within
+# KillWait (SIGKILL follows SIGTERM after KillWait seconds, default 30) or stop earlier with
+# --signal=USR1@N.
+DEFAULT_SHUTDOWN_TIMEOUT = 30
 
 # torchrun's agent forwards only SIGTERM/INT/HUP/QUIT by default and dies of SIGUSR1, which Slurm's
 # --signal=USR1@90 sends it; with USR1 in this list (torchrun's --signals-to-handle, as an env var)
@@ -255,7 +270,8 @@ def _torchrun_plan(
 ) -> Plan:
     """This process becomes a torchrun agent for `nproc` local ranks; rdzv_id None means --standalone."""
     endpoint = None if rdzv_id is None else f"{url_host(addr)}:{port}"
-    argv = _torchrun_argv(inp.options.command, nnodes, nproc, endpoint, rdzv_id or "")
+    shutdown = _opt_int_var(inp.environ, "DDPACK_SHUTDOWN_TIMEOUT", DEFAULT_SHUTDOWN_TIMEOUT, minimum=1)
+    argv = _torchrun_argv(inp.options.command, nnodes, nproc, endpoint, rdzv_id or "", shutdown)
     env = {"DDPACK_BACKEND": inp.backend, **_omp_threads(inp.environ, inp.host, nproc, procs_per_task)}
     if "PET_SIGNALS_TO_HANDLE" not in inp.environ:
         env["PET_SIGNALS_TO_HANDLE"] = TORCHRUN_SIGNALS

@@ -56,15 +56,21 @@ class Job:
         return CHECKSUM_RE.findall(self.output())
 
 
-def _spawn(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+def _spawn(argv: list[str], env: dict[str, str], log: Path, cwd: Path | None = None) -> subprocess.Popen[bytes]:
     handle = open(log, "wb")  # noqa: SIM115 - the child owns it
-    return subprocess.Popen(argv, env=env, stdout=handle, stderr=subprocess.STDOUT)
+    return subprocess.Popen(argv, env=env, stdout=handle, stderr=subprocess.STDOUT, cwd=cwd)
 
 
 def start_slurm_step(
-    tmp: Path, tasks_per_node: Sequence[int], args: Sequence[str], nproc_per_node: int | None = None, job_id: int | None = None
+    tmp: Path,
+    tasks_per_node: Sequence[int],
+    args: Sequence[str],
+    nproc_per_node: int | None = None,
+    job_id: int | None = None,
+    cwd: Path | None = None,
 ) -> Job:
-    """One process per task with the variables `srun` gives a step's tasks; nodes are 127.0.0.N."""
+    """One process per task with the variables `srun` gives a step's tasks; nodes are 127.0.0.N.
+    `cwd`: the job's working directory (where a user's `--task module:factory` lives)."""
     job_id = job_id if job_id is not None else random.randint(1000, 900000)
     nodes = len(tasks_per_node)
     tpn = ",".join(str(c) for c in tasks_per_node)
@@ -85,15 +91,15 @@ def start_slurm_step(
             )
             opts = [f"--nproc-per-node={nproc_per_node}"] if nproc_per_node else []
             logs.append(tmp / f"task{procid}.log")
-            procs.append(_spawn([*ENTRYPOINT, *opts, "--", sys.executable, "-m", "train", *args], env, logs[-1]))
+            procs.append(_spawn([*ENTRYPOINT, *opts, *args], env, logs[-1], cwd))
             procid += 1
     return Job(procs, logs)
 
 
-def start_standalone(tmp: Path, nproc: int, args: Sequence[str]) -> Job:
+def start_standalone(tmp: Path, nproc: int, args: Sequence[str], cwd: Path | None = None) -> Job:
     """`entrypoint --nproc-per-node N` with nothing set: torchrun --standalone."""
     log = tmp / "standalone.log"
-    return Job([_spawn([*ENTRYPOINT, f"--nproc-per-node={nproc}", *args], clean_env(), log)], [log])
+    return Job([_spawn([*ENTRYPOINT, f"--nproc-per-node={nproc}", *args], clean_env(), log, cwd)], [log])
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:

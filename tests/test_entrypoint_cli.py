@@ -68,7 +68,7 @@ def test_exit_code_of_the_command_is_the_entrypoints() -> None:
 
 def test_leading_flags_go_to_the_trainer_and_double_dash_ends_options() -> None:
     plan = json.loads(run(["--print-plan", "--epochs", "3"]).stdout)
-    assert plan["argv"] == [sys.executable, "-m", "train", "--epochs", "3"]
+    assert plan["argv"] == [sys.executable, "-P", "-m", "train", "--epochs", "3"]
     plan = json.loads(run(["--print-plan", "--", "--weird-script"]).stdout)
     assert plan["argv"][-1] == "--weird-script"
     plan = json.loads(run(["--print-plan", "--nproc-per-node=2", "python", "my.py", "--print-plan"]).stdout)

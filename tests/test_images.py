@@ -13,7 +13,7 @@ from docker_support import TEST_TAG, build, engine_or_skip, host_ca_bundle
 
 import docker
 from ddpack.errors import HostError
-from ddpack.smoke import run_smoke
+from ddpack.smoke import SHM_SIZE, run_smoke
 
 pytestmark = pytest.mark.docker
 
@@ -91,6 +91,18 @@ def test_any_uid_with_a_login_shell_finds_entrypoint_and_the_venv(client: docker
         user="4242",
     )
     assert code == 0 and "snapshot saved: snaps/snapshot-" in out, out
+
+
+def test_dataloader_workers_and_a_users_task_from_the_working_directory(client: docker.DockerClient, image: str) -> None:
+    """`docker run -v $PWD:/workspace IMAGE --task mymodule:factory` with worker processes, given the
+    shared memory `make smoke` gives its containers."""
+    tests_dir = Path(__file__).resolve().parent
+    args = ["--task", "plugins.augmented_task:make", "--epochs", "1", "--num-workers", "2", "--snapshot-dir", ""]
+    code, out = run(
+        client, image, args, volumes={str(tests_dir): {"bind": "/workspace", "mode": "ro"}}, shm_size=SHM_SIZE, environment={"OMP_NUM_THREADS": "1"}
+    )
+    assert code == 0, out
+    assert "task augmented" in out and "checksums agree across 1 ranks" in out
 
 
 def test_image_config_entrypoint_env_and_labels(client: docker.DockerClient, image: str) -> None:

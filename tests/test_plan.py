@@ -356,16 +356,21 @@ def test_there_are_at_least_thirty_environments() -> None:
     assert {resolve_plan(e, o, h).mode for _, e, o, h, _ in CASES} == {"torchelastic", "slurm", "env", "single"}
 
 
-def test_torchrun_shape_runs_torch_as_a_module_of_this_python_with_the_command_after_no_python() -> None:
+def test_torchrun_shape_runs_torchrun_through_the_agent_module_with_the_command_after_no_python() -> None:
     plan = resolve_plan(
         slurm(procid=0, ntasks=2, tpn="1(x2)", nodes="c[1-2]"), Options(command=("python", "my.py", "--lr", "3e-4"), nproc_per_node=2), HOST
     )
-    assert plan.argv[:3] == (sys.executable, "-m", "torch.distributed.run")
+    assert plan.argv[:4] == (sys.executable, "-m", "entrypoint.agent", "--shutdown-timeout=30")
     assert plan.argv[-5:] == ("--no-python", "python", "my.py", "--lr", "3e-4")
 
 
-def test_default_command_is_the_trainer_under_this_interpreter() -> None:
-    assert resolve_plan({}, Options(), HOST).argv == (sys.executable, "-m", "train")
+def test_shutdown_timeout_comes_from_its_setting() -> None:
+    plan = resolve_plan({"DDPACK_SHUTDOWN_TIMEOUT": "75"}, Options(nproc_per_node=2), HOST)
+    assert "--shutdown-timeout=75" in plan.argv
+
+
+def test_default_command_is_the_trainer_under_this_interpreter_with_a_safe_path() -> None:
+    assert resolve_plan({}, Options(), HOST).argv == (sys.executable, "-P", "-m", "train")
 
 
 def test_slurm_ports_avoid_the_ephemeral_range_and_differ_between_steps() -> None:
@@ -411,6 +416,8 @@ BAD: list[tuple[str, dict[str, str], Options, tuple[str, ...]]] = [
         ("--nproc-per-node", "one Slurm task per node"),
     ),
     ("nproc-zero", {}, Options(nproc_per_node=0), ("--nproc-per-node=0",)),
+    ("shutdown-timeout-zero", {"DDPACK_SHUTDOWN_TIMEOUT": "0"}, Options(nproc_per_node=2), ("DDPACK_SHUTDOWN_TIMEOUT='0'", ">= 1")),
+    ("shutdown-timeout-text", {"DDPACK_SHUTDOWN_TIMEOUT": "1m"}, Options(nproc_per_node=2), ("DDPACK_SHUTDOWN_TIMEOUT='1m'",)),
 ]
 
 

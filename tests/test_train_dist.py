@@ -21,11 +21,11 @@ def losses(metrics: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in metrics.read_text().splitlines() if '"progress"' in line]
 
 
-def reference_checksum(tmp: Path, args: list[str], ranks: int = 2) -> str:
+def reference_checksum(tmp: Path, args: list[str], ranks: int = 2, cwd: Path | None = None) -> str:
     """An uninterrupted run's final checksum, the target every resumed run must hit exactly."""
     ref = tmp / "reference"
     ref.mkdir()
-    job = start_slurm_step(ref, [ranks], [*args, "--snapshot-dir", str(ref / "snap")])
+    job = start_slurm_step(ref, [ranks], [*args, "--snapshot-dir", str(ref / "snap")], cwd=cwd)
     assert job.wait() == [0] * ranks, job.output()
     sums = job.checksums()
     assert len(sums) == ranks and len(set(sums)) == 1
@@ -171,3 +171,50 @@ def test_silent_peer_times_out(tmp_path: Path) -> None:
         job.send(signal.SIGKILL, [1])
     assert code == 1 and 4 <= time.monotonic() - started < 40
     assert "a collective failed" in job.output(0)
+
+
+# ---------------------------------------------------------------- DataLoader workers, torchrun stops
+
+# A dataset with random augmentation through DataLoader workers: 4096 samples / (2 x 16) = 128 steps an epoch.
+# The jobs run in tests/, where the user's module lives (`--task` imports from the working directory).
+USER_DIR = Path(__file__).resolve().parent
+WORKERS = ["--task", "plugins.augmented_task:make", "--epochs", "2", "--batch-size", "16", "--log-every", "1"]
+
+
+def test_sigterm_mid_epoch_with_dataloader_workers_resumes_bit_exact(tmp_path: Path) -> None:
+    expected = reference_checksum(tmp_path, [*WORKERS, "--num-workers", "2"], cwd=USER_DIR)
+    snap, metrics = tmp_path / "snap", tmp_path / "m.jsonl"
+    args = [*WORKERS, "--num-workers", "2", "--snapshot-dir", str(snap), "--snapshot-every", "1000", "--metrics-file", str(metrics)]
+    job = start_slurm_step(tmp_path, [2], args, cwd=USER_DIR)
+    wait_for(lambda: metrics_step(metrics) >= 20, 90, "step 20")
+    job.send(signal.SIGTERM, [0])
+    assert job.wait() == [143, 143], job.output()
+    stopped = re.search(r"step (\d+)/(\d+) \(global (\d+)/\d+\)", job.output().split("stopped on")[1])
+    assert stopped and 0 < int(stopped.group(1)) < int(stopped.group(2)), "the stop must land mid-epoch"
+    # Resumed with another worker count: each batch's augmentation is seeded by its position, not its worker.
+    resumed = start_slurm_step(_sub(tmp_path, "resume"), [2], [*args[:-2], "--num-workers", "1", "--metrics-file", str(metrics)], cwd=USER_DIR)
+    assert resumed.wait() == [0, 0], resumed.output()
+    assert f"resumed after epoch 1/2 step {stopped.group(1)}/{stopped.group(2)}" in resumed.output()
+    assert set(resumed.checksums()) == {expected}
+
+
+def test_workers_and_no_workers_see_the_same_samples(tmp_path: Path) -> None:
+    with_workers = reference_checksum(_sub(tmp_path, "w2"), [*WORKERS, "--num-workers", "2", "--max-steps", "40"], cwd=USER_DIR)
+    inline = reference_checksum(_sub(tmp_path, "w0"), [*WORKERS, "--num-workers", "0", "--max-steps", "40"], cwd=USER_DIR)
+    assert with_workers == inline
+
+
+def test_torchrun_shape_stops_on_sigterm_like_the_other_shapes_and_resumes(tmp_path: Path) -> None:
+    snap, metrics = tmp_path / "snap", tmp_path / "m.jsonl"
+    args = [*LONG, "--snapshot-dir", str(snap), "--snapshot-every", "1000", "--metrics-file", str(metrics)]
+    job = start_standalone(tmp_path, 2, args)
+    wait_for(lambda: metrics_step(metrics) >= 20, 90, "step 20")
+    job.send(signal.SIGTERM, [0])  # the agent, as docker stop and Slurm signal it
+    assert job.wait() == [143], job.output()
+    out = job.output()
+    assert out.count("stopped on SIGTERM") == 2, out
+    assert "Traceback" not in out and "SignalException" not in out, out
+    assert list(snap.glob("snapshot-*.pt"))
+    resumed = start_standalone(_sub(tmp_path, "resume"), 2, args)
+    assert resumed.wait() == [0], resumed.output()
+    assert "resuming from" in resumed.output() and len(set(resumed.checksums())) == 1

@@ -127,3 +127,39 @@ def test_store_skips_corrupt_and_incomplete_and_never_deletes_them(tmp_path: Pat
     reader.save(_state(11))  # rotation may drop 10, never the unreadable 20 and 30
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == [".snapshot-0000000040.pt.tmp-1", snapshot_name(11), snapshot_name(20), snapshot_name(30)]
+
+
+USER_TRAIN = "import sys\nprint('THE USER TRAIN RAN')\nsys.exit(3)\n"
+USER_TASK = '''from torch import nn
+from torch.utils.data import TensorDataset
+import torch
+
+from train.tasks import Task
+
+
+def make(config):
+    torch.manual_seed(config.seed)
+    x = torch.randn(64, 3)
+    return Task("mine", nn.Linear(3, 1), TensorDataset(x, x.sum(1, keepdim=True)), nn.MSELoss())
+'''
+
+
+@pytest.mark.parametrize("shadow", ["train.py", "train/__main__.py"])
+def test_a_train_module_in_the_working_directory_cannot_shadow_the_trainer(tmp_path: Path, shadow: str) -> None:
+    """A project folder with its own train.py (or train/), as under `docker run -v $PWD:/workspace` or
+    pyxis' --container-workdir: the entrypoint runs the bundled trainer, and --task still imports the
+    user's module from that folder."""
+    target = tmp_path / shadow
+    target.parent.mkdir(exist_ok=True)
+    target.write_text(USER_TRAIN)
+    if shadow.startswith("train/"):
+        (tmp_path / "train" / "__init__.py").write_text("")
+    (tmp_path / "mytask.py").write_text(USER_TASK)
+    env = clean_env()
+    for args in (["--epochs", "1"], ["--task", "mytask:make", "--epochs", "1"]):
+        out = subprocess.run(
+            [sys.executable, "-m", "entrypoint", *args, "--snapshot-dir", ""], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "THE USER TRAIN RAN" not in out.stdout and "checksums agree across 1 ranks" in out.stdout
+    assert "task mine " in out.stdout

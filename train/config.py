@@ -11,10 +11,12 @@ from dataclasses import asdict, dataclass
 @dataclass(frozen=True)
 class Config:
     task: str
+    num_workers: int | None
     epochs: int
     batch_size: int
     lr: float
     optimizer: str
+    momentum: float
     weight_decay: float
     lr_schedule: str
     warmup_steps: int
@@ -79,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--dataset-size", type=_positive_int, default=None, help="samples in the built-in tasks' data (task default when unset)"
     )
     task.add_argument("--data-seed", type=int, default=1234, help="seed of the built-in tasks' data and teacher")
+    task.add_argument(
+        "--num-workers",
+        type=_non_negative_int,
+        default=None,
+        help="DataLoader worker processes per rank for datasets other than TensorDataset "
+        "(default: the CPUs per rank less one, 1 to 8; 0 loads in the training process)",
+    )
 
     opt = parser.add_argument_group("optimisation")
     opt.add_argument("--epochs", type=_positive_int, default=10, help="passes over the data")
@@ -86,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--grad-accum", type=_positive_int, default=1, help="micro-batches accumulated per optimizer step")
     opt.add_argument("--lr", type=_positive_float, default=3e-3, help="peak learning rate")
     opt.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="optimizer")
+    opt.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (--optimizer sgd)")
     opt.add_argument("--weight-decay", type=float, default=0.0, help="weight decay")
     opt.add_argument("--lr-schedule", choices=("cosine", "constant"), default="cosine", help="learning-rate schedule after warm-up")
     opt.add_argument("--warmup-steps", type=_non_negative_int, default=0, help="linear warm-up steps")

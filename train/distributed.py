@@ -1,4 +1,5 @@
-"""Process-group set-up and the few collectives the trainer agrees on (stop, loss, checksums, state)."""
+"""Process-group set-up and the few collectives the trainer runs besides DDP's own (loss at log
+intervals, checksums, state); stops are agreed inside DDP's gradient all-reduce (`train.signals`)."""
 
 from __future__ import annotations
 
@@ -65,17 +66,23 @@ def init_distributed(backend: str | None, timeout_s: float) -> DistContext:
     return DistContext(rank, world, local_rank, local_world, backend, device, socket.gethostname())
 
 
-def max_over_ranks(value: int, ctx: DistContext) -> int:
-    """The largest `value` of any rank, on every rank: how ranks agree to stop at the same step
-    (each contributes the number of the signal it received, 0 for none)."""
-    tensor = torch.tensor([value], dtype=torch.int64, device=ctx.device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return int(tensor.item())
+def wait_polling(work: dist.Work) -> None:
+    """Wait for a collective without letting the core go idle (see train.grad_sync for why); raises
+    the collective's error (a dead peer, --collective-timeout) as work.wait() does."""
+    while not work.is_completed():
+        os.sched_yield()  # releases the GIL and lets this node's gloo threads run
+    work.wait()
 
 
-def sum_over_ranks(values: list[float], ctx: DistContext) -> list[float]:
-    tensor = torch.tensor(values, dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+def sum_over_ranks(loss_sum: torch.Tensor, counts: list[int], ctx: DistContext) -> list[float]:
+    """[loss sum, *counts] summed over ranks, in one all-reduce. The loss sum stays on the device
+    until here, so this is the trainer's only host sync for losses (every --log-every steps)."""
+    tensor = torch.cat([loss_sum.reshape(1).to(torch.float64), torch.tensor(counts, dtype=torch.float64, device=loss_sum.device)])
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
+    if tensor.device.type == "cpu":
+        wait_polling(work)
+    else:
+        work.wait()
     return tensor.tolist()
 
 

@@ -7,6 +7,8 @@ A factory takes the Config and returns a `Task`. Data that fits in memory should
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -88,6 +90,11 @@ def load_task(config: Config) -> Task:
     if not sep or not module_name or not attr:
         known = ", ".join(BUILTIN_TASKS)
         raise TaskError(f"--task {config.task!r} is neither a built-in task ({known}) nor 'package.module:factory'")
+    # The trainer runs with the working directory off the front of the path (see entrypoint's
+    # default_command); the user's module is looked for there last, after the bundle and torch.
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.append(cwd)
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

@@ -1,0 +1,94 @@
+"""The trainer in one process with a real (one-rank gloo) process group: which collectives a step
+costs, and the stop flag riding in DDP's gradient all-reduce."""
+
+from __future__ import annotations
+
+import io
+import signal
+import socket
+from collections import Counter
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch.distributed as dist
+
+from train.config import parse_config
+from train.distributed import DistContext, init_distributed
+from train.metrics import MetricsFile, RankLog
+from train.signals import PreemptionWatcher
+from train.tasks import load_task
+from train.trainer import Preempted, Trainer
+
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list", "barrier", "reduce", "gather")
+
+
+@pytest.fixture
+def group(monkeypatch: pytest.MonkeyPatch) -> Iterator[DistContext]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    ctx = init_distributed("gloo", 60)
+    yield ctx
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """Every torch.distributed collective called from Python (the trainer's and its DDP hook's)."""
+    counts: Counter[str] = Counter()
+
+    def counting(name: str, real: Callable) -> Callable:
+        def wrapper(*args, **kwargs):
+            counts[name] += 1
+            return real(*args, **kwargs)
+
+        return wrapper
+
+    for name in COLLECTIVES:
+        monkeypatch.setattr(dist, name, counting(name, getattr(dist, name)))
+    return counts
+
+
+def trainer_for(ctx: DistContext, *flags: str) -> tuple[Trainer, PreemptionWatcher]:
+    config = parse_config(["--snapshot-dir", "", *flags])
+    watcher = PreemptionWatcher()
+    return Trainer(config, load_task(config), ctx, RankLog(0, 1, io.StringIO()), MetricsFile(None), watcher), watcher
+
+
+def test_a_step_costs_only_the_gradient_all_reduce(group: DistContext, calls: Counter[str]) -> None:
+    trainer, watcher = trainer_for(group, "--epochs", "2", "--log-every", "1000000")
+    try:
+        result = trainer.fit()
+    finally:
+        watcher.restore()
+    assert result.global_step == 116  # 1843 training samples / batch 32 = 58 steps an epoch
+    # One gradient all-reduce a step (the stop flags ride in it), one for the last progress line,
+    # and one gather of checksums at the end: nothing else, however many steps.
+    assert calls == Counter({"all_reduce": 116 + 1, "all_gather_object": 1})
+
+
+def test_progress_lines_add_one_all_reduce_each(group: DistContext, calls: Counter[str]) -> None:
+    trainer, watcher = trainer_for(group, "--epochs", "2", "--log-every", "10")
+    try:
+        trainer.fit()
+    finally:
+        watcher.restore()
+    assert calls["all_reduce"] == 116 + 12  # progress at steps 10, 20, ..., 110 and the last
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_signal_before_a_step_stops_right_after_it_with_no_extra_collective(group: DistContext, calls: Counter[str], sig) -> None:
+    trainer, watcher = trainer_for(group, "--epochs", "2", "--log-every", "1000000")
+    watcher.received = sig  # as the handler would set it
+    try:
+        with pytest.raises(Preempted) as stop:
+            trainer.fit()
+    finally:
+        watcher.restore()
+    assert stop.value.signum == int(sig) and trainer.global_step == 1
+    assert f"stopped on {sig.name} (received here) at epoch 1/2 step 1/58 (global 1/116)" in str(stop.value)
+    assert calls["all_reduce"] == 1 and calls["barrier"] == 1  # the step's gradient sync; the stop's barrier

@@ -1,0 +1,183 @@
+"""The trainer's input pipeline: the same sample order on every path, resumable at any batch.
+
+The order of an epoch is a pure function of (seed, epoch, rank, world size), taken from
+`DistributedSampler`, so a resumed run continues at the exact sample position of the interrupted
+one: batch `start` of epoch `e`, nothing replayed and nothing skipped.
+
+Two paths share that order:
+- `TensorBatches`: in-memory `TensorDataset`s are batched by tensor indexing in the training process
+  (no per-sample Python objects, no collation, no worker processes to feed).
+- `LoaderBatches`: any other map-style dataset goes through `torch.utils.data.DataLoader` with worker
+  processes, prefetching, persistent workers and pinned memory on CUDA.
+
+Random augmentation in a dataset repeats exactly after a resume because each batch is fetched under
+RNG seeds derived from (seed, epoch, rank, batch index), not from whichever worker happens to fetch
+it: after a resume the DataLoader hands batch `start` to worker 0, where the uninterrupted run had
+given it to worker `start % workers`, so per-worker seeding alone could not repeat the run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset, get_worker_info
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def default_num_workers(local_world_size: int) -> int:
+    """DataLoader workers per rank: the CPUs this process may use, shared by the ranks on this node,
+    less one for the rank itself; at least one (a worker overlaps loading with the gradient
+    all-reduce even on a busy CPU) and at most 8."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(8, cpus // max(1, local_world_size) - 1))
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed from integers, the same on every machine and Python (unlike hash())."""
+    digest = hashlib.blake2b(",".join(str(p) for p in parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+@dataclass(frozen=True)
+class BatchKey:
+    """What a worker needs to fetch one batch reproducibly."""
+
+    epoch: int
+    index: int
+    indices: tuple[int, ...]
+
+
+class EpochOrder:
+    """This rank's sample order for an epoch, split into batches, starting at any batch."""
+
+    def __init__(self, dataset_len: int, *, world_size: int, rank: int, batch_size: int, seed: int) -> None:
+        self.sampler = DistributedSampler(range(dataset_len), num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
+        self.batch_size = batch_size
+        self.batches_per_epoch = -(-len(self.sampler) // batch_size)
+
+    def batches(self, epoch: int, start: int = 0) -> list[torch.Tensor]:
+        self.sampler.set_epoch(epoch)
+        order = torch.tensor(list(iter(self.sampler)), dtype=torch.long)
+        return list(order.split(self.batch_size))[start:]
+
+
+class TensorBatches:
+    """In-memory tensors batched by indexing: the fast path, no worker processes."""
+
+    def __init__(self, data: TensorDataset, order: EpochOrder, device: torch.device) -> None:
+        self.tensors = data.tensors
+        self.order, self.device = order, device
+
+    def epoch(self, epoch: int, start: int) -> Iterator[Batch]:
+        non_blocking = self.device.type == "cuda"
+        for indices in self.order.batches(epoch, start):
+            inputs, targets = (t[indices] for t in self.tensors)
+            yield inputs.to(self.device, non_blocking=non_blocking), targets.to(self.device, non_blocking=non_blocking)
+
+    def close(self) -> None:
+        pass
+
+
+class SeededBatches(Dataset):
+    """Wraps a map-style dataset so each batch is fetched under RNG seeds derived from its BatchKey.
+
+    In the training process itself (no workers) the global RNG state is restored afterwards, so
+    fetching never disturbs the model's own randomness (dropout, initialisation)."""
+
+    def __init__(self, dataset: Dataset, *, seed: int, rank: int) -> None:
+        self.dataset, self.seed, self.rank = dataset, seed, rank
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+    def __getitems__(self, key: BatchKey) -> list[Any]:
+        seed = derive_seed(self.seed, key.epoch, self.rank, key.index)
+        in_main = get_worker_info() is None
+        saved = (torch.get_rng_state(), random.getstate(), np.random.get_state()) if in_main else None
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        try:
+            fetch = getattr(self.dataset, "__getitems__", None)
+            return list(fetch(list(key.indices))) if fetch else [self.dataset[i] for i in key.indices]
+        finally:
+            if saved is not None:
+                torch.set_rng_state(saved[0])
+                random.setstate(saved[1])
+                np.random.set_state(saved[2])
+
+
+class _KeyedBatchSampler:
+    """Yields the BatchKeys of one epoch from a start batch; set before each `iter(loader)`."""
+
+    def __init__(self, order: EpochOrder) -> None:
+        self.order, self.epoch, self.start = order, 0, 0
+
+    def __iter__(self) -> Iterator[BatchKey]:
+        for offset, indices in enumerate(self.order.batches(self.epoch, self.start)):
+            yield BatchKey(self.epoch, self.start + offset, tuple(indices.tolist()))
+
+    def __len__(self) -> int:
+        return self.order.batches_per_epoch - self.start
+
+
+def _seed_worker(worker_id: int) -> None:
+    """Seeds for anything a worker does outside a batch (its dataset's own set-up)."""
+    info = get_worker_info()
+    base = info.seed if info is not None else worker_id
+    torch.manual_seed(base)
+    random.seed(base)
+    np.random.seed(base % 2**32)
+
+
+class LoaderBatches:
+    """Any map-style dataset through a DataLoader: workers, prefetching, persistent workers, pinning."""
+
+    def __init__(self, data: Dataset, order: EpochOrder, device: torch.device, *, num_workers: int, seed: int, rank: int) -> None:
+        self.device = device
+        self.sampler = _KeyedBatchSampler(order)
+        generator = torch.Generator().manual_seed(derive_seed(seed, rank))  # the workers' base seeds
+        self.loader = DataLoader(
+            SeededBatches(data, seed=seed, rank=rank),
+            batch_sampler=self.sampler,
+            num_workers=num_workers,
+            pin_memory=device.type == "cuda",
+            persistent_workers=num_workers > 0,
+            prefetch_factor=4 if num_workers > 0 else None,
+            worker_init_fn=_seed_worker if num_workers > 0 else None,
+            generator=generator,
+        )
+
+    def epoch(self, epoch: int, start: int) -> Iterator[Batch]:
+        self.sampler.epoch, self.sampler.start = epoch, start
+        non_blocking = self.device.type == "cuda"
+        for inputs, targets in self.loader:
+            yield inputs.to(self.device, non_blocking=non_blocking), targets.to(self.device, non_blocking=non_blocking)
+
+    def close(self) -> None:
+        """Stop persistent workers now rather than at interpreter exit (which the trainer skips)."""
+        iterator = getattr(self.loader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+
+
+def make_batches(
+    data: Dataset, order: EpochOrder, device: torch.device, *, num_workers: int, seed: int, rank: int
+) -> TensorBatches | LoaderBatches:
+    if isinstance(data, TensorDataset):
+        return TensorBatches(data, order, device)
+    return LoaderBatches(data, order, device, num_workers=num_workers, seed=seed, rank=rank)
