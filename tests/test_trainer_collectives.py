@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
 
 from train.config import parse_config
 from train.distributed import DistContext, init_distributed
@@ -18,8 +19,6 @@ from train.metrics import MetricsFile, RankLog
 from train.signals import PreemptionWatcher
 from train.tasks import load_task
 from train.trainer import Preempted, Trainer
-
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list", "barrier", "reduce", "gather")
 
 
 @pytest.fixture
@@ -36,21 +35,16 @@ def group(monkeypatch: pytest.MonkeyPatch) -> Iterator[DistContext]:
     dist.destroy_process_group()
 
 
-@pytest.fixture
-def calls(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
-    """Every torch.distributed collective called from Python (the trainer's and its DDP hook's)."""
-    counts: Counter[str] = Counter()
-
-    def counting(name: str, real: Callable) -> Callable:
-        def wrapper(*args, **kwargs):
-            counts[name] += 1
-            return real(*args, **kwargs)
-
-        return wrapper
-
-    for name in COLLECTIVES:
-        monkeypatch.setattr(dist, name, counting(name, getattr(dist, name)))
-    return counts
+def collectives(run: Callable[[], object]) -> tuple[Counter[str], Preempted | None]:
+    """The gloo collectives `run` performs, from the profiler (those DDP's reducer issues from C++ as
+    well as those called from Python), and the stop it ended with, if any."""
+    stopped = None
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        try:
+            run()
+        except Preempted as stop:
+            stopped = stop
+    return Counter(event.name for event in prof.events() if event.name.startswith("gloo:")), stopped
 
 
 def trainer_for(ctx: DistContext, *flags: str) -> tuple[Trainer, PreemptionWatcher]:
@@ -59,36 +53,37 @@ def trainer_for(ctx: DistContext, *flags: str) -> tuple[Trainer, PreemptionWatch
     return Trainer(config, load_task(config), ctx, RankLog(0, 1, io.StringIO()), MetricsFile(None), watcher), watcher
 
 
-def test_a_step_costs_only_the_gradient_all_reduce(group: DistContext, calls: Counter[str]) -> None:
+def test_a_step_costs_only_the_gradient_all_reduce(group: DistContext) -> None:
     trainer, watcher = trainer_for(group, "--epochs", "2", "--log-every", "1000000")
     try:
-        result = trainer.fit()
+        calls, _ = collectives(trainer.fit)
     finally:
         watcher.restore()
-    assert result.global_step == 116  # 1843 training samples / batch 32 = 58 steps an epoch
-    # One gradient all-reduce a step (the stop flags ride in it), one for the last progress line,
-    # and one gather of checksums at the end: nothing else, however many steps.
-    assert calls == Counter({"all_reduce": 116 + 1, "all_gather_object": 1})
+    assert trainer.global_step == 116  # 1843 training samples / batch 32 = 58 steps an epoch
+    # One gradient all-reduce a step (the stop flags ride in it), one for the last progress line, the
+    # checksum gather at the end (all_gather_object: sizes, then data) and DDP's one-time bucket
+    # rebuild after the first step (two broadcasts): nothing else, however many steps.
+    assert calls == Counter({"gloo:all_reduce": 116 + 1, "gloo:all_gather": 2, "gloo:broadcast": 2})
 
 
-def test_progress_lines_add_one_all_reduce_each(group: DistContext, calls: Counter[str]) -> None:
+def test_progress_lines_add_one_all_reduce_each(group: DistContext) -> None:
     trainer, watcher = trainer_for(group, "--epochs", "2", "--log-every", "10")
     try:
-        trainer.fit()
+        calls, _ = collectives(trainer.fit)
     finally:
         watcher.restore()
-    assert calls["all_reduce"] == 116 + 12  # progress at steps 10, 20, ..., 110 and the last
+    assert calls["gloo:all_reduce"] == 116 + 12  # progress at steps 10, 20, ..., 110 and the last
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
-def test_a_signal_before_a_step_stops_right_after_it_with_no_extra_collective(group: DistContext, calls: Counter[str], sig) -> None:
+def test_a_signal_before_a_step_stops_right_after_it_with_no_extra_collective(group: DistContext, sig) -> None:
     trainer, watcher = trainer_for(group, "--epochs", "2", "--log-every", "1000000")
     watcher.received = sig  # as the handler would set it
     try:
-        with pytest.raises(Preempted) as stop:
-            trainer.fit()
+        calls, stop = collectives(trainer.fit)
     finally:
         watcher.restore()
-    assert stop.value.signum == int(sig) and trainer.global_step == 1
-    assert f"stopped on {sig.name} (received here) at epoch 1/2 step 1/58 (global 1/116)" in str(stop.value)
-    assert calls["all_reduce"] == 1 and calls["barrier"] == 1  # the step's gradient sync; the stop's barrier
+    assert stop is not None and trainer.global_step == 1
+    assert stop.signum == int(sig)
+    assert f"stopped on {sig.name} (received here) at epoch 1/2 step 1/58 (global 1/116)" in str(stop)
+    assert calls == Counter({"gloo:all_reduce": 1, "gloo:barrier": 1})  # the step's gradient sync; the stop's barrier
