@@ -63,6 +63,12 @@ def parse_args(args: Sequence[str]) -> tuple[Options, bool]:
                     raise UsageError(f"{name}={inline!r} is not an integer") from None
         else:
             break
+    if rest and os.path.basename(rest[0]) == "entrypoint":
+        # `enroot start NAME entrypoint ...`: enroot's /etc/rc already runs the image's ENTRYPOINT
+        # with the arguments, so the command is this launcher again. Resolve once, here: the inner
+        # one would see this one's variables and take the job for a `docker run -e` one.
+        before = list(args[: len(args) - len(rest)])
+        return parse_args((before[:-1] if before[-1:] == ["--"] else before) + rest[1:])
     if not rest:
         command = default_command()
     elif rest[0].startswith("-"):

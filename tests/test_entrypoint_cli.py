@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from conftest import clean_env
 
 ENTRYPOINT = [sys.executable, "-m", "entrypoint"]
@@ -98,3 +99,13 @@ def test_missing_command_is_one_line_exit_127() -> None:
 def test_help() -> None:
     out = run(["--help"])
     assert out.returncode == 0 and "--print-plan" in out.stdout and "--nproc-per-node" in out.stdout
+
+
+@pytest.mark.parametrize("name", ["entrypoint", "/usr/local/bin/entrypoint"])
+def test_the_launcher_named_as_the_command_runs_once(name: str) -> None:
+    """`enroot start NAME entrypoint --print-plan`: enroot's /etc/rc execs the image's ENTRYPOINT with
+    the arguments, so the launcher is its own command; it must resolve the plan once, as itself."""
+    direct = json.loads(run(["--print-plan", "--epochs", "3"]).stdout)
+    for args in ([name, "--print-plan", "--epochs", "3"], ["--print-plan", name, "--epochs", "3"], ["--", name, "--print-plan", "--epochs", "3"]):
+        plan = json.loads(run(args).stdout)
+        assert plan["mode"] == "single" and plan["argv"] == direct["argv"], args

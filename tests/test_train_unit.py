@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -163,3 +164,51 @@ def test_a_train_module_in_the_working_directory_cannot_shadow_the_trainer(tmp_p
         assert out.returncode == 0, out.stdout + out.stderr
         assert "THE USER TRAIN RAN" not in out.stdout and "checksums agree across 1 ranks" in out.stdout
     assert "task mine " in out.stdout
+
+
+def test_rerunning_a_finished_run_names_where_it_ended(tmp_path: Path) -> None:
+    snap = str(tmp_path / "snap")
+    assert run_train("--epochs", "1", "--snapshot-dir", snap).returncode == 0
+    again = run_train("--epochs", "1", "--snapshot-dir", snap)
+    assert again.returncode == 0, again.stderr
+    assert "resumed after epoch 1/1 step 58/58 (global 58/58)" in again.stdout
+    assert "training already complete at global step 58" in again.stdout
+
+
+def test_a_snapshot_of_another_run_is_refused_unless_asked(tmp_path: Path) -> None:
+    """Two runs pointed at one folder must not mix: other trajectory settings are an error that says
+    what differs and how to go on."""
+    snap = str(tmp_path / "snap")
+    assert run_train("--epochs", "1", "--snapshot-dir", snap).returncode == 0
+    other = run_train("--epochs", "2", "--batch-size", "64", "--lr", "0.001", "--snapshot-dir", snap)
+    assert other.returncode == 2, other.stdout + other.stderr
+    assert other.stderr == (
+        f"train: error: the snapshot at global step 58 in {snap} belongs to a run with other settings "
+        "(--batch-size 32 -> 64, --lr 0.003 -> 0.001); to start a new run give it its own --snapshot-dir (a new run directory), "
+        "or pass --allow-changed-settings to continue that run with these settings\n"
+    )
+    assert "checksum" not in other.stdout  # nothing trained
+    allowed = run_train("--epochs", "2", "--batch-size", "64", "--lr", "0.001", "--snapshot-dir", snap, "--allow-changed-settings")
+    assert allowed.returncode == 0, allowed.stderr
+    assert "warning: continuing with changed settings (--batch-size 32 -> 64, --lr 0.003 -> 0.001)" in allowed.stdout
+    assert "checksums agree across 1 ranks" in allowed.stdout
+
+
+LOGGER = """
+import sys
+from train.metrics import RankLog
+log = RankLog(int(sys.argv[1]), 4)
+for i in range(20000):
+    log(f"record {i}")
+"""
+
+
+def test_ranks_sharing_one_pipe_never_share_a_line() -> None:
+    """torchrun's workers and srun's tasks write to one pipe, unbuffered in the image."""
+    env = clean_env(PYTHONUNBUFFERED="1")
+    cmd = " & ".join(f"{sys.executable} -c '{LOGGER}' {rank}" for rank in range(4)) + " & wait"
+    out = subprocess.run(["bash", "-c", cmd], env=env, capture_output=True, text=True, timeout=120)
+    lines = out.stdout.splitlines()
+    assert len(lines) == 80000
+    pattern = re.compile(r"\[rank [0-3]/4\] record \d+")
+    assert [line for line in lines if not pattern.fullmatch(line)] == []

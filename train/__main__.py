@@ -15,7 +15,7 @@ from train.distributed import init_distributed, shutdown
 from train.metrics import MetricsFile, RankLog
 from train.signals import PreemptionWatcher
 from train.tasks import TaskError, load_task
-from train.trainer import ChecksumMismatch, Preempted, Trainer
+from train.trainer import ChecksumMismatch, Preempted, SnapshotMismatch, Trainer
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -46,6 +46,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         metrics.close()
         shutdown()
         return 128 + stop.signum
+    except SnapshotMismatch as exc:  # every rank got the same snapshot, so every rank is here
+        if ctx.is_main:
+            print(f"train: error: {exc}", file=sys.stderr, flush=True)
+        metrics.close()
+        shutdown()
+        return 2
     except ChecksumMismatch as exc:
         log(f"error: {exc}")
         return 1

@@ -29,6 +29,7 @@ class Config:
     snapshot_dir: str
     snapshot_every: int
     keep_snapshots: int
+    allow_changed_settings: bool
     log_every: int
     metrics_file: str | None
     backend: str | None
@@ -116,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="optimizer steps between snapshots (0: only at epoch ends, stop and finish)",
     )
     state.add_argument("--keep-snapshots", type=_positive_int, default=2, help="snapshots kept (the newest N readable ones)")
+    state.add_argument(
+        "--allow-changed-settings",
+        action="store_true",
+        help="continue a snapshot whose trajectory settings (task, data, batch, optimizer, seed, ...) differ from these "
+        "(default: refuse, since it is another run)",
+    )
     state.add_argument("--log-every", type=_positive_int, default=10, help="optimizer steps between progress lines")
     state.add_argument("--metrics-file", default=None, help="JSON-lines metrics written by rank 0 (appended)")
 

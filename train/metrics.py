@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -17,7 +18,12 @@ def format_duration(seconds: float) -> str:
 
 
 class RankLog:
-    """Prints `[rank R/W] message`; `main_only` lines come from rank 0 alone."""
+    """Prints `[rank R/W] message`; `main_only` lines come from rank 0 alone.
+
+    Each record goes out in one write(2): ranks (torchrun's workers, srun's tasks) share one stdout
+    pipe, and print() writes the text and its newline separately when output is unbuffered
+    (PYTHONUNBUFFERED, as in the image), so two ranks' records could land on one line. One write of
+    a line under PIPE_BUF (4 KiB) is atomic on a pipe."""
 
     def __init__(self, rank: int, world_size: int, stream: TextIO = sys.stdout) -> None:
         self.rank, self.world_size, self.stream = rank, world_size, stream
@@ -25,7 +31,16 @@ class RankLog:
     def __call__(self, message: str, main_only: bool = False) -> None:
         if main_only and self.rank != 0:
             return
-        print(f"[rank {self.rank}/{self.world_size}] {message}", file=self.stream, flush=True)
+        line = f"[rank {self.rank}/{self.world_size}] {message}\n"
+        try:
+            fd = self.stream.fileno()
+        except (AttributeError, OSError, ValueError):  # not a file (a test's StringIO)
+            self.stream.write(line)
+            return
+        self.stream.flush()  # anything printed before goes first
+        data = line.encode(errors="replace")
+        while data:
+            data = data[os.write(fd, data) :]
 
 
 class MetricsFile:

@@ -55,6 +55,11 @@ class Preempted(Exception):
         self.signal_name, self.signum = signal_name, signum
 
 
+class SnapshotMismatch(Exception):
+    """The snapshot belongs to a run with other trajectory settings: continuing it silently would mix
+    two runs into one."""
+
+
 class ChecksumMismatch(Exception):
     """Ranks ended with different parameters: DDP's core promise was broken."""
 
@@ -201,11 +206,18 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.epoch, self.step_in_epoch, self.global_step = state["epoch"], state["step_in_epoch"], state["global_step"]
         self.last_snapshot_step = self.global_step
-        changed = [k for k in TRAJECTORY_FIELDS if state["config"].get(k) != getattr(self.config, k)]
+        # A setting the snapshot predates (absent from its config) cannot differ.
+        saved = state["config"]
+        changed = [k for k in TRAJECTORY_FIELDS if k in saved and saved[k] != getattr(self.config, k)]
         if changed:
-            self.log(
-                f"warning: {', '.join(changed)} differ from the snapshot's; the run will not match an uninterrupted one", main_only=True
-            )
+            diff = ", ".join(f"--{k.replace('_', '-')} {saved[k]} -> {getattr(self.config, k)}" for k in changed)
+            if not self.config.allow_changed_settings:
+                raise SnapshotMismatch(
+                    f"the snapshot at global step {state['global_step']} in {self.config.snapshot_dir} belongs to a run with other settings "
+                    f"({diff}); to start a new run give it its own --snapshot-dir (a new run directory), or pass "
+                    f"--allow-changed-settings to continue that run with these settings"
+                )
+            self.log(f"warning: continuing with changed settings ({diff}); the run will not match an uninterrupted one", main_only=True)
         saved_world = state["world_size"]
         if saved_world != self.ctx.world_size:
             # Keep the samples already seen this epoch: map the position onto the new world size.
@@ -291,11 +303,13 @@ class Trainer:
         return Result(self.global_step, last_loss, checksum, steps / elapsed, samples_per_s)
 
     def _position(self) -> str:
-        """Where training stands, numbered as the progress lines number it (epochs from 1)."""
-        return (
-            f"epoch {self.epoch + 1}/{self.config.epochs} step {self.step_in_epoch}/{self.steps_per_epoch} "
-            f"(global {self.global_step}/{self.total_steps})"
-        )
+        """Where training stands, numbered as the progress lines number it (epochs from 1). Between
+        epochs it names the end of the one just finished (`epoch 2/2 step 29/29`), never the start of
+        one that does not exist (`epoch 3/2 step 0/29`)."""
+        epoch, step = self.epoch + 1, self.step_in_epoch
+        if step == 0 and self.epoch > 0:
+            epoch, step = self.epoch, self.steps_per_epoch
+        return f"epoch {epoch}/{self.config.epochs} step {step}/{self.steps_per_epoch} (global {self.global_step}/{self.total_steps})"
 
     def _progress(self, window: Window, start_step: int, started: float) -> float:
         """Collective, every --log-every steps: mean loss over ranks and global throughput; rank 0
