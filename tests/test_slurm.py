@@ -87,9 +87,41 @@ def test_baremetal_template(tmp_path: Path) -> None:
     code, job = sbatch("baremetal.sbatch", tmp_path, DDPACK_TRAIN_ARGS="--epochs 2 --log-every 100")
     log = (tmp_path / "logs" / f"ddpack-{job}.out").read_text()
     assert code == 0, log
-    assert f"ddpack: job {job} (restart 0) on ddnode[1-2]" in log and "checksums agree across 4 ranks" in log
-    assert list((tmp_path / "runs" / "ddpack" / "snapshots").glob("snapshot-*.pt"))
-    assert (tmp_path / "runs" / "ddpack" / "metrics.jsonl").exists()
+    run_dir = tmp_path / "runs" / f"ddpack-{job}"
+    assert f"ddpack: job {job} (restart 0) on ddnode[1-2], run dir {run_dir} (new run;" in log
+    assert "checksums agree across 4 ranks" in log
+    assert list((run_dir / "snapshots").glob("snapshot-*.pt"))
+    assert (run_dir / "metrics.jsonl").exists()
+
+
+def test_two_submissions_from_one_folder_are_two_runs_unless_one_names_the_other(tmp_path: Path) -> None:
+    args = "--epochs 1 --log-every 100"
+    first_code, first = sbatch("baremetal.sbatch", tmp_path, DDPACK_TRAIN_ARGS=args)
+    second_code, second = sbatch("baremetal.sbatch", tmp_path, DDPACK_TRAIN_ARGS=f"{args} --batch-size 16")
+    assert (first_code, second_code) == (0, 0)
+    second_log = (tmp_path / "logs" / f"ddpack-{second}.out").read_text()
+    assert "resuming from" not in second_log and "checksums agree across 4 ranks" in second_log
+    first_dir = tmp_path / "runs" / f"ddpack-{first}"
+    first_log = (tmp_path / "logs" / f"ddpack-{first}.out").read_text()
+    assert f"sbatch --export=ALL,DDPACK_RUN_DIR={first_dir} ..." in first_log  # how to continue it
+    code, third = sbatch("baremetal.sbatch", tmp_path, DDPACK_TRAIN_ARGS=args, DDPACK_RUN_DIR=str(first_dir))
+    third_log = (tmp_path / "logs" / f"ddpack-{third}.out").read_text()
+    assert code == 0, third_log
+    assert f"run dir {first_dir} (continuing {first_dir} (DDPACK_RUN_DIR))" in third_log
+    assert "training already complete" in third_log
+
+
+def test_a_pyxis_template_without_pyxis_fails_at_once_with_one_line(tmp_path: Path) -> None:
+    if "--container-image" in subprocess.run(["srun", "--help"], capture_output=True, text=True).stdout:
+        pytest.skip("pyxis is loaded in this cluster")
+    for template in ("pyxis-per-task.sbatch", "pyxis-torchrun.sbatch"):
+        code, job = sbatch(template, tmp_path, DDPACK_SQSH=str(tmp_path / "x.sqsh"))
+        log = (tmp_path / "logs" / f"ddpack-{job}.out").read_text()
+        assert code == 2, log
+        assert log.strip().splitlines() == [
+            "ddpack: error: this cluster's srun has no --container-image (pyxis is not loaded: no plugstack.conf entry on this node), "
+            "so the job would run on the host; use enroot/baremetal.sbatch or ask for pyxis"
+        ]
 
 
 def test_docker_hostnet_template(tmp_path: Path) -> None:
@@ -119,8 +151,8 @@ def job_state(job: str) -> tuple[str, str, int]:
     return fields.get("JobState", ""), fields.get("Reason", ""), int(fields.get("Restarts", "0"))
 
 
-def preempt_and_resume(tmp_path: Path, name: str, sbatch_args: tuple[str, ...] = (), **settings: str) -> str:
-    """Submit, signal USR1 mid-run as `--signal=USR1@90` would, let the job requeue and finish."""
+def submit_and_preempt(tmp_path: Path, name: str, sbatch_args: tuple[str, ...] = (), **settings: str) -> tuple[str, Path]:
+    """Submit the bare-metal template and signal USR1 mid-run, as `--signal=USR1@90` would; returns (job, log)."""
     (tmp_path / "logs").mkdir(exist_ok=True)
     exports = ",".join(
         ["ALL", "DDPACK_TRAIN_ARGS=--dataset-size 16384 --epochs 2 --log-every 1", *(f"{k}={v}" for k, v in settings.items())]
@@ -137,12 +169,18 @@ def preempt_and_resume(tmp_path: Path, name: str, sbatch_args: tuple[str, ...] =
         .stdout.strip()
         .split(";")[0]
     )
-    metrics, log = tmp_path / "runs" / name / "metrics.jsonl", tmp_path / "logs" / f"{name}-{job}.out"
+    metrics, log = tmp_path / "runs" / f"{name}-{job}" / "metrics.jsonl", tmp_path / "logs" / f"{name}-{job}.out"
     deadline = time.monotonic() + 120
     while not (metrics.exists() and metrics.read_text().count('"progress"') >= 20):
         assert time.monotonic() < deadline, "the job did not start training"
         time.sleep(0.2)
     subprocess.run(["scancel", "--signal=USR1", job], check=True)
+    return job, log
+
+
+def preempt_and_resume(tmp_path: Path, name: str, sbatch_args: tuple[str, ...] = (), **settings: str) -> str:
+    """Submit, preempt, let the job requeue and finish; returns the whole appended log."""
+    job, log = submit_and_preempt(tmp_path, name, sbatch_args, **settings)
     # Slurm itself starts the requeued job once the old credential expires (cred_expire in the test cluster).
     deadline, pending_again, seen = time.monotonic() + 240, False, []
     while True:
@@ -163,7 +201,8 @@ def preempt_and_resume(tmp_path: Path, name: str, sbatch_args: tuple[str, ...] =
 
 def test_usr1_preempts_requeues_and_resumes_per_task_shape(tmp_path: Path) -> None:
     log = preempt_and_resume(tmp_path, "pre1")
-    assert log.count("stopped on SIGUSR1") == 4 and "ddpack: preempted (exit 138); requeueing" in log
+    assert log.count("stopped on SIGUSR1") == 4 and "ddpack: preempted (exit 138); requeueing job" in log
+    assert "(restart 1 of at most 10)" in log
     assert "(restart 1)" in log and "[rank 0/4] resumed after epoch" in log
     assert "checksums agree across 4 ranks" in log.split("(restart 1)")[1]
 
@@ -173,3 +212,18 @@ def test_usr1_reaches_torchrun_workers_in_the_per_node_shape(tmp_path: Path) -> 
     first = log.split("(restart 1)")[0]
     assert first.count("stopped on SIGUSR1") == 4, first
     assert "requeueing job" in first and "checksums agree across 4 ranks" in log.split("(restart 1)")[1]
+
+
+def test_the_restart_cap_stops_requeueing_and_says_how_to_continue(tmp_path: Path) -> None:
+    job, log = submit_and_preempt(tmp_path, "capped", DDPACK_MAX_RESTARTS="0")
+    deadline = time.monotonic() + 120
+    while (state := job_state(job))[0] not in FINAL_STATES:
+        assert time.monotonic() < deadline, f"job {job} did not end: {state}"
+        time.sleep(0.5)
+    assert state[2] == 0, f"job {job} was requeued: {state}"
+    text = log.read_text()
+    run_dir = tmp_path / "runs" / f"capped-{job}"
+    assert (
+        f"ddpack: preempted (exit 138) after 0 restarts, the cap DDPACK_MAX_RESTARTS=0; not requeueing "
+        f"(resubmit with DDPACK_RUN_DIR={run_dir} to continue)"
+    ) in text

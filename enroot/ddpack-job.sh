@@ -1,0 +1,78 @@
+# ddpack-job.sh — what every ddpack Slurm template shares; sourced by enroot/*.sbatch (bash 4.2+).
+#
+#   ddpack_setup NAME          the run directory and the banner line (sets DDPACK_RUN_DIR)
+#   ddpack_container_path P    P as the container sees it through DDPACK_MOUNTS, or a one-line error
+#   ddpack_require_pyxis       fail at once when this cluster's srun has no pyxis (--container-image)
+#   ddpack_requeue_if_stopped RC
+#                              the trainer stopped on a signal with a snapshot: requeue, up to
+#                              DDPACK_MAX_RESTARTS times
+#
+# Run directories: one run, one folder. A new submission gets runs/<job name>-<job id> in the submission
+# folder; a requeue keeps its job id and so continues its own folder; to continue an earlier run in a new
+# job, name its folder with DDPACK_RUN_DIR (the banner prints the line to use). Two jobs submitted from one
+# folder therefore never resume each other's snapshots.
+
+ddpack_die() {
+    echo "ddpack: error: $*" >&2
+    exit 2
+}
+
+ddpack_setup() {
+    local name=$1
+    if [ -n "${DDPACK_RUN_DIR:-}" ]; then
+        ddpack_run_origin="continuing ${DDPACK_RUN_DIR} (DDPACK_RUN_DIR)"
+    else
+        DDPACK_RUN_DIR=${SLURM_SUBMIT_DIR}/runs/${name}-${SLURM_JOB_ID}
+        ddpack_run_origin="new run; a requeue continues it; to continue it in another job: sbatch --export=ALL,DDPACK_RUN_DIR=${DDPACK_RUN_DIR} ..."
+    fi
+    export DDPACK_RUN_DIR
+    mkdir -p "${DDPACK_RUN_DIR}" || ddpack_die "cannot create the run directory ${DDPACK_RUN_DIR}; set DDPACK_RUN_DIR to a writable folder on the shared filesystem"
+    echo "ddpack: job ${SLURM_JOB_ID} (restart ${SLURM_RESTART_COUNT:-0}) on ${SLURM_JOB_NODELIST}, run dir ${DDPACK_RUN_DIR} (${ddpack_run_origin})"
+}
+
+# DDPACK_MOUNTS as pyxis takes --container-mounts: comma-separated SRC[:DST[:FLAGS]] (DST defaults to SRC).
+ddpack_container_path() {
+    local path=$1 best_src="" best_dst="" entry src dst rest
+    local -a entries
+    IFS=, read -r -a entries <<<"${DDPACK_MOUNTS:-}"
+    for entry in ${entries[@]+"${entries[@]}"}; do
+        src=${entry%%:*}
+        rest=${entry#"${src}"}
+        rest=${rest#:}
+        dst=${rest%%:*}
+        [ -n "${dst}" ] || dst=${src}
+        src=${src%/}
+        dst=${dst%/}
+        case "${path}/" in
+        "${src}"/*)
+            if [ "${#src}" -gt "${#best_src}" ]; then
+                best_src=${src} best_dst=${dst}
+            fi
+            ;;
+        esac
+    done
+    [ -n "${best_src}" ] || ddpack_die "${path} is not under any of DDPACK_MOUNTS=${DDPACK_MOUNTS:-} (host:container pairs), so the container cannot reach it; submit from a folder on a mounted filesystem or add its mount to DDPACK_MOUNTS"
+    echo "${best_dst}${path#"${best_src}"}"
+}
+
+ddpack_require_pyxis() {
+    srun --help 2>/dev/null | grep -q -- '--container-image' ||
+        ddpack_die "this cluster's srun has no --container-image (pyxis is not loaded: no plugstack.conf entry on this node), so the job would run on the host; use enroot/baremetal.sbatch or ask for pyxis"
+}
+
+ddpack_requeue_if_stopped() {
+    local rc=$1 log restarts=${SLURM_RESTART_COUNT:-0} max=${DDPACK_MAX_RESTARTS:-10}
+    [ "${rc}" -ne 0 ] || return 0
+    case "${max}" in '' | *[!0-9]*) ddpack_die "DDPACK_MAX_RESTARTS=${max} is not a whole number" ;; esac
+    log=$(scontrol show job "${SLURM_JOB_ID}" | sed -n 's/^ *StdOut=//p')
+    # Preempted: the trainer stopped on SIGUSR1/SIGTERM with a snapshot; its stop line in this run's part
+    # of the appended log decides (torchrun's agent and srun report their own codes). One awk, no pipeline:
+    # under pipefail a `grep -q` closing the pipe early fails at random.
+    awk '/^ddpack: job /{stopped=0} /stopped on SIG/{stopped=1} END{exit !stopped}' "${log}" 2>/dev/null || return 0
+    if [ "${restarts}" -ge "${max}" ]; then
+        echo "ddpack: preempted (exit ${rc}) after ${restarts} restarts, the cap DDPACK_MAX_RESTARTS=${max}; not requeueing (resubmit with DDPACK_RUN_DIR=${DDPACK_RUN_DIR} to continue)"
+        return 0
+    fi
+    echo "ddpack: preempted (exit ${rc}); requeueing job ${SLURM_JOB_ID} (restart $((restarts + 1)) of at most ${max})"
+    scontrol requeue "${SLURM_JOB_ID}"
+}
