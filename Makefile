@@ -66,7 +66,7 @@ test: venv ## run every test tier available on this machine
 	$(VPY) -m pytest $(PYTEST_ARGS)
 
 test-quick: venv ## run the fast tier only (no multi-process, Docker or Slurm tests)
-	$(VPY) -m pytest -m 'not dist and not docker and not slurm' $(PYTEST_ARGS)
+	$(VPY) -m pytest -m 'not dist and not docker and not slurm and not pyxis' $(PYTEST_ARGS)
 
 lint: venv ## ruff over the whole tree
 	$(VENV)/bin/ruff check .

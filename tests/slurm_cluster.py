@@ -60,11 +60,43 @@ def _idle_nodes() -> int:
     return sum(1 for line in out.stdout.splitlines() if line.split()[-1] in ("idle", "mixed", "allocated"))
 
 
+# Written by ../shared/tools/install-enroot-pyxis.sh: a per-node enroot wrapper (several slurmd share
+# this host, and pyxis runs enroot from slurmstepd's PATH) and pyxis' plugstack entry.
+ENROOT_NODE_WRAPPERS = Path("/usr/local/lib/enroot-nodes")
+PYXIS_PLUGSTACK = Path("/etc/slurm/plugstack.conf.d/pyxis.conf")
+
+
+def _slurmd_pid(node: str) -> int | None:
+    out = subprocess.run(["pgrep", "-f", f"slurmd -N {node}$"], capture_output=True, text=True)
+    return int(out.stdout.split()[0]) if out.returncode == 0 and out.stdout.split() else None
+
+
+def _start_slurmd(node: str) -> None:
+    """Start this node's slurmd with its enroot wrapper first on PATH (when installed); restart one that
+    predates pyxis' plugstack entry or lacks the wrapper, since slurmd reads both only when it starts."""
+    wrapper = ENROOT_NODE_WRAPPERS / node
+    env = dict(os.environ)
+    if wrapper.is_dir():
+        env["PATH"] = f"{wrapper}:{env.get('PATH', '/usr/sbin:/usr/bin:/sbin:/bin')}"
+    pid = _slurmd_pid(node)
+    if pid is not None:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+        stale = wrapper.is_dir() and str(wrapper) not in environ
+        stale = stale or (PYXIS_PLUGSTACK.exists() and PYXIS_PLUGSTACK.lstat().st_mtime > Path(f"/proc/{pid}").stat().st_mtime)
+        if not stale:
+            return
+        subprocess.run(["kill", str(pid)], check=True)
+        deadline = time.monotonic() + 20
+        while _slurmd_pid(node) is not None and time.monotonic() < deadline:
+            time.sleep(0.2)
+    subprocess.run(["slurmd", "-N", node], check=True, env=env)
+
+
 def ensure_cluster(timeout_s: float = 60) -> None:
     """Start munged, slurmctld and two slurmd unless a cluster already answers with both nodes."""
     if shutil.which("slurmctld") is None or shutil.which("munged") is None:
         raise ClusterUnavailable("slurm-wlm and munge are not installed (apt-get install -y slurm-wlm munge)")
-    if _idle_nodes() >= len(NODES):
+    if _idle_nodes() >= len(NODES) and os.geteuid() != 0:
         return
     if os.geteuid() != 0:
         raise ClusterUnavailable("starting a test Slurm cluster needs root")
@@ -85,8 +117,7 @@ def ensure_cluster(timeout_s: float = 60) -> None:
     if subprocess.run(["pgrep", "-x", "slurmctld"], capture_output=True).returncode != 0:
         subprocess.run(["slurmctld"], check=True)
     for node in NODES:
-        if subprocess.run(["pgrep", "-f", f"slurmd -N {node}"], capture_output=True).returncode != 0:
-            subprocess.run(["slurmd", "-N", node], check=True)
+        _start_slurmd(node)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if _idle_nodes() >= len(NODES):

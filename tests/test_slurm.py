@@ -4,19 +4,15 @@ templates as a user submits them, and preemption with --signal semantics through
 from __future__ import annotations
 
 import os
-import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, clean_env
 from slurm_cluster import ClusterUnavailable, ensure_cluster
+from slurm_jobs import CHECKSUM_RE, FINAL_STATES, VENV, checksums, env, job_state, preempt_and_resume, sbatch, submit_and_preempt
 
 pytestmark = pytest.mark.slurm
-VENV = Path(sys.executable).parent.parent
-CHECKSUM_RE = re.compile(r"final parameter checksum ([0-9a-f]{16})")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -27,14 +23,6 @@ def cluster() -> None:
         if os.environ.get("CI"):
             pytest.fail(f"CI must provide the test Slurm cluster: {exc}")
         pytest.skip(str(exc))
-
-
-def env(**extra: str) -> dict[str, str]:
-    return clean_env(DDPACK_VENV=str(VENV), **extra)
-
-
-def checksums(text: str) -> set[str]:
-    return set(CHECKSUM_RE.findall(text))
 
 
 def srun(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -68,21 +56,6 @@ def test_srun_one_task_per_node_runs_torchrun_with_c10d(tmp_path: Path) -> None:
     assert len(CHECKSUM_RE.findall(out.stdout)) == 4 and len(checksums(out.stdout)) == 1
 
 
-def sbatch(template: str, cwd: Path, **settings: str) -> tuple[int, str]:
-    """Submit as a user does (logs folder first), wait for the end, return (exit code, job id)."""
-    (cwd / "logs").mkdir(exist_ok=True)
-    exports = ",".join(["ALL", *(f"{k}={v}" for k, v in settings.items())])
-    out = subprocess.run(
-        ["sbatch", "--wait", "--parsable", f"--export={exports}", str(ROOT / "enroot" / template)],
-        env=env(OMP_NUM_THREADS="1"),
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    return out.returncode, out.stdout.strip().split(";")[0]
-
-
 def test_baremetal_template(tmp_path: Path) -> None:
     code, job = sbatch("baremetal.sbatch", tmp_path, DDPACK_TRAIN_ARGS="--epochs 2 --log-every 100")
     log = (tmp_path / "logs" / f"ddpack-{job}.out").read_text()
@@ -112,10 +85,15 @@ def test_two_submissions_from_one_folder_are_two_runs_unless_one_names_the_other
 
 
 def test_a_pyxis_template_without_pyxis_fails_at_once_with_one_line(tmp_path: Path) -> None:
-    if "--container-image" in subprocess.run(["srun", "--help"], capture_output=True, text=True).stdout:
-        pytest.skip("pyxis is loaded in this cluster")
-    for template in ("pyxis-per-task.sbatch", "pyxis-torchrun.sbatch"):
-        code, job = sbatch(template, tmp_path, DDPACK_SQSH=str(tmp_path / "x.sqsh"))
+    """On a cluster whose srun has no pyxis (here: an srun first on the job's PATH whose help lacks
+    --container-image, as Slurm's own does), the job would otherwise run on the host."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "srun").write_text("#!/bin/sh\necho 'Usage: srun [OPTIONS(0)...] [ : [OPTIONS(N)...]] executable(0) [args(0)...]'\n")
+    (fake / "srun").chmod(0o755)
+    path = f"{fake}:{os.environ.get('PATH', '/usr/bin:/bin')}"
+    for template, layout in (("pyxis-per-task.sbatch", ("--ntasks-per-node=2",)), ("pyxis-torchrun.sbatch", ())):
+        code, job = sbatch(template, tmp_path, layout, DDPACK_SQSH=str(tmp_path / "x.sqsh"), PATH=path)
         log = (tmp_path / "logs" / f"ddpack-{job}.out").read_text()
         assert code == 2, log
         assert log.strip().splitlines() == [
@@ -139,64 +117,6 @@ def test_docker_hostnet_template(tmp_path: Path) -> None:
     log = (tmp_path / "logs" / f"ddpack-docker-{job}.out").read_text()
     assert code == 0, log
     assert "checksums agree across 2 ranks" in log and "[rank 1/2] start: rank 1 world 2" in log
-
-
-FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
-
-
-def job_state(job: str) -> tuple[str, str, int]:
-    """(JobState, Reason, Restarts) from scontrol, which keeps a finished job for MinJobAge seconds."""
-    out = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True, text=True).stdout
-    fields = dict(item.split("=", 1) for item in out.split() if "=" in item)
-    return fields.get("JobState", ""), fields.get("Reason", ""), int(fields.get("Restarts", "0"))
-
-
-def submit_and_preempt(tmp_path: Path, name: str, sbatch_args: tuple[str, ...] = (), **settings: str) -> tuple[str, Path]:
-    """Submit the bare-metal template and signal USR1 mid-run, as `--signal=USR1@90` would; returns (job, log)."""
-    (tmp_path / "logs").mkdir(exist_ok=True)
-    exports = ",".join(
-        ["ALL", "DDPACK_TRAIN_ARGS=--dataset-size 16384 --epochs 2 --log-every 1", *(f"{k}={v}" for k, v in settings.items())]
-    )
-    job = (
-        subprocess.run(
-            ["sbatch", "--parsable", f"--job-name={name}", f"--export={exports}", *sbatch_args, str(ROOT / "enroot" / "baremetal.sbatch")],
-            env=env(OMP_NUM_THREADS="1"),
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        .stdout.strip()
-        .split(";")[0]
-    )
-    metrics, log = tmp_path / "runs" / f"{name}-{job}" / "metrics.jsonl", tmp_path / "logs" / f"{name}-{job}.out"
-    deadline = time.monotonic() + 120
-    while not (metrics.exists() and metrics.read_text().count('"progress"') >= 20):
-        assert time.monotonic() < deadline, "the job did not start training"
-        time.sleep(0.2)
-    subprocess.run(["scancel", "--signal=USR1", job], check=True)
-    return job, log
-
-
-def preempt_and_resume(tmp_path: Path, name: str, sbatch_args: tuple[str, ...] = (), **settings: str) -> str:
-    """Submit, preempt, let the job requeue and finish; returns the whole appended log."""
-    job, log = submit_and_preempt(tmp_path, name, sbatch_args, **settings)
-    # Slurm itself starts the requeued job once the old credential expires (cred_expire in the test cluster).
-    deadline, pending_again, seen = time.monotonic() + 240, False, []
-    while True:
-        state, reason, restarts = job_state(job)
-        if not seen or seen[-1] != (state, reason, restarts):
-            seen.append((state, reason, restarts))
-        if restarts == 0 and state in FINAL_STATES:
-            pytest.fail(f"job {job} ended ({state}) without requeueing:\n{log.read_text()}")
-        pending_again = pending_again or (restarts >= 1 and state == "PENDING")
-        if pending_again and state in FINAL_STATES:  # the run after the requeue, not the preempted one ending
-            break
-        assert time.monotonic() < deadline, f"job {job} did not finish: {state}\n{log.read_text() if log.exists() else ''}"
-        time.sleep(1)
-    text = log.read_text()
-    assert "(restart 1)" in text, f"job {job} states {seen}:\n{text}"
-    return text
 
 
 def test_usr1_preempts_requeues_and_resumes_per_task_shape(tmp_path: Path) -> None:

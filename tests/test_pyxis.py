@@ -1,0 +1,177 @@
+"""The real cluster stack: Slurm + pyxis 0.19.0 + enroot 3.4.1 (HyperPod's versions, built from source
+by ../shared/tools/install-enroot-pyxis.sh, which .ci/run runs), two slurmd on this machine.
+
+`make sqsh` through enroot; `srun --container-image` in both launch shapes, as root and as a non-root
+user with a login shell; both pyxis templates through sbatch with the shared folder mounted at the same
+path and at another; a preemption round trip through each. Each container start unpacks the image on
+each node (enroot create, ~20 s here), so this tier takes minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+from slurm_cluster import ClusterUnavailable, ensure_cluster
+from slurm_jobs import CHECKSUM_RE, env, preempt_and_resume, sbatch
+
+pytestmark = pytest.mark.pyxis
+JOB_USER = "ddpackjob"  # a real login shell: enroot copies the user's shell, and nologin cannot run containers
+
+
+def _missing_stack() -> str | None:
+    if shutil.which("enroot") is None:
+        return "enroot is not installed (../shared/tools/install-enroot-pyxis.sh)"
+    if "--container-image" not in subprocess.run(["srun", "--help"], capture_output=True, text=True).stdout:
+        return "pyxis is not enabled (install-enroot-pyxis.sh --enable-pyxis)"
+    return None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def stack() -> None:
+    try:
+        ensure_cluster()
+    except ClusterUnavailable as exc:
+        missing: str | None = str(exc)
+    else:
+        missing = _missing_stack()
+    if missing:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must provide Slurm with pyxis and enroot: {missing}")
+        pytest.skip(missing)
+
+
+@pytest.fixture(scope="module")
+def shared() -> Iterator[Path]:
+    """A folder every job user can write, standing in for /fsx."""
+    folder = Path(tempfile.mkdtemp(prefix="ddpack-fsx-", dir="/tmp"))
+    folder.chmod(0o1777)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def sqsh(shared: Path) -> Path:
+    """`make sqsh` as the README shows it, on a host with enroot: enroot import does the conversion."""
+    from docker_support import TEST_TAG, build, engine_or_skip
+
+    engine_or_skip()
+    build("cpu", TEST_TAG)
+    (shared / "images").mkdir(mode=0o755)
+    output = shared / "images" / "ddpack.sqsh"
+    tag = TEST_TAG.split(":", 1)[1]
+    out = subprocess.run(
+        ["make", "sqsh", f"TAG={tag}", f"SQSH={output}", f"VENV={sys.prefix}"], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"sqsh: {TEST_TAG} -> {output} (enroot," in out.stdout, out.stdout
+    output.chmod(0o644)
+    return output
+
+
+@pytest.fixture(scope="module")
+def job_user() -> str:
+    if subprocess.run(["id", JOB_USER], capture_output=True).returncode != 0:
+        subprocess.run(["useradd", "--create-home", "--shell", "/bin/bash", JOB_USER], check=True)
+    return JOB_USER
+
+
+def container_srun(args: list[str], cwd: Path, user: str | None = None) -> subprocess.CompletedProcess[str]:
+    argv = ["srun", "--export=ALL", *args]
+    if user is not None:
+        argv = ["runuser", "-u", user, "--", *argv]
+    job_env = env(OMP_NUM_THREADS="1")
+    job_env["PATH"] = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # no host venv: entrypoint must come from the image
+    return subprocess.run(argv, env=job_env, cwd=cwd, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.parametrize("as_user", [False, True], ids=["root", "user"])
+@pytest.mark.parametrize("shape", ["per-task", "torchrun"])
+def test_srun_container_image_runs_one_ddp_job(sqsh: Path, shared: Path, job_user: str, shape: str, as_user: bool) -> None:
+    work = Path(tempfile.mkdtemp(prefix=f"srun-{shape}-", dir=shared))
+    work.chmod(0o1777)
+    layout = ["-N2", "-n4"] if shape == "per-task" else ["-N2", "--ntasks-per-node=1"]
+    launch = [] if shape == "per-task" else ["--nproc-per-node", "2"]
+    container = [f"--container-image={sqsh}", f"--container-mounts={shared}:{shared}", f"--container-workdir={work}"]
+    trainer = ["--epochs", "1", "--log-every", "100", "--snapshot-dir", "snaps"]
+    out = container_srun([*layout, *container, "entrypoint", *launch, *trainer], work, job_user if as_user else None)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert len(CHECKSUM_RE.findall(out.stdout)) == 4 and len(set(CHECKSUM_RE.findall(out.stdout))) == 1, out.stdout
+    assert "[rank 3/4] start: rank 3 world 4" in out.stdout
+    snapshots = list((work / "snaps").glob("snapshot-*.pt"))
+    assert snapshots
+    owner = snapshots[0].stat().st_uid
+    assert owner == (int(subprocess.run(["id", "-u", job_user], capture_output=True, text=True).stdout) if as_user else 0)
+
+
+def submission_folder(shared: Path, name: str) -> Path:
+    folder = shared / "team" / name
+    folder.mkdir(parents=True)
+    return folder
+
+
+TEMPLATE_ARGS = {
+    "pyxis-per-task.sbatch": {"sbatch": ("--ntasks-per-node=2",), "settings": {}},
+    "pyxis-torchrun.sbatch": {"sbatch": (), "settings": {"DDPACK_NPROC": "2"}},
+}
+
+
+@pytest.mark.parametrize("mount", ["same-path", "other-path"])
+@pytest.mark.parametrize("template", sorted(TEMPLATE_ARGS))
+def test_pyxis_templates_with_the_shared_folder_at_the_same_or_another_path(sqsh: Path, shared: Path, template: str, mount: str) -> None:
+    folder = submission_folder(shared, f"{template.split('.')[0]}-{mount}")
+    mounts = f"{shared}:{shared}" if mount == "same-path" else f"{shared}:/fsx"
+    spec = TEMPLATE_ARGS[template]
+    code, job = sbatch(
+        template,
+        folder,
+        sbatch_args=spec["sbatch"],
+        DDPACK_SQSH=str(sqsh),
+        DDPACK_MOUNTS=mounts,
+        DDPACK_TRAIN_ARGS="--epochs 1 --log-every 100",
+        **spec["settings"],
+    )
+    log = (folder / "logs" / f"ddpack-{job}.out").read_text()
+    assert code == 0, log
+    assert "checksums agree across 4 ranks" in log
+    run_dir = folder / "runs" / f"ddpack-{job}"
+    assert f"run dir {run_dir} (new run;" in log
+    assert list((run_dir / "snapshots").glob("snapshot-*.pt")) and (run_dir / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("template", sorted(TEMPLATE_ARGS))
+def test_preemption_round_trip_through_each_pyxis_template(sqsh: Path, shared: Path, template: str) -> None:
+    folder = submission_folder(shared, f"pre-{template.split('.')[0]}")
+    spec = TEMPLATE_ARGS[template]
+    name = f"pre-{template.split('-')[1].split('.')[0]}"
+    log = preempt_and_resume(
+        folder, name, spec["sbatch"], template, DDPACK_SQSH=str(sqsh), DDPACK_MOUNTS=f"{shared}:/fsx", **spec["settings"]
+    )
+    first, second = log.split("(restart 1)", 1)
+    assert first.count("stopped on SIGUSR1") == 4, first
+    assert "ddpack: preempted (exit 138); requeueing job" in first or "ddpack: preempted (exit" in first
+    assert "[rank 0/4] resuming from" in second and "checksums agree across 4 ranks" in second
+
+
+def test_enroot_start_runs_the_launcher_once_whether_or_not_it_is_named(sqsh: Path) -> None:
+    """enroot's /etc/rc execs the image's ENTRYPOINT with the arguments, so `enroot start NAME entrypoint
+    --print-plan` hands the launcher its own name; it must resolve the plan as `enroot start NAME --print-plan` does."""
+    name = f"ddpack-start-{os.getpid()}"
+    subprocess.run(["enroot", "create", "--force", "--name", name, str(sqsh)], env=env(), check=True, capture_output=True, timeout=300)
+    try:
+        plans = [
+            json.loads(subprocess.run(["enroot", "start", name, *args], env=env(), capture_output=True, text=True, check=True, timeout=120).stdout)
+            for args in (["entrypoint", "--print-plan"], ["--print-plan"])
+        ]
+    finally:
+        subprocess.run(["enroot", "remove", "--force", name], env=env(), capture_output=True, timeout=120)
+    assert plans[0]["mode"] == plans[1]["mode"] == "single"
+    assert plans[0]["argv"] == plans[1]["argv"] and plans[0]["argv"][-3:] == ["-P", "-m", "train"]
