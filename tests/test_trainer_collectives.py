@@ -47,18 +47,21 @@ def collectives(run: Callable[[], object]) -> tuple[Counter[str], Preempted | No
     return Counter(event.name for event in prof.events() if event.name.startswith("gloo:")), stopped
 
 
-def trainer_for(ctx: DistContext, *flags: str) -> tuple[Trainer, PreemptionWatcher]:
-    config = parse_config(["--snapshot-dir", "", *flags])
+def fit(ctx: DistContext, *flags: str, signal_first: signal.Signals | None = None) -> tuple[Trainer, Counter[str], Preempted | None]:
+    """Train the regression task for 2 epochs in this process; `signal_first` arrives before the first step."""
+    config = parse_config(["--snapshot-dir", "", "--epochs", "2", *flags])
     watcher = PreemptionWatcher()
-    return Trainer(config, load_task(config), ctx, RankLog(0, 1, io.StringIO()), MetricsFile(None), watcher), watcher
+    trainer = Trainer(config, load_task(config), ctx, RankLog(0, 1, io.StringIO()), MetricsFile(None), watcher)
+    watcher.received = signal_first  # as the handler would set it
+    try:
+        calls, stop = collectives(trainer.fit)
+    finally:
+        watcher.restore()
+    return trainer, calls, stop
 
 
 def test_a_step_costs_only_the_gradient_all_reduce(group: DistContext) -> None:
-    trainer, watcher = trainer_for(group, "--epochs", "2", "--log-every", "1000000")
-    try:
-        calls, _ = collectives(trainer.fit)
-    finally:
-        watcher.restore()
+    trainer, calls, _ = fit(group, "--log-every", "1000000")
     assert trainer.global_step == 116  # 1843 training samples / batch 32 = 58 steps an epoch
     # One gradient all-reduce a step (the stop flags ride in it), one for the last progress line, the
     # checksum gather at the end (all_gather_object: sizes, then data) and DDP's one-time bucket
@@ -67,22 +70,13 @@ def test_a_step_costs_only_the_gradient_all_reduce(group: DistContext) -> None:
 
 
 def test_progress_lines_add_one_all_reduce_each(group: DistContext) -> None:
-    trainer, watcher = trainer_for(group, "--epochs", "2", "--log-every", "10")
-    try:
-        calls, _ = collectives(trainer.fit)
-    finally:
-        watcher.restore()
+    _, calls, _ = fit(group, "--log-every", "10")
     assert calls["gloo:all_reduce"] == 116 + 12  # progress at steps 10, 20, ..., 110 and the last
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 def test_a_signal_before_a_step_stops_right_after_it_with_no_extra_collective(group: DistContext, sig) -> None:
-    trainer, watcher = trainer_for(group, "--epochs", "2", "--log-every", "1000000")
-    watcher.received = sig  # as the handler would set it
-    try:
-        calls, stop = collectives(trainer.fit)
-    finally:
-        watcher.restore()
+    trainer, calls, stop = fit(group, "--log-every", "1000000", signal_first=sig)
     assert stop is not None and trainer.global_step == 1
     assert stop.signum == int(sig)
     assert f"stopped on {sig.name} (received here) at epoch 1/2 step 1/58 (global 1/116)" in str(stop)
