@@ -65,7 +65,7 @@ venv: $(VENV)/.installed ## create the host virtual environment (torch CPU, test
 test: venv ## run every test tier available on this machine
 	$(VPY) -m pytest $(PYTEST_ARGS)
 
-test-quick: venv ## run the fast tier only (no multi-process, Docker or Slurm tests)
+test-quick: venv ## run the fast tier only (no multi-process, Docker, Slurm or pyxis tests)
 	$(VPY) -m pytest -m 'not dist and not docker and not slurm and not pyxis' $(PYTEST_ARGS)
 
 lint: venv ## ruff over the whole tree

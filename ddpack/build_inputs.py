@@ -76,7 +76,8 @@ class BuildInputs:
     torch_version: str
     wheelhouse: Path | None
     wheelhouse_from: str
-    torch_wheels: tuple[TorchWheel, ...]
+    torch_wheels: tuple[TorchWheel, ...]  # the torch wheels in it that fit the variant
+    wheels: tuple[Path, ...]  # what the build stages: those, and every wheel that is not torch
     ca_bundle: Path | None
     ca_from: str
     notes: tuple[str, ...] = ()
@@ -104,33 +105,48 @@ def _local_folder(entry: str) -> Path | None:
     return folder if folder.is_dir() else None
 
 
-def _resolve_wheelhouse(
-    environ: Mapping[str, str], pip: PipSettings, variant: str, torch_version: str
-) -> tuple[Path | None, str, tuple[TorchWheel, ...], tuple[str, ...]]:
+@dataclass(frozen=True)
+class _Folder:
+    """One candidate wheel folder, read once."""
+
+    path: Path
+    all_torch: tuple[TorchWheel, ...]
+    fitting: tuple[TorchWheel, ...]
+    others: tuple[Path, ...]
+
+    @classmethod
+    def read(cls, path: Path, variant: str, torch_version: str) -> _Folder:
+        found = torch_wheels(path)
+        fitting = tuple(w for w in found if w.fits(variant=variant, torch_version=torch_version))
+        others = tuple(p for p in sorted(path.glob("*.whl")) if not p.name.startswith("torch-"))
+        return cls(path, tuple(found), fitting, others)
+
+
+def _resolve_wheelhouse(environ: Mapping[str, str], pip: PipSettings, variant: str, torch_version: str) -> tuple[_Folder | None, str, tuple[str, ...]]:
     wanted = f"torch {torch_version}{'+cpu' if variant == 'cpu' else ' (not +cpu)'}"
     if environ.get("WHEELHOUSE"):
-        folder = Path(environ["WHEELHOUSE"])
-        if not folder.is_dir():
-            raise HostError(f"WHEELHOUSE={folder} is not a directory; point it at a folder of .whl files, or unset it", code=2)
-        wheels = tuple(w for w in torch_wheels(folder) if w.fits(variant=variant, torch_version=torch_version))
-        if not wheels:
-            have = ", ".join(w.path.name for w in torch_wheels(folder)) or "no torch wheel"
+        path = Path(environ["WHEELHOUSE"])
+        if not path.is_dir():
+            raise HostError(f"WHEELHOUSE={path} is not a directory; point it at a folder of .whl files, or unset it", code=2)
+        folder = _Folder.read(path, variant, torch_version)
+        if not folder.fitting:
+            have = ", ".join(w.path.name for w in folder.all_torch) or "no torch wheel"
             raise HostError(
-                f"WHEELHOUSE={folder} holds no {wanted} wheel for the {variant} image ({have}); "
+                f"WHEELHOUSE={path} holds no {wanted} wheel for the {variant} image ({have}); "
                 f"add one, set TORCH_VERSION, or unset WHEELHOUSE to use the package index",
                 code=2,
             )
-        return folder, "WHEELHOUSE", wheels, ()
-    folders = [f for f in (_local_folder(e) for e in pip.find_links) if f is not None]
-    for folder in folders:
-        wheels = tuple(w for w in torch_wheels(folder) if w.fits(variant=variant, torch_version=torch_version))
-        if wheels:
-            return folder, "pip find-links", wheels, ()
-    notes = ()
-    if folders:
-        where = ", ".join(str(f) for f in folders)
+        return folder, "WHEELHOUSE", ()
+    paths = [f for f in (_local_folder(e) for e in pip.find_links) if f is not None]
+    for path in paths:
+        folder = _Folder.read(path, variant, torch_version)
+        if folder.fitting:
+            return folder, "pip find-links", ()
+    notes: tuple[str, ...] = ()
+    if paths:
+        where = ", ".join(str(f) for f in paths)
         notes = (f"pip's find-links ({where}) holds no {wanted} wheel; torch comes from the package index",)
-    return None, "", (), notes
+    return None, "", notes
 
 
 def _resolve_ca_bundle(environ: Mapping[str, str], pip: PipSettings) -> tuple[Path | None, str]:
@@ -148,14 +164,17 @@ def _resolve_ca_bundle(environ: Mapping[str, str], pip: PipSettings) -> tuple[Pa
 def resolve_build_inputs(*, variant: str, torch_version: str, environ: Mapping[str, str], pip: PipSettings) -> BuildInputs:
     """The build's wheelhouse and CA bundle from the environment and pip's settings; bad input is a
     one-line HostError (exit 2) before anything is built."""
-    wheelhouse, wheelhouse_from, wheels, notes = _resolve_wheelhouse(environ, pip, variant, torch_version)
+    folder, wheelhouse_from, notes = _resolve_wheelhouse(environ, pip, variant, torch_version)
     ca_bundle, ca_from = _resolve_ca_bundle(environ, pip)
     return BuildInputs(
         variant=variant,
         torch_version=torch_version,
-        wheelhouse=wheelhouse,
+        wheelhouse=folder.path if folder else None,
         wheelhouse_from=wheelhouse_from,
-        torch_wheels=wheels,
+        torch_wheels=folder.fitting if folder else (),
+        # Only the fitting torch: `torch==X` also matches a local `X+cpu` wheel, which pip would prefer
+        # in a GPU build.
+        wheels=tuple(sorted((*(w.path for w in folder.fitting), *folder.others))) if folder else (),
         ca_bundle=ca_bundle,
         ca_from=ca_from,
         notes=notes,

@@ -4,8 +4,8 @@ The build context is staged under build/context: the bundle's code, the Dockerfi
 (or copies) of the wheelhouse's wheels, which the Dockerfile bind-mounts so they never land in a
 layer. A CA bundle for the package index goes in as a BuildKit secret, likewise never stored. Where
 the wheelhouse and the CA bundle come from is decided in one place, `ddpack.build_inputs`; a
-`--dry-run` prints what a build would use. The base defaults to python:3.11-slim-bookworm and falls back to a base built from
-Debian's archive (`ddpack.base`) when that cannot be pulled.
+`--dry-run` prints what a build would use. The base defaults to python:3.11-slim-bookworm and falls
+back to a base built from Debian's archive (`ddpack.base`) when that cannot be pulled.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,14 +38,9 @@ CONTEXT_ITEMS = ("pyproject.toml", "Dockerfile", "Dockerfile.gpu", "entrypoint",
 class Variant:
     dockerfile: str
     torch_index: str  # "" = the default package index
-    wheel_ok: Callable[[str], bool]  # which wheelhouse files this variant may install from
 
 
-VARIANTS = {
-    "cpu": Variant("Dockerfile", "https://download.pytorch.org/whl/cpu", lambda name: True),
-    # `torch==X` also matches a local `X+cpu` wheel, which pip would prefer: keep those out of GPU builds.
-    "gpu": Variant("Dockerfile.gpu", "", lambda name: "+cpu" not in name),
-}
+VARIANTS = {"cpu": Variant("Dockerfile", "https://download.pytorch.org/whl/cpu"), "gpu": Variant("Dockerfile.gpu", "")}
 
 
 def resolve_base(requested: str | None) -> str:
@@ -109,8 +104,6 @@ def git_revision() -> str:
     return f"{rev}-dirty" if dirty else rev
 
 
-
-
 @dataclass(frozen=True, kw_only=True)
 class ImageBuild:
     """One build, named by keyword: what to build, from what, and what to call it."""
@@ -154,8 +147,7 @@ def build_image(build: ImageBuild) -> str:
     base_image = resolve_base(build.base)
     python_tag, machine = base_python(base_image)
     check_wheels_run_on(inputs, base=base_image, python_tag=python_tag, machine=machine)
-    wheels = [w for w in sorted(inputs.wheelhouse.glob("*.whl")) if spec.wheel_ok(w.name)] if inputs.wheelhouse else []
-    context = stage_context(build.source / "build" / f"context-{build.variant}", wheels, build.source)
+    context = stage_context(build.source / "build" / f"context-{build.variant}", list(inputs.wheels), build.source)
     index = spec.torch_index if build.torch_index is None else build.torch_index
     if build.torch_index is None and inputs.torch_wheels:
         index = ""  # the wheelhouse holds torch; the default index serves its dependencies

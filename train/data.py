@@ -135,22 +135,14 @@ class _KeyedBatchSampler:
         return self.order.batches_per_epoch - self.start
 
 
-def _seed_worker(worker_id: int) -> None:
-    """Seeds for anything a worker does outside a batch (its dataset's own set-up)."""
-    info = get_worker_info()
-    base = info.seed if info is not None else worker_id
-    torch.manual_seed(base)
-    random.seed(base)
-    np.random.seed(base % 2**32)
-
-
 class LoaderBatches:
     """Any map-style dataset through a DataLoader: workers, prefetching, persistent workers, pinning."""
 
     def __init__(self, data: Dataset, order: EpochOrder, device: torch.device, *, num_workers: int, seed: int, rank: int) -> None:
         self.device = device
         self.sampler = _KeyedBatchSampler(order)
-        generator = torch.Generator().manual_seed(derive_seed(seed, rank))  # the workers' base seeds
+        # The workers' base seeds; DataLoader seeds torch, random and numpy in each worker from it.
+        generator = torch.Generator().manual_seed(derive_seed(seed, rank))
         self.loader = DataLoader(
             SeededBatches(data, seed=seed, rank=rank),
             batch_sampler=self.sampler,
@@ -158,7 +150,6 @@ class LoaderBatches:
             pin_memory=device.type == "cuda",
             persistent_workers=num_workers > 0,
             prefetch_factor=4 if num_workers > 0 else None,
-            worker_init_fn=_seed_worker if num_workers > 0 else None,
             generator=generator,
         )
 

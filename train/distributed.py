@@ -66,6 +66,12 @@ def init_distributed(backend: str | None, timeout_s: float) -> DistContext:
     return DistContext(rank, world, local_rank, local_world, backend, device, socket.gethostname())
 
 
+def waits_by_polling(device: torch.device) -> bool:
+    """gloo on CPU: a blocked wait is woken late on small nodes (train.grad_sync says why); NCCL's
+    work runs on a CUDA stream and nothing waits on the host."""
+    return device.type == "cpu"
+
+
 def wait_polling(work: dist.Work) -> None:
     """Wait for a collective without letting the core go idle (see train.grad_sync for why); raises
     the collective's error (a dead peer, --collective-timeout) as work.wait() does."""
@@ -79,7 +85,7 @@ def sum_over_ranks(loss_sum: torch.Tensor, counts: list[int], ctx: DistContext) 
     until here, so this is the trainer's only host sync for losses (every --log-every steps)."""
     tensor = torch.cat([loss_sum.reshape(1).to(torch.float64), torch.tensor(counts, dtype=torch.float64, device=loss_sum.device)])
     work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
-    if tensor.device.type == "cpu":
+    if waits_by_polling(tensor.device):
         wait_polling(work)
     else:
         work.wait()

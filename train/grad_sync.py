@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import GradBucket
 
-from train.distributed import wait_polling
+from train.distributed import wait_polling, waits_by_polling
 from train.signals import PreemptionWatcher
 
 
@@ -33,6 +33,7 @@ class _Pending:
     work: dist.Work
     joined: torch.Tensor
     size: int
+    carries_flags: bool
     result: torch.futures.Future
 
 
@@ -46,8 +47,8 @@ class GradientSync:
     the same one step, so they still stop at the same boundary.
     """
 
-    def __init__(self, watcher: PreemptionWatcher, world_size: int, *, poll_wait: bool) -> None:
-        self.watcher, self.world_size, self.poll_wait = watcher, world_size, poll_wait
+    def __init__(self, watcher: PreemptionWatcher, world_size: int, device: torch.device) -> None:
+        self.watcher, self.world_size, self.poll_wait = watcher, world_size, waits_by_polling(device)
         self._local: torch.Tensor | None = None  # this rank's counts, on the gradients' device
         self._marked = False
         self._summed: torch.Tensor | None = None  # every rank's counts after the last gradient sync
@@ -81,16 +82,16 @@ class GradientSync:
 
             return work.get_future().then(unpack)
         result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        self._pending.append(_Pending(work, joined, size, result))
+        self._pending.append(_Pending(work, joined, size, first, result))
         if bucket.is_last():
             self._complete_pending()
         return result
 
     def _complete_pending(self) -> None:
         pending, self._pending = self._pending, []
-        for index, item in enumerate(pending):
+        for item in pending:
             wait_polling(item.work)
-            if index == 0 and item.joined.numel() > item.size:
+            if item.carries_flags:
                 self._summed = item.joined[item.size :]
             item.result.set_result(item.joined[: item.size])
 
