@@ -33,6 +33,9 @@ RUN chmod -R a+rX /opt/ddpack/lib && mkdir -p /workspace && chmod 1777 /workspac
 ARG VERSION=dev
 ARG REVISION=unknown
 ARG SOURCE=https://github.com/ddpack/ddpack
+# What `entrypoint --preflight` compares across ranks, and the mark of "inside the bundle's image".
+RUN python -c 'import json, sys; json.dump(dict(version=sys.argv[1], revision=sys.argv[2], variant=sys.argv[3]), sys.stdout)' \
+        "${VERSION}" "${REVISION}" cpu > /opt/ddpack/lib/ddpack-build.json && chmod 0644 /opt/ddpack/lib/ddpack-build.json
 LABEL org.opencontainers.image.title="ddpack" \
       org.opencontainers.image.description="PyTorch DDP launcher and trainer (CPU, gloo)" \
       org.opencontainers.image.source="${SOURCE}" \

@@ -1,5 +1,7 @@
 """`make smoke`: a two-container gloo DDP job with plain Docker (SDK), no compose.
 
+Each variant first runs `entrypoint --preflight` in two containers (the same launch and trainer
+flags), then the training in two more.
 Variant `pair`: one process per container (RANK 0 and 1, MASTER_ADDR = rank 0's container name).
 Variant `torchrun`: one torchrun per container with two local processes (world size 4, c10d).
 Logs stream with a container prefix; at the end a report: exit codes, final loss, steps/s and whether
@@ -17,6 +19,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from docker.client import DockerClient
 from docker.errors import ImageNotFound, NotFound
 from docker.models.containers import Container
 
@@ -28,6 +31,9 @@ DONE_RE = re.compile(r"done: global step (\d+) final loss (\S+) steps/s (\S+)")
 TRAINER_ARGS = ("--epochs", "3", "--log-every", "25", "--snapshot-dir", "/tmp/snapshots")
 # DataLoader workers hand batches over in /dev/shm; Docker's default 64 MB kills them on real datasets.
 SHM_SIZE = "2g"
+# The preflight runs first, in its own two containers, with the same launch and trainer flags.
+PREFLIGHT_ARGS = ("--preflight-seconds", "10")
+PREFLIGHT_RE = re.compile(r"preflight: (PASS|FAILED)\b.*")
 
 
 @dataclass
@@ -62,7 +68,8 @@ def _member_env(variant: str, node: int, master: str) -> tuple[dict[str, str], l
 
 
 def run_smoke(image: str, variant: str, timeout_s: float, trainer_args: tuple[str, ...] = TRAINER_ARGS) -> bool:
-    """Run one smoke variant; returns True when every check passes (and prints the report)."""
+    """Run one smoke variant: the preflight in two containers, then training in two more; returns True
+    when every check passes (and prints the report)."""
     client = docker_client()
     try:
         client.images.get(image)
@@ -70,24 +77,39 @@ def run_smoke(image: str, variant: str, timeout_s: float, trainer_args: tuple[st
         raise HostError(f"image {image} not found; build it first: make image", code=2) from None
     run_id = uuid.uuid4().hex[:8]
     network = client.networks.create(f"ddpack-smoke-{run_id}", driver="bridge")
-    members: list[Member] = []
-    lock = threading.Lock()
     world = 2 if variant == "pair" else 4
     print(f"smoke[{variant}]: {image}, 2 containers, world size {world}, network {network.name}", flush=True)
     try:
-        master = f"ddpack-smoke-{run_id}-0"
+        preflight = _run_phase(
+            client, image, variant, network.name, f"{run_id}-preflight", ("--preflight", *PREFLIGHT_ARGS, *trainer_args), timeout_s
+        )
+        if not _preflight_report(variant, preflight, timeout_s):
+            return False
+        training = _run_phase(client, image, variant, network.name, run_id, trainer_args, timeout_s)
+        return _report(variant, training, world, timeout_s)
+    finally:
+        network.remove()
+
+
+def _run_phase(
+    client: DockerClient, image: str, variant: str, network: str, name: str, args: tuple[str, ...], timeout_s: float
+) -> list[Member]:
+    """Two containers on `network` running `args`, streamed with a prefix, waited for, removed."""
+    members: list[Member] = []
+    lock = threading.Lock()
+    try:
+        master = f"ddpack-smoke-{name}-0"
         for node in range(2):
             env, launcher_args = _member_env(variant, node, master)
-            name = f"ddpack-smoke-{run_id}-{node}"
             container = client.containers.run(
                 image,
-                command=[*launcher_args, *trainer_args],
-                name=name,
-                hostname=name,
-                network=network.name,
+                command=[*launcher_args, *args],
+                name=f"ddpack-smoke-{name}-{node}",
+                hostname=f"ddpack-smoke-{name}-{node}",
+                network=network,
                 environment={**env, "OMP_NUM_THREADS": "1"},
                 detach=True,
-                labels={"io.ddpack.smoke": run_id},
+                labels={"io.ddpack.smoke": name},
                 shm_size=SHM_SIZE,
             )
             members.append(Member(f"c{node}", container))
@@ -103,12 +125,24 @@ def run_smoke(image: str, variant: str, timeout_s: float, trainer_args: tuple[st
                 member.exit_code = None
         for thread in threads:
             thread.join(timeout=5)
-        return _report(variant, members, world, timeout_s)
+        return members
     finally:
         for member in members:
             with contextlib.suppress(NotFound):
                 member.container.remove(force=True)
-        network.remove()
+
+
+def _preflight_report(variant: str, members: list[Member], timeout_s: float) -> bool:
+    text = "\n".join(line for m in members for line in m.lines)
+    verdict = PREFLIGHT_RE.search(text)
+    ok = all(m.exit_code == 0 for m in members) and verdict is not None and verdict.group(1) == "PASS"
+    print(
+        f"smoke[{variant}]: preflight {verdict.group(0) if verdict else 'gave no verdict'}; exit codes { ({m.name: m.exit_code for m in members}) }"
+    )
+    if not ok:
+        _show_failures(variant, members, timeout_s)
+        print(f"smoke[{variant}]: FAIL (the preflight failed; training not started)", flush=True)
+    return ok
 
 
 def _report(variant: str, members: list[Member], world: int, timeout_s: float) -> bool:
@@ -125,14 +159,18 @@ def _report(variant: str, members: list[Member], world: int, timeout_s: float) -
         f"smoke[{variant}]: checksums {'agree' if agree else 'DISAGREE or missing'} ({len(checksums)}/{world} ranks: {sorted(set(checksums))})"
     )
     if not ok:
-        for member in members:
-            if member.exit_code != 0:
-                why = "timed out" if member.exit_code is None else f"exit {member.exit_code}"
-                print(f"smoke[{variant}]: {member.name} failed ({why} after at most {timeout_s:.0f}s); its last lines:", file=sys.stderr)
-                for line in member.lines[-15:]:
-                    print(f"    {line}", file=sys.stderr)
+        _show_failures(variant, members, timeout_s)
     print(f"smoke[{variant}]: {'PASS' if ok else 'FAIL'}", flush=True)
     return ok
+
+
+def _show_failures(variant: str, members: list[Member], timeout_s: float) -> None:
+    for member in members:
+        if member.exit_code != 0:
+            why = "timed out" if member.exit_code is None else f"exit {member.exit_code}"
+            print(f"smoke[{variant}]: {member.name} failed ({why} after at most {timeout_s:.0f}s); its last lines:", file=sys.stderr)
+            for line in member.lines[-15:]:
+                print(f"    {line}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,8 @@ from dataclasses import asdict
 
 from entrypoint.plan import BACKENDS, Host, Options, Plan, PlanError, default_command, resolve_plan
 
-USAGE = f"""usage: entrypoint [--print-plan] [--nproc-per-node N] [--backend {{{",".join(BACKENDS)}}}] [--] [COMMAND ...]
+USAGE = f"""usage: entrypoint [--print-plan] [--nproc-per-node N] [--backend {{{",".join(BACKENDS)}}}]
+                  [--preflight [--preflight-json PATH] [--preflight-seconds S]] [--] [COMMAND ...]
 
 Resolve where this process stands in a DDP job (torchrun, Slurm srun with or without pyxis,
 docker run -e RANK=..., or nothing) and exec COMMAND (default: python -m train) with RANK,
@@ -25,19 +26,44 @@ options:
   --print-plan          print the resolved plan as JSON and exit
   --nproc-per-node N    start N processes per node under torchrun (one Slurm task per node)
   --backend B           process-group backend (default: $DDPACK_BACKEND, else nccl with CUDA, else gloo)
+  --preflight           instead of training, check the job under the same plan: ranks agree on image,
+                        bundle, torch, CUDA/NCCL; all-reduce and point-to-point bandwidth; per-rank
+                        compute (stragglers); the snapshot folder (trainer flags such as --snapshot-dir
+                        are read as the trainer reads them). Exit 0 pass, 1 a check failed, 2 bad input
+  --preflight-json PATH also write the preflight report as JSON (rank 0)
+  --preflight-seconds S time budget of the preflight's measurements (default 30)
   -h, --help            show this help and exit
 """
+
+PREFLIGHT_VALUES = ("--preflight-json", "--preflight-seconds")
 
 
 class UsageError(ValueError):
     """A malformed entrypoint option."""
 
 
+def preflight_command(trainer_flags: Sequence[str], values: dict[str, str]) -> tuple[str, ...]:
+    """The preflight program in place of the trainer, under the same interpreter and safe path."""
+    own = [item for name, value in values.items() for item in (name, value)]
+    return (*default_command()[:-1], "train.preflight", *own, *trainer_flags)
+
+
+def _seconds(text: str) -> str:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 3600:
+        raise UsageError(f"--preflight-seconds={text!r} is not a number of seconds in (0, 3600]")
+    return text
+
+
 def parse_args(args: Sequence[str]) -> tuple[Options, bool]:
     """Split the entrypoint's own options from the command; returns (options, print_plan)."""
     nproc: int | None = None
     backend: str | None = None
-    print_plan = False
+    print_plan = preflight = False
+    preflight_values: dict[str, str] = {}
     rest = list(args)
     while rest:
         arg = rest[0]
@@ -45,10 +71,10 @@ def parse_args(args: Sequence[str]) -> tuple[Options, bool]:
         if arg == "--":
             rest.pop(0)
             break
-        if arg == "--print-plan":
-            print_plan = True
+        if arg in ("--print-plan", "--preflight"):
+            print_plan, preflight = print_plan or arg == "--print-plan", preflight or arg == "--preflight"
             rest.pop(0)
-        elif name in ("--nproc-per-node", "--nproc_per_node", "--backend"):
+        elif name in ("--nproc-per-node", "--nproc_per_node", "--backend", *PREFLIGHT_VALUES):
             rest.pop(0)
             if not eq:
                 if not rest:
@@ -56,6 +82,8 @@ def parse_args(args: Sequence[str]) -> tuple[Options, bool]:
                 inline = rest.pop(0)
             if name == "--backend":
                 backend = inline
+            elif name in PREFLIGHT_VALUES:
+                preflight_values[name] = _seconds(inline) if name == "--preflight-seconds" else inline
             else:
                 try:
                     nproc = int(inline)
@@ -69,7 +97,16 @@ def parse_args(args: Sequence[str]) -> tuple[Options, bool]:
         # one would see this one's variables and take the job for a `docker run -e` one.
         before = list(args[: len(args) - len(rest)])
         return parse_args((before[:-1] if before[-1:] == ["--"] else before) + rest[1:])
-    if not rest:
+    if preflight_values and not preflight:
+        raise UsageError(f"{next(iter(preflight_values))} is an option of --preflight; add --preflight")
+    if preflight:
+        if rest and not rest[0].startswith("-"):
+            raise UsageError(
+                f"--preflight runs the bundle's check in place of the trainer, not {rest[0]!r}; "
+                "drop the command and pass trainer flags (e.g. --snapshot-dir DIR) if any"
+            )
+        command = preflight_command(rest, preflight_values)
+    elif not rest:
         command = default_command()
     elif rest[0].startswith("-"):
         command = (*default_command(), *rest)  # trainer flags with no command: they are the trainer's

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from train.config import parse_config
-from train.distributed import init_distributed, shutdown
+from train.distributed import exit_now, init_distributed, shutdown
 from train.metrics import MetricsFile, RankLog
 from train.signals import PreemptionWatcher
 from train.tasks import TaskError, load_task
@@ -72,16 +72,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     metrics.close()
     shutdown()
     return 0
-
-
-def exit_now(code: int) -> None:
-    """Flush and leave without running interpreter teardown. Once the process group is destroyed and
-    every file is closed there is nothing left to clean up, but torch's C++ statics (gloo and TCPStore
-    threads) can still abort the process on the way out ("terminate called without an active
-    exception"), turning a finished run into exit -6 at random."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,143 @@
+"""`python -m train.preflight [--preflight-json PATH] [--preflight-seconds S] [trainer flags]`, run by
+`entrypoint --preflight` on every rank of the job in place of the trainer.
+
+The trainer's own flags are parsed as the trainer parses them (so a bad flag fails here too), and give
+the snapshot folder, backend and collective timeout. Exit codes: 0 every check passed; 1 a check
+failed (one `preflight: FAIL` line each, on rank 0) or a peer died; 2 bad input. Every rank exits with
+rank 0's verdict, so `srun`'s exit code is the check's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from train.config import Config, parse_config
+from train.distributed import DistContext, exit_now, gather_objects, init_distributed, shutdown
+from train.preflight.comm import all_reduce_sweep, p2p_ring, slow_links
+from train.preflight.compute import measure_rates, stragglers
+from train.preflight.identity import collect_identity, disagreements
+from train.preflight.report import Report, render, write_json_atomically
+from train.preflight.storage import check_storage
+
+DEFAULT_SECONDS = 30.0
+# Shares of the budget; the rest is start-up, identity and slack.
+SHARES = {"all_reduce": 0.5, "p2p": 0.15, "compute": 0.15, "storage": 0.1}
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 3600:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds in (0, 3600]")
+    return value
+
+
+def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Config]:
+    parser = argparse.ArgumentParser(
+        prog="python -m train.preflight",
+        description=__doc__.split("\n\n")[1],
+        usage="%(prog)s [--preflight-json PATH] [--preflight-seconds S] [trainer flags, see python -m train --help]",
+        allow_abbrev=False,
+    )
+    parser.add_argument("--preflight-json", metavar="PATH", help="also write the report as JSON to PATH (rank 0; atomic)")
+    parser.add_argument(
+        "--preflight-seconds",
+        type=_seconds,
+        default=DEFAULT_SECONDS,
+        metavar="S",
+        help=f"time budget of the measurements (default {DEFAULT_SECONDS:g}); a hung peer ends the check after at most S",
+    )
+    own, rest = parser.parse_known_args(argv)
+    return own, parse_config(rest)
+
+
+def run_checks(ctx: DistContext, config: Config, seconds: float, started: float) -> Report:
+    """Every check, on every rank; rank 0's Report holds the verdict."""
+    report = Report(ctx.world_size, ctx.backend, seconds)
+    report.identity = gather_objects(collect_identity(ctx), ctx)
+    hosts = [record.host for record in report.identity]
+    report.all_reduce = all_reduce_sweep(ctx, seconds * SHARES["all_reduce"])
+    report.p2p = p2p_ring(ctx, hosts, seconds * SHARES["p2p"])
+    local_ranks = max(record.local_world_size for record in report.identity)
+    report.compute = measure_rates(ctx, local_ranks, seconds * SHARES["compute"])
+    if ctx.is_main and config.snapshot_dir:
+        report.storage = check_storage(config.snapshot_dir, seconds * SHARES["storage"])
+    report.failures = [
+        *disagreements(report.identity),
+        *(
+            f"all-reduce: {row.wrong} wrong elements at {row.size} B: the sums are not what every rank sent"
+            for row in report.all_reduce
+            if row.wrong
+        ),
+        *slow_links(report.p2p),
+        *stragglers(report.compute),
+        *([report.storage.error] if report.storage and report.storage.error else []),
+    ]
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def _watchdog(limit: float) -> None:
+    """Ends this rank if the check overruns (a peer hung in a way no collective timeout catches)."""
+
+    def expire() -> None:
+        print(f"preflight: error: did not finish within {limit:.0f} s; a peer hung or the job is far slower than expected", file=sys.stderr)
+        exit_now(1)
+
+    timer = threading.Timer(limit, expire)
+    timer.daemon = True
+    timer.start()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    own, config = parse_args(argv)
+    seconds = own.preflight_seconds
+    started = time.monotonic()
+    _watchdog(2 * seconds + 30)
+    try:
+        ctx = init_distributed(config.backend, min(config.collective_timeout, seconds))
+    except (RuntimeError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"preflight: error: cannot join the process group: {first}", file=sys.stderr)
+        return 1
+    if ctx.is_main:
+        checks = "identity, all-reduce, point-to-point, compute, storage"
+        print(f"preflight: {ctx.world_size} ranks, backend {ctx.backend}, budget {seconds:g} s: {checks}", flush=True)
+    try:
+        report = run_checks(ctx, config, seconds, started)
+        code = 0 if report.ok else 1
+        if ctx.is_main:
+            print("\n".join(render(report)), flush=True)
+            if own.preflight_json:
+                try:
+                    write_json_atomically(own.preflight_json, report.to_json())
+                except OSError as exc:
+                    print(f"preflight: error: cannot write --preflight-json {own.preflight_json} ({exc.strerror or exc})", file=sys.stderr)
+                    code = 2
+        verdict = torch.tensor([code], device=ctx.device)
+        dist.broadcast(verdict, src=0)
+        code = int(verdict.item())
+    except RuntimeError as exc:  # gloo/nccl: a dead or silent peer
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(
+            f"preflight: error: rank {ctx.rank} on {ctx.host}: a collective failed ({type(exc).__name__}: {first}); "
+            f"a peer died or did not answer within {min(config.collective_timeout, seconds):g} s",
+            file=sys.stderr,
+        )
+        exit_now(1)
+    shutdown()
+    return code
+
+
+if __name__ == "__main__":
+    try:
+        status = main()
+    except SystemExit as exc:  # argparse: --help (0) and bad flags (2)
+        status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    exit_now(status)

@@ -1,0 +1,138 @@
+"""What each rank runs: host, place, device, bundle, Python, torch, CUDA, NCCL, inside the image or not.
+
+A job whose ranks disagree on any of these is not the job the user meant: one node with a stale image,
+one node where pyxis was not loaded and the task ran on the host's Python, one node with another torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from train.distributed import DistContext
+
+LIB = Path(__file__).resolve().parents[2]  # /opt/ddpack/lib in the image, the checkout elsewhere
+# Written by the image build (Dockerfile, Dockerfile.gpu): the version and revision it was built from.
+# Its presence is what "inside the bundle's image" means: a host checkout or venv has none.
+BUILD_FILE = LIB / "ddpack-build.json"
+CODE_PACKAGES = ("entrypoint", "train")
+
+# Fields every rank must share; the rest (host, rank, visible devices) describe where a rank is.
+AGREED = ("bundle", "code", "in_image", "python", "torch", "cuda", "nccl", "device")
+
+
+@dataclass(frozen=True)
+class Identity:
+    rank: int
+    host: str
+    local_rank: int
+    local_world_size: int
+    visible_devices: int
+    device: str
+    bundle: str
+    code: str
+    in_image: bool
+    python: str
+    torch: str
+    cuda: str
+    nccl: str
+
+
+def code_digest(lib: Path = LIB) -> str:
+    """A digest of the bundle's Python sources as this rank imports them: two ranks with the same
+    version label but different code (a rebuilt image, an edited checkout) still differ here."""
+    digest = hashlib.sha256()
+    for package in CODE_PACKAGES:
+        for path in sorted((lib / package).rglob("*.py")):
+            digest.update(path.relative_to(lib).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
+
+
+def bundle_label(build_file: Path = BUILD_FILE) -> tuple[str, bool]:
+    """(version@revision, inside the image): from the build file, else the installed package."""
+    try:
+        build = json.loads(build_file.read_text())
+        revision = str(build.get("revision", "?"))
+        short = revision[:12] + ("-dirty" if revision.endswith("-dirty") else "")
+        return f"{build.get('version', '?')}@{short}", True
+    except (OSError, ValueError):
+        pass
+    try:
+        return f"{metadata.version('ddpack')}@checkout", False
+    except metadata.PackageNotFoundError:
+        return "unknown@checkout", False
+
+
+def collect_identity(ctx: DistContext) -> Identity:
+    """This rank's identity, read from the process itself (no collective)."""
+    cuda = torch.version.cuda or "-"
+    nccl = "-"
+    if torch.cuda.is_available() and torch.distributed.is_nccl_available():
+        nccl = ".".join(str(part) for part in torch.cuda.nccl.version())
+    if ctx.device.type == "cuda":
+        device, visible = torch.cuda.get_device_name(ctx.device), torch.cuda.device_count()
+    else:
+        device, visible = "cpu", 0
+    bundle, in_image = bundle_label()
+    return Identity(
+        rank=ctx.rank,
+        host=ctx.host,
+        local_rank=ctx.local_rank,
+        local_world_size=ctx.local_world_size,
+        visible_devices=visible,
+        device=device,
+        bundle=bundle,
+        code=code_digest(),
+        in_image=in_image,
+        python=platform.python_version(),
+        torch=torch.__version__,
+        cuda=cuda,
+        nccl=nccl,
+    )
+
+
+def rank_ranges(ranks: Sequence[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    spans: list[str] = []
+    ordered = sorted(ranks)
+    start = prev = ordered[0]
+    for rank in [*ordered[1:], None]:
+        if rank is not None and rank == prev + 1:
+            prev = rank
+            continue
+        spans.append(str(start) if start == prev else f"{start}-{prev}")
+        if rank is not None:
+            start = prev = rank
+    return ",".join(spans)
+
+
+def where(ranks: Sequence[int], hosts: dict[int, str]) -> str:
+    """'rank 3 (node2)' or 'ranks 2-3 (node2)', hosts in first-seen order."""
+    names = list(dict.fromkeys(hosts[r] for r in sorted(ranks)))
+    return f"rank{'s' if len(ranks) > 1 else ''} {rank_ranges(ranks)} ({', '.join(names)})"
+
+
+def disagreements(records: Sequence[Identity]) -> list[str]:
+    """One line per field on which the ranks disagree, naming the odd ranks and their hosts.
+
+    The odd ones are those outside the largest group (on a tie, the group rank 0 is in): with one
+    stale node out of sixteen, the line names that node, not the fifteen healthy ones."""
+    hosts = {r.rank: r.host for r in records}
+    lines = []
+    for name in AGREED:
+        groups: dict[object, list[int]] = {}
+        for record in records:
+            groups.setdefault(getattr(record, name), []).append(record.rank)
+        if len(groups) < 2:
+            continue
+        majority = min(groups, key=lambda value: (-len(groups[value]), min(groups[value])))
+        odd = [f"{where(ranks, hosts)} {name}={value}" for value, ranks in groups.items() if value != majority]
+        lines.append(f"identity: {name} differs: {'; '.join(odd)} (the other {len(groups[majority])} ranks: {name}={majority})")
+    return lines
