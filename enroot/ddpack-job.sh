@@ -3,6 +3,10 @@
 #   ddpack_setup NAME          the run directory and the banner line (sets DDPACK_RUN_DIR)
 #   ddpack_container_path P    P as the container sees it through DDPACK_MOUNTS, or a one-line error
 #   ddpack_require_pyxis       fail at once when this cluster's srun has no pyxis (--container-image)
+#   ddpack_preflight COMMAND...
+#                              DDPACK_PREFLIGHT=1: run COMMAND (the template's own srun line with
+#                              `entrypoint --preflight`) as a step before training; a failed check ends the
+#                              job with its code. DDPACK_PREFLIGHT=only: the check alone (enroot/preflight.sbatch)
 #   ddpack_requeue_if_stopped RC
 #                              the trainer stopped on a signal with a snapshot: requeue, up to
 #                              DDPACK_MAX_RESTARTS times
@@ -58,6 +62,26 @@ ddpack_container_path() {
 ddpack_require_pyxis() {
     srun --help 2>/dev/null | grep -q -- '--container-image' ||
         ddpack_die "this cluster's srun has no --container-image (pyxis is not loaded: no plugstack.conf entry on this node), so the job would run on the host; use enroot/baremetal.sbatch or ask for pyxis"
+}
+
+ddpack_preflight() {
+    local rc
+    case "${DDPACK_PREFLIGHT:-0}" in
+    0 | '') return 0 ;;
+    1 | only) ;;
+    *) ddpack_die "DDPACK_PREFLIGHT=${DDPACK_PREFLIGHT} is not 0, 1 or only" ;;
+    esac
+    echo "ddpack: preflight (DDPACK_PREFLIGHT=${DDPACK_PREFLIGHT}): checking the job in its own image, plan and network first"
+    "$@"
+    rc=$?
+    if [ "${rc}" -ne 0 ]; then
+        echo "ddpack: preflight failed (exit ${rc}); not training. The 'preflight: FAIL' lines above name each problem; the report is ${DDPACK_RUN_DIR}/preflight.json"
+        exit "${rc}"
+    fi
+    if [ "${DDPACK_PREFLIGHT}" = only ]; then
+        echo "ddpack: preflight passed; report ${DDPACK_RUN_DIR}/preflight.json"
+        exit 0
+    fi
 }
 
 ddpack_requeue_if_stopped() {

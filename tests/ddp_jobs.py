@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,9 +68,11 @@ def start_slurm_step(
     nproc_per_node: int | None = None,
     job_id: int | None = None,
     cwd: Path | None = None,
+    rank_env: Mapping[int, Mapping[str, str]] | None = None,
 ) -> Job:
     """One process per task with the variables `srun` gives a step's tasks; nodes are 127.0.0.N.
-    `cwd`: the job's working directory (where a user's `--task module:factory` lives)."""
+    `cwd`: the job's working directory (where a user's `--task module:factory` lives); `rank_env`:
+    variables that differ for some ranks (one node with another image, say)."""
     job_id = job_id if job_id is not None else random.randint(1000, 900000)
     nodes = len(tasks_per_node)
     tpn = ",".join(str(c) for c in tasks_per_node)
@@ -89,6 +91,7 @@ def start_slurm_step(
                 SLURM_STEP_NODELIST=f"127.0.0.[1-{nodes}]" if nodes > 1 else "127.0.0.1",
                 SLURM_JOB_NAME="interactive",
             )
+            env.update((rank_env or {}).get(procid, {}))
             opts = [f"--nproc-per-node={nproc_per_node}"] if nproc_per_node else []
             logs.append(tmp / f"task{procid}.log")
             procs.append(_spawn([*ENTRYPOINT, *opts, *args], env, logs[-1], cwd))
