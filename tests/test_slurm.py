@@ -3,6 +3,7 @@ templates as a user submits them, and preemption with --signal semantics through
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -147,3 +148,46 @@ def test_the_restart_cap_stops_requeueing_and_says_how_to_continue(tmp_path: Pat
         f"ddpack: preempted (exit 138) after 0 restarts, the cap DDPACK_MAX_RESTARTS=0; not requeueing "
         f"(resubmit with DDPACK_RUN_DIR={run_dir} to continue)"
     ) in text
+
+
+def test_baremetal_template_runs_the_preflight_first_when_asked(tmp_path: Path) -> None:
+    code, job = sbatch("baremetal.sbatch", tmp_path, DDPACK_PREFLIGHT="1", DDPACK_TRAIN_ARGS="--epochs 1 --log-every 100")
+    log = (tmp_path / "logs" / f"ddpack-{job}.out").read_text()
+    assert code == 0, log
+    assert log.index("ddpack: preflight (DDPACK_PREFLIGHT=1)") < log.index("preflight: PASS") < log.index("checksums agree across 4 ranks")
+    report = json.loads((tmp_path / "runs" / f"ddpack-{job}" / "preflight.json").read_text())
+    assert report["ok"] and [r["host"] for r in report["identity"]] == ["ddnode1", "ddnode1", "ddnode2", "ddnode2"]
+    assert {(link["src_host"], link["dst_host"]) for link in report["p2p"]} == {("ddnode1", "ddnode2"), ("ddnode2", "ddnode1")}
+
+
+def test_a_failed_preflight_ends_the_job_before_training(tmp_path: Path) -> None:
+    # The job's own flags come last, so this snapshot folder (under a file) is the one checked.
+    (tmp_path / "file").write_text("")
+    args = f"--epochs 1 --snapshot-dir {tmp_path}/file/snapshots"
+    code, job = sbatch("baremetal.sbatch", tmp_path, DDPACK_PREFLIGHT="1", DDPACK_TRAIN_ARGS=args)
+    log = (tmp_path / "logs" / f"ddpack-{job}.out").read_text()
+    assert code == 1, log
+    assert f"preflight: FAIL storage: cannot write to the snapshot folder {tmp_path}/file/snapshots" in log
+    assert "ddpack: preflight failed (exit 1); not training." in log
+    assert "start: rank" not in log and not (tmp_path / "runs" / f"ddpack-{job}" / "metrics.jsonl").exists()
+
+
+def test_the_preflight_template_checks_a_training_template_shape_without_training(tmp_path: Path) -> None:
+    layout = ("--ntasks-per-node=1", "--cpus-per-task=2")
+    code, job = sbatch(
+        "preflight.sbatch", tmp_path, layout, DDPACK_TEMPLATE="baremetal.sbatch", DDPACK_LAUNCH_ARGS="--nproc-per-node 2"
+    )
+    log = (tmp_path / "logs" / f"ddpack-preflight-{job}.out").read_text()
+    assert code == 0, log
+    run_dir = tmp_path / "runs" / f"ddpack-preflight-{job}"
+    assert "preflight: 4 ranks on 2 hosts (ddnode1, ddnode2), backend gloo" in log
+    assert f"ddpack: preflight passed; report {run_dir}/preflight.json" in log
+    assert "start: rank" not in log and not (run_dir / "metrics.jsonl").exists()
+    assert json.loads((run_dir / "preflight.json").read_text())["world_size"] == 4
+
+
+def test_the_preflight_template_refuses_an_unknown_template(tmp_path: Path) -> None:
+    code, job = sbatch("preflight.sbatch", tmp_path, ("--ntasks-per-node=1",), DDPACK_TEMPLATE="nope.sbatch")
+    log = (tmp_path / "logs" / f"ddpack-preflight-{job}.out").read_text()
+    assert code == 2
+    assert log.strip().splitlines()[-1].startswith("ddpack: error: DDPACK_TEMPLATE=nope.sbatch is not a file in ")

@@ -64,7 +64,14 @@ def init_distributed(backend: str | None, timeout_s: float) -> DistContext:
         timeout=timedelta(seconds=timeout_s),
         **({"device_id": device} if device.type == "cuda" else {}),
     )
-    return DistContext(rank, world, local_rank, local_world, backend, device, socket.gethostname())
+    return DistContext(rank, world, local_rank, local_world, backend, device, node_name())
+
+
+def node_name() -> str:
+    """The node as the scheduler names it (SLURMD_NODENAME under srun, pyxis included), else the host
+    name: where several slurmd share one host, or a container has its own host name, this is the
+    name an operator can act on (drain it, look it up in sinfo)."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def waits_by_polling(device: torch.device) -> bool:
