@@ -7,6 +7,10 @@
 #                              DDPACK_PREFLIGHT=1: run COMMAND (the template's own srun line with
 #                              `entrypoint --preflight`) as a step before training; a failed check ends the
 #                              job with its code. DDPACK_PREFLIGHT=only: the check alone (enroot/preflight.sbatch)
+#   ddpack_name_container      pyxis templates with DDPACK_PREFLIGHT=1: set ddpack_container_name, which
+#                              both steps pass as --container-name so pyxis unpacks the image once per node
+#   ddpack_remove_container    remove that container from every node (pyxis keeps named containers
+#                              after the job unless its plugstack.conf sets container_scope=job)
 #   ddpack_requeue_if_stopped RC
 #                              the trainer stopped on a signal with a snapshot: requeue, up to
 #                              DDPACK_MAX_RESTARTS times
@@ -75,6 +79,7 @@ ddpack_preflight() {
     "$@"
     rc=$?
     if [ "${rc}" -ne 0 ]; then
+        ddpack_remove_container
         echo "ddpack: preflight failed (exit ${rc}); not training. The 'preflight: FAIL' lines above name each problem; the report is ${DDPACK_RUN_DIR}/preflight.json"
         exit "${rc}"
     fi
@@ -82,6 +87,22 @@ ddpack_preflight() {
         echo "ddpack: preflight passed; report ${DDPACK_RUN_DIR}/preflight.json"
         exit 0
     fi
+}
+
+ddpack_container_name=""
+
+ddpack_name_container() {
+    [ "${DDPACK_PREFLIGHT:-0}" = 1 ] && ddpack_container_name=ddpack-${SLURM_JOB_ID}
+    return 0
+}
+
+ddpack_remove_container() {
+    [ -n "${ddpack_container_name}" ] || return 0
+    # One task per node, with the node's own enroot (the one pyxis runs). Under container_scope=job pyxis
+    # calls it pyxis_<job>_<name> and removes it itself, so a missing pyxis_<name> is not an error.
+    srun --ntasks-per-node=1 --nodes="${SLURM_JOB_NUM_NODES}" \
+        bash -c 'enroot remove -f "pyxis_$1" >/dev/null 2>&1 || true' _ "${ddpack_container_name}"
+    ddpack_container_name=""
 }
 
 ddpack_requeue_if_stopped() {

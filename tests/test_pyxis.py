@@ -147,6 +147,63 @@ def test_pyxis_templates_with_the_shared_folder_at_the_same_or_another_path(sqsh
     assert list((run_dir / "snapshots").glob("snapshot-*.pt")) and (run_dir / "metrics.jsonl").exists()
 
 
+@pytest.fixture(scope="module")
+def node_enroot(shared: Path) -> str:
+    """PATH for a job whose tasks must reach their node's enroot (the per-node wrappers pyxis runs here);
+    on a real cluster that is plain `enroot` on every node."""
+    folder = shared / "node-enroot"
+    folder.mkdir()
+    script = folder / "enroot"
+    script.write_text('#!/bin/sh\nexec "/usr/local/lib/enroot-nodes/${SLURMD_NODENAME}/enroot" "$@"\n')
+    script.chmod(0o755)
+    return f"{folder}:{os.environ['PATH']}"
+
+
+def slurmd_log_lines(text: str) -> list[str]:
+    """Lines of both test nodes' slurmd logs (where pyxis reports) that contain `text`."""
+    logs = [Path(f"/var/log/slurm/slurmd-{node}.log").read_text() for node in ("ddnode1", "ddnode2")]
+    return [line for log in logs for line in log.splitlines() if text in line]
+
+
+@pytest.mark.parametrize("template", sorted(TEMPLATE_ARGS))
+def test_pyxis_templates_run_the_preflight_in_the_image_then_train_in_the_same_container(
+    sqsh: Path, shared: Path, node_enroot: str, template: str
+) -> None:
+    folder = submission_folder(shared, f"preflight-{template.split('.')[0]}")
+    spec = TEMPLATE_ARGS[template]
+    code, job = sbatch(
+        template,
+        folder,
+        sbatch_args=spec["sbatch"],
+        DDPACK_SQSH=str(sqsh),
+        DDPACK_MOUNTS=f"{shared}:/fsx",
+        DDPACK_PREFLIGHT="1",
+        DDPACK_TRAIN_ARGS="--epochs 1 --log-every 100",
+        PATH=node_enroot,
+        **spec["settings"],
+    )
+    log = (folder / "logs" / f"ddpack-{job}.out").read_text()
+    assert code == 0, log
+    assert log.index("preflight: PASS") < log.index("checksums agree across 4 ranks")
+    report = json.loads((folder / "runs" / f"ddpack-{job}" / "preflight.json").read_text())
+    assert {r["in_image"] for r in report["identity"]} == {True}  # inside the bundle's image on every rank
+    assert sorted(r["host"] for r in report["identity"]) == ["ddnode1", "ddnode1", "ddnode2", "ddnode2"]
+    assert report["storage"]["folder"].startswith("/fsx/")  # the snapshot folder as the container sees it
+    # Unpacked once per node by the preflight step (.0), reused by training (.1), removed afterwards.
+    assert len(slurmd_log_lines(f"[{job}.0] pyxis: creating container filesystem: pyxis_ddpack-{job}")) == 2
+    assert len(slurmd_log_lines(f"[{job}.1] pyxis: reusing existing container filesystem")) == 2
+    assert not list(Path("/tmp/enroot/data").glob(f"*/*/pyxis_ddpack-{job}"))
+
+
+def test_the_preflight_template_alone_in_the_default_pyxis_shape(sqsh: Path, shared: Path) -> None:
+    folder = submission_folder(shared, "preflight-alone")
+    code, job = sbatch("preflight.sbatch", folder, ("--ntasks-per-node=2",), DDPACK_SQSH=str(sqsh), DDPACK_MOUNTS=f"{shared}:{shared}")
+    log = (folder / "logs" / f"ddpack-preflight-{job}.out").read_text()
+    assert code == 0, log
+    assert "preflight: 4 ranks on 2 hosts (ddnode1, ddnode2), backend gloo" in log and "preflight: PASS" in log
+    assert "start: rank" not in log
+
+
 @pytest.mark.parametrize("template", sorted(TEMPLATE_ARGS))
 def test_preemption_round_trip_through_each_pyxis_template(sqsh: Path, shared: Path, template: str) -> None:
     folder = submission_folder(shared, f"pre-{template.split('.')[0]}")
