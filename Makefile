@@ -71,8 +71,9 @@ test-quick: venv ## run the fast tier only (no multi-process, Docker, Slurm or p
 lint: venv ## ruff over the whole tree
 	$(VENV)/bin/ruff check .
 
-bench: venv ## print trainer throughput and launcher start-up figures
+bench: venv ## print trainer throughput, preflight vs direct all-reduce and launcher start-up figures
 	$(VPY) bench/bench_train.py
+	$(VPY) bench/bench_preflight.py
 	$(VPY) bench/bench_launcher.py
 
 engine: venv ## make sure a Docker engine answers (starts Debian's dockerd when root)

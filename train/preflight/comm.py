@@ -18,7 +18,8 @@ import torch.distributed as dist
 from train.distributed import DistContext
 
 SIZES = tuple(8 * 4**i for i in range(12))  # 8 B .. 32 MiB, as nccl-tests' -b 8 -e 32M -f 4
-MAX_ITERS = 100
+MAX_ITERS = 200
+WARMUP = 5
 P2P_BYTES = 4 << 20
 # A link is slow when it moves less than this fraction of the median link's bandwidth.
 SLOW_LINK_FRACTION = 0.5
@@ -26,7 +27,7 @@ SLOW_LINK_FRACTION = 0.5
 
 @dataclass(frozen=True)
 class AllReduceRow:
-    """One line of the sweep: time is the mean per iteration, averaged over ranks (nccl-tests' -a 1)."""
+    """One line of the sweep: time is the median iteration's, averaged over ranks (nccl-tests' -a 1)."""
 
     size: int
     count: int
@@ -66,18 +67,28 @@ def _agreed_iterations(one_s: float, seconds: float, ctx: DistContext) -> int:
 
 
 def _timed(step, ctx: DistContext, seconds: float) -> tuple[int, float]:
-    """Warm `step` up, agree on a count, run it that many times; returns (iterations, seconds each)."""
+    """Warm `step` up, agree on a count, run it that many times; returns (iterations, the median
+    iteration's seconds).
+
+    The median, where nccl-tests prints the mean: on a shared or small node a blocked collective is
+    sometimes woken milliseconds late, and a mean over a hundred iterations then follows the
+    scheduler's tail from one run to the next, where the median follows the link."""
     step()
     _sync(ctx)
     started = time.perf_counter()
     step()
     _sync(ctx)
     iters = _agreed_iterations(time.perf_counter() - started, seconds, ctx)
-    started = time.perf_counter()
-    for _ in range(iters):
+    for _ in range(WARMUP):  # back into step with each other after the count's collective
         step()
     _sync(ctx)
-    return iters, (time.perf_counter() - started) / iters
+    times = []
+    for _ in range(iters):
+        started = time.perf_counter()
+        step()
+        _sync(ctx)
+        times.append(time.perf_counter() - started)
+    return iters, median(times)
 
 
 def bus_factor(world: int) -> float:

@@ -86,7 +86,7 @@ def render(report: Report) -> list[str]:
     lines = [f"preflight: {report.world_size} ranks on {on}, backend {report.backend}", "identity:"]
     lines += identity_table(report.identity)
     if report.all_reduce:
-        lines.append(f"all-reduce ({report.backend}, in place, time averaged over ranks):")
+        lines.append(f"all-reduce ({report.backend}, in place; time: the median iteration, averaged over ranks):")
         lines += all_reduce_table(report.all_reduce)
     if report.p2p:
         lines.append(f"point-to-point (every rank sends and receives {P2P_BYTES >> 20} MiB at once):")
