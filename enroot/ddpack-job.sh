@@ -7,6 +7,9 @@
 #                              DDPACK_PREFLIGHT=1: run COMMAND (the template's own srun line with
 #                              `entrypoint --preflight`) as a step before training; a failed check ends the
 #                              job with its code. DDPACK_PREFLIGHT=only: the check alone (enroot/preflight.sbatch)
+#   ddpack_preflight_options FOLDER
+#                              the preflight step's entrypoint options (report FOLDER/preflight.json, then
+#                              DDPACK_PREFLIGHT_ARGS, e.g. --preflight-strict) in the array ddpack_preflight_opts
 #   ddpack_name_container      pyxis templates with DDPACK_PREFLIGHT=1: set ddpack_container_name, which
 #                              both steps pass as --container-name so pyxis unpacks the image once per node
 #   ddpack_remove_container    remove that container from every node (pyxis keeps named containers
@@ -89,6 +92,12 @@ ddpack_preflight() {
     fi
 }
 
+ddpack_preflight_options() {
+    local -a extra
+    read -r -a extra <<<"${DDPACK_PREFLIGHT_ARGS:-}"
+    ddpack_preflight_opts=(--preflight --preflight-json "$1/preflight.json" ${extra[@]+"${extra[@]}"})
+}
+
 ddpack_container_name=""
 
 ddpack_name_container() {
@@ -102,7 +111,13 @@ ddpack_remove_container() {
     # calls it pyxis_<job>_<name> and removes it itself, so a missing pyxis_<name> is not an error.
     srun --ntasks-per-node=1 --nodes="${SLURM_JOB_NUM_NODES}" \
         bash -c 'enroot remove -f "pyxis_$1" >/dev/null 2>&1 || true' _ "${ddpack_container_name}"
-    ddpack_container_name=""
+    ddpack_preflight_options() {
+    local -a extra
+    read -r -a extra <<<"${DDPACK_PREFLIGHT_ARGS:-}"
+    ddpack_preflight_opts=(--preflight --preflight-json "$1/preflight.json" ${extra[@]+"${extra[@]}"})
+}
+
+ddpack_container_name=""
 }
 
 ddpack_requeue_if_stopped() {

@@ -16,7 +16,8 @@ from dataclasses import asdict
 from entrypoint.plan import BACKENDS, Host, Options, Plan, PlanError, default_command, resolve_plan
 
 USAGE = f"""usage: entrypoint [--print-plan] [--nproc-per-node N] [--backend {{{",".join(BACKENDS)}}}]
-                  [--preflight [--preflight-json PATH] [--preflight-seconds S]] [--] [COMMAND ...]
+                  [--preflight [--preflight-json PATH] [--preflight-seconds S] [--preflight-strict]]
+                  [--] [COMMAND ...]
 
 Resolve where this process stands in a DDP job (torchrun, Slurm srun with or without pyxis,
 docker run -e RANK=..., or nothing) and exec COMMAND (default: python -m train) with RANK,
@@ -32,6 +33,7 @@ options:
                         are read as the trainer reads them). Exit 0 pass, 1 a check failed, 2 bad input
   --preflight-json PATH also write the preflight report as JSON (rank 0)
   --preflight-seconds S time budget of the preflight's measurements (default 30)
+  --preflight-strict    fail on stragglers and slow links too (default: warn)
   -h, --help            show this help and exit
 """
 
@@ -42,9 +44,9 @@ class UsageError(ValueError):
     """A malformed entrypoint option."""
 
 
-def preflight_command(trainer_flags: Sequence[str], values: dict[str, str]) -> tuple[str, ...]:
+def preflight_command(trainer_flags: Sequence[str], values: dict[str, str | None]) -> tuple[str, ...]:
     """The preflight program in place of the trainer, under the same interpreter and safe path."""
-    own = [item for name, value in values.items() for item in (name, value)]
+    own = [item for name, value in values.items() for item in (name, value) if item is not None]  # flags: None
     return (*default_command()[:-1], "train.preflight", *own, *trainer_flags)
 
 
@@ -63,7 +65,7 @@ def parse_args(args: Sequence[str]) -> tuple[Options, bool]:
     nproc: int | None = None
     backend: str | None = None
     print_plan = preflight = False
-    preflight_values: dict[str, str] = {}
+    preflight_values: dict[str, str | None] = {}
     rest = list(args)
     while rest:
         arg = rest[0]
@@ -73,6 +75,9 @@ def parse_args(args: Sequence[str]) -> tuple[Options, bool]:
             break
         if arg in ("--print-plan", "--preflight"):
             print_plan, preflight = print_plan or arg == "--print-plan", preflight or arg == "--preflight"
+            rest.pop(0)
+        elif arg == "--preflight-strict":
+            preflight_values[arg] = None
             rest.pop(0)
         elif name in ("--nproc-per-node", "--nproc_per_node", "--backend", *PREFLIGHT_VALUES):
             rest.pop(0)

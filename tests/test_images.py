@@ -162,9 +162,12 @@ def test_the_leak_check_finds_a_planted_bundle(client: docker.DockerClient, imag
         client.images.remove(leaky.id, force=True)
 
 
-def test_smoke_pair_and_torchrun_variants_pass_and_clean_up(client: docker.DockerClient, image: str) -> None:
+def test_smoke_pair_and_torchrun_variants_pass_and_clean_up(client: docker.DockerClient, image: str, capsys) -> None:
     assert run_smoke(image, "pair", timeout_s=300)
     assert run_smoke(image, "torchrun", timeout_s=300)
+    out = capsys.readouterr().out
+    assert "smoke[pair]: preflight: PASS" in out and "smoke[torchrun]: preflight: PASS" in out
+    assert "preflight: 4 ranks on 2 hosts" in out  # torchrun 2x2: both containers' ranks in one check
     assert not client.containers.list(all=True, filters={"label": "io.ddpack.smoke"})
     assert not [n for n in client.networks.list() if n.name.startswith("ddpack-smoke-")]
 
@@ -173,6 +176,15 @@ def test_smoke_failure_shows_the_failing_rank_and_still_cleans_up(client: docker
     assert not run_smoke(image, "pair", timeout_s=120, trainer_args=("--task", "no_such_mod:make"))
     err = capsys.readouterr().err
     assert "c0 failed (exit 2" in err and "train: error: --task 'no_such_mod:make'" in err
+    assert not client.containers.list(all=True, filters={"label": "io.ddpack.smoke"})
+
+
+def test_smoke_stops_before_training_when_the_preflight_fails(client: docker.DockerClient, image: str, capsys) -> None:
+    assert not run_smoke(image, "pair", timeout_s=120, trainer_args=("--snapshot-dir", "/etc/passwd/snapshots"))
+    captured = capsys.readouterr()
+    assert "preflight: FAIL storage: cannot write to the snapshot folder /etc/passwd/snapshots (Not a directory" in captured.out
+    assert "smoke[pair]: FAIL (the preflight failed; training not started)" in captured.out
+    assert "start: rank" not in captured.out
     assert not client.containers.list(all=True, filters={"label": "io.ddpack.smoke"})
 
 

@@ -5,6 +5,7 @@ a peer dies."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -121,9 +122,9 @@ def test_storage_that_cannot_be_written_is_one_line(tmp_path: Path) -> None:
 
 
 def test_entrypoint_preflight_replaces_the_trainer_keeping_its_flags() -> None:
-    options, _ = parse_args(["--nproc-per-node", "2", "--preflight", "--preflight-seconds=9", "--snapshot-dir", "/fsx/s"])
+    options, _ = parse_args(["--nproc-per-node", "2", "--preflight", "--preflight-seconds=9", "--preflight-strict", "--snapshot-dir", "/fsx/s"])
     assert options.nproc_per_node == 2
-    assert options.command[1:] == ("-P", "-m", "train.preflight", "--preflight-seconds", "9", "--snapshot-dir", "/fsx/s")
+    assert options.command[1:] == ("-P", "-m", "train.preflight", "--preflight-seconds", "9", "--preflight-strict", "--snapshot-dir", "/fsx/s")
 
 
 @pytest.mark.parametrize(
@@ -131,6 +132,7 @@ def test_entrypoint_preflight_replaces_the_trainer_keeping_its_flags() -> None:
     [
         (["--preflight", "python", "mine.py"], "--preflight runs the bundle's check in place of the trainer, not 'python'"),
         (["--preflight-json", "r.json"], "--preflight-json is an option of --preflight; add --preflight"),
+        (["--preflight-strict"], "--preflight-strict is an option of --preflight; add --preflight"),
         (["--preflight", "--preflight-seconds", "soon"], "--preflight-seconds='soon' is not a number of seconds"),
     ],
 )
@@ -231,6 +233,37 @@ def test_a_peer_that_dies_or_hangs_mid_check_ends_the_others_within_the_budget(t
     assert "preflight: error: rank 0 on " in out and "a peer died or did not answer within 12 s" in out, out
     assert "Traceback" not in out
     assert not (tmp_path / "report.json").exists()
+
+
+@dist
+@pytest.mark.parametrize("strict", [False, True], ids=["warns", "strict"])
+def test_a_straggler_is_named_by_host_as_a_warning_or_with_strict_a_failure(tmp_path: Path, strict: bool) -> None:
+    """Rank 1 shares its core with two busy loops: a third of the rate of rank 0, alone on its core."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        for hog in hogs:
+            os.sched_setaffinity(hog.pid, {cores[1]})
+        args = preflight_args(tmp_path)
+        job = start_slurm_step(tmp_path, [2], args[:1] + (["--preflight-strict"] if strict else []) + args[1:])
+        for proc, core in zip(job.procs, cores[:2], strict=True):
+            os.sched_setaffinity(proc.pid, {core})  # before Python starts any thread; later threads inherit it
+        codes = job.wait(120)
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    out = job.output(0)
+    report = json.loads((tmp_path / "report.json").read_text())
+    host = report["identity"][1]["host"]
+    line = next((ln for ln in out.splitlines() if "compute: straggler" in ln), "")
+    assert line.startswith(f"preflight: {'FAIL' if strict else 'WARN'} compute: straggler host {host}: rank 1 "), out
+    assert "rank 0 " not in line
+    assert codes == ([1, 1] if strict else [0, 0])
+    assert ("preflight: PASS with 1 warning (--preflight-strict makes them failures)" in out) != strict
+    assert (report["warnings"] == []) == strict and report["ok"] != strict
 
 
 @dist

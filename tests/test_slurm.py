@@ -114,10 +114,13 @@ def test_docker_hostnet_template(tmp_path: Path) -> None:
         DDPACK_IMAGE=TEST_TAG,
         DDPACK_TRAIN_ARGS="--epochs 2 --log-every 100",
         DDPACK_DOCKER_ARGS="-e OMP_NUM_THREADS=1",
+        DDPACK_PREFLIGHT="1",
     )
     log = (tmp_path / "logs" / f"ddpack-docker-{job}.out").read_text()
     assert code == 0, log
-    assert "checksums agree across 2 ranks" in log and "[rank 1/2] start: rank 1 world 2" in log
+    assert log.index("preflight: PASS") < log.index("checksums agree across 2 ranks") and "[rank 1/2] start: rank 1 world 2" in log
+    report = json.loads((tmp_path / "runs" / f"ddpack-docker-{job}" / "preflight.json").read_text())
+    assert [r["in_image"] for r in report["identity"]] == [True, True]  # the check ran in the containers
 
 
 def test_usr1_preempts_requeues_and_resumes_per_task_shape(tmp_path: Path) -> None:

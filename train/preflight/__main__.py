@@ -1,5 +1,6 @@
-"""`python -m train.preflight [--preflight-json PATH] [--preflight-seconds S] [trainer flags]`, run by
-`entrypoint --preflight` on every rank of the job in place of the trainer.
+"""`python -m train.preflight [--preflight-json PATH] [--preflight-seconds S] [--preflight-strict] [trainer flags]`,
+run by
+`entrypoint --preflight` on every rank of the job in place of the trainer (`--preflight-strict`: see --help).
 
 The trainer's own flags are parsed as the trainer parses them (so a bad flag fails here too), and give
 the snapshot folder, backend and collective timeout. Exit codes: 0 every check passed; 1 a check
@@ -42,7 +43,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Config]:
     parser = argparse.ArgumentParser(
         prog="python -m train.preflight",
         description=__doc__.split("\n\n")[1],
-        usage="%(prog)s [--preflight-json PATH] [--preflight-seconds S] [trainer flags, see python -m train --help]",
+        usage="%(prog)s [--preflight-json PATH] [--preflight-seconds S] [--preflight-strict] [trainer flags, see python -m train --help]",
         allow_abbrev=False,
     )
     parser.add_argument("--preflight-json", metavar="PATH", help="also write the report as JSON to PATH (rank 0; atomic)")
@@ -53,11 +54,17 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Config]:
         metavar="S",
         help=f"time budget of the measurements (default {DEFAULT_SECONDS:g}); a hung peer ends the check after at most S",
     )
+    parser.add_argument(
+        "--preflight-strict",
+        action="store_true",
+        help="fail on stragglers and slow links too (default: warn; they are relative timings, which a shared or small node "
+        "can upset, while a wrong sum, an unwritable folder or ranks that disagree are failures always)",
+    )
     own, rest = parser.parse_known_args(argv)
     return own, parse_config(rest)
 
 
-def run_checks(ctx: DistContext, config: Config, seconds: float, started: float) -> Report:
+def run_checks(ctx: DistContext, config: Config, seconds: float, started: float, strict: bool) -> Report:
     """Every check, on every rank; rank 0's Report holds the verdict."""
     report = Report(ctx.world_size, ctx.backend, seconds)
     report.identity = gather_objects(collect_identity(ctx), ctx)
@@ -68,6 +75,7 @@ def run_checks(ctx: DistContext, config: Config, seconds: float, started: float)
     report.compute = measure_rates(ctx, local_ranks, seconds * SHARES["compute"])
     if ctx.is_main and config.snapshot_dir:
         report.storage = check_storage(config.snapshot_dir, seconds * SHARES["storage"])
+    outliers = [*slow_links(report.p2p), *stragglers(report.compute)]
     report.failures = [
         *disagreements(report.identity),
         *(
@@ -75,10 +83,10 @@ def run_checks(ctx: DistContext, config: Config, seconds: float, started: float)
             for row in report.all_reduce
             if row.wrong
         ),
-        *slow_links(report.p2p),
-        *stragglers(report.compute),
         *([report.storage.error] if report.storage and report.storage.error else []),
+        *(outliers if strict else []),
     ]
+    report.warnings = [] if strict else outliers
     report.seconds = time.monotonic() - started
     return report
 
@@ -110,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         checks = "identity, all-reduce, point-to-point, compute, storage"
         print(f"preflight: {ctx.world_size} ranks, backend {ctx.backend}, budget {seconds:g} s: {checks}", flush=True)
     try:
-        report = run_checks(ctx, config, seconds, started)
+        report = run_checks(ctx, config, seconds, started, own.preflight_strict)
         code = 0 if report.ok else 1
         if ctx.is_main:
             print("\n".join(render(report)), flush=True)

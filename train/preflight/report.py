@@ -26,6 +26,7 @@ class Report:
     compute: list[Rate] = field(default_factory=list)
     storage: StorageResult | None = None
     failures: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
     @property
@@ -104,10 +105,17 @@ def render(report: Report) -> list[str]:
         )
     elif storage is None:
         lines.append("storage: skipped (--snapshot-dir '' disables snapshots)")
+    lines += [f"preflight: WARN {warning}" for warning in report.warnings]
     lines += [f"preflight: FAIL {failure}" for failure in report.failures]
-    verdict = "PASS" if report.ok else f"FAILED ({len(report.failures)} problem{'s' if len(report.failures) != 1 else ''})"
+    verdict = f"FAILED ({plural(len(report.failures), 'problem')})" if report.failures else "PASS"
+    if report.warnings:
+        verdict += f" with {plural(len(report.warnings), 'warning')} (--preflight-strict makes them failures)"
     lines.append(f"preflight: {verdict} in {report.seconds:.1f} s")
     return lines
+
+
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'s' if count != 1 else ''}"
 
 
 def write_json_atomically(path: str, text: str) -> None:
