@@ -1,6 +1,7 @@
 """The preflight's all-reduce figures next to a direct torch.distributed measurement of the same sizes.
 
-Side by side in one run (A B A B ..., medians of each size's time, ratios): A is `python -m
+Side by side in one run (A B, B A, ... so that neither always goes first; medians of each size's time,
+ratios): A is `python -m
 train.preflight` as `entrypoint --preflight` runs it on every rank, read from its JSON report; B is a
 plain loop here (`--direct`): init_process_group, 5 warm-up all-reduces, then 100 blocking
 dist.all_reduce calls each timed with time.perf_counter; the median call, averaged over ranks (the
@@ -66,7 +67,7 @@ def direct_run() -> dict[int, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds")
+    parser.add_argument("--repeats", type=int, default=8, help="interleaved rounds")
     parser.add_argument("--seconds", type=float, default=30, help="the preflight's --preflight-seconds")
     parser.add_argument("--direct", action="store_true", help=argparse.SUPPRESS)
     opts = parser.parse_args()
@@ -74,9 +75,11 @@ def main() -> None:
         direct()
         return
     seen: dict[str, list[dict[int, float]]] = {"preflight": [], "direct": []}
-    for _ in range(opts.repeats):
-        seen["preflight"].append(preflight_run(opts.seconds))
-        seen["direct"].append(direct_run())
+    runs = {"preflight": lambda: preflight_run(opts.seconds), "direct": direct_run}
+    for round_no in range(opts.repeats):
+        order = ("preflight", "direct") if round_no % 2 == 0 else ("direct", "preflight")  # A B, B A, ...
+        for name in order:
+            seen[name].append(runs[name]())
     med = {name: {size: statistics.median(run[size] for run in runs) for size in SIZES} for name, runs in seen.items()}
     print(f"preflight all-reduce vs direct torch.distributed: {RANKS} gloo ranks, medians of {opts.repeats} interleaved rounds")
     print(f"  {'size (B)':>10}  {'preflight (us)':>14}  {'direct (us)':>11}  {'ratio':>6}  {'busbw (GB/s)':>12}")
