@@ -236,13 +236,26 @@ def test_a_peer_that_dies_or_hangs_mid_check_ends_the_others_within_the_budget(t
 
 
 @dist
+def test_a_rank_that_starts_later_than_the_budget_still_joins(tmp_path: Path) -> None:
+    """Ranks start apart (pyxis unpacks the image on each node): joining waits --collective-timeout, and
+    only the checks are bounded by the budget."""
+    late = tmp_path / "late"
+    late.mkdir()
+    (late / "sitecustomize.py").write_text("import time\ntime.sleep(8)\n")  # imported at interpreter start
+    args = preflight_args(tmp_path, seconds=4)
+    job = start_slurm_step(tmp_path, [1, 1], args, rank_env={1: {"PYTHONPATH": f"{late}:{ROOT}"}})
+    assert job.wait(120) == [0, 0], job.output()
+    assert "preflight: PASS" in job.output(0)
+
+
+@dist
 @pytest.mark.parametrize("strict", [False, True], ids=["warns", "strict"])
 def test_a_straggler_is_named_by_host_as_a_warning_or_with_strict_a_failure(tmp_path: Path, strict: bool) -> None:
-    """Rank 1 shares its core with two busy loops: a third of the rate of rank 0, alone on its core."""
+    """Rank 1 shares its core with four busy loops: a fifth of the rate of rank 0, alone on its core."""
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         pytest.skip("needs two cores")
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(4)]
     try:
         for hog in hogs:
             os.sched_setaffinity(hog.pid, {cores[1]})

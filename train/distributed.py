@@ -100,10 +100,11 @@ def sum_over_ranks(loss_sum: torch.Tensor, counts: list[int], ctx: DistContext) 
     return tensor.tolist()
 
 
-def gather_objects(obj: Any, ctx: DistContext) -> list[Any]:
-    """Every rank's `obj`, on every rank (picklable objects only)."""
+def gather_objects(obj: Any, ctx: DistContext, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Every rank's `obj`, on every rank (picklable objects only); `group`: one spanning every rank
+    with its own timeout (the preflight's)."""
     out: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 

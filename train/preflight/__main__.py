@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -64,15 +65,15 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Config]:
     return own, parse_config(rest)
 
 
-def run_checks(ctx: DistContext, config: Config, seconds: float, started: float, strict: bool) -> Report:
-    """Every check, on every rank; rank 0's Report holds the verdict."""
+def run_checks(ctx: DistContext, group: dist.ProcessGroup, config: Config, seconds: float, started: float, strict: bool) -> Report:
+    """Every check, on every rank, over `group`; rank 0's Report holds the verdict."""
     report = Report(ctx.world_size, ctx.backend, seconds)
-    report.identity = gather_objects(collect_identity(ctx), ctx)
+    report.identity = gather_objects(collect_identity(ctx), ctx, group)
     hosts = [record.host for record in report.identity]
-    report.all_reduce = all_reduce_sweep(ctx, seconds * SHARES["all_reduce"])
-    report.p2p = p2p_ring(ctx, hosts, seconds * SHARES["p2p"])
+    report.all_reduce = all_reduce_sweep(ctx, group, seconds * SHARES["all_reduce"])
+    report.p2p = p2p_ring(ctx, group, hosts, seconds * SHARES["p2p"])
     local_ranks = max(record.local_world_size for record in report.identity)
-    report.compute = measure_rates(ctx, local_ranks, seconds * SHARES["compute"])
+    report.compute = measure_rates(ctx, group, local_ranks, seconds * SHARES["compute"])
     if ctx.is_main and config.snapshot_dir:
         report.storage = check_storage(config.snapshot_dir, seconds * SHARES["storage"])
     outliers = [*slow_links(report.p2p), *stragglers(report.compute)]
@@ -107,18 +108,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     own, config = parse_args(argv)
     seconds = own.preflight_seconds
     started = time.monotonic()
-    _watchdog(2 * seconds + 30)
     try:
-        ctx = init_distributed(config.backend, min(config.collective_timeout, seconds))
+        # Joining waits up to --collective-timeout: ranks can start minutes apart (pyxis unpacks the
+        # image on each node). The checks' own group waits at most the budget for a peer.
+        ctx = init_distributed(config.backend, config.collective_timeout)
+        group = dist.new_group(timeout=timedelta(seconds=seconds))
     except (RuntimeError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"preflight: error: cannot join the process group: {first}", file=sys.stderr)
         return 1
+    _watchdog(2 * seconds + 30)  # from here on the job is bounded by the budget, not by start-up
     if ctx.is_main:
         checks = "identity, all-reduce, point-to-point, compute, storage"
         print(f"preflight: {ctx.world_size} ranks, backend {ctx.backend}, budget {seconds:g} s: {checks}", flush=True)
     try:
-        report = run_checks(ctx, config, seconds, started, own.preflight_strict)
+        report = run_checks(ctx, group, config, seconds, started, own.preflight_strict)
         code = 0 if report.ok else 1
         if ctx.is_main:
             print("\n".join(render(report)), flush=True)
@@ -129,13 +133,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(f"preflight: error: cannot write --preflight-json {own.preflight_json} ({exc.strerror or exc})", file=sys.stderr)
                     code = 2
         verdict = torch.tensor([code], device=ctx.device)
-        dist.broadcast(verdict, src=0)
+        dist.broadcast(verdict, src=0, group=group)
         code = int(verdict.item())
     except RuntimeError as exc:  # gloo/nccl: a dead or silent peer
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(
             f"preflight: error: rank {ctx.rank} on {ctx.host}: a collective failed ({type(exc).__name__}: {first}); "
-            f"a peer died or did not answer within {min(config.collective_timeout, seconds):g} s",
+            f"a peer died or did not answer within {seconds:g} s",
             file=sys.stderr,
         )
         exit_now(1)

@@ -54,19 +54,19 @@ def _sync(ctx: DistContext) -> None:
         torch.cuda.synchronize(ctx.device)
 
 
-def _reduced(value: float, op: dist.ReduceOp, ctx: DistContext) -> float:
+def _reduced(value: float, op: dist.ReduceOp, ctx: DistContext, group: dist.ProcessGroup) -> float:
     tensor = torch.tensor([value], dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(tensor, op=op)
+    dist.all_reduce(tensor, op=op, group=group)
     return float(tensor.item())
 
 
-def _agreed_iterations(one_s: float, seconds: float, ctx: DistContext) -> int:
+def _agreed_iterations(one_s: float, seconds: float, ctx: DistContext, group: dist.ProcessGroup) -> int:
     """Iterations that fit `seconds` on the slowest rank, the same number on every rank."""
-    slowest = _reduced(one_s, dist.ReduceOp.MAX, ctx)
+    slowest = _reduced(one_s, dist.ReduceOp.MAX, ctx, group)
     return max(1, min(MAX_ITERS, int(seconds / max(slowest, 1e-9))))
 
 
-def _timed(step, ctx: DistContext, seconds: float) -> tuple[int, float]:
+def _timed(step, ctx: DistContext, group: dist.ProcessGroup, seconds: float) -> tuple[int, float]:
     """Warm `step` up, agree on a count, run it that many times; returns (iterations, the median
     iteration's seconds).
 
@@ -78,7 +78,7 @@ def _timed(step, ctx: DistContext, seconds: float) -> tuple[int, float]:
     started = time.perf_counter()
     step()
     _sync(ctx)
-    iters = _agreed_iterations(time.perf_counter() - started, seconds, ctx)
+    iters = _agreed_iterations(time.perf_counter() - started, seconds, ctx, group)
     for _ in range(WARMUP):  # back into step with each other after the count's collective
         step()
     _sync(ctx)
@@ -96,7 +96,7 @@ def bus_factor(world: int) -> float:
     return 2 * (world - 1) / world if world > 1 else 0.0
 
 
-def all_reduce_sweep(ctx: DistContext, seconds: float, sizes: Sequence[int] = SIZES) -> list[AllReduceRow]:
+def all_reduce_sweep(ctx: DistContext, group: dist.ProcessGroup, seconds: float, sizes: Sequence[int] = SIZES) -> list[AllReduceRow]:
     """float32 sum all-reduce over `sizes` bytes; first checks the result (#wrong elements, all ranks)."""
     rows = []
     per_size = seconds / len(sizes)
@@ -104,11 +104,11 @@ def all_reduce_sweep(ctx: DistContext, seconds: float, sizes: Sequence[int] = SI
     for size in sizes:
         count = max(1, size // 4)
         tensor = torch.full((count,), float(ctx.rank + 1), dtype=torch.float32, device=ctx.device)
-        dist.all_reduce(tensor)
-        wrong = int(_reduced(float((tensor != expected).sum()), dist.ReduceOp.SUM, ctx))
+        dist.all_reduce(tensor, group=group)
+        wrong = int(_reduced(float((tensor != expected).sum()), dist.ReduceOp.SUM, ctx, group))
         tensor.zero_()  # timed iterations of zeros: sums of sums would reach inf
-        iters, each = _timed(lambda t=tensor: dist.all_reduce(t), ctx, per_size)
-        each = _reduced(each, dist.ReduceOp.SUM, ctx) / ctx.world_size
+        iters, each = _timed(lambda t=tensor: dist.all_reduce(t, group=group), ctx, group, per_size)
+        each = _reduced(each, dist.ReduceOp.SUM, ctx, group) / ctx.world_size
         algbw = count * 4 / each / 1e9
         rows.append(AllReduceRow(count * 4, count, iters, each * 1e6, algbw, algbw * bus_factor(ctx.world_size), wrong))
     return rows
@@ -121,7 +121,7 @@ def ring_shift(hosts: Sequence[str]) -> int:
     return shift if shift < len(hosts) else 1
 
 
-def p2p_ring(ctx: DistContext, hosts: Sequence[str], seconds: float, nbytes: int = P2P_BYTES) -> list[Link]:
+def p2p_ring(ctx: DistContext, group: dist.ProcessGroup, hosts: Sequence[str], seconds: float, nbytes: int = P2P_BYTES) -> list[Link]:
     """Every rank sends to rank+shift and receives from rank-shift at once; every rank gets all links."""
     world = ctx.world_size
     if world < 2:
@@ -133,14 +133,14 @@ def p2p_ring(ctx: DistContext, hosts: Sequence[str], seconds: float, nbytes: int
     recv = torch.empty(count, dtype=torch.float32, device=ctx.device)
 
     def exchange() -> None:
-        ops = [dist.P2POp(dist.isend, send, dst), dist.P2POp(dist.irecv, recv, src)]
+        ops = [dist.P2POp(dist.isend, send, dst, group), dist.P2POp(dist.irecv, recv, src, group)]
         for request in dist.batch_isend_irecv(ops):
             request.wait()
 
-    _, each = _timed(exchange, ctx, seconds)
+    _, each = _timed(exchange, ctx, group, seconds)
     rates = torch.zeros(world, dtype=torch.float64, device=ctx.device)
     rates[ctx.rank] = count * 4 / each / 1e9
-    dist.all_reduce(rates)
+    dist.all_reduce(rates, group=group)
     return [Link((r - shift) % world, r, hosts[(r - shift) % world], hosts[r], float(rates[r])) for r in range(world)]
 
 

@@ -56,7 +56,7 @@ def matmul_gflops(ctx: DistContext, seconds: float) -> float:
     return 2 * n**3 / best / 1e9
 
 
-def measure_rates(ctx: DistContext, local_ranks: int, seconds: float) -> list[Rate]:
+def measure_rates(ctx: DistContext, group: dist.ProcessGroup, local_ranks: int, seconds: float) -> list[Rate]:
     """Every rank's rate, on every rank. GPU ranks measure at once (each owns its device); CPU ranks
     of one host take turns, one per host at a time, so ranks that share a node's cores (more ranks
     than cores, as in a two-core test) are not mistaken for stragglers of each other, while a node
@@ -64,10 +64,10 @@ def measure_rates(ctx: DistContext, local_ranks: int, seconds: float) -> list[Ra
     turns = 1 if ctx.device.type == "cuda" else local_ranks
     gflops = 0.0
     for turn in range(turns):
-        dist.barrier()
+        dist.barrier(group=group)
         if turns == 1 or ctx.local_rank == turn:
             gflops = matmul_gflops(ctx, seconds / turns)
-    return gather_objects(Rate(ctx.rank, ctx.host, gflops), ctx)
+    return gather_objects(Rate(ctx.rank, ctx.host, gflops), ctx, group)
 
 
 def stragglers(rates: Sequence[Rate]) -> list[str]:
