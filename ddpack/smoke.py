@@ -137,7 +137,7 @@ def _preflight_report(variant: str, members: list[Member], timeout_s: float) -> 
     verdict = PREFLIGHT_RE.search(text)
     ok = all(m.exit_code == 0 for m in members) and verdict is not None and verdict.group(1) == "PASS"
     print(
-        f"smoke[{variant}]: preflight {verdict.group(0) if verdict else 'gave no verdict'}; exit codes { ({m.name: m.exit_code for m in members}) }"
+        f"smoke[{variant}]: {verdict.group(0) if verdict else 'preflight: no verdict'}; exit codes { ({m.name: m.exit_code for m in members}) }"
     )
     if not ok:
         _show_failures(variant, members, timeout_s)
