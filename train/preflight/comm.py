@@ -27,7 +27,8 @@ SLOW_LINK_FRACTION = 0.5
 
 @dataclass(frozen=True)
 class AllReduceRow:
-    """One line of the sweep: time is the median iteration's, averaged over ranks (nccl-tests' -a 1)."""
+    """One line of the sweep: time per iteration (`_timed` says which statistic), averaged over ranks
+    (nccl-tests' -a 1)."""
 
     size: int
     count: int
@@ -70,9 +71,12 @@ def _timed(step, ctx: DistContext, group: dist.ProcessGroup, seconds: float) -> 
     """Warm `step` up, agree on a count, run it that many times; returns (iterations, the median
     iteration's seconds).
 
-    The median, where nccl-tests prints the mean: on a shared or small node a blocked collective is
-    sometimes woken milliseconds late, and a mean over a hundred iterations then follows the
-    scheduler's tail from one run to the next, where the median follows the link."""
+    On CPU (gloo) the median, where nccl-tests prints the mean: on a shared or small node a blocked
+    collective is sometimes woken milliseconds late, and a mean over a hundred iterations then
+    follows the scheduler's tail from one run to the next, where the median follows the link. On a
+    GPU the collectives are queued on a stream and nothing sleeps on the host: the mean over the
+    iterations with one synchronisation at the end, as nccl-tests times them (a synchronisation per
+    iteration would add the launch latency to every small message)."""
     step()
     _sync(ctx)
     started = time.perf_counter()
@@ -82,6 +86,12 @@ def _timed(step, ctx: DistContext, group: dist.ProcessGroup, seconds: float) -> 
     for _ in range(WARMUP):  # back into step with each other after the count's collective
         step()
     _sync(ctx)
+    if ctx.device.type == "cuda":
+        started = time.perf_counter()
+        for _ in range(iters):
+            step()
+        _sync(ctx)
+        return iters, (time.perf_counter() - started) / iters
     times = []
     for _ in range(iters):
         started = time.perf_counter()

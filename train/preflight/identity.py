@@ -75,7 +75,8 @@ def collect_identity(ctx: DistContext) -> Identity:
     cuda = torch.version.cuda or "-"
     nccl = "-"
     if torch.cuda.is_available() and torch.distributed.is_nccl_available():
-        nccl = ".".join(str(part) for part in torch.cuda.nccl.version())
+        version = torch.cuda.nccl.version()  # a tuple (2, 21, 5); an int 22105 in older torch
+        nccl = ".".join(str(part) for part in version) if isinstance(version, tuple) else str(version)
     if ctx.device.type == "cuda":
         device, visible = torch.cuda.get_device_name(ctx.device), torch.cuda.device_count()
     else:
