@@ -96,7 +96,8 @@ def test_all_reduce_table_has_nccl_tests_columns() -> None:
 
 def test_bus_factor_and_ring_shift() -> None:
     assert bus_factor(2) == 1.0 and bus_factor(8) == 1.75 and bus_factor(1) == 0.0
-    assert ring_shift(["a", "a", "b", "b"]) == 2  # every pair crosses nodes
+    assert ring_shift(["a", "a", "b", "b"]) == 2  # block layout: every pair crosses nodes
+    assert ring_shift(["a", "b", "a", "b"]) == 1  # cyclic layout: so does every neighbour
     assert ring_shift(["a", "a", "a"]) == 1
 
 

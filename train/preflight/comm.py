@@ -125,10 +125,10 @@ def all_reduce_sweep(ctx: DistContext, group: dist.ProcessGroup, seconds: float,
 
 
 def ring_shift(hosts: Sequence[str]) -> int:
-    """How far each rank's peer is: the ranks on the first host, so that with one rank layout per node
-    every pair crosses nodes; on one host, the next rank."""
-    shift = sum(1 for host in hosts if host == hosts[0])
-    return shift if shift < len(hosts) else 1
+    """How far each rank's peer is: the first rank on another host than rank 0's, so that every pair
+    crosses nodes when nodes hold equal blocks of ranks (srun's block layout, torchrun) or alternate
+    (`--distribution=cyclic`); on one host, the next rank."""
+    return next((rank for rank, host in enumerate(hosts) if host != hosts[0]), 1)
 
 
 def p2p_ring(ctx: DistContext, group: dist.ProcessGroup, hosts: Sequence[str], seconds: float, nbytes: int = P2P_BYTES) -> list[Link]:
