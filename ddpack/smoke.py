@@ -132,8 +132,12 @@ def _run_phase(
                 member.container.remove(force=True)
 
 
+def _text(members: list[Member]) -> str:
+    return "\n".join(line for m in members for line in m.lines)
+
+
 def _preflight_report(variant: str, members: list[Member], timeout_s: float) -> bool:
-    text = "\n".join(line for m in members for line in m.lines)
+    text = _text(members)
     verdict = PREFLIGHT_RE.search(text)
     ok = all(m.exit_code == 0 for m in members) and verdict is not None and verdict.group(1) == "PASS"
     print(
@@ -146,7 +150,7 @@ def _preflight_report(variant: str, members: list[Member], timeout_s: float) -> 
 
 
 def _report(variant: str, members: list[Member], world: int, timeout_s: float) -> bool:
-    text = "\n".join(line for m in members for line in m.lines)
+    text = _text(members)
     checksums = CHECKSUM_RE.findall(text)
     done = DONE_RE.search(text)
     codes = {m.name: m.exit_code for m in members}

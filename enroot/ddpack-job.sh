@@ -111,13 +111,7 @@ ddpack_remove_container() {
     # calls it pyxis_<job>_<name> and removes it itself, so a missing pyxis_<name> is not an error.
     srun --ntasks-per-node=1 --nodes="${SLURM_JOB_NUM_NODES}" \
         bash -c 'enroot remove -f "pyxis_$1" >/dev/null 2>&1 || true' _ "${ddpack_container_name}"
-    ddpack_preflight_options() {
-    local -a extra
-    read -r -a extra <<<"${DDPACK_PREFLIGHT_ARGS:-}"
-    ddpack_preflight_opts=(--preflight --preflight-json "$1/preflight.json" ${extra[@]+"${extra[@]}"})
-}
-
-ddpack_container_name=""
+    ddpack_container_name=""
 }
 
 ddpack_requeue_if_stopped() {

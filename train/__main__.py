@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from train.config import parse_config
-from train.distributed import exit_now, init_distributed, shutdown
+from train.distributed import exit_now, first_line, init_distributed, run_program, shutdown
 from train.metrics import MetricsFile, RankLog
 from train.signals import PreemptionWatcher
 from train.tasks import TaskError, load_task
@@ -29,7 +29,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         ctx = init_distributed(config.backend, config.collective_timeout)
     except (RuntimeError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         print(f"train: error: cannot join the process group: {first}", file=sys.stderr)
         return 1
     log = RankLog(ctx.rank, ctx.world_size)
@@ -56,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log(f"error: {exc}")
         return 1
     except RuntimeError as exc:  # gloo/nccl report a dead or silent peer as RuntimeError subclasses
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         log(
             f"error: a collective failed ({type(exc).__name__}: {first}); a peer died or did not answer "
             f"within --collective-timeout={config.collective_timeout:g}s"
@@ -75,8 +75,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        status = main()
-    except SystemExit as exc:  # argparse: --help (0) and bad flags (2)
-        status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
-    exit_now(status)
+    run_program(main)

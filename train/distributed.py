@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -123,6 +124,13 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception as one line for the user: its message's first line, else its type (gloo and NCCL
+    errors run to many lines; an empty message still says what happened)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def exit_now(code: int) -> None:
     """Flush and leave without running interpreter teardown. Once the process group is destroyed and
     every file is closed there is nothing left to clean up, but torch's C++ statics (gloo and TCPStore
@@ -131,3 +139,13 @@ def exit_now(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def run_program(main: Callable[[], int]) -> None:
+    """`python -m train` and `python -m train.preflight` end here: argparse's --help (0) and bad flags
+    (2) become exit codes too, and every ending goes through exit_now."""
+    try:
+        status = main()
+    except SystemExit as exc:
+        status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    exit_now(status)

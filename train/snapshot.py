@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from train.distributed import first_line
+
 SNAPSHOT_RE = re.compile(r"^snapshot-(\d{10})\.pt$")
 REQUIRED_KEYS = ("format", "model", "optimizer", "scheduler", "epoch", "step_in_epoch", "global_step", "rng", "world_size", "config")
 FORMAT = 1
@@ -61,7 +63,7 @@ class SnapshotStore:
                 if state["format"] != FORMAT:
                     raise ValueError(f"format {state['format']} is not {FORMAT}")
             except Exception as exc:  # any failure to read means: do not trust it
-                reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                reason = first_line(exc)
                 reports.append(f"snapshot {path} is unreadable ({reason}); skipping it (left in place)")
                 self.unreadable.add(path)
                 continue

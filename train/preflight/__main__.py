@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from train.config import Config, parse_config
-from train.distributed import DistContext, exit_now, gather_objects, init_distributed, shutdown
+from train.distributed import DistContext, exit_now, first_line, gather_objects, init_distributed, run_program, shutdown
 from train.preflight.comm import all_reduce_sweep, p2p_ring, slow_links
 from train.preflight.compute import measure_rates, stragglers
 from train.preflight.identity import collect_identity, disagreements
@@ -114,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ctx = init_distributed(config.backend, config.collective_timeout)
         group = dist.new_group(timeout=timedelta(seconds=seconds))
     except (RuntimeError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         print(f"preflight: error: cannot join the process group: {first}", file=sys.stderr)
         return 1
     _watchdog(2 * seconds + 30)  # from here on the job is bounded by the budget, not by start-up
@@ -136,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         dist.broadcast(verdict, src=0, group=group)
         code = int(verdict.item())
     except RuntimeError as exc:  # gloo/nccl: a dead or silent peer
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         print(
             f"preflight: error: rank {ctx.rank} on {ctx.host}: a collective failed ({type(exc).__name__}: {first}); "
             f"a peer died or did not answer within {seconds:g} s",
@@ -148,8 +148,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        status = main()
-    except SystemExit as exc:  # argparse: --help (0) and bad flags (2)
-        status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
-    exit_now(status)
+    run_program(main)
