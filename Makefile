@@ -88,7 +88,7 @@ image: engine ## build the CPU image IMAGE:TAG (gloo)
 image-gpu: engine ## build the CUDA image IMAGE:TAG-gpu (nccl)
 	$(IMAGE_ENV) $(VPY) -m ddpack.images --variant gpu --tag $(GPU_REF) --version $(TAG) $(BUILD_ARGS)
 
-smoke: image ## two-container gloo DDP run (pair, then torchrun 2x2) with plain docker
+smoke: image ## two-container gloo DDP run (pair, then torchrun 2x2), each after its preflight, with plain docker
 	$(VPY) -m ddpack.smoke --image $(CPU_REF)
 
 bench-images: engine ## print image size vs floor, cold and one-line-change build times, GPU image size
