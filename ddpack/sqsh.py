@@ -1,17 +1,21 @@
 """`make sqsh`: an Enroot squashfs of an image, for `srun --container-image=/fsx/.../x.sqsh` (pyxis).
 
-With `enroot` on the PATH, `enroot import -o … dockerd://IMAGE` does it. Without it (most build
-hosts and CI) the conversion is native and gives what enroot's `dockerd://` import gives: the filesystem
-of a created container (`docker export`, without `dev/*` and `/.dockerenv`), enroot's metadata
-(`/etc/environment` from ENV, `/etc/rc` from ENTRYPOINT/CMD/WORKDIR with labels as comments,
-`/etc/fstab` from VOLUMEs, `/etc/rc.local`), everything owned by root and readable by all, squashed
-with ENROOT_SQUASH_OPTIONS (enroot's default `-comp lzo -noD`).
+The tree is the one `enroot import dockerd://IMAGE` gives (rules in `ddpack.enroot_tree`). Converters:
 
-Two native converters: `mksquashfs` (extract to a temporary folder, then squash; honours every
-ENROOT_SQUASH_OPTIONS) and `tar2sqfs` (streams the export straight into squashfs-tools-ng, no
-extraction; takes only `-comp X` from ENROOT_SQUASH_OPTIONS). `bench/bench_sqsh.py` compares them.
-The result is written to a temporary file, listed and checked (entrypoint, python, metadata), and
-only then renamed over the output, so the output path never holds a partial file.
+- `layers` (auto's first choice): mounts the created container's own overlay2 layers read-only and runs
+  one `mksquashfs` over them, with enroot's exclusions, permission fixes and metadata files given as
+  mksquashfs exclude and pseudo-file lists. No export stream, no extraction: the cost is reading the
+  image's files once and writing the squashfs. Needs root and the engine's layers on this host.
+- `enroot`: `enroot import` itself (auto's choice where `layers` cannot run and enroot is installed).
+- `mksquashfs`: `docker export`, rewritten as enroot would see it, extracted to a temporary folder and
+  squashed; needs no root. `tar2sqfs` streams the same rewritten export into squashfs-tools-ng (it takes
+  only `-comp X` of the options).
+
+Every converter squashes with the ENROOT_SQUASH_OPTIONS enroot would use here (environment, enroot.conf,
+else ddpack's default) and says which. The result goes to a temporary file, is listed and checked
+(entrypoint, python, metadata), and only then renamed over the output; a record next to it
+(`X.sqsh.ddpack.json`: image id, options, the file's size and mtime) makes the next `make sqsh` of the
+same image a no-op.
 """
 
 from __future__ import annotations
@@ -19,84 +23,163 @@ from __future__ import annotations
 import argparse
 import errno
 import io
+import json
 import os
-import shlex
 import shutil
 import subprocess
 import tarfile
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from docker.errors import ImageNotFound
 
 from ddpack.engine import docker_client
+from ddpack.enroot_tree import (
+    METADATA_FILES,
+    excluded,
+    fixed_mode,
+    folders_enroot_creates,
+    metadata_files,
+    squash_options,
+)
 from ddpack.errors import HostError, run_verb
 
-DEFAULT_SQUASH_OPTIONS = "-comp lzo -noD"
-REQUIRED_PATHS = ("usr/local/bin/entrypoint", "etc/environment", "etc/rc", "etc/rc.local", "etc/fstab")
+# Chosen from `make bench-sqsh`'s unpack-time and size table (see the README): lz4 unpacks as fast as
+# uncompressed data here at a third of the size, so a node reads a third of the bytes from /fsx.
+DEFAULT_SQUASH_OPTIONS = "-comp lz4"
+REQUIRED_PATHS = ("usr/local/bin/entrypoint", *METADATA_FILES)
 SHELL_CANDIDATES = ("bin/sh", "usr/bin/sh")  # /bin is a symlink to usr/bin on merged-/usr bases
 PYTHON_CANDIDATES = ("opt/ddpack/venv/bin/python", "usr/local/bin/python3", "usr/bin/python3")
-RC_LOCAL = "# This file is sourced by /etc/rc when the container starts.\n# It can be used to manipulate the entrypoint or the command of the container.\n"
+CONVERTERS = ("layers", "enroot", "mksquashfs", "tar2sqfs")
+RECORD_SUFFIX = ".ddpack.json"
 
 
-def _quote_all(words: Iterable[str]) -> str:
-    return " ".join(shlex.quote(w) for w in words)
+def _tool(name: str, package: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise HostError(f"{name} is not installed; install {package} (Debian: apt-get install -y {package})", code=2)
+    return path
 
 
-def enroot_metadata(config: dict) -> dict[str, str]:
-    """The files enroot's docker::configure writes, from an image's `docker inspect` Config."""
-    env = config.get("Env") or []
-    volumes = sorted((config.get("Volumes") or {}).keys())
-    labels = config.get("Labels") or {}
-    workdir = config.get("WorkingDir") or "/"
-    entrypoint = config.get("Entrypoint") or []
-    cmd = config.get("Cmd") or []
-    if not entrypoint and not cmd:
-        cmd = ["/bin/sh"]
-    rc = "".join(f"# {key} {value}\n" for key, value in labels.items())
-    if rc:
-        rc += "\n"
-    ep = _quote_all(entrypoint)
-    rc += (
-        f'mkdir -p "{workdir}" 2> /dev/null\n'
-        f'cd "{workdir}" && unset OLDPWD || exit 1\n\n'
-        "if [ -s /etc/rc.local ]; then\n    . /etc/rc.local\nfi\n\n"
-        "if [ $# -gt 0 ]; then\n"
-        f'    exec {ep} "$@"\n'.replace("exec  ", "exec ")
-        + "else\n"
-        + f"    exec {_quote_all([*entrypoint, *cmd])}\n"
-        + "fi\n"
-    )
-    return {
-        "etc/environment": "".join(f"{line}\n" for line in env),
-        "etc/fstab": "".join(f"${{ENROOT_ROOTFS}}{v} {v} none x-create=dir,bind,rw,nosuid,nodev\n" for v in volumes),
-        "etc/rc": rc,
-        "etc/rc.local": RC_LOCAL,
-        "_workdir": workdir,
-    }
+# --- layers: mksquashfs over the container's overlay2 layers, mounted read-only -------------------
 
 
-def _relative(name: str) -> str:
-    """A tar member name without a leading './' or '/' (not lstrip: '.dockerenv' must keep its dot)."""
-    while name.startswith(("./", "/")):
-        name = name[2:] if name.startswith("./") else name[1:]
-    return name
+def layers_unavailable(image_attrs: dict) -> str | None:
+    """Why the `layers` converter cannot run here, or None when it can."""
+    if os.geteuid() != 0:
+        return f"mounting the image's layers needs root (running as uid {os.geteuid()})"
+    driver = image_attrs.get("GraphDriver") or {}
+    if driver.get("Name") != "overlay2":
+        return f"the engine stores images with {driver.get('Name') or 'an unknown driver'!r}, not overlay2"
+    data = driver.get("Data") or {}
+    dirs = [data.get("UpperDir") or "", *filter(None, (data.get("LowerDir") or "").split(":"))]
+    if not all(d and Path(d).is_dir() for d in dirs):
+        return "the engine's layers are not on this host (a remote engine?)"
+    return None
 
 
-def _skip(name: str) -> bool:
-    """What enroot leaves out of an export: device nodes' folder contents and Docker's marker."""
-    name = _relative(name)
-    return name.startswith("dev/") or name == ".dockerenv"
+def _lowerdir_option(dirs: list[str]) -> tuple[str, str | None]:
+    """`lowerdir=…` with overlay2's short `l/` links (as dockerd mounts them) when every layer has one,
+    so a deep image stays under the kernel's one-page limit on mount options; and the folder to run in."""
+    parents = [Path(d).parent for d in dirs]
+    links = [p / "link" for p in parents]
+    base = parents[0].parent
+    if all(p.parent == base for p in parents) and all(link.is_file() for link in links):
+        return ":".join("l/" + link.read_text().strip() for link in links), str(base)
+    return ":".join(dirs), None
 
 
-def _readable(mode: int, is_dir: bool) -> int:
-    """Readable by all; directories and executables also searchable/runnable by all."""
-    mode |= 0o444
-    if is_dir or mode & 0o100:
-        mode |= 0o111
-    return mode
+@contextmanager
+def mounted_container(client, image: str, workspace: Path) -> Iterator[Path]:
+    """A created (never started) container of `image`, its layers mounted read-only: what `docker export` reads."""
+    container = client.containers.create(image, entrypoint=["/bin/true"])
+    root = workspace / "rootfs"
+    root.mkdir()
+    mounted = False
+    try:
+        data = container.attrs["GraphDriver"]["Data"]
+        lowerdir, cwd = _lowerdir_option([data["UpperDir"], *data["LowerDir"].split(":")])
+        argv = ["mount", "-t", "overlay", "ddpack-sqsh", "-o", f"ro,lowerdir={lowerdir}", str(root)]
+        result = subprocess.run(argv, cwd=cwd, capture_output=True, text=True)
+        if result.returncode != 0:
+            reason = (result.stderr.strip().splitlines() or ["no message"])[-1]
+            raise HostError(f"mounting the image's layers failed ({reason}); use --converter mksquashfs")
+        mounted = True
+        yield root
+    finally:
+        if mounted and subprocess.run(["umount", str(root)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(root)], capture_output=True)
+        container.remove(force=True)
+
+
+def _pseudo_name(name: str) -> str:
+    """A path as mksquashfs reads it in pseudo and wildcard-exclude files (backslash escapes)."""
+    if "\n" in name:
+        raise HostError(f"the image holds a path with a newline ({name!r}); use --converter mksquashfs")
+    return "".join("\\" + ch if ch in ' \t\\"*?[]' else ch for ch in name)
+
+
+def tree_lists(root: Path, config: dict, meta_dir: Path) -> tuple[list[str], list[str]]:
+    """mksquashfs exclude and pseudo-file lines that turn the mounted tree into enroot's.
+
+    Excluded: `dev/*`, `/.dockerenv`, sockets (tar cannot carry them) and the image's own metadata
+    files. Pseudo: enroot's metadata files, the folders it creates, and `fixperms`' mode changes,
+    found by one `find` over the entries that lack an owner bit the rule adds.
+    """
+    excludes = ["dev/*", ".dockerenv", *METADATA_FILES]
+    pseudo = [f"{folder} d 755 0 0" for folder in folders_enroot_creates(config) if not (root / folder).is_dir()]
+    for name, text in metadata_files(config).items():
+        path = meta_dir / name.replace("/", "_")
+        path.write_text(text)
+        pseudo.append(f"{name} f 644 0 0 cat {path}")
+    lacking = ["(", "!", "-perm", "-u=r", "-o", "-type", "d", "!", "-perm", "-u=wx", "-o", "-perm", "/111", "!", "-perm", "-u=x", ")"]
+    argv = ["find", str(root), "-mindepth", "1", "(", "-type", "s", "-o", "!", "-type", "l", *lacking, ")", "-printf", r"%d %m %y %P\0"]
+    found = subprocess.run(argv, capture_output=True, check=True).stdout.decode("utf-8", "surrogateescape")
+    for entry in filter(None, found.split("\0")):
+        depth, mode, kind, name = entry.split(" ", 3)
+        if excluded(name) or name in METADATA_FILES:
+            continue
+        if kind == "s":
+            excludes.append(_pseudo_name(name))
+            continue
+        old = int(mode, 8)
+        new = fixed_mode(old, kind == "d", int(depth))
+        if new != old:
+            pseudo.append(f"{_pseudo_name(name)} m {new:o} 0 0")
+    return excludes, pseudo
+
+
+def _mksquashfs_argv(source: Path, out: Path, options: str) -> list[str]:
+    # -no-xattrs last: enroot's tar restores none, whatever the options say.
+    return [
+        _tool("mksquashfs", "squashfs-tools"),
+        str(source),
+        str(out),
+        "-noappend",
+        "-all-root",
+        "-no-progress",
+        "-quiet",
+        *options.split(),
+        "-no-xattrs",
+    ]
+
+
+def convert_layers(client, image: str, config: dict, options: str, tmp_out: Path, workspace: Path) -> None:
+    argv = _mksquashfs_argv(Path("."), tmp_out, options)  # names the missing tool before any work
+    with mounted_container(client, image, workspace) as root:
+        excludes, pseudo = tree_lists(root, config, workspace)
+        (workspace / "exclude").write_text("".join(f"{line}\n" for line in excludes))
+        (workspace / "pseudo").write_text("".join(f"{line}\n" for line in pseudo))
+        argv[1] = str(root)
+        result = subprocess.run([*argv, "-wildcards", "-ef", str(workspace / "exclude"), "-pf", str(workspace / "pseudo")])
+    if result.returncode != 0:
+        raise HostError(f"mksquashfs failed (exit {result.returncode}); its output above says why")
+
+
+# --- mksquashfs / tar2sqfs: the export stream, rewritten as enroot would see it --------------------
 
 
 def export_stream(client, image: str) -> Iterator[bytes]:
@@ -128,27 +211,35 @@ class _ChunkReader(io.RawIOBase):
         return size
 
 
-def rootfs_tar(chunks: Iterator[bytes], metadata: dict[str, str], out) -> None:
-    """Rewrite an export as enroot would see it: filtered, root-owned, readable, plus metadata files."""
-    generated = {name: text for name, text in metadata.items() if not name.startswith("_")}
-    workdir = metadata["_workdir"].strip("/")
+def _relative(name: str) -> str:
+    """A tar member name without a leading './' or '/' (not lstrip: '.dockerenv' must keep its dot)."""
+    while name.startswith(("./", "/")):
+        name = name[2:] if name.startswith("./") else name[1:]
+    return name
+
+
+def rootfs_tar(chunks: Iterator[bytes], config: dict, out) -> None:
+    """An export as enroot's extraction leaves it: filtered, fixperms' modes, no xattrs, its metadata files."""
+    generated = metadata_files(config)
     seen: set[str] = set()
     with (
         tarfile.open(fileobj=io.BufferedReader(_ChunkReader(chunks), 1 << 20), mode="r|") as src,
         tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as dst,
     ):
         for member in src:
-            name = _relative(member.name)
-            if _skip(member.name) or name in generated:
+            name = _relative(member.name).rstrip("/")
+            if excluded(name) or name in generated:
                 continue
-            seen.add(name.rstrip("/"))
+            seen.add(name)
             member.uid = member.gid = 0
             member.uname = member.gname = "root"
-            member.mode = _readable(member.mode, member.isdir())
+            if not member.issym():
+                member.mode = fixed_mode(member.mode, member.isdir(), name.count("/") + 1)
+            member.pax_headers = {k: v for k, v in member.pax_headers.items() if not k.startswith("SCHILY.xattr.")}
             dst.addfile(member, src.extractfile(member) if member.isreg() else None)
-        for path in ("etc", workdir):
-            if path and path not in seen:
-                info = tarfile.TarInfo(path)
+        for folder in folders_enroot_creates(config):
+            if folder not in seen:
+                info = tarfile.TarInfo(folder)
                 info.type, info.mode = tarfile.DIRTYPE, 0o755
                 dst.addfile(info)
         for name, text in generated.items():
@@ -158,53 +249,49 @@ def rootfs_tar(chunks: Iterator[bytes], metadata: dict[str, str], out) -> None:
             dst.addfile(info, io.BytesIO(data))
 
 
-def _squash_options() -> list[str]:
-    return shlex.split(os.environ.get("ENROOT_SQUASH_OPTIONS", DEFAULT_SQUASH_OPTIONS))
-
-
-def _tool(name: str, package: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        raise HostError(f"{name} is not installed; install {package} (Debian: apt-get install -y {package})", code=2)
-    return path
-
-
-def _feed(argv: list[str], chunks: Iterator[bytes], metadata: dict[str, str]) -> int:
+def _feed(argv: list[str], chunks: Iterator[bytes], config: dict) -> int:
     """Run `argv` with the rewritten root filesystem tar on its standard input; its exit code."""
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE)
     try:
-        rootfs_tar(chunks, metadata, proc.stdin)
+        rootfs_tar(chunks, config, proc.stdin)
     finally:
         proc.stdin.close()
         code = proc.wait()
     return code
 
 
-def convert_mksquashfs(chunks: Iterator[bytes], metadata: dict[str, str], tmp_out: Path, workspace: Path) -> None:
-    mksquashfs = _tool("mksquashfs", "squashfs-tools")
-    root = workspace / "rootfs"
-    root.mkdir()
-    code = _feed(["tar", "-C", str(root), "--numeric-owner", "-px"], chunks, metadata)
+def convert_mksquashfs(client, image: str, config: dict, options: str, tmp_out: Path, workspace: Path) -> None:
+    argv = _mksquashfs_argv(workspace / "rootfs", tmp_out, options)
+    (workspace / "rootfs").mkdir()
+    code = _feed(["tar", "-C", str(workspace / "rootfs"), "--numeric-owner", "-px"], export_stream(client, image), config)
     if code != 0:
         raise HostError(f"extracting the image failed (tar exit {code}); is there space in {workspace}?")
-    argv = [mksquashfs, str(root), str(tmp_out), "-noappend", "-all-root", *_squash_options()]
     result = subprocess.run(argv)
     if result.returncode != 0:
         raise HostError(f"mksquashfs failed (exit {result.returncode}); its output above says why")
 
 
-def convert_tar2sqfs(chunks: Iterator[bytes], metadata: dict[str, str], tmp_out: Path, workspace: Path) -> None:
-    tar2sqfs = _tool("tar2sqfs", "squashfs-tools-ng")
-    options = _squash_options()
-    argv = [tar2sqfs, "--force", "--quiet", "--no-keep-time"]
-    if "-comp" in options and options.index("-comp") + 1 < len(options):
-        argv += ["--compressor", options[options.index("-comp") + 1]]
-    code = _feed([*argv, str(tmp_out)], chunks, metadata)
+def convert_tar2sqfs(client, image: str, config: dict, options: str, tmp_out: Path, workspace: Path) -> None:
+    argv = [_tool("tar2sqfs", "squashfs-tools-ng"), "--force", "--quiet", "--no-keep-time", "--no-xattr"]
+    words = options.split()
+    if "-comp" in words and words.index("-comp") + 1 < len(words):
+        argv += ["--compressor", words[words.index("-comp") + 1]]
+    code = _feed([*argv, str(tmp_out)], export_stream(client, image), config)
     if code != 0:
         raise HostError(f"tar2sqfs failed (exit {code}); its output above says why")
 
 
-CONVERTERS = {"mksquashfs": convert_mksquashfs, "tar2sqfs": convert_tar2sqfs}
+def convert_enroot(client, image: str, config: dict, options: str, tmp_out: Path, workspace: Path) -> None:
+    env = {**os.environ, "ENROOT_SQUASH_OPTIONS": options}
+    result = subprocess.run([_tool("enroot", "enroot"), "import", "-o", str(tmp_out), f"dockerd://{image}"], env=env)
+    if result.returncode != 0:
+        raise HostError(f"enroot import failed (exit {result.returncode}); its output above says why")
+
+
+RUNNERS = {"layers": convert_layers, "enroot": convert_enroot, "mksquashfs": convert_mksquashfs, "tar2sqfs": convert_tar2sqfs}
+
+
+# --- the verb -------------------------------------------------------------------------------------
 
 
 def validate_squashfs(path: Path) -> list[str]:
@@ -224,35 +311,75 @@ def validate_squashfs(path: Path) -> list[str]:
     return sorted(names)
 
 
-def convert(image: str, output: Path, converter: str = "auto") -> Path:
-    """Write `output` atomically; returns it. Prints progress and a final line with size and time."""
+def record_path(output: Path) -> Path:
+    return output.with_name(output.name + RECORD_SUFFIX)
+
+
+def _record(output: Path, image_id: str, options: str) -> dict:
+    stat = output.stat()
+    return {"image_id": image_id, "squash_options": options, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def holds(output: Path, image_id: str, options: str) -> bool:
+    """The output is the file a previous conversion of this image with these options wrote (unchanged since)."""
+    try:
+        recorded = json.loads(record_path(output).read_text())
+        recorded.pop("image", None)
+        return recorded == _record(output, image_id, options)
+    except (OSError, ValueError):
+        return False
+
+
+def write_record(output: Path, image: str, image_id: str, options: str) -> None:
+    record = {"image": image, **_record(output, image_id, options)}
+    tmp = record_path(output).with_name(f".{record_path(output).name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(tmp, record_path(output))
+
+
+def choose_converter(requested: str, image_attrs: dict) -> tuple[str, str]:
+    """The converter to run and, for auto, why."""
+    if requested not in ("auto", *CONVERTERS):
+        raise HostError(f"converter {requested!r} is not one of auto, {', '.join(CONVERTERS)}", code=2)
+    reason = layers_unavailable(image_attrs)
+    if requested == "layers" and reason:
+        raise HostError(f"--converter layers cannot run: {reason}; use --converter mksquashfs", code=2)
+    if requested != "auto":
+        return requested, ""
+    if reason is None:
+        return "layers", ""
+    fallback = "enroot" if shutil.which("enroot") else "mksquashfs"
+    return fallback, f"; {reason}, so {fallback}"
+
+
+def convert(image: str, output: Path, converter: str = "auto", force: bool = False) -> Path:
+    """Write `output` atomically (or leave it, when it already holds this image); returns it."""
     started = time.monotonic()
     output = output.resolve()
     if not output.parent.is_dir():
         raise HostError(f"output folder {output.parent} does not exist; create it or choose another SQSH path", code=2)
-    use_enroot = converter == "enroot" or (converter == "auto" and shutil.which("enroot"))
-    if converter == "auto":
-        converter = "enroot" if use_enroot else "mksquashfs"
-    if converter not in (*CONVERTERS, "enroot"):
-        raise HostError(f"converter {converter!r} is not one of enroot, {', '.join(CONVERTERS)}", code=2)
+    if converter not in ("auto", *CONVERTERS):
+        raise HostError(f"converter {converter!r} is not one of auto, {', '.join(CONVERTERS)}", code=2)
     client = docker_client()
     try:
-        config = client.images.get(image).attrs["Config"]
+        attrs = client.images.get(image).attrs
     except ImageNotFound:
         raise HostError(f"image {image} not found; build it first (make image)", code=2) from None
+    options, source = squash_options(DEFAULT_SQUASH_OPTIONS)
+    if not force and holds(output, attrs["Id"], options):
+        print(f"sqsh: {output} already holds {image} ({attrs['Id'][:19]}, {options!r}); nothing to do (--force rebuilds)")
+        return output
+    converter, why = choose_converter(converter, attrs)
+    print(f"sqsh: {image} -> {output} ({converter}{why}; ENROOT_SQUASH_OPTIONS={options!r} from {source})", flush=True)
     tmp_out = output.with_name(f".{output.name}.tmp-{os.getpid()}")
     tmp_out.unlink(missing_ok=True)
-    print(f"sqsh: {image} -> {output} ({converter}, ENROOT_SQUASH_OPTIONS={' '.join(_squash_options())!r})", flush=True)
     try:
-        if converter == "enroot":
-            result = subprocess.run([shutil.which("enroot") or "enroot", "import", "-o", str(tmp_out), f"dockerd://{image}"])
-            if result.returncode != 0:
-                raise HostError(f"enroot import failed (exit {result.returncode}); its output above says why")
-        else:
-            with tempfile.TemporaryDirectory(prefix="ddpack-sqsh-") as workspace:
-                CONVERTERS[converter](export_stream(client, image), enroot_metadata(config), tmp_out, Path(workspace))
+        with tempfile.TemporaryDirectory(prefix="ddpack-sqsh-") as workspace:
+            RUNNERS[converter](client, image, attrs["Config"], options, tmp_out, Path(workspace))
         names = validate_squashfs(tmp_out)
+        record_path(output).unlink(missing_ok=True)
         os.replace(tmp_out, output)
+        write_record(output, image, attrs["Id"], options)
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
             raise HostError(
@@ -272,9 +399,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--image", required=True, help="local image, e.g. ddpack:1a2b3c4")
     parser.add_argument("--output", required=True, type=Path, help="the .sqsh file to write (replaced atomically)")
-    parser.add_argument("--converter", default="auto", help="auto (enroot if installed, else mksquashfs), enroot, mksquashfs, tar2sqfs")
+    parser.add_argument("--converter", default="auto", help=f"auto (layers, else enroot, else mksquashfs), {', '.join(CONVERTERS)}")
+    parser.add_argument("--force", action="store_true", help="convert even when the output already holds this image")
     opts = parser.parse_args(argv)
-    return run_verb("sqsh", lambda: convert(opts.image, opts.output, opts.converter) and 0)
+    return run_verb("sqsh", lambda: convert(opts.image, opts.output, opts.converter, opts.force) and 0)
 
 
 if __name__ == "__main__":

@@ -1,22 +1,46 @@
-"""`make sqsh` natively (no enroot here): enroot's layout and metadata, atomic output, and the trainer
-running from the unpacked root filesystem as a non-root uid with a login shell, as pyxis runs it."""
+"""`make sqsh`: the tree enroot's own import gives (compared with real enroot where it is installed, and
+with the rules on a fixture image with every awkward entry), the content cache, atomic output, the options
+really used, and the trainer running from the unpacked root filesystem as a non-root uid with a login
+shell, as pyxis runs it."""
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
 from conftest import ROOT, clean_env
 from docker_support import TEST_TAG, build, engine_or_skip
 
+from ddpack.base import LOCAL_BASE
 from ddpack.errors import HostError
-from ddpack.sqsh import convert, enroot_metadata
+from ddpack.sqsh import RUNNERS, convert, layers_unavailable, record_path
 
-pytestmark = pytest.mark.docker
+docker = pytest.mark.docker
+FIXTURE_TAG = "ddpack-sqsh-fixture:pytest"
+# Every kind of entry whose treatment differs between a naive conversion and enroot's.
+FIXTURE_DOCKERFILE = """
+FROM {base}
+RUN mkdir -p /fx/ro/a/b/c/d/e/f /fx/ro/a/b/c/d/e/f/g && chmod 0555 /fx/ro /fx/ro/a/b/c/d/e/f \
+ && printf none > /fx/none && chmod 0000 /fx/none \
+ && printf gx > /fx/gx && chmod 0070 /fx/gx && ln /fx/gx /fx/gx-hard && ln -s gx /fx/sym \
+ && printf space > '/fx/a b' && chmod 0600 '/fx/a b' && mkdir /fx/private && chmod 0700 /fx/private \
+ && printf old > /etc/rc && printf 'X=old' > /etc/environment \
+ && python3 -c "import os, socket; socket.socket(socket.AF_UNIX).bind('/fx/sock'); os.setxattr('/fx/none', 'user.k', b'v')" \
+ && rm -rf /usr/share/doc /var/lib/apt
+WORKDIR /fx/work dir
+ENV A=1 B="x y"
+VOLUME /data
+LABEL b=2 a="1 2"
+ENTRYPOINT ["/bin/echo", "it's"]
+CMD ["a b"]
+"""
 
 
 def need(tool: str, package: str) -> None:
@@ -31,35 +55,77 @@ def sqsh(tmp_path_factory) -> Path:
     engine_or_skip()
     need("mksquashfs", "squashfs-tools")
     build("cpu", TEST_TAG)
-    return convert(TEST_TAG, tmp_path_factory.mktemp("sqsh") / "ddpack.sqsh", "mksquashfs")
+    return convert(TEST_TAG, tmp_path_factory.mktemp("sqsh") / "ddpack.sqsh")
+
+
+@pytest.fixture(scope="module")
+def fixture_image(sqsh: Path) -> str:
+    """A small image from the base the bundle's image was built on, with every awkward kind of entry."""
+    client = engine_or_skip()
+    base = client.images.get(TEST_TAG).labels.get("org.opencontainers.image.base.name") or LOCAL_BASE
+    client.images.build(fileobj=io.BytesIO(FIXTURE_DOCKERFILE.format(base=base).encode()), tag=FIXTURE_TAG, rm=True)
+    return FIXTURE_TAG
+
+
+def tree(path: Path) -> dict[str, tuple]:
+    """Every entry of a squashfs: kind, mode, owner, link target (hard links too), size, xattr names, and
+    the bytes of enroot's metadata files."""
+    proc = subprocess.Popen(["sqfs2tar", "--root-becomes", ".", str(path)], stdout=subprocess.PIPE)
+    entries = {}
+    with tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
+        for m in tar:
+            data = tar.extractfile(m).read() if m.isreg() and m.name.startswith("./etc/") and m.size < 4096 else b""
+            xattrs = tuple(sorted(k for k in m.pax_headers if k.startswith("SCHILY.xattr.")))
+            mode = 0 if m.issym() else m.mode
+            entries[m.name] = (m.type, f"{mode:04o}", m.uid, m.gid, m.linkname, m.size, xattrs, data)
+    assert proc.wait() == 0
+    return entries
+
+
+def enroot_import(image: str, out: Path, options: str) -> Path:
+    need("enroot", "enroot (../shared/tools/install-enroot-pyxis.sh)")
+    env = {**os.environ, "ENROOT_SQUASH_OPTIONS": options}
+    subprocess.run(["enroot", "import", "-o", str(out), f"dockerd://{image}"], env=env, check=True, capture_output=True, timeout=900)
+    return out
 
 
 def cat(sqsh: Path, member: str) -> str:
     return subprocess.run(["unsquashfs", "-cat", str(sqsh), member], capture_output=True, text=True, check=True).stdout
 
 
+def listing(sqsh: Path) -> list[str]:
+    out = subprocess.run(["unsquashfs", "-lln", str(sqsh)], capture_output=True, text=True, check=True).stdout
+    return [line for line in out.splitlines() if "squashfs-root" in line]
+
+
+def mode_of(entries: dict[str, tuple], name: str) -> str:
+    return entries[f"./{name}"][1]
+
+
+@docker
 def test_metadata_follows_enroot(sqsh: Path) -> None:
     environment = cat(sqsh, "etc/environment").splitlines()
     assert "PATH=/opt/ddpack/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin" in environment
     assert "PYTHONPATH=" in environment and "LD_LIBRARY_PATH=" in environment
     rc = cat(sqsh, "etc/rc")
     assert "# io.ddpack.variant cpu" in rc and 'cd "/workspace" && unset OLDPWD || exit 1' in rc
-    assert 'exec /usr/local/bin/entrypoint "$@"' in rc
+    assert "exec '/usr/local/bin/entrypoint' \"$@\"" in rc
     assert cat(sqsh, "etc/rc.local").startswith("# This file is sourced by /etc/rc")
     assert cat(sqsh, "etc/fstab") == ""
 
 
-def test_owned_by_root_readable_by_all_without_docker_leftovers(sqsh: Path) -> None:
-    listing = subprocess.run(["unsquashfs", "-lln", str(sqsh)], capture_output=True, text=True, check=True).stdout.splitlines()
-    lines = [line for line in listing if "squashfs-root" in line]
+@docker
+def test_owned_by_root_with_no_mode_widened_and_no_docker_leftovers(sqsh: Path) -> None:
+    lines = listing(sqsh)
     assert all(line.split()[1] == "0/0" for line in lines)
-    names = {line.split("squashfs-root", 1)[1].split(" -> ")[0] for line in lines}
+    names = {line.split("squashfs-root", 1)[1].split(" -> ")[0]: line.split()[0] for line in lines}
     assert "/usr/local/bin/entrypoint" in names
     assert "/.dockerenv" not in names and not [n for n in names if n.startswith("/dev/")]
-    unreadable = [line for line in lines if line[0] == "-" and line[7] != "r"]
-    assert unreadable == []
+    assert names["/etc/shadow"] == "-rw-r-----" and names["/root"] == "drwx------"  # enroot adds owner bits only
+    assert [n for n, perms in names.items() if perms[0] != "l" and perms[1] != "r"] == []
 
 
+@docker
 def test_trainer_runs_from_the_unpacked_root_as_non_root_with_a_login_shell(sqsh: Path, tmp_path: Path) -> None:
     root = tmp_path / "root"
     subprocess.run(["unsquashfs", "-q", "-d", str(root), str(sqsh)], check=True, stdout=subprocess.DEVNULL)
@@ -83,35 +149,109 @@ def test_trainer_runs_from_the_unpacked_root_as_non_root_with_a_login_shell(sqsh
     assert "checksums agree across 1 ranks" in out.stdout and "snapshot saved: s/snapshot-" in out.stdout
 
 
-def test_tar2sqfs_converter_gives_the_same_tree(sqsh: Path, tmp_path: Path) -> None:
+@docker
+def test_every_converter_gives_enroots_tree_on_an_awkward_image(fixture_image: str, tmp_path: Path) -> None:
     need("tar2sqfs", "squashfs-tools-ng")
-    other = convert(TEST_TAG, tmp_path / "ng.sqsh", "tar2sqfs")
+    options, client = "-comp lzo -noD", engine_or_skip()
+    config = client.images.get(fixture_image).attrs["Config"]
+    made = {}
+    for converter in ("layers", "mksquashfs", "tar2sqfs"):  # the runners alone: this is no ddpack image
+        (tmp_path / converter).mkdir()
+        RUNNERS[converter](client, fixture_image, config, options, tmp_path / f"{converter}.sqsh", tmp_path / converter)
+        made[converter] = tree(tmp_path / f"{converter}.sqsh")
+    expected = made["layers"]
+    # The rules, on the fixture (what enroot does, written out): owner bits added, nothing widened.
+    assert mode_of(expected, "fx/none") == "0400" and mode_of(expected, "fx/gx") == "0570"
+    assert mode_of(expected, "fx/ro") == "0755" and mode_of(expected, "fx/ro/a/b/c/d/e/f") == "0555"  # u+w to depth 5
+    assert mode_of(expected, "fx/a b") == "0600" and mode_of(expected, "fx/private") == "0700"
+    assert mode_of(expected, "etc/shadow") == "0640" and mode_of(expected, "root") == "0700"
+    assert expected["./fx/gx-hard"][4] == "./fx/gx"  # a hard link stays one
+    assert expected["./fx/sym"][4] == "gx"
+    assert "./fx/sock" not in expected and "./.dockerenv" not in expected and "./dev" in expected
+    assert not [n for n in expected if n.startswith("./dev/")] and not [n for n, e in expected.items() if e[6]]  # no xattrs
+    assert not [n for n in expected if n.startswith("./usr/share/doc/")] and "./fx/work dir" in expected
+    assert {e[2:4] for e in expected.values()} == {(0, 0)}
+    assert expected["./etc/rc"][7].endswith(b"exec '/bin/echo' 'it'\\''s' 'a b'\nfi\n")
+    assert expected["./etc/environment"][7].endswith(b"\nA=1\nB=x y\n")
+    assert expected["./etc/fstab"][7] == b"${ENROOT_ROOTFS}/data /data none x-create=dir,bind,rw,nosuid,nodev\n"
+    for converter in ("mksquashfs", "tar2sqfs"):
+        assert made[converter] == expected, converter
+    if shutil.which("enroot") or os.environ.get("CI"):
+        enroot = tree(enroot_import(fixture_image, tmp_path / "enroot.sqsh", options))
+        assert enroot == expected
 
-    def tree(path: Path) -> list[str]:
-        out = subprocess.run(["unsquashfs", "-lc", str(path)], capture_output=True, text=True, check=True).stdout
-        return sorted(line.split("squashfs-root", 1)[1] for line in out.splitlines() if "squashfs-root" in line)
 
-    assert tree(other) == tree(sqsh)
-    assert cat(other, "etc/rc") == cat(sqsh, "etc/rc")
+@docker
+def test_the_bundle_image_is_enroots_tree(sqsh: Path, tmp_path: Path) -> None:
+    options = json.loads(record_path(sqsh).read_text())["squash_options"]
+    enroot = enroot_import(TEST_TAG, tmp_path / "enroot.sqsh", options)
+    assert tree(sqsh) == tree(enroot)
+    assert sqsh.stat().st_size == enroot.stat().st_size
 
 
+@docker
+def test_a_second_conversion_of_the_same_image_is_a_no_op(sqsh: Path, tmp_path: Path) -> None:
+    target = tmp_path / "x.sqsh"
+    shutil.copy2(sqsh, target)
+    shutil.copy2(record_path(sqsh), record_path(target))
+    run = [sys.executable, "-m", "ddpack.sqsh", "--image", TEST_TAG, "--output", str(target)]
+    out = subprocess.run(run, env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.count("\n") == 1 and "already holds ddpack:pytest" in out.stdout, out.stdout
+    before = target.stat().st_mtime_ns
+    # --force, other options, an edited file and another image each rebuild.
+    for extra, env in (
+        (["--force"], {}),
+        ([], {"ENROOT_SQUASH_OPTIONS": "-comp lz4"}),
+    ):
+        out = subprocess.run([*run, *extra], env=clean_env(**env), cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0 and "sqsh: wrote" in out.stdout, out.stdout + out.stderr
+        assert target.stat().st_mtime_ns != before
+        before = target.stat().st_mtime_ns
+    assert "Compression lz4" in subprocess.run(["unsquashfs", "-s", str(target)], capture_output=True, text=True).stdout
+    with target.open("r+b") as f:
+        f.seek(200)
+        f.write(b"x")
+    out = subprocess.run(run, env=clean_env(ENROOT_SQUASH_OPTIONS="-comp lz4"), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert "sqsh: wrote" in out.stdout, out.stdout
+    client = engine_or_skip()
+    client.images.build(fileobj=io.BytesIO(f"FROM {TEST_TAG}\nLABEL other=1\n".encode()), tag="ddpack-sqsh-other:pytest", rm=True)
+    other = [sys.executable, "-m", "ddpack.sqsh", "--image", "ddpack-sqsh-other:pytest", "--output", str(target)]
+    out = subprocess.run(other, env=clean_env(ENROOT_SQUASH_OPTIONS="-comp lz4"), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert "sqsh: wrote" in out.stdout and "# other 1" in cat(target, "etc/rc"), out.stdout
+    assert json.loads(record_path(target).read_text())["image"] == "ddpack-sqsh-other:pytest"
+
+
+@docker
+def test_the_options_printed_are_the_options_enroot_uses(sqsh: Path, tmp_path: Path) -> None:
+    need("enroot", "enroot (../shared/tools/install-enroot-pyxis.sh)")
+    run = [sys.executable, "-m", "ddpack.sqsh", "--image", TEST_TAG, "--output", str(tmp_path / "e.sqsh"), "--converter", "enroot"]
+    out = subprocess.run(run, env=clean_env(ENROOT_SQUASH_OPTIONS="-comp zstd"), cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "(enroot; ENROOT_SQUASH_OPTIONS='-comp zstd' from ENROOT_SQUASH_OPTIONS)" in out.stdout, out.stdout
+    assert "Compression zstd" in subprocess.run(["unsquashfs", "-s", str(tmp_path / "e.sqsh")], capture_output=True, text=True).stdout
+
+
+@docker
 def test_output_is_replaced_atomically_and_failures_leave_no_file(sqsh: Path, tmp_path: Path) -> None:
     target = tmp_path / "out.sqsh"
     target.write_bytes(b"previous good file")
-    with pytest.raises(HostError, match="the squashfs lacks usr/local/bin/entrypoint"):
-        convert("ddpack-base:bookworm-py311", target, "mksquashfs")  # not a ddpack image
-    assert target.read_bytes() == b"previous good file"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.sqsh"]
-    convert(TEST_TAG, target, "mksquashfs")
-    assert target.stat().st_size > 100 * 2**20 and sorted(p.name for p in tmp_path.iterdir()) == ["out.sqsh"]
+    for converter in ("layers", "mksquashfs"):
+        with pytest.raises(HostError, match="the squashfs lacks usr/local/bin/entrypoint"):
+            convert(LOCAL_BASE, target, converter)  # not a ddpack image
+        assert target.read_bytes() == b"previous good file"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["out.sqsh"]
+    convert(TEST_TAG, target)
+    assert target.stat().st_size > 100 * 2**20 and sorted(p.name for p in tmp_path.iterdir()) == ["out.sqsh", "out.sqsh.ddpack.json"]
+    assert not [line for line in Path("/proc/mounts").read_text().splitlines() if "ddpack-sqsh" in line]  # layers unmounted
 
 
+@docker
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
         (["--image", "ddpack:never-built", "--output", "/tmp/x.sqsh"], "image ddpack:never-built not found; build it first (make image)"),
         (["--image", TEST_TAG, "--output", "/nonexistent/dir/x.sqsh"], "output folder /nonexistent/dir does not exist"),
-        (["--image", TEST_TAG, "--output", "/tmp/x.sqsh", "--converter", "zip"], "converter 'zip' is not one of"),
+        (["--image", TEST_TAG, "--output", "/tmp/x.sqsh", "--converter", "zip"], "converter 'zip' is not one of auto, layers"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(args: list[str], needle: str) -> None:
@@ -122,16 +262,24 @@ def test_bad_input_is_one_line_exit_2(args: list[str], needle: str) -> None:
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and needle in out.stderr, out.stderr
 
 
-def test_missing_tool_is_named(monkeypatch, tmp_path: Path) -> None:
+@docker
+@pytest.mark.parametrize("converter", ["layers", "mksquashfs"])
+def test_missing_tool_is_named(converter: str, monkeypatch, tmp_path: Path) -> None:
     engine_or_skip()
     monkeypatch.setenv("PATH", str(tmp_path))  # no mksquashfs, no tar, nothing
     with pytest.raises(HostError, match=r"mksquashfs is not installed; install squashfs-tools"):
-        convert(TEST_TAG, tmp_path / "x.sqsh", "mksquashfs")
+        convert(TEST_TAG, tmp_path / "x.sqsh", converter, force=True)
     assert list(tmp_path.iterdir()) == []
 
 
-def test_metadata_for_an_image_without_entrypoint_or_cmd_runs_a_shell() -> None:
-    meta = enroot_metadata({"Env": ["A=1"], "Volumes": {"/data": {}}, "WorkingDir": ""})
-    assert 'exec  "$@"' not in meta["etc/rc"] and "exec /bin/sh\n" in meta["etc/rc"]
-    assert meta["etc/fstab"] == "${ENROOT_ROOTFS}/data /data none x-create=dir,bind,rw,nosuid,nodev\n"
-    assert meta["etc/environment"] == "A=1\n"
+def test_layers_say_why_they_cannot_run(monkeypatch, tmp_path: Path) -> None:
+    layer = tmp_path / "diff"
+    layer.mkdir()
+    here = {"GraphDriver": {"Name": "overlay2", "Data": {"UpperDir": str(layer), "LowerDir": str(layer)}}}
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    assert layers_unavailable(here) is None
+    assert "not overlay2" in layers_unavailable({"GraphDriver": {"Name": "vfs", "Data": {}}})
+    remote = {"GraphDriver": {"Name": "overlay2", "Data": {"UpperDir": "/nowhere/diff"}}}
+    assert layers_unavailable(remote) == "the engine's layers are not on this host (a remote engine?)"
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert layers_unavailable(here) == "mounting the image's layers needs root (running as uid 1000)"
