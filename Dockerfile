@@ -7,12 +7,14 @@ ARG BASE_IMAGE
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG PIP_EXTRA_ARGS=""
+# 1 keeps torch's C++ headers and the packages' test suites (for C++ extensions or torch.compile on CPU).
+ARG KEEP_DEV_FILES=0
 
 # Dependencies first: this layer is rebuilt only when torch's version or the base changes.
 RUN --mount=type=secret,id=pip_cert,required=false \
     --mount=type=bind,source=wheelhouse,target=/wheelhouse \
     --mount=type=bind,source=docker/install-runtime.sh,target=/tmp/install-runtime.sh \
-    PIP_EXTRA_ARGS="${PIP_EXTRA_ARGS}" sh /tmp/install-runtime.sh "torch==${TORCH_VERSION}+cpu" "${TORCH_INDEX_URL}" cpu
+    PIP_EXTRA_ARGS="${PIP_EXTRA_ARGS}" KEEP_DEV_FILES="${KEEP_DEV_FILES}" sh /tmp/install-runtime.sh "torch==${TORCH_VERSION}+cpu" "${TORCH_INDEX_URL}" cpu
 
 COPY docker/profile.sh /etc/profile.d/ddpack.sh
 
@@ -28,7 +30,7 @@ ENV VIRTUAL_ENV=/opt/ddpack/venv \
 # The bundle's code last: a trainer change rebuilds only this layer.
 COPY entrypoint /opt/ddpack/lib/entrypoint
 COPY train /opt/ddpack/lib/train
-RUN chmod -R a+rX /opt/ddpack/lib && mkdir -p /workspace && chmod 1777 /workspace
+RUN python -m compileall -q /opt/ddpack/lib >/dev/null && chmod -R a+rX /opt/ddpack/lib && mkdir -p /workspace && chmod 1777 /workspace
 
 ARG VERSION=dev
 ARG REVISION=unknown

@@ -25,10 +25,12 @@ ECR_REPOSITORY ?= $(IMAGE)
 REGISTRY      ?=
 AWS_REGION    ?=
 PUSH_ARGS     ?=
-# Squashfs output (pyxis: srun --container-image=/fsx/.../x.sqsh) and converter (auto: enroot if installed).
+# Squashfs output (pyxis: srun --container-image=/fsx/.../x.sqsh) and converter (auto: layers, else enroot, else mksquashfs).
 SQSH          ?= build/$(IMAGE)+$(TAG).sqsh
 SQSH_GPU      ?= build/$(IMAGE)+$(TAG)-gpu.sqsh
 SQSH_CONVERTER ?= auto
+# e.g. --force: convert even when SQSH already holds this image
+SQSH_ARGS     ?=
 
 VPY := $(VENV)/bin/python
 CPU_REF := $(IMAGE):$(TAG)
@@ -36,7 +38,7 @@ GPU_REF := $(IMAGE):$(TAG)-gpu
 AWS_ENV := AWS_REGION='$(AWS_REGION)' REGISTRY='$(REGISTRY)'
 IMAGE_ENV := BASE_IMAGE='$(BASE_IMAGE)' WHEELHOUSE='$(WHEELHOUSE)' CA_BUNDLE='$(CA_BUNDLE)' TORCH_VERSION='$(TORCH_VERSION)'
 
-.PHONY: help venv test test-quick lint bench bench-images bench-sqsh clean engine base image image-gpu smoke push push-gpu enroot-credentials sqsh sqsh-gpu
+.PHONY: help venv test test-quick lint bench bench-images bench-sqsh bench-start clean engine base image image-gpu smoke push push-gpu enroot-credentials sqsh sqsh-gpu
 
 help: ## list targets and variables
 	@echo "ddpack - build, ship and launch PyTorch DDP in containers on Slurm"
@@ -50,7 +52,7 @@ help: ## list targets and variables
 	@echo "  WHEELHOUSE=$(WHEELHOUSE) (empty: pip's find-links) CA_BUNDLE=$(CA_BUNDLE) (empty: pip's cert, else SSL_CERT_FILE)"
 	@echo "  BUILD_ARGS=$(BUILD_ARGS) (e.g. --build-arg INSTALL_EFA=1 for image-gpu)"
 	@echo "  REGISTRY=$(REGISTRY) AWS_REGION=$(AWS_REGION) ECR_REPOSITORY=$(ECR_REPOSITORY) PUSH_ARGS=$(PUSH_ARGS)"
-	@echo "  SQSH=$(SQSH) SQSH_GPU=$(SQSH_GPU) SQSH_CONVERTER=$(SQSH_CONVERTER) ENROOT_SQUASH_OPTIONS=$(ENROOT_SQUASH_OPTIONS)"
+	@echo "  SQSH=$(SQSH) SQSH_GPU=$(SQSH_GPU) SQSH_CONVERTER=$(SQSH_CONVERTER) SQSH_ARGS=$(SQSH_ARGS) ENROOT_SQUASH_OPTIONS=$(ENROOT_SQUASH_OPTIONS)"
 	@echo "  PYTHON=$(PYTHON) VENV=$(VENV) TORCH_VERSION=$(TORCH_VERSION) PIP_TORCH_OPTS=$(PIP_TORCH_OPTS)"
 	@echo "  PYTEST_ARGS=$(PYTEST_ARGS)"
 
@@ -94,8 +96,11 @@ smoke: image ## two-container gloo DDP run (pair, then torchrun 2x2), each after
 bench-images: engine ## print image size vs floor, cold and one-line-change build times, GPU image size
 	$(IMAGE_ENV) $(VPY) bench/bench_images.py --gpu
 
-bench-sqsh: image ## print squashfs conversion time and size per converter and compression
+bench-sqsh: image ## print make sqsh next to enroot import, the floors, and size/convert/unpack per compression
 	$(VPY) bench/bench_sqsh.py --image $(CPU_REF)
+
+bench-start: image ## print srun -> first training step under pyxis: make sqsh vs enroot import (root, Slurm+pyxis)
+	$(VPY) bench/bench_start.py --image $(CPU_REF) $(BENCH_START_ARGS)
 
 push: engine ## push IMAGE:TAG to ECR (boto3 + docker SDK; AWS_REGION, ECR_REPOSITORY, PUSH_ARGS)
 	$(AWS_ENV) $(VPY) -m ddpack.push --image $(CPU_REF) --repository $(ECR_REPOSITORY) --tag $(TAG) $(PUSH_ARGS)
@@ -108,11 +113,11 @@ enroot-credentials: venv ## write enroot's ECR credential line ($$ENROOT_CONFIG_
 
 sqsh: engine ## convert IMAGE:TAG to an Enroot squashfs at SQSH (atomic, validated)
 	@mkdir -p build
-	$(VPY) -m ddpack.sqsh --image $(CPU_REF) --output $(SQSH) --converter $(SQSH_CONVERTER)
+	$(VPY) -m ddpack.sqsh --image $(CPU_REF) --output $(SQSH) --converter $(SQSH_CONVERTER) $(SQSH_ARGS)
 
 sqsh-gpu: engine ## convert IMAGE:TAG-gpu to an Enroot squashfs at SQSH_GPU
 	@mkdir -p build
-	$(VPY) -m ddpack.sqsh --image $(GPU_REF) --output $(SQSH_GPU) --converter $(SQSH_CONVERTER)
+	$(VPY) -m ddpack.sqsh --image $(GPU_REF) --output $(SQSH_GPU) --converter $(SQSH_CONVERTER) $(SQSH_ARGS)
 
 clean: ## remove the venv, caches and build outputs
 	rm -rf $(VENV) .pytest_cache .ruff_cache build out *.egg-info

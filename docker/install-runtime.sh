@@ -48,6 +48,19 @@ mkdir -p /opt/ddpack/lib
 # entrypoint on the PATH that a login shell keeps (/usr/local/bin), bound to the venv's interpreter.
 printf '#!/opt/ddpack/venv/bin/python\nimport sys\nfrom entrypoint.cli import main\nsys.exit(main())\n' > /usr/local/bin/entrypoint
 chmod 0755 /usr/local/bin/entrypoint
+# Trim what no runtime here loads (KEEP_DEV_FILES=1 keeps it): torch's C++ headers and CMake files, read only
+# by C++ extension builds and torch.compile's CPU code generation (both need a compiler the image lacks),
+# and the test suites packages ship. Under pyxis every file costs start time: enroot unpacks the whole
+# image on every node for every job, at a cost that follows the file count (bench/bench_start.py).
+if [ "${KEEP_DEV_FILES:-0}" != 1 ]; then
+  rm -rf "$site/torch/include" "$site/torch/share/cmake"
+  find "$site" -depth -type d -name tests -prune -exec rm -rf {} +
+fi
+# Bytecode compiled once here, for the venv and the interpreter's standard library (python:*-slim ships
+# none), so no rank of a fresh container compiles torch's modules again at import.
 find /opt/ddpack -name __pycache__ -prune -exec rm -rf {} +
+stdlib=$(/opt/ddpack/venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['stdlib'])")
+# A file that does not compile (test data with deliberate syntax errors) stays source-only.
+/opt/ddpack/venv/bin/python -m compileall -q -j 0 "$site" "$stdlib" >/dev/null || true
 # Any uid (pyxis runs tasks as the submitting user) must be able to read and run everything.
 chmod -R a+rX /opt/ddpack

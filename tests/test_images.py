@@ -51,6 +51,21 @@ def test_cpu_image_has_cpu_torch_numpy_and_no_cuda_packages(client: docker.Docke
     assert "Failed to initialize NumPy" not in out
 
 
+def test_bytecode_ships_and_what_no_runtime_loads_is_left_out(client: docker.DockerClient, image: str) -> None:
+    """A fresh container (pyxis: every job, every node) imports torch and the trainer without compiling."""
+    probe = (
+        "import os, sys, torch, torch.distributed, numpy, train.trainer, train.preflight.comm, entrypoint.cli;"
+        "missing = [n for n, m in list(sys.modules.items()) if isinstance(getattr(m, '__cached__', None), str) and not os.path.exists(m.__cached__)];"
+        "site = os.path.dirname(os.path.dirname(torch.__file__));"
+        "tests = [r for r, _, _ in os.walk(site) if os.path.basename(r) == 'tests'];"
+        "print(len(sys.modules), missing[:5], os.path.exists(os.path.join(site, 'torch', 'include')), tests[:3])"
+    )
+    code, out = run(client, image, ["python", "-c", probe], user="4242:4242")
+    assert code == 0, out
+    modules, rest = out.strip().split(" ", 1)
+    assert int(modules) > 500 and rest == "[] False []", out
+
+
 def test_docker_run_with_no_arguments_trains(client: docker.DockerClient, image: str) -> None:
     code, out = run(client, image, [], environment={"OMP_NUM_THREADS": "1"})
     assert code == 0, out
