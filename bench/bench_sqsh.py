@@ -26,10 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ddpack.engine import docker_client  # noqa: E402
+from ddpack.enroot_tree import HYPERPOD_SQUASH_OPTIONS  # noqa: E402
 from ddpack.sqsh import DEFAULT_SQUASH_OPTIONS, convert, export_stream  # noqa: E402
 
-HYPERPOD_OPTIONS = "-comp lzo -noI -noD -noF -noX -no-duplicates"
-COMPRESSIONS = [HYPERPOD_OPTIONS, "-comp lzo -noD", "-comp lz4", "-comp zstd -Xcompression-level 3"]
+COMPRESSIONS = [HYPERPOD_SQUASH_OPTIONS, "-comp lzo -noD", "-comp lz4", "-comp zstd -Xcompression-level 3"]
 
 
 def timed(body) -> float:
@@ -59,7 +59,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--image", required=True)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--options", default=HYPERPOD_OPTIONS, help="ENROOT_SQUASH_OPTIONS of the side-by-side part")
+    parser.add_argument("--options", default=HYPERPOD_SQUASH_OPTIONS, help="ENROOT_SQUASH_OPTIONS of the side-by-side part")
     opts = parser.parse_args()
     os.environ["ENROOT_SQUASH_OPTIONS"] = opts.options
     with tempfile.TemporaryDirectory(prefix="ddpack-bench-sqsh-", dir=os.environ.get("TMPDIR", "/var/tmp")) as tmp:

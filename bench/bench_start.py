@@ -27,33 +27,37 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench_sqsh import timed  # noqa: E402
+
+from ddpack.enroot_tree import HYPERPOD_SQUASH_OPTIONS  # noqa: E402
 from ddpack.sqsh import DEFAULT_SQUASH_OPTIONS, convert  # noqa: E402
 
-HYPERPOD_OPTIONS = "-comp lzo -noI -noD -noF -noX -no-duplicates"
 IMPORTS = "import torch, torch.distributed"
 
 
 def enroot_import(image: str, out: Path) -> Path:
-    env = {**os.environ, "ENROOT_SQUASH_OPTIONS": HYPERPOD_OPTIONS}
+    env = {**os.environ, "ENROOT_SQUASH_OPTIONS": HYPERPOD_SQUASH_OPTIONS}
     subprocess.run(["enroot", "import", "-o", str(out), f"dockerd://{image}"], env=env, check=True, capture_output=True)
     return out
 
 
-def timed(argv: list[str], **kwargs) -> float:
-    started = time.monotonic()
-    subprocess.run(argv, check=True, capture_output=True, **kwargs)
-    return time.monotonic() - started
+def timed_run(argv: list[str], env: dict[str, str]) -> float:
+    return timed(lambda: subprocess.run(argv, check=True, capture_output=True, env=env))
 
 
 def pieces(sqsh: Path, data: Path) -> dict[str, float]:
     env = {**os.environ, "ENROOT_DATA_PATH": str(data)}
     name = "ddpack-bench-start"
     subprocess.run(["enroot", "remove", "-f", name], env=env, capture_output=True)
-    out = {"unpack": timed(["enroot", "create", "--name", name, str(sqsh)], env=env)}
-    out["imports (fresh)"] = timed(["enroot", "start", name, "python", "-c", IMPORTS], env=env)
-    out["container start"] = timed(["enroot", "start", name, "true"], env=env)
-    out["imports (again)"] = timed(["enroot", "start", name, "python", "-c", IMPORTS], env=env)
+    out = {"unpack": timed_run(["enroot", "create", "--name", name, str(sqsh)], env=env)}
+    out["imports (fresh)"] = timed_run(["enroot", "start", name, "python", "-c", IMPORTS], env=env)
+    out["container start"] = timed_run(["enroot", "start", name, "true"], env=env)
+    out["imports (again)"] = timed_run(["enroot", "start", name, "python", "-c", IMPORTS], env=env)
     subprocess.run(["enroot", "remove", "-f", name], env=env, capture_output=True)
+    # The unpack's floor in the same state: a bare unsquashfs (no -user-xattrs, no fixperms pass).
+    bare = data / "bare-unsquashfs"
+    out["unpack floor"] = timed_run(["unsquashfs", "-no-progress", "-d", str(bare), str(sqsh)], env=env)
+    subprocess.run(["rm", "-rf", str(bare)], check=True)
     return out
 
 

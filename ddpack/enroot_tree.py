@@ -15,6 +15,8 @@ from pathlib import Path
 
 # enroot's built-in default, used when neither the environment nor enroot.conf sets ENROOT_SQUASH_OPTIONS.
 ENROOT_DEFAULT_SQUASH_OPTIONS = "-comp lzo -noD"
+# What SageMaker HyperPod's enroot.conf sets: no compression at all, no duplicate search.
+HYPERPOD_SQUASH_OPTIONS = "-comp lzo -noI -noD -noF -noX -no-duplicates"
 ENROOT_CONF = Path("/etc/enroot/enroot.conf")
 RC_LOCAL = "# This file is sourced by /etc/rc when the container starts.\n# It can be used to manipulate the entrypoint or the command of the container.\n"
 METADATA_FILES = ("etc/environment", "etc/fstab", "etc/rc", "etc/rc.local")

@@ -38,6 +38,7 @@ from docker.errors import ImageNotFound
 
 from ddpack.engine import docker_client
 from ddpack.enroot_tree import (
+    HYPERPOD_SQUASH_OPTIONS,
     METADATA_FILES,
     excluded,
     fixed_mode,
@@ -50,7 +51,7 @@ from ddpack.errors import HostError, run_verb
 # Chosen from measurements (`make bench-sqsh`, `make bench-start`): uncompressed (HyperPod's enroot.conf
 # setting) converts fastest, unpacks as fast as lz4 and starts a 2-node step fastest here; lz4 and zstd
 # trade that for 44 % / 31 % of the bytes, worth it where /fsx bandwidth, not CPU, is the limit.
-DEFAULT_SQUASH_OPTIONS = "-comp lzo -noI -noD -noF -noX -no-duplicates"
+DEFAULT_SQUASH_OPTIONS = HYPERPOD_SQUASH_OPTIONS
 REQUIRED_PATHS = ("usr/local/bin/entrypoint", *METADATA_FILES)
 SHELL_CANDIDATES = ("bin/sh", "usr/bin/sh")  # /bin is a symlink to usr/bin on merged-/usr bases
 PYTHON_CANDIDATES = ("opt/ddpack/venv/bin/python", "usr/local/bin/python3", "usr/bin/python3")
@@ -339,9 +340,7 @@ def write_record(output: Path, image: str, image_id: str, options: str) -> None:
 
 
 def choose_converter(requested: str, image_attrs: dict) -> tuple[str, str]:
-    """The converter to run and, for auto, why."""
-    if requested not in ("auto", *CONVERTERS):
-        raise HostError(f"converter {requested!r} is not one of auto, {', '.join(CONVERTERS)}", code=2)
+    """The converter to run and, for auto, why (`requested` is already checked by convert)."""
     reason = layers_unavailable(image_attrs)
     if requested == "layers" and reason:
         raise HostError(f"--converter layers cannot run: {reason}; use --converter mksquashfs", code=2)

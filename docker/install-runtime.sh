@@ -50,10 +50,12 @@ printf '#!/opt/ddpack/venv/bin/python\nimport sys\nfrom entrypoint.cli import ma
 chmod 0755 /usr/local/bin/entrypoint
 # Trim what no runtime here loads (KEEP_DEV_FILES=1 keeps it): torch's C++ headers and CMake files, read only
 # by C++ extension builds and torch.compile's CPU code generation (both need a compiler the image lacks),
-# and the test suites packages ship. Under pyxis every file costs start time: enroot unpacks the whole
-# image on every node for every job, at a cost that follows the file count (bench/bench_start.py).
+# the test suites packages ship, and torch's C++ test executables (torch/test and bin/test_*, gtest
+# programs no Python code runs; ~125 MB in the CPU wheel). Under pyxis every file and every byte costs
+# start time: enroot unpacks the whole image on every node for every job (bench/bench_start.py).
 if [ "${KEEP_DEV_FILES:-0}" != 1 ]; then
-  rm -rf "$site/torch/include" "$site/torch/share/cmake"
+  rm -rf "$site/torch/include" "$site/torch/share/cmake" "$site/torch/test"
+  find "$site/torch/bin" -maxdepth 1 -type f \( -name 'test_*' -o -name '*Test' \) -exec rm -f {} +
   find "$site" -depth -type d -name tests -prune -exec rm -rf {} +
 fi
 # Bytecode compiled once here, for the venv and the interpreter's standard library (python:*-slim ships

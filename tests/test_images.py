@@ -58,12 +58,16 @@ def test_bytecode_ships_and_what_no_runtime_loads_is_left_out(client: docker.Doc
         "missing = [n for n, m in list(sys.modules.items()) if isinstance(getattr(m, '__cached__', None), str) and not os.path.exists(m.__cached__)];"
         "site = os.path.dirname(os.path.dirname(torch.__file__));"
         "tests = [r for r, _, _ in os.walk(site) if os.path.basename(r) == 'tests'];"
-        "print(len(sys.modules), missing[:5], os.path.exists(os.path.join(site, 'torch', 'include')), tests[:3])"
+        "gtests = [n for n in os.listdir(os.path.join(site, 'torch', 'bin')) if n.startswith('test_') or n.endswith('Test')];"
+        "print(len(sys.modules), missing[:5], os.path.exists(os.path.join(site, 'torch', 'include')),"
+        " os.path.exists(os.path.join(site, 'torch', 'test')), tests[:3], gtests[:3],"
+        " os.access(os.path.join(site, 'torch', 'bin', 'torch_shm_manager'), os.X_OK))"
     )
     code, out = run(client, image, ["python", "-c", probe], user="4242:4242")
     assert code == 0, out
     modules, rest = out.strip().split(" ", 1)
-    assert int(modules) > 500 and rest == "[] False []", out
+    # torch_shm_manager stays: DataLoader workers use it under the file_system sharing strategy.
+    assert int(modules) > 500 and rest == "[] False False [] [] True", out
 
 
 def test_docker_run_with_no_arguments_trains(client: docker.DockerClient, image: str) -> None:
