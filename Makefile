@@ -8,6 +8,7 @@ TORCH_VERSION ?= 2.13.0
 # Extra pip options for the host venv's torch, e.g. PIP_TORCH_OPTS='--index-url https://download.pytorch.org/whl/cpu'
 PIP_TORCH_OPTS ?=
 PYTEST_ARGS   ?=
+BENCH_START_ARGS ?=
 
 # Images: $(IMAGE):$(TAG) (CPU) and $(IMAGE):$(TAG)-gpu.
 IMAGE         ?= ddpack
@@ -54,7 +55,7 @@ help: ## list targets and variables
 	@echo "  REGISTRY=$(REGISTRY) AWS_REGION=$(AWS_REGION) ECR_REPOSITORY=$(ECR_REPOSITORY) PUSH_ARGS=$(PUSH_ARGS)"
 	@echo "  SQSH=$(SQSH) SQSH_GPU=$(SQSH_GPU) SQSH_CONVERTER=$(SQSH_CONVERTER) SQSH_ARGS=$(SQSH_ARGS) ENROOT_SQUASH_OPTIONS=$(ENROOT_SQUASH_OPTIONS)"
 	@echo "  PYTHON=$(PYTHON) VENV=$(VENV) TORCH_VERSION=$(TORCH_VERSION) PIP_TORCH_OPTS=$(PIP_TORCH_OPTS)"
-	@echo "  PYTEST_ARGS=$(PYTEST_ARGS)"
+	@echo "  PYTEST_ARGS=$(PYTEST_ARGS) BENCH_START_ARGS=$(BENCH_START_ARGS) (--baseline-image IMG, --journaled-data DIR, --rounds N)"
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -8,7 +8,15 @@ For each, rounds alternate the order (A B, B A, ...) and the medians are printed
 - srun -> first progress line: `srun -N2 --ntasks-per-node=1 --container-image=F entrypoint --epochs 1
   --log-every 1` until the first `step 1/` line (pyxis unpacks the image on both nodes, then 2 gloo ranks);
 - the pieces, with enroot alone on one node: unpack (`enroot create`), container start (`enroot start
-  NAME true`), imports in a fresh container (`python -c 'import torch, torch.distributed'`).
+  NAME true`), imports in a fresh container (`python -c 'import torch, torch.distributed'`), and the
+  unpack's floor: a bare `unsquashfs` of the same file right after, in the same memory and disk state.
+
+The filesystem that holds enroot's data folders decides the unpack: on ext4 without a journal (this
+VM's root) the kernel will not reuse an inode freed in the last 60 s (6 min while its inode-table block is
+dirty), and it finds a free one by looking at every recently freed one, so an unpack that follows a removal (every job's) costs ~10x what it
+does on a journaled ext4 or xfs. The first line names the filesystem; `--journaled-data DIR` mounts a fresh
+journaled ext4 (a loop file, plain `mkfs.ext4`, as on a node's disk) over DIR, the folder every node's
+ENROOT_DATA_PATH lies under (here /tmp/enroot/data), for the run.
 
 Needs root, enroot and a Slurm with pyxis (tests/slurm_cluster.py starts one here).
 """
@@ -16,12 +24,14 @@ Needs root, enroot and a Slurm with pyxis (tests/slurm_cluster.py starts one her
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,15 +93,64 @@ def entries(sqsh: Path) -> int:
     return int(next(line.split()[-1] for line in out.splitlines() if line.startswith("Number of inodes")))
 
 
+def filesystem(path: Path) -> str:
+    """The filesystem holding `path`, saying whether an ext4 has a journal (jbd2 runs one per journal)."""
+    source, fstype = subprocess.run(
+        ["findmnt", "-no", "SOURCE,FSTYPE", "-T", str(path)], capture_output=True, text=True, check=True
+    ).stdout.split()
+    if fstype == "ext4":
+        journal = Path("/sys/fs/ext4", Path(source).name, "journal_task")
+        if journal.exists() and journal.read_text().strip() == "<none>":
+            return f"{source} ext4 without a journal"
+    return f"{source} {fstype}"
+
+
+@contextlib.contextmanager
+def journaled_ext4(folder: Path, size_gib: int = 16) -> Iterator[None]:
+    """A fresh journaled ext4 over `folder` for the run, with its folders (no containers) as they were."""
+    if os.geteuid() != 0 or not folder.is_dir():
+        raise SystemExit(
+            f"bench_start: --journaled-data needs root and an existing folder (the one enroot's data folders lie under); got {folder}"
+        )
+    held = [p for user in folder.glob("**/user-*") for p in user.iterdir()]
+    if held:
+        raise SystemExit(f"bench_start: {held[0]} exists; remove the containers under {folder} (enroot remove) first")
+    skeleton = [(p.relative_to(folder), p.stat()) for p in sorted(folder.rglob("*")) if p.is_dir()]
+    top = folder.stat()
+    fd, name = tempfile.mkstemp(prefix="ddpack-bench-start-", suffix=".ext4", dir="/var/tmp")
+    os.close(fd)
+    image = Path(name)
+    try:
+        os.truncate(image, size_gib << 30)
+        subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
+        subprocess.run(["mount", "-o", "loop", str(image), str(folder)], check=True)
+        try:
+            for path, info in [(folder, top), *((folder / rel, st) for rel, st in skeleton)]:
+                path.mkdir(exist_ok=True)
+                os.chown(path, info.st_uid, info.st_gid)
+                path.chmod(info.st_mode & 0o7777)
+            yield
+        finally:
+            subprocess.run(["umount", str(folder)], check=True)
+    finally:
+        image.unlink()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--image", required=True)
     parser.add_argument("--baseline-image", help="also time `enroot import` of this (older) image")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--journaled-data", type=Path, metavar="DIR", help="mount a fresh journaled ext4 over DIR for the run")
     opts = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="ddpack-bench-start-", dir="/tmp") as tmp:
-        folder = Path(tmp)
+    with contextlib.ExitStack() as stack:
+        folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ddpack-bench-start-", dir="/tmp")))
         folder.chmod(0o1777)
+        data = folder / "data"
+        if opts.journaled_data:
+            stack.enter_context(journaled_ext4(opts.journaled_data))
+            data = opts.journaled_data / "ddpack-bench-pieces"
+        print(f"start    enroot data on {filesystem(data.parent)}", flush=True)
         os.environ["ENROOT_SQUASH_OPTIONS"] = DEFAULT_SQUASH_OPTIONS
         files = {"enroot import (HyperPod options)": enroot_import(opts.image, folder / "enroot.sqsh")}
         files[f"make sqsh ({DEFAULT_SQUASH_OPTIONS})"] = convert(opts.image, folder / "ddpack.sqsh", force=True)
@@ -103,7 +162,7 @@ def main() -> None:
             for label in labels if round_ % 2 == 0 else labels[::-1]:
                 row = results[label]
                 row.setdefault("srun -> first step", []).append(to_first_step(files[label], folder))
-                for piece, seconds in pieces(files[label], folder / "data").items():
+                for piece, seconds in pieces(files[label], data).items():
                     row.setdefault(piece, []).append(seconds)
                 print(f"start round {round_ + 1}: {label}: {row['srun -> first step'][-1]:.1f}s", flush=True)
         columns = list(next(iter(results.values())))

@@ -50,7 +50,7 @@ from ddpack.errors import HostError, run_verb
 
 # Chosen from measurements (`make bench-sqsh`, `make bench-start`): uncompressed (HyperPod's enroot.conf
 # setting) converts fastest, unpacks as fast as lz4 and starts a 2-node step fastest here; lz4 and zstd
-# trade that for 44 % / 31 % of the bytes, worth it where /fsx bandwidth, not CPU, is the limit.
+# trade that for 43 % / 31 % of the bytes, worth it where /fsx bandwidth, not CPU, is the limit.
 DEFAULT_SQUASH_OPTIONS = HYPERPOD_SQUASH_OPTIONS
 REQUIRED_PATHS = ("usr/local/bin/entrypoint", *METADATA_FILES)
 SHELL_CANDIDATES = ("bin/sh", "usr/bin/sh")  # /bin is a symlink to usr/bin on merged-/usr bases
@@ -310,7 +310,7 @@ def validate_squashfs(path: Path) -> list[str]:
         missing.append("/bin/sh")
     if missing:
         raise HostError(f"the squashfs lacks {', '.join(missing)}; is this a ddpack image?")
-    return sorted(names)
+    return sorted(names)  # every name but the folders (`-lc`)
 
 
 def record_path(output: Path) -> Path:
@@ -389,7 +389,7 @@ def convert(image: str, output: Path, converter: str = "auto", force: bool = Fal
     finally:
         tmp_out.unlink(missing_ok=True)
     size = output.stat().st_size
-    print(f"sqsh: wrote {output} ({size / 2**20:,.0f} MiB, {len(names):,} entries) in {time.monotonic() - started:.1f}s")
+    print(f"sqsh: wrote {output} ({size / 2**20:,.0f} MiB, {len(names):,} files and links) in {time.monotonic() - started:.1f}s")
     return output
 
 
