@@ -55,7 +55,9 @@ chmod 0755 /usr/local/bin/entrypoint
 # start time: enroot unpacks the whole image on every node for every job (bench/bench_start.py).
 if [ "${KEEP_DEV_FILES:-0}" != 1 ]; then
   rm -rf "$site/torch/include" "$site/torch/share/cmake" "$site/torch/test"
-  find "$site/torch/bin" -maxdepth 1 -type f \( -name 'test_*' -o -name '*Test' \) -exec rm -f {} +
+  if [ -d "$site/torch/bin" ]; then
+    find "$site/torch/bin" -maxdepth 1 -type f \( -name 'test_*' -o -name '*Test' \) -exec rm -f {} +
+  fi
   find "$site" -depth -type d -name tests -prune -exec rm -rf {} +
 fi
 # Bytecode compiled once here, for the venv and the interpreter's standard library (python:*-slim ships
