@@ -7,7 +7,7 @@ ARG BASE_IMAGE
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG PIP_EXTRA_ARGS=""
-# 1 keeps torch's C++ headers and the packages' test suites (for C++ extensions or torch.compile on CPU).
+# 1 keeps what no runtime here loads: torch's C++ headers and test programs, the packages' test suites.
 ARG KEEP_DEV_FILES=0
 
 # Dependencies first: this layer is rebuilt only when torch's version or the base changes.

@@ -26,10 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ddpack.engine import docker_client  # noqa: E402
-from ddpack.enroot_tree import HYPERPOD_SQUASH_OPTIONS  # noqa: E402
+from ddpack.enroot_tree import ENROOT_DEFAULT_SQUASH_OPTIONS, HYPERPOD_SQUASH_OPTIONS  # noqa: E402
 from ddpack.sqsh import DEFAULT_SQUASH_OPTIONS, convert, export_stream  # noqa: E402
 
-COMPRESSIONS = [HYPERPOD_SQUASH_OPTIONS, "-comp lzo -noD", "-comp lz4", "-comp zstd -Xcompression-level 3"]
+COMPRESSIONS = [HYPERPOD_SQUASH_OPTIONS, ENROOT_DEFAULT_SQUASH_OPTIONS, "-comp lz4", "-comp zstd -Xcompression-level 3"]
 
 
 def timed(body) -> float:

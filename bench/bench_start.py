@@ -45,12 +45,6 @@ from ddpack.sqsh import DEFAULT_SQUASH_OPTIONS, convert  # noqa: E402
 IMPORTS = "import torch, torch.distributed"
 
 
-def enroot_import(image: str, out: Path) -> Path:
-    env = {**os.environ, "ENROOT_SQUASH_OPTIONS": HYPERPOD_SQUASH_OPTIONS}
-    subprocess.run(["enroot", "import", "-o", str(out), f"dockerd://{image}"], env=env, check=True, capture_output=True)
-    return out
-
-
 def timed_run(argv: list[str], env: dict[str, str]) -> float:
     return timed(lambda: subprocess.run(argv, check=True, capture_output=True, env=env))
 
@@ -88,7 +82,7 @@ def to_first_step(sqsh: Path, work: Path) -> float:
     return first
 
 
-def entries(sqsh: Path) -> int:
+def inodes(sqsh: Path) -> int:
     out = subprocess.run(["unsquashfs", "-s", str(sqsh)], capture_output=True, text=True, check=True).stdout
     return int(next(line.split()[-1] for line in out.splitlines() if line.startswith("Number of inodes")))
 
@@ -151,11 +145,11 @@ def main() -> None:
             stack.enter_context(journaled_ext4(opts.journaled_data))
             data = opts.journaled_data / "ddpack-bench-pieces"
         print(f"start    enroot data on {filesystem(data.parent)}", flush=True)
-        os.environ["ENROOT_SQUASH_OPTIONS"] = DEFAULT_SQUASH_OPTIONS
-        files = {"enroot import (HyperPod options)": enroot_import(opts.image, folder / "enroot.sqsh")}
+        os.environ["ENROOT_SQUASH_OPTIONS"] = HYPERPOD_SQUASH_OPTIONS  # every file, enroot's imports included
+        files = {"enroot import (HyperPod options)": convert(opts.image, folder / "enroot.sqsh", "enroot", force=True)}
         files[f"make sqsh ({DEFAULT_SQUASH_OPTIONS})"] = convert(opts.image, folder / "ddpack.sqsh", force=True)
         if opts.baseline_image:
-            files[f"enroot import of {opts.baseline_image}"] = enroot_import(opts.baseline_image, folder / "baseline.sqsh")
+            files[f"enroot import of {opts.baseline_image}"] = convert(opts.baseline_image, folder / "baseline.sqsh", "enroot", force=True)
         results: dict[str, dict[str, list[float]]] = {label: {} for label in files}
         labels = list(files)
         for round_ in range(opts.rounds):
@@ -172,7 +166,7 @@ def main() -> None:
         for label in labels:
             size = files[label].stat().st_size / 2**20
             medians = [statistics.median(results[label][c]) for c in columns]
-            print(f"start    {label:<40} {size:6.0f} {entries(files[label]):7,} " + " ".join(f"{m:18.2f}s" for m in medians))
+            print(f"start    {label:<40} {size:6.0f} {inodes(files[label]):7,} " + " ".join(f"{m:18.2f}s" for m in medians))
         for label in labels:
             if label != reference:
                 ratio = statistics.median(results[label]["srun -> first step"]) / base

@@ -121,10 +121,10 @@ def _conf_value(path: Path, key: str) -> str | None:
     except OSError:
         return None
     for line in lines:
-        fields = line.lstrip(" \t=").split(None, 1)
+        stripped = line.lstrip(" \t=")
+        fields = stripped.split(None, 1)
         if fields and fields[0].split("=", 1)[0] == key:
-            rest = line.lstrip(" \t=")[len(key) :].lstrip(" \t=")
-            return " ".join(rest.split())
+            return " ".join(stripped[len(key) :].lstrip(" \t=").split())
     return None
 
 

@@ -170,13 +170,13 @@ def _mksquashfs_argv(source: Path, out: Path, options: str) -> list[str]:
 
 
 def convert_layers(client, image: str, config: dict, options: str, tmp_out: Path, workspace: Path) -> None:
-    argv = _mksquashfs_argv(Path("."), tmp_out, options)  # names the missing tool before any work
+    _tool("mksquashfs", "squashfs-tools")  # names the missing tool before any work
     with mounted_container(client, image, workspace) as root:
         excludes, pseudo = tree_lists(root, config, workspace)
         (workspace / "exclude").write_text("".join(f"{line}\n" for line in excludes))
         (workspace / "pseudo").write_text("".join(f"{line}\n" for line in pseudo))
-        argv[1] = str(root)
-        result = subprocess.run([*argv, "-wildcards", "-ef", str(workspace / "exclude"), "-pf", str(workspace / "pseudo")])
+        lists = ["-wildcards", "-ef", str(workspace / "exclude"), "-pf", str(workspace / "pseudo")]
+        result = subprocess.run([*_mksquashfs_argv(root, tmp_out, options), *lists])
     if result.returncode != 0:
         raise HostError(f"mksquashfs failed (exit {result.returncode}); its output above says why")
 
