@@ -7,8 +7,9 @@ steps/s with start-up excluded, timed from the first step to the last.
   `Linear(20, 1)`, plain SGD, `loss.item()` where the tutorial reads it, cross-entropy as it has.
 - `bare`: a minimal hand-written DDP loop: the same model and optimizer as the trainer (AdamW,
   constant LR), batches cut from tensors by index in DistributedSampler's order, nothing else.
-- `floor`: the per-step floor: one all-reduce of the gradient's size between the ranks, and one
-  local forward/backward/optimizer step of the model without DDP, each timed alone.
+- `floor`: the per-step floor: one all-reduce of the gradient's size between the ranks (and, the
+  cheaper way for a small gradient, one all-gather of it summed locally), and one local
+  forward/backward/optimizer step of the model without DDP, each timed alone and in a loop.
 """
 
 from __future__ import annotations
@@ -98,13 +99,21 @@ def floor(iterations: int, batch_size: int, task: str) -> None:
     """The per-step floor: one local forward/backward/optimizer step of the model (no DDP) and one
     all-reduce of the gradient's size. Timed alone (medians), and together as a loop of exactly those
     two per iteration (mean seconds an iteration, which includes waiting for the other rank and the
-    scheduler's wake-ups), with the all-reduce waited for by blocking and by polling."""
+    scheduler's wake-ups), with the all-reduce waited for by blocking and by polling; and the loop
+    with the gradient exchanged instead (one all-gather, rows summed), as the trainer syncs buckets
+    of up to train.grad_sync.EXCHANGE_MAX_BYTES gathered."""
     from train.distributed import wait_polling
 
     config = parse_config(["--dataset-size", "2048"])
     made = heavy(config) if task == "heavy" else regression(config)
     model, (x, y) = made.model, made.train_data.tensors
     grad = torch.zeros(sum(p.numel() for p in model.parameters()))
+    gathered = torch.zeros(dist.get_world_size() * grad.numel())
+
+    def exchange() -> None:
+        wait_polling(dist.all_gather_single(gathered, grad, async_op=True))
+        gathered.view(dist.get_world_size(), -1).sum(0)
+
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
 
     def local_step() -> None:
@@ -135,11 +144,21 @@ def floor(iterations: int, batch_size: int, task: str) -> None:
     dist.barrier()
     all_reduce_s = median_of(lambda: dist.all_reduce(grad))
     dist.barrier()
+    exchange_s = median_of(exchange)
+    dist.barrier()
     local_s = median_of(local_step)
     loop_blocking_s = mean_of(lambda: (local_step(), dist.all_reduce(grad)))
     loop_polling_s = mean_of(lambda: (local_step(), wait_polling(dist.all_reduce(grad, async_op=True))))
+    loop_exchange_s = mean_of(lambda: (local_step(), exchange()))
     if dist.get_rank() == 0:
-        figures = {"all_reduce_s": all_reduce_s, "local_step_s": local_s, "loop_blocking_s": loop_blocking_s, "loop_polling_s": loop_polling_s}
+        figures = {
+            "all_reduce_s": all_reduce_s,
+            "exchange_s": exchange_s,
+            "local_step_s": local_s,
+            "loop_blocking_s": loop_blocking_s,
+            "loop_polling_s": loop_polling_s,
+            "loop_exchange_s": loop_exchange_s,
+        }
         print(json.dumps({**figures, "grad_elements": grad.numel()}), flush=True)
 
 

@@ -1,16 +1,21 @@
 """The trainer in one process with a real (one-rank gloo) process group: which collectives a step
-costs, and the stop flag riding in DDP's gradient all-reduce."""
+costs, and the stop flag riding in DDP's gradient sync; and the gradient-sync hook in a real
+two-rank job against DDP's own all-reduce."""
 
 from __future__ import annotations
 
 import io
+import json
 import signal
 import socket
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 
 import pytest
 import torch.distributed as dist
+from conftest import ROOT, clean_env
 from torch.profiler import ProfilerActivity, profile
 
 from train.config import parse_config
@@ -60,18 +65,56 @@ def fit(ctx: DistContext, *flags: str, signal_first: signal.Signals | None = Non
     return trainer, calls, stop
 
 
-def test_a_step_costs_only_the_gradient_all_reduce(group: DistContext) -> None:
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_a_step_costs_only_the_gradient_sync(group: DistContext) -> None:
     trainer, calls, _ = fit(group, "--log-every", "1000000")
     assert trainer.global_step == 116  # 1843 training samples / batch 32 = 58 steps an epoch
-    # One gradient all-reduce a step (the stop flags ride in it), one for the last progress line, the
-    # checksum gather at the end (all_gather_object: sizes, then data) and DDP's one-time bucket
-    # rebuild after the first step (two broadcasts): nothing else, however many steps.
-    assert calls == Counter({"gloo:all_reduce": 116 + 1, "gloo:all_gather": 2, "gloo:broadcast": 2})
+    # One gradient sync a step (the regression model's 21 gradients and the stop flags, small enough
+    # to be exchanged by one all-gather), one all-reduce for the last progress line, the checksum
+    # gather at the end (all_gather_object: sizes, then data) and DDP's one-time bucket rebuild after
+    # the first step (two broadcasts): nothing else, however many steps.
+    assert calls == Counter({"gloo:all_gather": 116 + 2, "gloo:all_reduce": 1, "gloo:broadcast": 2})
 
 
 def test_progress_lines_add_one_all_reduce_each(group: DistContext) -> None:
     _, calls, _ = fit(group, "--log-every", "10")
-    assert calls["gloo:all_reduce"] == 116 + 12  # progress at steps 10, 20, ..., 110 and the last
+    assert calls["gloo:all_reduce"] == 12  # progress at steps 10, 20, ..., 110 and the last
+    assert calls["gloo:all_gather"] == 116 + 2
+
+
+def test_gradient_sync_matches_ddp_all_reduce_bit_for_bit_on_two_ranks() -> None:
+    """Both of the hook's paths (a small bucket exchanged by all-gather and summed in rank order, a
+    large one all-reduced), with the stop flags in either kind of first bucket, give exactly the
+    gradients of DDP's own all-reduce; a signal at rank 1 alone is agreed by both ranks at that step."""
+    port = str(free_port())
+    script = ROOT / "tests" / "plugins" / "grad_sync_pair.py"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            env=clean_env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outputs = [proc.communicate(timeout=120) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], [err[-2000:] for _, err in outputs]
+    reports = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+    for report in reports:
+        for name in ("small-last", "large-last"):
+            # Once DDP has rebuilt its buckets after the first step, a step exchanges the 16 KiB layer
+            # (one all-gather) and all-reduces the 1 MiB one.
+            small, large = sorted(report[name]["layer_bytes"])
+            assert 2 * small <= report[name]["exchange_max"] < 2 * large
+            assert report[name]["calls"][1:] == [{"gloo:all_gather": 1, "gloo:all_reduce": 1}] * 3, (report["rank"], name)
+            assert report[name]["same_grads"] == [True] * 4, (report["rank"], name)
+            assert report[name]["polls"] == [None, None, "SIGTERM", "SIGTERM"], (report["rank"], name)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
@@ -80,4 +123,4 @@ def test_a_signal_before_a_step_stops_right_after_it_with_no_extra_collective(gr
     assert stop is not None and trainer.global_step == 1
     assert stop.signum == int(sig)
     assert f"stopped on {sig.name} (received here) at epoch 1/2 step 1/58 (global 1/116)" in str(stop)
-    assert calls == Counter({"gloo:all_reduce": 1, "gloo:barrier": 1})  # the step's gradient sync; the stop's barrier
+    assert calls == Counter({"gloo:all_gather": 1, "gloo:barrier": 1})  # the step's gradient sync; the stop's barrier

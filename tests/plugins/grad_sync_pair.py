@@ -1,0 +1,88 @@
+"""One rank of a two-rank gloo job that checks train.grad_sync.GradientSync against DDP's own
+all-reduce: the same gradients bit for bit, on a model whose buckets take both of the hook's paths
+(a small bucket exchanged by all-gather, a large one all-reduced), with the stop flags in either
+kind of first bucket; and the stop agreed on by both ranks when only rank 1 got the signal.
+
+Run by tests/test_trainer_collectives.py with RANK/WORLD_SIZE/MASTER_* set; prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import signal
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.profiler import ProfilerActivity, profile
+
+from train.grad_sync import EXCHANGE_MAX_BYTES, GradientSync
+from train.signals import PreemptionWatcher
+
+# A bucket closes once it holds this much (8 KiB), so each layer below, 16 KiB or more, gets its own;
+# DDP orders buckets from the last layer.
+BUCKET_CAP_MB = 8 * 1024 / 2**20
+
+
+def models() -> dict[str, nn.Module]:
+    torch.manual_seed(0)
+    return {
+        # first bucket: 512x8 weights (16 KiB, exchanged, carries the flags); then 512x512 (1 MiB, all-reduced)
+        "small-last": nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 8)),
+        # first bucket: 512x512 (all-reduced, carries the flags); then 512x8 (exchanged)
+        "large-last": nn.Sequential(nn.Linear(8, 512), nn.ReLU(), nn.Linear(512, 512)),
+    }
+
+
+def layer_bytes(model: nn.Module) -> list[int]:
+    """Each layer's gradient bytes, last layer first (DDP's bucket order)."""
+    return [sum(p.numel() * p.element_size() for p in m.parameters()) for m in model if isinstance(m, nn.Linear)][::-1]
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    watcher = PreemptionWatcher()
+    report: dict[str, object] = {"rank": rank}
+    try:
+        for name, base in models().items():
+            hooked = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=BUCKET_CAP_MB)
+            plain = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=BUCKET_CAP_MB)
+            sync = GradientSync(watcher, world, torch.device("cpu"))
+            hooked.register_comm_hook(None, sync.hook)
+            gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
+            same, polls, calls = [], [], []
+            for step in range(4):
+                watcher.received = signal.SIGTERM if rank == 1 and step == 2 else None
+                inputs = torch.randn(16, base[0].in_features, generator=gen)
+                for model in (hooked, plain):
+                    model.zero_grad(set_to_none=True)
+                    loss = model(inputs).square().mean()
+                    if model is hooked:
+                        with profile(activities=[ProfilerActivity.CPU]) as prof:
+                            loss.backward()
+                        calls.append(Counter(e.name for e in prof.events() if e.name.startswith("gloo:")))
+                    else:
+                        loss.backward()
+                same.append(all(torch.equal(a.grad, b.grad) for a, b in zip(hooked.parameters(), plain.parameters(), strict=True)))
+                agreed = sync.poll()
+                polls.append(agreed.name if agreed is not None else None)
+            report[name] = {
+                "same_grads": same,
+                "polls": polls,
+                "calls": calls,
+                "layer_bytes": layer_bytes(base),
+                "exchange_max": EXCHANGE_MAX_BYTES,
+            }
+    finally:
+        watcher.restore()
+    print(json.dumps(report), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
