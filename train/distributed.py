@@ -1,5 +1,5 @@
 """Process-group set-up and the few collectives the trainer runs besides DDP's own (loss at log
-intervals, checksums, state); stops are agreed inside DDP's gradient all-reduce (`train.signals`)."""
+intervals, checksums, state); stops are agreed inside DDP's gradient sync (`train.signals`)."""
 
 from __future__ import annotations
 

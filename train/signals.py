@@ -1,7 +1,7 @@
 """Preemption signals: remember that one arrived; the ranks then agree to stop at the same step.
 
 The handler only sets a flag. Acting inside a handler would stop one rank mid-collective and hang
-the others; instead the flag travels to every rank inside DDP's gradient all-reduce
+the others; instead the flag travels to every rank inside DDP's gradient sync
 (`train.grad_sync`), and every rank stops at the same step boundary, so a signal that reaches a
 single rank (one preempted node) still stops them all cleanly.
 """
