@@ -93,8 +93,10 @@ def medians(seen: dict[str, list[float]]) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in seen.items()}
 
 
-def task_flags(task: str) -> list[str]:
-    return ["--task", f"bench_tasks:{task}"] if task == "heavy" else []
+def trainer_on(task: str, seed: list[str]) -> dict:
+    """The trainer on the seed data with `task`'s model, AdamW and a constant LR, as the bare loop and
+    the floor train."""
+    return trainer(*seed, *(["--task", f"bench_tasks:{task}"] if task == "heavy" else []), "--lr-schedule", "constant")
 
 
 def main() -> None:
@@ -128,7 +130,7 @@ def main() -> None:
                     opts.repeats,
                     {
                         "bare": lambda task=task: baseline("bare", "--epochs", epochs, "--task", task),
-                        "trainer": lambda task=task: trainer(*seed, *task_flags(task), "--lr-schedule", "constant"),
+                        "trainer": lambda task=task: trainer_on(task, seed),
                     },
                     key="steps_per_s",
                 )
@@ -144,7 +146,7 @@ def main() -> None:
             floors, steps = [], []
             for _ in range(3):
                 floors.append(baseline("floor", "--task", task))
-                steps.append(1 / trainer(*seed, *task_flags(task), "--lr-schedule", "constant")["steps_per_s"])
+                steps.append(1 / trainer_on(task, seed)["steps_per_s"])
             fig = {key: statistics.median(f[key] for f in floors) for key in floors[0]}
             step = statistics.median(steps)
             alone = min(fig["all_reduce_s"], fig["exchange_s"]) + fig["local_step_s"]

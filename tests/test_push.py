@@ -6,7 +6,6 @@ from __future__ import annotations
 import http.server
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -19,7 +18,7 @@ import bcrypt
 import boto3
 import pytest
 import requests
-from conftest import ROOT, clean_env
+from conftest import ROOT, clean_env, free_port
 from docker_support import TEST_TAG, build, engine_or_skip
 
 import docker
@@ -30,12 +29,6 @@ from ddpack.push import classify, push_image
 
 pytestmark = pytest.mark.docker
 TOKEN_PASSWORD = "123456789012-auth-token"  # what moto's get-authorization-token hands out
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_http(url: str, timeout: float = 30) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import io
 import json
 import signal
-import socket
 import subprocess
 import sys
 from collections import Counter
@@ -15,7 +14,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch.distributed as dist
-from conftest import ROOT, clean_env
+from conftest import ROOT, clean_env, free_port
 from torch.profiler import ProfilerActivity, profile
 
 from train.config import parse_config
@@ -28,9 +27,7 @@ from train.trainer import Preempted, Trainer
 
 @pytest.fixture
 def group(monkeypatch: pytest.MonkeyPatch) -> Iterator[DistContext]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
@@ -63,12 +60,6 @@ def fit(ctx: DistContext, *flags: str, signal_first: signal.Signals | None = Non
     finally:
         watcher.restore()
     return trainer, calls, stop
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_a_step_costs_only_the_gradient_sync(group: DistContext) -> None:
