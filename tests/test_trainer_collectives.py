@@ -81,7 +81,8 @@ def test_progress_lines_add_one_all_reduce_each(group: DistContext) -> None:
 def test_gradient_sync_matches_ddp_all_reduce_bit_for_bit_on_two_ranks() -> None:
     """Both of the hook's paths (a small bucket exchanged by all-gather and summed in rank order, a
     large one all-reduced), with the stop flags in either kind of first bucket, give exactly the
-    gradients of DDP's own all-reduce; a signal at rank 1 alone is agreed by both ranks at that step."""
+    gradients of DDP's own all-reduce once finish() has written them into the buckets; a signal at
+    rank 1 alone is agreed by both ranks at that step; a DDP without bucket-view gradients is refused."""
     port = str(free_port())
     script = ROOT / "tests" / "plugins" / "grad_sync_pair.py"
     procs = [
@@ -106,6 +107,7 @@ def test_gradient_sync_matches_ddp_all_reduce_bit_for_bit_on_two_ranks() -> None
             assert report[name]["calls"][1:] == [{"gloo:all_gather": 1, "gloo:all_reduce": 1}] * 3, (report["rank"], name)
             assert report[name]["same_grads"] == [True] * 4, (report["rank"], name)
             assert report[name]["polls"] == [None, None, "SIGTERM", "SIGTERM"], (report["rank"], name)
+            assert report[name]["refuses_copied_gradients"]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])

@@ -9,11 +9,14 @@ Waiting: a gloo all-reduce runs on the process group's worker threads while the 
 blocks. On a small or virtualised CPU node a blocked thread that goes idle is woken late: between
 two local ranks here an all-reduce of 21 floats takes 0.3 ms at the median but 2-4 ms at the 90th
 percentile (a scheduler tick), and that tail, not the bytes, sets the step time. So on CPU the hook
-launches every bucket's all-reduce asynchronously, as DDP does, and in the last bucket's hook (the
-end of backward, when nothing is left to overlap) polls the outstanding work with sched_yield,
-which keeps the core from idling while letting the gloo threads run. The reducer then finds every
-future complete. bench/bench_train.py measures the difference against plain DDP. On CUDA the
-all-reduce runs on NCCL's stream and nothing waits on the host, so the hook only unpacks.
+launches every bucket's collective asynchronously, as DDP does, and hands DDP the bucket itself as
+already done; the trainer calls `finish()` after backward, just before the optimizer, which polls the
+outstanding work with sched_yield (the core never idles, the gloo threads still run) and writes each
+result into its bucket. DDP must be built with gradient_as_bucket_view=True (`attach` checks), so the
+gradients are views of the buckets and the results land in them with no copy; DDP's own
+end-of-backward bookkeeping then runs while the collectives are in flight instead of after them.
+On CUDA the collective runs on NCCL's stream and nothing waits on the host, so the hook only
+unpacks, through a future DDP waits on as usual.
 
 Small buckets on CPU: gloo's ring all-reduce takes 2(N-1) message rounds between N ranks, an
 all-gather N-1, and for a small bucket each round costs thread wake-ups, not bytes. So a bucket whose
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed import GradBucket
+from torch.nn.parallel import DistributedDataParallel
 
 from train.distributed import wait_polling, waits_by_polling
 from train.signals import PreemptionWatcher
@@ -46,13 +50,13 @@ class _Pending:
     work: dist.Work
     joined: torch.Tensor  # this rank's bucket (+ counts); all-reduced in place unless gathered
     gathered: torch.Tensor | None  # every rank's copy of `joined`, one row each, when exchanged
-    size: int
     carries_flags: bool
-    result: torch.futures.Future
+    bucket: torch.Tensor  # DDP's flat bucket, which the gradients are views of: the result goes here
 
 
 class GradientSync:
-    """The hook (register with `ddp_model.register_comm_hook(None, sync.hook)`) and `poll()`.
+    """The hook (`attach(ddp_model)` registers it), `finish()` (after backward, before the optimizer)
+    and `poll()`.
 
     `poll()` at a step boundary returns the stop signal the ranks agreed on, the same on every rank:
     the first of the watched signals that any rank had received when its gradients went into the
@@ -78,6 +82,11 @@ class GradientSync:
             self._marked = True
         return self._local
 
+    def attach(self, model: DistributedDataParallel) -> None:
+        if not model.gradient_as_bucket_view:
+            raise ValueError("GradientSync needs DistributedDataParallel(..., gradient_as_bucket_view=True): it writes results into the buckets")
+        model.register_comm_hook(None, self.hook)
+
     def hook(self, state: object, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
         size = buffer.numel()
@@ -101,21 +110,24 @@ class GradientSync:
             work = dist.all_gather_single(gathered, joined, async_op=True)
         else:
             work = dist.all_reduce(joined, async_op=True)
-        result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        self._pending.append(_Pending(work, joined, gathered, size, first, result))
-        if bucket.is_last():
-            self._complete_pending()
-        return result
+        self._pending.append(_Pending(work, joined, gathered, first, buffer))
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        done.set_result(buffer)  # DDP finds its own bucket: nothing to copy; finish() fills it
+        return done
 
-    def _complete_pending(self) -> None:
+    def finish(self) -> None:
+        """Wait for this step's collectives (polling) and write each result into its bucket, that
+        is into the gradients. A no-op on CUDA and in no_sync() micro-batches."""
         pending, self._pending = self._pending, []
         for item in pending:
             wait_polling(item.work)
             # Rows are summed in rank order, the same on every rank, so the ranks' gradients stay identical.
             out = item.gathered.view(self.world_size, -1).sum(0) if item.gathered is not None else item.joined
+            size = item.bucket.numel()
             if item.carries_flags:
-                self._summed = out[item.size :]
-            item.result.set_result(out[: item.size])
+                self._summed = out[size:]
+            if not out.is_set_to(item.bucket):  # all-reduced in place in the bucket: already there
+                item.bucket.copy_(out[:size])
 
     def poll(self) -> signal.Signals | None:
         summed, self._summed = self._summed, None

@@ -49,21 +49,27 @@ def main() -> None:
     report: dict[str, object] = {"rank": rank}
     try:
         for name, base in models().items():
-            hooked = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=BUCKET_CAP_MB)
+            hooked = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=BUCKET_CAP_MB, gradient_as_bucket_view=True)
             plain = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=BUCKET_CAP_MB)
             sync = GradientSync(watcher, world, torch.device("cpu"))
-            hooked.register_comm_hook(None, sync.hook)
+            sync.attach(hooked)
+            try:  # results go into the buckets: a DDP whose gradients are not views of them is refused
+                GradientSync(watcher, world, torch.device("cpu")).attach(plain)
+                refused = False
+            except ValueError:
+                refused = True
             gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
             same, polls, calls = [], [], []
             for step in range(4):
                 watcher.received = signal.SIGTERM if rank == 1 and step == 2 else None
                 inputs = torch.randn(16, base[0].in_features, generator=gen)
                 for model in (hooked, plain):
-                    model.zero_grad(set_to_none=True)
+                    model.zero_grad(set_to_none=model is plain)  # the trainer zeroes its bucket views in place
                     loss = model(inputs).square().mean()
                     if model is hooked:
                         with profile(activities=[ProfilerActivity.CPU]) as prof:
                             loss.backward()
+                            sync.finish()
                         calls.append(Counter(e.name for e in prof.events() if e.name.startswith("gloo:")))
                     else:
                         loss.backward()
@@ -73,6 +79,7 @@ def main() -> None:
             report[name] = {
                 "same_grads": same,
                 "polls": polls,
+                "refuses_copied_gradients": refused,
                 "calls": calls,
                 "layer_bytes": layer_bytes(base),
                 "exchange_max": EXCHANGE_MAX_BYTES,
