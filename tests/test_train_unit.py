@@ -95,7 +95,6 @@ def _state(step: int) -> dict:
     return {
         "model": {"w": torch.full((3,), float(step))},
         "optimizer": {},
-        "scheduler": {},
         "epoch": 0,
         "step_in_epoch": step,
         "global_step": step,

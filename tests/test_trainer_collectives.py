@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 
 import pytest
+import torch
 import torch.distributed as dist
 from conftest import ROOT, clean_env, free_port
 from torch.profiler import ProfilerActivity, profile
@@ -70,6 +71,29 @@ def test_a_step_costs_only_the_gradient_sync(group: DistContext) -> None:
     # gather at the end (all_gather_object: sizes, then data) and DDP's one-time bucket rebuild after
     # the first step (two broadcasts): nothing else, however many steps.
     assert calls == Counter({"gloo:all_gather": 116 + 2, "gloo:all_reduce": 1, "gloo:broadcast": 2})
+
+
+def test_the_learning_rate_of_each_step_is_what_torchs_lambda_scheduler_gives(group: DistContext) -> None:
+    """The trainer sets each step's rate from the step alone (no scheduler state to save or restore);
+    it must match, float for float, LambdaLR stepped once per optimizer step with the same factor."""
+    config = parse_config(["--snapshot-dir", "", "--epochs", "2", "--warmup-steps", "5", "--log-every", "1000000"])
+    watcher = PreemptionWatcher()
+    trainer = Trainer(config, load_task(config), group, RankLog(0, 1, io.StringIO()), MetricsFile(None), watcher)
+    used: list[float] = []
+    trainer.optimizer.register_step_pre_hook(lambda opt, args, kwargs: used.append(opt.param_groups[0]["lr"]))
+    try:
+        trainer.fit()
+    finally:
+        watcher.restore()
+    reference = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=config.lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(reference, trainer._lr_factor)
+    expected = []
+    for _ in range(trainer.total_steps):
+        expected.append(reference.param_groups[0]["lr"])
+        reference.step()
+        schedule.step()
+    assert used == expected
+    assert used[0] == config.lr / 5 and used[4] == config.lr and used[-1] < 0.06 * config.lr  # warm-up, then cosine
 
 
 def test_progress_lines_add_one_all_reduce_each(group: DistContext) -> None:

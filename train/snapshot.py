@@ -18,7 +18,9 @@ import torch
 from train.distributed import first_line
 
 SNAPSHOT_RE = re.compile(r"^snapshot-(\d{10})\.pt$")
-REQUIRED_KEYS = ("format", "model", "optimizer", "scheduler", "epoch", "step_in_epoch", "global_step", "rng", "world_size", "config")
+# A snapshot from before the learning rate became a function of the step also holds "scheduler",
+# which is not read: the step decides the rate.
+REQUIRED_KEYS = ("format", "model", "optimizer", "epoch", "step_in_epoch", "global_step", "rng", "world_size", "config")
 FORMAT = 1
 
 

@@ -132,7 +132,6 @@ class Trainer:
         self.steps_per_epoch = math.ceil(self.batches_per_epoch / config.grad_accum)
         total = config.epochs * self.steps_per_epoch
         self.total_steps = min(total, config.max_steps) if config.max_steps else total
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.store = SnapshotStore(Path(config.snapshot_dir), config.keep_snapshots) if config.snapshot_dir and ctx.is_main else None
         self.epoch = 0
         self.step_in_epoch = 0
@@ -153,6 +152,11 @@ class Trainer:
         fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params) or None
         return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
 
+    def _lr(self, step: int) -> float:
+        """The learning rate of optimizer step `step` (from 0): a pure function of the step, so a
+        resumed run needs no scheduler state, and setting it costs no scheduler call per step."""
+        return self.config.lr * self._lr_factor(step)
+
     def _lr_factor(self, step: int) -> float:
         warmup = self.config.warmup_steps
         if warmup and step < warmup:
@@ -168,7 +172,6 @@ class Trainer:
         return {
             "model": self.module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
             "epoch": self.epoch,
             "step_in_epoch": self.step_in_epoch,
             "global_step": self.global_step,
@@ -209,7 +212,6 @@ class Trainer:
     def _load_state(self, state: dict[str, Any]) -> None:
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
         self.epoch, self.step_in_epoch, self.global_step = state["epoch"], state["step_in_epoch"], state["global_step"]
         self.last_snapshot_step = self.global_step
         # A setting the snapshot predates (absent from its config) cannot differ.
@@ -257,8 +259,10 @@ class Trainer:
             losses.append(loss.detach())
             samples += len(inputs)
         self.grad_sync.finish()
+        lr = self._lr(self.global_step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         self.optimizer.step()
-        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=False)
         return (losses[0] if count == 1 else torch.stack(losses).mean()), samples
 
@@ -328,7 +332,7 @@ class Trainer:
         samples_per_s = samples / max(time.monotonic() - window.started, 1e-9)
         rate = (self.global_step - start_step) / max(time.monotonic() - started, 1e-9)
         eta = (self.total_steps - self.global_step) / rate if rate > 0 else 0.0
-        lr = self.scheduler.get_last_lr()[0]
+        lr = self._lr(self.global_step)  # the next step's, as a scheduler reports it
         self.log(
             f"{self._position()} loss {loss:.5f} lr {lr:.2e} samples/s {samples_per_s:,.0f} eta {format_duration(eta)}",
             main_only=True,
