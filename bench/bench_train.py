@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,13 +29,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+
+from train.distributed import free_port  # noqa: E402
+
 RANKS = 2
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_job(argv: list[str], extra_env: dict[str, str] | None = None) -> str:

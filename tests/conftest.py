@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -43,10 +42,3 @@ def clean_env(**extra: str) -> dict[str, str]:
 @pytest.fixture
 def root() -> Path:
     return ROOT
-
-
-def free_port() -> int:
-    """A TCP port on loopback that nothing listens on right now (for a rendezvous or a server)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -18,7 +18,7 @@ import bcrypt
 import boto3
 import pytest
 import requests
-from conftest import ROOT, clean_env, free_port
+from conftest import ROOT, clean_env
 from docker_support import TEST_TAG, build, engine_or_skip
 
 import docker
@@ -26,6 +26,7 @@ from ddpack.credentials import write_enroot_credentials
 from ddpack.ecr import ECR_HOST_RE, RepositorySettings
 from ddpack.errors import HostError
 from ddpack.push import classify, push_image
+from train.distributed import free_port
 
 pytestmark = pytest.mark.docker
 TOKEN_PASSWORD = "123456789012-auth-token"  # what moto's get-authorization-token hands out

@@ -15,11 +15,11 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import ROOT, clean_env, free_port
+from conftest import ROOT, clean_env
 from torch.profiler import ProfilerActivity, profile
 
 from train.config import parse_config
-from train.distributed import DistContext, init_distributed
+from train.distributed import DistContext, free_port, init_distributed
 from train.metrics import MetricsFile, RankLog
 from train.signals import PreemptionWatcher
 from train.tasks import load_task

@@ -32,6 +32,14 @@ class DistContext:
         return self.rank == 0
 
 
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now (a one-process rendezvous; the tests'
+    and benches' jobs). The launcher keeps its own copy: it never imports torch."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def _env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
 
@@ -45,9 +53,7 @@ def init_distributed(backend: str | None, timeout_s: float) -> DistContext:
         os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in os.environ:
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+            os.environ["MASTER_PORT"] = str(free_port())
     rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank, local_world = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", 1)
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
