@@ -1,7 +1,8 @@
 """One rank of a two-rank gloo job that checks train.grad_sync.GradientSync against DDP's own
 all-reduce: the same gradients bit for bit, on a model whose buckets take both of the hook's paths
 (a small bucket exchanged by all-gather, a large one all-reduced), with the stop flags in either
-kind of first bucket; and the stop agreed on by both ranks when only rank 1 got the signal.
+kind of first bucket; the stop agreed on by both ranks when only rank 1 got the signal; and the
+largest copy each step makes (the flags ride in the smallest bucket, so the large one is not copied).
 
 Run by tests/test_trainer_collectives.py with RANK/WORLD_SIZE/MASTER_* set; prints one JSON line.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import signal
 from collections import Counter
 
@@ -59,7 +61,7 @@ def main() -> None:
             except ValueError:
                 refused = True
             gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
-            same, polls, calls = [], [], []
+            same, polls, calls, largest_copy = [], [], [], []
             for step in range(4):
                 watcher.received = signal.SIGTERM if rank == 1 and step == 2 else None
                 inputs = torch.randn(16, base[0].in_features, generator=gen)
@@ -67,10 +69,12 @@ def main() -> None:
                     model.zero_grad(set_to_none=model is plain)  # the trainer zeroes its bucket views in place
                     loss = model(inputs).square().mean()
                     if model is hooked:
-                        with profile(activities=[ProfilerActivity.CPU]) as prof:
+                        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
                             loss.backward()
                             sync.finish()
                         calls.append(Counter(e.name for e in prof.events() if e.name.startswith("gloo:")))
+                        copies = [math.prod(e.input_shapes[0]) for e in prof.events() if e.name == "aten::copy_"]
+                        largest_copy.append(max(copies, default=0))
                     else:
                         loss.backward()
                 same.append(all(torch.equal(a.grad, b.grad) for a, b in zip(hooked.parameters(), plain.parameters(), strict=True)))
@@ -81,6 +85,7 @@ def main() -> None:
                 "polls": polls,
                 "refuses_copied_gradients": refused,
                 "calls": calls,
+                "largest_copy_elements": largest_copy,
                 "layer_bytes": layer_bytes(base),
                 "exchange_max": EXCHANGE_MAX_BYTES,
             }
