@@ -1,12 +1,13 @@
 """Trainer figures, each side by side with its competitor in one run (A B A B ..., medians, ratios):
 
 1. the trainer against the seed tutorial's approach on the tutorial's workload (2 gloo ranks, batch
-   32 per rank, 2048 samples, SGD lr 1e-3, no momentum): training samples/s, start-up excluded;
+   32 per rank, 2048 samples, SGD lr 1e-3, no momentum): training samples/s, start-up excluded; and,
+   to show what binding alone gives, the tutorial bound to CPUs as the trainer binds its ranks;
 2. the trainer against a minimal hand-written DDP loop (same model, AdamW, constant LR, batches cut
    from tensors), on the seed workload and on a compute-heavier MLP: the overhead ratio;
 3. the per-step floor (one bare all-reduce of the gradient's size + one local step; and the
-   gradient exchanged by one all-gather instead, as the trainer syncs small buckets) next to the
-   trainer's step time;
+   gradient exchanged by one all-gather instead, as the trainer syncs small buckets), unbound and
+   bound to CPUs as the trainer binds its ranks, the faster taken, next to the trainer's step time;
 4. a map-style dataset whose __getitem__ waits ~1 ms: samples/s with 0 and with 2 DataLoader
    workers per rank.
 
@@ -113,12 +114,17 @@ def main() -> None:
             {
                 "tutorial": lambda: baseline("tutorial", "--epochs", epochs, "--lr", "1e-3"),
                 "trainer": lambda: trainer(*seed, "--optimizer", "sgd", "--momentum", "0", "--lr", "1e-3", "--lr-schedule", "constant"),
+                "tutorial bound": lambda: baseline("tutorial", "--epochs", epochs, "--lr", "1e-3", "--cpu-bind", "auto"),
             },
         )
         got = medians(seen)
         rounds = " ".join(f"{a / b:.2f}" for a, b in zip(seen["trainer"], seen["tutorial"], strict=True))
         print(f"1 tutorial  seed workload, SGD: tutorial {got['tutorial']:9,.0f} samples/s   trainer {got['trainer']:9,.0f} samples/s")
         print(f"1 tutorial  trainer / tutorial = {got['trainer'] / got['tutorial']:.2f}x   (target >= 1.5x; round by round {rounds})")
+        print(
+            f"1 tutorial  the tutorial bound to CPUs as the trainer binds (--cpu-bind auto): {got['tutorial bound']:9,.0f} samples/s, "
+            f"trainer / that = {got['trainer'] / got['tutorial bound']:.2f}x"
+        )
 
     if "bare" in parts:
         for task in ("regression", "heavy"):
@@ -139,15 +145,18 @@ def main() -> None:
 
     if "floor" in parts:
         for task in ("regression", "heavy"):
-            # The floor job and the trainer alternate, 3 rounds; medians of each figure.
-            floors, steps = [], []
+            # The floor job (unbound, and bound as the trainer binds) and the trainer alternate, 3
+            # rounds; medians of each figure; the floor is the faster of the two.
+            floors, bound, steps = [], [], []
             for _ in range(3):
                 floors.append(baseline("floor", "--task", task))
+                bound.append(baseline("floor", "--task", task, "--cpu-bind", "auto"))
                 steps.append(1 / trainer_on(task, seed)["steps_per_s"])
             fig = {key: statistics.median(f[key] for f in floors) for key in floors[0]}
+            fig_bound = {key: statistics.median(f[key] for f in bound) for key in bound[0]}
             step = statistics.median(steps)
             alone = min(fig["all_reduce_s"], fig["exchange_s"]) + fig["local_step_s"]
-            all_reduce_loop = min(fig["loop_blocking_s"], fig["loop_polling_s"])
+            all_reduce_loop = min(fig["loop_blocking_s"], fig["loop_polling_s"], fig_bound["loop_blocking_s"], fig_bound["loop_polling_s"])
             print(
                 f"3 floor     {task:10}  alone: all-reduce of {int(fig['grad_elements']):,} floats {fig['all_reduce_s'] * 1e3:.3f} ms "
                 f"(exchanged: {fig['exchange_s'] * 1e3:.3f} ms) + local step {fig['local_step_s'] * 1e3:.3f} ms = {alone * 1e3:.3f} ms (medians)"
@@ -157,8 +166,13 @@ def main() -> None:
                 f"{fig['loop_polling_s'] * 1e3:.3f} ms; exchanged, polling {fig['loop_exchange_s'] * 1e3:.3f} ms per iteration"
             )
             print(
-                f"3 floor     {task:10}  trainer {step * 1e3:.3f} ms/step = {step / all_reduce_loop:.2f}x the all-reduce loop (target <= 1.2x), "
-                f"{step / min(all_reduce_loop, fig['loop_exchange_s']):.2f}x the fastest loop, {step / alone:.2f}x the medians alone"
+                f"3 floor     {task:10}  the same loops bound to CPUs as the trainer binds: all-reduce blocking {fig_bound['loop_blocking_s'] * 1e3:.3f} ms, "
+                f"polling {fig_bound['loop_polling_s'] * 1e3:.3f} ms; exchanged, polling {fig_bound['loop_exchange_s'] * 1e3:.3f} ms per iteration"
+            )
+            fastest = min(all_reduce_loop, fig["loop_exchange_s"], fig_bound["loop_exchange_s"])
+            print(
+                f"3 floor     {task:10}  trainer {step * 1e3:.3f} ms/step = {step / all_reduce_loop:.2f}x the faster all-reduce loop (target <= 1.2x), "
+                f"{step / fastest:.2f}x the fastest loop, {step / alone:.2f}x the medians alone"
             )
 
     if "loader" in parts:

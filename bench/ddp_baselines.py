@@ -33,7 +33,9 @@ sys.path.insert(1, str(Path(__file__).resolve().parent))
 
 from bench_tasks import heavy
 
+from train.affinity import bind_local_ranks
 from train.config import parse_config
+from train.distributed import DistContext
 from train.tasks import regression
 
 
@@ -171,9 +173,13 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--task", choices=("regression", "heavy"), default="regression")
     parser.add_argument("--iterations", type=int, default=500)
+    parser.add_argument("--cpu-bind", choices=("auto", "none"), default="none", help="bind local ranks to CPU slices as the trainer does")
     opts = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo")
+    if opts.cpu_bind == "auto":
+        rank, world = dist.get_rank(), dist.get_world_size()
+        bind_local_ranks(DistContext(rank, world, rank, world, "gloo", torch.device("cpu"), ""))
     try:
         if opts.which == "tutorial":
             tutorial(opts.epochs, opts.batch_size, opts.dataset_size, opts.lr)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import time
@@ -10,6 +11,8 @@ from pathlib import Path
 
 import pytest
 from ddp_jobs import metrics_step, start_slurm_step, start_standalone, wait_for
+
+from train.affinity import cpu_list
 
 pytestmark = pytest.mark.dist
 
@@ -218,3 +221,39 @@ def test_torchrun_shape_stops_on_sigterm_like_the_other_shapes_and_resumes(tmp_p
     resumed = start_standalone(_sub(tmp_path, "resume"), 2, args)
     assert resumed.wait() == [0], resumed.output()
     assert "resuming from" in resumed.output() and len(set(resumed.checksums())) == 1
+
+
+# ---------------------------------------------------------------- CPU binding
+
+PROBE = ["--task", "plugins.affinity_task:make", "--max-steps", "3", "--batch-size", "16", "--snapshot-dir", ""]
+
+
+def probe_threads(tmp: Path, *args: str) -> tuple[dict[int, dict], str]:
+    """Two ranks of one Slurm step on this machine run the probe task; what each fetching process's
+    threads may run on, by rank, and the job's output."""
+    job = start_slurm_step(tmp, [2], [*PROBE, *args], cwd=USER_DIR, rank_env={r: {"AFFINITY_PROBE_DIR": str(tmp)} for r in (0, 1)})
+    assert job.wait() == [0, 0], job.output()
+    records = [json.loads(path.read_text()) for path in tmp.glob("rank*.json")]
+    return {record["rank"]: record for record in records}, job.output()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two ranks need a CPU each to be bound")
+@pytest.mark.parametrize("workers", [0, 1])
+def test_ranks_sharing_the_cpus_bind_to_disjoint_halves_and_their_workers_inherit_them(tmp_path: Path, workers: int) -> None:
+    allowed = tuple(sorted(os.sched_getaffinity(0)))
+    halves = {0: cpu_list(allowed[: len(allowed) // 2]), 1: cpu_list(allowed[len(allowed) // 2 :])}
+    records, out = probe_threads(tmp_path, "--num-workers", str(workers))
+    assert sorted(records) == [0, 1] and {r["worker"] for r in records.values()} == {workers > 0}
+    for rank, record in records.items():
+        # Every thread: the training thread, gloo's (started before the binding) and, with workers, the worker's own.
+        assert set(record["threads"].values()) == {halves[rank]}, (rank, record)
+        assert re.search(rf"\[rank {rank}/2\] start: .* pid \d+ cpus {halves[rank]}\n", out), out
+
+
+def test_cpu_bind_none_leaves_every_thread_where_the_os_put_it(tmp_path: Path) -> None:
+    everything = cpu_list(tuple(sorted(os.sched_getaffinity(0))))
+    records, out = probe_threads(tmp_path, "--num-workers", "0", "--cpu-bind", "none")
+    assert sorted(records) == [0, 1]
+    for record in records.values():
+        assert set(record["threads"].values()) == {everything}, record
+    assert " cpus " not in out

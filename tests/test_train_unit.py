@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import ROOT, clean_env
 
+from train.affinity import cpu_list, plan_slices
 from train.config import build_parser, parse_config
 from train.snapshot import SnapshotStore, list_snapshots, snapshot_name
 from train.tasks import TaskError, load_task
@@ -30,6 +31,7 @@ REQUIRED_FLAGS = [
     "--task",
     "--collective-timeout",
     "--backend",
+    "--cpu-bind",
 ]
 
 
@@ -47,6 +49,42 @@ def test_help_documents_every_flag() -> None:
 def test_bad_flag_values_are_rejected_by_name() -> None:
     with pytest.raises(SystemExit):
         parse_config(["--batch-size", "0"])
+
+
+@pytest.mark.parametrize("variable", ["DDPACK_CPU_BIND", "DDPACK_BACKEND"])
+def test_a_bad_setting_from_the_environment_is_one_line_exit_2(variable: str) -> None:
+    env = clean_env(PYTHONPATH=str(ROOT), **{variable: "bogus"})
+    out = subprocess.run([sys.executable, "-m", "train"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.startswith(f"train: error: {variable}='bogus' is not one of") and out.stderr.count("\n") == 1, out.stderr
+
+
+A, B = "boot-a", "boot-b"  # two machines' boot ids
+
+
+@pytest.mark.parametrize(
+    ("seen", "expected"),
+    [
+        # torchrun's or the entrypoint's local ranks: one CPU set, split in rank order
+        ([(A, (0, 1, 2, 3)), (A, (0, 1, 2, 3))], [(0, 1), (2, 3)]),
+        # uneven: as even as the count allows
+        ([(A, (0, 1, 2, 3, 4)), (A, (0, 1, 2, 3, 4))], [(0, 1), (2, 3, 4)]),
+        # two machines, two ranks each (ranks 0 and 2 on A): each machine split on its own
+        ([(A, (0, 1)), (B, (0, 1)), (A, (0, 1)), (B, (0, 1))], [(0,), (0,), (1,), (1,)]),
+        # already bound apart (srun --cpu-bind, cgroups): left alone
+        ([(A, (0, 1)), (A, (2, 3))], [None, None]),
+        # more ranks than CPUs, or alone: left alone
+        ([(A, (0,)), (A, (0,))], [None, None]),
+        ([(A, (0, 1, 2))], [None]),
+    ],
+)
+def test_cpu_slices_go_to_ranks_that_share_a_machines_cpus(seen: list, expected: list) -> None:
+    assert plan_slices(seen) == expected
+
+
+def test_cpu_lists_read_as_taskset_writes_them() -> None:
+    assert cpu_list((0, 1, 2, 3, 8, 10, 11)) == "0-3,8,10-11"
+    assert cpu_list((5,)) == "5"
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from train.affinity import bind_local_ranks, cpu_list
 from train.config import parse_config
 from train.distributed import exit_now, first_line, init_distributed, run_program, shutdown
 from train.metrics import MetricsFile, RankLog
@@ -32,10 +33,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         first = first_line(exc)
         print(f"train: error: cannot join the process group: {first}", file=sys.stderr)
         return 1
+    # Before the trainer starts DataLoader workers or torch's thread pool, so they inherit it.
+    bound = bind_local_ranks(ctx) if config.cpu_bind == "auto" else None
     log = RankLog(ctx.rank, ctx.world_size)
     log(
         f"start: rank {ctx.rank} world {ctx.world_size} local_rank {ctx.local_rank}/{ctx.local_world_size} "
         f"backend {ctx.backend} device {ctx.device} host {ctx.host} task {task.name} pid {os.getpid()}"
+        + (f" cpus {cpu_list(bound)}" if bound is not None else "")
     )
     metrics = MetricsFile(config.metrics_file if ctx.is_main else None)
     trainer = Trainer(config, task, ctx, log, metrics, watcher)

@@ -7,6 +7,9 @@ import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+BACKENDS = ("gloo", "nccl", "mpi", "ucc")
+CPU_BIND_CHOICES = ("auto", "none")
+
 
 @dataclass(frozen=True)
 class Config:
@@ -34,6 +37,7 @@ class Config:
     metrics_file: str | None
     backend: str | None
     collective_timeout: float
+    cpu_bind: str
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -129,16 +133,29 @@ def build_parser() -> argparse.ArgumentParser:
     dist = parser.add_argument_group("distributed")
     dist.add_argument(
         "--backend",
-        choices=("gloo", "nccl", "mpi", "ucc"),
+        choices=BACKENDS,
         default=os.environ.get("DDPACK_BACKEND") or None,
         help="process-group backend (default: $DDPACK_BACKEND, else nccl with CUDA, else gloo)",
     )
     dist.add_argument(
         "--collective-timeout", type=_positive_float, default=300.0, help="seconds a collective may wait for a peer before the run fails"
     )
+    dist.add_argument(
+        "--cpu-bind",
+        choices=CPU_BIND_CHOICES,
+        default=os.environ.get("DDPACK_CPU_BIND") or "auto",
+        help="auto: ranks that share one machine's CPUs each bind to a disjoint slice of them (see train/affinity.py); "
+        "none: leave CPU placement to the OS and Slurm (default: $DDPACK_CPU_BIND, else auto)",
+    )
     return parser
 
 
 def parse_config(argv: Sequence[str] | None = None) -> Config:
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    # argparse checks the choices of flags given, not of defaults taken from the environment.
+    for name, variable, choices in (("backend", "DDPACK_BACKEND", BACKENDS), ("cpu_bind", "DDPACK_CPU_BIND", CPU_BIND_CHOICES)):
+        value = getattr(ns, name)
+        if value is not None and value not in choices:
+            parser.exit(2, f"train: error: {variable}={value!r} is not one of {', '.join(choices)}; set it to one of them or unset it\n")
     return Config(**{name.replace("-", "_"): value for name, value in vars(ns).items()})
