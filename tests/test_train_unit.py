@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import ROOT, clean_env
 
-from train.affinity import cpu_list, plan_slices
+from train.affinity import cpu_list, parse_cpu_list, plan_slices
 from train.config import build_parser, parse_config
 from train.snapshot import SnapshotStore, list_snapshots, snapshot_name
 from train.tasks import TaskError, load_task
@@ -79,12 +79,25 @@ A, B = "boot-a", "boot-b"  # two machines' boot ids
     ],
 )
 def test_cpu_slices_go_to_ranks_that_share_a_machines_cpus(seen: list, expected: list) -> None:
-    assert plan_slices(seen) == expected
+    assert plan_slices(seen, cores_of=lambda cpus: [(cpu,) for cpu in cpus]) == expected
+
+
+def hyperthreaded(cpus: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """CPUs 0-7 as 4 cores with 2 hyperthreads each, numbered apart as Linux does: core i is (i, i + 4)."""
+    return [tuple(c for c in cpus if c % 4 == core) for core in range(4) if any(c % 4 == core for c in cpus)]
+
+
+def test_cpu_slices_keep_each_cores_hyperthreads_together() -> None:
+    eight = (0, 1, 2, 3, 4, 5, 6, 7)
+    assert plan_slices([(A, eight)] * 2, cores_of=hyperthreaded) == [(0, 1, 4, 5), (2, 3, 6, 7)]
+    # more ranks than cores but not than CPUs: one CPU each, neighbouring ranks on one core
+    assert plan_slices([(A, eight)] * 8, cores_of=hyperthreaded) == [(c,) for c in hyperthreaded(eight) for c in c]
 
 
 def test_cpu_lists_read_as_taskset_writes_them() -> None:
     assert cpu_list((0, 1, 2, 3, 8, 10, 11)) == "0-3,8,10-11"
     assert cpu_list((5,)) == "5"
+    assert parse_cpu_list("0-3,8,10-11\n") == (0, 1, 2, 3, 8, 10, 11)
 
 
 @pytest.mark.parametrize(

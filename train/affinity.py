@@ -13,7 +13,9 @@ Which ranks: those on one kernel (its boot id, so containers on one host count a
 whose allowed CPU sets are identical: the ranks torchrun or the entrypoint started from one process,
 or srun tasks that Slurm did not bind. Ranks that Slurm (--cpu-bind) or their cgroups already gave
 different sets are left as they are, as is a group with fewer CPUs than ranks. Slices go in rank
-order, contiguous (neighbouring CPUs share caches) and as even as the count allows.
+order, contiguous and as even as the count allows, and are cut between physical cores, never
+between a core's hyperthreads: where Linux numbers the siblings apart (0-47 then 48-95 on a
+two-socket node), rank 0 of 8 gets CPUs 0-5,48-53, not 0-11, whose siblings would go to rank 4.
 
 Limit: two separate jobs on one machine cannot see each other. Started with the same full CPU set
 (plain `docker run` twice on a workstation), both would bind to the same slices; run such jobs with
@@ -27,6 +29,7 @@ import contextlib
 import os
 import socket
 from collections import defaultdict
+from collections.abc import Callable
 
 from train.distributed import DistContext, gather_objects
 
@@ -48,9 +51,25 @@ def allowed_cpus() -> tuple[int, ...]:
         return ()
 
 
-def plan_slices(seen: list[tuple[str, tuple[int, ...]]]) -> list[tuple[int, ...] | None]:
+def physical_cores(cpus: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """`cpus` grouped by physical core (a core's hyperthreads together, as the kernel's topology
+    lists them), in order of each core's first CPU; one CPU a core where the kernel does not say."""
+    cores: dict[int, list[int]] = defaultdict(list)
+    for cpu in cpus:
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list", encoding="ascii") as file:
+                first = min(parse_cpu_list(file.read()))
+        except (OSError, ValueError):
+            first = cpu
+        cores[first].append(cpu)
+    return [tuple(cores[key]) for key in sorted(cores)]
+
+
+def plan_slices(
+    seen: list[tuple[str, tuple[int, ...]]], cores_of: Callable[[tuple[int, ...]], list[tuple[int, ...]]] = physical_cores
+) -> list[tuple[int, ...] | None]:
     """For each rank's (machine, allowed CPUs), in rank order: the CPUs to bind it to, or None to
-    leave it as it is."""
+    leave it as it is. `cores_of` groups CPUs by physical core (injected by the tests)."""
     sharing: dict[tuple[str, tuple[int, ...]], list[int]] = defaultdict(list)
     for rank, key in enumerate(seen):
         sharing[key].append(rank)
@@ -58,8 +77,12 @@ def plan_slices(seen: list[tuple[str, tuple[int, ...]]]) -> list[tuple[int, ...]
     for (_, cpus), ranks in sharing.items():
         if len(ranks) < 2 or len(cpus) < len(ranks):
             continue
+        units = cores_of(cpus)
+        if len(units) < len(ranks):  # fewer cores than ranks: one CPU each, a core's threads to neighbours
+            units = [(cpu,) for core in units for cpu in core]
         for i, rank in enumerate(ranks):
-            slices[rank] = cpus[i * len(cpus) // len(ranks) : (i + 1) * len(cpus) // len(ranks)]
+            mine = units[i * len(units) // len(ranks) : (i + 1) * len(units) // len(ranks)]
+            slices[rank] = tuple(sorted(cpu for unit in mine for cpu in unit))
     return slices
 
 
@@ -80,6 +103,15 @@ def cpu_list(cpus: tuple[int, ...]) -> str:
         else:
             runs.append([cpu, cpu])
     return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def parse_cpu_list(text: str) -> tuple[int, ...]:
+    """The CPUs of a list as the kernel and taskset write it (`0-3,8`)."""
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        first, _, last = part.partition("-")
+        cpus.extend(range(int(first), int(last or first) + 1))
+    return tuple(cpus)
 
 
 def bind_local_ranks(ctx: DistContext) -> tuple[int, ...] | None:
