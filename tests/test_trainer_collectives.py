@@ -22,7 +22,7 @@ from train.config import parse_config
 from train.distributed import DistContext, free_port, init_distributed
 from train.metrics import MetricsFile, RankLog
 from train.signals import PreemptionWatcher
-from train.tasks import load_task
+from train.tasks import Task, load_task
 from train.trainer import Preempted, Trainer
 
 
@@ -71,6 +71,23 @@ def test_a_step_costs_only_the_gradient_sync(group: DistContext) -> None:
     # gather at the end (all_gather_object: sizes, then data) and DDP's one-time bucket rebuild after
     # the first step (two broadcasts): nothing else, however many steps.
     assert calls == Counter({"gloo:all_gather": 116 + 2, "gloo:all_reduce": 1, "gloo:broadcast": 2})
+
+
+def test_a_model_over_a_mebibyte_still_syncs_in_one_collective_a_step_on_cpu(group: DistContext) -> None:
+    """DDP's default 1 MiB first bucket would split this 1.05 MiB model's gradients in two, two
+    collectives a step; on CPU the trainer asks for one bucket cap for all buckets."""
+    config = parse_config(["--snapshot-dir", "", "--epochs", "1", "--log-every", "1000000"])
+    seed = load_task(config)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 1))
+    assert sum(p.numel() * p.element_size() for p in model.parameters()) > 2**20
+    watcher = PreemptionWatcher()
+    trainer = Trainer(config, Task("wide", model, seed.train_data, torch.nn.MSELoss()), group, RankLog(0, 1, io.StringIO()), MetricsFile(None), watcher)
+    try:
+        calls, _ = collectives(trainer.fit)
+    finally:
+        watcher.restore()
+    # 58 steps, each one all-reduce of the one bucket (too large to exchange), and the last progress line's
+    assert calls == Counter({"gloo:all_reduce": 58 + 1, "gloo:all_gather": 2, "gloo:broadcast": 2})
 
 
 def test_the_learning_rate_of_each_step_is_what_torchs_lambda_scheduler_gives(group: DistContext) -> None:

@@ -5,9 +5,9 @@ Stop flags: each rank appends one count per stop signal to one bucket, so the ra
 at the same step with no collective of their own (a separate all-reduce of one int costs ~0.8 ms
 between two local gloo ranks, half of the seed workload's whole step). Appending copies the bucket,
 so the flags ride in the smallest bucket of the step before (bucket 0 in the first step): on the
-bench's heavy MLP the first bucket is 1 MiB and the last 42 KiB, and copying the 1 MiB one in and
-its result back cost ~0.1 ms a step, a tenth of the step. Every rank sees the same buckets in the
-same steps, so every rank picks the same carrier.
+bench's heavy MLP the first bucket is 1 MiB and the last 42 KiB, and with the flags in the 1 MiB
+one a step took 5.61 ms against 4.91 (5 interleaved rounds). Every rank sees the same buckets in
+the same steps, so every rank picks the same carrier.
 
 Waiting: a gloo all-reduce runs on the process group's worker threads while the training thread
 blocks. On a small or virtualised CPU node a blocked thread that goes idle is woken late: between
