@@ -126,16 +126,18 @@ class Trainer:
         self.module = task.model.to(ctx.device)
         # Gradients as views of DDP's buckets: GradientSync writes the synced results straight into
         # them, and backward accumulates into them in place (see _train_step).
+        # DDP wraps the module with the stop-flag parameter beside it (train.grad_sync); the optimizer,
+        # snapshots and checksums see the module alone.
+        self.grad_sync = GradientSync(watcher, ctx.world_size, ctx.device)
         self.model = DistributedDataParallel(
-            self.module,
+            self.grad_sync.wrap(self.module),
             device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
             gradient_as_bucket_view=True,
             bucket_cap_mb=CPU_BUCKET_CAP_MB if ctx.device.type == "cpu" else None,
         )
+        self.grad_sync.attach(self.model)
         self.optimizer = self._make_optimizer()
         self.autocast = (lambda: torch.autocast(ctx.device.type, dtype=torch.bfloat16)) if config.amp else nullcontext
-        self.grad_sync = GradientSync(watcher, ctx.world_size, ctx.device)
-        self.grad_sync.attach(self.model)
         order = EpochOrder(len(task.train_data), world_size=ctx.world_size, rank=ctx.rank, batch_size=config.batch_size, seed=config.seed)
         workers = config.num_workers if config.num_workers is not None else default_num_workers(ctx.local_world_size)
         self.batches = make_batches(task.train_data, order, ctx.device, num_workers=workers, seed=config.seed, rank=ctx.rank)
@@ -263,10 +265,12 @@ class Trainer:
         losses = []
         samples = 0
         for i, (inputs, targets) in enumerate(micro_batches):
-            with nullcontext() if i == count - 1 else self.model.no_sync():
+            synced = i == count - 1
+            with nullcontext() if synced else self.model.no_sync():
                 with self.autocast():
                     loss = self.task.loss_fn(self.model(inputs), targets)
-                (loss / count if count > 1 else loss).backward()
+                scaled = loss / count if count > 1 else loss
+                (self.grad_sync.carry_flags(scaled) if synced else scaled).backward()
             losses.append(loss.detach())
             samples += len(inputs)
         self.grad_sync.finish()
