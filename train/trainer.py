@@ -124,10 +124,9 @@ class Trainer:
     ) -> None:
         self.config, self.task, self.ctx, self.log, self.metrics, self.watcher = config, task, ctx, log, metrics, watcher
         self.module = task.model.to(ctx.device)
-        # Gradients as views of DDP's buckets: GradientSync writes the synced results straight into
-        # them, and backward accumulates into them in place (see _train_step).
         # DDP wraps the module with the stop-flag parameter beside it (train.grad_sync); the optimizer,
-        # snapshots and checksums see the module alone.
+        # snapshots and checksums see the module alone. Gradients are views of DDP's buckets: the
+        # collectives reduce them in place, and backward accumulates into them in place (_train_step).
         self.grad_sync = GradientSync(watcher, ctx.world_size, ctx.device)
         self.model = DistributedDataParallel(
             self.grad_sync.wrap(self.module),
