@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from entrypoint.hostlist import HostlistError, expand_hostlist, expand_tasks_per_node
 
 BACKENDS = ("gloo", "nccl", "mpi", "ucc")
+CPU_BIND_CHOICES = ("auto", "none")  # the trainer's --cpu-bind (train.config)
 DEFAULT_MASTER_PORT = 29500
 # Ports derived from a Slurm job id land in [15000, 30000): below Linux's default ephemeral range
 # (32768-60999), so a rendezvous port never collides with an outgoing connection's source port.
@@ -420,5 +421,8 @@ def resolve_plan(environ: Mapping[str, str], options: Options, host: Host) -> Pl
     """The one entry point: environment + options + host facts -> a validated Plan (or PlanError)."""
     if options.nproc_per_node is not None and options.nproc_per_node < 1:
         raise PlanError(f"--nproc-per-node={options.nproc_per_node} is not >= 1")
+    cpu_bind = environ.get("DDPACK_CPU_BIND")
+    if cpu_bind and cpu_bind not in CPU_BIND_CHOICES:  # read by every rank's trainer; caught here once
+        raise PlanError(f"DDPACK_CPU_BIND={cpu_bind!r} is not one of {', '.join(CPU_BIND_CHOICES)}; set it to one of them or unset it")
     mode = detect_mode(environ)
     return _RESOLVERS[mode](_Inputs(mode, environ, options, host, choose_backend(environ, options, host)))

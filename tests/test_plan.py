@@ -418,6 +418,7 @@ BAD: list[tuple[str, dict[str, str], Options, tuple[str, ...]]] = [
     ("nproc-zero", {}, Options(nproc_per_node=0), ("--nproc-per-node=0",)),
     ("shutdown-timeout-zero", {"DDPACK_SHUTDOWN_TIMEOUT": "0"}, Options(nproc_per_node=2), ("DDPACK_SHUTDOWN_TIMEOUT='0'", ">= 1")),
     ("shutdown-timeout-text", {"DDPACK_SHUTDOWN_TIMEOUT": "1m"}, Options(nproc_per_node=2), ("DDPACK_SHUTDOWN_TIMEOUT='1m'",)),
+    ("cpu-bind-unknown", {"DDPACK_CPU_BIND": "cores"}, Options(nproc_per_node=2), ("DDPACK_CPU_BIND='cores'", "auto, none")),
 ]
 
 
