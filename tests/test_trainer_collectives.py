@@ -4,8 +4,10 @@ two-rank job against DDP's own all-reduce."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -88,6 +90,23 @@ def test_a_model_over_a_mebibyte_still_syncs_in_one_collective_a_step_on_cpu(gro
         watcher.restore()
     # 58 steps, each one all-reduce of the one bucket (too large to exchange), and the last progress line's
     assert calls == Counter({"gloo:all_reduce": 58 + 1, "gloo:all_gather": 2, "gloo:broadcast": 2})
+
+
+@pytest.mark.parametrize(("bound", "expected"), [(False, 3), (True, 7)])
+def test_a_bound_rank_defaults_its_loader_workers_from_its_whole_slice(
+    group: DistContext, monkeypatch: pytest.MonkeyPatch, bound: bool, expected: int
+) -> None:
+    """8 CPUs: two local ranks sharing them get 8 / 2 - 1 workers each; a rank bound to its own 8
+    (train.affinity) shares them with nobody and gets 8 - 1."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    config = parse_config(["--snapshot-dir", "", "--task", "plugins.augmented_task:make"])
+    ctx = dataclasses.replace(group, local_world_size=2, cpus_bound=bound)
+    trainer = Trainer(config, load_task(config), ctx, RankLog(0, 1, io.StringIO()), MetricsFile(None), PreemptionWatcher())
+    try:
+        assert trainer.batches.loader.num_workers == expected
+    finally:
+        trainer.watcher.restore()
+        trainer.batches.close()
 
 
 def test_the_learning_rate_of_each_step_is_what_torchs_lambda_scheduler_gives(group: DistContext) -> None:

@@ -6,6 +6,7 @@ Exit codes: 0 done; 1 failure (collective error, checksum mismatch); 2 bad input
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from collections.abc import Sequence
@@ -35,6 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     # Before the trainer starts DataLoader workers or torch's thread pool, so they inherit it.
     bound = bind_local_ranks(ctx) if config.cpu_bind == "auto" else None
+    ctx = dataclasses.replace(ctx, cpus_bound=bound is not None)  # its slice is its own: workers default from all of it
     log = RankLog(ctx.rank, ctx.world_size)
     log(
         f"start: rank {ctx.rank} world {ctx.world_size} local_rank {ctx.local_rank}/{ctx.local_world_size} "

@@ -32,15 +32,16 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorData
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def default_num_workers(local_world_size: int) -> int:
-    """DataLoader workers per rank: the CPUs this process may use, shared by the ranks on this node,
-    less one for the rank itself; at least one (a worker overlaps loading with the gradient
+def default_num_workers(ranks_sharing: int) -> int:
+    """DataLoader workers per rank: the CPUs this process may use, divided among the `ranks_sharing`
+    them (the node's local ranks, or 1 once train.affinity has bound this rank to a slice of its
+    own), less one for the rank itself; at least one (a worker overlaps loading with the gradient
     all-reduce even on a busy CPU) and at most 8."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cpus = os.cpu_count() or 1
-    return max(1, min(8, cpus // max(1, local_world_size) - 1))
+    return max(1, min(8, cpus // max(1, ranks_sharing) - 1))
 
 
 def derive_seed(*parts: int) -> int:

@@ -26,6 +26,7 @@ class DistContext:
     backend: str
     device: torch.device
     host: str
+    cpus_bound: bool = False  # bound to a slice of CPUs of its own (train.affinity), shared with no other rank
 
     @property
     def is_main(self) -> bool:

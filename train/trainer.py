@@ -138,7 +138,7 @@ class Trainer:
         self.optimizer = self._make_optimizer()
         self.autocast = (lambda: torch.autocast(ctx.device.type, dtype=torch.bfloat16)) if config.amp else nullcontext
         order = EpochOrder(len(task.train_data), world_size=ctx.world_size, rank=ctx.rank, batch_size=config.batch_size, seed=config.seed)
-        workers = config.num_workers if config.num_workers is not None else default_num_workers(ctx.local_world_size)
+        workers = config.num_workers if config.num_workers is not None else default_num_workers(1 if ctx.cpus_bound else ctx.local_world_size)
         self.batches = make_batches(task.train_data, order, ctx.device, num_workers=workers, seed=config.seed, rank=ctx.rank)
         self.batches_per_epoch = order.batches_per_epoch
         self.steps_per_epoch = math.ceil(self.batches_per_epoch / config.grad_accum)
