@@ -117,6 +117,8 @@ def parse_cpu_list(text: str) -> tuple[int, ...]:
 def bind_local_ranks(ctx: DistContext) -> tuple[int, ...] | None:
     """Collective (once, at start-up): every rank says where it runs and on which CPUs; a rank that
     shares them with others binds itself to its slice. Returns the slice, or None if left as is."""
+    if ctx.world_size == 1:  # nobody to share with: no collective at start-up
+        return None
     mine = plan_slices(gather_objects((machine_id(), allowed_cpus()), ctx))[ctx.rank]
     if mine is not None:
         bind_process(mine)

@@ -29,6 +29,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset, get_worker_info
 
+from train.affinity import allowed_cpus
+
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -37,10 +39,7 @@ def default_num_workers(ranks_sharing: int) -> int:
     them (the node's local ranks, or 1 once train.affinity has bound this rank to a slice of its
     own), less one for the rank itself; at least one (a worker overlaps loading with the gradient
     all-reduce even on a busy CPU) and at most 8."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cpus = os.cpu_count() or 1
+    cpus = len(allowed_cpus()) or os.cpu_count() or 1  # no affinity outside Linux
     return max(1, min(8, cpus // max(1, ranks_sharing) - 1))
 
 
