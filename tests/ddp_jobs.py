@@ -120,3 +120,49 @@ def metrics_step(path: Path) -> int:
         return 0
     steps = [json.loads(line).get("global_step", 0) for line in path.read_text().splitlines() if line.strip().endswith("}")]
     return max(steps, default=0)
+
+
+def subdir(tmp: Path, name: str) -> Path:
+    path = tmp / name
+    path.mkdir()
+    return path
+
+
+def reference_checksum(
+    tmp: Path, args: Sequence[str], ranks: int = 2, cwd: Path | None = None, env: Mapping[str, str] | None = None
+) -> str:
+    """An uninterrupted run's final checksum, the target every resumed run must hit exactly; the
+    ranks must agree on it."""
+    ref = subdir(tmp, "reference")
+    job = start_slurm_step(ref, [ranks], [*args, "--snapshot-dir", str(ref / "snap")], cwd=cwd, rank_env=dict.fromkeys(range(ranks), env or {}))
+    assert job.wait() == [0] * ranks, job.output()
+    sums = job.checksums()
+    assert len(sums) == ranks and len(set(sums)) == 1, job.output()
+    return sums[0]
+
+
+# Where a stop left training: "... at epoch 1/2 step 40/120 (global 40/240)".
+STOPPED_AT_RE = re.compile(r"stopped on \w+ .*? at epoch \d+/\d+ step (\d+)/(\d+) \(global (\d+)/\d+\)")
+
+
+def stopped_mid_epoch_then_resumed(
+    tmp: Path, args: Sequence[str], *, after_step: int, cwd: Path | None = None, env: Mapping[str, str] | None = None
+) -> Job:
+    """Two ranks of `args` (which name no --snapshot-dir), SIGTERM to rank 1 alone once rank 0 is past
+    `after_step`; the stop must land mid-epoch with a snapshot. Returns the rerun of the same command,
+    which resumed from it and finished."""
+    snap, metrics = tmp / "snap", tmp / "stopped.jsonl"
+    full = [*args, "--snapshot-dir", str(snap), "--snapshot-every", "1000", "--log-every", "1"]
+    rank_env = dict.fromkeys(range(2), env or {})
+    job = start_slurm_step(subdir(tmp, "stopped"), [2], [*full, "--metrics-file", str(metrics)], cwd=cwd, rank_env=rank_env)
+    wait_for(lambda: metrics_step(metrics) >= after_step, 120, f"step {after_step}")
+    job.send(signal.SIGTERM, [1])  # one node preempted: both ranks must stop at the same step
+    assert job.wait() == [143, 143], job.output()
+    stopped = STOPPED_AT_RE.search(job.output(0))
+    assert stopped and 0 < int(stopped.group(1)) < int(stopped.group(2)), f"the stop must land mid-epoch:\n{job.output()}"
+    assert [p.name for p in snap.glob("snapshot-*.pt")] == [f"snapshot-{int(stopped.group(3)):010d}.pt"]
+    resumed = start_slurm_step(subdir(tmp, "resumed"), [2], full, cwd=cwd, rank_env=rank_env)
+    assert resumed.wait() == [0, 0], resumed.output()
+    position = f"step {stopped.group(1)}/{stopped.group(2)} (global {stopped.group(3)}/"
+    assert any("resumed after epoch" in line and position in line for line in resumed.output(0).splitlines()), resumed.output()
+    return resumed

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from ddp_jobs import metrics_step, start_slurm_step, start_standalone, wait_for
+from ddp_jobs import metrics_step, reference_checksum, start_slurm_step, start_standalone, subdir, wait_for
 
 from train.affinity import cpu_list
 
@@ -22,17 +22,6 @@ LONG = ["--dataset-size", "16384", "--epochs", "2", "--batch-size", "32", "--log
 
 def losses(metrics: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in metrics.read_text().splitlines() if '"progress"' in line]
-
-
-def reference_checksum(tmp: Path, args: list[str], ranks: int = 2, cwd: Path | None = None) -> str:
-    """An uninterrupted run's final checksum, the target every resumed run must hit exactly."""
-    ref = tmp / "reference"
-    ref.mkdir()
-    job = start_slurm_step(ref, [ranks], [*args, "--snapshot-dir", str(ref / "snap")], cwd=cwd)
-    assert job.wait() == [0] * ranks, job.output()
-    sums = job.checksums()
-    assert len(sums) == ranks and len(set(sums)) == 1
-    return sums[0]
 
 
 def test_two_ranks_slurm_step_learn_and_agree(tmp_path: Path) -> None:
@@ -90,16 +79,10 @@ def test_sigterm_to_one_rank_stops_all_and_resume_is_bit_exact(tmp_path: Path) -
     assert stopped and 0 < int(stopped.group(1)) < int(stopped.group(2)), "the stop must land mid-epoch"
     assert [p.name for p in snap.glob("snapshot-*.pt")] == [f"snapshot-{int(stopped.group(3)):010d}.pt"]
 
-    resumed = start_slurm_step(_sub(tmp_path, "resume"), [2], args)
+    resumed = start_slurm_step(subdir(tmp_path, "resume"), [2], args)
     assert resumed.wait() == [0, 0], resumed.output()
     assert f"resumed after epoch 1/2 step {stopped.group(1)}/{stopped.group(2)}" in resumed.output()
     assert set(resumed.checksums()) == {expected}
-
-
-def _sub(tmp: Path, name: str) -> Path:
-    path = tmp / name
-    path.mkdir()
-    return path
 
 
 def test_sigusr1_stops_with_snapshot_and_exit_code_138(tmp_path: Path) -> None:
@@ -117,10 +100,10 @@ def test_sigkill_then_resume_from_last_snapshot_is_bit_exact(tmp_path: Path) -> 
     expected = reference_checksum(tmp_path, LONG)
     snap = tmp_path / "snap"
     args = [*LONG, "--snapshot-dir", str(snap), "--snapshot-every", "20"]
-    job = start_slurm_step(_sub(tmp_path, "killed"), [2], args)
+    job = start_slurm_step(subdir(tmp_path, "killed"), [2], args)
     wait_for(lambda: any(p.name >= "snapshot-0000000060.pt" for p in snap.glob("snapshot-*.pt")), 60, "a snapshot at step 60")
     job.kill(signal.SIGKILL)
-    resumed = start_slurm_step(_sub(tmp_path, "resumed"), [2], args)
+    resumed = start_slurm_step(subdir(tmp_path, "resumed"), [2], args)
     assert resumed.wait() == [0, 0], resumed.output()
     assert "resuming from" in resumed.output()
     assert set(resumed.checksums()) == {expected}
@@ -130,12 +113,12 @@ def test_truncated_snapshot_is_reported_skipped_and_kept(tmp_path: Path) -> None
     args = ["--epochs", "3", "--snapshot-every", "40"]
     expected = reference_checksum(tmp_path, args)
     snap = tmp_path / "snap"
-    first = start_slurm_step(_sub(tmp_path, "first"), [2], [*args, "--snapshot-dir", str(snap)])
+    first = start_slurm_step(subdir(tmp_path, "first"), [2], [*args, "--snapshot-dir", str(snap)])
     assert first.wait() == [0, 0], first.output()
     newest, previous = sorted(snap.glob("snapshot-*.pt"), reverse=True)
     data = newest.read_bytes()
     newest.write_bytes(data[: len(data) // 2])
-    again = start_slurm_step(_sub(tmp_path, "again"), [2], [*args, "--snapshot-dir", str(snap)])
+    again = start_slurm_step(subdir(tmp_path, "again"), [2], [*args, "--snapshot-dir", str(snap)])
     assert again.wait() == [0, 0], again.output()
     out = again.output()
     assert f"snapshot {newest} is unreadable" in out and "skipping it (left in place)" in out
@@ -195,15 +178,15 @@ def test_sigterm_mid_epoch_with_dataloader_workers_resumes_bit_exact(tmp_path: P
     stopped = re.search(r"step (\d+)/(\d+) \(global (\d+)/\d+\)", job.output().split("stopped on")[1])
     assert stopped and 0 < int(stopped.group(1)) < int(stopped.group(2)), "the stop must land mid-epoch"
     # Resumed with another worker count: each batch's augmentation is seeded by its position, not its worker.
-    resumed = start_slurm_step(_sub(tmp_path, "resume"), [2], [*args[:-2], "--num-workers", "1", "--metrics-file", str(metrics)], cwd=USER_DIR)
+    resumed = start_slurm_step(subdir(tmp_path, "resume"), [2], [*args[:-2], "--num-workers", "1", "--metrics-file", str(metrics)], cwd=USER_DIR)
     assert resumed.wait() == [0, 0], resumed.output()
     assert f"resumed after epoch 1/2 step {stopped.group(1)}/{stopped.group(2)}" in resumed.output()
     assert set(resumed.checksums()) == {expected}
 
 
 def test_workers_and_no_workers_see_the_same_samples(tmp_path: Path) -> None:
-    with_workers = reference_checksum(_sub(tmp_path, "w2"), [*WORKERS, "--num-workers", "2", "--max-steps", "40"], cwd=USER_DIR)
-    inline = reference_checksum(_sub(tmp_path, "w0"), [*WORKERS, "--num-workers", "0", "--max-steps", "40"], cwd=USER_DIR)
+    with_workers = reference_checksum(subdir(tmp_path, "w2"), [*WORKERS, "--num-workers", "2", "--max-steps", "40"], cwd=USER_DIR)
+    inline = reference_checksum(subdir(tmp_path, "w0"), [*WORKERS, "--num-workers", "0", "--max-steps", "40"], cwd=USER_DIR)
     assert with_workers == inline
 
 
@@ -218,7 +201,7 @@ def test_torchrun_shape_stops_on_sigterm_like_the_other_shapes_and_resumes(tmp_p
     assert out.count("stopped on SIGTERM") == 2, out
     assert "Traceback" not in out and "SignalException" not in out, out
     assert list(snap.glob("snapshot-*.pt"))
-    resumed = start_standalone(_sub(tmp_path, "resume"), 2, args)
+    resumed = start_standalone(subdir(tmp_path, "resume"), 2, args)
     assert resumed.wait() == [0], resumed.output()
     assert "resuming from" in resumed.output() and len(set(resumed.checksums())) == 1
 

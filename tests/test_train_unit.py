@@ -13,6 +13,9 @@ from conftest import ROOT, clean_env
 
 from train.affinity import cpu_list, parse_cpu_list, plan_slices
 from train.config import build_parser, parse_config
+from train.data import BatchKey, SeededBatches
+from train.distributed import DeviceError, choose_cuda_index
+from train.model import unused_parameter_names
 from train.snapshot import SnapshotStore, list_snapshots, snapshot_name
 from train.tasks import TaskError, load_task
 
@@ -32,6 +35,10 @@ REQUIRED_FLAGS = [
     "--collective-timeout",
     "--backend",
     "--cpu-bind",
+    "--clip-grad-norm",
+    "--sync-batchnorm",
+    "--find-unused-parameters",
+    "--compile",
 ]
 
 
@@ -262,3 +269,49 @@ def test_ranks_sharing_one_pipe_never_share_a_line() -> None:
     assert len(lines) == 80000
     pattern = re.compile(r"\[rank [0-3]/4\] record \d+")
     assert [line for line in lines if not pattern.fullmatch(line)] == []
+
+
+@pytest.mark.parametrize(
+    ("local_rank", "local_world", "visible", "cuda_visible", "expected"),
+    [
+        (3, 8, 8, None, 3),  # one GPU per rank
+        (1, 2, 8, None, 1),  # fewer ranks than GPUs
+        (5, 8, 1, "5", 0),  # Slurm gave each task its own GPU (--gpus-per-task=1): one visible, a different one in each task
+        (1, 8, 4, None, "8 ranks on this node but torch sees 4 GPUs (CUDA_VISIBLE_DEVICES=unset)"),
+        (1, 2, 1, None, "2 ranks on this node but torch sees 1 GPU (CUDA_VISIBLE_DEVICES=unset)"),
+        (1, 4, 2, "0,1", "4 ranks on this node but torch sees 2 GPUs (CUDA_VISIBLE_DEVICES=0,1); start one rank per GPU (--nproc-per-node 2"),
+    ],
+)
+def test_each_local_rank_gets_a_gpu_of_its_own_or_one_line(local_rank: int, local_world: int, visible: int, cuda_visible, expected) -> None:
+    environ = {"CUDA_VISIBLE_DEVICES": cuda_visible} if cuda_visible is not None else {}
+    if isinstance(expected, int):
+        assert choose_cuda_index(local_rank, local_world, visible, environ) == expected
+    else:
+        with pytest.raises(DeviceError, match=re.escape(expected)):
+            choose_cuda_index(local_rank, local_world, visible, environ)
+
+
+def test_per_batch_seeding_restores_the_cuda_generators_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.manual_seed also seeds every CUDA generator; fetching a batch in the training process
+    must hand the model's dropout its CUDA state back, as it does the CPU state (stubbed: no GPU here)."""
+    states = {"cuda": ["model's state"]}
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: list(states["cuda"]))
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda new: states.update(cuda=list(new)))
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: states.update(cuda=[f"seeded {seed}"]))
+    cpu_before = torch.get_rng_state()
+    dataset = SeededBatches(torch.utils.data.TensorDataset(torch.arange(8.0)), seed=1, rank=0)
+    dataset.__getitems__(BatchKey(epoch=0, index=3, indices=(1, 2)))
+    assert states["cuda"] == ["model's state"] and torch.equal(torch.get_rng_state(), cpu_before)
+
+
+def test_unused_parameters_are_named_from_ddps_indices() -> None:
+    """DDP counts the parameters it syncs (frozen ones are not) from the wrapper's module tree."""
+    model = torch.nn.Module()
+    model.module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    model.module[0].requires_grad_(False)
+    ddp_like = torch.nn.Module()
+    ddp_like.module = model
+    error = RuntimeError("Expected to have finished reduction in the prior iteration ...\nParameter indices which did not receive grad for rank 1: 2 3\n ...")
+    assert unused_parameter_names(error, ddp_like) == ["2.weight", "2.bias"]
+    assert unused_parameter_names(RuntimeError("Connection reset by peer"), ddp_like) is None

@@ -182,3 +182,24 @@ def test_a_signal_before_a_step_stops_right_after_it_with_no_extra_collective(gr
     assert stop.signum == int(sig)
     assert f"stopped on {sig.name} (received here) at epoch 1/2 step 1/58 (global 1/116)" in str(stop)
     assert calls == Counter({"gloo:all_gather": 1, "gloo:barrier": 1})  # the step's gradient sync; the stop's barrier
+
+
+def test_clipping_bounds_the_synced_gradients_norm(group: DistContext) -> None:
+    """One plain SGD step (no momentum): parameters move by lr x the clipped gradients, whose norm is
+    the clip; the metrics record the norm before clipping."""
+    config = parse_config(["--snapshot-dir", "", "--max-steps", "1", "--optimizer", "sgd", "--momentum", "0", "--lr-schedule", "constant",
+                           "--lr", "0.5", "--clip-grad-norm", "1e-3"])  # fmt: skip
+    metrics = io.StringIO()
+    sink = MetricsFile(None)
+    sink.write = lambda kind, **fields: metrics.write(json.dumps({"kind": kind, **fields}) + "\n")  # type: ignore[method-assign]
+    watcher = PreemptionWatcher()
+    try:
+        trainer = Trainer(config, load_task(config), group, RankLog(0, 1, io.StringIO()), sink, watcher)
+        before = [p.detach().clone() for p in trainer.module.parameters()]
+        trainer.fit()
+    finally:
+        watcher.restore()
+    moved = torch.cat([(p.detach() - b).reshape(-1) for p, b in zip(trainer.module.parameters(), before, strict=True)])
+    assert torch.linalg.vector_norm(moved).item() == pytest.approx(0.5 * 1e-3, rel=1e-4)
+    progress = [json.loads(line) for line in metrics.getvalue().splitlines() if '"progress"' in line]
+    assert progress[-1]["grad_norm"] > 1e-3  # the regression task's first gradient is far larger than the clip

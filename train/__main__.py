@@ -13,8 +13,18 @@ from collections.abc import Sequence
 
 from train.affinity import bind_local_ranks, cpu_list
 from train.config import parse_config
-from train.distributed import exit_now, first_line, init_distributed, run_program, shutdown
+from train.distributed import (
+    DeviceError,
+    default_to_one_process,
+    exit_now,
+    first_line,
+    init_distributed,
+    run_program,
+    select_device,
+    shutdown,
+)
 from train.metrics import MetricsFile, RankLog
+from train.model import SetupError
 from train.signals import PreemptionWatcher
 from train.tasks import TaskError, load_task
 from train.trainer import ChecksumMismatch, Preempted, SnapshotMismatch, Trainer
@@ -23,13 +33,16 @@ from train.trainer import ChecksumMismatch, Preempted, SnapshotMismatch, Trainer
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(argv)
     watcher = PreemptionWatcher()  # before the rendezvous, which can take a while under Slurm
+    default_to_one_process()
     try:
+        # The device first: a factory that allocates on CUDA allocates on this rank's GPU.
+        backend, device = select_device(config.backend)
         task = load_task(config)
-    except TaskError as exc:
+    except (TaskError, DeviceError) as exc:
         print(f"train: error: {exc}", file=sys.stderr)
         return 2
     try:
-        ctx = init_distributed(config.backend, config.collective_timeout)
+        ctx = init_distributed(backend, config.collective_timeout, device)
     except (RuntimeError, ValueError) as exc:
         first = first_line(exc)
         print(f"train: error: cannot join the process group: {first}", file=sys.stderr)
@@ -44,9 +57,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         + (f" cpus {cpu_list(bound)}" if bound is not None else "")
     )
     metrics = MetricsFile(config.metrics_file if ctx.is_main else None)
-    trainer = Trainer(config, task, ctx, log, metrics, watcher)
     try:
-        result = trainer.fit()
+        result = Trainer(config, task, ctx, log, metrics, watcher).fit()
+    except SetupError as exc:  # found by every rank at set-up or the first steps, before anything was written
+        if ctx.is_main:
+            print(f"train: error: {exc}", file=sys.stderr, flush=True)
+        metrics.close()
+        exit_now(2)  # no barrier: a rank that did not find it may be waiting in a collective
     except Preempted as stop:
         log(str(stop))
         metrics.close()

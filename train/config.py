@@ -6,6 +6,7 @@ import argparse
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import NoReturn
 
 BACKENDS = ("gloo", "nccl", "mpi", "ucc")
 CPU_BIND_CHOICES = ("auto", "none")
@@ -28,6 +29,10 @@ class Config:
     dataset_size: int | None
     grad_accum: int
     amp: bool
+    clip_grad_norm: float | None
+    sync_batchnorm: bool
+    find_unused_parameters: bool
+    compile: bool
     max_steps: int
     snapshot_dir: str
     snapshot_every: int
@@ -64,8 +69,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A bad flag is one line and exit 2 (argparse prints its whole usage first, and under torchrun
+    every rank would print it)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see --help\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m train",
         description=(
             "DDP trainer. Reads RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT from the environment "
@@ -107,6 +120,32 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--max-steps", type=_non_negative_int, default=0, help="stop after this many optimizer steps in all (0: no limit)")
     opt.add_argument("--seed", type=int, default=0, help="seed of model initialisation, shuffling and dropout")
     opt.add_argument("--amp", action="store_true", help="bfloat16 autocast (CUDA; also works on CPU)")
+    opt.add_argument(
+        "--clip-grad-norm",
+        type=_positive_float,
+        default=None,
+        metavar="X",
+        help="clip the gradients' total L2 norm to X after they are synced (the norm before clipping is shown in progress lines)",
+    )
+
+    model = parser.add_argument_group("model")
+    model.add_argument(
+        "--sync-batchnorm",
+        action="store_true",
+        help="convert BatchNorm layers to SyncBatchNorm: statistics over the global batch (CUDA only, as torch implements it); "
+        "without it each rank normalises with its own batch and rank 0's running statistics are kept",
+    )
+    model.add_argument(
+        "--find-unused-parameters",
+        action="store_true",
+        help="for models whose forward leaves some parameters unused (a second head, a conditional branch): "
+        "DDP then looks for them after every forward (costs a graph walk a step)",
+    )
+    model.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the model (inductor; needs a C++ compiler on CPU, which the images carry); the first steps compile",
+    )
 
     state = parser.add_argument_group("snapshots and logs")
     state.add_argument(

@@ -93,7 +93,9 @@ class SeededBatches(Dataset):
     """Wraps a map-style dataset so each batch is fetched under RNG seeds derived from its BatchKey.
 
     In the training process itself (no workers) the global RNG state is restored afterwards, so
-    fetching never disturbs the model's own randomness (dropout, initialisation)."""
+    fetching never disturbs the model's own randomness (dropout, initialisation): the CPU, Python and
+    NumPy generators, and the CUDA ones, which torch.manual_seed seeds as well (dropout on a GPU
+    draws from them; restored only once CUDA is initialised, as seeding does not initialise it)."""
 
     def __init__(self, dataset: Dataset, *, seed: int, rank: int) -> None:
         self.dataset, self.seed, self.rank = dataset, seed, rank
@@ -108,6 +110,7 @@ class SeededBatches(Dataset):
         seed = derive_seed(self.seed, key.epoch, self.rank, key.index)
         in_main = get_worker_info() is None
         saved = (torch.get_rng_state(), random.getstate(), np.random.get_state()) if in_main else None
+        cuda_saved = torch.cuda.get_rng_state_all() if in_main and torch.cuda.is_initialized() else None
         torch.manual_seed(seed)
         random.seed(seed)
         np.random.seed(seed % 2**32)
@@ -119,6 +122,8 @@ class SeededBatches(Dataset):
                 torch.set_rng_state(saved[0])
                 random.setstate(saved[1])
                 np.random.set_state(saved[2])
+            if cuda_saved is not None:
+                torch.cuda.set_rng_state_all(cuda_saved)
 
 
 class _KeyedBatchSampler:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -45,26 +45,53 @@ def _env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
 
 
-def init_distributed(backend: str | None, timeout_s: float) -> DistContext:
-    """Join the process group described by the environment (env:// rendezvous).
+class DeviceError(ValueError):
+    """This rank cannot have a device of its own: one line for the user, exit 2."""
 
-    Run without a launcher, this is a one-process group on loopback, so `python -m train` works alone.
-    """
-    if "RANK" not in os.environ:
-        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            os.environ["MASTER_PORT"] = str(free_port())
+
+def choose_cuda_index(local_rank: int, local_world: int, visible: int, environ: Mapping[str, str]) -> int:
+    """The CUDA device of local rank `local_rank` of `local_world` when torch sees `visible` GPUs.
+
+    One GPU per rank: two ranks on one GPU make NCCL fail at its first collective ("Duplicate GPU
+    detected"), after minutes of start-up on a cluster. One GPU visible to a rank of several is
+    fine when Slurm gave each task its own (--gpus-per-task, --gpu-bind: CUDA_VISIBLE_DEVICES then
+    names one GPU, a different one in each task); with CUDA_VISIBLE_DEVICES unset the node has one GPU."""
+    if visible >= local_world:
+        return local_rank
+    if visible == 1 and len(environ.get("CUDA_VISIBLE_DEVICES", "").split(",")) == 1 and environ.get("CUDA_VISIBLE_DEVICES"):
+        return 0
+    raise DeviceError(
+        f"{local_world} ranks on this node but torch sees {visible} GPU{'s' if visible != 1 else ''} "
+        f"(CUDA_VISIBLE_DEVICES={environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); start one rank per GPU "
+        f"(--nproc-per-node {visible}, or srun --ntasks-per-node={visible})"
+    )
+
+
+def select_device(backend: str | None) -> tuple[str, torch.device]:
+    """(backend, device) for this rank, from LOCAL_RANK/LOCAL_WORLD_SIZE; sets the CUDA device, so
+    that what runs next (the user's task factory, DataLoader pinning) allocates on this rank's GPU
+    rather than on GPU 0 from every rank."""
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend != "nccl":
+        return backend, torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise DeviceError("backend nccl needs a CUDA device, but torch sees none; use --backend gloo")
+    index = choose_cuda_index(_env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", 1), torch.cuda.device_count(), os.environ)
+    device = torch.device("cuda", index)
+    torch.cuda.set_device(device)
+    return backend, device
+
+
+def init_distributed(backend: str | None, timeout_s: float, device: torch.device | None = None) -> DistContext:
+    """Join the process group described by the environment (env:// rendezvous); a one-process group
+    without a launcher. `device`: the one `select_device` already chose for `backend` (the trainer
+    chooses before the user's factory runs); else chosen here."""
+    default_to_one_process()
+    if device is None:
+        backend, device = select_device(backend)
+    assert backend is not None, "select_device resolves the backend with the device"
     rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank, local_world = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", 1)
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend == "nccl":
-        if not torch.cuda.is_available():
-            raise RuntimeError("backend nccl needs a CUDA device, but torch sees none; use --backend gloo")
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
     dist.init_process_group(
         backend=backend,
         rank=rank,
@@ -73,6 +100,15 @@ def init_distributed(backend: str | None, timeout_s: float) -> DistContext:
         **({"device_id": device} if device.type == "cuda" else {}),
     )
     return DistContext(rank, world, local_rank, local_world, backend, device, node_name())
+
+
+def default_to_one_process() -> None:
+    """Run without a launcher, this is a one-process group on loopback, so `python -m train` works alone."""
+    if "RANK" not in os.environ:
+        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            os.environ["MASTER_PORT"] = str(free_port())
 
 
 def node_name() -> str:
@@ -121,6 +157,22 @@ def broadcast_from_main(obj: Any, ctx: DistContext) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0, device=ctx.device if ctx.device.type == "cuda" else None)
     return box[0]
+
+
+def broadcast_buffers(module: torch.nn.Module, ctx: DistContext) -> None:
+    """Rank 0's buffers (BatchNorm's running statistics...) on every rank, one broadcast per dtype:
+    what DDP does before each forward, done once more after the last one."""
+    buffers = [b for b in module.buffers() if b.numel()]
+    if ctx.world_size == 1 or not buffers:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for buffer in buffers:
+        by_dtype.setdefault(buffer.dtype, []).append(buffer)
+    for group in by_dtype.values():
+        flat = torch.cat([b.reshape(-1) for b in group])
+        dist.broadcast(flat, src=0)
+        for buffer, synced in zip(group, flat.split([b.numel() for b in group]), strict=True):
+            buffer.copy_(synced.view_as(buffer))
 
 
 def shutdown() -> None:

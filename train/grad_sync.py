@@ -36,6 +36,7 @@ ahead at 128 KiB, hence 64 KiB gathered (two ranks x 32 KiB).
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations as real objects.
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,19 +63,29 @@ class _Pending:
 
 class _WithStopFlags(nn.Module):
     """The user's module with the stop-flag parameter beside it, for DDP to wrap; the trainer trains,
-    saves and evaluates the user's module itself."""
+    saves and evaluates the user's module itself. `run`: what runs the module (its compiled form,
+    with --compile), kept off the module tree so that DDP sees each parameter once, by the user's
+    own names.
 
-    def __init__(self, module: nn.Module, flags: nn.Parameter) -> None:
+    forward returns (the module's output, the flags), and the loss takes the flags from there
+    (`carry_flags`): with find_unused_parameters DDP walks the autograd graph from forward's output
+    and counts a parameter it does not reach as unused, so flags used outside forward would be
+    marked ready twice ("Expected to mark a variable ready only once"). For that walk the flags go
+    out through a view (a leaf has no graph to walk); without it, as the parameter itself (no op)."""
+
+    def __init__(self, module: nn.Module, flags: nn.Parameter, run: Callable[..., Any], through_graph: bool) -> None:
         super().__init__()
-        self.module, self.stop_flags = module, flags
+        self.module, self.stop_flags, self.through_graph = module, flags, through_graph
+        object.__setattr__(self, "run", run)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+    def forward(self, *args: Any, **kwargs: Any) -> tuple[Any, torch.Tensor]:
+        flags = self.stop_flags.view_as(self.stop_flags) if self.through_graph else self.stop_flags
+        return self.run(*args, **kwargs), flags
 
 
 class GradientSync:
     """`wrap(module)` (before DDP is built), the hook (`attach(ddp_model)` registers it),
-    `carry_flags(loss)` (before each synced backward), `finish()` (after backward, before the
+    `carry_flags(loss, flags)` (before each synced backward), `finish()` (after backward, before the
     optimizer) and `poll()`.
 
     `poll()` at a step boundary returns the stop signal the ranks agreed on, the same on every rank:
@@ -92,13 +103,15 @@ class GradientSync:
         self._pending: list[_Pending] = []
         self._in_flight: tuple[torch.Tensor, torch.cuda.Event] | None = None
 
-    def wrap(self, module: nn.Module) -> nn.Module:
+    def wrap(self, module: nn.Module, forward: Callable[..., Any] | None = None, find_unused_parameters: bool = False) -> nn.Module:
         """The module to build DDP on: `module` plus the stop-flag parameter, in the dtype of the
-        module's parameters so that DDP buckets it with them."""
+        module's parameters so that DDP buckets it with them; `forward` runs the module instead of
+        calling it (torch.compile's wrapper of the same module). Called, the result returns
+        (output, flags): hand the flags to `carry_flags`. `find_unused_parameters`: as given to DDP."""
         dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
         self.flags = nn.Parameter(torch.zeros(len(self.watcher.signals), dtype=dtype, device=self.device))
         self._marks = torch.zeros_like(self.flags.detach())
-        return _WithStopFlags(module, self.flags)
+        return _WithStopFlags(module, self.flags, forward or module, find_unused_parameters)
 
     def attach(self, model: DistributedDataParallel) -> None:
         if not model.gradient_as_bucket_view:
@@ -107,13 +120,14 @@ class GradientSync:
             raise ValueError("GradientSync needs DistributedDataParallel(sync.wrap(module), ...): the stop flags ride in DDP's buckets")
         model.register_comm_hook(None, self.hook)
 
-    def carry_flags(self, loss: torch.Tensor) -> torch.Tensor:
+    def carry_flags(self, loss: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
         """`loss` + flags . marks: the same value, and a backward from it gives the flag parameter this
-        rank's marks as its gradient. For the micro-batch whose backward DDP syncs."""
+        rank's marks as its gradient. For the micro-batch whose backward DDP syncs; `flags` as the
+        wrapped module's forward returned them."""
         if not self._marked and self.watcher.received is not None:
             self._marks[self.watcher.signals.index(self.watcher.received)] = 1  # a kernel launch on CUDA, no host sync
             self._marked = True
-        return loss + torch.dot(self.flags, self._marks)
+        return loss + torch.dot(flags, self._marks)
 
     def hook(self, state: object, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         # Divide, then sum, as DDP's own reducer does; every bucket is reduced in place.

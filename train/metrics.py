@@ -44,21 +44,23 @@ class RankLog:
 
 
 class MetricsFile:
-    """Appends one JSON object a line; a no-op where no path is given (and on ranks other than 0)."""
+    """Appends one JSON object a line; a no-op where no path is given (and on ranks other than 0).
+    Opened at the first record, so a run refused at set-up (a bad setting for the model) leaves no file."""
 
     def __init__(self, path: str | None) -> None:
-        self._handle = None
-        if path:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._handle = open(path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the run
+        self.path = Path(path) if path else None
+        self._handle: TextIO | None = None
 
     def write(self, kind: str, **fields: Any) -> None:
-        if self._handle is None:
+        if self.path is None:
             return
+        if self._handle is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._handle = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the run
         self._handle.write(json.dumps({"time": round(time.time(), 3), "kind": kind, **fields}) + "\n")
         self._handle.flush()
 
     def close(self) -> None:
         if self._handle is not None:
             self._handle.close()
-            self._handle = None
+        self._handle, self.path = None, None

@@ -23,9 +23,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from train.config import Config
 from train.data import Batch, EpochOrder, default_num_workers, make_batches
-from train.distributed import DistContext, broadcast_from_main, gather_objects, sum_over_ranks
+from train.distributed import DistContext, broadcast_buffers, broadcast_from_main, gather_objects, sum_over_ranks
 from train.grad_sync import GradientSync
 from train.metrics import MetricsFile, RankLog, format_duration
+from train.model import explain_setup_failure, prepare_module
 from train.signals import PreemptionWatcher
 from train.snapshot import SnapshotStore
 from train.tasks import Task
@@ -44,6 +45,9 @@ TRAJECTORY_FIELDS = (
     "seed",
     "data_seed",
     "dataset_size",
+    "clip_grad_norm",
+    "sync_batchnorm",
+    "compile",
 )
 
 
@@ -87,12 +91,24 @@ class Window:
     a line is printed: reading them every step would wait for the device every step."""
 
     losses: list[torch.Tensor] = field(default_factory=list)
+    grad_norms: list[torch.Tensor] = field(default_factory=list)  # before clipping, with --clip-grad-norm
     samples: int = 0
     started: float = field(default_factory=time.monotonic)
 
-    def add(self, loss: torch.Tensor, samples: int) -> None:
-        self.losses.append(loss)
-        self.samples += samples
+    def add(self, step: StepResult) -> None:
+        self.losses.append(step.loss)
+        if step.grad_norm is not None:
+            self.grad_norms.append(step.grad_norm)
+        self.samples += step.samples
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One optimizer step, its figures still on the device."""
+
+    loss: torch.Tensor
+    samples: int
+    grad_norm: torch.Tensor | None
 
 
 def parameter_checksum(module: torch.nn.Module) -> str:
@@ -123,18 +139,22 @@ class Trainer:
         self, config: Config, task: Task, ctx: DistContext, log: RankLog, metrics: MetricsFile, watcher: PreemptionWatcher
     ) -> None:
         self.config, self.task, self.ctx, self.log, self.metrics, self.watcher = config, task, ctx, log, metrics, watcher
-        self.module = task.model.to(ctx.device)
+        self.module = prepare_module(task.model, config, ctx.device)
         # DDP wraps the module with the stop-flag parameter beside it (train.grad_sync); the optimizer,
-        # snapshots and checksums see the module alone. Gradients are views of DDP's buckets: the
-        # collectives reduce them in place, and backward accumulates into them in place (_train_step).
+        # snapshots and checksums see the module alone (never the compiled one: its state dict's names
+        # carry a prefix). Gradients are views of DDP's buckets: the collectives reduce them in place,
+        # and backward accumulates into them in place (_train_step).
         self.grad_sync = GradientSync(watcher, ctx.world_size, ctx.device)
+        forward = torch.compile(self.module) if config.compile else None
         self.model = DistributedDataParallel(
-            self.grad_sync.wrap(self.module),
+            self.grad_sync.wrap(self.module, forward=forward, find_unused_parameters=config.find_unused_parameters),
             device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
             gradient_as_bucket_view=True,
             bucket_cap_mb=CPU_BUCKET_CAP_MB if ctx.device.type == "cpu" else None,
+            find_unused_parameters=config.find_unused_parameters,
         )
         self.grad_sync.attach(self.model)
+        self.trained = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = self._make_optimizer()
         self.autocast = (lambda: torch.autocast(ctx.device.type, dtype=torch.bfloat16)) if config.amp else nullcontext
         order = EpochOrder(len(task.train_data), world_size=ctx.world_size, rank=ctx.rank, batch_size=config.batch_size, seed=config.seed)
@@ -158,7 +178,7 @@ class Trainer:
         defaults it. Measured in the trainer on the seed workload (2 ranks, bench_train.py's tutorial
         part, interleaved rounds): fused AdamW 59.6k samples/s against 54.1k per tensor; SGD 65.0k per
         tensor against 57.8k fused, whose grouping of tensors costs more than one small update saves."""
-        params, cfg = list(self.module.parameters()), self.config
+        params, cfg = self.trained, self.config
         if cfg.optimizer == "sgd":
             return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
         fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params) or None
@@ -253,10 +273,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
-    def _train_step(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, int]:
-        """One optimizer step over `grad_accum` micro-batches; gradients sync only on the last.
-        Returns the mean loss as a device tensor (read later, at a progress line: no host sync) and
-        the samples seen. Kept lean: at the seed workload's ~1 ms a step, each extra tensor op or
+    def _train_step(self, micro_batches: list[Batch]) -> StepResult:
+        """One optimizer step over `grad_accum` micro-batches; gradients sync only on the last, then
+        are clipped (--clip-grad-norm). The mean loss and the norm stay device tensors (read later, at
+        a progress line: no host sync). Kept lean: at the seed workload's ~1 ms a step, each extra tensor op or
         Python call on this path costs about half a percent. Gradients are zeroed in place, not set
         to None: they are views of DDP's buckets, so backward accumulates straight into the buckets
         instead of allocating new gradients that DDP copies in (~8% of the seed workload's step)."""
@@ -267,18 +287,23 @@ class Trainer:
             synced = i == count - 1
             with nullcontext() if synced else self.model.no_sync():
                 with self.autocast():
-                    loss = self.task.loss_fn(self.model(inputs), targets)
+                    outputs, flags = self.model(inputs)
+                    loss = self.task.loss_fn(outputs, targets)
                 scaled = loss / count if count > 1 else loss
-                (self.grad_sync.carry_flags(scaled) if synced else scaled).backward()
+                (self.grad_sync.carry_flags(scaled, flags) if synced else scaled).backward()
             losses.append(loss.detach())
             samples += len(inputs)
         self.grad_sync.finish()
+        grad_norm = None
+        if self.config.clip_grad_norm is not None:
+            # In place on the synced gradients (views of DDP's buckets), identical on every rank.
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.trained, self.config.clip_grad_norm, foreach=True)
         lr = self._lr(self.global_step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=False)
-        return (losses[0] if count == 1 else torch.stack(losses).mean()), samples
+        return StepResult(loss=losses[0] if count == 1 else torch.stack(losses).mean(), samples=samples, grad_norm=grad_norm)
 
     # ------------------------------------------------------------------ the loop
 
@@ -296,9 +321,8 @@ class Trainer:
                 stream = self.batches.epoch(self.epoch, self.step_in_epoch * cfg.grad_accum)
                 for step in range(self.step_in_epoch, self.steps_per_epoch):
                     count = min(cfg.grad_accum, self.batches_per_epoch - step * cfg.grad_accum)
-                    loss, samples = self._train_step([next(stream) for _ in range(count)])
+                    window.add(self._first_step_checked([next(stream) for _ in range(count)]))
                     self.global_step, self.step_in_epoch = self.global_step + 1, step + 1
-                    window.add(loss, samples)
                     done = self.global_step >= self.total_steps
                     if self.global_step % cfg.log_every == 0 or done:
                         last_loss = self._progress(window, start_step, started)
@@ -314,6 +338,9 @@ class Trainer:
                     self._end_epoch()
         finally:
             self.batches.close()
+        # DDP hands every rank rank 0's buffers before each forward, so after the last one each rank
+        # still holds its own (BatchNorm's running statistics): rank 0's are the run's, as in every snapshot.
+        broadcast_buffers(self.module, self.ctx)
         self.snapshot()
         elapsed = max(time.monotonic() - started, 1e-9)
         steps = self.global_step - start_step
@@ -328,6 +355,16 @@ class Trainer:
             samples_per_s=samples_per_s,
         )
         return Result(self.global_step, last_loss, checksum, steps / elapsed, samples_per_s)
+
+    def _first_step_checked(self, micro_batches: list[Batch]) -> StepResult:
+        """A step; a failure that says the settings do not fit the model (an unused parameter without
+        --find-unused-parameters, a model torch cannot compile) becomes a SetupError naming what to do.
+        DDP reports unused parameters at the step after the first, so every step goes through here;
+        the try costs nothing until something is raised."""
+        try:
+            return self._train_step(micro_batches)
+        except RuntimeError as exc:
+            raise explain_setup_failure(exc, self.model) or exc from None
 
     def _position(self) -> str:
         """Where training stands, numbered as the progress lines number it (epochs from 1). Between
@@ -347,8 +384,11 @@ class Trainer:
         rate = (self.global_step - start_step) / max(time.monotonic() - started, 1e-9)
         eta = (self.total_steps - self.global_step) / rate if rate > 0 else 0.0
         lr = self._lr(self.global_step)  # the next step's, as a scheduler reports it
+        # The same on every rank (the gradients were synced): no collective needed.
+        grad_norm = torch.stack(window.grad_norms).mean().item() if window.grad_norms else None
+        norm = f" grad_norm {grad_norm:.4g}" if grad_norm is not None else ""
         self.log(
-            f"{self._position()} loss {loss:.5f} lr {lr:.2e} samples/s {samples_per_s:,.0f} eta {format_duration(eta)}",
+            f"{self._position()} loss {loss:.5f}{norm} lr {lr:.2e} samples/s {samples_per_s:,.0f} eta {format_duration(eta)}",
             main_only=True,
         )
         self.metrics.write(
@@ -358,6 +398,7 @@ class Trainer:
             global_step=self.global_step,
             loss=loss,
             lr=lr,
+            **({"grad_norm": grad_norm} if grad_norm is not None else {}),
             samples_per_s=samples_per_s,
             eta_s=eta,
         )

@@ -1,0 +1,202 @@
+"""The model zoo: the kinds of models users bring, written as a user writes a task for
+`--task plugins.zoo:NAME` (a factory that takes the Config and returns a train.tasks.Task).
+
+- `cnn`: a CNN with BatchNorm (running statistics: buffers that DDP does not reduce).
+- `gpt`: a small causal transformer (token and position embeddings, dropout, tied input and output
+  weights), for `--amp`, `--grad-accum` and `--clip-grad-norm`.
+- `frozen`: a model whose first layer is frozen (requires_grad False), as in fine-tuning.
+- `two_heads`: a model with a head that forward never uses (needs `--find-unused-parameters`).
+- `image_files`: a map-style dataset read from .npy files in $ZOO_DATA_DIR with random augmentation
+  (flips, shifts, noise), loaded through DataLoader workers; `write_image_files(DIR)` is its data prep.
+
+Each keeps its data small: the tests train every model on two gloo ranks in seconds.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import Dataset, TensorDataset
+
+from train.config import Config
+from train.tasks import Task
+
+IMAGE_SHAPE = (3, 12, 12)
+CLASSES = 4
+
+
+def accuracy(out: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
+    return {"eval_loss": F.cross_entropy(out, target).item(), "eval_accuracy": (out.argmax(dim=1) == target).float().mean().item()}
+
+
+def synthetic_images(size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images whose class is the brightest quadrant of the first channel: learnable by a small CNN."""
+    gen = torch.Generator().manual_seed(seed)
+    images = torch.randn(size, *IMAGE_SHAPE, generator=gen)
+    labels = torch.randint(0, CLASSES, (size,), generator=gen)
+    half = IMAGE_SHAPE[1] // 2
+    for quadrant in range(CLASSES):
+        rows, cols = divmod(quadrant, 2)
+        chosen = labels == quadrant
+        images[chosen, 0, rows * half : (rows + 1) * half, cols * half : (cols + 1) * half] += 1.5
+    return images, labels
+
+
+def small_cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(8, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(2),
+        nn.Flatten(),
+        nn.Linear(64, CLASSES),
+    )
+
+
+def cnn(config: Config) -> Task:
+    images, labels = synthetic_images(config.dataset_size or 1024, config.data_seed)
+    train_data, eval_data = TensorDataset(images[128:], labels[128:]), TensorDataset(images[:128], labels[:128])
+    torch.manual_seed(config.seed)
+    return Task("zoo-cnn", small_cnn(), train_data, nn.CrossEntropyLoss(), eval_data, accuracy)
+
+
+# ---------------------------------------------------------------- a small causal transformer
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim), nn.Dropout(dropout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, dim = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(batch, length, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4)
+        drop = self.dropout if self.training else 0.0
+        attended = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)
+        x = x + self.proj(attended.transpose(1, 2).reshape(batch, length, dim))
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab: int = 32, block_size: int = 16, dim: int = 32, heads: int = 2, layers: int = 2, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(vocab, dim), nn.Embedding(block_size, dim)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.Sequential(*(Block(dim, heads, dropout) for _ in range(layers)))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.tokens.weight  # tied: one parameter, two uses
+        for embedding in (self.tokens, self.positions):
+            nn.init.normal_(embedding.weight, std=0.02)  # GPT-2's: unit-scale rows would make the tied head's logits huge
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.drop(self.tokens(idx) + self.positions(positions))
+        return self.head(self.norm(self.blocks(x)))
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def gpt(config: Config) -> Task:
+    """Next-token prediction on sequences that count up by a per-sequence stride (mod the vocabulary)."""
+    size, vocab, length = config.dataset_size or 2048, 32, 16
+    gen = torch.Generator().manual_seed(config.data_seed)
+    start = torch.randint(0, vocab, (size, 1), generator=gen)
+    stride = torch.randint(1, 4, (size, 1), generator=gen)
+    sequences = (start + stride * torch.arange(length + 1)) % vocab
+    inputs, targets = sequences[:, :-1].contiguous(), sequences[:, 1:].contiguous()
+    torch.manual_seed(config.seed)
+    model = TinyGPT(vocab=vocab, block_size=length)
+    return Task("zoo-gpt", model, TensorDataset(inputs[128:], targets[128:]), next_token_loss, TensorDataset(inputs[:128], targets[:128]))
+
+
+# ---------------------------------------------------------------- frozen layers, an unused head
+
+
+def classes_data(config: Config) -> TensorDataset:
+    gen = torch.Generator().manual_seed(config.data_seed)
+    x = torch.randn(config.dataset_size or 1024, 16, generator=gen)
+    return TensorDataset(x, (x[:, :CLASSES]).argmax(dim=1))
+
+
+def frozen(config: Config) -> Task:
+    """Fine-tuning's shape: a pretrained first layer kept frozen, a new head trained."""
+    torch.manual_seed(config.seed)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, CLASSES))
+    model[0].requires_grad_(False)
+    return Task("zoo-frozen", model, classes_data(config), nn.CrossEntropyLoss())
+
+
+class TwoHeads(nn.Module):
+    """A trunk with two heads; this task trains through `main` only (the other is for another task)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(16, 32), nn.ReLU())
+        self.main, self.auxiliary = nn.Linear(32, CLASSES), nn.Linear(32, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.main(self.trunk(x))
+
+
+def two_heads(config: Config) -> Task:
+    torch.manual_seed(config.seed)
+    return Task("zoo-two-heads", TwoHeads(), classes_data(config), nn.CrossEntropyLoss())
+
+
+# ---------------------------------------------------------------- a dataset read from files
+
+
+def write_image_files(directory: Path, size: int = 512, seed: int = 7) -> None:
+    """A user's data prep: one .npy file per image and a labels.csv naming each file's class."""
+    directory.mkdir(parents=True, exist_ok=True)
+    images, labels = synthetic_images(size, seed)
+    with open(directory / "labels.csv", "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["file", "label"])
+        for i, (image, label) in enumerate(zip(images, labels, strict=True)):
+            name = f"img-{i:05d}.npy"
+            np.save(directory / name, image.numpy())
+            writer.writerow([name, int(label)])
+
+
+class ImageFiles(Dataset):
+    """Reads one image file per sample and augments it at random: a horizontal flip, a shift of up to
+    one pixel (Python's RNG) and pixel noise (torch's RNG)."""
+
+    def __init__(self, directory: Path) -> None:
+        with open(directory / "labels.csv", newline="") as handle:
+            rows = list(csv.DictReader(handle))
+        self.paths = [directory / row["file"] for row in rows]
+        self.labels = [int(row["label"]) for row in rows]
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        image = torch.from_numpy(np.load(self.paths[i]))
+        if torch.rand(()) < 0.5:
+            image = image.flip(-1)
+        image = torch.roll(image, shifts=(random.randint(-1, 1), random.randint(-1, 1)), dims=(1, 2))
+        return image + 0.05 * torch.randn_like(image), torch.tensor(self.labels[i])
+
+
+def image_files(config: Config) -> Task:
+    torch.manual_seed(config.seed)
+    return Task("zoo-image-files", small_cnn(), ImageFiles(Path(os.environ["ZOO_DATA_DIR"])), nn.CrossEntropyLoss())
