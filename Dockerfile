@@ -7,14 +7,21 @@ ARG BASE_IMAGE
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG PIP_EXTRA_ARGS=""
-# 1 keeps what no runtime here loads: torch's C++ headers and test programs, the packages' test suites.
+# 1 keeps what no runtime here loads: torch's C++ test programs and CMake files, the packages' test suites.
 ARG KEEP_DEV_FILES=0
+# 1: g++ (and Python's headers where the base lacks them) with torch's C++ headers, so that torch.compile
+# works in the container; 0 leaves them out (a smaller image, see README) and torch.compile fails there.
+ARG WITH_COMPILER=1
+
+# The compiler first: a system layer that changes less often than torch.
+RUN --mount=type=bind,source=docker/install-compiler.sh,target=/tmp/install-compiler.sh \
+    if [ "${WITH_COMPILER}" = "1" ]; then sh /tmp/install-compiler.sh; fi
 
 # Dependencies first: this layer is rebuilt only when torch's version or the base changes.
 RUN --mount=type=secret,id=pip_cert,required=false \
     --mount=type=bind,source=wheelhouse,target=/wheelhouse \
     --mount=type=bind,source=docker/install-runtime.sh,target=/tmp/install-runtime.sh \
-    PIP_EXTRA_ARGS="${PIP_EXTRA_ARGS}" KEEP_DEV_FILES="${KEEP_DEV_FILES}" sh /tmp/install-runtime.sh "torch==${TORCH_VERSION}+cpu" "${TORCH_INDEX_URL}" cpu
+    PIP_EXTRA_ARGS="${PIP_EXTRA_ARGS}" KEEP_DEV_FILES="${KEEP_DEV_FILES}" WITH_COMPILER="${WITH_COMPILER}" sh /tmp/install-runtime.sh "torch==${TORCH_VERSION}+cpu" "${TORCH_INDEX_URL}" cpu
 
 COPY docker/profile.sh /etc/profile.d/ddpack.sh
 
@@ -45,6 +52,7 @@ LABEL org.opencontainers.image.title="ddpack" \
       org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.base.name="${BASE_IMAGE}" \
       io.ddpack.torch.version="${TORCH_VERSION}+cpu" \
+      io.ddpack.compiler="${WITH_COMPILER}" \
       io.ddpack.variant="cpu"
 
 WORKDIR /workspace

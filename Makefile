@@ -9,6 +9,8 @@ TORCH_VERSION ?= 2.13.0
 PIP_TORCH_OPTS ?=
 PYTEST_ARGS   ?=
 BENCH_START_ARGS ?=
+# e.g. --against ddpack:nocc (an image built with BUILD_ARGS='--build-arg WITH_COMPILER=0'); --only-against
+BENCH_SQSH_ARGS ?=
 
 # Images: $(IMAGE):$(TAG) (CPU) and $(IMAGE):$(TAG)-gpu.
 IMAGE         ?= ddpack
@@ -56,6 +58,7 @@ help: ## list targets and variables
 	@echo "  SQSH=$(SQSH) SQSH_GPU=$(SQSH_GPU) SQSH_CONVERTER=$(SQSH_CONVERTER) SQSH_ARGS=$(SQSH_ARGS) ENROOT_SQUASH_OPTIONS=$(ENROOT_SQUASH_OPTIONS)"
 	@echo "  PYTHON=$(PYTHON) VENV=$(VENV) TORCH_VERSION=$(TORCH_VERSION) PIP_TORCH_OPTS=$(PIP_TORCH_OPTS)"
 	@echo "  PYTEST_ARGS=$(PYTEST_ARGS) BENCH_START_ARGS=$(BENCH_START_ARGS) (--baseline-image IMG, --journaled-data DIR, --rounds N)"
+	@echo "  BENCH_SQSH_ARGS=$(BENCH_SQSH_ARGS) (--against IMG [--only-against]: what IMAGE:TAG costs over IMG)"
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -98,7 +101,7 @@ bench-images: engine ## print image size vs floor, cold and one-line-change buil
 	$(IMAGE_ENV) $(VPY) bench/bench_images.py --gpu
 
 bench-sqsh: image ## print make sqsh next to enroot import, the floors, and size/convert/unpack per compression
-	$(VPY) bench/bench_sqsh.py --image $(CPU_REF)
+	$(VPY) bench/bench_sqsh.py --image $(CPU_REF) $(BENCH_SQSH_ARGS)
 
 bench-start: image ## print srun -> first training step under pyxis: make sqsh vs enroot import (root, Slurm+pyxis)
 	$(VPY) bench/bench_start.py --image $(CPU_REF) $(BENCH_START_ARGS)

@@ -7,6 +7,10 @@
 3. Compression: for none (HyperPod's), enroot's default, lz4 and zstd, the file size, the conversion time
    and the unpack time (`unsquashfs` into a fresh folder, as `enroot create` does under pyxis, page cache
    dropped first), which is what ddpack's default was chosen from.
+4. With --against IMAGE: what one image costs over another (the default build against WITH_COMPILER=0,
+   say): image size, squashfs size with ddpack's default options and the unpack time, rounds alternating.
+   On this VM's root filesystem (ext4 without a journal) an unpack soon after a delete runs slower
+   (bench_start.py --journaled-data says why); both images pay it alike in alternating rounds.
 """
 
 from __future__ import annotations
@@ -44,6 +48,36 @@ def drop_caches() -> None:
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
+def unpack_seconds(sqsh: Path, target: Path) -> float:
+    """unsquashfs into a fresh folder with the page cache dropped, as `enroot create` unpacks under pyxis."""
+    shutil.rmtree(target, ignore_errors=True)
+    drop_caches()
+    return timed(lambda: subprocess.run(["unsquashfs", "-q", "-d", str(target), str(sqsh)], check=True, capture_output=True))
+
+
+def compare_images(image: str, against: str, rounds: int, tmp: Path) -> None:
+    os.environ["ENROOT_SQUASH_OPTIONS"] = DEFAULT_SQUASH_OPTIONS
+    files = {name: tmp / f"{i}.sqsh" for i, name in enumerate((image, against))}
+    for name, path in files.items():
+        convert(name, path, "layers", force=True)
+    unpacks: dict[str, list[float]] = {name: [] for name in files}
+    for round_ in range(rounds):
+        for name in list(files) if round_ % 2 == 0 else list(files)[::-1]:
+            unpacks[name].append(unpack_seconds(files[name], tmp / "unpacked"))
+    client = docker_client()
+    print(f"\nsqsh     {image} against {against}: ENROOT_SQUASH_OPTIONS={DEFAULT_SQUASH_OPTIONS!r}, {rounds} rounds alternating, medians")
+    figures = {}
+    for name, path in files.items():
+        figures[name] = (client.images.get(name).attrs["Size"], path.stat().st_size, statistics.median(unpacks[name]))
+        size, sqsh, unpack = figures[name]
+        print(f"sqsh     {name:<32} image {size / 2**20:7,.0f} MiB   squashfs {sqsh / 2**20:7,.0f} MiB   unpack {unpack:6.2f}s")
+    (a_size, a_sqsh, a_unpack), (b_size, b_sqsh, b_unpack) = figures[image], figures[against]
+    print(
+        f"sqsh     difference: image +{(a_size - b_size) / 2**20:,.0f} MiB, squashfs +{(a_sqsh - b_sqsh) / 2**20:,.0f} MiB, "
+        f"unpack +{a_unpack - b_unpack:.2f}s ({a_unpack / b_unpack:.2f}x)"
+    )
+
+
 def converters(image: str, out: Path) -> dict[str, object]:
     def enroot() -> None:
         out.unlink(missing_ok=True)
@@ -60,7 +94,15 @@ def main() -> None:
     parser.add_argument("--image", required=True)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--options", default=HYPERPOD_SQUASH_OPTIONS, help="ENROOT_SQUASH_OPTIONS of the side-by-side part")
+    parser.add_argument("--against", help="another image to set --image against (size, squashfs, unpack), e.g. a WITH_COMPILER=0 build")
+    parser.add_argument("--only-against", action="store_true", help="run only the --against part")
     opts = parser.parse_args()
+    if opts.only_against:
+        if not opts.against:
+            parser.error("--only-against needs --against IMAGE")
+        with tempfile.TemporaryDirectory(prefix="ddpack-bench-sqsh-", dir=os.environ.get("TMPDIR", "/var/tmp")) as tmp:
+            compare_images(opts.image, opts.against, opts.rounds, Path(tmp))
+        return
     os.environ["ENROOT_SQUASH_OPTIONS"] = opts.options
     with tempfile.TemporaryDirectory(prefix="ddpack-bench-sqsh-", dir=os.environ.get("TMPDIR", "/var/tmp")) as tmp:
         out = Path(tmp) / "x.sqsh"
@@ -85,13 +127,10 @@ def main() -> None:
         for options in COMPRESSIONS:
             os.environ["ENROOT_SQUASH_OPTIONS"] = options
             seconds = timed(lambda: convert(opts.image, out, "layers", force=True))
-            unpacks, target = [], Path(tmp) / "unpacked"
-            for _ in range(opts.rounds):
-                shutil.rmtree(target, ignore_errors=True)
-                drop_caches()
-                unpack = ["unsquashfs", "-q", "-d", str(target), str(out)]
-                unpacks.append(timed(lambda argv=unpack: subprocess.run(argv, check=True, capture_output=True)))
+            unpacks = [unpack_seconds(out, Path(tmp) / "unpacked") for _ in range(opts.rounds)]
             table.append((options, out.stat().st_size, seconds, statistics.median(unpacks)))
+        if opts.against:
+            compare_images(opts.image, opts.against, opts.rounds, Path(tmp))
     print(
         f"\nsqsh     {opts.image}, ENROOT_SQUASH_OPTIONS={opts.options!r}, {opts.rounds} rounds alternating, medians; output {size / 2**20:,.0f} MiB"
     )

@@ -9,7 +9,10 @@
    gradient exchanged by one all-gather instead, as the trainer syncs small buckets), unbound and
    bound to CPUs as the trainer binds its ranks, the faster taken, next to the trainer's step time;
 4. a map-style dataset whose __getitem__ waits ~1 ms: samples/s with 0 and with 2 DataLoader
-   workers per rank.
+   workers per rank;
+5. the heavy MLP eager against `--compile` (inductor, C++ through g++): the steady step time (the
+   progress windows after the first, which holds the compilation) and the whole run's wall time with
+   inductor's cache cold (a new node's first job) and warm (a later job on the node).
 
 Every process runs with OMP_NUM_THREADS=1 (2 ranks on this 2-core machine). The trainer runs as
 users run it, with progress lines every --log-every=100 steps and no snapshots; its figures come
@@ -25,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -65,12 +69,25 @@ def run_job(argv: list[str], extra_env: dict[str, str] | None = None) -> str:
     return outputs[0]
 
 
-def trainer(*flags: str, env: dict[str, str] | None = None) -> dict:
+def trainer_records(*flags: str, env: dict[str, str] | None = None) -> list[dict]:
+    """Rank 0's metrics records of one trainer run."""
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "m.jsonl"
         argv = [sys.executable, "-P", "-m", "train", "--snapshot-dir", "", "--log-every", "100", "--metrics-file", str(metrics), *flags]
         run_job(argv, env)
-        return [json.loads(line) for line in metrics.read_text().splitlines() if '"final"' in line][-1]
+        return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def trainer(*flags: str, env: dict[str, str] | None = None) -> dict:
+    return [r for r in trainer_records(*flags, env=env) if r["kind"] == "final"][-1]
+
+
+def steady_and_wall(*flags: str, env: dict[str, str] | None = None) -> dict:
+    """Median samples/s of the progress windows after the first, and the run's wall time."""
+    started = time.monotonic()
+    records = trainer_records(*flags, env=env)
+    windows = [r["samples_per_s"] for r in records if r["kind"] == "progress"][1:]
+    return {"samples_per_s": statistics.median(windows), "wall_s": time.monotonic() - started}
 
 
 def baseline(which: str, *flags: str) -> dict:
@@ -101,9 +118,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=40, help="epochs of the 2048-sample workloads")
     parser.add_argument("--repeats", type=int, default=5, help="rounds of each side-by-side comparison")
-    parser.add_argument("--only", choices=("tutorial", "bare", "floor", "loader"), action="append", help="run only these parts")
+    parser.add_argument("--only", choices=("tutorial", "bare", "floor", "loader", "compile"), action="append", help="run only these parts")
     opts = parser.parse_args()
-    parts = opts.only or ["tutorial", "bare", "floor", "loader"]
+    parts = opts.only or ["tutorial", "bare", "floor", "loader", "compile"]
     epochs = str(opts.epochs)
     seed = ["--dataset-size", "2048", "--batch-size", "32", "--epochs", epochs]
     print(f"trainer  {RANKS} gloo ranks on this machine, OMP_NUM_THREADS=1, medians of {opts.repeats} interleaved rounds")
@@ -186,6 +203,28 @@ def main() -> None:
         print(
             f"4 loader    1 ms/sample dataset: 0 workers {got['0 workers']:7,.0f} samples/s   2 workers/rank {got['2 workers']:7,.0f} samples/s   "
             f"({got['2 workers'] / got['0 workers']:.1f}x)"
+        )
+
+    if "compile" in parts:
+        heavy = [*seed, "--task", "bench_tasks:heavy", "--lr-schedule", "constant"]
+        with tempfile.TemporaryDirectory() as cache:
+            cold = steady_and_wall(*heavy, "--compile", env={"TORCHINDUCTOR_CACHE_DIR": cache})  # once: the cache fills here
+            seen = {"eager": [], "compiled": []}
+            walls = {"eager": [], "compiled": []}
+            for _ in range(opts.repeats):
+                for name, extra in (("eager", []), ("compiled", ["--compile"])):
+                    got = steady_and_wall(*heavy, *extra, env={"TORCHINDUCTOR_CACHE_DIR": cache})
+                    seen[name].append(got["samples_per_s"])
+                    walls[name].append(got["wall_s"])
+        step = {name: RANKS * 32 / statistics.median(values) * 1e3 for name, values in seen.items()}
+        rounds = " ".join(f"{a / b:.2f}" for a, b in zip(seen["compiled"], seen["eager"], strict=True))
+        print(
+            f"5 compile   heavy MLP: eager {step['eager']:.3f} ms/step   compiled {step['compiled']:.3f} ms/step   "
+            f"compiled / eager speed = {step['eager'] / step['compiled']:.2f}x   (round by round {rounds})"
+        )
+        print(
+            f"5 compile   whole run ({epochs} epochs): eager {statistics.median(walls['eager']):.1f} s   compiled, inductor cache warm "
+            f"{statistics.median(walls['compiled']):.1f} s, cold {cold['wall_s']:.1f} s"
         )
 
 

@@ -48,13 +48,16 @@ mkdir -p /opt/ddpack/lib
 # entrypoint on the PATH that a login shell keeps (/usr/local/bin), bound to the venv's interpreter.
 printf '#!/opt/ddpack/venv/bin/python\nimport sys\nfrom entrypoint.cli import main\nsys.exit(main())\n' > /usr/local/bin/entrypoint
 chmod 0755 /usr/local/bin/entrypoint
-# Trim what no runtime here loads (KEEP_DEV_FILES=1 keeps it): torch's C++ headers and CMake files, read only
-# by C++ extension builds and torch.compile's CPU code generation (both need a compiler the image lacks),
-# the test suites packages ship, and torch's C++ test executables (torch/test and bin/test_*, gtest
-# programs no Python code runs; ~125 MB in the CPU wheel). Under pyxis every file and every byte costs
-# start time: enroot unpacks the whole image on every node for every job (bench/bench_start.py).
+# Trim what no runtime here loads (KEEP_DEV_FILES=1 keeps it): torch's CMake files, the test suites packages
+# ship, and torch's C++ test executables (torch/test and bin/test_*, gtest programs no Python code runs;
+# ~125 MB in the CPU wheel); and torch's C++ headers where the image has no compiler (WITH_COMPILER=0):
+# only torch.compile's code generation and C++ extension builds read them. Under pyxis every file and
+# every byte costs start time: enroot unpacks the whole image on every node for every job (bench/bench_start.py).
 if [ "${KEEP_DEV_FILES:-0}" != 1 ]; then
-  rm -rf "$site/torch/include" "$site/torch/share/cmake" "$site/torch/test"
+  if [ "${WITH_COMPILER:-1}" != 1 ]; then
+    rm -rf "$site/torch/include"
+  fi
+  rm -rf "$site/torch/share/cmake" "$site/torch/test"
   if [ -d "$site/torch/bin" ]; then
     find "$site/torch/bin" -maxdepth 1 -type f \( -name 'test_*' -o -name '*Test' \) -exec rm -f {} +
   fi

@@ -2,6 +2,10 @@
 #
 #   ddpack_setup NAME          the run directory and the banner line (sets DDPACK_RUN_DIR)
 #   ddpack_container_path P    P as the container sees it through DDPACK_MOUNTS, or a one-line error
+#   ddpack_project_dir [container]
+#                              export DDPACK_PROJECT_DIR, where the trainer imports `--task module:factory`
+#                              from after its working directory: the submission folder (or DDPACK_PROJECT_DIR
+#                              as given), as the container sees it with `container`
 #   ddpack_require_pyxis       fail at once when this cluster's srun has no pyxis (--container-image)
 #   ddpack_preflight COMMAND...
 #                              DDPACK_PREFLIGHT=1: run COMMAND (the template's own srun line with
@@ -64,6 +68,18 @@ ddpack_container_path() {
     done
     [ -n "${best_src}" ] || ddpack_die "${path} is not under any of DDPACK_MOUNTS=${DDPACK_MOUNTS:-} (host:container pairs), so the container cannot reach it; submit from a folder on a mounted filesystem or add its mount to DDPACK_MOUNTS"
     echo "${best_dst}${path#"${best_src}"}"
+}
+
+ddpack_project_dir() {
+    local dir=${DDPACK_PROJECT_DIR:-${SLURM_SUBMIT_DIR}}
+    if [ "${1:-}" = container ]; then
+        dir=$(ddpack_container_path "${dir}" 2>/dev/null) || {
+            echo "ddpack: ${DDPACK_PROJECT_DIR:-${SLURM_SUBMIT_DIR}} is under none of DDPACK_MOUNTS=${DDPACK_MOUNTS:-}: --task modules are looked for in the run folder only"
+            unset DDPACK_PROJECT_DIR
+            return 0
+        }
+    fi
+    export DDPACK_PROJECT_DIR=${dir}
 }
 
 ddpack_require_pyxis() {

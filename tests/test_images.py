@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from docker_support import TEST_TAG, build, engine_or_skip, host_ca_bundle
+from readme_examples import write_mytask
 
 import docker
 from ddpack.errors import HostError
@@ -66,8 +67,9 @@ def test_bytecode_ships_and_what_no_runtime_loads_is_left_out(client: docker.Doc
     code, out = run(client, image, ["python", "-c", probe], user="4242:4242")
     assert code == 0, out
     modules, rest = out.strip().split(" ", 1)
-    # torch_shm_manager stays: DataLoader workers use it under the file_system sharing strategy.
-    assert int(modules) > 500 and rest == "[] False False [] [] True", out
+    # torch's C++ headers stay for torch.compile (the image has its compiler); torch_shm_manager stays:
+    # DataLoader workers use it under the file_system sharing strategy.
+    assert int(modules) > 500 and rest == "[] True False [] [] True", out
 
 
 def test_docker_run_with_no_arguments_trains(client: docker.DockerClient, image: str) -> None:
@@ -122,6 +124,25 @@ def test_dataloader_workers_and_a_users_task_from_the_working_directory(client: 
     )
     assert code == 0, out
     assert "task augmented" in out and "checksums agree across 1 ranks" in out
+
+
+def test_the_readme_task_under_docker_run_on_two_ranks(client: docker.DockerClient, image: str, tmp_path: Path) -> None:
+    """README: `docker run --rm -v "$PWD":/workspace ddpack:dev --nproc-per-node 2 --task mytask:make --epochs 2`."""
+    write_mytask(tmp_path)
+    args = ["--nproc-per-node", "2", "--task", "mytask:make", "--epochs", "2", "--snapshot-dir", ""]
+    code, out = run(client, image, args, volumes={str(tmp_path): {"bind": "/workspace", "mode": "ro"}}, environment={"OMP_NUM_THREADS": "1"})
+    assert code == 0, out
+    assert "task my-cnn" in out and "epoch 2 done: eval_accuracy" in out and "checksums agree across 2 ranks" in out
+
+
+def test_torch_compile_works_in_the_image(client: docker.DockerClient, image: str) -> None:
+    """A user's own torch.compile (inductor generates C++ and builds it with the image's g++ against
+    torch's headers), as any uid, and the trainer's --compile."""
+    probe = "import torch; f = torch.compile(lambda x: (x * 2).sin() + 1); print(torch.allclose(f(torch.ones(8)), (torch.ones(8) * 2).sin() + 1))"
+    code, out = run(client, image, ["python", "-c", probe], user="4242:4242")
+    assert code == 0 and out.strip().splitlines()[-1] == "True", out
+    code, out = run(client, image, ["--compile", "--epochs", "1", "--snapshot-dir", ""], environment={"OMP_NUM_THREADS": "1"})
+    assert code == 0 and "checksums agree across 1 ranks" in out, out
 
 
 def test_image_config_entrypoint_env_and_labels(client: docker.DockerClient, image: str) -> None:

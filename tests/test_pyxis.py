@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT
+from readme_examples import write_mytask
 from slurm_cluster import ClusterUnavailable, ensure_cluster
 from slurm_jobs import CHECKSUM_RE, env, preempt_and_resume, sbatch
 
@@ -128,7 +129,10 @@ TEMPLATE_ARGS = {
 @pytest.mark.parametrize("mount", ["same-path", "other-path"])
 @pytest.mark.parametrize("template", sorted(TEMPLATE_ARGS))
 def test_pyxis_templates_with_the_shared_folder_at_the_same_or_another_path(sqsh: Path, shared: Path, template: str, mount: str) -> None:
+    """The README's own task in the submission folder: the container finds it at the folder's path
+    inside (DDPACK_PROJECT_DIR), whichever path the shared folder is mounted at."""
     folder = submission_folder(shared, f"{template.split('.')[0]}-{mount}")
+    write_mytask(folder)
     mounts = f"{shared}:{shared}" if mount == "same-path" else f"{shared}:/fsx"
     spec = TEMPLATE_ARGS[template]
     code, job = sbatch(
@@ -137,12 +141,12 @@ def test_pyxis_templates_with_the_shared_folder_at_the_same_or_another_path(sqsh
         sbatch_args=spec["sbatch"],
         DDPACK_SQSH=str(sqsh),
         DDPACK_MOUNTS=mounts,
-        DDPACK_TRAIN_ARGS="--epochs 1 --log-every 100",
+        DDPACK_TRAIN_ARGS="--task mytask:make --epochs 1 --log-every 100",
         **spec["settings"],
     )
     log = (folder / "logs" / f"ddpack-{job}.out").read_text()
     assert code == 0, log
-    assert "checksums agree across 4 ranks" in log
+    assert "task my-cnn" in log and "checksums agree across 4 ranks" in log
     run_dir = folder / "runs" / f"ddpack-{job}"
     assert f"run dir {run_dir} (new run;" in log
     assert list((run_dir / "snapshots").glob("snapshot-*.pt")) and (run_dir / "metrics.jsonl").exists()

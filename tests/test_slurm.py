@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from readme_examples import write_mytask
 from slurm_cluster import ClusterUnavailable, ensure_cluster
 from slurm_jobs import CHECKSUM_RE, FINAL_STATES, VENV, checksums, env, job_state, preempt_and_resume, sbatch, submit_and_preempt
 
@@ -59,11 +60,14 @@ def test_srun_one_task_per_node_runs_torchrun_with_c10d(tmp_path: Path) -> None:
 
 
 def test_baremetal_template(tmp_path: Path) -> None:
-    code, job = sbatch("baremetal.sbatch", tmp_path, DDPACK_TRAIN_ARGS="--epochs 2 --log-every 100")
+    """The README's own task, in the submission folder, trained from the job's run folder."""
+    write_mytask(tmp_path)
+    code, job = sbatch("baremetal.sbatch", tmp_path, DDPACK_TRAIN_ARGS="--task mytask:make --epochs 2 --log-every 100")
     log = (tmp_path / "logs" / f"ddpack-{job}.out").read_text()
     assert code == 0, log
     run_dir = tmp_path / "runs" / f"ddpack-{job}"
     assert f"ddpack: job {job} (restart 0) on ddnode[1-2], run dir {run_dir} (new run;" in log
+    assert "task my-cnn" in log and "epoch 2 done: eval_accuracy" in log
     assert "checksums agree across 4 ranks" in log
     assert list((run_dir / "snapshots").glob("snapshot-*.pt"))
     assert (run_dir / "metrics.jsonl").exists()
@@ -109,17 +113,19 @@ def test_docker_hostnet_template(tmp_path: Path) -> None:
 
     engine_or_skip()
     build("cpu", TEST_TAG)
+    write_mytask(tmp_path)  # the user's task in the submission folder, which the template mounts read-only
     code, job = sbatch(
         "docker-hostnet.sbatch",
         tmp_path,
         DDPACK_IMAGE=TEST_TAG,
-        DDPACK_TRAIN_ARGS="--epochs 2 --log-every 100",
+        DDPACK_TRAIN_ARGS="--task mytask:make --epochs 2 --log-every 100",
         DDPACK_DOCKER_ARGS="-e OMP_NUM_THREADS=1",
         DDPACK_PREFLIGHT="1",
     )
     log = (tmp_path / "logs" / f"ddpack-docker-{job}.out").read_text()
     assert code == 0, log
     assert log.index("preflight: PASS") < log.index("checksums agree across 2 ranks") and "[rank 1/2] start: rank 1 world 2" in log
+    assert "task my-cnn" in log
     report = json.loads((tmp_path / "runs" / f"ddpack-docker-{job}" / "preflight.json").read_text())
     assert [r["in_image"] for r in report["identity"]] == [True, True]  # the check ran in the containers
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import ROOT, clean_env
 from ddp_jobs import reference_checksum, start_slurm_step, stopped_mid_epoch_then_resumed
+from readme_examples import write_mytask
 
 from train.config import parse_config
 
@@ -90,6 +91,35 @@ def test_an_unused_head_without_the_flag_is_one_line_naming_it(tmp_path: Path) -
     ], job.output()
     assert "Traceback" not in job.output()
     assert not metrics.exists() and not (tmp_path / "snap").exists()
+
+
+def test_the_readme_task_trains_as_its_first_command_shows(tmp_path: Path) -> None:
+    """README: `python -m train --task mytask:make --epochs 2`, run from the folder that holds mytask.py."""
+    write_mytask(tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-m", "train", "--task", "mytask:make", "--epochs", "2", "--snapshot-dir", ""],
+        env=clean_env(PYTHONPATH=str(ROOT)),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    accuracy = [float(line.rsplit(" ", 1)[1]) for line in result.stdout.splitlines() if "done: eval_accuracy" in line]
+    assert len(accuracy) == 2 and accuracy[-1] > 0.8, result.stdout
+
+
+@pytest.mark.dist
+def test_a_task_in_the_project_folder_is_found_from_a_run_folder(tmp_path: Path) -> None:
+    """As the templates run it: the working directory is the run folder; DDPACK_PROJECT_DIR names the
+    submission folder that holds the user's module."""
+    write_mytask(tmp_path)
+    run_dir = tmp_path / "runs" / "job-1"
+    run_dir.mkdir(parents=True)
+    job = start_slurm_step(run_dir, [2], ["--task", "mytask:make", "--epochs", "1", "--snapshot-dir", ""], cwd=run_dir,
+                           rank_env={rank: {"DDPACK_PROJECT_DIR": str(tmp_path)} for rank in range(2)})  # fmt: skip
+    assert job.wait() == [0, 0], job.output()
+    assert "task my-cnn" in job.output() and len(set(job.checksums())) == 1
 
 
 # ---------------------------------------------------------------- torch.compile

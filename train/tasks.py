@@ -91,14 +91,19 @@ def load_task(config: Config) -> Task:
         known = ", ".join(BUILTIN_TASKS)
         raise TaskError(f"--task {config.task!r} is neither a built-in task ({known}) nor 'package.module:factory'")
     # The trainer runs with the working directory off the front of the path (see entrypoint's
-    # default_command); the user's module is looked for there last, after the bundle and torch.
-    cwd = os.getcwd()
-    if cwd not in sys.path:
-        sys.path.append(cwd)
+    # default_command); the user's module is looked for there last, after the bundle and torch, and
+    # then in DDPACK_PROJECT_DIR: the templates set it to the submission folder (as the container sees
+    # it), since they run in a run folder of their own, and under pyxis the image's PYTHONPATH wins
+    # over the job's.
+    searched = [os.getcwd(), *([os.environ["DDPACK_PROJECT_DIR"]] if os.environ.get("DDPACK_PROJECT_DIR") else [])]
+    for folder in searched:
+        if folder not in sys.path:
+            sys.path.append(folder)
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise TaskError(f"--task {config.task!r}: cannot import {module_name!r} ({exc}); is it on PYTHONPATH?") from None
+        where = " and ".join(searched)
+        raise TaskError(f"--task {config.task!r}: cannot import {module_name!r} ({exc}); looked on PYTHONPATH and in {where}") from None
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise TaskError(f"--task {config.task!r}: {module_name} has no callable {attr!r}")

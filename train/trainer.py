@@ -95,20 +95,11 @@ class Window:
     samples: int = 0
     started: float = field(default_factory=time.monotonic)
 
-    def add(self, step: StepResult) -> None:
-        self.losses.append(step.loss)
-        if step.grad_norm is not None:
-            self.grad_norms.append(step.grad_norm)
-        self.samples += step.samples
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """One optimizer step, its figures still on the device."""
-
-    loss: torch.Tensor
-    samples: int
-    grad_norm: torch.Tensor | None
+    def add(self, loss: torch.Tensor, samples: int, grad_norm: torch.Tensor | None) -> None:
+        self.losses.append(loss)
+        if grad_norm is not None:
+            self.grad_norms.append(grad_norm)
+        self.samples += samples
 
 
 def parameter_checksum(module: torch.nn.Module) -> str:
@@ -273,11 +264,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
-    def _train_step(self, micro_batches: list[Batch]) -> StepResult:
+    def _train_step(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, int, torch.Tensor | None]:
         """One optimizer step over `grad_accum` micro-batches; gradients sync only on the last, then
-        are clipped (--clip-grad-norm). The mean loss and the norm stay device tensors (read later, at
-        a progress line: no host sync). Kept lean: at the seed workload's ~1 ms a step, each extra tensor op or
-        Python call on this path costs about half a percent. Gradients are zeroed in place, not set
+        are clipped (--clip-grad-norm). Returns the mean loss, the samples seen and the norm before
+        clipping; the tensors stay on the device (read later, at a progress line: no host sync).
+        Kept lean: at the seed workload's ~1 ms a step, each extra tensor op or Python call on this
+        path costs about half a percent. Gradients are zeroed in place, not set
         to None: they are views of DDP's buckets, so backward accumulates straight into the buckets
         instead of allocating new gradients that DDP copies in (~8% of the seed workload's step)."""
         count = len(micro_batches)
@@ -303,7 +295,7 @@ class Trainer:
             group["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=False)
-        return StepResult(loss=losses[0] if count == 1 else torch.stack(losses).mean(), samples=samples, grad_norm=grad_norm)
+        return (losses[0] if count == 1 else torch.stack(losses).mean()), samples, grad_norm
 
     # ------------------------------------------------------------------ the loop
 
@@ -321,7 +313,7 @@ class Trainer:
                 stream = self.batches.epoch(self.epoch, self.step_in_epoch * cfg.grad_accum)
                 for step in range(self.step_in_epoch, self.steps_per_epoch):
                     count = min(cfg.grad_accum, self.batches_per_epoch - step * cfg.grad_accum)
-                    window.add(self._first_step_checked([next(stream) for _ in range(count)]))
+                    window.add(*self._train_step([next(stream) for _ in range(count)]))
                     self.global_step, self.step_in_epoch = self.global_step + 1, step + 1
                     done = self.global_step >= self.total_steps
                     if self.global_step % cfg.log_every == 0 or done:
@@ -336,6 +328,11 @@ class Trainer:
                         break
                 if self.step_in_epoch >= self.steps_per_epoch:
                     self._end_epoch()
+        except RuntimeError as exc:
+            # A failure that says the settings do not fit the model (an unused parameter without
+            # --find-unused-parameters, which DDP reports at the step after the first; a model torch
+            # cannot compile) becomes one line naming what to change. The try costs nothing per step.
+            raise explain_setup_failure(exc, self.model) or exc from None
         finally:
             self.batches.close()
         # DDP hands every rank rank 0's buffers before each forward, so after the last one each rank
@@ -355,16 +352,6 @@ class Trainer:
             samples_per_s=samples_per_s,
         )
         return Result(self.global_step, last_loss, checksum, steps / elapsed, samples_per_s)
-
-    def _first_step_checked(self, micro_batches: list[Batch]) -> StepResult:
-        """A step; a failure that says the settings do not fit the model (an unused parameter without
-        --find-unused-parameters, a model torch cannot compile) becomes a SetupError naming what to do.
-        DDP reports unused parameters at the step after the first, so every step goes through here;
-        the try costs nothing until something is raised."""
-        try:
-            return self._train_step(micro_batches)
-        except RuntimeError as exc:
-            raise explain_setup_failure(exc, self.model) or exc from None
 
     def _position(self) -> str:
         """Where training stands, numbered as the progress lines number it (epochs from 1). Between
