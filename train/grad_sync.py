@@ -111,7 +111,8 @@ class GradientSync:
         dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
         self.flags = nn.Parameter(torch.zeros(len(self.watcher.signals), dtype=dtype, device=self.device))
         self._marks = torch.zeros_like(self.flags.detach())
-        return _WithStopFlags(module, self.flags, forward or module, find_unused_parameters)
+        # `is None`, not `or`: torch.compile's wrapper has a __len__ that raises for a module that is no container.
+        return _WithStopFlags(module, self.flags, forward if forward is not None else module, find_unused_parameters)
 
     def attach(self, model: DistributedDataParallel) -> None:
         if not model.gradient_as_bucket_view:
