@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from conftest import clean_env
+from conftest import ROOT, clean_env
 
 ENTRYPOINT = [sys.executable, "-m", "entrypoint"]
 CHECKSUM_RE = re.compile(r"final parameter checksum ([0-9a-f]{16})")
@@ -54,6 +54,18 @@ class Job:
 
     def checksums(self) -> list[str]:
         return CHECKSUM_RE.findall(self.output())
+
+
+def run_train(*args: str, cwd: Path = ROOT, **env: str) -> subprocess.CompletedProcess[str]:
+    """`python -m train ARGS` in one process from `cwd`, with the tests' own modules (plugins.*) importable."""
+    return subprocess.run(
+        [sys.executable, "-m", "train", *args],
+        env=clean_env(PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}", **env),
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def _spawn(argv: list[str], env: dict[str, str], log: Path, cwd: Path | None = None) -> subprocess.Popen[bytes]:
@@ -147,10 +159,10 @@ STOPPED_AT_RE = re.compile(r"stopped on \w+ .*? at epoch \d+/\d+ step (\d+)/(\d+
 
 def stopped_mid_epoch_then_resumed(
     tmp: Path, args: Sequence[str], *, after_step: int, cwd: Path | None = None, env: Mapping[str, str] | None = None
-) -> Job:
+) -> tuple[Job, Job]:
     """Two ranks of `args` (which name no --snapshot-dir), SIGTERM to rank 1 alone once rank 0 is past
-    `after_step`; the stop must land mid-epoch with a snapshot. Returns the rerun of the same command,
-    which resumed from it and finished."""
+    `after_step`; the stop must land mid-epoch with a snapshot. Returns the stopped job and the rerun of
+    the same command, which resumed from it and finished."""
     snap, metrics = tmp / "snap", tmp / "stopped.jsonl"
     full = [*args, "--snapshot-dir", str(snap), "--snapshot-every", "1000", "--log-every", "1"]
     rank_env = dict.fromkeys(range(2), env or {})
@@ -165,4 +177,4 @@ def stopped_mid_epoch_then_resumed(
     assert resumed.wait() == [0, 0], resumed.output()
     position = f"step {stopped.group(1)}/{stopped.group(2)} (global {stopped.group(3)}/"
     assert any("resumed after epoch" in line and position in line for line in resumed.output(0).splitlines()), resumed.output()
-    return resumed
+    return job, resumed

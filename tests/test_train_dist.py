@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from ddp_jobs import metrics_step, reference_checksum, start_slurm_step, start_standalone, subdir, wait_for
+from ddp_jobs import metrics_step, reference_checksum, start_slurm_step, start_standalone, stopped_mid_epoch_then_resumed, subdir, wait_for
 
 from train.affinity import cpu_list
 
@@ -65,23 +65,14 @@ def test_torchrun_per_node_shape_under_slurm_four_ranks(tmp_path: Path) -> None:
 
 
 def test_sigterm_to_one_rank_stops_all_and_resume_is_bit_exact(tmp_path: Path) -> None:
+    """Only rank 1 hears it, as when one node is preempted; the helper checks the stop lands mid-epoch with
+    its snapshot and the rerun resumes at that position."""
     expected = reference_checksum(tmp_path, LONG)
-    snap, metrics = tmp_path / "snap", tmp_path / "m.jsonl"
-    args = [*LONG, "--snapshot-dir", str(snap), "--snapshot-every", "1000", "--metrics-file", str(metrics)]
-    job = start_slurm_step(tmp_path, [2], args)
-    wait_for(lambda: metrics_step(metrics) >= 30, 60, "step 30")
-    job.send(signal.SIGTERM, [1])  # only rank 1 hears it, as when one node is preempted
-    assert job.wait() == [143, 143], job.output()
-    out = job.output()
+    stopped, resumed = stopped_mid_epoch_then_resumed(tmp_path, LONG, after_step=30)
+    out = stopped.output()
     assert "[rank 1/2] stopped on SIGTERM (received here) at epoch 1/2 step" in out
     assert "[rank 0/2] stopped on SIGTERM (received by another rank)" in out
-    stopped = re.search(r"step (\d+)/(\d+) \(global (\d+)/\d+\)", out.split("stopped on")[1])
-    assert stopped and 0 < int(stopped.group(1)) < int(stopped.group(2)), "the stop must land mid-epoch"
-    assert [p.name for p in snap.glob("snapshot-*.pt")] == [f"snapshot-{int(stopped.group(3)):010d}.pt"]
-
-    resumed = start_slurm_step(subdir(tmp_path, "resume"), [2], args)
-    assert resumed.wait() == [0, 0], resumed.output()
-    assert f"resumed after epoch 1/2 step {stopped.group(1)}/{stopped.group(2)}" in resumed.output()
+    assert "resumed after epoch 1/2 step" in resumed.output()
     assert set(resumed.checksums()) == {expected}
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, clean_env
+from ddp_jobs import run_train
 
 from train.affinity import cpu_list, parse_cpu_list, plan_slices
 from train.config import build_parser, parse_config
@@ -40,11 +41,6 @@ REQUIRED_FLAGS = [
     "--find-unused-parameters",
     "--compile",
 ]
-
-
-def run_train(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    env = clean_env(PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}")
-    return subprocess.run([sys.executable, "-m", "train", *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
 def test_help_documents_every_flag() -> None:

@@ -21,7 +21,7 @@ from conftest import ROOT, clean_env
 from torch.profiler import ProfilerActivity, profile
 
 from train.config import parse_config
-from train.distributed import DistContext, free_port, init_distributed
+from train.distributed import DistContext, free_port, init_distributed, select_device
 from train.metrics import MetricsFile, RankLog
 from train.signals import PreemptionWatcher
 from train.tasks import Task, load_task
@@ -35,7 +35,7 @@ def group(monkeypatch: pytest.MonkeyPatch) -> Iterator[DistContext]:
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
-    ctx = init_distributed("gloo", 60)
+    ctx = init_distributed(*select_device("gloo"), 60)
     yield ctx
     dist.destroy_process_group()
 

@@ -6,13 +6,11 @@ augmentation in DataLoader workers) stopped mid-epoch resumes bit for bit."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, clean_env
-from ddp_jobs import reference_checksum, start_slurm_step, stopped_mid_epoch_then_resumed
+from ddp_jobs import reference_checksum, run_train, start_slurm_step, stopped_mid_epoch_then_resumed
 from readme_examples import write_mytask
 
 from train.config import parse_config
@@ -34,7 +32,7 @@ def test_a_model_with_state_beyond_parameters_agrees_and_resumes_bit_exact(tmp_p
     # The uninterrupted run: both ranks end with the same parameters and buffers (BatchNorm's running
     # statistics differed between ranks before the trainer broadcast rank 0's after the last forward).
     expected = reference_checksum(tmp_path, args, cwd=PROJECT)
-    resumed = stopped_mid_epoch_then_resumed(tmp_path, args, after_step=after_step, cwd=PROJECT)
+    _, resumed = stopped_mid_epoch_then_resumed(tmp_path, args, after_step=after_step, cwd=PROJECT)
     assert set(resumed.checksums()) == {expected}
 
 
@@ -46,7 +44,7 @@ def test_files_with_random_augmentation_through_workers_resume_bit_exact(tmp_pat
     write_image_files(data, size=768)
     env = {"ZOO_DATA_DIR": str(data)}
     expected = reference_checksum(tmp_path, FILES, cwd=PROJECT, env=env)
-    resumed = stopped_mid_epoch_then_resumed(tmp_path, FILES, after_step=10, cwd=PROJECT, env=env)
+    _, resumed = stopped_mid_epoch_then_resumed(tmp_path, FILES, after_step=10, cwd=PROJECT, env=env)
     assert set(resumed.checksums()) == {expected}
 
 
@@ -66,7 +64,6 @@ def test_frozen_layers_stay_as_they_were_and_ranks_agree(tmp_path: Path) -> None
     reference_checksum(tmp_path, args, cwd=PROJECT)
     (snapshot,) = sorted((tmp_path / "reference" / "snap").glob("snapshot-*.pt"))[-1:]
     trained = torch.load(snapshot, weights_only=True)["model"]
-    sys.path.insert(0, str(PROJECT))
     from plugins.zoo import frozen
 
     initial = frozen(parse_config(args)).model.state_dict()
@@ -96,14 +93,7 @@ def test_an_unused_head_without_the_flag_is_one_line_naming_it(tmp_path: Path) -
 def test_the_readme_task_trains_as_its_first_command_shows(tmp_path: Path) -> None:
     """README: `python -m train --task mytask:make --epochs 2`, run from the folder that holds mytask.py."""
     write_mytask(tmp_path)
-    result = subprocess.run(
-        [sys.executable, "-m", "train", "--task", "mytask:make", "--epochs", "2", "--snapshot-dir", ""],
-        env=clean_env(PYTHONPATH=str(ROOT)),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_train("--task", "mytask:make", "--epochs", "2", "--snapshot-dir", "", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     accuracy = [float(line.rsplit(" ", 1)[1]) for line in result.stdout.splitlines() if "done: eval_accuracy" in line]
     assert len(accuracy) == 2 and accuracy[-1] > 0.8, result.stdout
@@ -132,19 +122,13 @@ def test_compile_stops_snapshots_and_resumes_bit_exact(tmp_path: Path) -> None:
     args = [*CNN, "--compile"]
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}  # one cache for the three runs, as on a node
     expected = reference_checksum(tmp_path, args, cwd=PROJECT, env=env)
-    resumed = stopped_mid_epoch_then_resumed(tmp_path, args, after_step=20, cwd=PROJECT, env=env)
+    _, resumed = stopped_mid_epoch_then_resumed(tmp_path, args, after_step=20, cwd=PROJECT, env=env)
     assert set(resumed.checksums()) == {expected}
 
 
-def run_train(tmp: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "train", *args, "--snapshot-dir", str(tmp / "snap"), "--metrics-file", str(tmp / "m.jsonl")],
-        env=clean_env(PYTHONPATH=f"{ROOT}:{PROJECT}", **env),
-        cwd=PROJECT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+def run_writing(tmp: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """One process that would write its snapshots and metrics under `tmp`."""
+    return run_train(*args, "--snapshot-dir", str(tmp / "snap"), "--metrics-file", str(tmp / "m.jsonl"), cwd=PROJECT, **env)
 
 
 def assert_refused(result: subprocess.CompletedProcess[str], tmp: Path, message: str) -> None:
@@ -154,7 +138,7 @@ def assert_refused(result: subprocess.CompletedProcess[str], tmp: Path, message:
 
 
 def test_compile_without_a_compiler_is_one_line_before_training(tmp_path: Path) -> None:
-    result = run_train(tmp_path, "--task", "plugins.zoo:cnn", "--compile", CXX=str(tmp_path / "no-such-g++"))
+    result = run_writing(tmp_path, "--task", "plugins.zoo:cnn", "--compile", CXX=str(tmp_path / "no-such-g++"))
     assert_refused(result, tmp_path, "train: error: --compile needs a C++ compiler on CPU and found none")
 
 
@@ -164,12 +148,12 @@ def test_a_model_torch_cannot_compile_is_one_line_at_the_first_step(tmp_path: Pa
     broken = tmp_path / "g++"
     broken.write_text('#!/bin/sh\n[ "$1" = --version ] && exec g++ --version\necho "cc1plus: internal compiler error" >&2\nexit 1\n')
     broken.chmod(0o755)
-    result = run_train(tmp_path, "--task", "plugins.zoo:cnn", "--compile", CXX=str(broken), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
+    result = run_writing(tmp_path, "--task", "plugins.zoo:cnn", "--compile", CXX=str(broken), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
     assert_refused(result, tmp_path, "train: error: --compile: torch cannot compile this model (InductorError")
 
 
 def test_sync_batchnorm_on_cpu_is_one_line(tmp_path: Path) -> None:
-    result = run_train(tmp_path, "--task", "plugins.zoo:cnn", "--sync-batchnorm")
+    result = run_writing(tmp_path, "--task", "plugins.zoo:cnn", "--sync-batchnorm")
     assert_refused(result, tmp_path, "train: error: --sync-batchnorm needs CUDA devices")
 
 
@@ -181,7 +165,7 @@ def test_sync_batchnorm_on_cpu_is_one_line(tmp_path: Path) -> None:
     ],
 )
 def test_a_bad_flag_value_is_one_line(tmp_path: Path, flags: list[str], message: str) -> None:
-    assert_refused(run_train(tmp_path, *flags), tmp_path, message)
+    assert_refused(run_writing(tmp_path, *flags), tmp_path, message)
 
 
 def test_sync_batchnorm_converts_on_cuda_devices(monkeypatch: pytest.MonkeyPatch) -> None:

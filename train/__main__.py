@@ -15,7 +15,6 @@ from train.affinity import bind_local_ranks, cpu_list
 from train.config import parse_config
 from train.distributed import (
     DeviceError,
-    default_to_one_process,
     exit_now,
     first_line,
     init_distributed,
@@ -33,7 +32,6 @@ from train.trainer import ChecksumMismatch, Preempted, SnapshotMismatch, Trainer
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(argv)
     watcher = PreemptionWatcher()  # before the rendezvous, which can take a while under Slurm
-    default_to_one_process()
     try:
         # The device first: a factory that allocates on CUDA allocates on this rank's GPU.
         backend, device = select_device(config.backend)
@@ -42,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"train: error: {exc}", file=sys.stderr)
         return 2
     try:
-        ctx = init_distributed(backend, config.collective_timeout, device)
+        ctx = init_distributed(backend, device, config.collective_timeout)
     except (RuntimeError, ValueError) as exc:
         first = first_line(exc)
         print(f"train: error: cannot join the process group: {first}", file=sys.stderr)

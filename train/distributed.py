@@ -58,7 +58,7 @@ def choose_cuda_index(local_rank: int, local_world: int, visible: int, environ: 
     names one GPU, a different one in each task); with CUDA_VISIBLE_DEVICES unset the node has one GPU."""
     if visible >= local_world:
         return local_rank
-    if visible == 1 and len(environ.get("CUDA_VISIBLE_DEVICES", "").split(",")) == 1 and environ.get("CUDA_VISIBLE_DEVICES"):
+    if visible == 1 and environ.get("CUDA_VISIBLE_DEVICES"):
         return 0
     raise DeviceError(
         f"{local_world} ranks on this node but torch sees {visible} GPU{'s' if visible != 1 else ''} "
@@ -68,7 +68,7 @@ def choose_cuda_index(local_rank: int, local_world: int, visible: int, environ: 
 
 
 def select_device(backend: str | None) -> tuple[str, torch.device]:
-    """(backend, device) for this rank, from LOCAL_RANK/LOCAL_WORLD_SIZE; sets the CUDA device, so
+    """(backend, device) for this rank, from LOCAL_RANK/LOCAL_WORLD_SIZE (0 and 1 without a launcher); sets the CUDA device, so
     that what runs next (the user's task factory, DataLoader pinning) allocates on this rank's GPU
     rather than on GPU 0 from every rank."""
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -82,14 +82,10 @@ def select_device(backend: str | None) -> tuple[str, torch.device]:
     return backend, device
 
 
-def init_distributed(backend: str | None, timeout_s: float, device: torch.device | None = None) -> DistContext:
-    """Join the process group described by the environment (env:// rendezvous); a one-process group
-    without a launcher. `device`: the one `select_device` already chose for `backend` (the trainer
-    chooses before the user's factory runs); else chosen here."""
+def init_distributed(backend: str, device: torch.device, timeout_s: float) -> DistContext:
+    """Join the process group described by the environment (env:// rendezvous), on the backend and
+    device `select_device` chose; a one-process group without a launcher."""
     default_to_one_process()
-    if device is None:
-        backend, device = select_device(backend)
-    assert backend is not None, "select_device resolves the backend with the device"
     rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank, local_world = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", 1)
     dist.init_process_group(

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from train.config import Config, parse_config
-from train.distributed import DistContext, exit_now, first_line, gather_objects, init_distributed, run_program, shutdown
+from train.distributed import DistContext, exit_now, first_line, gather_objects, init_distributed, run_program, select_device, shutdown
 from train.preflight.comm import all_reduce_sweep, p2p_ring, slow_links
 from train.preflight.compute import measure_rates, stragglers
 from train.preflight.identity import collect_identity, disagreements
@@ -111,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # Joining waits up to --collective-timeout: ranks can start minutes apart (pyxis unpacks the
         # image on each node). The checks' own group waits at most the budget for a peer.
-        ctx = init_distributed(config.backend, config.collective_timeout)
+        ctx = init_distributed(*select_device(config.backend), config.collective_timeout)
         group = dist.new_group(timeout=timedelta(seconds=seconds))
     except (RuntimeError, ValueError) as exc:
         first = first_line(exc)
