@@ -23,21 +23,32 @@ WHEELHOUSE    ?=
 # empty: pip's cert (PIP_CERT or pip's config), else SSL_CERT_FILE.
 CA_BUNDLE     ?=
 BUILD_ARGS    ?=
+# Your own project on top (make image APP=../myproj APP_CMD='python train.py'): its requirements, then its code
+# at /opt/app. The image is named after the project's folder (APP_IMAGE) and built on $(IMAGE):$(TAG).
+APP           ?=
+APP_CMD       ?=
+APP_IMAGE     ?= $(if $(APP),$(shell basename '$(abspath $(APP))' | tr 'A-Z' 'a-z'))
+# 1: build with no network at all; torch and the app's requirements come from WHEELHOUSE alone.
+OFFLINE       ?=
+NAME          := $(or $(APP_IMAGE),$(IMAGE))
+export APP_CMD
 # Push: the ECR repository (created when missing) and, for stand-ins, a registry host to use instead.
-ECR_REPOSITORY ?= $(IMAGE)
+ECR_REPOSITORY ?= $(NAME)
 REGISTRY      ?=
 AWS_REGION    ?=
 PUSH_ARGS     ?=
 # Squashfs output (pyxis: srun --container-image=/fsx/.../x.sqsh) and converter (auto: layers, else enroot, else mksquashfs).
-SQSH          ?= build/$(IMAGE)+$(TAG).sqsh
-SQSH_GPU      ?= build/$(IMAGE)+$(TAG)-gpu.sqsh
+SQSH          ?= build/$(NAME)+$(TAG).sqsh
+SQSH_GPU      ?= build/$(NAME)+$(TAG)-gpu.sqsh
 SQSH_CONVERTER ?= auto
 # e.g. --force: convert even when SQSH already holds this image
 SQSH_ARGS     ?=
 
 VPY := $(VENV)/bin/python
-CPU_REF := $(IMAGE):$(TAG)
-GPU_REF := $(IMAGE):$(TAG)-gpu
+CPU_REF := $(NAME):$(TAG)
+GPU_REF := $(NAME):$(TAG)-gpu
+# With APP: the project's build options (the bundle's image under it keeps the name $(IMAGE)).
+APP_OPTS = $(if $(APP),--app '$(APP)' --app-cmd "$$APP_CMD" --bundle-tag $(IMAGE):$(TAG)$(1)) $(if $(OFFLINE),--offline)
 AWS_ENV := AWS_REGION='$(AWS_REGION)' REGISTRY='$(REGISTRY)'
 IMAGE_ENV := BASE_IMAGE='$(BASE_IMAGE)' WHEELHOUSE='$(WHEELHOUSE)' CA_BUNDLE='$(CA_BUNDLE)' TORCH_VERSION='$(TORCH_VERSION)'
 
@@ -51,6 +62,7 @@ help: ## list targets and variables
 	@echo
 	@echo "Variables (make VAR=value or environment):"
 	@echo "  IMAGE=$(IMAGE) TAG=$(TAG)  ->  $(CPU_REF), $(GPU_REF)"
+	@echo "  APP=$(APP) APP_CMD=$(APP_CMD) APP_IMAGE=$(APP_IMAGE) (your project on top; the image is named after its folder) OFFLINE=$(OFFLINE)"
 	@echo "  BASE_IMAGE=$(BASE_IMAGE) (empty: python:3.11-slim-bookworm, else a Debian-archive base)"
 	@echo "  WHEELHOUSE=$(WHEELHOUSE) (empty: pip's find-links) CA_BUNDLE=$(CA_BUNDLE) (empty: pip's cert, else SSL_CERT_FILE)"
 	@echo "  BUILD_ARGS=$(BUILD_ARGS) (e.g. --build-arg INSTALL_EFA=1 for image-gpu)"
@@ -88,13 +100,13 @@ engine: venv ## make sure a Docker engine answers (starts Debian's dockerd when 
 base: engine ## build the offline base image from Debian's archive (debootstrap)
 	$(VPY) -m ddpack.base
 
-image: engine ## build the CPU image IMAGE:TAG (gloo)
-	$(IMAGE_ENV) $(VPY) -m ddpack.images --variant cpu --tag $(CPU_REF) --version $(TAG) $(BUILD_ARGS)
+image: engine ## build the CPU image IMAGE:TAG (gloo); APP=DIR: your project on it, as APP_IMAGE:TAG
+	$(IMAGE_ENV) $(VPY) -m ddpack.images --variant cpu --tag $(CPU_REF) --version $(TAG) $(call APP_OPTS,) $(BUILD_ARGS)
 
-image-gpu: engine ## build the CUDA image IMAGE:TAG-gpu (nccl)
-	$(IMAGE_ENV) $(VPY) -m ddpack.images --variant gpu --tag $(GPU_REF) --version $(TAG) $(BUILD_ARGS)
+image-gpu: engine ## build the CUDA image IMAGE:TAG-gpu (nccl); APP=DIR: your project on it
+	$(IMAGE_ENV) $(VPY) -m ddpack.images --variant gpu --tag $(GPU_REF) --version $(TAG) $(call APP_OPTS,-gpu) $(BUILD_ARGS)
 
-smoke: image ## two-container gloo DDP run (pair, then torchrun 2x2), each after its preflight, with plain docker
+smoke: image ## two-container gloo DDP run (pair, then torchrun 2x2), each after its preflight, with plain docker; APP=DIR: your program
 	$(VPY) -m ddpack.smoke --image $(CPU_REF)
 
 bench-images: engine ## print image size vs floor, cold and one-line-change build times, GPU image size

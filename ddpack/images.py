@@ -6,6 +6,10 @@ layer. A CA bundle for the package index goes in as a BuildKit secret, likewise 
 the wheelhouse and the CA bundle come from is decided in one place, `ddpack.build_inputs`; a
 `--dry-run` prints what a build would use. The base defaults to python:3.11-slim-bookworm and falls
 back to a base built from Debian's archive (`ddpack.base`) when that cannot be pulled.
+
+With `--app DIR` (`make image APP=DIR`) the bundle's image is built as `--bundle-tag`, then a user's project
+goes on top of it as `--tag` (docker/app.Dockerfile, `ddpack.app`): its requirements in one layer with torch
+held fixed, its code in the last. The project is read and checked before anything is built.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from typing import Any
 
 from docker.errors import APIError, ContainerError, ImageNotFound
 
+from ddpack.app import App, check_torch_requirements, describe, read_app, stage_app
+from ddpack.app import build_args as app_build_args
 from ddpack.base import LOCAL_BASE, build_base
 from ddpack.build_inputs import BuildInputs, check_wheels_run_on, read_pip_settings, resolve_build_inputs
 from ddpack.engine import buildkit_cli, docker_client
@@ -32,6 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BASE = "python:3.11-slim-bookworm"
 DEFAULT_TORCH_VERSION = "2.13.0"
 CONTEXT_ITEMS = ("pyproject.toml", "Dockerfile", "Dockerfile.gpu", "entrypoint", "train", "docker")
+APP_DOCKERFILE = "docker/app.Dockerfile"
+# The one line docker/install-app.py ends a failed app build with; shown as the build's error.
+APP_ERROR = "ddpack-app: error: "
 
 
 @dataclass(frozen=True)
@@ -116,6 +125,16 @@ class ImageBuild:
     version: str = "dev"
     extra_args: tuple[str, ...] = ()
     source: Path = ROOT
+    app: App | None = None  # a user's project, built on the bundle's image as `tag`
+    bundle_tag: str | None = None  # with `app`: what the bundle's image is called (default ddpack:<version>)
+    offline: bool = False  # no network in the build: every wheel from the wheelhouse
+
+    @property
+    def bundle(self) -> str:
+        """The tag of the bundle's own image: `tag`, or with an app the image under it."""
+        if self.app is None:
+            return self.tag
+        return self.bundle_tag or f"ddpack:{self.version}"
 
 
 def plan_build(*, variant: str, tag: str, environ: Mapping[str, str] = os.environ, **settings: Any) -> ImageBuild:
@@ -124,6 +143,9 @@ def plan_build(*, variant: str, tag: str, environ: Mapping[str, str] = os.enviro
         raise HostError(f"variant {variant!r} is not one of {', '.join(VARIANTS)}", code=2)
     torch_version = environ.get("TORCH_VERSION") or DEFAULT_TORCH_VERSION
     inputs = resolve_build_inputs(variant=variant, torch_version=torch_version, environ=environ, pip=read_pip_settings())
+    app = settings.get("app")
+    if app is not None:
+        check_torch_requirements(app, torch_version + ("+cpu" if variant == "cpu" else ""))
     return ImageBuild(variant=variant, tag=tag, inputs=inputs, **settings)
 
 
@@ -138,8 +160,38 @@ def base_python(base: str) -> tuple[str, str]:
     return tag, machine
 
 
+def docker_build(argv: list[str], env: Mapping[str, str], tag: str) -> str:
+    """Run one BuildKit build, streaming its log; returns the image id. A failed app build ends with the
+    one line docker/install-app.py printed (exit 2: the project's input), else with where to look."""
+    started = time.monotonic()
+    proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+    assert proc.stdout is not None
+    app_error = None
+    for line in proc.stdout:
+        print(line, end="", flush=True)
+        if APP_ERROR in line:
+            app_error = line.split(APP_ERROR, 1)[1].strip()
+    if proc.wait() != 0:
+        if app_error:
+            raise HostError(app_error, code=2)
+        raise HostError(f"docker build of {tag} failed (exit {proc.returncode}); the build log above says why")
+    image = docker_client().images.get(tag)
+    print(f"images: built {tag} {image.short_id} {image.attrs['Size'] / 2**20:,.0f} MiB in {time.monotonic() - started:.0f}s")
+    return image.id
+
+
+def _common_argv(build: ImageBuild, dockerfile: Path, tag: str) -> list[str]:
+    argv = [*buildkit_cli().argv, "--progress=plain", "-f", str(dockerfile), "-t", tag]
+    if build.inputs.ca_bundle is not None:
+        argv += ["--secret", f"id=pip_cert,src={build.inputs.ca_bundle}"]
+    if build.offline:
+        argv += ["--network", "none"]
+    return argv
+
+
 def build_image(build: ImageBuild) -> str:
-    """Build one variant as `build.tag`; returns the image id. Progress streams to the terminal."""
+    """Build one variant as `build.tag` (with an app: the bundle's image, then the app on it); returns the
+    image id. Progress streams to the terminal."""
     spec, inputs = VARIANTS[build.variant], build.inputs
     for note in inputs.notes:
         print(f"images: {note}", flush=True)
@@ -158,24 +210,32 @@ def build_image(build: ImageBuild) -> str:
         "VERSION": build.version,
         "REVISION": git_revision(),
     }
-    argv = [*cli.argv, "--progress=plain", "-f", str(context / spec.dockerfile), "-t", build.tag]
+    argv = _common_argv(build, context / spec.dockerfile, build.bundle)
     for key, value in build_args.items():
         argv += ["--build-arg", f"{key}={value}"]
-    if inputs.ca_bundle is not None:
-        argv += ["--secret", f"id=pip_cert,src={inputs.ca_bundle}"]
     argv += [*build.extra_args, str(context)]
     torch_from = index or "the package index"
     if inputs.torch_wheels:
         torch_from = f"{inputs.torch_wheels[0].path.name} in {inputs.wheelhouse} ({inputs.wheelhouse_from})"
     ca = f"{inputs.ca_bundle} ({inputs.ca_from})" if inputs.ca_bundle else "none"
-    print(f"images: building {build.tag} ({build.variant}) from {base_image}; torch from {torch_from}; CA bundle {ca}", flush=True)
-    started = time.monotonic()
-    result = subprocess.run(argv, env={**os.environ, **cli.env})
-    if result.returncode != 0:
-        raise HostError(f"docker build of {build.tag} failed (exit {result.returncode}); the build log above says why")
-    image = docker_client().images.get(build.tag)
-    print(f"images: built {build.tag} {image.short_id} {image.attrs['Size'] / 2**20:,.0f} MiB in {time.monotonic() - started:.0f}s")
-    return image.id
+    print(f"images: building {build.bundle} ({build.variant}) from {base_image}; torch from {torch_from}; CA bundle {ca}", flush=True)
+    image_id = docker_build(argv, cli.env, build.bundle)
+    return image_id if build.app is None else build_app_image(build)
+
+
+def build_app_image(build: ImageBuild) -> str:
+    """The user's project on the bundle's image, as `build.tag`."""
+    assert build.app is not None
+    context = build.source / "build" / f"context-app-{build.variant}"
+    stage_context(context, list(build.inputs.wheels), build.source)
+    stage_app(build.app, context)
+    argv = _common_argv(build, context / APP_DOCKERFILE, build.tag)
+    args = {"BUNDLE_IMAGE": build.bundle, "APP_PIP_ARGS": "--no-index" if build.offline else "", **app_build_args(build.app)}
+    for key, value in args.items():
+        argv += ["--build-arg", f"{key}={value}"]
+    argv += [*build.extra_args, str(context)]
+    print(f"images: building {build.tag} on {build.bundle}: {describe(build.app)}", flush=True)
+    return docker_build(argv, buildkit_cli().env, build.tag)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,6 +253,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch-index", default=os.environ.get("TORCH_INDEX_URL") or None, help="index for torch (default: the variant's)")
     parser.add_argument("--version", default="dev", help="value of the org.opencontainers.image.version label")
     parser.add_argument("--build-arg", action="append", default=[], help="extra KEY=VALUE build argument (e.g. INSTALL_EFA=1)")
+    parser.add_argument("--app", help="a project folder to put on top of the bundle (its requirements, then its code at /opt/app)")
+    parser.add_argument("--app-cmd", default="", help="with --app: the command `entrypoint` runs when given none, e.g. 'python train.py'")
+    parser.add_argument("--bundle-tag", help="with --app: the name of the bundle's image under it (default ddpack:VERSION)")
+    parser.add_argument("--offline", action="store_true", help="build with no network: every wheel (torch, the app's) from the wheelhouse")
     parser.add_argument("--dry-run", action="store_true", help="resolve and check the build's inputs, print them as JSON, build nothing")
     opts = parser.parse_args(argv)
     # Flags are another way to set the same variables: one rule resolves both.
@@ -201,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     extra = tuple(arg for pair in opts.build_arg for arg in ("--build-arg", pair))
 
     def body() -> int:
+        if opts.app_cmd and not opts.app:
+            raise HostError("APP_CMD is the command of an APP; set APP to the project folder too", code=2)
         build = plan_build(
             variant=opts.variant,
             tag=opts.tag,
@@ -209,9 +275,13 @@ def main(argv: list[str] | None = None) -> int:
             torch_index=opts.torch_index,
             version=opts.version,
             extra_args=extra,
+            app=read_app(Path(opts.app), opts.app_cmd) if opts.app else None,
+            bundle_tag=opts.bundle_tag,
+            offline=opts.offline,
         )
         if opts.dry_run:
-            print(json.dumps({"tag": build.tag, "base": build.base, **build.inputs.describe()}, indent=2))
+            app = {"app": build.app.record(), "bundle": build.bundle} if build.app else {}
+            print(json.dumps({"tag": build.tag, "base": build.base, **app, **build.inputs.describe()}, indent=2))
             return 0
         build_image(build)
         return 0

@@ -5,7 +5,9 @@ flags), then the training in two more.
 Variant `pair`: one process per container (RANK 0 and 1, MASTER_ADDR = rank 0's container name).
 Variant `torchrun`: one torchrun per container with two local processes (world size 4, c10d).
 Logs stream with a container prefix; at the end a report: exit codes, final loss, steps/s and whether
-every rank's parameter checksum agrees. Containers and the network are removed on every exit path.
+every rank's parameter checksum agrees. An image built with a project's command (`make image APP=DIR
+APP_CMD=...`) runs that command instead, with no arguments, as `docker run IMAGE` would: its report is the
+containers' exit codes. Containers and the network are removed on every exit path.
 """
 
 from __future__ import annotations
@@ -67,18 +69,27 @@ def _member_env(variant: str, node: int, master: str) -> tuple[dict[str, str], l
     ]
 
 
+def app_command(client: DockerClient, image: str) -> str:
+    """The project command an image runs by default (its io.ddpack.app.command label), "" for none."""
+    try:
+        labels = client.images.get(image).attrs["Config"].get("Labels") or {}
+    except ImageNotFound:
+        raise HostError(f"image {image} not found; build it first: make image", code=2) from None
+    return labels.get("io.ddpack.app.command", "")
+
+
 def run_smoke(image: str, variant: str, timeout_s: float, trainer_args: tuple[str, ...] = TRAINER_ARGS) -> bool:
     """Run one smoke variant: the preflight in two containers, then training in two more; returns True
     when every check passes (and prints the report)."""
     client = docker_client()
-    try:
-        client.images.get(image)
-    except ImageNotFound:
-        raise HostError(f"image {image} not found; build it first: make image", code=2) from None
+    command = app_command(client, image)
     run_id = uuid.uuid4().hex[:8]
     network = client.networks.create(f"ddpack-smoke-{run_id}", driver="bridge")
     world = 2 if variant == "pair" else 4
-    print(f"smoke[{variant}]: {image}, 2 containers, world size {world}, network {network.name}", flush=True)
+    runs = f"the image's own command ({command})" if command else "the bundled trainer"
+    print(f"smoke[{variant}]: {image}, 2 containers, world size {world}, network {network.name}, running {runs}", flush=True)
+    if command:
+        trainer_args = ()  # the project's program takes no trainer flags: the image runs it as it is
     try:
         preflight = _run_phase(
             client, image, variant, network.name, f"{run_id}-preflight", ("--preflight", *PREFLIGHT_ARGS, *trainer_args), timeout_s
@@ -86,7 +97,7 @@ def run_smoke(image: str, variant: str, timeout_s: float, trainer_args: tuple[st
         if not _preflight_report(variant, preflight, timeout_s):
             return False
         training = _run_phase(client, image, variant, network.name, run_id, trainer_args, timeout_s)
-        return _report(variant, training, world, timeout_s)
+        return _app_report(variant, training, timeout_s) if command else _report(variant, training, world, timeout_s)
     finally:
         network.remove()
 
@@ -168,6 +179,17 @@ def _report(variant: str, members: list[Member], world: int, timeout_s: float) -
     return ok
 
 
+def _app_report(variant: str, members: list[Member], timeout_s: float) -> bool:
+    """A project's own program: what can be judged from outside is that every container exited 0."""
+    codes = {m.name: m.exit_code for m in members}
+    ok = all(code == 0 for code in codes.values())
+    print(f"smoke[{variant}]: exit codes {codes}")
+    if not ok:
+        _show_failures(variant, members, timeout_s)
+    print(f"smoke[{variant}]: {'PASS' if ok else 'FAIL'}", flush=True)
+    return ok
+
+
 def _show_failures(variant: str, members: list[Member], timeout_s: float) -> None:
     for member in members:
         if member.exit_code != 0:
@@ -181,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m ddpack.smoke", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--image", required=True, help="the CPU image to run, e.g. ddpack:1a2b3c4")
+    parser.add_argument("--image", required=True, help="the CPU image to run, e.g. ddpack:1a2b3c4 (or a project's, from make image APP=DIR)")
     parser.add_argument("--variant", choices=("pair", "torchrun", "all"), default="all")
     parser.add_argument("--timeout", type=float, default=300, help="seconds each variant may take")
     opts = parser.parse_args(argv)

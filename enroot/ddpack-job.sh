@@ -6,6 +6,12 @@
 #                              export DDPACK_PROJECT_DIR, where the trainer imports `--task module:factory`
 #                              from after its working directory: the submission folder (or DDPACK_PROJECT_DIR
 #                              as given), as the container sees it with `container`
+#   ddpack_command FOLDER      what the training step runs, in the array ddpack_cmd: DDPACK_COMMAND (your own
+#                              program, e.g. "python ddp.py --epochs 5"), else DDPACK_TRAIN_ARGS (flags of the bundled
+#                              trainer), else nothing: the image's own command (make image APP=DIR APP_CMD=...) or
+#                              the bundled trainer. The trainer's run-folder defaults are exported for every case:
+#                              DDPACK_SNAPSHOT_DIR=FOLDER/snapshots, DDPACK_METRICS_FILE=FOLDER/metrics.jsonl
+#                              (FOLDER as the container sees the run directory); a program of your own can use them
 #   ddpack_require_pyxis       fail at once when this cluster's srun has no pyxis (--container-image)
 #   ddpack_preflight COMMAND...
 #                              DDPACK_PREFLIGHT=1: run COMMAND (the template's own srun line with
@@ -80,6 +86,18 @@ ddpack_project_dir() {
         }
     fi
     export DDPACK_PROJECT_DIR=${dir}
+}
+
+ddpack_command() {
+    export DDPACK_SNAPSHOT_DIR=$1/snapshots DDPACK_METRICS_FILE=$1/metrics.jsonl
+    ddpack_cmd=()
+    if [ -n "${DDPACK_COMMAND:-}" ]; then
+        [ -z "${DDPACK_TRAIN_ARGS:-}" ] || ddpack_die "DDPACK_COMMAND and DDPACK_TRAIN_ARGS are both set; DDPACK_TRAIN_ARGS is for the bundled trainer: put your program's arguments in DDPACK_COMMAND"
+        read -r -a ddpack_cmd <<<"${DDPACK_COMMAND}"
+        ddpack_cmd=(-- "${ddpack_cmd[@]}")
+    else
+        read -r -a ddpack_cmd <<<"${DDPACK_TRAIN_ARGS:-}"
+    fi
 }
 
 ddpack_require_pyxis() {

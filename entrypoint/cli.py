@@ -10,17 +10,18 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 
-from entrypoint.plan import BACKENDS, Host, Options, Plan, PlanError, default_command, resolve_plan
+from entrypoint.plan import BACKENDS, Host, Options, Plan, PlanError, app_command, from_app_dir, resolve_plan, trainer_command
 
 USAGE = f"""usage: entrypoint [--print-plan] [--nproc-per-node N] [--backend {{{",".join(BACKENDS)}}}]
                   [--preflight [--preflight-json PATH] [--preflight-seconds S] [--preflight-strict]]
                   [--] [COMMAND ...]
 
 Resolve where this process stands in a DDP job (torchrun, Slurm srun with or without pyxis,
-docker run -e RANK=..., or nothing) and exec COMMAND (default: python -m train) with RANK,
+docker run -e RANK=..., or nothing) and exec COMMAND (default: the image's app command, $DDPACK_APP_CMD,
+else python -m train; leading flags go to python -m train) with RANK,
 WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR, MASTER_PORT, DDPACK_BACKEND set.
 
 options:
@@ -47,7 +48,7 @@ class UsageError(ValueError):
 def preflight_command(trainer_flags: Sequence[str], values: dict[str, str | None]) -> tuple[str, ...]:
     """The preflight program in place of the trainer, under the same interpreter and safe path."""
     own = [item for name, value in values.items() for item in (name, value) if item is not None]  # flags: None
-    return (*default_command()[:-1], "train.preflight", *own, *trainer_flags)
+    return (*trainer_command()[:-1], "train.preflight", *own, *trainer_flags)
 
 
 def _seconds(text: str) -> str:
@@ -60,8 +61,10 @@ def _seconds(text: str) -> str:
     return text
 
 
-def parse_args(args: Sequence[str]) -> tuple[Options, bool]:
-    """Split the entrypoint's own options from the command; returns (options, print_plan)."""
+def parse_args(args: Sequence[str], environ: Mapping[str, str] = os.environ) -> tuple[Options, bool]:
+    """Split the entrypoint's own options from the command; returns (options, print_plan). With no
+    command, an image built with a project (`make image APP=DIR APP_CMD=...`) runs the project's command;
+    a relative script of the project is found from any working directory (`from_app_dir`)."""
     nproc: int | None = None
     backend: str | None = None
     print_plan = preflight = False
@@ -101,7 +104,7 @@ def parse_args(args: Sequence[str]) -> tuple[Options, bool]:
         # with the arguments, so the command is this launcher again. Resolve once, here: the inner
         # one would see this one's variables and take the job for a `docker run -e` one.
         before = list(args[: len(args) - len(rest)])
-        return parse_args((before[:-1] if before[-1:] == ["--"] else before) + rest[1:])
+        return parse_args((before[:-1] if before[-1:] == ["--"] else before) + rest[1:], environ)
     if preflight_values and not preflight:
         raise UsageError(f"{next(iter(preflight_values))} is an option of --preflight; add --preflight")
     if preflight:
@@ -112,11 +115,11 @@ def parse_args(args: Sequence[str]) -> tuple[Options, bool]:
             )
         command = preflight_command(rest, preflight_values)
     elif not rest:
-        command = default_command()
+        command = from_app_dir(app_command(environ) or trainer_command(), environ.get("DDPACK_APP_DIR"))
     elif rest[0].startswith("-"):
-        command = (*default_command(), *rest)  # trainer flags with no command: they are the trainer's
+        command = (*trainer_command(), *rest)  # trainer flags with no command: they are the trainer's
     else:
-        command = tuple(rest)
+        command = from_app_dir(rest, environ.get("DDPACK_APP_DIR"))
     return Options(command=command, nproc_per_node=nproc, backend=backend), print_plan
 
 

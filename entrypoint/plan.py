@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import socket
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from entrypoint.hostlist import HostlistError, expand_hostlist, expand_tasks_per_node
@@ -26,7 +27,7 @@ SLURM_PORT_SPAN = 15000
 SLURM_STEPS_PER_JOB_PORTS = 16
 
 
-def default_command() -> tuple[str, ...]:
+def trainer_command() -> tuple[str, ...]:
     """The bundle's trainer, run by the same interpreter as the launcher (the image's venv).
 
     `-P` (Python 3.11+) keeps the working directory off the front of sys.path: `python -m train` in a
@@ -37,6 +38,52 @@ def default_command() -> tuple[str, ...]:
     return (sys.executable, *safe_path, "-m", "train")
 
 
+def app_command(environ: Mapping[str, str]) -> tuple[str, ...] | None:
+    """The command an image with a user's project runs when given none (DDPACK_APP_CMD, set by
+    `make image APP=DIR APP_CMD=...`); None when there is none."""
+    text = environ.get("DDPACK_APP_CMD", "").strip()
+    if not text:
+        return None
+    try:
+        return tuple(shlex.split(text))
+    except ValueError as exc:
+        raise PlanError(f"DDPACK_APP_CMD={text!r} is not a command line ({exc})") from None
+
+
+def python_script_index(argv: Sequence[str]) -> int | None:
+    """Where the script of `python [options] SCRIPT ...` is in argv (None for -m, -c or another program)."""
+    if not argv or not os.path.basename(argv[0]).startswith("python"):
+        return None
+    index = 1
+    while index < len(argv):
+        word = argv[index]
+        if word in ("-m", "-c", "-"):
+            return None
+        if word in ("-W", "-X", "--check-hash-based-pycs"):
+            index += 2
+            continue
+        if not word.startswith("-"):
+            return index
+        index += 1
+    return None
+
+
+def from_app_dir(argv: Sequence[str], app_dir: str | None, is_file: Callable[[str], bool] = os.path.isfile) -> tuple[str, ...]:
+    """A relative script that is not in the working directory but in the project's folder (DDPACK_APP_DIR)
+    is run from there: `python train.py` works in any working directory, as the templates' run folder.
+    The program itself (`./run.sh`) and Python's script are the words looked at; nothing else changes."""
+    words = list(argv)
+    if not app_dir:
+        return tuple(words)
+    script = python_script_index(words)
+    for index in (0, script) if script is not None else (0,):
+        word = words[index]
+        relative = not os.path.isabs(word) and (index > 0 or "/" in word)
+        if relative and not is_file(word) and is_file(os.path.join(app_dir, word)):
+            words[index] = os.path.normpath(os.path.join(app_dir, word))
+    return tuple(words)
+
+
 class PlanError(ValueError):
     """Input that cannot describe a DDP job; the message is the one line the user sees."""
 
@@ -45,7 +92,7 @@ class PlanError(ValueError):
 class Options:
     """What the user asked for on the entrypoint's own command line."""
 
-    command: tuple[str, ...] = field(default_factory=lambda: default_command())
+    command: tuple[str, ...] = field(default_factory=lambda: trainer_command())
     nproc_per_node: int | None = None
     backend: str | None = None
 

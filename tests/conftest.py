@@ -42,3 +42,13 @@ def clean_env(**extra: str) -> dict[str, str]:
 @pytest.fixture
 def root() -> Path:
     return ROOT
+
+
+@pytest.fixture(scope="session")
+def readme_project(tmp_path_factory: pytest.TempPathFactory):
+    """The README's worked project (cpu-ddp) built on the bundle, smoked and converted by the README's own
+    command line, once per session: the Docker tier checks the image, the pyxis tier runs its squashfs."""
+    from docker_support import build_readme_project, engine_or_skip
+
+    engine_or_skip()
+    return build_readme_project(tmp_path_factory.mktemp("project") / "cpu-ddp")

@@ -5,8 +5,10 @@ with only the environment to go on, as `make image` runs it."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -41,3 +43,32 @@ def build(variant: str, tag: str) -> None:
     argv = [sys.executable, "-m", "ddpack.images", "--variant", variant, "--tag", tag, "--version", "pytest"]
     result = subprocess.run(argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=3600)
     assert result.returncode == 0, f"{' '.join(argv)} failed (exit {result.returncode}); its log is above"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReadmeProject:
+    """The README's worked project, built, smoked and converted by the README's own command line."""
+
+    folder: Path
+    image: str  # cpu-ddp:TAG
+    bundle: str  # ddpack:TAG, under it
+    sqsh: Path
+    output: str  # what the command printed
+
+
+def build_readme_project(folder: Path) -> ReadmeProject:
+    """`make image smoke sqsh APP=../cpu-ddp APP_CMD=...` exactly as the README shows it, with the project
+    written from the README into `folder` (named cpu-ddp) in place of ../cpu-ddp."""
+    from readme_examples import readme_line, write_cpu_ddp
+
+    assert folder.name == "cpu-ddp"
+    write_cpu_ddp(folder)
+    line = readme_line("make image smoke sqsh APP=../cpu-ddp ")
+    command = f"{line.replace('../cpu-ddp', str(folder))} VENV={sys.prefix}"
+    out = subprocess.run(["bash", "-c", command], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=3600)
+    assert out.returncode == 0, f"{command} failed (exit {out.returncode}):\n{out.stdout[-6000:]}\n{out.stderr[-3000:]}"
+    built = re.search(r"^images: building (\S+) on (\S+): app cpu-ddp ", out.stdout, re.M)
+    assert built, out.stdout
+    sqsh = ROOT / "build" / f"{built[1].replace(':', '+')}.sqsh"  # make sqsh's default SQSH
+    assert f"sqsh: {sqsh} already holds" in out.stdout or f"sqsh: wrote {sqsh}" in out.stdout, out.stdout
+    return ReadmeProject(folder=folder, image=built[1], bundle=built[2], sqsh=sqsh, output=out.stdout)

@@ -24,3 +24,20 @@ def write_mytask(folder: Path) -> Path:
     path.write_text(python_block("# mytask.py"))
     path.chmod(0o644)
     return path
+
+
+def readme_line(prefix: str) -> str:
+    """The README's command line (in a ```sh block) that starts with `prefix`."""
+    for block in re.findall(r"```sh\n(.*?)```", README.read_text(), re.S):
+        for line in block.splitlines():
+            if line.startswith(prefix):
+                return line
+    raise AssertionError(f"README.md has no command line starting {prefix!r}")
+
+
+def write_cpu_ddp(folder: Path) -> Path:
+    """The README's worked project, `cpu-ddp`: its `ddp.py` and one-line `requirements.txt`, in `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "ddp.py").write_text(python_block("# ddp.py"))
+    (folder / "requirements.txt").write_text("tqdm\n")
+    return folder

@@ -49,3 +49,29 @@ def test_pyxis_is_required_before_anything_runs(tmp_path, help_text: str, code: 
     assert out.returncode == code, out.stderr
     assert (out.stdout == "still-here\n") == (code == 0)
     assert ("pyxis is not loaded" in out.stderr) == (code == 2)
+
+
+def step_command(**settings: str) -> subprocess.CompletedProcess[str]:
+    script = f'. "{HELPER}"; ddpack_command /fsx/runs/a-1; printf "<%s>" "${{ddpack_cmd[@]}}"; echo; echo "$DDPACK_SNAPSHOT_DIR $DDPACK_METRICS_FILE"'
+    env = {"PATH": "/usr/bin:/bin", **settings}
+    return subprocess.run(["bash", "-uc", script], env=env, capture_output=True, text=True, timeout=30)
+
+
+@pytest.mark.parametrize(
+    ("settings", "words"),
+    [
+        ({}, "<>"),  # the image's own command (APP_CMD), else the bundled trainer
+        ({"DDPACK_TRAIN_ARGS": "--task mytask:make --epochs 50"}, "<--task><mytask:make><--epochs><50>"),
+        ({"DDPACK_COMMAND": "python ddp.py 50 5"}, "<--><python><ddp.py><50><5>"),
+    ],
+)
+def test_the_training_step_runs_your_command_the_trainers_flags_or_the_images_own(settings: dict[str, str], words: str) -> None:
+    out = step_command(**settings)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == f"{words}\n/fsx/runs/a-1/snapshots /fsx/runs/a-1/metrics.jsonl\n"
+
+
+def test_a_command_and_trainer_flags_together_are_one_line() -> None:
+    out = step_command(DDPACK_COMMAND="python ddp.py", DDPACK_TRAIN_ARGS="--epochs 3")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith("ddpack: error: DDPACK_COMMAND and DDPACK_TRAIN_ARGS are both set;") and out.stderr.count("\n") == 1

@@ -37,6 +37,7 @@ def ident(rank: int, host: str, **changes: object) -> Identity:
         device="cpu",
         bundle="1.0@abc",
         code="c0de",
+        app="-",
         in_image=True,
         python="3.11.2",
         torch="2.13.0+cpu",
@@ -193,16 +194,18 @@ def test_a_rank_on_another_bundle_revision_fails_the_check_and_is_named(tmp_path
     stale = tmp_path / "stale-image"
     for package in ("entrypoint", "train"):
         shutil.copytree(ROOT / package, stale / package, ignore=shutil.ignore_patterns("__pycache__"))
-    (stale / "ddpack-build.json").write_text(json.dumps({"version": "0.1.0", "revision": "0123456789abcdef0123"}))
+    app = {"name": "myproj", "digest": "5ca1ab1e0000"}  # an older build of the user's project, too
+    (stale / "ddpack-build.json").write_text(json.dumps({"version": "0.1.0", "revision": "0123456789abcdef0123", "app": app}))
     job = start_slurm_step(tmp_path, [1, 1, 1], preflight_args(tmp_path), rank_env={2: {"PYTHONPATH": str(stale)}})
     assert job.wait(120) == [1, 1, 1], job.output()
     fails = [line for line in job.output(0).splitlines() if line.startswith("preflight: FAIL ")]
     host = json.loads((tmp_path / "report.json").read_text())["identity"][2]["host"]
     assert fails == [
         f"preflight: FAIL identity: bundle differs: rank 2 ({host}) bundle=0.1.0@0123456789ab (the other 2 ranks: bundle=0.1.0@checkout)",
+        f"preflight: FAIL identity: app differs: rank 2 ({host}) app=myproj@5ca1ab1e0000 (the other 2 ranks: app=-)",
         f"preflight: FAIL identity: in_image differs: rank 2 ({host}) in_image=True (the other 2 ranks: in_image=False)",
     ]
-    assert "preflight: FAILED (2 problems)" in job.output(0)
+    assert "preflight: FAILED (3 problems)" in job.output(0)
 
 
 @dist

@@ -167,7 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: refuse, since it is another run)",
     )
     state.add_argument("--log-every", type=_positive_int, default=10, help="optimizer steps between progress lines")
-    state.add_argument("--metrics-file", default=None, help="JSON-lines metrics written by rank 0 (appended)")
+    state.add_argument(
+        "--metrics-file",
+        default=os.environ.get("DDPACK_METRICS_FILE") or None,
+        help="JSON-lines metrics written by rank 0 (appended); default $DDPACK_METRICS_FILE (the templates set it), else none",
+    )
 
     dist = parser.add_argument_group("distributed")
     dist.add_argument(

@@ -91,7 +91,7 @@ def load_task(config: Config) -> Task:
         known = ", ".join(BUILTIN_TASKS)
         raise TaskError(f"--task {config.task!r} is neither a built-in task ({known}) nor 'package.module:factory'")
     # The trainer runs with the working directory off the front of the path (see entrypoint's
-    # default_command); the user's module is looked for there last, after the bundle and torch, and
+    # trainer_command); the user's module is looked for there last, after the bundle and torch, and
     # then in DDPACK_PROJECT_DIR: the templates set it to the submission folder (as the container sees
     # it), since they run in a run folder of their own, and under pyxis the image's PYTHONPATH wins
     # over the job's.

@@ -25,7 +25,7 @@ BUILD_FILE = LIB / "ddpack-build.json"
 CODE_PACKAGES = ("entrypoint", "train")
 
 # Fields every rank must share; the rest (host, rank, visible devices) describe where a rank is.
-AGREED = ("bundle", "code", "in_image", "python", "torch", "cuda", "nccl", "device")
+AGREED = ("bundle", "code", "app", "in_image", "python", "torch", "cuda", "nccl", "device")
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,7 @@ class Identity:
     device: str
     bundle: str
     code: str
+    app: str  # name@digest of the user's project built into the image (make image APP=DIR), "-" for none
     in_image: bool
     python: str
     torch: str
@@ -70,6 +71,16 @@ def bundle_label(build_file: Path = BUILD_FILE) -> tuple[str, bool]:
         return "unknown@checkout", False
 
 
+def app_label(build_file: Path = BUILD_FILE) -> str:
+    """name@digest of the project the image was built with (its `app` record), "-" when there is none:
+    a node with an older build of the project differs here even when the bundle is the same."""
+    try:
+        app = json.loads(build_file.read_text()).get("app") or {}
+    except (OSError, ValueError):
+        return "-"
+    return f"{app.get('name', '?')}@{app.get('digest', '?')}" if app else "-"
+
+
 def collect_identity(ctx: DistContext) -> Identity:
     """This rank's identity, read from the process itself (no collective)."""
     cuda = torch.version.cuda or "-"
@@ -91,6 +102,7 @@ def collect_identity(ctx: DistContext) -> Identity:
         device=device,
         bundle=bundle,
         code=code_digest(),
+        app=app_label(),
         in_image=in_image,
         python=platform.python_version(),
         torch=torch.__version__,

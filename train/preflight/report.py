@@ -39,7 +39,7 @@ class Report:
         return json.dumps(data, indent=2)
 
 
-IDENTITY_COLUMNS = ("rank", "host", "local", "device", "bundle", "code", "image", "python", "torch", "cuda", "nccl")
+IDENTITY_COLUMNS = ("rank", "host", "local", "device", "bundle", "code", "app", "image", "python", "torch", "cuda", "nccl")
 
 
 def identity_table(records: Sequence[Identity]) -> list[str]:
@@ -52,6 +52,7 @@ def identity_table(records: Sequence[Identity]) -> list[str]:
             r.device,
             r.bundle,
             r.code,
+            r.app,
             "yes" if r.in_image else "no",
             r.python,
             r.torch,
