@@ -1,5 +1,6 @@
 """Image figures: CPU image size against its floor, cold build time, rebuild time after a one-line
-trainer change, and the GPU image size.
+trainer change, the same two for a user's project on it (the README's cpu-ddp: `make image APP=DIR`), and
+the GPU image size.
 
 The floor is what any image with this runtime must hold: the base image (OS + Python runtime) plus
 torch's installed files. Cold = no build cache (the dependency layer reinstalls torch); the rebuild
@@ -18,8 +19,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from ddpack.app import read_app  # noqa: E402
 from ddpack.engine import docker_client  # noqa: E402
-from ddpack.images import CONTEXT_ITEMS, build_image, plan_build  # noqa: E402
+from ddpack.images import CONTEXT_ITEMS, build_app_image, build_image, plan_build  # noqa: E402
 
 MIB = 2**20
 
@@ -28,6 +30,31 @@ def timed_build(variant: str, tag: str, source: Path = ROOT, no_cache: bool = Fa
     started = time.monotonic()
     build_image(plan_build(variant=variant, tag=tag, version="bench", extra_args=("--no-cache",) if no_cache else (), source=source))
     return time.monotonic() - started
+
+
+def timed_app_build(project: Path, tag: str, bundle: str, no_cache: bool = False) -> float:
+    """The project's two layers on the already-built bundle (cold: --no-cache, requirements from the index)."""
+    started = time.monotonic()
+    build = plan_build(
+        variant="cpu", tag=tag, version="bench", app=read_app(project, "python ddp.py 4 2"), bundle_tag=bundle,
+        extra_args=("--no-cache",) if no_cache else (),
+    )  # fmt: skip
+    build_app_image(build)
+    return time.monotonic() - started
+
+
+def project_figures(bundle: str) -> tuple[float, float]:
+    """(cold, after a one-line code change) seconds for the README's project on `bundle`."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from readme_examples import write_cpu_ddp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        project = write_cpu_ddp(Path(tmp) / "cpu-ddp")
+        cold = timed_app_build(project, "cpu-ddp:bench", bundle, no_cache=True)
+        (project / "ddp.py").write_text((project / "ddp.py").read_text() + "# a one-line change\n")
+        warm = timed_app_build(project, "cpu-ddp:bench", bundle)
+    docker_client().images.remove("cpu-ddp:bench", force=True)
+    return cold, warm
 
 
 def floor_bytes(tag: str) -> tuple[int, int]:
@@ -56,6 +83,7 @@ def main() -> None:
         trainer = copy / "train" / "trainer.py"
         trainer.write_text(trainer.read_text() + "\n# a one-line change\n")
         warm = timed_build("cpu", opts.tag + "-edit", source=copy)
+    app_cold, app_warm = project_figures(opts.tag)
     size = client.images.get(opts.tag).attrs["Size"]
     base, torch_bytes = floor_bytes(opts.tag)
     floor = base + torch_bytes
@@ -64,6 +92,8 @@ def main() -> None:
     print(f"images   above the floor                    {(size - floor) / MIB:8,.0f} MiB ({(size / floor - 1) * 100:.0f}%)")
     print(f"images   cold build (no cache)              {cold:8.1f} s")
     print(f"images   rebuild after a one-line change    {warm:8.1f} s")
+    print(f"images   project cold build (2 layers)      {app_cold:8.1f} s   README's cpu-ddp on the image, requirements from the index")
+    print(f"images   project rebuild after a code edit  {app_warm:8.1f} s   only its code layer")
     gpu_tag = opts.tag + "-gpu"
     if opts.gpu:
         print(f"images   GPU cold build (no cache)          {timed_build('gpu', gpu_tag, no_cache=True):8.1f} s")

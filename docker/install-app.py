@@ -138,7 +138,7 @@ def main() -> None:
     if changed:
         fail(f"installing the app's requirements changed the image's {', '.join(changed)}; the image's torch must stay as built")
     check = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True)
-    if check.returncode != 0 or check.stdout.strip() != held.get("torch"):
+    if check.returncode != 0:  # torch.__version__ may carry a local label (+cu130) its metadata lacks: compared above
         fail(f"torch does not import as {held.get('torch')} after the app's requirements ({(check.stderr or check.stdout).strip()[-200:]})", code=1)
     print(f"{PREFIX} installed; torch {check.stdout.strip()} as built", flush=True)
 

@@ -41,3 +41,24 @@ def test_gpu_image_trains_on_cpu_when_no_device_is_visible(gpu_image: tuple[dock
         image, ["--epochs", "1"], environment={"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}, remove=True
     ).decode()
     assert "backend gloo device cpu" in out and "checksums agree across 1 ranks" in out
+
+
+def test_a_project_on_the_gpu_image_keeps_its_cuda_torch_and_nccl(gpu_image: tuple[docker.DockerClient, str], tmp_path, capsys) -> None:
+    """`make image-gpu APP=DIR`: the CUDA wheels (nvidia-*) are held with torch, and the CUDA torch stays."""
+    from readme_examples import write_cpu_ddp
+
+    from ddpack.app import read_app
+    from ddpack.images import build_app_image, plan_build
+
+    client, image = gpu_image
+    tag = "cpu-ddp:pytest-gpu-app"
+    app = read_app(write_cpu_ddp(tmp_path / "cpu-ddp"), "python ddp.py 4 2")
+    build_app_image(plan_build(variant="gpu", tag=tag, version="pytest", app=app, bundle_tag=image, extra_args=("--no-cache",)))
+    try:
+        held = next(line for line in capsys.readouterr().out.splitlines() if "ddpack-app: installing" in line)
+        assert "torch==2.13.0" in held and "nvidia-nccl-cu13==" in held
+        probe = "import torch, tqdm; print(torch.__version__, torch.version.cuda)"
+        assert client.containers.run(tag, ["python", "-c", probe], entrypoint=[], remove=True).decode() == \
+            client.containers.run(image, ["python", "-c", probe.replace(", tqdm", "")], entrypoint=[], remove=True).decode()  # fmt: skip
+    finally:
+        client.images.remove(tag, force=True)

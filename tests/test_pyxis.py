@@ -1,10 +1,13 @@
 """The real cluster stack: Slurm + pyxis 0.19.0 + enroot 3.4.1 (HyperPod's versions, built from source
 by ../shared/tools/install-enroot-pyxis.sh, which .ci/run runs), two slurmd on this machine.
 
-`make sqsh` through enroot; `srun --container-image` in both launch shapes, as root and as a non-root
-user with a login shell; both pyxis templates through sbatch with the shared folder mounted at the same
-path and at another; a preemption round trip through each. Each container start unpacks the image on
-each node (enroot create, ~20 s here), so this tier takes minutes.
+The image is the one users ship: the README's project (cpu-ddp) on the bundle, converted by `make sqsh`
+as the README's own line runs it (the `readme_project` fixture) and copied to the shared folder as the README
+shows. `srun --container-image` in both launch shapes, as root and as a non-root user with a login shell;
+both pyxis templates through sbatch running the bundled trainer with the shared folder mounted at the same
+path and at another, and the README's submission running the project's own command; a preemption round trip
+through each. Each container start unpacks the image on each node (enroot create, ~20 s here), so this tier
+takes minutes.
 """
 
 from __future__ import annotations
@@ -13,13 +16,12 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from docker_support import ReadmeProject
 from readme_examples import write_mytask
 from slurm_cluster import ClusterUnavailable, ensure_cluster
 from slurm_jobs import CHECKSUM_RE, env, preempt_and_resume, sbatch
@@ -60,21 +62,11 @@ def shared() -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
-def sqsh(shared: Path) -> Path:
-    """`make sqsh` as the README shows it, as root with enroot installed: the image's layers are squashed
-    directly (the tree enroot's import gives, see test_sqsh), with enroot.conf's options."""
-    from docker_support import TEST_TAG, build, engine_or_skip
-
-    engine_or_skip()
-    build("cpu", TEST_TAG)
+def sqsh(shared: Path, readme_project: ReadmeProject) -> Path:
+    """The README's `cp build/cpu-ddp+TAG.sqsh /fsx/images/cpu-ddp.sqsh`, into the shared folder."""
     (shared / "images").mkdir(mode=0o755)
-    output = shared / "images" / "ddpack.sqsh"
-    tag = TEST_TAG.split(":", 1)[1]
-    out = subprocess.run(
-        ["make", "sqsh", f"TAG={tag}", f"SQSH={output}", f"VENV={sys.prefix}"], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert f"sqsh: {TEST_TAG} -> {output} (layers; ENROOT_SQUASH_OPTIONS=" in out.stdout, out.stdout
+    output = shared / "images" / "cpu-ddp.sqsh"
+    shutil.copyfile(readme_project.sqsh, output)
     output.chmod(0o644)
     return output
 
@@ -95,8 +87,10 @@ def container_srun(args: list[str], cwd: Path, user: str | None = None) -> subpr
     return subprocess.run(argv, env=job_env, cwd=cwd, capture_output=True, text=True, timeout=900)
 
 
-@pytest.mark.parametrize("as_user", [False, True], ids=["root", "user"])
-@pytest.mark.parametrize("shape", ["per-task", "torchrun"])
+# Both shapes as root, and the per-task shape (each task its own container) as a user.
+@pytest.mark.parametrize(
+    ("shape", "as_user"), [("per-task", False), ("torchrun", False), ("per-task", True)], ids=["per-task-root", "torchrun-root", "per-task-user"]
+)
 def test_srun_container_image_runs_one_ddp_job(sqsh: Path, shared: Path, job_user: str, shape: str, as_user: bool) -> None:
     work = Path(tempfile.mkdtemp(prefix=f"srun-{shape}-", dir=shared))
     work.chmod(0o1777)
@@ -192,6 +186,7 @@ def test_pyxis_templates_run_the_preflight_in_the_image_then_train_in_the_same_c
     assert log.index("preflight: PASS") < log.index("checksums agree across 4 ranks")
     report = json.loads((folder / "runs" / f"ddpack-{job}" / "preflight.json").read_text())
     assert {r["in_image"] for r in report["identity"]} == {True}  # inside the bundle's image on every rank
+    assert len({r["app"] for r in report["identity"]}) == 1 and report["identity"][0]["app"].startswith("cpu-ddp@")
     assert sorted(r["host"] for r in report["identity"]) == ["ddnode1", "ddnode1", "ddnode2", "ddnode2"]
     assert report["storage"]["folder"].startswith("/fsx/")  # the snapshot folder as the container sees it
     # Unpacked once per node by the preflight step (.0), reused by training (.1), removed afterwards.
@@ -207,6 +202,18 @@ def test_the_preflight_template_alone_in_the_default_pyxis_shape(sqsh: Path, sha
     assert code == 0, log
     assert "preflight: 4 ranks on 2 hosts (ddnode1, ddnode2), backend gloo" in log and "preflight: PASS" in log
     assert "start: rank" not in log
+
+
+def test_the_readme_submission_runs_the_projects_own_command(sqsh: Path, shared: Path) -> None:
+    """`sbatch --export=ALL,DDPACK_SQSH=/fsx/images/cpu-ddp.sqsh .../pyxis-per-task.sbatch` from a run folder:
+    no DDPACK_TRAIN_ARGS, so every task runs the image's `python ddp.py 4 2`, writing snapshot.pt in the run folder."""
+    folder = submission_folder(shared, "cpu-ddp")
+    code, job = sbatch("pyxis-per-task.sbatch", folder, ("--ntasks-per-node=2",), DDPACK_SQSH=str(sqsh), DDPACK_MOUNTS=f"{shared}:/fsx")
+    log = (folder / "logs" / f"ddpack-{job}.out").read_text()
+    assert code == 0, log
+    assert all(f"[rank {rank}] trained to epoch 4" in log for rank in range(4)), log
+    snapshot = folder / "runs" / f"ddpack-{job}" / "snapshot.pt"
+    assert snapshot.is_file() and "snapshot saved at snapshot.pt" in log
 
 
 @pytest.mark.parametrize("template", sorted(TEMPLATE_ARGS))
@@ -236,4 +243,4 @@ def test_enroot_start_runs_the_launcher_once_whether_or_not_it_is_named(sqsh: Pa
     finally:
         subprocess.run(["enroot", "remove", "--force", name], env=env(), capture_output=True, timeout=120)
     assert plans[0]["mode"] == plans[1]["mode"] == "single"
-    assert plans[0]["argv"] == plans[1]["argv"] and plans[0]["argv"][-3:] == ["-P", "-m", "train"]
+    assert plans[0]["argv"] == plans[1]["argv"] == ["python", "/opt/app/ddp.py", "4", "2"]  # the image's APP_CMD, found from /
