@@ -243,4 +243,4 @@ def test_enroot_start_runs_the_launcher_once_whether_or_not_it_is_named(sqsh: Pa
     finally:
         subprocess.run(["enroot", "remove", "--force", name], env=env(), capture_output=True, timeout=120)
     assert plans[0]["mode"] == plans[1]["mode"] == "single"
-    assert plans[0]["argv"] == plans[1]["argv"] == ["python", "/opt/app/ddp.py", "4", "2"]  # the image's APP_CMD, found from /
+    assert plans[0]["argv"] == plans[1]["argv"] == ["python", "ddp.py", "4", "2"]  # the image's APP_CMD, in its WORKDIR /opt/app
