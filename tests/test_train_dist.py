@@ -137,17 +137,46 @@ def test_killed_peer_ends_the_survivor_within_the_timeout(tmp_path: Path) -> Non
     assert "a collective failed" in job.output(0) and "a peer died or did not answer within --collective-timeout=10s" in job.output(0)
 
 
-def test_silent_peer_times_out(tmp_path: Path) -> None:
-    """A peer that stops answering (SIGSTOP: a hung node) trips the collective timeout."""
-    job = running_pair(tmp_path, 5)
+def test_a_stopped_rank_is_named_by_the_hang_watchdog_which_ends_the_job_with_evidence(tmp_path: Path) -> None:
+    """SIGSTOP (a frozen node): the stopped rank cannot write its own stacks; rank 0 notices that no rank
+    finishes a step, writes its stacks and a summary naming the rank whose heartbeat went stale, and
+    exits 124 well before the collective timeout."""
+    forensics = tmp_path / "forensics"
+    metrics = tmp_path / "m.jsonl"
+    args = [*LONG, "--snapshot-dir", "", "--collective-timeout", "120", "--hang-timeout", "5", "--forensics-dir", str(forensics)]
+    args += ["--metrics-file", str(metrics)]
+    job = start_slurm_step(tmp_path, [2], args)
+    wait_for(lambda: metrics_step(metrics) >= 5, 60, "step 5")
     job.send(signal.SIGSTOP, [1])
     started = time.monotonic()
     try:
         code = job.procs[0].wait(timeout=60)
     finally:
         job.send(signal.SIGKILL, [1])
-    assert code == 1 and 4 <= time.monotonic() - started < 40
-    assert "a collective failed" in job.output(0)
+    assert code == 124 and 5 <= time.monotonic() - started < 40, job.output()
+    summary = json.loads((forensics / "summary.json").read_text())
+    assert summary["behind_ranks"] == [1] and "no heartbeat" in summary["behind"][0], summary
+    assert sorted(p.name for p in forensics.glob("rank-*.txt")) == ["rank-0.txt"]
+    assert "in sync" in (forensics / "rank-0.txt").read_text().splitlines()[0]  # waiting for the gradients' collective
+    assert f"evidence in {forensics}" in job.output(0)
+
+
+def test_a_rank_stuck_in_its_dataset_ends_every_rank_with_its_stack_frame_in_the_forensics(tmp_path: Path) -> None:
+    """The issue's case: rank 1 blocks forever inside a user's dataset (in a DataLoader worker). Both
+    ranks end with 124; the summary names rank 1 (in `data` while rank 0 waits in the gradient sync),
+    and rank 1's file holds the worker's frame where it blocked."""
+    forensics = tmp_path / "forensics"
+    args = ["--task", "plugins.hang_task:make", "--epochs", "3", "--batch-size", "16", "--log-every", "1", "--snapshot-dir", ""]
+    args += ["--hang-timeout", "5", "--forensics-dir", str(forensics), "--num-workers", "1"]
+    job = start_slurm_step(tmp_path, [2], args, cwd=USER_DIR, rank_env={r: {"HANG_TASK_RANK": "1"} for r in range(2)})
+    assert job.wait(timeout=90) == [124, 124], job.output()
+    summary = json.loads((forensics / "summary.json").read_text())
+    assert summary["behind_ranks"] == [1] and " in data after step " in summary["behind"][0], summary
+    assert {r["phase"] for r in summary["ranks"].values()} == {"data", "sync"}
+    stacks = (forensics / "rank-1.txt").read_text()
+    assert "DataLoader worker-0" in stacks and re.search(r"hang_task\.py\", line \d+ in wait_for_storage_that_never_answers", stacks), stacks
+    for rank in range(2):
+        assert "behind: rank 1 on " in job.output(rank) and f"evidence in {forensics}" in job.output(rank), job.output(rank)
 
 
 # ---------------------------------------------------------------- DataLoader workers, torchrun stops

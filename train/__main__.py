@@ -1,7 +1,8 @@
 """`python -m train`: flags -> task -> process group -> Trainer, with clear exits for every ending.
 
-Exit codes: 0 done; 1 failure (collective error, checksum mismatch); 2 bad input;
-128+N stopped by signal N with a snapshot (143 for SIGTERM, 138 for SIGUSR1): rerun to resume.
+Exit codes: 0 done; 1 failure (collective error, checksum mismatch); 2 bad input; 124 a hang
+(no rank finished a step for --hang-timeout; evidence in --forensics-dir); 128+N stopped by signal N
+with a snapshot (143 for SIGTERM, 138 for SIGUSR1): rerun to resume.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import dataclasses
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from train.affinity import bind_local_ranks, cpu_list
 from train.config import parse_config
@@ -27,6 +29,7 @@ from train.model import SetupError
 from train.signals import PreemptionWatcher
 from train.tasks import TaskError, load_task
 from train.trainer import ChecksumMismatch, Preempted, SnapshotMismatch, Trainer
+from train.watchdog import GuardedStore, Progress, Watchdog, tcp_store
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -55,8 +58,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         + (f" cpus {cpu_list(bound)}" if bound is not None else "")
     )
     metrics = MetricsFile(config.metrics_file if ctx.is_main else None)
+    progress = Progress()
+    watchdog = None
+    if config.hang_timeout:
+        deadline = min(10.0, max(2.0, config.hang_timeout / 3))
+        store = GuardedStore(tcp_store(deadline), deadline, prefix=f"ddpack-watchdog/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/")
+        watchdog = Watchdog(
+            progress,
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            host=ctx.host,
+            timeout_s=config.hang_timeout,
+            forensics_dir=Path(config.forensics_dir).absolute(),
+            log=log,
+            store=store,
+        )
+        watchdog.start()
     try:
-        result = Trainer(config, task, ctx, log, metrics, watcher).fit()
+        result = Trainer(config, task, ctx, log, metrics, watcher, progress).fit()
     except SetupError as exc:  # found by every rank at set-up or the first steps, before anything was written
         if ctx.is_main:
             print(f"train: error: {exc}", file=sys.stderr, flush=True)
@@ -85,6 +104,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         exit_now(1)  # tearing down a broken process group can itself hang
     finally:
         watcher.restore()
+        if watchdog is not None:
+            watchdog.stop()
     loss = f"{result.final_loss:.5f}" if result.final_loss is not None else "n/a"
     log(
         f"done: global step {result.global_step} final loss {loss} steps/s {result.steps_per_s:.1f} samples/s {result.samples_per_s:,.0f}",

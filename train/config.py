@@ -9,6 +9,11 @@ from dataclasses import asdict, dataclass
 from typing import NoReturn
 
 BACKENDS = ("gloo", "nccl", "mpi", "ucc")
+# Three minutes: steps of seconds are the norm even for large models, a recompile or a slow first
+# batch of a new epoch takes tens of seconds, and the first step, snapshot writes and eval are not
+# timed at all; a hang found in 3 minutes rather than at NCCL's 10 saves most of the idle allocation.
+DEFAULT_HANG_TIMEOUT = 180.0
+HANG_SHARE_OF_COLLECTIVE = 0.6
 CPU_BIND_CHOICES = ("auto", "none")
 
 
@@ -42,6 +47,8 @@ class Config:
     metrics_file: str | None
     backend: str | None
     collective_timeout: float
+    hang_timeout: float
+    forensics_dir: str
     cpu_bind: str
 
     def to_dict(self) -> dict:
@@ -58,6 +65,13 @@ def _positive_int(text: str) -> int:
 def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not >= 0")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not >= 0")
     return value
 
@@ -184,6 +198,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--collective-timeout", type=_positive_float, default=300.0, help="seconds a collective may wait for a peer before the run fails"
     )
     dist.add_argument(
+        "--hang-timeout",
+        type=_non_negative_float,
+        default=os.environ.get("DDPACK_HANG_TIMEOUT") or None,
+        metavar="S",
+        help="end the job (exit 124) with evidence in --forensics-dir when no rank finishes a step for S seconds; "
+        "the first step, snapshot writes and eval are not timed; 0 disables (default: $DDPACK_HANG_TIMEOUT, else "
+        f"{DEFAULT_HANG_TIMEOUT:g}, or {HANG_SHARE_OF_COLLECTIVE:g} x --collective-timeout when that is shorter, "
+        "so that the watchdog sees a stuck collective before the collective's own timeout ends the run without evidence)",
+    )
+    dist.add_argument(
+        "--forensics-dir",
+        default=os.environ.get("DDPACK_FORENSICS_DIR", "forensics"),
+        help="where a hang leaves every rank's stacks and the summary; default $DDPACK_FORENSICS_DIR or ./forensics",
+    )
+    dist.add_argument(
         "--cpu-bind",
         choices=CPU_BIND_CHOICES,
         default=os.environ.get("DDPACK_CPU_BIND") or "auto",
@@ -201,4 +230,12 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
         value = getattr(ns, name)
         if value is not None and value not in choices:
             parser.exit(2, f"train: error: {variable}={value!r} is not one of {', '.join(choices)}; set it to one of them or unset it\n")
+    if ns.hang_timeout is None:
+        ns.hang_timeout = min(DEFAULT_HANG_TIMEOUT, HANG_SHARE_OF_COLLECTIVE * ns.collective_timeout)
+    elif ns.hang_timeout and ns.hang_timeout >= ns.collective_timeout:
+        parser.exit(
+            2,
+            f"train: error: --hang-timeout {ns.hang_timeout:g} is not below --collective-timeout {ns.collective_timeout:g}, so a stuck "
+            "collective would end the run before the watchdog collects evidence; lower it or raise --collective-timeout\n",
+        )
     return Config(**{name.replace("-", "_"): value for name, value in vars(ns).items()})

@@ -30,6 +30,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset, get_worker_info
 
 from train.affinity import allowed_cpus
+from train.watchdog import register_worker_stack_dump
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -156,6 +157,7 @@ class LoaderBatches:
             persistent_workers=num_workers > 0,
             prefetch_factor=4 if num_workers > 0 else None,
             generator=generator,
+            worker_init_fn=register_worker_stack_dump,  # a hang's forensics can ask them for their stacks
         )
 
     def epoch(self, epoch: int, start: int) -> Iterator[Batch]:

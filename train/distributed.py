@@ -88,6 +88,10 @@ def init_distributed(backend: str, device: torch.device, timeout_s: float) -> Di
     default_to_one_process()
     rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank, local_world = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", 1)
+    if backend == "nccl":
+        # torch's NCCL flight recorder: the last collectives of each rank, which a hang's forensics dump
+        # (train.watchdog); a ring of 2000 entries costs a few MB of host memory.
+        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
     dist.init_process_group(
         backend=backend,
         rank=rank,

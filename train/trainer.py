@@ -30,6 +30,7 @@ from train.model import explain_setup_failure, prepare_module
 from train.signals import PreemptionWatcher
 from train.snapshot import SnapshotStore
 from train.tasks import Task
+from train.watchdog import Progress
 
 # Config fields that must match a snapshot for the resumed run to continue the same trajectory.
 TRAJECTORY_FIELDS = (
@@ -127,9 +128,18 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 
 class Trainer:
     def __init__(
-        self, config: Config, task: Task, ctx: DistContext, log: RankLog, metrics: MetricsFile, watcher: PreemptionWatcher
+        self,
+        config: Config,
+        task: Task,
+        ctx: DistContext,
+        log: RankLog,
+        metrics: MetricsFile,
+        watcher: PreemptionWatcher,
+        progress: Progress | None = None,
     ) -> None:
         self.config, self.task, self.ctx, self.log, self.metrics, self.watcher = config, task, ctx, log, metrics, watcher
+        # Where this rank is, for the hang watchdog (train.watchdog): a few attribute stores a step.
+        self.progress = progress if progress is not None else Progress()
         self.module = prepare_module(task.model, config, ctx.device)
         # DDP wraps the module with the stop-flag parameter beside it (train.grad_sync); the optimizer,
         # snapshots and checksums see the module alone (never the compiled one: its state dict's names
@@ -207,6 +217,7 @@ class Trainer:
         """Collective: every rank hands rank 0 its RNG state; rank 0 writes atomically."""
         if not self.config.snapshot_dir or self.last_snapshot_step == self.global_step:
             return
+        self.progress.enter_counted("snapshot")
         rng_all = gather_objects(_rng_state(self.ctx.device), self.ctx)
         if self.store is not None:
             started = time.monotonic()
@@ -214,6 +225,7 @@ class Trainer:
             self.log(f"snapshot saved: {self.last_snapshot_path} (step {self.global_step}, {time.monotonic() - started:.2f}s)")
             self.metrics.write("snapshot", global_step=self.global_step, path=str(self.last_snapshot_path))
         self.last_snapshot_step = self.global_step
+        self.progress.enter_counted("step-end")
 
     def restore(self) -> None:
         """Rank 0 picks the newest readable snapshot and sends it to every rank."""
@@ -275,17 +287,22 @@ class Trainer:
         count = len(micro_batches)
         losses = []
         samples = 0
+        progress = self.progress
         for i, (inputs, targets) in enumerate(micro_batches):
             synced = i == count - 1
             with nullcontext() if synced else self.model.no_sync():
+                progress.enter("forward")
                 with self.autocast():
                     outputs, flags = self.model(inputs)
                     loss = self.task.loss_fn(outputs, targets)
                 scaled = loss / count if count > 1 else loss
+                progress.enter("backward")
                 (self.grad_sync.carry_flags(scaled, flags) if synced else scaled).backward()
             losses.append(loss.detach())
             samples += len(inputs)
+        progress.enter("sync")
         self.grad_sync.finish()
+        progress.enter("optimizer")
         grad_norm = None
         if self.config.clip_grad_norm is not None:
             # In place on the synced gradients (views of DDP's buckets), identical on every rank.
@@ -313,8 +330,10 @@ class Trainer:
                 stream = self.batches.epoch(self.epoch, self.step_in_epoch * cfg.grad_accum)
                 for step in range(self.step_in_epoch, self.steps_per_epoch):
                     count = min(cfg.grad_accum, self.batches_per_epoch - step * cfg.grad_accum)
+                    self.progress.enter("data")
                     window.add(*self._train_step([next(stream) for _ in range(count)]))
                     self.global_step, self.step_in_epoch = self.global_step + 1, step + 1
+                    self.progress.step_done(self.global_step)
                     done = self.global_step >= self.total_steps
                     if self.global_step % cfg.log_every == 0 or done:
                         last_loss = self._progress(window, start_step, started)
@@ -335,6 +354,7 @@ class Trainer:
             raise explain_setup_failure(exc, self.model) or exc from None
         finally:
             self.batches.close()
+        self.progress.enter("finish")
         # DDP hands every rank rank 0's buffers before each forward, so after the last one each rank
         # still holds its own (BatchNorm's running statistics): rank 0's are the run's, as in every snapshot.
         broadcast_buffers(self.module, self.ctx)
@@ -365,6 +385,7 @@ class Trainer:
     def _progress(self, window: Window, start_step: int, started: float) -> float:
         """Collective, every --log-every steps: mean loss over ranks and global throughput; rank 0
         prints and records them."""
+        self.progress.enter("progress")
         loss_sum, steps, samples = sum_over_ranks(torch.stack(window.losses).sum(), [len(window.losses), window.samples], self.ctx)
         loss = loss_sum / steps
         samples_per_s = samples / max(time.monotonic() - window.started, 1e-9)
@@ -395,6 +416,7 @@ class Trainer:
         finished = self.epoch
         self.epoch, self.step_in_epoch = self.epoch + 1, 0
         if self.ctx.is_main and self.task.eval_data is not None and self.task.metric is not None:
+            self.progress.enter_counted("eval")
             self.module.eval()
             with torch.no_grad():
                 inputs, targets = (t.to(self.ctx.device) for t in self.task.eval_data.tensors)
@@ -402,6 +424,7 @@ class Trainer:
             self.module.train()
             self.log(f"epoch {finished + 1} done: " + " ".join(f"{k} {v:.4f}" for k, v in results.items()))
             self.metrics.write("eval", epoch=finished, global_step=self.global_step, **results)
+            self.progress.enter_counted("step-end")
         if self.config.snapshot_every == 0:
             self.snapshot()
 

@@ -1,0 +1,107 @@
+"""The hang watchdog's parts in one process: its default and bad settings, who it names, and that it
+fires on a stall and not while a peer is legitimately busy (a snapshot write, eval)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from train.config import parse_config
+from train.watchdog import EXIT_HANG, GuardedStore, Heartbeat, Progress, Watchdog, judge
+
+
+def test_the_default_is_three_minutes_or_below_a_shorter_collective_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DDPACK_HANG_TIMEOUT", raising=False)
+    assert parse_config([]).hang_timeout == 180
+    assert parse_config(["--collective-timeout", "100"]).hang_timeout == 60
+    assert parse_config(["--hang-timeout", "0"]).hang_timeout == 0
+    monkeypatch.setenv("DDPACK_HANG_TIMEOUT", "42")
+    assert parse_config([]).hang_timeout == 42
+
+
+def test_a_hang_timeout_the_collective_timeout_would_beat_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(["--hang-timeout", "300"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1
+    assert "--hang-timeout 300 is not below --collective-timeout 300" in err
+
+
+def beat(rank: int, sent: float, step: int, phase: str, stalled: float = 0.0) -> Heartbeat:
+    return Heartbeat(rank, f"node{rank}", 100 + rank, sent, step, phase, 1.0, stalled)
+
+
+def test_judge_names_stale_ranks_then_the_earliest_live_position() -> None:
+    now = 1000.0
+    beats = {0: beat(0, now, 12, "sync"), 1: beat(1, now, 12, "data"), 2: beat(2, now - 30, 11, "forward")}
+    verdict = judge(beats, 4, now, stale_after=5, timeout_s=10)
+    assert verdict.summary["behind_ranks"] == [3, 2, 1]
+    assert verdict.behind[1].startswith("rank 2 on node2 (pid 102): no heartbeat for 30s")
+    assert verdict.behind[2] == "rank 1 on node1 (pid 101): in data after step 12 for 1s"
+    # Every live rank at the same place: nobody is singled out (a collective they all wait in).
+    assert judge({0: beat(0, now, 3, "sync"), 1: beat(1, now, 3, "sync")}, 2, now, 5, 10).behind == []
+
+
+class DictStore:
+    """The three calls the watchdog makes of a TCPStore."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.data[key] = value.encode()
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.data for k in keys)
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+
+def watchdog(rank: int, progress: Progress, store: DictStore, folder: Path, exits: list[int]) -> Watchdog:
+    return Watchdog(
+        progress, rank=rank, world_size=2, host=f"node{rank}", timeout_s=1.0, forensics_dir=folder,
+        log=lambda line: None, store=GuardedStore(lambda: store, 2.0, prefix="t/"), exit=exits.append,
+    )
+
+
+def stalled(step: int, phase: str) -> Progress:
+    progress = Progress()
+    progress.step_done(step)
+    progress.enter(phase)
+    return progress
+
+
+def test_a_stall_on_every_rank_ends_both_with_their_stacks_and_one_summary(tmp_path: Path) -> None:
+    store, exits = DictStore(), []
+    dogs = [watchdog(0, stalled(7, "sync"), store, tmp_path, exits), watchdog(1, stalled(7, "data"), store, tmp_path, exits)]
+    for dog in dogs:
+        dog.start()
+    deadline = time.monotonic() + 30
+    while len(exits) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert exits == [EXIT_HANG, EXIT_HANG]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["behind_ranks"] == [1] and summary["written_by"] == 0 and set(summary["stacks"]) == {"0", "1"}
+    assert (tmp_path / "rank-1.txt").read_text().startswith("rank 1/2 host node1 pid ")
+    assert "--- thread MainThread" in (tmp_path / "rank-0.txt").read_text()
+
+
+def test_no_hang_while_a_peer_writes_a_snapshot_or_before_the_first_step(tmp_path: Path) -> None:
+    """Rank 1 waits in the next collective for 3x the timeout while rank 0 writes a snapshot (fresh
+    heartbeats, untimed phase); a rank that has not finished its first step is not timed at all."""
+    store, exits = DictStore(), []
+    writer = Progress()
+    writer.step_done(7)
+    writer.enter_counted("snapshot")
+    dogs = [watchdog(0, writer, store, tmp_path, exits), watchdog(1, stalled(7, "sync"), store, tmp_path / "r1", exits)]
+    first = watchdog(0, Progress(), DictStore(), tmp_path / "first", exits)
+    for dog in [*dogs, first]:
+        dog.start()
+    time.sleep(3.0)
+    for dog in [*dogs, first]:
+        dog.stop()
+    assert exits == [] and not list(tmp_path.rglob("summary.json"))
