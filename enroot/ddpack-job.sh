@@ -10,7 +10,8 @@
 #                              program, e.g. "python ddp.py --epochs 5"), else DDPACK_TRAIN_ARGS (flags of the bundled
 #                              trainer), else nothing: the image's own command (make image APP=DIR APP_CMD=...) or
 #                              the bundled trainer. The trainer's run-folder defaults are exported for every case:
-#                              DDPACK_SNAPSHOT_DIR=FOLDER/snapshots, DDPACK_METRICS_FILE=FOLDER/metrics.jsonl
+#                              DDPACK_SNAPSHOT_DIR=FOLDER/snapshots, DDPACK_METRICS_FILE=FOLDER/metrics.jsonl,
+#                              DDPACK_FORENSICS_DIR=FOLDER/forensics
 #                              (FOLDER as the container sees the run directory); a program of your own can use them
 #   ddpack_require_pyxis       fail at once when this cluster's srun has no pyxis (--container-image)
 #   ddpack_preflight COMMAND...
@@ -24,9 +25,7 @@
 #                              both steps pass as --container-name so pyxis unpacks the image once per node
 #   ddpack_remove_container    remove that container from every node (pyxis keeps named containers
 #                              after the job unless its plugstack.conf sets container_scope=job)
-#   ddpack_requeue_if_stopped RC
-#                              the trainer stopped on a signal with a snapshot: requeue, up to
-#                              DDPACK_MAX_RESTARTS times
+#   ddpack_after_step RC       requeue or not, from the training step's exit status alone (see the function)
 #
 # Run directories: one run, one folder. A new submission gets runs/<job name>-<job id> in the submission
 # folder; a requeue keeps its job id and so continues its own folder; to continue an earlier run in a new
@@ -44,7 +43,11 @@ ddpack_setup() {
         ddpack_run_origin="continuing ${DDPACK_RUN_DIR} (DDPACK_RUN_DIR)"
     else
         DDPACK_RUN_DIR=${SLURM_SUBMIT_DIR}/runs/${name}-${SLURM_JOB_ID}
-        ddpack_run_origin="new run; a requeue continues it; to continue it in another job: sbatch --export=ALL,DDPACK_RUN_DIR=${DDPACK_RUN_DIR} ..."
+        if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then
+            ddpack_run_origin="requeued: continuing its run from the last snapshot"
+        else
+            ddpack_run_origin="new run; a requeue continues it; to continue it in another job: sbatch --export=ALL,DDPACK_RUN_DIR=${DDPACK_RUN_DIR} ..."
+        fi
     fi
     export DDPACK_RUN_DIR
     mkdir -p "${DDPACK_RUN_DIR}" || ddpack_die "cannot create the run directory ${DDPACK_RUN_DIR}; set DDPACK_RUN_DIR to a writable folder on the shared filesystem"
@@ -89,7 +92,7 @@ ddpack_project_dir() {
 }
 
 ddpack_command() {
-    export DDPACK_SNAPSHOT_DIR=$1/snapshots DDPACK_METRICS_FILE=$1/metrics.jsonl
+    export DDPACK_SNAPSHOT_DIR=$1/snapshots DDPACK_METRICS_FILE=$1/metrics.jsonl DDPACK_FORENSICS_DIR=$1/forensics
     ddpack_cmd=()
     if [ -n "${DDPACK_COMMAND:-}" ]; then
         [ -z "${DDPACK_TRAIN_ARGS:-}" ] || ddpack_die "DDPACK_COMMAND and DDPACK_TRAIN_ARGS are both set; DDPACK_TRAIN_ARGS is for the bundled trainer: put your program's arguments in DDPACK_COMMAND"
@@ -148,19 +151,64 @@ ddpack_remove_container() {
     ddpack_container_name=""
 }
 
-ddpack_requeue_if_stopped() {
-    local rc=$1 log restarts=${SLURM_RESTART_COUNT:-0} max=${DDPACK_MAX_RESTARTS:-10}
-    [ "${rc}" -ne 0 ] || return 0
+# The step's exit status decides, whatever ran (the bundled trainer, your DDPACK_COMMAND, the image's own):
+#   0 done; 2 bad input (never retried: the error line says what to fix);
+#   128+10 / 128+15 (138, 143) stopped on SIGUSR1/SIGTERM: preempted, requeued up to DDPACK_MAX_RESTARTS (10);
+#   anything else (124 a hang the watchdog ended, 137 a SIGKILL such as the OOM killer's, 1 a crash or a lost
+#   peer): a failure, retried up to DDPACK_MAX_FAILURE_RESTARTS times (default 1) per run folder, keeping out the
+#   nodes the hang's forensics named unresponsive where the partition has others to spare.
+ddpack_after_step() {
+    local rc=$1 restarts=${SLURM_RESTART_COUNT:-0} max=${DDPACK_MAX_RESTARTS:-10} max_failed=${DDPACK_MAX_FAILURE_RESTARTS:-1}
+    local failures_file=${DDPACK_RUN_DIR}/.ddpack-failure-restarts failed=0 kind
     case "${max}" in '' | *[!0-9]*) ddpack_die "DDPACK_MAX_RESTARTS=${max} is not a whole number" ;; esac
-    log=$(scontrol show job "${SLURM_JOB_ID}" | sed -n 's/^ *StdOut=//p')
-    # Preempted: the trainer stopped on SIGUSR1/SIGTERM with a snapshot; its stop line in this run's part
-    # of the appended log decides (torchrun's agent and srun report their own codes). One awk, no pipeline:
-    # under pipefail a `grep -q` closing the pipe early fails at random.
-    awk '/^ddpack: job /{stopped=0} /stopped on SIG/{stopped=1} END{exit !stopped}' "${log}" 2>/dev/null || return 0
-    if [ "${restarts}" -ge "${max}" ]; then
-        echo "ddpack: preempted (exit ${rc}) after ${restarts} restarts, the cap DDPACK_MAX_RESTARTS=${max}; not requeueing (resubmit with DDPACK_RUN_DIR=${DDPACK_RUN_DIR} to continue)"
+    case "${max_failed}" in '' | *[!0-9]*) ddpack_die "DDPACK_MAX_FAILURE_RESTARTS=${max_failed} is not a whole number" ;; esac
+    case "${rc}" in
+    0) return 0 ;;
+    2)
+        echo "ddpack: the step ended on bad input (exit 2); not requeueing: fix what its error line names and resubmit"
+        return 0
+        ;;
+    138 | 143) kind=preempted ;;
+    *) kind=failed ;;
+    esac
+    if [ "${kind}" = preempted ]; then
+        if [ "${restarts}" -ge "${max}" ]; then
+            echo "ddpack: preempted (exit ${rc}) after ${restarts} restarts, the cap DDPACK_MAX_RESTARTS=${max}; not requeueing (resubmit with DDPACK_RUN_DIR=${DDPACK_RUN_DIR} to continue)"
+            return 0
+        fi
+        echo "ddpack: preempted (exit ${rc}); requeueing job ${SLURM_JOB_ID} (restart $((restarts + 1)) of at most ${max})"
+        scontrol requeue "${SLURM_JOB_ID}"
         return 0
     fi
-    echo "ddpack: preempted (exit ${rc}); requeueing job ${SLURM_JOB_ID} (restart $((restarts + 1)) of at most ${max})"
-    scontrol requeue "${SLURM_JOB_ID}"
+    [ -f "${failures_file}" ] && failed=$(cat "${failures_file}")
+    case "${failed}" in '' | *[!0-9]*) failed=0 ;; esac
+    local what="failed (exit ${rc})"
+    [ "${rc}" -eq 124 ] && what="ended as hung (exit 124; evidence in ${DDPACK_RUN_DIR}/forensics)"
+    if [ "${failed}" -ge "${max_failed}" ] || [ "${restarts}" -ge "${max}" ]; then
+        echo "ddpack: the step ${what} after ${failed} failure restarts, the cap DDPACK_MAX_FAILURE_RESTARTS=${max_failed}; not requeueing (resubmit with DDPACK_RUN_DIR=${DDPACK_RUN_DIR} to continue from its last snapshot)"
+        return 0
+    fi
+    echo "$((failed + 1))" >"${failures_file}.tmp" && mv "${failures_file}.tmp" "${failures_file}"
+    echo "ddpack: the step ${what}; requeueing job ${SLURM_JOB_ID} to resume from its last snapshot (failure restart $((failed + 1)) of at most ${max_failed})"
+    scontrol requeue "${SLURM_JOB_ID}" || return 0
+    ddpack_keep_out_unresponsive_nodes
+}
+
+# After a requeue: keep the nodes a hang's forensics named unresponsive out of the job's next start, when the
+# partition has enough other nodes for it (else it would never start again); each decision is one line.
+ddpack_keep_out_unresponsive_nodes() {
+    local named=${DDPACK_RUN_DIR}/forensics/unresponsive-nodes nodes total
+    [ -s "${named}" ] || return 0
+    nodes=$(paste -sd, "${named}")
+    total=$(sinfo -h -p "${SLURM_JOB_PARTITION:-}" -o %D 2>/dev/null | head -n1)
+    case "${total}" in '' | *[!0-9]*) total=0 ;; esac
+    if [ "$((total - $(wc -l <"${named}")))" -lt "${SLURM_JOB_NUM_NODES:-1}" ]; then
+        echo "ddpack: not keeping out ${nodes} (named unresponsive): partition ${SLURM_JOB_PARTITION:-?} has ${total} nodes and the job needs ${SLURM_JOB_NUM_NODES:-1}"
+        return 0
+    fi
+    if scontrol update "JobId=${SLURM_JOB_ID}" "ExcNodeList=${nodes}"; then
+        echo "ddpack: keeping ${nodes} (named unresponsive by the hang's forensics) out of the restart"
+    else
+        echo "ddpack: could not keep ${nodes} out of the restart (scontrol update refused); it may land there again"
+    fi
 }

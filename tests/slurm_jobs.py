@@ -53,9 +53,8 @@ def submit_and_preempt(
 ) -> tuple[str, Path]:
     """Submit a template and signal USR1 mid-run, as `--signal=USR1@90` would; returns (job, log)."""
     (tmp_path / "logs").mkdir(exist_ok=True)
-    exports = ",".join(
-        ["ALL", "DDPACK_TRAIN_ARGS=--dataset-size 16384 --epochs 2 --log-every 1", *(f"{k}={v}" for k, v in settings.items())]
-    )
+    trainer = [] if "DDPACK_COMMAND" in settings else ["DDPACK_TRAIN_ARGS=--dataset-size 16384 --epochs 2 --log-every 1"]
+    exports = ",".join(["ALL", *trainer, *(f"{k}={v}" for k, v in settings.items())])
     job = (
         subprocess.run(
             ["sbatch", "--parsable", f"--job-name={name}", f"--export={exports}", *sbatch_args, str(ROOT / "enroot" / template)],

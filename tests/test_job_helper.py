@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import pytest
 from conftest import ROOT
@@ -52,7 +53,8 @@ def test_pyxis_is_required_before_anything_runs(tmp_path, help_text: str, code: 
 
 
 def step_command(**settings: str) -> subprocess.CompletedProcess[str]:
-    script = f'. "{HELPER}"; ddpack_command /fsx/runs/a-1; printf "<%s>" "${{ddpack_cmd[@]}}"; echo; echo "$DDPACK_SNAPSHOT_DIR $DDPACK_METRICS_FILE"'
+    script = f'. "{HELPER}"; ddpack_command /fsx/runs/a-1; printf "<%s>" "${{ddpack_cmd[@]}}"; echo; '
+    script += 'echo "$DDPACK_SNAPSHOT_DIR $DDPACK_METRICS_FILE $DDPACK_FORENSICS_DIR"'
     env = {"PATH": "/usr/bin:/bin", **settings}
     return subprocess.run(["bash", "-uc", script], env=env, capture_output=True, text=True, timeout=30)
 
@@ -68,10 +70,66 @@ def step_command(**settings: str) -> subprocess.CompletedProcess[str]:
 def test_the_training_step_runs_your_command_the_trainers_flags_or_the_images_own(settings: dict[str, str], words: str) -> None:
     out = step_command(**settings)
     assert out.returncode == 0, out.stderr
-    assert out.stdout == f"{words}\n/fsx/runs/a-1/snapshots /fsx/runs/a-1/metrics.jsonl\n"
+    assert out.stdout == f"{words}\n/fsx/runs/a-1/snapshots /fsx/runs/a-1/metrics.jsonl /fsx/runs/a-1/forensics\n"
 
 
 def test_a_command_and_trainer_flags_together_are_one_line() -> None:
     out = step_command(DDPACK_COMMAND="python ddp.py", DDPACK_TRAIN_ARGS="--epochs 3")
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.startswith("ddpack: error: DDPACK_COMMAND and DDPACK_TRAIN_ARGS are both set;") and out.stderr.count("\n") == 1
+
+
+def after_step(tmp_path: Path, rc: int, *, failures: int | None = None, unresponsive: str = "", partition_nodes: int = 3, **settings: str):
+    """`ddpack_after_step RC` with scontrol and sinfo stubbed (their calls recorded in calls.txt)."""
+    run_dir = tmp_path / "run"
+    (run_dir / "forensics").mkdir(parents=True)
+    if failures is not None:
+        (run_dir / ".ddpack-failure-restarts").write_text(f"{failures}\n")
+    if unresponsive:
+        (run_dir / "forensics" / "unresponsive-nodes").write_text(unresponsive)
+    calls = tmp_path / "calls.txt"
+    for tool, out in (("scontrol", ""), ("sinfo", f"echo {partition_nodes}")):
+        (tmp_path / tool).write_text(f'#!/bin/sh\necho "{tool} $*" >> "{calls}"\n{out}\n')
+        (tmp_path / tool).chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "DDPACK_RUN_DIR": str(run_dir), "SLURM_JOB_ID": "77", "SLURM_JOB_NUM_NODES": "2"}
+    env |= {"SLURM_JOB_PARTITION": "debug", **settings}
+    out = subprocess.run(["bash", "-uc", f'. "{HELPER}"; ddpack_after_step {rc}'], env=env, capture_output=True, text=True, timeout=30)
+    return out, calls.read_text() if calls.exists() else "", run_dir
+
+
+@pytest.mark.parametrize(
+    ("rc", "settings", "line", "requeued"),
+    [
+        (0, {}, "", False),
+        (2, {}, "ddpack: the step ended on bad input (exit 2); not requeueing", False),
+        (138, {}, "ddpack: preempted (exit 138); requeueing job 77 (restart 1 of at most 10)", True),
+        (143, {"SLURM_RESTART_COUNT": "10"}, "ddpack: preempted (exit 143) after 10 restarts, the cap DDPACK_MAX_RESTARTS=10; not requeueing", False),
+        (137, {}, "ddpack: the step failed (exit 137); requeueing job 77 to resume from its last snapshot (failure restart 1 of at most 1)", True),
+        (1, {"DDPACK_MAX_FAILURE_RESTARTS": "0"}, "ddpack: the step failed (exit 1) after 0 failure restarts, the cap DDPACK_MAX_FAILURE_RESTARTS=0;", False),
+    ],
+)
+def test_the_exit_status_alone_decides_a_requeue_for_any_command(tmp_path: Path, rc: int, settings: dict[str, str], line: str, requeued: bool) -> None:
+    """A user's own script that exits 138 after SIGUSR1 is requeued like the trainer; a crash once; bad input never."""
+    out, calls, run_dir = after_step(tmp_path, rc, **settings)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    assert out.stdout.startswith(line) and out.stdout.count("\n") == (1 if line else 0), out.stdout
+    assert ("scontrol requeue 77" in calls) == requeued
+    assert (run_dir / ".ddpack-failure-restarts").exists() == (requeued and rc not in (138, 143))
+
+
+def test_a_hang_is_retried_once_without_the_unresponsive_node_then_not_again(tmp_path: Path) -> None:
+    out, calls, run_dir = after_step(tmp_path, 124, unresponsive="ddnode2\n")
+    assert out.stdout.splitlines() == [
+        f"ddpack: the step ended as hung (exit 124; evidence in {run_dir}/forensics); requeueing job 77 to resume from its last snapshot "
+        "(failure restart 1 of at most 1)",
+        "ddpack: keeping ddnode2 (named unresponsive by the hang's forensics) out of the restart",
+    ]
+    assert calls.splitlines() == ["scontrol requeue 77", "sinfo -h -p debug -o %D", "scontrol update JobId=77 ExcNodeList=ddnode2"]
+    again, calls, _ = after_step(tmp_path / "again", 124, failures=1)
+    assert "after 1 failure restarts, the cap DDPACK_MAX_FAILURE_RESTARTS=1; not requeueing" in again.stdout and calls == ""
+
+
+def test_a_node_the_job_cannot_do_without_is_not_kept_out(tmp_path: Path) -> None:
+    out, calls, _ = after_step(tmp_path, 124, unresponsive="ddnode2\n", partition_nodes=2)
+    assert out.stdout.splitlines()[1] == "ddpack: not keeping out ddnode2 (named unresponsive): partition debug has 2 nodes and the job needs 2"
+    assert "ExcNodeList" not in calls

@@ -138,11 +138,38 @@ def test_usr1_preempts_requeues_and_resumes_per_task_shape(tmp_path: Path) -> No
     assert "checksums agree across 4 ranks" in log.split("(restart 1)")[1]
 
 
-def test_usr1_reaches_torchrun_workers_in_the_per_node_shape(tmp_path: Path) -> None:
-    log = preempt_and_resume(tmp_path, "pre2", ("--ntasks-per-node=1",), DDPACK_LAUNCH_ARGS="--nproc-per-node 2")
-    first = log.split("(restart 1)")[0]
-    assert first.count("stopped on SIGUSR1") == 4, first
-    assert "requeueing job" in first and "checksums agree across 4 ranks" in log.split("(restart 1)")[1]
+USER_SCRIPT = """
+import json, os, signal, sys, time
+rank, stop = int(os.environ["RANK"]), []
+signal.signal(signal.SIGUSR1, lambda *_: stop.append(1))
+state = f"state-{rank}.json"
+step = json.load(open(state))["step"] if os.path.exists(state) else 0
+print(f"rank {rank} starts at step {step}", flush=True)
+while step < 60:
+    if stop:
+        json.dump({"step": step}, open(state, "w"))
+        print(f"rank {rank} saved step {step} on SIGUSR1", flush=True)
+        sys.exit(138)
+    step += 1
+    time.sleep(0.1)
+    if rank == 0:
+        with open(os.environ["DDPACK_METRICS_FILE"], "a") as metrics:
+            metrics.write(json.dumps({"kind": "progress", "global_step": step}) + "\\n")
+print(f"rank {rank} done at step {step}", flush=True)
+"""
+
+
+def test_a_users_own_script_that_exits_138_after_usr1_is_requeued_and_resumes(tmp_path: Path) -> None:
+    """Not the bundled trainer: a script of the user's, run by DDPACK_COMMAND, saving its step on SIGUSR1 and
+    exiting 128+10; the exit status alone requeues it, and its second start continues from the saved step."""
+    (tmp_path / "user_train.py").write_text(USER_SCRIPT)
+    log = preempt_and_resume(tmp_path, "own", DDPACK_COMMAND=f"python {tmp_path}/user_train.py")
+    first, second = log.split("(restart 1)", 1)
+    assert first.count("saved step") == 4 and "ddpack: preempted (exit 138); requeueing job" in first, log
+    assert "requeued: continuing its run from the last snapshot" in second.splitlines()[0]
+    saved = sorted(int(line.split()[4]) for line in first.splitlines() if " saved step " in line)
+    started = sorted(int(line.split()[-1]) for line in second.splitlines() if " starts at step " in line)
+    assert started == saved and min(started) > 0 and second.count("done at step 60") == 4, log
 
 
 def test_the_restart_cap_stops_requeueing_and_says_how_to_continue(tmp_path: Path) -> None:

@@ -48,6 +48,8 @@ PHASES = ("setup", "data", "forward", "backward", "sync", "optimizer", "progress
 UNTIMED = frozenset({"setup", "snapshot", "eval"})
 WORKER_DUMP_SIGNAL = signal.SIGUSR2
 STACKS_PREFIX = "ddpack-stacks-"
+# Nodes whose ranks stopped answering (frozen, lost), one a line: enroot/ddpack-job.sh reads it.
+UNRESPONSIVE_NODES = "unresponsive-nodes"
 
 
 class Progress:
@@ -262,7 +264,9 @@ def judge(beats: dict[int, Heartbeat], world_size: int, now: float, stale_after:
         str(r): {**asdict(b), "heartbeat_age_s": round(b.age(now), 1), "stalled_s": round(b.stalled_by(now, stale_after), 1)}
         for r, b in sorted(beats.items())
     }
-    return Verdict(behind, {"hang_timeout_s": timeout_s, "behind": behind, "behind_ranks": missing + stale + late, "ranks": ranks})
+    unresponsive = sorted({beats[r].host for r in stale})
+    summary = {"hang_timeout_s": timeout_s, "behind": behind, "behind_ranks": missing + stale + late, "unresponsive_nodes": unresponsive, "ranks": ranks}
+    return Verdict(behind, summary)
 
 
 class Watchdog:
@@ -375,6 +379,8 @@ class Watchdog:
                 summary = {**verdict.summary, "reason": why, "written_by": self.rank, "time": now, "stacks": stacks}
                 if not write_atomic(path, json.dumps(summary, indent=1) + "\n", exclusive=True):
                     continue  # another rank's came first: that one stands
+                if summary["unresponsive_nodes"]:  # for the job script, which keeps them out of a retry
+                    write_atomic(self.forensics_dir / UNRESPONSIVE_NODES, "".join(f"{n}\n" for n in summary["unresponsive_nodes"]))
                 self.on_hang(summary)
                 self.store.set("summary", json.dumps(summary))
                 others = [r for r in live if r != self.rank]
