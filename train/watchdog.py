@@ -161,8 +161,11 @@ def register_worker_stack_dump(worker_id: int) -> None:
     """DataLoader worker_init_fn: on SIGUSR2 this worker writes every thread's Python stack to a file its
     rank reads (faulthandler: works while the worker is blocked in user code or in C)."""
     folder = stacks_dir(os.getppid())
-    folder.mkdir(exist_ok=True)
-    handle = open(folder / f"worker-{worker_id}-pid{os.getpid()}.txt", "w")  # noqa: SIM115 - open for the worker's life
+    try:
+        folder.mkdir(exist_ok=True)
+        handle = open(folder / f"worker-{worker_id}-pid{os.getpid()}.txt", "w")  # noqa: SIM115 - open for the worker's life
+    except OSError:
+        return  # no writable temp folder: a hang's forensics then lack this worker's stack, training goes on
     faulthandler.register(WORKER_DUMP_SIGNAL, file=handle, all_threads=True)
 
 
