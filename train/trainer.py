@@ -385,7 +385,7 @@ class Trainer:
     def _progress(self, window: Window, start_step: int, started: float) -> float:
         """Collective, every --log-every steps: mean loss over ranks and global throughput; rank 0
         prints and records them."""
-        self.progress.enter("progress")
+        self.progress.enter("metrics")
         loss_sum, steps, samples = sum_over_ranks(torch.stack(window.losses).sum(), [len(window.losses), window.samples], self.ctx)
         loss = loss_sum / steps
         samples_per_s = samples / max(time.monotonic() - window.started, 1e-9)

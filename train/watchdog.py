@@ -43,7 +43,7 @@ from typing import Any
 
 EXIT_HANG = 124  # as timeout(1): the run was ended for taking too long
 # Phases in step order: a rank in an earlier phase after the same step is behind the others.
-PHASES = ("setup", "data", "forward", "backward", "sync", "optimizer", "progress", "step-end", "snapshot", "eval", "finish")
+PHASES = ("setup", "data", "forward", "backward", "sync", "optimizer", "metrics", "step-end", "snapshot", "eval", "finish")
 # Legitimately long and not a hang while the rank's heartbeat is fresh; the first step is untimed too.
 UNTIMED = frozenset({"setup", "snapshot", "eval"})
 WORKER_DUMP_SIGNAL = signal.SIGUSR2
