@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from train.config import build_parser, parse_config
 from train.data import BatchKey, SeededBatches
 from train.distributed import DeviceError, choose_cuda_index
 from train.model import unused_parameter_names
-from train.snapshot import SnapshotStore, list_snapshots, snapshot_name
+from train.snapshot import SnapshotStore, SnapshotWriter, Written, list_snapshots, snapshot_name
 from train.tasks import TaskError, load_task
 
 REQUIRED_FLAGS = [
@@ -168,19 +169,70 @@ def test_store_keeps_newest_readable_and_leaves_no_temp_files(tmp_path: Path) ->
     assert path == tmp_path / snapshot_name(30) and state["model"]["w"][0] == 30 and reports == []
 
 
-def test_store_skips_corrupt_and_incomplete_and_never_deletes_them(tmp_path: Path) -> None:
+class GatedStore(SnapshotStore):
+    """A store whose writes wait for the test's go-ahead, so a write can be caught in flight."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(directory, keep=5)
+        self.gate = threading.Event()
+        self.fail = False
+
+    def save(self, state: dict) -> Path:
+        assert self.gate.wait(30)
+        if self.fail:
+            raise OSError(28, "No space left on device")
+        return super().save(state)
+
+
+def test_background_snapshots_hold_training_only_for_the_copy_one_write_at_a_time(tmp_path: Path) -> None:
+    store, written = GatedStore(tmp_path), []
+    writer = SnapshotWriter(store, written.append)
+    state = _state(10)
+    writer.submit(state, held_since=0.0)
+    assert writer.in_flight and list_snapshots(tmp_path) == []  # training goes on while it writes
+    state["model"]["w"].fill_(99.0)  # training changes the live tensors at once
+    store.gate.set()
+    last = writer.wait()
+    assert isinstance(last, Written) and written == [last] and last.global_step == 10 and last.write_s >= 0
+    assert torch.load(last.path, weights_only=True)["model"]["w"].tolist() == [10.0] * 3  # the copy, not the live tensor
+    store.gate.clear()
+    writer.submit(_state(20), held_since=0.0)
+    submitted = threading.Event()
+    second = threading.Thread(target=lambda: (writer.submit(_state(30), held_since=0.0), submitted.set()))
+    second.start()
+    assert not submitted.wait(0.5)  # at most one write in flight: the next submit waits for it
+    store.gate.set()
+    second.join(30)
+    assert writer.wait().global_step == 30 and [w.global_step for w in written] == [10, 20, 30]
+
+
+def test_a_failed_background_write_is_raised_at_the_next_wait_and_leaves_the_last_snapshot(tmp_path: Path) -> None:
+    store = GatedStore(tmp_path)
+    store.gate.set()
+    writer = SnapshotWriter(store, lambda _: None)
+    writer.submit(_state(10), held_since=0.0)
+    writer.wait()
+    store.fail = True
+    writer.submit(_state(20), held_since=0.0)
+    with pytest.raises(OSError, match="No space left"):
+        writer.wait()
+    assert [p.name for p in list_snapshots(tmp_path)] == [snapshot_name(10)]
+    assert writer.wait().global_step == 10  # reported once; the last durable snapshot stays known
+
+
+def test_store_skips_corrupt_and_incomplete_and_never_deletes_them_but_clears_a_dead_writers_temp_file(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path, keep=1)
     store.save(_state(10))
     (tmp_path / snapshot_name(30)).write_bytes(b"not a zip file")
     torch.save({"format": 1, "model": {}}, tmp_path / snapshot_name(20))  # readable but missing keys
-    (tmp_path / ".snapshot-0000000040.pt.tmp-1").write_bytes(b"half")  # a crash mid-write: never a candidate
+    (tmp_path / ".snapshot-0000000040.pt.tmp-1").write_bytes(b"half")  # a crash mid-write: never a candidate, removed
     reader = SnapshotStore(tmp_path, keep=1)
     _, path, reports = reader.load_latest()
     assert path == tmp_path / snapshot_name(10)
-    assert len(reports) == 2 and "missing" in reports[1]
+    assert len(reports) == 3 and "a crash interrupted" in reports[0] and "missing" in reports[2]
     reader.save(_state(11))  # rotation may drop 10, never the unreadable 20 and 30
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == [".snapshot-0000000040.pt.tmp-1", snapshot_name(11), snapshot_name(20), snapshot_name(30)]
+    assert names == [snapshot_name(11), snapshot_name(20), snapshot_name(30)]
 
 
 USER_TRAIN = "import sys\nprint('THE USER TRAIN RAN')\nsys.exit(3)\n"

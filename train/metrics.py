@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, TextIO
@@ -45,22 +46,26 @@ class RankLog:
 
 class MetricsFile:
     """Appends one JSON object a line; a no-op where no path is given (and on ranks other than 0).
-    Opened at the first record, so a run refused at set-up (a bad setting for the model) leaves no file."""
+    Opened at the first record, so a run refused at set-up (a bad setting for the model) leaves no file.
+    Writes take a lock: the snapshot writer's thread records its snapshots while training records steps."""
 
     def __init__(self, path: str | None) -> None:
         self.path = Path(path) if path else None
         self._handle: TextIO | None = None
+        self._lock = threading.Lock()
 
     def write(self, kind: str, **fields: Any) -> None:
-        if self.path is None:
-            return
-        if self._handle is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._handle = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the run
-        self._handle.write(json.dumps({"time": round(time.time(), 3), "kind": kind, **fields}) + "\n")
-        self._handle.flush()
+        with self._lock:
+            if self.path is None:
+                return
+            if self._handle is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._handle = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the run
+            self._handle.write(json.dumps({"time": round(time.time(), 3), "kind": kind, **fields}) + "\n")
+            self._handle.flush()
 
     def close(self) -> None:
-        if self._handle is not None:
-            self._handle.close()
-        self._handle, self.path = None, None
+        with self._lock:
+            if self._handle is not None:
+                self._handle.close()
+            self._handle, self.path = None, None

@@ -1,14 +1,21 @@
 """Atomic snapshots in one directory: write to a temp file, fsync, rename, fsync the directory.
 
 Only global rank 0 calls these. A reader never sees a half-written file under a snapshot name, and a
-crash mid-write leaves only a hidden temp file. Loading walks from the newest to the oldest snapshot
-and skips (reporting, never deleting) any that cannot be read.
+crash mid-write leaves only a hidden temp file (removed by the next run's load). Loading walks from the
+newest to the oldest snapshot and skips (reporting, never deleting) any that cannot be read.
+
+`SnapshotWriter` takes the write off the training's critical path: training is held only while the
+state is copied to host memory; serialising, writing, fsync and rename run on a thread of their own.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import re
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +25,7 @@ import torch
 from train.distributed import first_line
 
 SNAPSHOT_RE = re.compile(r"^snapshot-(\d{10})\.pt$")
+TEMP_RE = re.compile(r"^\.snapshot-\d{10}\.pt\.tmp-\d+$")
 # A snapshot from before the learning rate became a function of the step also holds "scheduler",
 # which is not read: the step decides the rate.
 REQUIRED_KEYS = ("format", "model", "optimizer", "epoch", "step_in_epoch", "global_step", "rng", "world_size", "config")
@@ -56,6 +64,10 @@ class SnapshotStore:
         """(state, path, reports): the newest snapshot that loads and has every key; reports say why
         newer ones were skipped."""
         reports: list[str] = []
+        for temp in self.directory.glob(".snapshot-*") if self.directory.is_dir() else []:
+            if TEMP_RE.match(temp.name):  # one rank writes: a temp file at start is a dead writer's
+                temp.unlink(missing_ok=True)
+                reports.append(f"removed {temp.name}, a snapshot write that a crash interrupted")
         for path in list_snapshots(self.directory):
             try:
                 state = torch.load(path, map_location="cpu", weights_only=True)
@@ -97,3 +109,84 @@ class SnapshotStore:
         readable = [p for p in list_snapshots(self.directory) if p not in self.unreadable]
         for old in readable[self.keep :]:
             old.unlink(missing_ok=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Written:
+    """One snapshot made durable: how long training was held for it and how long the write took."""
+
+    path: Path
+    global_step: int
+    stall_s: float
+    write_s: float
+
+
+class SnapshotWriter:
+    """Rank 0's snapshots, written in the background, at most one in flight.
+
+    `submit` copies every tensor of the state into host buffers kept from the last snapshot (so a
+    copy is a memcpy, not a fresh allocation's page faults) and returns; a thread then serialises,
+    writes, fsyncs and renames through the store. A submit while a write is in flight waits for it
+    first (host memory holds one copy, and that wait is counted as stall). `wait` returns once the
+    last snapshot is durable, and raises a failed write's error there: a stop, a preemption and the
+    end of training call it before leaving. A crash mid-write leaves the previous snapshot intact
+    (the store renames only complete files)."""
+
+    def __init__(self, store: SnapshotStore, on_written: Callable[[Written], None]) -> None:
+        self.store, self.on_written = store, on_written
+        self.last: Written | None = None
+        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def submit(self, state: dict[str, Any], held_since: float) -> None:
+        """Copy `state` off and start writing it; `held_since` is when training stopped for it."""
+        self.wait()
+        host = self._to_host(state, ())
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed
+        stall_s = time.monotonic() - held_since
+        self._thread = threading.Thread(target=self._write, args=(host, stall_s), name="ddpack-snapshot-writer", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> Written | None:
+        """Block until no write is in flight; the last durable snapshot (None before the first)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        return self.last
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _write(self, host: dict[str, Any], stall_s: float) -> None:
+        started = time.monotonic()
+        try:
+            path = self.store.save(host)
+        except BaseException as exc:  # handed to the training thread at its next wait
+            self._error = exc
+            return
+        self.last = Written(path=path, global_step=host["global_step"], stall_s=stall_s, write_s=time.monotonic() - started)
+        self.on_written(self.last)
+
+    def _to_host(self, value: Any, key: tuple[Any, ...]) -> Any:
+        """A copy whose tensors live in this writer's host buffers and whose containers are new, so
+        training may change the original at once."""
+        if isinstance(value, torch.Tensor):
+            buffer = self._buffers.get(key)
+            if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+                pin = value.device.type == "cuda"
+                buffer = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=pin)
+                self._buffers[key] = buffer
+            buffer.copy_(value.detach(), non_blocking=value.device.type == "cuda")
+            return buffer
+        if isinstance(value, dict):
+            return {k: self._to_host(v, (*key, k)) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            items = [self._to_host(v, (*key, i)) for i, v in enumerate(value)]
+            return items if isinstance(value, list) else tuple(items)
+        return value if isinstance(value, (int, float, str, bool, type(None))) else copy.deepcopy(value)

@@ -23,12 +23,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from train.config import Config
 from train.data import Batch, EpochOrder, default_num_workers, make_batches
-from train.distributed import DistContext, broadcast_buffers, broadcast_from_main, gather_objects, sum_over_ranks
+from train.distributed import DistContext, broadcast_buffers, broadcast_from_main, first_line, gather_objects, sum_over_ranks
 from train.grad_sync import GradientSync
 from train.metrics import MetricsFile, RankLog, format_duration
 from train.model import explain_setup_failure, prepare_module
 from train.signals import PreemptionWatcher
-from train.snapshot import SnapshotStore
+from train.snapshot import SnapshotStore, SnapshotWriter, Written
 from train.tasks import Task
 from train.watchdog import Progress
 
@@ -166,6 +166,7 @@ class Trainer:
         total = config.epochs * self.steps_per_epoch
         self.total_steps = min(total, config.max_steps) if config.max_steps else total
         self.store = SnapshotStore(Path(config.snapshot_dir), config.keep_snapshots) if config.snapshot_dir and ctx.is_main else None
+        self.writer = SnapshotWriter(self.store, self._snapshot_written) if self.store is not None else None
         self.epoch = 0
         self.step_in_epoch = 0
         self.global_step = 0
@@ -213,19 +214,41 @@ class Trainer:
             "config": self.config.to_dict(),
         }
 
-    def snapshot(self) -> None:
-        """Collective: every rank hands rank 0 its RNG state; rank 0 writes atomically."""
-        if not self.config.snapshot_dir or self.last_snapshot_step == self.global_step:
+    def snapshot(self, durable: bool = False) -> None:
+        """Collective: every rank hands rank 0 its RNG state; rank 0 copies the state to host memory
+        and writes it in the background, so training is held only for the copy. `durable` (a stop,
+        the end of training) waits until the newest snapshot is on disk."""
+        if not self.config.snapshot_dir:
             return
-        self.progress.enter_counted("snapshot")
-        rng_all = gather_objects(_rng_state(self.ctx.device), self.ctx)
-        if self.store is not None:
-            started = time.monotonic()
-            self.last_snapshot_path = self.store.save(self._state(rng_all))
-            self.log(f"snapshot saved: {self.last_snapshot_path} (step {self.global_step}, {time.monotonic() - started:.2f}s)")
-            self.metrics.write("snapshot", global_step=self.global_step, path=str(self.last_snapshot_path))
-        self.last_snapshot_step = self.global_step
+        if self.last_snapshot_step != self.global_step:
+            self.progress.enter_counted("snapshot")
+            held_since = time.monotonic()
+            rng_all = gather_objects(_rng_state(self.ctx.device), self.ctx)
+            if self.writer is not None:
+                self.writer.submit(self._state(rng_all), held_since)
+            self.last_snapshot_step = self.global_step
+        if durable and self.writer is not None:
+            self.progress.enter_counted("snapshot")
+            written = self.writer.wait()
+            self.last_snapshot_path = written.path if written is not None else None
         self.progress.enter_counted("step-end")
+
+    def _snapshot_written(self, written: Written) -> None:
+        """On the writer's thread, once a snapshot is durable."""
+        self.log(f"snapshot saved: {written.path} (step {written.global_step}, training held {written.stall_s:.2f}s, written in {written.write_s:.2f}s)")
+        self.metrics.write(
+            "snapshot", global_step=written.global_step, path=str(written.path), stall_s=round(written.stall_s, 4), write_s=round(written.write_s, 4)
+        )
+
+    def _land_snapshot_in_flight(self) -> None:
+        """Training failed: an earlier step's snapshot still being written is worth finishing (less
+        to replay on the retry); its own failure is reported, never raised over the first one."""
+        if self.writer is None or not self.writer.in_flight:
+            return
+        try:
+            self.writer.wait()
+        except Exception as exc:
+            self.log(f"warning: the snapshot being written when training failed was not saved: {first_line(exc)}")
 
     def restore(self) -> None:
         """Rank 0 picks the newest readable snapshot and sends it to every rank."""
@@ -320,45 +343,19 @@ class Trainer:
         cfg = self.config
         self.restore()
         start_step, started = self.global_step, time.monotonic()
-        window = Window()
-        last_loss: float | None = None
         if self.global_step >= self.total_steps:
             self.log(f"training already complete at global step {self.global_step}; nothing to do", main_only=True)
         self.model.train()
         try:
-            while self.global_step < self.total_steps:
-                stream = self.batches.epoch(self.epoch, self.step_in_epoch * cfg.grad_accum)
-                for step in range(self.step_in_epoch, self.steps_per_epoch):
-                    count = min(cfg.grad_accum, self.batches_per_epoch - step * cfg.grad_accum)
-                    self.progress.enter("data")
-                    window.add(*self._train_step([next(stream) for _ in range(count)]))
-                    self.global_step, self.step_in_epoch = self.global_step + 1, step + 1
-                    self.progress.step_done(self.global_step)
-                    done = self.global_step >= self.total_steps
-                    if self.global_step % cfg.log_every == 0 or done:
-                        last_loss = self._progress(window, start_step, started)
-                        window = Window()
-                    agreed = self.grad_sync.poll()
-                    if agreed is not None and not done:
-                        self._stop(agreed)
-                    if cfg.snapshot_every and self.global_step % cfg.snapshot_every == 0:
-                        self.snapshot()
-                    if done:
-                        break
-                if self.step_in_epoch >= self.steps_per_epoch:
-                    self._end_epoch()
-        except RuntimeError as exc:
-            # A failure that says the settings do not fit the model (an unused parameter without
-            # --find-unused-parameters, which DDP reports at the step after the first; a model torch
-            # cannot compile) becomes one line naming what to change. The try costs nothing per step.
-            raise explain_setup_failure(exc, self.model) or exc from None
-        finally:
-            self.batches.close()
+            last_loss = self._loop(start_step, started)
+        except BaseException:
+            self._land_snapshot_in_flight()
+            raise
         self.progress.enter("finish")
         # DDP hands every rank rank 0's buffers before each forward, so after the last one each rank
         # still holds its own (BatchNorm's running statistics): rank 0's are the run's, as in every snapshot.
         broadcast_buffers(self.module, self.ctx)
-        self.snapshot()
+        self.snapshot(durable=True)
         elapsed = max(time.monotonic() - started, 1e-9)
         steps = self.global_step - start_step
         checksum = self._agree_on_checksum()
@@ -412,6 +409,42 @@ class Trainer:
         )
         return loss
 
+    def _loop(self, start_step: int, started: float) -> float | None:
+        """Steps until the last one (or an agreed stop, raised); the mean loss of the last progress window."""
+        cfg = self.config
+        window = Window()
+        last_loss: float | None = None
+        try:
+            while self.global_step < self.total_steps:
+                stream = self.batches.epoch(self.epoch, self.step_in_epoch * cfg.grad_accum)
+                for step in range(self.step_in_epoch, self.steps_per_epoch):
+                    count = min(cfg.grad_accum, self.batches_per_epoch - step * cfg.grad_accum)
+                    self.progress.enter("data")
+                    window.add(*self._train_step([next(stream) for _ in range(count)]))
+                    self.global_step, self.step_in_epoch = self.global_step + 1, step + 1
+                    self.progress.step_done(self.global_step)
+                    done = self.global_step >= self.total_steps
+                    if self.global_step % cfg.log_every == 0 or done:
+                        last_loss = self._progress(window, start_step, started)
+                        window = Window()
+                    agreed = self.grad_sync.poll()
+                    if agreed is not None and not done:
+                        self._stop(agreed)
+                    if cfg.snapshot_every and self.global_step % cfg.snapshot_every == 0:
+                        self.snapshot()
+                    if done:
+                        break
+                if self.step_in_epoch >= self.steps_per_epoch:
+                    self._end_epoch()
+        except RuntimeError as exc:
+            # A failure that says the settings do not fit the model (an unused parameter without
+            # --find-unused-parameters, which DDP reports at the step after the first; a model torch
+            # cannot compile) becomes one line naming what to change. The try costs nothing per step.
+            raise explain_setup_failure(exc, self.model) or exc from None
+        finally:
+            self.batches.close()
+        return last_loss
+
     def _end_epoch(self) -> None:
         finished = self.epoch
         self.epoch, self.step_in_epoch = self.epoch + 1, 0
@@ -432,7 +465,7 @@ class Trainer:
         """Every rank is here at the same step: snapshot, wait for the write, then leave together."""
         heard = "here" if self.watcher.received is not None else "by another rank"
         name = f"{agreed.name} (received {heard})"
-        self.snapshot()
+        self.snapshot(durable=True)
         dist.barrier()
         where = self._position()
         saved = f"snapshot {self.last_snapshot_path}" if self.last_snapshot_path else "snapshot written by rank 0"
