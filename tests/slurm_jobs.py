@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -48,12 +51,12 @@ def job_state(job: str) -> tuple[str, str, int]:
     return fields.get("JobState", ""), fields.get("Reason", ""), int(fields.get("Restarts", "0"))
 
 
-def submit_and_preempt(
+def submit(
     tmp_path: Path, name: str, sbatch_args: tuple[str, ...] = (), template: str = "baremetal.sbatch", **settings: str
-) -> tuple[str, Path]:
-    """Submit a template and signal USR1 mid-run, as `--signal=USR1@90` would; returns (job, log)."""
+) -> tuple[str, Path, Path]:
+    """Submit a template from `tmp_path` and return at once: (job, its metrics file, its log)."""
     (tmp_path / "logs").mkdir(exist_ok=True)
-    trainer = [] if "DDPACK_COMMAND" in settings else ["DDPACK_TRAIN_ARGS=--dataset-size 16384 --epochs 2 --log-every 1"]
+    trainer = [] if {"DDPACK_COMMAND", "DDPACK_TRAIN_ARGS"} & settings.keys() else ["DDPACK_TRAIN_ARGS=--dataset-size 16384 --epochs 2 --log-every 1"]
     exports = ",".join(["ALL", *trainer, *(f"{k}={v}" for k, v in settings.items())])
     job = (
         subprocess.run(
@@ -67,11 +70,15 @@ def submit_and_preempt(
         .stdout.strip()
         .split(";")[0]
     )
-    metrics, log = tmp_path / "runs" / f"{name}-{job}" / "metrics.jsonl", tmp_path / "logs" / f"{name}-{job}.out"
-    deadline = time.monotonic() + 300
-    while not (metrics.exists() and metrics.read_text().count('"progress"') >= 20):
-        assert time.monotonic() < deadline, "the job did not start training"
-        time.sleep(0.2)
+    return job, tmp_path / "runs" / f"{name}-{job}" / "metrics.jsonl", tmp_path / "logs" / f"{name}-{job}.out"
+
+
+def submit_and_preempt(
+    tmp_path: Path, name: str, sbatch_args: tuple[str, ...] = (), template: str = "baremetal.sbatch", **settings: str
+) -> tuple[str, Path]:
+    """Submit a template and signal USR1 mid-run, as `--signal=USR1@90` would; returns (job, log)."""
+    job, metrics, log = submit(tmp_path, name, sbatch_args, template, **settings)
+    wait_for_progress(metrics, 20, log, "the job did not start training")
     subprocess.run(["scancel", "--signal=USR1", job], check=True)
     return job, log
 
@@ -97,3 +104,53 @@ def preempt_and_resume(
     text = log.read_text()
     assert "(restart 1)" in text, f"job {job} states {seen}:\n{text}"
     return text
+
+
+def progress_count(metrics: Path) -> int:
+    return metrics.read_text().count('"progress"') if metrics.exists() else 0
+
+
+def wait_for_progress(metrics: Path, count: int, log: Path, what: str = "", timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while progress_count(metrics) < count:
+        assert time.monotonic() < deadline, (
+            f"{what or f'training did not reach {count} progress records'}:\n{log.read_text() if log.exists() else ''}"
+        )
+        time.sleep(0.2)
+
+
+def kill_tasks_on(job: str, node: str) -> list[int]:
+    """SIGKILL every process of `job`'s tasks on `node` (both test nodes run on this host: a task's
+    environment names its node), as a kernel panic or the OOM killer would: no signal to catch."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"SLURM_JOB_ID={job}".encode() in environ and f"SLURMD_NODENAME={node}".encode() in environ and b"SLURM_STEP_ID=0" in environ:
+            pids.append(int(entry.name))
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return pids
+
+
+def wait_for_restarts(job: str, restarts: int, log: Path, timeout: float = 480) -> str:
+    """Wait until the job, requeued `restarts` times, has ended; returns the whole appended log."""
+    deadline, seen, ended_early = time.monotonic() + timeout, [], None
+    while True:
+        state, reason, count = job_state(job)
+        if not seen or seen[-1] != (state, reason, count):
+            seen.append((state, reason, count))
+        if count >= restarts and state in FINAL_STATES:
+            break
+        # A requeue passes through an ended state for a moment; one that lasts is the end.
+        ended_early = (ended_early or time.monotonic()) if state in FINAL_STATES else None
+        if ended_early is not None and time.monotonic() - ended_early > 30:
+            pytest.fail(f"job {job} ended ({state}) after {count} restarts, not {restarts}: {seen}\n{log.read_text()}")
+        assert time.monotonic() < deadline, f"job {job} did not finish: {seen}\n{log.read_text() if log.exists() else ''}"
+        time.sleep(1)
+    return log.read_text()

@@ -226,7 +226,8 @@ def test_preemption_round_trip_through_each_pyxis_template(sqsh: Path, shared: P
     )
     first, second = log.split("(restart 1)", 1)
     assert first.count("stopped on SIGUSR1") == 4, first
-    assert "ddpack: preempted (exit" in first and "requeueing job" in first
+    assert "ddpack: preempted (exit 138); requeueing job" in first and "(restart 1 of at most 10)" in first
+    assert "requeued: continuing its run from the last snapshot" in second.splitlines()[0]
     assert "[rank 0/4] resuming from" in second and "checksums agree across 4 ranks" in second
 
 

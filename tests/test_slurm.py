@@ -13,7 +13,22 @@ from pathlib import Path
 import pytest
 from readme_examples import write_mytask
 from slurm_cluster import ClusterUnavailable, ensure_cluster
-from slurm_jobs import CHECKSUM_RE, FINAL_STATES, VENV, checksums, env, job_state, preempt_and_resume, sbatch, submit_and_preempt
+from slurm_jobs import (
+    CHECKSUM_RE,
+    FINAL_STATES,
+    VENV,
+    checksums,
+    env,
+    job_state,
+    kill_tasks_on,
+    preempt_and_resume,
+    progress_count,
+    sbatch,
+    submit,
+    submit_and_preempt,
+    wait_for_progress,
+    wait_for_restarts,
+)
 
 pytestmark = pytest.mark.slurm
 
@@ -130,14 +145,6 @@ def test_docker_hostnet_template(tmp_path: Path) -> None:
     assert [r["in_image"] for r in report["identity"]] == [True, True]  # the check ran in the containers
 
 
-def test_usr1_preempts_requeues_and_resumes_per_task_shape(tmp_path: Path) -> None:
-    log = preempt_and_resume(tmp_path, "pre1")
-    assert log.count("stopped on SIGUSR1") == 4 and "ddpack: preempted (exit 138); requeueing job" in log
-    assert "(restart 1 of at most 10)" in log
-    assert "(restart 1)" in log and "[rank 0/4] resumed after epoch" in log
-    assert "checksums agree across 4 ranks" in log.split("(restart 1)")[1]
-
-
 USER_SCRIPT = """
 import json, os, signal, sys, time
 rank, stop = int(os.environ["RANK"]), []
@@ -170,6 +177,40 @@ def test_a_users_own_script_that_exits_138_after_usr1_is_requeued_and_resumes(tm
     saved = sorted(int(line.split()[4]) for line in first.splitlines() if " saved step " in line)
     started = sorted(int(line.split()[-1]) for line in second.splitlines() if " starts at step " in line)
     assert started == saved and min(started) > 0 and second.count("done at step 60") == 4, log
+
+
+def test_a_lost_node_then_killed_tasks_each_come_back_and_resume_from_the_last_snapshot(tmp_path: Path) -> None:
+    """One job through baremetal.sbatch, two disorderly endings. ddnode2 set DOWN mid-training (a node
+    failure, a health agent's verdict): Slurm cancels the step, SIGTERMing the tasks it reaches, and
+    requeues the job, which starts again once the node is back and resumes from the stop's snapshot.
+    Then ddnode2's tasks are SIGKILLed with no warning (a kernel panic, the OOM killer): the surviving
+    ranks' collective fails, the template retries the job once, and it resumes from the last periodic
+    snapshot and finishes with agreeing checksums."""
+    args = "--dataset-size 16384 --epochs 2 --log-every 1 --snapshot-every 20"
+    job, metrics, log = submit(tmp_path, "lost", DDPACK_TRAIN_ARGS=args)
+    wait_for_progress(metrics, 45, log)
+    try:
+        subprocess.run(["scontrol", "update", "nodename=ddnode2", "state=down", "reason=ddpack-lost-node-test"], check=True)
+        deadline = time.monotonic() + 300
+        while (
+            "(restart 1)" not in (log.read_text() if log.exists() else "") or "resuming from" not in log.read_text().split("(restart 1)")[1]
+        ):
+            assert time.monotonic() < deadline, f"job {job} did not come back: {job_state(job)}\n{log.read_text()}"
+            time.sleep(0.5)
+    finally:
+        subprocess.run(["scontrol", "update", "nodename=ddnode2", "state=resume"], capture_output=True)  # if Slurm has not
+    wait_for_progress(metrics, progress_count(metrics) + 30, log)
+    assert kill_tasks_on(job, "ddnode2"), "no task of the job on ddnode2"
+    text = wait_for_restarts(job, 2, log)
+    first, second, third = re.split(r"\(restart [12]\)", text)
+    stopped = re.search(r"\[rank 0/4\] stopped on SIGTERM .*?snapshot (\S+snapshot-(\d+)\.pt)", first)
+    assert stopped and "requeued: continuing its run from the last snapshot" in second.splitlines()[0], text
+    assert f"resuming from {stopped.group(1)}" in second, text
+    assert "ddpack: the step failed (exit " in second and "(failure restart 1 of at most 1)" in second, text
+    last_periodic = re.findall(r"snapshot saved: (\S+snapshot-(\d+)\.pt)", second)[-1]
+    assert int(last_periodic[1]) % 20 == 0 and f"resuming from {last_periodic[0]}" in third, text
+    assert "requeued: continuing its run from the last snapshot" in third.splitlines()[0]
+    assert "checksums agree across 4 ranks" in third and len(checksums(third)) == 1, text
 
 
 def test_the_restart_cap_stops_requeueing_and_says_how_to_continue(tmp_path: Path) -> None:
@@ -211,9 +252,7 @@ def test_a_failed_preflight_ends_the_job_before_training(tmp_path: Path) -> None
 
 def test_the_preflight_template_checks_a_training_template_shape_without_training(tmp_path: Path) -> None:
     layout = ("--ntasks-per-node=1", "--cpus-per-task=2")
-    code, job = sbatch(
-        "preflight.sbatch", tmp_path, layout, DDPACK_TEMPLATE="baremetal.sbatch", DDPACK_LAUNCH_ARGS="--nproc-per-node 2"
-    )
+    code, job = sbatch("preflight.sbatch", tmp_path, layout, DDPACK_TEMPLATE="baremetal.sbatch", DDPACK_LAUNCH_ARGS="--nproc-per-node 2")
     log = (tmp_path / "logs" / f"ddpack-preflight-{job}.out").read_text()
     assert code == 0, log
     run_dir = tmp_path / "runs" / f"ddpack-preflight-{job}"

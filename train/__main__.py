@@ -27,6 +27,7 @@ from train.distributed import (
 from train.metrics import MetricsFile, RankLog
 from train.model import SetupError
 from train.signals import PreemptionWatcher
+from train.snapshot import SnapshotWriteError
 from train.tasks import TaskError, load_task
 from train.trainer import ChecksumMismatch, Preempted, SnapshotMismatch, Trainer
 from train.watchdog import GuardedStore, Progress, Watchdog, tcp_store
@@ -92,6 +93,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         metrics.close()
         shutdown()
         return 2
+    except SnapshotWriteError as exc:  # rank 0 alone; the others are in their next collective
+        log(f"error: {exc}")
+        metrics.close()
+        exit_now(1)
     except ChecksumMismatch as exc:
         log(f"error: {exc}")
         return 1

@@ -121,6 +121,10 @@ class Written:
     write_s: float
 
 
+class SnapshotWriteError(RuntimeError):
+    """A background write failed (a full disk, a vanished mount); the previous snapshot stands."""
+
+
 class SnapshotWriter:
     """Rank 0's snapshots, written in the background, at most one in flight.
 
@@ -168,7 +172,8 @@ class SnapshotWriter:
         try:
             path = self.store.save(host)
         except BaseException as exc:  # handed to the training thread at its next wait
-            self._error = exc
+            where = f"the snapshot of step {host['global_step']} could not be written to {self.store.directory}"
+            self._error = SnapshotWriteError(f"{where}: {first_line(exc)}; free space there or pass another --snapshot-dir, then resume")
             return
         self.last = Written(path=path, global_step=host["global_step"], stall_s=stall_s, write_s=time.monotonic() - started)
         self.on_written(self.last)
