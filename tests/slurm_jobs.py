@@ -56,7 +56,11 @@ def submit(
 ) -> tuple[str, Path, Path]:
     """Submit a template from `tmp_path` and return at once: (job, its metrics file, its log)."""
     (tmp_path / "logs").mkdir(exist_ok=True)
-    trainer = [] if {"DDPACK_COMMAND", "DDPACK_TRAIN_ARGS"} & settings.keys() else ["DDPACK_TRAIN_ARGS=--dataset-size 16384 --epochs 2 --log-every 1"]
+    trainer = (
+        []
+        if {"DDPACK_COMMAND", "DDPACK_TRAIN_ARGS"} & settings.keys()
+        else ["DDPACK_TRAIN_ARGS=--dataset-size 16384 --epochs 2 --log-every 1"]
+    )
     exports = ",".join(["ALL", *trainer, *(f"{k}={v}" for k, v in settings.items())])
     job = (
         subprocess.run(
@@ -88,21 +92,8 @@ def preempt_and_resume(
 ) -> str:
     """Submit, preempt, let the job requeue and finish; returns the whole appended log."""
     job, log = submit_and_preempt(tmp_path, name, sbatch_args, template, **settings)
-    # Slurm itself starts the requeued job once the old credential expires (cred_expire in the test cluster).
-    deadline, pending_again, seen = time.monotonic() + 480, False, []
-    while True:
-        state, reason, restarts = job_state(job)
-        if not seen or seen[-1] != (state, reason, restarts):
-            seen.append((state, reason, restarts))
-        if restarts == 0 and state in FINAL_STATES:
-            pytest.fail(f"job {job} ended ({state}) without requeueing:\n{log.read_text()}")
-        pending_again = pending_again or (restarts >= 1 and state == "PENDING")
-        if pending_again and state in FINAL_STATES:  # the run after the requeue, not the preempted one ending
-            break
-        assert time.monotonic() < deadline, f"job {job} did not finish: {state}\n{log.read_text() if log.exists() else ''}"
-        time.sleep(1)
-    text = log.read_text()
-    assert "(restart 1)" in text, f"job {job} states {seen}:\n{text}"
+    text = wait_for_restarts(job, 1, log)
+    assert "(restart 1)" in text, text
     return text
 
 
@@ -139,13 +130,15 @@ def kill_tasks_on(job: str, node: str) -> list[int]:
 
 
 def wait_for_restarts(job: str, restarts: int, log: Path, timeout: float = 480) -> str:
-    """Wait until the job, requeued `restarts` times, has ended; returns the whole appended log."""
-    deadline, seen, ended_early = time.monotonic() + timeout, [], None
+    """Wait until the job's run after its `restarts`-th requeue has ended; returns the whole appended log.
+    Slurm starts a requeued job once the old credential expires (cred_expire in the test cluster)."""
+    deadline, seen, pending_again, ended_early = time.monotonic() + timeout, [], False, None
     while True:
         state, reason, count = job_state(job)
         if not seen or seen[-1] != (state, reason, count):
             seen.append((state, reason, count))
-        if count >= restarts and state in FINAL_STATES:
+        pending_again = pending_again or (count >= restarts and state == "PENDING")
+        if pending_again and state in FINAL_STATES:  # that run ending, not the one before its requeue
             break
         # A requeue passes through an ended state for a moment; one that lasts is the end.
         ended_early = (ended_early or time.monotonic()) if state in FINAL_STATES else None

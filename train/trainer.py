@@ -171,7 +171,6 @@ class Trainer:
         self.step_in_epoch = 0
         self.global_step = 0
         self.last_snapshot_step = -1
-        self.last_snapshot_path: Path | None = None
 
     # ------------------------------------------------------------------ set-up
 
@@ -220,17 +219,15 @@ class Trainer:
         the end of training) waits until the newest snapshot is on disk."""
         if not self.config.snapshot_dir:
             return
+        self.progress.enter_counted("snapshot")
         if self.last_snapshot_step != self.global_step:
-            self.progress.enter_counted("snapshot")
             held_since = time.monotonic()
             rng_all = gather_objects(_rng_state(self.ctx.device), self.ctx)
             if self.writer is not None:
                 self.writer.submit(self._state(rng_all), held_since)
             self.last_snapshot_step = self.global_step
         if durable and self.writer is not None:
-            self.progress.enter_counted("snapshot")
-            written = self.writer.wait()
-            self.last_snapshot_path = written.path if written is not None else None
+            self.writer.wait()
         self.progress.enter_counted("step-end")
 
     def _snapshot_written(self, written: Written) -> None:
@@ -468,7 +465,8 @@ class Trainer:
         self.snapshot(durable=True)
         dist.barrier()
         where = self._position()
-        saved = f"snapshot {self.last_snapshot_path}" if self.last_snapshot_path else "snapshot written by rank 0"
+        written = self.writer.last if self.writer is not None else None
+        saved = f"snapshot {written.path}" if written is not None else "snapshot written by rank 0"
         if not self.config.snapshot_dir:
             saved = "no snapshot (--snapshot-dir is empty)"
         raise Preempted(agreed.name, int(agreed), f"stopped on {name} at {where}; {saved}; rerun the same command to resume")
