@@ -214,7 +214,7 @@ def test_a_failed_background_write_is_raised_at_the_next_wait_and_leaves_the_las
     writer.wait()
     store.fail = True
     writer.submit(_state(20), held_since=0.0)
-    with pytest.raises(SnapshotWriteError, match=r"step 20 could not be written to .*: \[Errno 28\] No space left on device; free space"):
+    with pytest.raises(SnapshotWriteError, match=r"step 20 could not be written to .*: \[Errno 28\] No space left on device; make room or fix its permissions"):
         writer.wait()
     assert [p.name for p in list_snapshots(tmp_path)] == [snapshot_name(10)]
     assert writer.wait().global_step == 10  # reported once; the last durable snapshot stays known
