@@ -79,7 +79,7 @@ def trainer_records(*flags: str, env: dict[str, str] | None = None) -> list[dict
 
 
 def trainer(*flags: str, env: dict[str, str] | None = None) -> dict:
-    return [r for r in trainer_records(*flags, env=env) if r["kind"] == "final"][-1]
+    return [r for r in trainer_records(*flags, env=env) if r["kind"] == "end"][-1]
 
 
 def steady_and_wall(*flags: str, env: dict[str, str] | None = None) -> dict:

@@ -27,9 +27,8 @@ from docker.models.containers import Container
 
 from ddpack.engine import docker_client
 from ddpack.errors import HostError, run_verb
+from train.outcome import read_ends
 
-CHECKSUM_RE = re.compile(r"final parameter checksum ([0-9a-f]{16})")
-DONE_RE = re.compile(r"done: global step (\d+) final loss (\S+) steps/s (\S+)")
 TRAINER_ARGS = ("--epochs", "3", "--log-every", "25", "--snapshot-dir", "/tmp/snapshots")
 # DataLoader workers hand batches over in /dev/shm; Docker's default 64 MB kills them on real datasets.
 SHM_SIZE = "2g"
@@ -161,17 +160,21 @@ def _preflight_report(variant: str, members: list[Member], timeout_s: float) -> 
 
 
 def _report(variant: str, members: list[Member], world: int, timeout_s: float) -> bool:
-    text = _text(members)
-    checksums = CHECKSUM_RE.findall(text)
-    done = DONE_RE.search(text)
+    """The trainer's run, judged from its ranks' end records (train/outcome.py): all done, checksums agreeing."""
+    ends = read_ends(_text(members))
+    sums = [end.checksum for end in ends if end.outcome == "done"]
+    main = next((end for end in ends if end.rank == 0), None)
     codes = {m.name: m.exit_code for m in members}
-    agree = len(checksums) == world and len(set(checksums)) == 1
-    ok = all(code == 0 for code in codes.values()) and agree and done is not None
+    agree = len(sums) == world and len(set(sums)) == 1
+    ok = all(code == 0 for code in codes.values()) and agree and main is not None and main.outcome == "done"
     print(f"smoke[{variant}]: exit codes {codes}")
-    if done:
-        print(f"smoke[{variant}]: final loss {done.group(2)}, steps/s {done.group(3)}, global steps {done.group(1)}")
+    if main is not None and main.outcome == "done":
+        loss = f"{main.final_loss:.5f}" if main.final_loss is not None else "n/a"
+        print(f"smoke[{variant}]: final loss {loss}, steps/s {main.steps_per_s:.1f}, global steps {main.global_step}")
+    elif main is not None:
+        print(f"smoke[{variant}]: rank 0 ended {main.outcome} (exit {main.exit_code}): {main.reason or main.signal or ''}")
     print(
-        f"smoke[{variant}]: checksums {'agree' if agree else 'DISAGREE or missing'} ({len(checksums)}/{world} ranks: {sorted(set(checksums))})"
+        f"smoke[{variant}]: checksums {'agree' if agree else 'DISAGREE or missing'} ({len(sums)}/{world} ranks: {sorted(set(map(str, sums)))})"
     )
     if not ok:
         _show_failures(variant, members, timeout_s)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -16,8 +15,9 @@ from pathlib import Path
 
 from conftest import ROOT, clean_env
 
+from train.outcome import RunEnd, checksums, read_ends
+
 ENTRYPOINT = [sys.executable, "-m", "entrypoint"]
-CHECKSUM_RE = re.compile(r"final parameter checksum ([0-9a-f]{16})")
 
 
 @dataclass
@@ -53,7 +53,10 @@ class Job:
         return "\n".join(p.read_text(errors="replace") for p in paths)
 
     def checksums(self) -> list[str]:
-        return CHECKSUM_RE.findall(self.output())
+        return checksums(self.output())
+
+    def ends(self, index: int | None = None) -> list[RunEnd]:
+        return read_ends(self.output(index))
 
 
 def run_train(*args: str, cwd: Path = ROOT, **env: str) -> subprocess.CompletedProcess[str]:
@@ -153,10 +156,6 @@ def reference_checksum(
     return sums[0]
 
 
-# Where a stop left training: "... at epoch 1/2 step 40/120 (global 40/240)".
-STOPPED_AT_RE = re.compile(r"stopped on \w+ .*? at epoch \d+/\d+ step (\d+)/(\d+) \(global (\d+)/\d+\)")
-
-
 def stopped_mid_epoch_then_resumed(
     tmp: Path, args: Sequence[str], *, after_step: int, cwd: Path | None = None, env: Mapping[str, str] | None = None
 ) -> tuple[Job, Job]:
@@ -170,11 +169,13 @@ def stopped_mid_epoch_then_resumed(
     wait_for(lambda: metrics_step(metrics) >= after_step, 120, f"step {after_step}")
     job.send(signal.SIGTERM, [1])  # one node preempted: both ranks must stop at the same step
     assert job.wait() == [143, 143], job.output()
-    stopped = STOPPED_AT_RE.search(job.output(0))
-    assert stopped and 0 < int(stopped.group(1)) < int(stopped.group(2)), f"the stop must land mid-epoch:\n{job.output()}"
-    assert [p.name for p in snap.glob("snapshot-*.pt")] == [f"snapshot-{int(stopped.group(3)):010d}.pt"]
+    stopped = job.ends(0)[-1]
+    assert stopped.outcome == "stopped" and stopped.signal == "SIGTERM", job.output()
+    assert 0 < stopped.step_in_epoch < stopped.steps_per_epoch, f"the stop must land mid-epoch:\n{job.output()}"
+    assert [p.name for p in snap.glob("snapshot-*.pt")] == [f"snapshot-{stopped.global_step:010d}.pt"]
+    assert stopped.snapshot is not None and Path(stopped.snapshot).name == f"snapshot-{stopped.global_step:010d}.pt"
     resumed = start_slurm_step(subdir(tmp, "resumed"), [2], full, cwd=cwd, rank_env=rank_env)
     assert resumed.wait() == [0, 0], resumed.output()
-    position = f"step {stopped.group(1)}/{stopped.group(2)} (global {stopped.group(3)}/"
+    position = f"step {stopped.step_in_epoch}/{stopped.steps_per_epoch} (global {stopped.global_step}/"
     assert any("resumed after epoch" in line and position in line for line in resumed.output(0).splitlines()), resumed.output()
     return job, resumed

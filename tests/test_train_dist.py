@@ -32,6 +32,12 @@ def test_two_ranks_slurm_step_learn_and_agree(tmp_path: Path) -> None:
     assert "[rank 1/2] start: rank 1 world 2 local_rank 1/2 backend gloo device cpu" in out
     assert "checksums agree across 2 ranks" in out
     assert len(set(job.checksums())) == 1 and len(job.checksums()) == 2
+    # Each rank's end record is its last line; rank 0's is the metrics file's last record too.
+    ends = [job.ends(rank)[-1] for rank in range(2)]
+    assert [(e.rank, e.outcome, e.exit_code, e.global_step == e.total_steps) for e in ends] == [(0, "done", 0, True), (1, "done", 0, True)]
+    assert job.output(1).rstrip().splitlines()[-1].startswith("[rank 1/2] ddpack-end {")
+    last = json.loads(metrics.read_text().splitlines()[-1])
+    assert last["kind"] == "end" and last["checksum"] == ends[1].checksum and last["final_loss"] == ends[0].final_loss
     seen = losses(metrics)
     assert seen[-1] < seen[0] * 0.5, seen
     evals = [json.loads(line) for line in metrics.read_text().splitlines() if '"eval"' in line]
@@ -135,6 +141,8 @@ def test_killed_peer_ends_the_survivor_within_the_timeout(tmp_path: Path) -> Non
     code = job.procs[0].wait(timeout=60)
     assert code == 1 and time.monotonic() - started < 30
     assert "a collective failed" in job.output(0) and "a peer died or did not answer within --collective-timeout=10s" in job.output(0)
+    end = job.ends(0)[-1]
+    assert end.outcome == "failed" and end.exit_code == 1 and "a collective failed" in end.reason and end.global_step >= 5
 
 
 def test_a_stopped_rank_is_named_by_the_hang_watchdog_which_ends_the_job_with_evidence(tmp_path: Path) -> None:
@@ -160,6 +168,9 @@ def test_a_stopped_rank_is_named_by_the_hang_watchdog_which_ends_the_job_with_ev
     # Rank 0 waits in one of a step's collectives: the gradients', the metrics' or the stop agreement's.
     assert re.search(r"in (sync|metrics|step-end) for ", (forensics / "rank-0.txt").read_text().splitlines()[0])
     assert f"evidence in {forensics}" in job.output(0)
+    end = json.loads(metrics.read_text().splitlines()[-1])  # rank 0's end record, from the watchdog
+    assert end["kind"] == "end" and end["outcome"] == "hung" and end["exit_code"] == 124 and end["forensics"] == str(forensics)
+    assert "behind: rank 1 " in end["reason"] and job.ends(0)[-1].outcome == "hung"
 
 
 def test_a_rank_stuck_in_its_dataset_ends_every_rank_with_its_stack_frame_in_the_forensics(tmp_path: Path) -> None:
@@ -196,12 +207,12 @@ def test_sigterm_mid_epoch_with_dataloader_workers_resumes_bit_exact(tmp_path: P
     wait_for(lambda: metrics_step(metrics) >= 20, 90, "step 20")
     job.send(signal.SIGTERM, [0])
     assert job.wait() == [143, 143], job.output()
-    stopped = re.search(r"step (\d+)/(\d+) \(global (\d+)/\d+\)", job.output().split("stopped on")[1])
-    assert stopped and 0 < int(stopped.group(1)) < int(stopped.group(2)), "the stop must land mid-epoch"
+    stopped = job.ends(0)[-1]
+    assert stopped.outcome == "stopped" and 0 < stopped.step_in_epoch < stopped.steps_per_epoch, "the stop must land mid-epoch"
     # Resumed with another worker count: each batch's augmentation is seeded by its position, not its worker.
     resumed = start_slurm_step(subdir(tmp_path, "resume"), [2], [*args[:-2], "--num-workers", "1", "--metrics-file", str(metrics)], cwd=USER_DIR)
     assert resumed.wait() == [0, 0], resumed.output()
-    assert f"resumed after epoch 1/2 step {stopped.group(1)}/{stopped.group(2)}" in resumed.output()
+    assert f"resumed after epoch 1/2 step {stopped.step_in_epoch}/{stopped.steps_per_epoch}" in resumed.output()
     assert set(resumed.checksums()) == {expected}
 
 

@@ -18,6 +18,7 @@ from train.config import build_parser, parse_config
 from train.data import BatchKey, SeededBatches
 from train.distributed import DeviceError, choose_cuda_index
 from train.model import unused_parameter_names
+from train.outcome import RunEnd, checksums, read_ends
 from train.snapshot import SnapshotStore, SnapshotWriteError, SnapshotWriter, Written, list_snapshots, snapshot_name
 from train.tasks import TaskError, load_task
 
@@ -376,3 +377,17 @@ def test_unused_parameters_are_named_from_ddps_indices() -> None:
     )
     assert unused_parameter_names(error, ddp_like) == ["2.weight", "2.bias"]
     assert unused_parameter_names(RuntimeError("Connection reset by peer"), ddp_like) is None
+
+
+def test_end_records_are_read_back_from_interleaved_logs_whatever_the_prefix() -> None:
+    """The end record is what tools read: found after any prefix (the rank's, docker's `r1 | `), amid other
+    lines and torn ones, with a reason cut to keep the line one atomic write."""
+    done = RunEnd(rank=0, world_size=2, host="n1", outcome="done", exit_code=0, global_step=10, total_steps=10, checksum="ab" * 8)
+    failed = RunEnd(rank=1, world_size=2, host="n2", outcome="failed", exit_code=1, reason="x" * 5000)
+    text = "\n".join(["[rank 0/2] epoch 1/1 step 10/10", f"[rank 0/2] {done.line()}", "ddpack-end {not json", f"  r1 | {failed.line()}"])
+    ends = read_ends(text)
+    assert ends[0] == done and ends[1].outcome == "failed" and len(ends[1].reason) == 1000 and len(failed.line()) < 4096
+    assert checksums(text) == ["ab" * 8]
+    assert "reason" not in done.fields() and done.fields()["checksum"] == "ab" * 8
+    with pytest.raises(ValueError, match="outcome 'crashed' is not one of"):
+        RunEnd(rank=0, world_size=1, host="h", outcome="crashed", exit_code=1)

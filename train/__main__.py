@@ -2,7 +2,8 @@
 
 Exit codes: 0 done; 1 failure (collective error, checksum mismatch); 2 bad input; 124 a hang
 (no rank finished a step for --hang-timeout; evidence in --forensics-dir); 128+N stopped by signal N
-with a snapshot (143 for SIGTERM, 138 for SIGUSR1): rerun to resume.
+with a snapshot (143 for SIGTERM, 138 for SIGUSR1): rerun to resume. Once the process group is joined,
+every ending prints the rank's end record last (train/outcome.py) and rank 0 appends it to the metrics file.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from train.affinity import bind_local_ranks, cpu_list
 from train.config import parse_config
@@ -26,6 +28,7 @@ from train.distributed import (
 )
 from train.metrics import MetricsFile, RankLog
 from train.model import SetupError
+from train.outcome import RunEnd
 from train.signals import PreemptionWatcher
 from train.snapshot import SnapshotWriteError
 from train.tasks import TaskError, load_task
@@ -73,52 +76,69 @@ def main(argv: Sequence[str] | None = None) -> int:
             forensics_dir=Path(config.forensics_dir).absolute(),
             log=log,
             store=store,
+            on_end=lambda end: metrics.write("end", **end.fields()),
         )
         watchdog.start()
+    trainer: Trainer | None = None
+    hard_exit = True  # leave without the closing barrier: a peer may be dead or waiting in a collective
+
+    def ended(outcome: str, exit_code: int, **extra: Any) -> RunEnd:
+        where = trainer.position() if trainer is not None else {}
+        return RunEnd(rank=ctx.rank, world_size=ctx.world_size, host=ctx.host, outcome=outcome, exit_code=exit_code, **{**where, **extra})
+
     try:
-        result = Trainer(config, task, ctx, log, metrics, watcher, progress).fit()
+        trainer = Trainer(config, task, ctx, log, metrics, watcher, progress)
+        result = trainer.fit()
+        loss = f"{result.final_loss:.5f}" if result.final_loss is not None else "n/a"
+        log(
+            f"done: global step {result.global_step} final loss {loss} steps/s {result.steps_per_s:.1f} samples/s {result.samples_per_s:,.0f}",
+            main_only=True,
+        )
+        end = ended(
+            "done",
+            0,
+            checksum=result.checksum,
+            final_loss=result.final_loss,
+            steps_per_s=result.steps_per_s,
+            samples_per_s=result.samples_per_s,
+        )
+        hard_exit = False
     except SetupError as exc:  # found by every rank at set-up or the first steps, before anything was written
         if ctx.is_main:
             print(f"train: error: {exc}", file=sys.stderr, flush=True)
-        metrics.close()
-        exit_now(2)  # no barrier: a rank that did not find it may be waiting in a collective
+        end = ended("bad-input", 2, reason=str(exc))
     except Preempted as stop:
         log(str(stop))
-        metrics.close()
-        shutdown()
-        return 128 + stop.signum
+        end = ended("stopped", 128 + stop.signum, signal=stop.signal_name, snapshot=stop.snapshot)
+        hard_exit = False
     except SnapshotMismatch as exc:  # every rank got the same snapshot, so every rank is here
         if ctx.is_main:
             print(f"train: error: {exc}", file=sys.stderr, flush=True)
-        metrics.close()
-        shutdown()
-        return 2
+        end = ended("bad-input", 2, reason=str(exc))
+        hard_exit = False
     except SnapshotWriteError as exc:  # rank 0 alone; the others are in their next collective
         log(f"error: {exc}")
-        metrics.close()
-        exit_now(1)
+        end = ended("failed", 1, reason=str(exc))
     except ChecksumMismatch as exc:
         log(f"error: {exc}")
-        return 1
+        end = ended("failed", 1, reason=str(exc))
     except RuntimeError as exc:  # gloo/nccl report a dead or silent peer as RuntimeError subclasses
         first = first_line(exc)
-        log(
-            f"error: a collective failed ({type(exc).__name__}: {first}); a peer died or did not answer "
-            f"within --collective-timeout={config.collective_timeout:g}s"
-        )
-        exit_now(1)  # tearing down a broken process group can itself hang
+        why = f"a collective failed ({type(exc).__name__}: {first}); a peer died or did not answer within --collective-timeout={config.collective_timeout:g}s"
+        log(f"error: {why}")
+        end = ended("failed", 1, reason=why)
     finally:
         watcher.restore()
         if watchdog is not None:
             watchdog.stop()
-    loss = f"{result.final_loss:.5f}" if result.final_loss is not None else "n/a"
-    log(
-        f"done: global step {result.global_step} final loss {loss} steps/s {result.steps_per_s:.1f} samples/s {result.samples_per_s:,.0f}",
-        main_only=True,
-    )
+    log(end.line())
+    if end.outcome != "bad-input":  # a run refused before it trained leaves no metrics file
+        metrics.write("end", **end.fields())
     metrics.close()
+    if hard_exit:
+        exit_now(end.exit_code)  # tearing down a broken process group can itself hang
     shutdown()
-    return 0
+    return end.exit_code
 
 
 if __name__ == "__main__":

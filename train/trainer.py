@@ -63,9 +63,9 @@ CPU_BUCKET_CAP_MB = 25
 class Preempted(Exception):
     """All ranks agreed to stop on a signal; rank 0 has written a snapshot."""
 
-    def __init__(self, signal_name: str, signum: int, message: str) -> None:
+    def __init__(self, signal_name: str, signum: int, message: str, snapshot: str | None) -> None:
         super().__init__(message)
-        self.signal_name, self.signum = signal_name, signum
+        self.signal_name, self.signum, self.snapshot = signal_name, signum, snapshot
 
 
 class SnapshotMismatch(Exception):
@@ -357,24 +357,29 @@ class Trainer:
         steps = self.global_step - start_step
         checksum = self._agree_on_checksum()
         samples_per_s = steps * cfg.grad_accum * cfg.batch_size * self.ctx.world_size / elapsed
-        self.metrics.write(
-            "final",
-            global_step=self.global_step,
-            loss=last_loss,
-            checksum=checksum,
-            steps_per_s=steps / elapsed,
-            samples_per_s=samples_per_s,
-        )
         return Result(self.global_step, last_loss, checksum, steps / elapsed, samples_per_s)
 
-    def _position(self) -> str:
-        """Where training stands, numbered as the progress lines number it (epochs from 1). Between
-        epochs it names the end of the one just finished (`epoch 2/2 step 29/29`), never the start of
-        one that does not exist (`epoch 3/2 step 0/29`)."""
+    def position(self) -> dict[str, int]:
+        """Where training stands, numbered as the progress lines number it (epochs from 1), in the end
+        record's fields. Between epochs it names the end of the one just finished (`epoch 2/2 step
+        29/29`), never the start of one that does not exist (`epoch 3/2 step 0/29`)."""
         epoch, step = self.epoch + 1, self.step_in_epoch
         if step == 0 and self.epoch > 0:
             epoch, step = self.epoch, self.steps_per_epoch
-        return f"epoch {epoch}/{self.config.epochs} step {step}/{self.steps_per_epoch} (global {self.global_step}/{self.total_steps})"
+        return {
+            "epoch": epoch,
+            "step_in_epoch": step,
+            "steps_per_epoch": self.steps_per_epoch,
+            "global_step": self.global_step,
+            "total_steps": self.total_steps,
+        }
+
+    def _position(self) -> str:
+        at = self.position()
+        return (
+            f"epoch {at['epoch']}/{self.config.epochs} step {at['step_in_epoch']}/{at['steps_per_epoch']} "
+            f"(global {at['global_step']}/{at['total_steps']})"
+        )
 
     def _progress(self, window: Window, start_step: int, started: float) -> float:
         """Collective, every --log-every steps: mean loss over ranks and global throughput; rank 0
@@ -469,7 +474,8 @@ class Trainer:
         saved = f"snapshot {written.path}" if written is not None else "snapshot written by rank 0"
         if not self.config.snapshot_dir:
             saved = "no snapshot (--snapshot-dir is empty)"
-        raise Preempted(agreed.name, int(agreed), f"stopped on {name} at {where}; {saved}; rerun the same command to resume")
+        path = str(written.path) if written is not None and self.config.snapshot_dir else None
+        raise Preempted(agreed.name, int(agreed), f"stopped on {name} at {where}; {saved}; rerun the same command to resume", path)
 
     def _agree_on_checksum(self) -> str:
         mine = parameter_checksum(self.module)

@@ -41,6 +41,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from train.outcome import RunEnd
+
 EXIT_HANG = 124  # as timeout(1): the run was ended for taking too long
 # Phases in step order: a rank in an earlier phase after the same step is behind the others.
 PHASES = ("setup", "data", "forward", "backward", "sync", "optimizer", "metrics", "step-end", "snapshot", "eval", "finish")
@@ -287,11 +289,12 @@ class Watchdog:
         log: Callable[[str], None],
         store: GuardedStore,
         on_hang: Callable[[dict[str, Any]], None] = lambda summary: None,
+        on_end: Callable[[RunEnd], None] = lambda end: None,
         exit: Callable[[int], None] = os._exit,
     ) -> None:
         self.progress, self.rank, self.world_size, self.host = progress, rank, world_size, host
         self.timeout_s, self.forensics_dir, self.log, self.store = timeout_s, forensics_dir, log, store
-        self.on_hang, self._exit = on_hang, exit
+        self.on_hang, self.on_end, self._exit = on_hang, on_end, exit
         self.tick = min(5.0, max(0.2, timeout_s / 10))
         self.stale_after = max(3 * self.tick, 5.0)
         self.grace_s = max(10.0, 3 * self.tick)  # how long the summary waits for the others' stacks
@@ -359,6 +362,18 @@ class Watchdog:
         summary = self._summarise(why)
         behind = "; ".join(summary.get("behind", [])) or "every rank stalled at the same place (see the stacks)"
         self.log(f"hang: {why}; behind: {behind}; evidence in {self.forensics_dir} (summary.json, rank-*.txt); exiting {EXIT_HANG}")
+        end = RunEnd(
+            rank=self.rank,
+            world_size=self.world_size,
+            host=self.host,
+            outcome="hung",
+            exit_code=EXIT_HANG,
+            global_step=p.step,
+            reason=f"{why}; behind: {behind}",
+            forensics=str(self.forensics_dir),
+        )
+        self.log(end.line())
+        self.on_end(end)
         self._exit(EXIT_HANG)
 
     def _summarise(self, why: str) -> dict[str, Any]:

@@ -1,0 +1,80 @@
+"""The end-of-run record: how a rank's run ended, as one JSON line that tools read instead of log text.
+
+Every rank of `python -m train` prints it last, `[rank R/W] ddpack-end {...}`, whatever the ending (done,
+stopped by a signal, bad input, a failure, a hang the watchdog ended), and rank 0 appends the same fields to
+the metrics file as its `end` record (not for bad input: a run refused before it trained leaves no file). `make smoke`, the tests and the benches read it with `read_ends`; the
+job templates decide from the exit status alone, which the record repeats. Standard library only: host
+tooling imports this module (it never imports torch).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+
+MARK = "ddpack-end "
+OUTCOMES = ("done", "stopped", "bad-input", "failed", "hung")
+
+
+@dataclass(frozen=True)
+class RunEnd:
+    """One rank's ending. Positions count as the progress lines count them (epochs from 1)."""
+
+    rank: int
+    world_size: int
+    host: str
+    outcome: str  # one of OUTCOMES
+    exit_code: int  # what the process exits with (0, 1, 2, 124, 128+N)
+    global_step: int | None = None  # steps finished (the snapshot's step for a stop)
+    total_steps: int | None = None
+    epoch: int | None = None
+    step_in_epoch: int | None = None
+    steps_per_epoch: int | None = None
+    checksum: str | None = None  # done: this rank's final parameter checksum (every rank's must agree)
+    final_loss: float | None = None
+    steps_per_s: float | None = None
+    samples_per_s: float | None = None
+    signal: str | None = None  # stopped: SIGTERM / SIGUSR1
+    snapshot: str | None = None  # stopped: the durable snapshot to resume from
+    reason: str | None = None  # bad-input, failed, hung: the one line that says why
+    forensics: str | None = None  # hung: the evidence folder
+
+    def __post_init__(self) -> None:
+        if self.outcome not in OUTCOMES:
+            raise ValueError(f"outcome {self.outcome!r} is not one of {OUTCOMES}")
+
+    def fields(self) -> dict[str, object]:
+        """The fields that are set, for the metrics file's `end` record."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    def line(self) -> str:
+        """The record as printed; a reason is cut so that the line stays one atomic write (under 4 KiB)."""
+        record = self.fields()
+        if isinstance(record.get("reason"), str):
+            record["reason"] = record["reason"][:1000]
+        return MARK + json.dumps(record, separators=(",", ":"))
+
+
+_NAMES = {f.name for f in fields(RunEnd)}
+
+
+def read_ends(text: str) -> list[RunEnd]:
+    """Every end record in `text` (a job log, a container's output, ranks interleaved, any prefix
+    before the mark), in order. A line that is not one is ignored; fields a newer trainer adds are too."""
+    ends = []
+    for line in text.splitlines():
+        at = line.find(MARK)
+        if at < 0:
+            continue
+        try:
+            record = json.loads(line[at + len(MARK) :])
+        except ValueError:
+            continue
+        if isinstance(record, dict) and {"rank", "world_size", "host", "outcome", "exit_code"} <= record.keys():
+            ends.append(RunEnd(**{k: v for k, v in record.items() if k in _NAMES}))
+    return ends
+
+
+def checksums(text: str) -> list[str]:
+    """The final parameter checksums of the ranks that finished, in the order their records appear."""
+    return [end.checksum for end in read_ends(text) if end.outcome == "done" and end.checksum is not None]
