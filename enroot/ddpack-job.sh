@@ -12,7 +12,9 @@
 #                              the bundled trainer. The trainer's run-folder defaults are exported for every case:
 #                              DDPACK_SNAPSHOT_DIR=FOLDER/snapshots, DDPACK_METRICS_FILE=FOLDER/metrics.jsonl,
 #                              DDPACK_FORENSICS_DIR=FOLDER/forensics
-#                              (FOLDER as the container sees the run directory); a program of your own can use them
+#                              (FOLDER as the container sees the run directory); a program of your own can use them.
+#                              Sets SLURM_WAIT=DDPACK_STEP_WAIT (120; 0 waits forever): how long srun lets a step's other
+#                              tasks outlive the first one to end before it kills them
 #   ddpack_require_pyxis       fail at once when this cluster's srun has no pyxis (--container-image)
 #   ddpack_preflight COMMAND...
 #                              DDPACK_PREFLIGHT=1: run COMMAND (the template's own srun line with
@@ -25,12 +27,14 @@
 #                              both steps pass as --container-name so pyxis unpacks the image once per node
 #   ddpack_remove_container    remove that container from every node (pyxis keeps named containers
 #                              after the job unless its plugstack.conf sets container_scope=job)
-#   ddpack_after_step RC       requeue or not, from the training step's exit status alone (see the function)
+#   ddpack_after_step RC       requeue or not, from the training step's exit status (see the function)
 #
 # Run directories: one run, one folder. A new submission gets runs/<job name>-<job id> in the submission
 # folder; a requeue keeps its job id and so continues its own folder; to continue an earlier run in a new
 # job, name its folder with DDPACK_RUN_DIR (the banner prints the line to use). Two jobs submitted from one
 # folder therefore never resume each other's snapshots.
+
+ddpack_start_marker=.ddpack-this-start
 
 ddpack_die() {
     echo "ddpack: error: $*" >&2
@@ -51,6 +55,7 @@ ddpack_setup() {
     fi
     export DDPACK_RUN_DIR
     mkdir -p "${DDPACK_RUN_DIR}" || ddpack_die "cannot create the run directory ${DDPACK_RUN_DIR}; set DDPACK_RUN_DIR to a writable folder on the shared filesystem"
+    : >"${DDPACK_RUN_DIR}/${ddpack_start_marker}"   # forensics newer than this were written during this start
     echo "ddpack: job ${SLURM_JOB_ID} (restart ${SLURM_RESTART_COUNT:-0}) on ${SLURM_JOB_NODELIST}, run dir ${DDPACK_RUN_DIR} (${ddpack_run_origin})"
 }
 
@@ -93,6 +98,13 @@ ddpack_project_dir() {
 
 ddpack_command() {
     export DDPACK_SNAPSHOT_DIR=$1/snapshots DDPACK_METRICS_FILE=$1/metrics.jsonl DDPACK_FORENSICS_DIR=$1/forensics
+    # Once one task of a step has ended, srun gives the others DDPACK_STEP_WAIT seconds to end too, then kills
+    # them (srun --wait, read from SLURM_WAIT). Slurm's default waits forever: a rank stopped or frozen
+    # (SIGSTOP, a hung driver) outlives the watchdog's exit on the others and holds the job until its time
+    # limit. Kept long enough for a rank 0 that saves after the others have left; raise it if yours saves longer.
+    local wait=${DDPACK_STEP_WAIT:-120}
+    case "${wait}" in '' | *[!0-9]*) ddpack_die "DDPACK_STEP_WAIT=${wait} is not a whole number of seconds" ;; esac
+    export SLURM_WAIT=${wait}
     ddpack_cmd=()
     if [ -n "${DDPACK_COMMAND:-}" ]; then
         [ -z "${DDPACK_TRAIN_ARGS:-}" ] || ddpack_die "DDPACK_COMMAND and DDPACK_TRAIN_ARGS are both set; DDPACK_TRAIN_ARGS is for the bundled trainer: put your program's arguments in DDPACK_COMMAND"
@@ -154,9 +166,11 @@ ddpack_remove_container() {
 # The step's exit status decides, whatever ran (the bundled trainer, your DDPACK_COMMAND, the image's own):
 #   0 done; 2 bad input (never retried: the error line says what to fix);
 #   128+10 / 128+15 (138, 143) stopped on SIGUSR1/SIGTERM: preempted, requeued up to DDPACK_MAX_RESTARTS (10);
-#   anything else (124 a hang the watchdog ended, 137 a SIGKILL such as the OOM killer's, 1 a crash or a lost
-#   peer): a failure, retried up to DDPACK_MAX_FAILURE_RESTARTS times (default 1) per run folder, keeping out the
-#   nodes the hang's forensics named unresponsive where the partition has others to spare.
+#   anything else (124 a hang the watchdog ended, 137 a SIGKILL such as the OOM killer's or srun's for a rank
+#   still frozen DDPACK_STEP_WAIT seconds after the others ended, 1 a crash or a lost peer): a failure, retried up
+#   to DDPACK_MAX_FAILURE_RESTARTS times (default 1) per run folder, keeping out the nodes the hang's forensics
+#   named unresponsive where the partition has others to spare. A hang is told by its exit 124 or by forensics
+#   written during this start (the frozen rank's 137 is the step's status then).
 ddpack_after_step() {
     local rc=$1 restarts=${SLURM_RESTART_COUNT:-0} max=${DDPACK_MAX_RESTARTS:-10} max_failed=${DDPACK_MAX_FAILURE_RESTARTS:-1}
     local failures_file=${DDPACK_RUN_DIR}/.ddpack-failure-restarts failed=0 kind
@@ -177,28 +191,31 @@ ddpack_after_step() {
             return 0
         fi
         echo "ddpack: preempted (exit ${rc}); requeueing job ${SLURM_JOB_ID} (restart $((restarts + 1)) of at most ${max})"
-        scontrol requeue "${SLURM_JOB_ID}"
+        ddpack_requeue
         return 0
     fi
     [ -f "${failures_file}" ] && failed=$(cat "${failures_file}")
     case "${failed}" in '' | *[!0-9]*) failed=0 ;; esac
-    local what="failed (exit ${rc})"
-    [ "${rc}" -eq 124 ] && what="ended as hung (exit 124; evidence in ${DDPACK_RUN_DIR}/forensics)"
+    local what="failed (exit ${rc})" forensics=${DDPACK_RUN_DIR}/forensics
+    if [ "${rc}" -eq 124 ] || [ "${forensics}/summary.json" -nt "${DDPACK_RUN_DIR}/${ddpack_start_marker}" ]; then
+        what="ended as hung (exit ${rc}; evidence in ${forensics})"
+    fi
     if [ "${failed}" -ge "${max_failed}" ] || [ "${restarts}" -ge "${max}" ]; then
         echo "ddpack: the step ${what} after ${failed} failure restarts, the cap DDPACK_MAX_FAILURE_RESTARTS=${max_failed}; not requeueing (resubmit with DDPACK_RUN_DIR=${DDPACK_RUN_DIR} to continue from its last snapshot)"
         return 0
     fi
     echo "$((failed + 1))" >"${failures_file}.tmp" && mv "${failures_file}.tmp" "${failures_file}"
     echo "ddpack: the step ${what}; requeueing job ${SLURM_JOB_ID} to resume from its last snapshot (failure restart $((failed + 1)) of at most ${max_failed})"
-    scontrol requeue "${SLURM_JOB_ID}" || return 0
-    ddpack_keep_out_unresponsive_nodes
+    ddpack_nodes_to_keep_out
+    ddpack_requeue "${ddpack_keep_out}"
 }
 
-# After a requeue: keep the nodes a hang's forensics named unresponsive out of the job's next start, when the
-# partition has enough other nodes for it (else it would never start again); each decision is one line.
-ddpack_keep_out_unresponsive_nodes() {
+# Set ddpack_keep_out to the nodes a hang's forensics named unresponsive during this start, comma-separated,
+# when the partition has enough other nodes for the job (else it would never start again, and a line says so).
+ddpack_nodes_to_keep_out() {
     local named=${DDPACK_RUN_DIR}/forensics/unresponsive-nodes nodes total
-    [ -s "${named}" ] || return 0
+    ddpack_keep_out=""
+    [ -s "${named}" ] && [ "${named}" -nt "${DDPACK_RUN_DIR}/${ddpack_start_marker}" ] || return 0
     nodes=$(paste -sd, "${named}")
     total=$(sinfo -h -p "${SLURM_JOB_PARTITION:-}" -o %D 2>/dev/null | head -n1)
     case "${total}" in '' | *[!0-9]*) total=0 ;; esac
@@ -206,6 +223,17 @@ ddpack_keep_out_unresponsive_nodes() {
         echo "ddpack: not keeping out ${nodes} (named unresponsive): partition ${SLURM_JOB_PARTITION:-?} has ${total} nodes and the job needs ${SLURM_JOB_NUM_NODES:-1}"
         return 0
     fi
+    ddpack_keep_out=${nodes}
+}
+
+# Requeue this job, then keep NODES (if any) out of its next start. Slurm refuses ExcNodeList for a running job,
+# and a requeue SIGTERMs this script and kills it KillWait seconds later (30 by default): the trap keeps it
+# alive for the one update that follows.
+ddpack_requeue() {
+    local nodes=${1:-}
+    trap ':' TERM
+    scontrol requeue "${SLURM_JOB_ID}" || return 0
+    [ -n "${nodes}" ] || return 0
     if scontrol update "JobId=${SLURM_JOB_ID}" "ExcNodeList=${nodes}"; then
         echo "ddpack: keeping ${nodes} (named unresponsive by the hang's forensics) out of the restart"
     else

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -14,16 +13,20 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, clean_env
 
+from train import outcome
+
 VENV = Path(sys.executable).parent.parent
-CHECKSUM_RE = re.compile(r"final parameter checksum ([0-9a-f]{16})")
 
 
 def env(**extra: str) -> dict[str, str]:
     return clean_env(DDPACK_VENV=str(VENV), **extra)
 
 
-def checksums(text: str) -> set[str]:
-    return set(CHECKSUM_RE.findall(text))
+def all_agree(text: str, world: int) -> bool:
+    """`world` ranks in a job log (or the part after a requeue) finished, and on the same parameters: their
+    end records' checksums."""
+    sums = outcome.checksums(text)
+    return len(sums) == world and len(set(sums)) == 1
 
 
 def sbatch(template: str, cwd: Path, sbatch_args: tuple[str, ...] = (), **settings: str) -> tuple[int, str]:
@@ -110,9 +113,10 @@ def wait_for_progress(metrics: Path, count: int, log: Path, what: str = "", time
         time.sleep(0.2)
 
 
-def kill_tasks_on(job: str, node: str) -> list[int]:
-    """SIGKILL every process of `job`'s tasks on `node` (both test nodes run on this host: a task's
-    environment names its node), as a kernel panic or the OOM killer would: no signal to catch."""
+def signal_tasks(job: str, node: str, sig: signal.Signals = signal.SIGKILL, rank: int | None = None) -> list[int]:
+    """Send `sig` to every process of `job`'s training step on `node` (both test nodes run on this host: a
+    task's environment names its node), or to rank `rank`'s alone. SIGKILL is a kernel panic or the OOM
+    killer (no signal to catch); SIGSTOP a frozen process."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -121,12 +125,21 @@ def kill_tasks_on(job: str, node: str) -> list[int]:
             environ = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if f"SLURM_JOB_ID={job}".encode() in environ and f"SLURMD_NODENAME={node}".encode() in environ and b"SLURM_STEP_ID=0" in environ:
+        mine = f"SLURM_JOB_ID={job}".encode() in environ and f"SLURMD_NODENAME={node}".encode() in environ and b"SLURM_STEP_ID=0" in environ
+        if mine and (rank is None or f"SLURM_PROCID={rank}".encode() in environ):
             pids.append(int(entry.name))
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, sig)
     return pids
+
+
+def wait_for_resume(job: str, restart: int, log: Path, timeout: float = 300) -> None:
+    """Wait until the job's start after its `restart`-th requeue has resumed from a snapshot."""
+    deadline, banner = time.monotonic() + timeout, f"(restart {restart})"
+    while "resuming from" not in (log.read_text() if log.exists() else "").partition(banner)[2]:
+        assert time.monotonic() < deadline, f"job {job} did not come back: {job_state(job)}\n{log.read_text() if log.exists() else ''}"
+        time.sleep(0.5)
 
 
 def wait_for_restarts(job: str, restarts: int, log: Path, timeout: float = 480) -> str:
@@ -147,3 +160,27 @@ def wait_for_restarts(job: str, restarts: int, log: Path, timeout: float = 480) 
         assert time.monotonic() < deadline, f"job {job} did not finish: {seen}\n{log.read_text() if log.exists() else ''}"
         time.sleep(1)
     return log.read_text()
+
+
+# A user's own training script (no torch, no ddpack, 100 steps of 0.2 s): it saves its step on SIGUSR1 and exits
+# 128+10, as the README asks of a program run with DDPACK_COMMAND; rank 0 writes progress records where
+# wait_for_progress looks.
+USER_SCRIPT = """
+import json, os, signal, sys, time
+rank, stop = int(os.environ["RANK"]), []
+signal.signal(signal.SIGUSR1, lambda *_: stop.append(1))
+state = f"state-{rank}.json"
+step = json.load(open(state))["step"] if os.path.exists(state) else 0
+print(f"rank {rank} starts at step {step}", flush=True)
+while step < 100:
+    if stop:
+        json.dump({"step": step}, open(state, "w"))
+        print(f"rank {rank} saved step {step} on SIGUSR1", flush=True)
+        sys.exit(138)
+    step += 1
+    time.sleep(0.2)
+    if rank == 0:
+        with open(os.environ["DDPACK_METRICS_FILE"], "a") as metrics:
+            metrics.write(json.dumps({"kind": "progress", "global_step": step}) + "\\n")
+print(f"rank {rank} done at step {step}", flush=True)
+"""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -79,14 +81,35 @@ def test_a_command_and_trainer_flags_together_are_one_line() -> None:
     assert out.stderr.startswith("ddpack: error: DDPACK_COMMAND and DDPACK_TRAIN_ARGS are both set;") and out.stderr.count("\n") == 1
 
 
-def after_step(tmp_path: Path, rc: int, *, failures: int | None = None, unresponsive: str = "", partition_nodes: int = 3, **settings: str):
-    """`ddpack_after_step RC` with scontrol and sinfo stubbed (their calls recorded in calls.txt)."""
+def after_step(
+    tmp_path: Path,
+    rc: int,
+    *,
+    failures: int | None = None,
+    unresponsive: str = "",
+    hang_summary: bool = False,
+    forensics_before_this_start: bool = False,
+    partition_nodes: int = 3,
+    **settings: str,
+):
+    """`ddpack_after_step RC` with scontrol and sinfo stubbed (their calls recorded in calls.txt), after a start
+    that ddpack_setup marked; forensics written during it, or before it (an earlier start's)."""
     run_dir = tmp_path / "run"
     (run_dir / "forensics").mkdir(parents=True)
     if failures is not None:
         (run_dir / ".ddpack-failure-restarts").write_text(f"{failures}\n")
-    if unresponsive:
-        (run_dir / "forensics" / "unresponsive-nodes").write_text(unresponsive)
+    forensics = {"unresponsive-nodes": unresponsive, "summary.json": "{}" if hang_summary else ""}
+    for name, text in forensics.items():
+        if text:
+            (run_dir / "forensics" / name).write_text(text)
+    marker = run_dir / ".ddpack-this-start"
+    marker.touch()
+    start, earlier = time.time(), time.time() - 3600
+    os.utime(marker, (start, start))
+    for name, text in forensics.items():
+        if text:
+            when = earlier if forensics_before_this_start else start + 5
+            os.utime(run_dir / "forensics" / name, (when, when))
     calls = tmp_path / "calls.txt"
     for tool, out in (("scontrol", ""), ("sinfo", f"echo {partition_nodes}")):
         (tmp_path / tool).write_text(f'#!/bin/sh\necho "{tool} $*" >> "{calls}"\n{out}\n')
@@ -124,7 +147,7 @@ def test_a_hang_is_retried_once_without_the_unresponsive_node_then_not_again(tmp
         "(failure restart 1 of at most 1)",
         "ddpack: keeping ddnode2 (named unresponsive by the hang's forensics) out of the restart",
     ]
-    assert calls.splitlines() == ["scontrol requeue 77", "sinfo -h -p debug -o %D", "scontrol update JobId=77 ExcNodeList=ddnode2"]
+    assert calls.splitlines() == ["sinfo -h -p debug -o %D", "scontrol requeue 77", "scontrol update JobId=77 ExcNodeList=ddnode2"]
     again, calls, _ = after_step(tmp_path / "again", 124, failures=1)
     assert "after 1 failure restarts, the cap DDPACK_MAX_FAILURE_RESTARTS=1; not requeueing" in again.stdout and calls == ""
 
@@ -132,4 +155,14 @@ def test_a_hang_is_retried_once_without_the_unresponsive_node_then_not_again(tmp
 def test_a_node_the_job_cannot_do_without_is_not_kept_out(tmp_path: Path) -> None:
     out, calls, _ = after_step(tmp_path, 124, unresponsive="ddnode2\n", partition_nodes=2)
     assert out.stdout.splitlines()[1] == "ddpack: not keeping out ddnode2 (named unresponsive): partition debug has 2 nodes and the job needs 2"
-    assert "ExcNodeList" not in calls
+    assert "ExcNodeList" not in calls and "scontrol requeue 77" in calls
+
+
+def test_a_frozen_rank_killed_by_srun_is_told_as_a_hang_by_this_starts_forensics(tmp_path: Path) -> None:
+    """The others' watchdogs exit 124, srun kills the frozen rank DDPACK_STEP_WAIT later, and the step's
+    status is that rank's 137: the forensics written during this start say it was a hang."""
+    out, calls, run_dir = after_step(tmp_path, 137, hang_summary=True, unresponsive="ddnode2\n")
+    assert out.stdout.startswith(f"ddpack: the step ended as hung (exit 137; evidence in {run_dir}/forensics); requeueing job 77"), out.stdout
+    assert "ExcNodeList=ddnode2" in calls
+    stale, calls, _ = after_step(tmp_path / "stale", 137, hang_summary=True, unresponsive="ddnode2\n", forensics_before_this_start=True)
+    assert stale.stdout.startswith("ddpack: the step failed (exit 137); requeueing job 77") and "ExcNodeList" not in calls, stale.stdout

@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +25,7 @@ import pytest
 from docker_support import ReadmeProject
 from readme_examples import write_mytask
 from slurm_cluster import ClusterUnavailable, ensure_cluster
-from slurm_jobs import CHECKSUM_RE, env, preempt_and_resume, sbatch
+from slurm_jobs import USER_SCRIPT, all_agree, env, preempt_and_resume, sbatch, submit, wait_for_progress, wait_for_restarts
 
 pytestmark = pytest.mark.pyxis
 JOB_USER = "ddpackjob"  # a real login shell: enroot copies the user's shell, and nologin cannot run containers
@@ -100,7 +101,7 @@ def test_srun_container_image_runs_one_ddp_job(sqsh: Path, shared: Path, job_use
     trainer = ["--epochs", "1", "--log-every", "100", "--snapshot-dir", "snaps"]
     out = container_srun([*layout, *container, "entrypoint", *launch, *trainer], work, job_user if as_user else None)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert len(CHECKSUM_RE.findall(out.stdout)) == 4 and len(set(CHECKSUM_RE.findall(out.stdout))) == 1, out.stdout
+    assert all_agree(out.stdout, 4), out.stdout
     assert "[rank 3/4] start: rank 3 world 4" in out.stdout
     snapshots = list((work / "snaps").glob("snapshot-*.pt"))
     assert snapshots
@@ -216,19 +217,43 @@ def test_the_readme_submission_runs_the_projects_own_command(sqsh: Path, shared:
     assert snapshot.is_file() and "snapshot saved at snapshot.pt" in log
 
 
-@pytest.mark.parametrize("template", sorted(TEMPLATE_ARGS))
-def test_preemption_round_trip_through_each_pyxis_template(sqsh: Path, shared: Path, template: str) -> None:
-    folder = submission_folder(shared, f"pre-{template.split('.')[0]}")
-    spec = TEMPLATE_ARGS[template]
-    name = f"pre-{template.split('-')[1].split('.')[0]}"
+def test_preemption_round_trip_of_the_bundled_trainer_through_pyxis_torchrun(sqsh: Path, shared: Path) -> None:
+    folder = submission_folder(shared, "pre-torchrun")
+    spec = TEMPLATE_ARGS["pyxis-torchrun.sbatch"]
     log = preempt_and_resume(
-        folder, name, spec["sbatch"], template, DDPACK_SQSH=str(sqsh), DDPACK_MOUNTS=f"{shared}:/fsx", **spec["settings"]
+        folder, "pre-torchrun", spec["sbatch"], "pyxis-torchrun.sbatch", DDPACK_SQSH=str(sqsh), DDPACK_MOUNTS=f"{shared}:/fsx", **spec["settings"]
     )
     first, second = log.split("(restart 1)", 1)
     assert first.count("stopped on SIGUSR1") == 4, first
     assert "ddpack: preempted (exit 138); requeueing job" in first and "(restart 1 of at most 10)" in first
     assert "requeued: continuing its run from the last snapshot" in second.splitlines()[0]
-    assert "[rank 0/4] resuming from" in second and "checksums agree across 4 ranks" in second
+    assert "[rank 0/4] resuming from" in second and all_agree(second, 4)
+
+
+def test_a_users_own_script_under_pyxis_per_task_that_exits_138_after_usr1_is_requeued_and_resumes(sqsh: Path, shared: Path) -> None:
+    """Not the bundled trainer: a script of the user's in the shared folder, run in the image by DDPACK_COMMAND,
+    saving its step on SIGUSR1 and exiting 128+10; the exit status alone requeues it, and its second start
+    continues from the saved step on every rank."""
+    folder = submission_folder(shared, "own")
+    (folder / "user_train.py").write_text(USER_SCRIPT)
+    job, metrics, log = submit(
+        folder, "own", ("--ntasks-per-node=2",), "pyxis-per-task.sbatch",
+        DDPACK_SQSH=str(sqsh), DDPACK_MOUNTS=f"{shared}:/fsx", DDPACK_COMMAND="python /fsx/team/own/user_train.py",
+    )  # fmt: skip
+    # Each task starts its own container: signal once every rank runs the script, as Slurm's --signal would.
+    wait_for_progress(metrics, 10, log, "the script did not start")
+    deadline = time.monotonic() + 120
+    while log.read_text().count(" starts at step 0") < 4:
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.2)
+    subprocess.run(["scancel", "--signal=USR1", job], check=True)
+    text = wait_for_restarts(job, 1, log)
+    first, second = text.split("(restart 1)", 1)
+    assert first.count("saved step") == 4 and "ddpack: preempted (exit 138); requeueing job" in first, text
+    assert "requeued: continuing its run from the last snapshot" in second.splitlines()[0]
+    saved = sorted(int(line.split()[-3]) for line in first.splitlines() if " saved step " in line)
+    started = sorted(int(line.split()[-1]) for line in second.splitlines() if " starts at step " in line)
+    assert started == saved and min(started) > 0 and second.count("done at step 100") == 4, text
 
 
 def test_enroot_start_runs_the_launcher_once_whether_or_not_it_is_named(sqsh: Path) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -14,21 +15,22 @@ import pytest
 from readme_examples import write_mytask
 from slurm_cluster import ClusterUnavailable, ensure_cluster
 from slurm_jobs import (
-    CHECKSUM_RE,
     FINAL_STATES,
     VENV,
-    checksums,
+    all_agree,
     env,
     job_state,
-    kill_tasks_on,
-    preempt_and_resume,
     progress_count,
     sbatch,
+    signal_tasks,
     submit,
     submit_and_preempt,
     wait_for_progress,
     wait_for_restarts,
+    wait_for_resume,
 )
+
+from train.outcome import read_ends
 
 pytestmark = pytest.mark.slurm
 
@@ -52,7 +54,7 @@ def test_srun_two_nodes_four_tasks_one_ddp_job(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     for rank in range(4):
         assert f"[rank {rank}/4] start: rank {rank} world 4 local_rank {rank % 2}/2" in out.stdout
-    assert len(CHECKSUM_RE.findall(out.stdout)) == 4 and len(checksums(out.stdout)) == 1
+    assert all_agree(out.stdout, 4), out.stdout
     assert "checksums agree across 4 ranks" in out.stdout
 
 
@@ -71,7 +73,7 @@ def test_srun_one_task_per_node_runs_torchrun_with_c10d(tmp_path: Path) -> None:
     ]
     out = srun(args, tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert len(CHECKSUM_RE.findall(out.stdout)) == 4 and len(checksums(out.stdout)) == 1
+    assert all_agree(out.stdout, 4), out.stdout
 
 
 def test_baremetal_template(tmp_path: Path) -> None:
@@ -145,72 +147,43 @@ def test_docker_hostnet_template(tmp_path: Path) -> None:
     assert [r["in_image"] for r in report["identity"]] == [True, True]  # the check ran in the containers
 
 
-USER_SCRIPT = """
-import json, os, signal, sys, time
-rank, stop = int(os.environ["RANK"]), []
-signal.signal(signal.SIGUSR1, lambda *_: stop.append(1))
-state = f"state-{rank}.json"
-step = json.load(open(state))["step"] if os.path.exists(state) else 0
-print(f"rank {rank} starts at step {step}", flush=True)
-while step < 60:
-    if stop:
-        json.dump({"step": step}, open(state, "w"))
-        print(f"rank {rank} saved step {step} on SIGUSR1", flush=True)
-        sys.exit(138)
-    step += 1
-    time.sleep(0.1)
-    if rank == 0:
-        with open(os.environ["DDPACK_METRICS_FILE"], "a") as metrics:
-            metrics.write(json.dumps({"kind": "progress", "global_step": step}) + "\\n")
-print(f"rank {rank} done at step {step}", flush=True)
-"""
-
-
-def test_a_users_own_script_that_exits_138_after_usr1_is_requeued_and_resumes(tmp_path: Path) -> None:
-    """Not the bundled trainer: a script of the user's, run by DDPACK_COMMAND, saving its step on SIGUSR1 and
-    exiting 128+10; the exit status alone requeues it, and its second start continues from the saved step."""
-    (tmp_path / "user_train.py").write_text(USER_SCRIPT)
-    log = preempt_and_resume(tmp_path, "own", DDPACK_COMMAND=f"python {tmp_path}/user_train.py")
-    first, second = log.split("(restart 1)", 1)
-    assert first.count("saved step") == 4 and "ddpack: preempted (exit 138); requeueing job" in first, log
-    assert "requeued: continuing its run from the last snapshot" in second.splitlines()[0]
-    saved = sorted(int(line.split()[4]) for line in first.splitlines() if " saved step " in line)
-    started = sorted(int(line.split()[-1]) for line in second.splitlines() if " starts at step " in line)
-    assert started == saved and min(started) > 0 and second.count("done at step 60") == 4, log
-
-
-def test_a_lost_node_then_killed_tasks_each_come_back_and_resume_from_the_last_snapshot(tmp_path: Path) -> None:
-    """One job through baremetal.sbatch, two disorderly endings. ddnode2 set DOWN mid-training (a node
+def test_a_lost_node_killed_tasks_and_a_frozen_rank_each_come_back_and_resume_from_the_last_snapshot(tmp_path: Path) -> None:
+    """One job through baremetal.sbatch, three disorderly endings. ddnode2 set DOWN mid-training (a node
     failure, a health agent's verdict): Slurm cancels the step, SIGTERMing the tasks it reaches, and
     requeues the job, which starts again once the node is back and resumes from the stop's snapshot.
     Then ddnode2's tasks are SIGKILLed with no warning (a kernel panic, the OOM killer): the surviving
-    ranks' collective fails, the template retries the job once, and it resumes from the last periodic
-    snapshot and finishes with agreeing checksums."""
-    args = "--dataset-size 16384 --epochs 2 --log-every 1 --snapshot-every 20"
-    job, metrics, log = submit(tmp_path, "lost", DDPACK_TRAIN_ARGS=args)
+    ranks' collective fails and the template retries the job, which resumes from the last periodic
+    snapshot. Then rank 3 is frozen (SIGSTOP): the others' watchdogs end them with 124 and name ddnode2,
+    srun kills the frozen rank DDPACK_STEP_WAIT seconds later, and the template retries once more (the
+    partition has no node to spare, so it says why ddnode2 is not kept out); the run finishes with
+    agreeing checksums."""
+    args = "--dataset-size 16384 --epochs 3 --log-every 1 --snapshot-every 20 --hang-timeout 15"
+    job, metrics, log = submit(tmp_path, "lost", DDPACK_TRAIN_ARGS=args, DDPACK_MAX_FAILURE_RESTARTS="2", DDPACK_STEP_WAIT="10")
     wait_for_progress(metrics, 45, log)
     try:
         subprocess.run(["scontrol", "update", "nodename=ddnode2", "state=down", "reason=ddpack-lost-node-test"], check=True)
-        deadline = time.monotonic() + 300
-        while (
-            "(restart 1)" not in (log.read_text() if log.exists() else "") or "resuming from" not in log.read_text().split("(restart 1)")[1]
-        ):
-            assert time.monotonic() < deadline, f"job {job} did not come back: {job_state(job)}\n{log.read_text()}"
-            time.sleep(0.5)
+        wait_for_resume(job, 1, log)
     finally:
         subprocess.run(["scontrol", "update", "nodename=ddnode2", "state=resume"], capture_output=True)  # if Slurm has not
     wait_for_progress(metrics, progress_count(metrics) + 30, log)
-    assert kill_tasks_on(job, "ddnode2"), "no task of the job on ddnode2"
-    text = wait_for_restarts(job, 2, log)
-    first, second, third = re.split(r"\(restart [12]\)", text)
+    assert signal_tasks(job, "ddnode2"), "no task of the job on ddnode2"
+    wait_for_resume(job, 2, log)
+    wait_for_progress(metrics, progress_count(metrics) + 30, log)
+    assert signal_tasks(job, "ddnode2", signal.SIGSTOP, rank=3), "no rank 3 on ddnode2"
+    text = wait_for_restarts(job, 3, log)
+    first, second, third, fourth = re.split(r"\(restart [123]\)", text)
     stopped = re.search(r"\[rank 0/4\] stopped on SIGTERM .*?snapshot (\S+snapshot-(\d+)\.pt)", first)
     assert stopped and "requeued: continuing its run from the last snapshot" in second.splitlines()[0], text
     assert f"resuming from {stopped.group(1)}" in second, text
-    assert "ddpack: the step failed (exit " in second and "(failure restart 1 of at most 1)" in second, text
+    assert "ddpack: the step failed (exit " in second and "(failure restart 1 of at most 2)" in second, text
     last_periodic = re.findall(r"snapshot saved: (\S+snapshot-(\d+)\.pt)", second)[-1]
     assert int(last_periodic[1]) % 20 == 0 and f"resuming from {last_periodic[0]}" in third, text
     assert "requeued: continuing its run from the last snapshot" in third.splitlines()[0]
-    assert "checksums agree across 4 ranks" in third and len(checksums(third)) == 1, text
+    hung = [end for end in read_ends(third) if end.outcome == "hung"]
+    assert sorted(end.rank for end in hung) == [0, 1, 2] and all("rank 3 on ddnode2" in end.reason for end in hung), text
+    assert "ddpack: the step ended as hung (exit 137;" in third and "(failure restart 2 of at most 2)" in third, text
+    assert "ddpack: not keeping out ddnode2 (named unresponsive): partition debug has 2 nodes and the job needs 2" in third, text
+    assert all_agree(fourth, 4), text
 
 
 def test_the_restart_cap_stops_requeueing_and_says_how_to_continue(tmp_path: Path) -> None:
