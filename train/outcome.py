@@ -2,9 +2,10 @@
 
 Every rank of `python -m train` prints it last, `[rank R/W] ddpack-end {...}`, whatever the ending (done,
 stopped by a signal, bad input, a failure, a hang the watchdog ended), and rank 0 appends the same fields to
-the metrics file as its `end` record (not for bad input: a run refused before it trained leaves no file). `make smoke`, the tests and the benches read it with `read_ends`; the
-job templates decide from the exit status alone, which the record repeats. Standard library only: host
-tooling imports this module (it never imports torch).
+the metrics file as its `end` record (not for bad input: a run refused before it trained leaves no file).
+`make smoke`, the tests and the benches read it with `read_ends`; the job templates decide from the exit
+status alone, which the record repeats. Standard library only: host tooling imports this module (it never
+imports torch).
 """
 
 from __future__ import annotations
