@@ -162,7 +162,7 @@ def _preflight_report(variant: str, members: list[Member], timeout_s: float) -> 
 def _report(variant: str, members: list[Member], world: int, timeout_s: float) -> bool:
     """The trainer's run, judged from its ranks' end records (train/outcome.py): all done, checksums agreeing."""
     ends = read_ends(_text(members))
-    sums = [end.checksum for end in ends if end.outcome == "done"]
+    sums = [end.checksum for end in ends if end.outcome == "done" and end.checksum is not None]
     main = next((end for end in ends if end.rank == 0), None)
     codes = {m.name: m.exit_code for m in members}
     agree = len(sums) == world and len(set(sums)) == 1
@@ -174,7 +174,7 @@ def _report(variant: str, members: list[Member], world: int, timeout_s: float) -
     elif main is not None:
         print(f"smoke[{variant}]: rank 0 ended {main.outcome} (exit {main.exit_code}): {main.reason or main.signal or ''}")
     print(
-        f"smoke[{variant}]: checksums {'agree' if agree else 'DISAGREE or missing'} ({len(sums)}/{world} ranks: {sorted(set(map(str, sums)))})"
+        f"smoke[{variant}]: checksums {'agree' if agree else 'DISAGREE or missing'} ({len(sums)}/{world} ranks: {sorted(set(sums))})"
     )
     if not ok:
         _show_failures(variant, members, timeout_s)

@@ -62,6 +62,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         + (f" cpus {cpu_list(bound)}" if bound is not None else "")
     )
     metrics = MetricsFile(config.metrics_file if ctx.is_main else None)
+
+    def record_end(end: RunEnd) -> None:
+        """The rank's last line, and rank 0's last metrics record (a run refused before it trained leaves no file)."""
+        log(end.line())
+        if end.outcome != "bad-input":
+            metrics.write("end", **end.fields())
+
     progress = Progress()
     watchdog = None
     if config.hang_timeout:
@@ -76,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             forensics_dir=Path(config.forensics_dir).absolute(),
             log=log,
             store=store,
-            on_end=lambda end: metrics.write("end", **end.fields()),
+            on_end=record_end,
         )
         watchdog.start()
     trainer: Trainer | None = None
@@ -131,9 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         watcher.restore()
         if watchdog is not None:
             watchdog.stop()
-    log(end.line())
-    if end.outcome != "bad-input":  # a run refused before it trained leaves no metrics file
-        metrics.write("end", **end.fields())
+    record_end(end)
     metrics.close()
     if hard_exit:
         exit_now(end.exit_code)  # tearing down a broken process group can itself hang

@@ -471,10 +471,10 @@ class Trainer:
         dist.barrier()
         where = self._position()
         written = self.writer.last if self.writer is not None else None
-        saved = f"snapshot {written.path}" if written is not None else "snapshot written by rank 0"
+        path = str(written.path) if written is not None else None  # rank 0's; the writer exists only with a --snapshot-dir
+        saved = f"snapshot {path}" if path else "snapshot written by rank 0"
         if not self.config.snapshot_dir:
             saved = "no snapshot (--snapshot-dir is empty)"
-        path = str(written.path) if written is not None and self.config.snapshot_dir else None
         raise Preempted(agreed.name, int(agreed), f"stopped on {name} at {where}; {saved}; rerun the same command to resume", path)
 
     def _agree_on_checksum(self) -> str:

@@ -289,7 +289,7 @@ class Watchdog:
         log: Callable[[str], None],
         store: GuardedStore,
         on_hang: Callable[[dict[str, Any]], None] = lambda summary: None,
-        on_end: Callable[[RunEnd], None] = lambda end: None,
+        on_end: Callable[[RunEnd], None] = lambda end: None,  # records the rank's end (python -m train: its record_end)
         exit: Callable[[int], None] = os._exit,
     ) -> None:
         self.progress, self.rank, self.world_size, self.host = progress, rank, world_size, host
@@ -372,7 +372,6 @@ class Watchdog:
             reason=f"{why}; behind: {behind}",
             forensics=str(self.forensics_dir),
         )
-        self.log(end.line())
         self.on_end(end)
         self._exit(EXIT_HANG)
 
