@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import shutil
 import signal
 import statistics
 import subprocess
@@ -124,7 +125,7 @@ def main() -> int:
     parser.add_argument("--step-wait", type=int, default=30, help="DDPACK_STEP_WAIT (the templates' default is 120 s)")
     parser.add_argument("--train-between", type=int, default=40, help="progress records between one recovery and the next failure")
     opts = parser.parse_args()
-    if subprocess.run(["sinfo", "-h"], capture_output=True).returncode != 0:
+    if shutil.which("sinfo") is None or subprocess.run(["sinfo", "-h"], capture_output=True).returncode != 0:
         print("bench_recovery: no Slurm controller answers (sinfo); start the two-node test cluster: .venv/bin/python tests/slurm_cluster.py", file=sys.stderr)
         return 2
     work = Path(tempfile.mkdtemp(prefix="ddpack-bench-recovery-"))
