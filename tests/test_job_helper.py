@@ -75,6 +75,17 @@ def test_the_training_step_runs_your_command_the_trainers_flags_or_the_images_ow
     assert out.stdout == f"{words}\n/fsx/runs/a-1/snapshots /fsx/runs/a-1/metrics.jsonl /fsx/runs/a-1/forensics\n"
 
 
+def test_the_step_wait_reaches_srun_and_a_bad_one_is_one_line() -> None:
+    """DDPACK_STEP_WAIT becomes SLURM_WAIT (srun --wait: how long a frozen rank may outlive the others)."""
+    script = f'. "{HELPER}"; ddpack_command /fsx/runs/a-1; echo "$SLURM_WAIT"'
+    waits = [
+        subprocess.run(["bash", "-uc", script], env={"PATH": "/usr/bin:/bin", **env}, capture_output=True, text=True, timeout=30)
+        for env in ({}, {"DDPACK_STEP_WAIT": "30"}, {"DDPACK_STEP_WAIT": "2m"})
+    ]
+    assert [w.stdout for w in waits[:2]] == ["120\n", "30\n"]
+    assert waits[2].returncode == 2 and waits[2].stderr == "ddpack: error: DDPACK_STEP_WAIT=2m is not a whole number of seconds\n"
+
+
 def test_a_command_and_trainer_flags_together_are_one_line() -> None:
     out = step_command(DDPACK_COMMAND="python ddp.py", DDPACK_TRAIN_ARGS="--epochs 3")
     assert out.returncode == 2 and out.stdout == ""
