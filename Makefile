@@ -9,8 +9,12 @@ TORCH_VERSION ?= 2.13.0
 PIP_TORCH_OPTS ?=
 PYTEST_ARGS   ?=
 BENCH_START_ARGS ?=
+# make report: the run folder (holding metrics.jsonl) and options (--png: also one summary image).
+RUN           ?=
+REPORT_ARGS   ?=
 # e.g. --against ddpack:nocc (an image built with BUILD_ARGS='--build-arg WITH_COMPILER=0'); --only-against
 BENCH_SQSH_ARGS ?=
+BENCH_GPU_ARGS ?=
 
 # Images: $(IMAGE):$(TAG) (CPU) and $(IMAGE):$(TAG)-gpu.
 IMAGE         ?= ddpack
@@ -52,7 +56,7 @@ APP_OPTS = $(if $(APP),--app '$(APP)' --app-cmd "$$APP_CMD" --bundle-tag $(IMAGE
 AWS_ENV := AWS_REGION='$(AWS_REGION)' REGISTRY='$(REGISTRY)'
 IMAGE_ENV := BASE_IMAGE='$(BASE_IMAGE)' WHEELHOUSE='$(WHEELHOUSE)' CA_BUNDLE='$(CA_BUNDLE)' TORCH_VERSION='$(TORCH_VERSION)'
 
-.PHONY: help venv test test-quick lint bench bench-images bench-sqsh bench-start clean engine base image image-gpu smoke push push-gpu enroot-credentials sqsh sqsh-gpu
+.PHONY: help venv test test-quick lint bench bench-images bench-sqsh bench-start bench-gpu clean engine base image image-gpu smoke push push-gpu enroot-credentials sqsh sqsh-gpu report
 
 help: ## list targets and variables
 	@echo "ddpack - build, ship and launch PyTorch DDP in containers on Slurm"
@@ -71,6 +75,8 @@ help: ## list targets and variables
 	@echo "  PYTHON=$(PYTHON) VENV=$(VENV) TORCH_VERSION=$(TORCH_VERSION) PIP_TORCH_OPTS=$(PIP_TORCH_OPTS)"
 	@echo "  PYTEST_ARGS=$(PYTEST_ARGS) BENCH_START_ARGS=$(BENCH_START_ARGS) (--baseline-image IMG, --journaled-data DIR, --rounds N)"
 	@echo "  BENCH_SQSH_ARGS=$(BENCH_SQSH_ARGS) (--against IMG [--only-against]: what IMAGE:TAG costs over IMG)"
+	@echo "  BENCH_GPU_ARGS=$(BENCH_GPU_ARGS) (--steps N, --seconds S, --dry-run-on-cpu)"
+	@echo "  RUN=$(RUN) REPORT_ARGS=$(REPORT_ARGS) (make report: the run folder holding metrics.jsonl; --png: also one summary image)"
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -111,6 +117,9 @@ image-gpu: engine ## build the CUDA image IMAGE:TAG-gpu (nccl); APP=DIR: your pr
 smoke: image ## two-container gloo DDP run (pair, then torchrun 2x2), each after its preflight, with plain docker; APP=DIR: your program
 	$(VPY) -m ddpack.smoke --image $(CPU_REF)
 
+bench-gpu: venv ## print the preflight's bf16 matmul vs a bare loop and the trainer's GPT (~92M, bf16) step vs a bare DDP loop, on one GPU
+	$(VPY) bench/bench_gpu.py $(BENCH_GPU_ARGS)
+
 bench-images: engine ## print image size vs floor, cold and one-line-change build times, GPU image size
 	$(IMAGE_ENV) $(VPY) bench/bench_images.py --gpu
 
@@ -136,6 +145,10 @@ sqsh: engine ## convert IMAGE:TAG to an Enroot squashfs at SQSH (atomic, validat
 sqsh-gpu: engine ## convert IMAGE:TAG-gpu to an Enroot squashfs at SQSH_GPU
 	@mkdir -p build
 	$(VPY) -m ddpack.sqsh --image $(GPU_REF) --output $(SQSH_GPU) --converter $(SQSH_CONVERTER) $(SQSH_ARGS)
+
+report: venv ## write RUN/report.html (loss, throughput and MFU, per-rank step times, segments, preflight) from a run folder; REPORT_ARGS=--png
+	@[ -n "$(RUN)" ] || { echo "make report: error: RUN is not set; give the run folder, e.g. make report RUN=runs/ddp-1234" >&2; exit 2; }
+	$(VPY) -m ddpack.report '$(RUN)' $(REPORT_ARGS)
 
 clean: ## remove the venv, caches and build outputs
 	rm -rf $(VENV) .pytest_cache .ruff_cache build out *.egg-info

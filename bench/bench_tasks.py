@@ -4,6 +4,7 @@ train the same model on the same data."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -41,3 +42,32 @@ class SlowSamples(Dataset):
 def slow_samples(config: Config) -> Task:
     task = regression(config)
     return Task("slow-samples", task.model, SlowSamples(task.train_data), task.loss_fn)
+
+
+# The GPU bench's GPT (bench/bench_gpu.py): ~92M parameters, GPT-2 small's shape with an 8192-token vocabulary.
+GPT_SHAPE = {"vocab": 8192, "block_size": 512, "dim": 768, "heads": 12, "layers": 12, "dropout": 0.0}
+GPT_TINY = {"vocab": 64, "block_size": 16, "dim": 32, "heads": 2, "layers": 2, "dropout": 0.0}  # --dry-run-on-cpu
+
+
+def gpt_model(tiny: bool = False) -> nn.Module:
+    from plugins.zoo import TinyGPT  # the model zoo's GPT (tests/plugins/zoo.py), at another size
+
+    return TinyGPT(**(GPT_TINY if tiny else GPT_SHAPE))
+
+
+def gpt_tokens(size: int, tiny: bool = False, seed: int = 0) -> TensorDataset:
+    """Random token sequences (throughput does not depend on what the tokens say) and their next tokens."""
+    shape = GPT_TINY if tiny else GPT_SHAPE
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, shape["vocab"], (size, shape["block_size"] + 1), generator=gen)
+    return TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+
+def gpt(config: Config) -> Task:
+    from plugins.zoo import next_token_loss
+
+    tiny = os.environ.get("BENCH_GPT_TINY") == "1"
+    torch.manual_seed(config.seed)
+    model = gpt_model(tiny)
+    data = gpt_tokens(config.dataset_size or 4096, tiny, config.data_seed)
+    return Task("bench-gpt", model, data, next_token_loss, tokens_per_sample=(GPT_TINY if tiny else GPT_SHAPE)["block_size"])

@@ -25,14 +25,15 @@ def credentials_path() -> Path:
     return Path(config_home) / "enroot" / ".credentials"
 
 
-def write_atomically(path: Path, text: str, mode: int = 0o600) -> None:
-    """Replace `path` with `text` all at once; the file never exists with other permissions."""
+def write_atomically(path: Path, content: str | bytes, mode: int = 0o600) -> None:
+    """Replace `path` with `content` all at once (a reader never sees half a file); the file never
+    exists with other permissions."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         os.fchmod(fd, mode)
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(content.encode() if isinstance(content, str) else content)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)

@@ -5,7 +5,9 @@ flags), then the training in two more.
 Variant `pair`: one process per container (RANK 0 and 1, MASTER_ADDR = rank 0's container name).
 Variant `torchrun`: one torchrun per container with two local processes (world size 4, c10d).
 Logs stream with a container prefix; at the end a report: exit codes, final loss, steps/s and whether
-every rank's parameter checksum agrees. An image built with a project's command (`make image APP=DIR
+every rank's parameter checksum agrees. The bundled trainer's run folder (metrics, preflight.json) is
+build/smoke/VARIANT-ID on the host, mounted into both containers as a job's shared folder is; its
+run report (`make report`) is written there and its path printed. An image built with a project's command (`make image APP=DIR
 APP_CMD=...`) runs that command instead, with no arguments, as `docker run IMAGE` would: its report is the
 containers' exit codes. Containers and the network are removed on every exit path.
 """
@@ -20,6 +22,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from docker.client import DockerClient
 from docker.errors import ImageNotFound, NotFound
@@ -27,6 +30,7 @@ from docker.models.containers import Container
 
 from ddpack.engine import docker_client
 from ddpack.errors import HostError, run_verb
+from ddpack.report import METRICS_NAME, write_report
 from train.outcome import read_ends
 
 TRAINER_ARGS = ("--epochs", "3", "--log-every", "25", "--snapshot-dir", "/tmp/snapshots")
@@ -35,6 +39,9 @@ SHM_SIZE = "2g"
 # The preflight runs first, in its own two containers, with the same launch and trainer flags.
 PREFLIGHT_ARGS = ("--preflight-seconds", "10")
 PREFLIGHT_RE = re.compile(r"preflight: (PASS|FAILED)\b.*")
+# The run folder on the host (a job's shared folder) and where the containers see it.
+RUNS_DIR = Path("build/smoke")
+RUN_MOUNT = "/run/ddpack"
 
 
 @dataclass
@@ -87,24 +94,44 @@ def run_smoke(image: str, variant: str, timeout_s: float, trainer_args: tuple[st
     world = 2 if variant == "pair" else 4
     runs = f"the image's own command ({command})" if command else "the bundled trainer"
     print(f"smoke[{variant}]: {image}, 2 containers, world size {world}, network {network.name}, running {runs}", flush=True)
-    if command:
-        trainer_args = ()  # the project's program takes no trainer flags: the image runs it as it is
+    run_dir = RUNS_DIR / f"{variant}-{run_id}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    preflight_args = ("--preflight", *PREFLIGHT_ARGS, "--preflight-json", f"{RUN_MOUNT}/preflight.json")
+    # The project's program takes no trainer flags: the image runs it as it is.
+    trainer_args = () if command else (*trainer_args, "--metrics-file", f"{RUN_MOUNT}/metrics.jsonl")
     try:
-        preflight = _run_phase(
-            client, image, variant, network.name, f"{run_id}-preflight", ("--preflight", *PREFLIGHT_ARGS, *trainer_args), timeout_s
-        )
+        preflight = _run_phase(client, image, variant, network.name, f"{run_id}-preflight", (*preflight_args, *trainer_args), timeout_s, run_dir)
         if not _preflight_report(variant, preflight, timeout_s):
             return False
-        training = _run_phase(client, image, variant, network.name, run_id, trainer_args, timeout_s)
-        return _app_report(variant, training, timeout_s) if command else _report(variant, training, world, timeout_s)
+        training = _run_phase(client, image, variant, network.name, run_id, trainer_args, timeout_s, run_dir)
+        if command:
+            return _app_report(variant, training, timeout_s)
+        ok = _report(variant, training, world, timeout_s)
+        _say_where_the_run_report_is(variant, run_dir)
+        return ok
     finally:
         network.remove()
 
 
+def _say_where_the_run_report_is(variant: str, run_dir: Path) -> None:
+    """Writes the run report and prints where it is. A run that failed before its first record leaves no
+    metrics: that is said in a line, not raised, since the failure above is what the user needs to see."""
+    if not (run_dir / METRICS_NAME).is_file():
+        print(f"smoke[{variant}]: no run report (the run wrote no metrics: it ended before its first step)")
+        return
+    try:
+        report = write_report(run_dir)[0]
+    except HostError as exc:
+        print(f"smoke[{variant}]: no run report ({exc})")
+        return
+    print(f"smoke[{variant}]: run report {report} (make it again: make report RUN={run_dir})")
+
+
 def _run_phase(
-    client: DockerClient, image: str, variant: str, network: str, name: str, args: tuple[str, ...], timeout_s: float
+    client: DockerClient, image: str, variant: str, network: str, name: str, args: tuple[str, ...], timeout_s: float, run_dir: Path
 ) -> list[Member]:
-    """Two containers on `network` running `args`, streamed with a prefix, waited for, removed."""
+    """Two containers on `network` running `args`, streamed with a prefix, waited for, removed; both
+    see `run_dir` at RUN_MOUNT, as a job's ranks see their shared folder."""
     members: list[Member] = []
     lock = threading.Lock()
     try:
@@ -121,6 +148,7 @@ def _run_phase(
                 detach=True,
                 labels={"io.ddpack.smoke": name},
                 shm_size=SHM_SIZE,
+                volumes={str(run_dir.absolute()): {"bind": RUN_MOUNT, "mode": "rw"}},
             )
             members.append(Member(f"c{node}", container))
         threads = [threading.Thread(target=_stream, args=(m, lock), daemon=True) for m in members]

@@ -16,7 +16,6 @@ curl -fsSL --retry 3 $cacert -o efa.tar.gz "https://efa-installer.amazonaws.com/
 tar -xf efa.tar.gz
 cd aws-efa-installer
 ./efa_installer.sh -y --skip-kmod --skip-limit-conf --no-verify
-printf '/opt/amazon/efa/lib\n/opt/amazon/ofi-nccl/lib\n' > /etc/ld.so.conf.d/ddpack-efa.conf
-ldconfig
+sh /tmp/register-ofi-nccl.sh  # NCCL finds the plugin as libnccl-net.so (see that script)
 cd /
 rm -rf "$tmp" /var/lib/apt/lists/*

@@ -59,6 +59,26 @@ ddpack_setup() {
     echo "ddpack: job ${SLURM_JOB_ID} (restart ${SLURM_RESTART_COUNT:-0}) on ${SLURM_JOB_NODELIST}, run dir ${DDPACK_RUN_DIR} (${ddpack_run_origin})"
 }
 
+# Each task of a one-task-per-GPU step gets its share of the node's CPUs. srun (Slurm 22.05 and later)
+# does not inherit the job's --cpus-per-task, and without one each task may be bound to a single CPU: 8
+# GPU ranks and their DataLoader workers on 8 cores of a 96-core node. srun reads SRUN_CPUS_PER_TASK:
+# the job's --cpus-per-task when it gave one, else the node's CPUs divided among its tasks. A value the
+# job set itself stands.
+ddpack_cpus_per_task() {
+    [ -n "${SRUN_CPUS_PER_TASK:-}" ] && return 0
+    local cpus=${SLURM_CPUS_ON_NODE:-} tasks=${SLURM_NTASKS_PER_NODE:-} share
+    if [[ "${SLURM_CPUS_PER_TASK:-}" =~ ^[0-9]+$ ]]; then
+        share=${SLURM_CPUS_PER_TASK}
+    elif [[ "${cpus}" =~ ^[0-9]+$ && "${tasks}" =~ ^[0-9]+$ ]] && (( tasks > 0 )); then
+        share=$(( cpus / tasks ))
+    else
+        return 0
+    fi
+    (( share > 1 )) || return 0
+    export SRUN_CPUS_PER_TASK=${share}
+    echo "ddpack: each task gets ${share} CPUs (SRUN_CPUS_PER_TASK; set it to choose)"
+}
+
 # DDPACK_MOUNTS as pyxis takes --container-mounts: comma-separated SRC[:DST[:FLAGS]] (DST defaults to SRC).
 ddpack_container_path() {
     local path=$1 best_src="" best_dst="" entry src dst rest
@@ -176,6 +196,7 @@ ddpack_after_step() {
     local failures_file=${DDPACK_RUN_DIR}/.ddpack-failure-restarts failed=0 kind
     case "${max}" in '' | *[!0-9]*) ddpack_die "DDPACK_MAX_RESTARTS=${max} is not a whole number" ;; esac
     case "${max_failed}" in '' | *[!0-9]*) ddpack_die "DDPACK_MAX_FAILURE_RESTARTS=${max_failed} is not a whole number" ;; esac
+    ddpack_report_hint
     case "${rc}" in
     0) return 0 ;;
     2)
@@ -208,6 +229,12 @@ ddpack_after_step() {
     echo "ddpack: the step ${what}; requeueing job ${SLURM_JOB_ID} to resume from its last snapshot (failure restart $((failed + 1)) of at most ${max_failed})"
     ddpack_nodes_to_keep_out
     ddpack_requeue "${ddpack_keep_out}"
+}
+
+# Where the run's charts come from, once a step has left metrics (a user's own program may write none).
+ddpack_report_hint() {
+    [ -s "${DDPACK_RUN_DIR}/metrics.jsonl" ] || return 0
+    echo "ddpack: metrics in ${DDPACK_RUN_DIR}/metrics.jsonl; for the run report (${DDPACK_RUN_DIR}/report.html) run, in the ddpack checkout: make report RUN=${DDPACK_RUN_DIR}"
 }
 
 # Set ddpack_keep_out to the nodes a hang's forensics named unresponsive during this start, comma-separated,

@@ -234,6 +234,19 @@ def _omp_threads(environ: Mapping[str, str], host: Host, local_procs: int, procs
     return {"OMP_NUM_THREADS": str(max(1, threads))}
 
 
+# NCCL's settings for AWS clusters: never bootstrap over loopback or container bridges; warnings only; a
+# failed collective aborts the rank instead of hanging it. Applied by the launcher where the job has not
+# set them, never baked into the image: pyxis lets an image's ENV win over the job's environment ("their
+# existing values in the image take precedence"), so an image that set NCCL_DEBUG would silently ignore a
+# job's `export NCCL_DEBUG=INFO`, and a wrong NCCL_SOCKET_IFNAME could not be overridden.
+NCCL_DEFAULTS = {"NCCL_SOCKET_IFNAME": "^lo,docker,veth", "NCCL_DEBUG": "WARN", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+
+
+def _nccl_defaults(environ: Mapping[str, str], backend: str) -> dict[str, str]:
+    """NCCL_DEFAULTS that the job left unset, for an nccl job."""
+    return {name: value for name, value in NCCL_DEFAULTS.items() if name not in environ} if backend == "nccl" else {}
+
+
 # ---------------------------------------------------------------------------- detecting the mode
 
 
@@ -307,6 +320,7 @@ def _exec_plan(
         "MASTER_PORT": str(port),
         "DDPACK_BACKEND": inp.backend,
         **_omp_threads(inp.environ, inp.host, local_world),
+        **_nccl_defaults(inp.environ, inp.backend),
     }
     return Plan(
         inp.mode, "exec", rank, world, local_rank, local_world, node_rank, nnodes, addr, port, inp.backend, inp.options.command, env
@@ -320,7 +334,7 @@ def _torchrun_plan(
     endpoint = None if rdzv_id is None else f"{url_host(addr)}:{port}"
     shutdown = _opt_int_var(inp.environ, "DDPACK_SHUTDOWN_TIMEOUT", DEFAULT_SHUTDOWN_TIMEOUT, minimum=1)
     argv = _torchrun_argv(inp.options.command, nnodes, nproc, endpoint, rdzv_id or "", shutdown)
-    env = {"DDPACK_BACKEND": inp.backend, **_omp_threads(inp.environ, inp.host, nproc, procs_per_task)}
+    env = {"DDPACK_BACKEND": inp.backend, **_omp_threads(inp.environ, inp.host, nproc, procs_per_task), **_nccl_defaults(inp.environ, inp.backend)}
     if "PET_SIGNALS_TO_HANDLE" not in inp.environ:
         env["PET_SIGNALS_TO_HANDLE"] = TORCHRUN_SIGNALS
     return Plan(inp.mode, "torchrun", None, nnodes * nproc, None, nproc, node_rank, nnodes, addr, port, inp.backend, argv, env)
@@ -333,6 +347,7 @@ def _resolve_torchelastic(inp: _Inputs) -> Plan:
     local_world = _opt_int_var(environ, "LOCAL_WORLD_SIZE", 1, 1)
     env = {"DDPACK_BACKEND": inp.backend} if "DDPACK_BACKEND" not in environ else {}
     env.update(_omp_threads(environ, inp.host, local_world))
+    env.update(_nccl_defaults(environ, inp.backend))
     return Plan(
         mode="torchelastic",
         launcher="exec",

@@ -179,3 +179,25 @@ def stopped_mid_epoch_then_resumed(
     position = f"step {stopped.step_in_epoch}/{stopped.steps_per_epoch} (global {stopped.global_step}/"
     assert any("resumed after epoch" in line and position in line for line in resumed.output(0).splitlines()), resumed.output()
     return job, resumed
+
+
+def grad_sync_pair_reports(device: str) -> list[dict]:
+    """Both ranks' reports of tests/plugins/grad_sync_pair.py: a two-rank gloo job on `device` (cpu, or
+    cuda: both ranks on GPU 0) checking the gradient-sync hook against DDP's own all-reduce."""
+    from train.distributed import free_port
+
+    port = str(free_port())
+    script = ROOT / "tests" / "plugins" / "grad_sync_pair.py"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            env=clean_env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, DDPACK_TEST_DEVICE=device),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outputs = [proc.communicate(timeout=120) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], [err[-2000:] for _, err in outputs]
+    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]

@@ -26,11 +26,16 @@ def test_gpu_image_has_cuda_torch_with_nccl(gpu_image: tuple[docker.DockerClient
     assert "+cpu" not in version and cuda not in ("None", "") and nccl == "True", out
 
 
-def test_gpu_image_labels_and_nccl_defaults(gpu_image: tuple[docker.DockerClient, str]) -> None:
+def test_gpu_image_labels_and_nccl_defaults_that_a_job_can_override(gpu_image: tuple[docker.DockerClient, str]) -> None:
+    """The image sets no NCCL_* (under pyxis an image's ENV beats the job's); the launcher in the image
+    applies the AWS defaults where the job left them unset, and the job's own value where it set one."""
     client, image = gpu_image
     config = client.images.get(image).attrs["Config"]
     env = dict(item.split("=", 1) for item in config["Env"])
-    assert env["NCCL_SOCKET_IFNAME"] == "^lo,docker,veth" and env["DDPACK_VARIANT"] == "gpu"
+    assert not [name for name in env if name.startswith("NCCL_")] and env["DDPACK_VARIANT"] == "gpu"
+    probe = "import os; print(os.environ['NCCL_DEBUG'], os.environ['NCCL_SOCKET_IFNAME'], os.environ['TORCH_NCCL_ASYNC_ERROR_HANDLING'])"
+    out = client.containers.run(image, ["--backend", "nccl", "--", "python", "-c", probe], environment={"NCCL_DEBUG": "INFO"}, remove=True)
+    assert out.decode().split() == ["INFO", "^lo,docker,veth", "1"]
     assert config["Labels"]["io.ddpack.variant"] == "gpu" and config["Labels"]["io.ddpack.efa"] == "0"
     assert config["Entrypoint"] == ["/usr/local/bin/entrypoint"]
 

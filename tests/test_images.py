@@ -208,14 +208,23 @@ def test_smoke_pair_variant_passes_and_cleans_up(client: docker.DockerClient, im
     assert run_smoke(image, "pair", timeout_s=300)
     out = capsys.readouterr().out
     assert "smoke[pair]: preflight: PASS" in out and "running the bundled trainer" in out and "checksums agree (2/2 ranks" in out
+    # The run folder the containers shared holds both ranks' step times, MFU against the preflight's
+    # measured peak, and the report made from them.
+    run = Path(re.search(r"smoke\[pair\]: run report (\S+)/report\.html \(make it again: make report RUN=\S+\)", out).group(1))
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    progress = [r for r in records if r["kind"] == "progress"]
+    assert progress and all(len(r["rank_step_s"]) == 2 and r["mfu"] > 0 for r in progress)
+    assert next(r for r in records if r["kind"] == "start")["peak_source"].startswith("preflight:")
+    assert (run / "report.html").stat().st_size > 10_000
     assert not client.containers.list(all=True, filters={"label": "io.ddpack.smoke"})
     assert not [n for n in client.networks.list() if n.name.startswith("ddpack-smoke-")]
 
 
 def test_smoke_failure_shows_the_failing_rank_and_still_cleans_up(client: docker.DockerClient, image: str, capsys) -> None:
     assert not run_smoke(image, "pair", timeout_s=120, trainer_args=("--task", "no_such_mod:make"))
-    err = capsys.readouterr().err
-    assert "c0 failed (exit 2" in err and "train: error: --task 'no_such_mod:make'" in err
+    captured = capsys.readouterr()
+    assert "c0 failed (exit 2" in captured.err and "train: error: --task 'no_such_mod:make'" in captured.err
+    assert "smoke[pair]: no run report (the run wrote no metrics: it ended before its first step)" in captured.out
     assert not client.containers.list(all=True, filters={"label": "io.ddpack.smoke"})
 
 
@@ -231,3 +240,31 @@ def test_smoke_stops_before_training_when_the_preflight_fails(client: docker.Doc
 def test_smoke_of_a_missing_image_is_one_line(client: docker.DockerClient) -> None:
     with pytest.raises(HostError, match=r"image ddpack:does-not-exist not found; build it first: make image"):
         run_smoke("ddpack:does-not-exist", "pair", timeout_s=10)
+
+
+def test_the_efa_plugin_is_registered_where_nccls_dlopen_finds_it(client: docker.DockerClient, image: str) -> None:
+    """docker/register-ofi-nccl.sh, as Dockerfile.gpu's INSTALL_EFA=1 step runs it, in a Debian image:
+    a plugin under lib/x86_64-linux-gnu named libnccl-net-ofi.so (as Debian/Ubuntu installs put it; a
+    copy of libz stands in for it) then loads as NCCL loads it, dlopen("libnccl-net.so"); registering its
+    folder in ld.so.conf alone would not do that (ld.so.cache files libraries by SONAME). No plugin
+    fails the step with one line. (AWS's installer itself cannot be downloaded here.)"""
+    script = Path(__file__).resolve().parents[1] / "docker" / "register-ofi-nccl.sh"
+    plugin_dir = "/opt/amazon/ofi-nccl/lib/$(uname -m)-linux-gnu"
+    shell = (
+        f"mkdir -p {plugin_dir} && cp /lib/$(uname -m)-linux-gnu/libz.so.1 {plugin_dir}/libnccl-net-ofi.so && "
+        "python -c 'import ctypes; ctypes.CDLL(\"libnccl-net.so\")' 2>/dev/null && echo found-before; "
+        "sh /x/register-ofi-nccl.sh && python -c 'import ctypes; ctypes.CDLL(\"libnccl-net.so\"); print(\"dlopen ok\")' && "
+        "cat /etc/ld.so.conf.d/ddpack-efa.conf"
+    )
+    scripts = {str(script.parent): {"bind": "/x", "mode": "ro"}}
+    out = client.containers.run(image, ["-c", shell], entrypoint=["sh"], volumes=scripts, remove=True)
+    lines = out.decode().splitlines()
+    assert "found-before" not in lines and "dlopen ok" in lines, lines
+    assert re.fullmatch(r"register-ofi-nccl: /usr/lib/\S+-linux-gnu/libnccl-net.so -> /opt/amazon/ofi-nccl/lib/\S+-linux-gnu/libnccl-net-ofi.so", lines[0])
+    assert lines[-2] == "/opt/amazon/efa/lib" and re.fullmatch(r"/opt/amazon/ofi-nccl/lib/\S+-linux-gnu", lines[-1]), lines
+    container = client.containers.run(image, ["/x/register-ofi-nccl.sh"], entrypoint=["sh"], volumes=scripts, detach=True)
+    try:
+        assert container.wait(timeout=60)["StatusCode"] == 1
+        assert container.logs().decode().startswith("register-ofi-nccl: no aws-ofi-nccl plugin (libnccl-net*.so) under /opt/amazon/ofi-nccl")
+    finally:
+        container.remove(force=True)

@@ -177,3 +177,24 @@ def test_a_frozen_rank_killed_by_srun_is_told_as_a_hang_by_this_starts_forensics
     assert "ExcNodeList=ddnode2" in calls
     stale, calls, _ = after_step(tmp_path / "stale", 137, hang_summary=True, unresponsive="ddnode2\n", forensics_before_this_start=True)
     assert stale.stdout.startswith("ddpack: the step failed (exit 137); requeueing job 77") and "ExcNodeList" not in calls, stale.stdout
+
+
+SHARE_NOTE = "CPUs (SRUN_CPUS_PER_TASK; set it to choose)"
+
+
+@pytest.mark.parametrize(
+    ("env", "share", "line"),
+    [
+        ({"SLURM_CPUS_ON_NODE": "96", "SLURM_NTASKS_PER_NODE": "8"}, "12", f"ddpack: each task gets 12 {SHARE_NOTE}\n"),
+        ({"SLURM_CPUS_ON_NODE": "96", "SLURM_NTASKS_PER_NODE": "8", "SLURM_CPUS_PER_TASK": "6"}, "6", f"ddpack: each task gets 6 {SHARE_NOTE}\n"),
+        ({"SLURM_CPUS_ON_NODE": "96", "SLURM_NTASKS_PER_NODE": "8", "SRUN_CPUS_PER_TASK": "4"}, "4", ""),  # the job's own
+        ({"SLURM_CPUS_ON_NODE": "2", "SLURM_NTASKS_PER_NODE": "2"}, "", ""),  # one each: srun's default
+        ({"SLURM_CPUS_ON_NODE": "96"}, "", ""),  # no tasks per node given: srun decides
+    ],
+)
+def test_each_task_of_a_per_gpu_step_gets_its_share_of_the_nodes_cpus(env: dict[str, str], share: str, line: str) -> None:
+    """srun does not inherit the job's --cpus-per-task: the helper hands the steps a share of the node."""
+    script = f'. "{HELPER}"; ddpack_cpus_per_task; echo "share=${{SRUN_CPUS_PER_TASK:-}}"'
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SRUN_"))}
+    out = subprocess.run(["bash", "-uc", script], capture_output=True, text=True, timeout=30, env={**clean, **env})
+    assert out.returncode == 0 and out.stdout == f"{line}share={share}\n", out.stderr

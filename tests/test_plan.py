@@ -364,6 +364,20 @@ def test_torchrun_shape_runs_torchrun_through_the_agent_module_with_the_command_
     assert plan.argv[-5:] == ("--no-python", "python", "my.py", "--lr", "3e-4")
 
 
+@pytest.mark.parametrize(
+    "environ",
+    [slurm(), slurm(ntasks=2, tpn="1(x2)", nodes="g[1-2]"), {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "2"}, {}],
+    ids=["slurm-exec", "slurm-torchrun", "torchelastic", "single"],
+)
+def test_nccl_jobs_get_the_aws_nccl_defaults_only_where_the_job_left_them_unset(environ: dict[str, str]) -> None:
+    """The image sets no NCCL_* (pyxis would let it beat the job's export); the launcher fills them in."""
+    plan = resolve_plan({**environ, "NCCL_DEBUG": "INFO"}, Options(), GPU_HOST)
+    assert plan.backend == "nccl"
+    assert "NCCL_DEBUG" not in plan.env  # the job's INFO stands
+    assert plan.env["NCCL_SOCKET_IFNAME"] == "^lo,docker,veth" and plan.env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert not [name for name in resolve_plan(environ, Options(), HOST).env if "NCCL" in name]  # gloo: none
+
+
 def test_shutdown_timeout_comes_from_its_setting() -> None:
     plan = resolve_plan({"DDPACK_SHUTDOWN_TIMEOUT": "75"}, Options(nproc_per_node=2), HOST)
     assert "--shutdown-timeout=75" in plan.argv

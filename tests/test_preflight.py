@@ -21,7 +21,7 @@ from entrypoint.cli import UsageError, parse_args
 from train.preflight.comm import AllReduceRow, Link, bus_factor, ring_shift, slow_links
 from train.preflight.compute import Rate, stragglers
 from train.preflight.identity import Identity, code_digest, disagreements, rank_ranges
-from train.preflight.report import all_reduce_table
+from train.preflight.report import all_reduce_table, identity_table
 from train.preflight.storage import check_storage
 
 dist = pytest.mark.dist
@@ -43,6 +43,9 @@ def ident(rank: int, host: str, **changes: object) -> Identity:
         torch="2.13.0+cpu",
         cuda="-",
         nccl="-",
+        driver="-",
+        transport="-",
+        efa=0,
     )
     fields.update(changes)
     return Identity(**fields)  # type: ignore[arg-type]
@@ -288,3 +291,24 @@ def test_a_bad_trainer_flag_is_bad_input_for_the_preflight_too(tmp_path: Path) -
     job = start_slurm_step(tmp_path, [1], ["--preflight", "--batch-size", "0"])
     assert job.wait(60) == [2]
     assert "argument --batch-size: '0' is not >= 1" in job.output()
+
+
+def test_a_multi_node_gpu_job_on_sockets_fails_where_efa_exists_and_warns_where_none_does() -> None:
+    from train.preflight.transport import transport_findings
+
+    def job(transport: str, efa: int, hosts: tuple[str, ...] = ("g1", "g1", "g2", "g2")) -> list[Identity]:
+        return [ident(r, host, transport=transport, efa=efa, device="NVIDIA H100 80GB HBM3") for r, host in enumerate(hosts)]
+
+    failures, warnings = transport_findings(job("Socket", 32), "nccl")
+    assert warnings == [] and failures == [
+        "transport: NCCL runs over TCP sockets between nodes on ranks 0-3 (g1, g2), which have EFA devices: the image has no working "
+        "EFA plugin (make image-gpu BUILD_ARGS='--build-arg INSTALL_EFA=1'), or NCCL_NET/FI_PROVIDER keep it off"
+    ]
+    failures, warnings = transport_findings(job("Socket", 0), "nccl")
+    assert failures == [] and warnings[0].startswith("transport: NCCL runs over TCP sockets between nodes on ranks 0-3 (g1, g2) (no EFA")
+    assert transport_findings(job("AWS Libfabric", 32), "nccl") == ([], [])
+    assert transport_findings(job("Socket", 32, ("g1", "g1")), "nccl") == ([], [])  # one node: NVLink/shared memory, no network
+    assert transport_findings(job("-", 0), "gloo") == ([], [])
+    mixed = [*job("AWS Libfabric", 32)[:3], ident(3, "g2", transport="Socket", efa=0, device="NVIDIA H100 80GB HBM3")]
+    assert disagreements(mixed)[0].startswith("identity: transport differs: rank 3 (g2) transport=Socket")
+    assert "driver" in identity_table(job("Socket", 0))[0] and "network" in identity_table(job("Socket", 0))[0]

@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -87,7 +88,14 @@ def test_baremetal_template(tmp_path: Path) -> None:
     assert "task my-cnn" in log and "epoch 2 done: eval_accuracy" in log
     assert "checksums agree across 4 ranks" in log
     assert list((run_dir / "snapshots").glob("snapshot-*.pt"))
-    assert (run_dir / "metrics.jsonl").exists()
+    # The step's end names the report's command; the report draws every rank by its node.
+    hint = f"ddpack: metrics in {run_dir}/metrics.jsonl; for the run report ({run_dir}/report.html) run, in the ddpack checkout: make report RUN={run_dir}"
+    assert hint in log
+    start = next(json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"start"' in line)
+    assert start["hosts"] == ["ddnode1", "ddnode1", "ddnode2", "ddnode2"] and start["flops_per_sample"] > 0
+    made = subprocess.run([sys.executable, "-m", "ddpack.report", str(run_dir)], capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    assert "<td>4 on ddnode1, ddnode2</td>" in (run_dir / "report.html").read_text()
 
 
 def test_two_submissions_from_one_folder_are_two_runs_unless_one_names_the_other(tmp_path: Path) -> None:
@@ -209,6 +217,9 @@ def test_baremetal_template_runs_the_preflight_first_when_asked(tmp_path: Path) 
     report = json.loads((tmp_path / "runs" / f"ddpack-{job}" / "preflight.json").read_text())
     assert report["ok"] and [r["host"] for r in report["identity"]] == ["ddnode1", "ddnode1", "ddnode2", "ddnode2"]
     assert {(link["src_host"], link["dst_host"]) for link in report["p2p"]} == {("ddnode1", "ddnode2"), ("ddnode2", "ddnode1")}
+    metrics = (tmp_path / "runs" / f"ddpack-{job}" / "metrics.jsonl").read_text().splitlines()
+    start = next(json.loads(line) for line in metrics if '"start"' in line)
+    assert start["peak_source"].startswith("preflight: median measured fp32 matmul"), start  # MFU against the job's own measurement
 
 
 def test_a_failed_preflight_ends_the_job_before_training(tmp_path: Path) -> None:

@@ -42,7 +42,7 @@ def test_two_ranks_slurm_step_learn_and_agree(tmp_path: Path) -> None:
     assert seen[-1] < seen[0] * 0.5, seen
     evals = [json.loads(line) for line in metrics.read_text().splitlines() if '"eval"' in line]
     assert evals[-1]["eval_mse"] < evals[0]["eval_mse"]
-    assert re.search(r"samples/s [\d,]+ eta \d+:\d\d:\d\d", out)
+    assert re.search(r"samples/s [\d,]+ mfu [\d.]+% eta \d+:\d\d:\d\d", out)
 
 
 def test_four_ranks_on_two_simulated_nodes_classification(tmp_path: Path) -> None:

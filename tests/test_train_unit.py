@@ -391,3 +391,30 @@ def test_end_records_are_read_back_from_interleaved_logs_whatever_the_prefix() -
     assert "reason" not in done.fields() and done.fields()["checksum"] == "ab" * 8
     with pytest.raises(ValueError, match="outcome 'crashed' is not one of"):
         RunEnd(rank=0, world_size=1, host="h", outcome="crashed", exit_code=1)
+
+
+def test_gpu_ranks_bind_to_the_cpus_of_their_own_gpus_numa_node(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A two-socket node (CPUs 0-7 on socket 0, 8-15 on socket 1) whose ranks 0-1 drive GPUs on socket 1
+    and ranks 2-3 GPUs on socket 0: each rank's slice comes from its GPU's socket, not from rank order."""
+    from train.affinity import gpu_local_cpus
+
+    sixteen = tuple(range(16))
+    socket0, socket1 = tuple(range(8)), tuple(range(8, 16))
+    one = lambda cpus: [(cpu,) for cpu in cpus]  # noqa: E731
+    assert plan_slices([(A, sixteen)] * 4, cores_of=one, near=[socket1, socket1, socket0, socket0]) == [
+        (8, 9, 10, 11), (12, 13, 14, 15), (0, 1, 2, 3), (4, 5, 6, 7)
+    ]
+    # A GPU that does not say, or a NUMA node with fewer CPUs than its ranks: rank order over all the CPUs.
+    assert plan_slices([(A, sixteen)] * 2, cores_of=one, near=[socket1, None]) == [socket0, socket1]
+    assert plan_slices([(A, (0, 1, 8))] * 3, cores_of=one, near=[socket1, socket1, socket0]) == [(0,), (1,), (8,)]
+
+    # The GPU's NUMA CPUs come from its PCI slot in sysfs (a fake one here: no GPU).
+    class Props:
+        pci_domain_id, pci_bus_id, pci_device_id = 0, 0x53, 0
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
+    (tmp_path / "sys/bus/pci/devices/0000:53:00.0").mkdir(parents=True)
+    (tmp_path / "sys/bus/pci/devices/0000:53:00.0/local_cpulist").write_text("48-95,144-191\n")
+    assert gpu_local_cpus(torch.device("cuda", 0), tmp_path) == (*range(48, 96), *range(144, 192))
+    assert gpu_local_cpus(torch.device("cpu"), tmp_path) is None
+    assert gpu_local_cpus(torch.device("cuda", 1), tmp_path / "elsewhere") is None

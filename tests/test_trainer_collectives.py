@@ -9,15 +9,13 @@ import io
 import json
 import os
 import signal
-import subprocess
-import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import ROOT, clean_env
+from ddp_jobs import grad_sync_pair_reports
 from torch.profiler import ProfilerActivity, profile
 
 from train.config import parse_config
@@ -80,10 +78,14 @@ def test_a_model_over_a_mebibyte_still_syncs_in_one_collective_a_step_on_cpu(gro
     collectives a step; on CPU the trainer asks for one bucket cap for all buckets."""
     config = parse_config(["--snapshot-dir", "", "--epochs", "1", "--log-every", "1000000"])
     seed = load_task(config)
-    model = torch.nn.Sequential(torch.nn.Linear(20, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 1))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(20, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 1)
+    )
     assert sum(p.numel() * p.element_size() for p in model.parameters()) > 2**20
     watcher = PreemptionWatcher()
-    trainer = Trainer(config, Task("wide", model, seed.train_data, torch.nn.MSELoss()), group, RankLog(0, 1, io.StringIO()), MetricsFile(None), watcher)
+    trainer = Trainer(
+        config, Task("wide", model, seed.train_data, torch.nn.MSELoss()), group, RankLog(0, 1, io.StringIO()), MetricsFile(None), watcher
+    )
     try:
         calls, _ = collectives(trainer.fit)
     finally:
@@ -143,22 +145,9 @@ def test_gradient_sync_matches_ddp_all_reduce_bit_for_bit_on_two_ranks() -> None
     large one all-reduced), with the stop flags in either kind of bucket, give exactly the gradients
     of DDP's own all-reduce once finish() has completed the buckets; a signal at rank 1 alone is
     agreed by both ranks at that step; no bucket is copied to carry the flags; a DDP without
-    bucket-view gradients, or without the flags, is refused."""
-    port = str(free_port())
-    script = ROOT / "tests" / "plugins" / "grad_sync_pair.py"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script)],
-            env=clean_env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    outputs = [proc.communicate(timeout=120) for proc in procs]
-    assert [proc.returncode for proc in procs] == [0, 0], [err[-2000:] for _, err in outputs]
-    reports = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+    bucket-view gradients, or without the flags, is refused. Compressed (--bf16-grads), both paths give
+    gradients within bfloat16's rounding, the same on both ranks, and the same agreed stop."""
+    reports = grad_sync_pair_reports("cpu")
     for report in reports:
         for name in ("small-last", "large-last"):
             # Once DDP has rebuilt its buckets after the first step, a step exchanges the 16 KiB layer
@@ -173,6 +162,10 @@ def test_gradient_sync_matches_ddp_all_reduce_bit_for_bit_on_two_ranks() -> None
             # gradients views of its buckets, nothing the size of the 1 MiB layer is copied, whether
             # the flags share its bucket or the small one.
             assert max(report[name]["largest_copy_elements"][1:]) < large // 4, (report["rank"], name)
+            packed = report[name]["packed"]  # --bf16-grads: within bfloat16's rounding of DDP's, not equal to it
+            assert packed["close"] == [True] * 4 and packed["exact"] == [False] * 4 and packed["polls"] == report[name]["polls"], name
+    for name in ("small-last", "large-last"):
+        assert reports[0][name]["packed"]["digests"] == reports[1][name]["packed"]["digests"]  # both ranks, the same gradients
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
@@ -203,3 +196,9 @@ def test_clipping_bounds_the_synced_gradients_norm(group: DistContext) -> None:
     assert torch.linalg.vector_norm(moved).item() == pytest.approx(0.5 * 1e-3, rel=1e-4)
     progress = [json.loads(line) for line in metrics.getvalue().splitlines() if '"progress"' in line]
     assert progress[-1]["grad_norm"] > 1e-3  # the regression task's first gradient is far larger than the clip
+
+
+def test_bf16_grads_under_amp_train_with_the_same_one_collective_a_step(group: DistContext) -> None:
+    trainer, calls, _ = fit(group, "--log-every", "1000000", "--amp", "--bf16-grads")
+    assert trainer.grad_sync.compress and trainer.global_step == 116
+    assert calls == Counter({"gloo:all_gather": 116 + 2, "gloo:all_reduce": 1, "gloo:broadcast": 2})

@@ -105,3 +105,21 @@ def test_no_hang_while_a_peer_writes_a_snapshot_or_before_the_first_step(tmp_pat
     for dog in [*dogs, first]:
         dog.stop()
     assert exits == [] and not list(tmp_path.rglob("summary.json"))
+
+
+def test_a_collective_failing_after_a_declared_hang_waits_for_the_watchdog_to_end_the_rank(tmp_path: Path) -> None:
+    """A peer that read the hang verdict exits, so this rank's pending collective fails before its own
+    watchdog has noticed the declaration: the failure handler yields, and the rank ends as hung (its exit
+    code and record), not as a second, misleading 'a collective failed'. Without a declaration it returns
+    at once: a peer that really died is reported as such, without delay."""
+    store, exits, ends = DictStore(), [], []
+    dog = watchdog(0, stalled(7, "sync"), store, tmp_path, exits)
+    dog.on_end = ends.append
+    dog.start()
+    began = time.monotonic()
+    dog.yield_to_a_declared_hang()
+    assert time.monotonic() - began < 0.5 and exits == [] and ends == []
+    store.set("t/hang", json.dumps({"rank": 1, "time": time.time()}))
+    dog.yield_to_a_declared_hang()
+    assert exits == [EXIT_HANG] and [(end.outcome, end.reason.split(";")[0]) for end in ends] == [("hung", "rank 1 found the job hung")]
+    dog.stop()

@@ -61,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"backend {ctx.backend} device {ctx.device} host {ctx.host} task {task.name} pid {os.getpid()}"
         + (f" cpus {cpu_list(bound)}" if bound is not None else "")
     )
-    metrics = MetricsFile(config.metrics_file if ctx.is_main else None)
+    metrics = MetricsFile(config.metrics_file if ctx.is_main else None, config.tensorboard if ctx.is_main else None)
 
     def record_end(end: RunEnd) -> None:
         """The rank's last line, and rank 0's last metrics record (a run refused before it trained leaves no file)."""
@@ -130,6 +130,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         log(f"error: {exc}")
         end = ended("failed", 1, reason=str(exc))
     except RuntimeError as exc:  # gloo/nccl report a dead or silent peer as RuntimeError subclasses
+        if watchdog is not None:
+            watchdog.yield_to_a_declared_hang()  # a peer that exited on a declared hang: the watchdog ends this rank
         first = first_line(exc)
         why = f"a collective failed ({type(exc).__name__}: {first}); a peer died or did not answer within --collective-timeout={config.collective_timeout:g}s"
         log(f"error: {why}")

@@ -17,6 +17,13 @@ order, contiguous and as even as the count allows, and are cut between physical 
 between a core's hyperthreads: where Linux numbers the siblings apart (0-47 then 48-95 on a
 two-socket node), rank 0 of 8 gets CPUs 0-5,48-53, not 0-11, whose siblings would go to rank 4.
 
+GPU ranks: each rank's slice is cut from the CPUs of its own GPU's NUMA node (the GPU's PCI device's
+local_cpulist), not from wherever its local rank falls: on a p4d/p5 GPUs 0-3 sit on socket 0 and 4-7 on
+socket 1, but CUDA_VISIBLE_DEVICES or a launcher's order can give local rank 0 a socket-1 GPU, whose
+host-to-device copies and NCCL proxy thread would then cross the socket link every step. Where a node's
+ranks' GPUs do not all say where they are, or a NUMA node has fewer CPUs than the ranks whose GPUs sit on
+it, the slices go in rank order as above.
+
 Limit: two separate jobs on one machine cannot see each other. Started with the same full CPU set
 (plain `docker run` twice on a workstation), both would bind to the same slices; run such jobs with
 `--cpu-bind none` (or DDPACK_CPU_BIND=none). Slurm gives each job its own cpuset, so jobs there
@@ -30,6 +37,9 @@ import os
 import socket
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
+
+import torch
 
 from train.distributed import DistContext, gather_objects
 
@@ -66,10 +76,13 @@ def physical_cores(cpus: tuple[int, ...]) -> list[tuple[int, ...]]:
 
 
 def plan_slices(
-    seen: list[tuple[str, tuple[int, ...]]], cores_of: Callable[[tuple[int, ...]], list[tuple[int, ...]]] = physical_cores
+    seen: list[tuple[str, tuple[int, ...]]],
+    cores_of: Callable[[tuple[int, ...]], list[tuple[int, ...]]] = physical_cores,
+    near: list[tuple[int, ...] | None] | None = None,
 ) -> list[tuple[int, ...] | None]:
     """For each rank's (machine, allowed CPUs), in rank order: the CPUs to bind it to, or None to
-    leave it as it is. `cores_of` groups CPUs by physical core (injected by the tests)."""
+    leave it as it is. `near`: each rank's GPU's NUMA-local CPUs (None for a CPU rank or a GPU that
+    does not say). `cores_of` groups CPUs by physical core (injected by the tests)."""
     sharing: dict[tuple[str, tuple[int, ...]], list[int]] = defaultdict(list)
     for rank, key in enumerate(seen):
         sharing[key].append(rank)
@@ -77,13 +90,47 @@ def plan_slices(
     for (_, cpus), ranks in sharing.items():
         if len(ranks) < 2 or len(cpus) < len(ranks):
             continue
-        units = cores_of(cpus)
-        if len(units) < len(ranks):  # fewer cores than ranks: one CPU each, a core's threads to neighbours
-            units = [(cpu,) for core in units for cpu in core]
-        for i, rank in enumerate(ranks):
-            mine = units[i * len(units) // len(ranks) : (i + 1) * len(units) // len(ranks)]
-            slices[rank] = tuple(sorted(cpu for unit in mine for cpu in unit))
+        for group, members in _numa_groups(cpus, ranks, near):
+            for rank, mine in zip(members, _split(group, len(members), cores_of), strict=True):
+                slices[rank] = mine
     return slices
+
+
+def _numa_groups(
+    cpus: tuple[int, ...], ranks: list[int], near: list[tuple[int, ...] | None] | None
+) -> list[tuple[tuple[int, ...], list[int]]]:
+    """The ranks sharing `cpus` grouped by their GPU's NUMA-local CPUs, each group with those CPUs; one
+    group of all of `cpus` when some rank's GPU does not say, or a NUMA node has fewer CPUs than ranks."""
+    groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
+    for rank in ranks:
+        local = tuple(sorted(set(near[rank]) & set(cpus))) if near and near[rank] else ()
+        if not local:
+            return [(cpus, ranks)]
+        groups[local].append(rank)
+    if len(groups) < 2 or any(len(group) < len(members) for group, members in groups.items()):
+        return [(cpus, ranks)]
+    return list(groups.items())
+
+
+def _split(cpus: tuple[int, ...], parts: int, cores_of: Callable[[tuple[int, ...]], list[tuple[int, ...]]]) -> list[tuple[int, ...]]:
+    """`cpus` cut into `parts` contiguous slices, as even as the count allows, between physical cores."""
+    units = cores_of(cpus)
+    if len(units) < parts:  # fewer cores than ranks: one CPU each, a core's threads to neighbours
+        units = [(cpu,) for core in units for cpu in core]
+    return [tuple(sorted(cpu for unit in units[i * len(units) // parts : (i + 1) * len(units) // parts] for cpu in unit)) for i in range(parts)]
+
+
+def gpu_local_cpus(device: torch.device, root: Path = Path("/")) -> tuple[int, ...] | None:
+    """The CPUs of the NUMA node that `device`'s PCI slot hangs off (sysfs local_cpulist), or None for a CPU
+    device or where the kernel does not say."""
+    if device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    slot = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+    try:
+        return parse_cpu_list((root / "sys/bus/pci/devices" / slot / "local_cpulist").read_text()) or None
+    except (OSError, ValueError):
+        return None
 
 
 def bind_process(cpus: tuple[int, ...]) -> None:
@@ -119,7 +166,8 @@ def bind_local_ranks(ctx: DistContext) -> tuple[int, ...] | None:
     shares them with others binds itself to its slice. Returns the slice, or None if left as is."""
     if ctx.world_size == 1:  # nobody to share with: no collective at start-up
         return None
-    mine = plan_slices(gather_objects((machine_id(), allowed_cpus()), ctx))[ctx.rank]
+    seen = gather_objects((machine_id(), allowed_cpus(), gpu_local_cpus(ctx.device)), ctx)
+    mine = plan_slices([(machine, cpus) for machine, cpus, _ in seen], near=[local for _, _, local in seen])[ctx.rank]
     if mine is not None:
         bind_process(mine)
     return mine

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -34,6 +35,8 @@ class Config:
     dataset_size: int | None
     grad_accum: int
     amp: bool
+    tf32: bool
+    bf16_grads: bool
     clip_grad_norm: float | None
     sync_batchnorm: bool
     find_unused_parameters: bool
@@ -45,6 +48,7 @@ class Config:
     allow_changed_settings: bool
     log_every: int
     metrics_file: str | None
+    tensorboard: str | None
     backend: str | None
     collective_timeout: float
     hang_timeout: float
@@ -135,6 +139,18 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--seed", type=int, default=0, help="seed of model initialisation, shuffling and dropout")
     opt.add_argument("--amp", action="store_true", help="bfloat16 autocast (CUDA; also works on CPU)")
     opt.add_argument(
+        "--no-tf32",
+        dest="tf32",
+        action="store_false",
+        help="full fp32 matmuls and convolutions on Ampere and later GPUs (default: TF32 there, fp32 accumulation; no effect on CPUs)",
+    )
+    opt.add_argument(
+        "--bf16-grads",
+        action="store_true",
+        help="send the gradients' all-reduce as bfloat16 (half the bytes; the sum too is bfloat16), typically with --amp; "
+        "the gradients and the optimizer stay fp32",
+    )
+    opt.add_argument(
         "--clip-grad-norm",
         type=_positive_float,
         default=None,
@@ -186,6 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("DDPACK_METRICS_FILE") or None,
         help="JSON-lines metrics written by rank 0 (appended); default $DDPACK_METRICS_FILE (the templates set it), else none",
     )
+    state.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        default=os.environ.get("DDPACK_TENSORBOARD_DIR") or None,
+        help="also write the metrics' scalars as TensorBoard event files in DIR (rank 0); needs the tensorboard package, "
+        "which the images do not carry (add it to your project's requirements.txt); default $DDPACK_TENSORBOARD_DIR, else none",
+    )
 
     dist = parser.add_argument_group("distributed")
     dist.add_argument(
@@ -230,6 +253,12 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
         value = getattr(ns, name)
         if value is not None and value not in choices:
             parser.exit(2, f"train: error: {variable}={value!r} is not one of {', '.join(choices)}; set it to one of them or unset it\n")
+    if ns.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        parser.exit(
+            2,
+            f"train: error: --tensorboard {ns.tensorboard} needs the tensorboard package, which this Python does not have; "
+            "add tensorboard to your project's requirements.txt (make image APP=...) or pip install tensorboard\n",
+        )
     if ns.hang_timeout is None:
         ns.hang_timeout = min(DEFAULT_HANG_TIMEOUT, HANG_SHARE_OF_COLLECTIVE * ns.collective_timeout)
     elif ns.hang_timeout and ns.hang_timeout >= ns.collective_timeout:

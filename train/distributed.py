@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from train.gpu import gpus_expected, why_no_cuda
+
 
 @dataclass(frozen=True)
 class DistContext:
@@ -71,11 +73,14 @@ def select_device(backend: str | None) -> tuple[str, torch.device]:
     """(backend, device) for this rank, from LOCAL_RANK/LOCAL_WORLD_SIZE (0 and 1 without a launcher); sets the CUDA device, so
     that what runs next (the user's task factory, DataLoader pinning) allocates on this rank's GPU
     rather than on GPU 0 from every rank."""
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend is None:
+        if not torch.cuda.is_available() and gpus_expected(os.environ):
+            raise DeviceError(f"this node has NVIDIA GPUs but torch sees none: {why_no_cuda(os.environ)}")
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend != "nccl":
         return backend, torch.device("cpu")
     if not torch.cuda.is_available():
-        raise DeviceError("backend nccl needs a CUDA device, but torch sees none; use --backend gloo")
+        raise DeviceError(f"backend nccl needs a CUDA device, but torch sees none: {why_no_cuda(os.environ)}")
     index = choose_cuda_index(_env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", 1), torch.cuda.device_count(), os.environ)
     device = torch.device("cuda", index)
     torch.cuda.set_device(device)
@@ -132,7 +137,7 @@ def wait_polling(work: dist.Work) -> None:
     work.wait()
 
 
-def sum_over_ranks(loss_sum: torch.Tensor, counts: list[int], ctx: DistContext) -> list[float]:
+def sum_over_ranks(loss_sum: torch.Tensor, counts: list[float], ctx: DistContext) -> list[float]:
     """[loss sum, *counts] summed over ranks, in one all-reduce. The loss sum stays on the device
     until here, so this is the trainer's only host sync for losses (every --log-every steps)."""
     tensor = torch.cat([loss_sum.reshape(1).to(torch.float64), torch.tensor(counts, dtype=torch.float64, device=loss_sum.device)])

@@ -59,6 +59,7 @@ class _Pending:
     work: dist.Work
     gathered: torch.Tensor | None  # every rank's copy of the bucket, one row each, when exchanged
     bucket: torch.Tensor  # DDP's flat bucket, which the gradients are views of: the result goes here
+    packed: torch.Tensor | None = None  # the bfloat16 copy that was all-reduced (--bf16-grads), unpacked into the bucket
 
 
 class _WithStopFlags(nn.Module):
@@ -95,8 +96,11 @@ class GradientSync:
     the same one step, so they still stop at the same boundary.
     """
 
-    def __init__(self, watcher: PreemptionWatcher, world_size: int, device: torch.device) -> None:
+    def __init__(self, watcher: PreemptionWatcher, world_size: int, device: torch.device, compress: bool = False) -> None:
         self.watcher, self.world_size, self.device, self.poll_wait = watcher, world_size, device, waits_by_polling(device)
+        # --bf16-grads: buckets travel as bfloat16 (half the bytes; the sum too is taken in bfloat16 by
+        # an all-reduce, in the bucket's dtype by an exchange) and land back in the fp32 gradients.
+        self.compress = compress
         self.flags: nn.Parameter | None = None
         self._marks: torch.Tensor | None = None  # this rank's marks, one per watched signal
         self._marked = False
@@ -133,15 +137,19 @@ class GradientSync:
     def hook(self, state: object, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         # Divide, then sum, as DDP's own reducer does; every bucket is reduced in place.
         buffer = bucket.buffer().div_(self.world_size)
+        sent = buffer.to(torch.bfloat16) if self.compress else buffer
         if not self.poll_wait:
-            return dist.all_reduce(buffer, async_op=True).get_future().then(lambda fut: fut.value()[0])
+            future = dist.all_reduce(sent, async_op=True).get_future()
+            if self.compress:
+                return future.then(lambda fut: buffer.copy_(fut.value()[0]))
+            return future.then(lambda fut: fut.value()[0])
         gathered = None
-        if buffer.numel() * buffer.element_size() * self.world_size <= EXCHANGE_MAX_BYTES:
-            gathered = buffer.new_empty(self.world_size * buffer.numel())
-            work = dist.all_gather_single(gathered, buffer, async_op=True)
+        if sent.numel() * sent.element_size() * self.world_size <= EXCHANGE_MAX_BYTES:
+            gathered = sent.new_empty(self.world_size * sent.numel())
+            work = dist.all_gather_single(gathered, sent, async_op=True)
         else:
-            work = dist.all_reduce(buffer, async_op=True)
-        self._pending.append(_Pending(work, gathered, buffer))
+            work = dist.all_reduce(sent, async_op=True)
+        self._pending.append(_Pending(work, gathered, buffer, sent if self.compress and gathered is None else None))
         done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         done.set_result(buffer)  # DDP finds its own bucket: nothing to copy; finish() completes it
         return done
@@ -154,7 +162,9 @@ class GradientSync:
             wait_polling(item.work)
             if item.gathered is not None:
                 # Rows are summed in rank order, the same on every rank, so the ranks' gradients stay identical.
-                torch.sum(item.gathered.view(self.world_size, -1), 0, out=item.bucket)
+                torch.sum(item.gathered.view(self.world_size, -1).to(item.bucket.dtype), 0, out=item.bucket)
+            elif item.packed is not None:
+                item.bucket.copy_(item.packed)
 
     def poll(self) -> signal.Signals | None:
         summed = self.flags.grad if self.flags is not None else None  # every rank's marks, divided by the world size

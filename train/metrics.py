@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -16,6 +18,14 @@ def format_duration(seconds: float) -> str:
     hours, rem = divmod(seconds, 3600)
     minutes, secs = divmod(rem, 60)
     return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+def format_share(fraction: float) -> str:
+    """A percentage with two significant digits however small (a small model's MFU on a CPU is 0.00023%,
+    not 0.00%), never in exponent notation."""
+    percent = fraction * 100
+    decimals = 2 if percent <= 0 else max(2, 1 - math.floor(math.log10(percent)))
+    return f"{percent:.{decimals}f}%"
 
 
 class RankLog:
@@ -44,28 +54,82 @@ class RankLog:
             data = data[os.write(fd, data) :]
 
 
+class TensorBoardScalars:
+    """The metrics records' scalars as TensorBoard event files, each at its global step: loss, lr,
+    grad_norm, samples/s, tokens/s, MFU, eval metrics and every rank's step time. torch's writer needs the
+    tensorboard package (config.py refuses --tensorboard without it), so it is imported only when asked for."""
+
+    def __init__(self, directory: str) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=directory)
+
+    def write(self, kind: str, fields: dict[str, Any]) -> None:
+        step = fields.get("global_step")
+        if kind == "progress":
+            for name in ("loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "mfu"):
+                if fields.get(name) is not None:
+                    self.writer.add_scalar(f"train/{name}", fields[name], step)
+            for rank, seconds in enumerate(fields.get("rank_step_s", [])):
+                self.writer.add_scalar(f"step_time_ms/rank{rank}", seconds * 1e3, step)
+        elif kind == "eval":
+            for name, value in fields.items():
+                if name not in ("epoch", "global_step") and isinstance(value, (int, float)):
+                    self.writer.add_scalar(f"eval/{name}", value, step)
+        else:
+            return
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
 class MetricsFile:
     """Appends one JSON object a line; a no-op where no path is given (and on ranks other than 0).
     Opened at the first record, so a run refused at set-up (a bad setting for the model) leaves no file.
-    Writes take a lock: the snapshot writer's thread records its snapshots while training records steps."""
+    Writes take a lock: the snapshot writer's thread records its snapshots while training records steps.
+    With `tensorboard` (a folder) the same records' scalars also go to TensorBoard event files there."""
 
-    def __init__(self, path: str | None) -> None:
+    def __init__(self, path: str | None, tensorboard: str | None = None) -> None:
         self.path = Path(path) if path else None
+        self._tensorboard_dir = tensorboard
+        self._tensorboard: TensorBoardScalars | None = None
         self._handle: TextIO | None = None
+        self._opening: tuple[float, str, Callable[[], dict[str, Any]]] | None = None
         self._lock = threading.Lock()
+
+    def opening(self, kind: str, fields: Callable[[], dict[str, Any]]) -> None:
+        """A record stamped now but written just before the next one, with the fields it has by then: a
+        segment's `start` says what the first step learnt (the model's FLOPs), and a run refused at its
+        first steps still leaves no file."""
+        with self._lock:
+            self._opening = (round(time.time(), 3), kind, fields)
 
     def write(self, kind: str, **fields: Any) -> None:
         with self._lock:
-            if self.path is None:
-                return
-            if self._handle is None:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._handle = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the run
-            self._handle.write(json.dumps({"time": round(time.time(), 3), "kind": kind, **fields}) + "\n")
-            self._handle.flush()
+            if self._opening is not None:
+                stamped, opening_kind, opening_fields = self._opening
+                self._opening = None
+                self._append(stamped, opening_kind, opening_fields())
+            self._append(round(time.time(), 3), kind, fields)
+
+    def _append(self, stamped: float, kind: str, fields: dict[str, Any]) -> None:
+        if self._tensorboard_dir and self._tensorboard is None:
+            self._tensorboard = TensorBoardScalars(self._tensorboard_dir)
+        if self._tensorboard is not None:
+            self._tensorboard.write(kind, fields)
+        if self.path is None:
+            return
+        if self._handle is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._handle = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the run
+        self._handle.write(json.dumps({"time": stamped, "kind": kind, **fields}) + "\n")
+        self._handle.flush()
 
     def close(self) -> None:
         with self._lock:
             if self._handle is not None:
                 self._handle.close()
-            self._handle, self.path = None, None
+            if self._tensorboard is not None:
+                self._tensorboard.close()
+            self._handle, self.path, self._tensorboard, self._tensorboard_dir = None, None, None, None

@@ -27,7 +27,8 @@ class TaskError(ValueError):
 
 @dataclass
 class Task:
-    """What the trainer needs from a workload. `evaluate` is optional (run on rank 0 at epoch ends)."""
+    """What the trainer needs from a workload. `metric` is optional (run on rank 0 at epoch ends);
+    `tokens_per_sample`, where a sample is a sequence, adds tokens/s to the progress lines and metrics."""
 
     name: str
     model: nn.Module
@@ -35,6 +36,7 @@ class Task:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     eval_data: TensorDataset | None = None
     metric: Metric | None = None
+    tokens_per_sample: int | None = None
 
 
 def _split(x: torch.Tensor, y: torch.Tensor, eval_fraction: float = 0.1) -> tuple[TensorDataset, TensorDataset]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import random
 import signal
 import time
@@ -24,9 +25,12 @@ from torch.nn.parallel import DistributedDataParallel
 from train.config import Config
 from train.data import Batch, EpochOrder, default_num_workers, make_batches
 from train.distributed import DistContext, broadcast_buffers, broadcast_from_main, first_line, gather_objects, sum_over_ranks
+from train.gpu import set_tf32
 from train.grad_sync import GradientSync
-from train.metrics import MetricsFile, RankLog, format_duration
+from train.metrics import MetricsFile, RankLog, format_duration, format_share
 from train.model import explain_setup_failure, prepare_module
+from train.perf import CPU_MEASURE_S, Peak, RankTimes, SlowRanks, count_flops_per_sample, device_peak, mfu, precision, rng_untouched
+from train.preflight.compute import matmul_gflops
 from train.signals import PreemptionWatcher
 from train.snapshot import SnapshotStore, SnapshotWriter, Written
 from train.tasks import Task
@@ -95,12 +99,15 @@ class Window:
     grad_norms: list[torch.Tensor] = field(default_factory=list)  # before clipping, with --clip-grad-norm
     samples: int = 0
     started: float = field(default_factory=time.monotonic)
+    data_s: float = 0.0  # this rank's time waiting for batches
+    sync_s: float = 0.0  # this rank's time waiting for the gradients' all-reduce
 
-    def add(self, loss: torch.Tensor, samples: int, grad_norm: torch.Tensor | None) -> None:
+    def add(self, loss: torch.Tensor, samples: int, grad_norm: torch.Tensor | None, sync_s: float) -> None:
         self.losses.append(loss)
         if grad_norm is not None:
             self.grad_norms.append(grad_norm)
         self.samples += samples
+        self.sync_s += sync_s
 
 
 def parameter_checksum(module: torch.nn.Module) -> str:
@@ -141,11 +148,19 @@ class Trainer:
         # Where this rank is, for the hang watchdog (train.watchdog): a few attribute stores a step.
         self.progress = progress if progress is not None else Progress()
         self.module = prepare_module(task.model, config, ctx.device)
+        set_tf32(ctx.device, config.tf32)  # before the peak is found: it is looked up in the precision trained in
+        self.autocast = (lambda: torch.autocast(ctx.device.type, dtype=torch.bfloat16)) if config.amp else nullcontext
+        self.hosts: list[str] = gather_objects(ctx.host, ctx)
+        self.slow_ranks = SlowRanks(self.hosts)  # for the progress line that names a slow rank
+        # Rank 0 finds the device's peak at start (_find_peak) and counts the model's FLOPs at its first step (_count_flops).
+        self.flops_per_sample: float | None = None
+        self.peak: Peak | None = None
+        self.counted = not ctx.is_main
         # DDP wraps the module with the stop-flag parameter beside it (train.grad_sync); the optimizer,
         # snapshots and checksums see the module alone (never the compiled one: its state dict's names
         # carry a prefix). Gradients are views of DDP's buckets: the collectives reduce them in place,
         # and backward accumulates into them in place (_train_step).
-        self.grad_sync = GradientSync(watcher, ctx.world_size, ctx.device)
+        self.grad_sync = GradientSync(watcher, ctx.world_size, ctx.device, compress=config.bf16_grads)
         forward = torch.compile(self.module) if config.compile else None
         self.model = DistributedDataParallel(
             self.grad_sync.wrap(self.module, forward=forward, find_unused_parameters=config.find_unused_parameters),
@@ -157,7 +172,6 @@ class Trainer:
         self.grad_sync.attach(self.model)
         self.trained = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = self._make_optimizer()
-        self.autocast = (lambda: torch.autocast(ctx.device.type, dtype=torch.bfloat16)) if config.amp else nullcontext
         order = EpochOrder(len(task.train_data), world_size=ctx.world_size, rank=ctx.rank, batch_size=config.batch_size, seed=config.seed)
         workers = config.num_workers if config.num_workers is not None else default_num_workers(1 if ctx.cpus_bound else ctx.local_world_size)
         self.batches = make_batches(task.train_data, order, ctx.device, num_workers=workers, seed=config.seed, rank=ctx.rank)
@@ -173,6 +187,53 @@ class Trainer:
         self.last_snapshot_step = -1
 
     # ------------------------------------------------------------------ set-up
+
+    def _find_peak(self) -> None:
+        """Rank 0, at start, before the first collective (start-up, like the imports: a CPU's rate takes a
+        quarter of a second to measure): the peak per device MFU divides by (train/perf.py)."""
+        cfg, device = self.config, self.ctx.device
+        preflight = Path(cfg.metrics_file).parent / "preflight.json" if cfg.metrics_file else None
+        self.peak = device_peak(device, cfg.amp, preflight, lambda: matmul_gflops(self.ctx, CPU_MEASURE_S))
+        if self.peak is None:
+            self.log(
+                f"warning: MFU not reported: no peak rate known for {torch.cuda.get_device_name(device)}; "
+                "run the job's preflight (DDPACK_PREFLIGHT=1) to measure one"
+            )
+
+    def _count_flops(self, batch: Batch) -> None:
+        """Rank 0, once, on its first micro-batch (as the loader delivered it, in a worker where there are
+        workers: the dataset is never read in this process): the model's FLOPs per sample, for MFU. The
+        eager module is counted, with --compile too. A model the FLOP counter cannot run loses the MFU
+        figure, never the run."""
+        self.counted = True
+        try:
+            with rng_untouched(self.ctx.device):
+                self.flops_per_sample = count_flops_per_sample(self.module, batch, self.task.loss_fn, self.autocast)
+        except Exception as exc:
+            self.log(f"warning: MFU not reported: counting the model's FLOPs on one batch failed ({type(exc).__name__}: {first_line(exc)})")
+
+    def _start_fields(self, start_step: int) -> dict[str, Any]:
+        """The metrics file's `start` record: one a segment (a requeued or restarted run appends another),
+        with what `make report` needs to draw it: who ran, from where, at what peak."""
+        device = self.ctx.device
+        return {
+            "world_size": self.ctx.world_size,
+            "hosts": self.hosts,
+            "backend": self.ctx.backend,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "global_step": start_step,
+            "total_steps": self.total_steps,
+            "flops_per_sample": self.flops_per_sample,
+            "peak_flops_per_s": self.peak.flops_per_s if self.peak else None,
+            "peak_source": self.peak.source if self.peak else None,
+            "precision": precision(self.ctx.device, self.config.amp),  # of the matmuls: bf16, tf32 or fp32
+            "bf16_grads": self.config.bf16_grads,
+            "tokens_per_sample": self.task.tokens_per_sample,
+            "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
+            "torchelastic_restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+            "config": self.config.to_dict(),
+        }
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         """AdamW fused (one kernel over all parameters) where every parameter allows it; SGD as torch
@@ -296,10 +357,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
-    def _train_step(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+    def _train_step(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, int, torch.Tensor | None, float]:
         """One optimizer step over `grad_accum` micro-batches; gradients sync only on the last, then
-        are clipped (--clip-grad-norm). Returns the mean loss, the samples seen and the norm before
-        clipping; the tensors stay on the device (read later, at a progress line: no host sync).
+        are clipped (--clip-grad-norm). Returns the mean loss, the samples seen, the norm before
+        clipping (tensors that stay on the device: read later, at a progress line, no host sync) and the
+        seconds spent waiting for the all-reduce.
         Kept lean: at the seed workload's ~1 ms a step, each extra tensor op or Python call on this
         path costs about half a percent. Gradients are zeroed in place, not set
         to None: they are views of DDP's buckets, so backward accumulates straight into the buckets
@@ -321,7 +383,9 @@ class Trainer:
             losses.append(loss.detach())
             samples += len(inputs)
         progress.enter("sync")
+        waited = time.perf_counter()
         self.grad_sync.finish()
+        waited = time.perf_counter() - waited
         progress.enter("optimizer")
         grad_norm = None
         if self.config.clip_grad_norm is not None:
@@ -332,14 +396,17 @@ class Trainer:
             group["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=False)
-        return (losses[0] if count == 1 else torch.stack(losses).mean()), samples, grad_norm
+        return (losses[0] if count == 1 else torch.stack(losses).mean()), samples, grad_norm, waited
 
     # ------------------------------------------------------------------ the loop
 
     def fit(self) -> Result:
         cfg = self.config
+        if self.ctx.is_main:
+            self._find_peak()
         self.restore()
         start_step, started = self.global_step, time.monotonic()
+        self.metrics.opening("start", lambda: self._start_fields(start_step))
         if self.global_step >= self.total_steps:
             self.log(f"training already complete at global step {self.global_step}; nothing to do", main_only=True)
         self.model.train()
@@ -382,22 +449,36 @@ class Trainer:
         )
 
     def _progress(self, window: Window, start_step: int, started: float) -> float:
-        """Collective, every --log-every steps: mean loss over ranks and global throughput; rank 0
-        prints and records them."""
+        """Collective, every --log-every steps: mean loss over ranks, global throughput and MFU, and every
+        rank's step times, all in the one all-reduce a progress line needs anyway; rank 0 prints and
+        records them."""
         self.progress.enter("metrics")
-        loss_sum, steps, samples = sum_over_ranks(torch.stack(window.losses).sum(), [len(window.losses), window.samples], self.ctx)
+        window_s = max(time.monotonic() - window.started, 1e-9)
+        mine = RankTimes.slots(self.ctx.rank, self.ctx.world_size, window_s, window.data_s, window.sync_s)
+        totals = sum_over_ranks(torch.stack(window.losses).sum(), [len(window.losses), window.samples, *mine], self.ctx)
+        loss_sum, steps, samples = totals[:3]
+        times = RankTimes.from_sums(totals[3:], len(window.losses))
         loss = loss_sum / steps
-        samples_per_s = samples / max(time.monotonic() - window.started, 1e-9)
+        samples_per_s = samples / window_s
         rate = (self.global_step - start_step) / max(time.monotonic() - started, 1e-9)
         eta = (self.total_steps - self.global_step) / rate if rate > 0 else 0.0
         lr = self._lr(self.global_step)  # the next step's, as a scheduler reports it
         # The same on every rank (the gradients were synced): no collective needed.
         grad_norm = torch.stack(window.grad_norms).mean().item() if window.grad_norms else None
-        norm = f" grad_norm {grad_norm:.4g}" if grad_norm is not None else ""
-        self.log(
-            f"{self._position()} loss {loss:.5f}{norm} lr {lr:.2e} samples/s {samples_per_s:,.0f} eta {format_duration(eta)}",
-            main_only=True,
-        )
+        rates: dict[str, float] = {}
+        if self.task.tokens_per_sample:
+            rates["tokens_per_s"] = samples_per_s * self.task.tokens_per_sample
+        if self.flops_per_sample is not None and self.peak is not None:
+            rates["mfu"] = mfu(samples_per_s, self.flops_per_sample, self.peak.flops_per_s, self.ctx.world_size)
+        if self.ctx.is_main:
+            norm = f" grad_norm {grad_norm:.4g}" if grad_norm is not None else ""
+            tokens = f" tokens/s {rates['tokens_per_s']:,.0f}" if "tokens_per_s" in rates else ""
+            used = f" mfu {format_share(rates['mfu'])}" if "mfu" in rates else ""
+            slow = self.slow_ranks.judge(totals[3:], len(window.losses))
+            self.log(
+                f"{self._position()} loss {loss:.5f}{norm} lr {lr:.2e} samples/s {samples_per_s:,.0f}{tokens}{used} "
+                f"eta {format_duration(eta)}" + (f"; {slow}" if slow else "")
+            )
         self.metrics.write(
             "progress",
             epoch=self.epoch,
@@ -407,7 +488,9 @@ class Trainer:
             lr=lr,
             **({"grad_norm": grad_norm} if grad_norm is not None else {}),
             samples_per_s=samples_per_s,
+            **rates,
             eta_s=eta,
+            **times.fields(),
         )
         return loss
 
@@ -422,7 +505,14 @@ class Trainer:
                 for step in range(self.step_in_epoch, self.steps_per_epoch):
                     count = min(cfg.grad_accum, self.batches_per_epoch - step * cfg.grad_accum)
                     self.progress.enter("data")
-                    window.add(*self._train_step([next(stream) for _ in range(count)]))
+                    waited = time.perf_counter()
+                    micro_batches = [next(stream) for _ in range(count)]
+                    window.data_s += time.perf_counter() - waited
+                    if not self.counted:
+                        counting = time.monotonic()
+                        self._count_flops(micro_batches[0])
+                        window.started += time.monotonic() - counting  # not this rank's step time
+                    window.add(*self._train_step(micro_batches))
                     self.global_step, self.step_in_epoch = self.global_step + 1, step + 1
                     self.progress.step_done(self.global_step)
                     done = self.global_step >= self.total_steps

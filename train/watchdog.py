@@ -299,6 +299,7 @@ class Watchdog:
         self.stale_after = max(3 * self.tick, 5.0)
         self.grace_s = max(10.0, 3 * self.tick)  # how long the summary waits for the others' stacks
         self._stopped = threading.Event()
+        self._ending = threading.Event()  # set once this watchdog has begun ending the rank
         self._thread = threading.Thread(target=self._run, name="ddpack-watchdog", daemon=True)
 
     def start(self) -> None:
@@ -308,6 +309,17 @@ class Watchdog:
     def stop(self) -> None:
         self._stopped.set()
         remove_stacks_dir()
+
+    def yield_to_a_declared_hang(self) -> None:
+        """Called when a collective failed. Once a hang is declared, the ranks that read the verdict exit,
+        and their peers' pending collectives fail with "connection closed": that failure is the hang's
+        consequence, so this rank waits here while its watchdog (which notices the declaration within a
+        tick) ends it with the hang's exit code, record and evidence, instead of recording a second,
+        misleading end. Returns at once when no hang was declared (a peer really died)."""
+        if not self._ending.is_set() and self.store.get("hang") is None:
+            return
+        self._ending.wait(2 * self.tick + 1)
+        self._thread.join(self.grace_s + 4 * self.tick + 10)  # the watchdog exits the process; this bounds a stuck one
 
     # ------------------------------------------------------------ heartbeats
 
@@ -348,6 +360,7 @@ class Watchdog:
     def _end(self, why: str) -> None:
         if self._stopped.is_set():
             return  # training finished while we looked
+        self._ending.set()
         self.forensics_dir.mkdir(parents=True, exist_ok=True)
         mine = self.forensics_dir / f"rank-{self.rank}.txt"
         p, now = self.progress, time.monotonic()

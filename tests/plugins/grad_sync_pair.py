@@ -2,16 +2,22 @@
 all-reduce: the same gradients bit for bit, on a model whose buckets take both of the hook's paths
 (a small bucket exchanged by all-gather, a large one all-reduced), with the stop-flag parameter in
 either kind of bucket (it goes with the last layer); the stop agreed on by both ranks when only
-rank 1 got the signal; and the largest copy each step makes (no bucket is copied for the flags).
+rank 1 got the signal; and the largest copy each step makes (no bucket is copied for the flags). With
+--bf16-grads (compress=True) the buckets travel as bfloat16: gradients close to DDP's, not equal, the
+same on both ranks (a digest each step), and the stop still agreed.
 
-Run by tests/test_trainer_collectives.py with RANK/WORLD_SIZE/MASTER_* set; prints one JSON line.
+Run by tests/test_trainer_collectives.py with RANK/WORLD_SIZE/MASTER_* set; prints one JSON line. With
+DDPACK_TEST_DEVICE=cuda (tests/test_gpu.py) both ranks share GPU 0 over gloo with CUDA tensors: the hook's
+CUDA branch (the collective's future, the flags read a step late through pinned memory).
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import math
+import os
 import signal
 from collections import Counter
 
@@ -47,29 +53,36 @@ def layer_bytes(model: nn.Module) -> list[int]:
 def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device(os.environ.get("DDPACK_TEST_DEVICE", "cpu"))
+    on_gpu = {"device_ids": [device]} if device.type == "cuda" else {}
     watcher = PreemptionWatcher()
     report: dict[str, object] = {"rank": rank}
     try:
         for name, base in models().items():
-            sync = GradientSync(watcher, world, torch.device("cpu"))
-            hooked = DistributedDataParallel(sync.wrap(copy.deepcopy(base)), bucket_cap_mb=BUCKET_CAP_MB, gradient_as_bucket_view=True)
-            plain = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=BUCKET_CAP_MB)
+            base = base.to(device)
+            sync = GradientSync(watcher, world, device)
+            hooked = DistributedDataParallel(sync.wrap(copy.deepcopy(base)), bucket_cap_mb=BUCKET_CAP_MB, gradient_as_bucket_view=True, **on_gpu)
+            plain = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=BUCKET_CAP_MB, **on_gpu)
             sync.attach(hooked)
+            packing = GradientSync(watcher, world, device, compress=True)
+            packed = DistributedDataParallel(packing.wrap(copy.deepcopy(base)), bucket_cap_mb=BUCKET_CAP_MB, gradient_as_bucket_view=True, **on_gpu)
+            packing.attach(packed)
             refused = []
             for other in (
                 plain,  # results go into the buckets: a DDP whose gradients are not views of them is refused
-                DistributedDataParallel(copy.deepcopy(base), gradient_as_bucket_view=True),  # and one without the flags
+                DistributedDataParallel(copy.deepcopy(base), gradient_as_bucket_view=True, **on_gpu),  # and one without the flags
             ):
                 try:
-                    GradientSync(watcher, world, torch.device("cpu")).attach(other)
+                    GradientSync(watcher, world, device).attach(other)
                     refused.append(False)
                 except ValueError:
                     refused.append(True)
             gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
             same, polls, calls, largest_copy = [], [], [], []
+            packed_close, packed_exact, packed_digests, packed_polls = [], [], [], []
             for step in range(4):
                 watcher.received = signal.SIGTERM if rank == 1 and step == 2 else None
-                inputs = torch.randn(16, base[0].in_features, generator=gen)
+                inputs = torch.randn(16, base[0].in_features, generator=gen).to(device)
                 for model in (hooked, plain):
                     model.module.zero_grad(set_to_none=model is plain)  # the trainer zeroes its bucket views in place
                     if model is hooked:
@@ -83,6 +96,17 @@ def main() -> None:
                         largest_copy.append(max(copies, default=0))
                     else:
                         model(inputs).square().mean().backward()
+                packed.module.zero_grad(set_to_none=False)
+                outputs, flags = packed(inputs)
+                packing.carry_flags(outputs.square().mean(), flags).backward()
+                packing.finish()
+                pairs = list(zip(packed.module.module.parameters(), plain.parameters(), strict=True))
+                # bfloat16 keeps 8 bits: each rank's share is rounded by up to 2^-9, so the error is small against the gradient's norm
+                packed_close.append(all(torch.linalg.vector_norm(a.grad - b.grad) <= 1e-2 * torch.linalg.vector_norm(b.grad) for a, b in pairs))
+                packed_exact.append(all(torch.equal(a.grad, b.grad) for a, b in pairs))
+                packed_digests.append(hashlib.sha256(b"".join(a.grad.cpu().numpy().tobytes() for a, _ in pairs)).hexdigest()[:16])
+                stop = packing.poll()
+                packed_polls.append(stop.name if stop is not None else None)
                 # The user's module inside the wrapper against the plain DDP's
                 same.append(all(torch.equal(a.grad, b.grad) for a, b in zip(hooked.module.module.parameters(), plain.parameters(), strict=True)))
                 agreed = sync.poll()
@@ -95,6 +119,7 @@ def main() -> None:
                 "largest_copy_elements": largest_copy,
                 "layer_bytes": layer_bytes(base),
                 "exchange_max": EXCHANGE_MAX_BYTES,
+                "packed": {"close": packed_close, "exact": packed_exact, "digests": packed_digests, "polls": packed_polls},
             }
     finally:
         watcher.restore()

@@ -123,7 +123,8 @@ def gpt(config: Config) -> Task:
     inputs, targets = sequences[:, :-1].contiguous(), sequences[:, 1:].contiguous()
     torch.manual_seed(config.seed)
     model = TinyGPT(vocab=vocab, block_size=length)
-    return Task("zoo-gpt", model, TensorDataset(inputs[128:], targets[128:]), next_token_loss, TensorDataset(inputs[:128], targets[:128]))
+    train_data, eval_data = TensorDataset(inputs[128:], targets[128:]), TensorDataset(inputs[:128], targets[:128])
+    return Task("zoo-gpt", model, train_data, next_token_loss, eval_data, tokens_per_sample=length)
 
 
 # ---------------------------------------------------------------- frozen layers, an unused head

@@ -11,22 +11,36 @@ rank 0's verdict, so `srun`'s exit code is the check's.
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import threading
 import time
 from collections.abc import Sequence
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from train.config import Config, parse_config
-from train.distributed import DistContext, exit_now, first_line, gather_objects, init_distributed, run_program, select_device, shutdown
+from train.distributed import (
+    DeviceError,
+    DistContext,
+    exit_now,
+    first_line,
+    gather_objects,
+    init_distributed,
+    run_program,
+    select_device,
+    shutdown,
+)
+from train.gpu import capture_nccl_log, nccl_warnings
 from train.preflight.comm import all_reduce_sweep, p2p_ring, slow_links
 from train.preflight.compute import measure_rates, stragglers
 from train.preflight.identity import collect_identity, disagreements
 from train.preflight.report import Report, render, write_json_atomically
 from train.preflight.storage import check_storage
+from train.preflight.transport import transport_findings
 
 DEFAULT_SECONDS = 30.0
 # Shares of the budget; the rest is start-up, identity and slack.
@@ -65,10 +79,16 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Config]:
     return own, parse_config(rest)
 
 
-def run_checks(ctx: DistContext, group: dist.ProcessGroup, config: Config, seconds: float, started: float, strict: bool) -> Report:
-    """Every check, on every rank, over `group`; rank 0's Report holds the verdict."""
+def run_checks(
+    ctx: DistContext, group: dist.ProcessGroup, config: Config, seconds: float, started: float, strict: bool, nccl_log: Path | None = None
+) -> Report:
+    """Every check, on every rank, over `group`; rank 0's Report holds the verdict. `nccl_log`: where NCCL
+    says which network it chose, once a first collective has set up its communicator."""
     report = Report(ctx.world_size, ctx.backend, seconds)
-    report.identity = gather_objects(collect_identity(ctx), ctx, group)
+    if ctx.backend == "nccl":
+        dist.all_reduce(torch.zeros(1, device=ctx.device), group=group)
+    report.identity = gather_objects(collect_identity(ctx, nccl_log), ctx, group)
+    transport_failures, transport_warnings = transport_findings(report.identity, ctx.backend)
     hosts = [record.host for record in report.identity]
     report.all_reduce = all_reduce_sweep(ctx, group, seconds * SHARES["all_reduce"])
     report.p2p = p2p_ring(ctx, group, hosts, seconds * SHARES["p2p"])
@@ -79,6 +99,7 @@ def run_checks(ctx: DistContext, group: dist.ProcessGroup, config: Config, secon
     outliers = [*slow_links(report.p2p), *stragglers(report.compute)]
     report.failures = [
         *disagreements(report.identity),
+        *transport_failures,
         *(
             f"all-reduce: {row.wrong} wrong elements at {row.size} B: the sums are not what every rank sent"
             for row in report.all_reduce
@@ -87,7 +108,7 @@ def run_checks(ctx: DistContext, group: dist.ProcessGroup, config: Config, secon
         *([report.storage.error] if report.storage and report.storage.error else []),
         *(outliers if strict else []),
     ]
-    report.warnings = [] if strict else outliers
+    report.warnings = [*transport_warnings, *([] if strict else outliers)]
     report.seconds = time.monotonic() - started
     return report
 
@@ -111,8 +132,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # Joining waits up to --collective-timeout: ranks can start minutes apart (pyxis unpacks the
         # image on each node). The checks' own group waits at most the budget for a peer.
-        ctx = init_distributed(*select_device(config.backend), config.collective_timeout)
+        backend, device = select_device(config.backend)
+        nccl_log = capture_nccl_log() if backend == "nccl" else None  # before NCCL first reads its settings
+        ctx = init_distributed(backend, device, config.collective_timeout)
         group = dist.new_group(timeout=timedelta(seconds=seconds))
+    except DeviceError as exc:  # this node's GPUs, not the group: what to do about them (train.gpu)
+        print(f"preflight: error: {exc}", file=sys.stderr)
+        return 2
     except (RuntimeError, ValueError) as exc:
         first = first_line(exc)
         print(f"preflight: error: cannot join the process group: {first}", file=sys.stderr)
@@ -122,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         checks = "identity, all-reduce, point-to-point, compute, storage"
         print(f"preflight: {ctx.world_size} ranks, backend {ctx.backend}, budget {seconds:g} s: {checks}", flush=True)
     try:
-        report = run_checks(ctx, group, config, seconds, started, own.preflight_strict)
+        report = run_checks(ctx, group, config, seconds, started, own.preflight_strict, nccl_log)
         code = 0 if report.ok else 1
         if ctx.is_main:
             print("\n".join(render(report)), flush=True)
@@ -144,6 +170,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         exit_now(1)
     shutdown()
+    if nccl_log is not None:
+        for line in nccl_warnings(nccl_log):  # NCCL_DEBUG=WARN would have shown them: they still reach stderr
+            print(line, file=sys.stderr)
+        shutil.rmtree(nccl_log.parent, ignore_errors=True)
     return code
 
 

@@ -1,4 +1,5 @@
-"""What each rank runs: host, place, device, bundle, Python, torch, CUDA, NCCL, inside the image or not.
+"""What each rank runs: host, place, device, bundle, Python, torch, CUDA, NCCL, the NVIDIA driver, the
+network NCCL chose and the EFA devices beside it, inside the image or not.
 
 A job whose ranks disagree on any of these is not the job the user meant: one node with a stale image,
 one node where pyxis was not loaded and the task ran on the host's Python, one node with another torch.
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 
 from train.distributed import DistContext
+from train.gpu import driver_version, efa_devices, nccl_network
 
 LIB = Path(__file__).resolve().parents[2]  # /opt/ddpack/lib in the image, the checkout elsewhere
 # Written by the image build (Dockerfile, Dockerfile.gpu): the version and revision it was built from.
@@ -25,7 +27,7 @@ BUILD_FILE = LIB / "ddpack-build.json"
 CODE_PACKAGES = ("entrypoint", "train")
 
 # Fields every rank must share; the rest (host, rank, visible devices) describe where a rank is.
-AGREED = ("bundle", "code", "app", "in_image", "python", "torch", "cuda", "nccl", "device")
+AGREED = ("bundle", "code", "app", "in_image", "python", "torch", "cuda", "nccl", "device", "driver", "transport", "efa")
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,9 @@ class Identity:
     torch: str
     cuda: str
     nccl: str
+    driver: str  # the NVIDIA driver on a GPU rank's node, "-" on CPU ranks
+    transport: str  # the network NCCL said it uses (Socket, IB, AWS Libfabric), "?" when its log was not read, "-" for gloo
+    efa: int  # EFA devices on the node
 
 
 def code_digest(lib: Path = LIB) -> str:
@@ -81,8 +86,9 @@ def app_label(build_file: Path = BUILD_FILE) -> str:
     return f"{app.get('name', '?')}@{app.get('digest', '?')}" if app else "-"
 
 
-def collect_identity(ctx: DistContext) -> Identity:
-    """This rank's identity, read from the process itself (no collective)."""
+def collect_identity(ctx: DistContext, nccl_log: Path | None = None) -> Identity:
+    """This rank's identity, read from the process itself (no collective); `nccl_log`: where this process's
+    NCCL wrote its INIT/NET lines (train.gpu.capture_nccl_log), read once NCCL has set up a communicator."""
     cuda = torch.version.cuda or "-"
     nccl = "-"
     if torch.cuda.is_available() and torch.distributed.is_nccl_available():
@@ -108,6 +114,9 @@ def collect_identity(ctx: DistContext) -> Identity:
         torch=torch.__version__,
         cuda=cuda,
         nccl=nccl,
+        driver=(driver_version() or "?") if ctx.device.type == "cuda" else "-",
+        transport=nccl_network(nccl_log) if ctx.backend == "nccl" else "-",
+        efa=len(efa_devices()),
     )
 
 

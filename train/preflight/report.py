@@ -39,7 +39,9 @@ class Report:
         return json.dumps(data, indent=2)
 
 
-IDENTITY_COLUMNS = ("rank", "host", "local", "device", "bundle", "code", "app", "image", "python", "torch", "cuda", "nccl")
+IDENTITY_COLUMNS = (
+    "rank", "host", "local", "device", "bundle", "code", "app", "image", "python", "torch", "cuda", "nccl", "driver", "network", "efa"
+)
 
 
 def identity_table(records: Sequence[Identity]) -> list[str]:
@@ -58,6 +60,9 @@ def identity_table(records: Sequence[Identity]) -> list[str]:
             r.torch,
             r.cuda,
             r.nccl,
+            r.driver,
+            r.transport,
+            str(r.efa),
         )
         for r in records
     ]
