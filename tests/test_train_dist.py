@@ -148,10 +148,12 @@ def test_killed_peer_ends_the_survivor_within_the_timeout(tmp_path: Path) -> Non
 def test_a_stopped_rank_is_named_by_the_hang_watchdog_which_ends_the_job_with_evidence(tmp_path: Path) -> None:
     """SIGSTOP (a frozen node): the stopped rank cannot write its own stacks; rank 0 notices that no rank
     finishes a step, writes its stacks and a summary naming the rank whose heartbeat went stale, and
-    exits 124 well before the collective timeout."""
+    exits 124 well before the collective timeout. A snapshot every step: rank 0 may be left waiting in
+    the snapshot's gather too, which must count as a wait (it once counted as progress)."""
     forensics = tmp_path / "forensics"
     metrics = tmp_path / "m.jsonl"
-    args = [*LONG, "--snapshot-dir", "", "--collective-timeout", "120", "--hang-timeout", "5", "--forensics-dir", str(forensics)]
+    args = [*LONG, "--snapshot-dir", str(tmp_path / "snapshots"), "--snapshot-every", "1", "--collective-timeout", "120"]
+    args += ["--hang-timeout", "5", "--forensics-dir", str(forensics)]
     args += ["--metrics-file", str(metrics)]
     job = start_slurm_step(tmp_path, [2], args)
     wait_for(lambda: metrics_step(metrics) >= 5, 60, "step 5")
@@ -165,8 +167,8 @@ def test_a_stopped_rank_is_named_by_the_hang_watchdog_which_ends_the_job_with_ev
     summary = json.loads((forensics / "summary.json").read_text())
     assert summary["behind_ranks"] == [1] and "no heartbeat" in summary["behind"][0], summary
     assert sorted(p.name for p in forensics.glob("rank-*.txt")) == ["rank-0.txt"]
-    # Rank 0 waits in one of a step's collectives: the gradients', the metrics' or the stop agreement's.
-    assert re.search(r"in (sync|metrics|step-end) for ", (forensics / "rank-0.txt").read_text().splitlines()[0])
+    # Rank 0 waits in one of a step's collectives: the gradients', the metrics', the snapshot's or the stop agreement's.
+    assert re.search(r"in (sync|metrics|snapshot-gather|step-end) for ", (forensics / "rank-0.txt").read_text().splitlines()[0])
     assert f"evidence in {forensics}" in job.output(0)
     end = json.loads(metrics.read_text().splitlines()[-1])  # rank 0's end record, from the watchdog
     assert end["kind"] == "end" and end["outcome"] == "hung" and end["exit_code"] == 124 and end["forensics"] == str(forensics)

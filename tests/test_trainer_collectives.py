@@ -11,6 +11,7 @@ import os
 import signal
 from collections import Counter
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from train.metrics import MetricsFile, RankLog
 from train.signals import PreemptionWatcher
 from train.tasks import Task, load_task
 from train.trainer import Preempted, Trainer
+from train.watchdog import UNTIMED, Progress
 
 
 @pytest.fixture
@@ -138,6 +140,44 @@ def test_progress_lines_add_one_all_reduce_each(group: DistContext) -> None:
     _, calls, _ = fit(group, "--log-every", "10")
     assert calls["gloo:all_reduce"] == 12  # progress at steps 10, 20, ..., 110 and the last
     assert calls["gloo:all_gather"] == 116 + 2
+
+
+def test_every_collective_after_the_first_step_waits_in_a_timed_phase(
+    group: DistContext, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The watchdog counts a rank in an untimed phase (a snapshot's write, eval) as making progress while
+    its heartbeat is fresh; a rank waiting there on a frozen peer would hide the hang until the collective
+    timeout (seen: a rank frozen before a snapshot's gather of the RNG states). So every collective the
+    trainer calls once its first step is done, snapshots, evals and a stop's included, is called in a
+    timed phase; the ones before (set-up, resume) are not timed at all."""
+    watched = [Progress()]  # the running trainer's
+    seen: list[tuple[str, str, bool]] = []
+
+    def recorded(name: str, real: Callable[..., object]) -> Callable[..., object]:
+        def call(*args: object, **kwargs: object) -> object:
+            seen.append((name, watched[-1].phase, watched[-1].armed))
+            return real(*args, **kwargs)
+
+        return call
+
+    for name in ("all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list", "barrier"):
+        monkeypatch.setattr(dist, name, recorded(name, getattr(dist, name)))
+    # Two epochs of 58 steps: progress lines, periodic snapshots, the end-of-epoch eval and the final checksum;
+    # then a stop right after the first step of a second run: its durable snapshot and the leaving barrier.
+    config = parse_config(["--snapshot-dir", str(tmp_path), "--snapshot-every", "7", "--epochs", "2", "--log-every", "5"])
+    watcher = PreemptionWatcher()
+    try:
+        Trainer(config, load_task(config), group, RankLog(0, 1, io.StringIO()), MetricsFile(None), watcher, watched[-1]).fit()
+        again = parse_config(["--snapshot-dir", str(tmp_path / "again"), "--epochs", "1"])
+        watcher.received = signal.SIGTERM  # as the handler would set it
+        watched.append(Progress())
+        with pytest.raises(Preempted):
+            Trainer(again, load_task(again), group, RankLog(0, 1, io.StringIO()), MetricsFile(None), watcher, watched[-1]).fit()
+    finally:
+        watcher.restore()
+    timed = [(name, phase) for name, phase, armed in seen if armed]
+    assert {phase for _, phase in timed} >= {"metrics", "snapshot-gather", "step-end"}, seen
+    assert [(name, phase) for name, phase in timed if phase in UNTIMED] == [], seen
 
 
 def test_gradient_sync_matches_ddp_all_reduce_bit_for_bit_on_two_ranks() -> None:

@@ -280,10 +280,14 @@ class Trainer:
         the end of training) waits until the newest snapshot is on disk."""
         if not self.config.snapshot_dir:
             return
-        self.progress.enter_counted("snapshot")
+        rng_all, held_since = None, time.monotonic()
         if self.last_snapshot_step != self.global_step:
-            held_since = time.monotonic()
+            # Timed, as every collective is: a peer frozen before the gather is a hang. Were it counted as
+            # progress, the ranks waiting here would look busy to the watchdog for as long as they wait.
+            self.progress.enter("snapshot-gather")
             rng_all = gather_objects(_rng_state(self.ctx.device), self.ctx)
+        self.progress.enter_counted("snapshot")  # from here on local and maybe long: the copy, a durable write
+        if rng_all is not None:
             if self.writer is not None:
                 self.writer.submit(self._state(rng_all), held_since)
             self.last_snapshot_step = self.global_step

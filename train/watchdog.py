@@ -45,8 +45,10 @@ from train.outcome import RunEnd
 
 EXIT_HANG = 124  # as timeout(1): the run was ended for taking too long
 # Phases in step order: a rank in an earlier phase after the same step is behind the others.
-PHASES = ("setup", "data", "forward", "backward", "sync", "optimizer", "metrics", "step-end", "snapshot", "eval", "finish")
+PHASES = ("setup", "data", "forward", "backward", "sync", "optimizer", "metrics", "step-end", "snapshot-gather", "snapshot", "eval", "finish")
 # Legitimately long and not a hang while the rank's heartbeat is fresh; the first step is untimed too.
+# None of them may wait on a peer: a rank blocked in a collective would count as making progress, and a
+# frozen peer would never be found (the snapshot's gather of the ranks' RNG states is timed for this).
 UNTIMED = frozenset({"setup", "snapshot", "eval"})
 WORKER_DUMP_SIGNAL = signal.SIGUSR2
 STACKS_PREFIX = "ddpack-stacks-"
