@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,6 +17,14 @@ from conftest import ROOT, clean_env
 from train import outcome
 
 VENV = Path(sys.executable).parent.parent
+PROGRESS_LINE = re.compile(r"\] epoch \d+/\d+ step \d+/\d+ \(global ")
+
+
+def brief(log: Path | str) -> str:
+    """A job log without its progress lines: the starts, snapshots, ends and the template's verdicts a failed
+    check needs, short enough for a CI excerpt to show whole."""
+    text = log if isinstance(log, str) else (log.read_text() if log.exists() else "")
+    return "\n".join(line for line in text.splitlines() if not PROGRESS_LINE.search(line))
 
 
 def env(**extra: str) -> dict[str, str]:
@@ -107,9 +116,7 @@ def progress_count(metrics: Path) -> int:
 def wait_for_progress(metrics: Path, count: int, log: Path, what: str = "", timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while progress_count(metrics) < count:
-        assert time.monotonic() < deadline, (
-            f"{what or f'training did not reach {count} progress records'}:\n{log.read_text() if log.exists() else ''}"
-        )
+        assert time.monotonic() < deadline, f"{what or f'training did not reach {count} progress records'}:\n{brief(log)}"
         time.sleep(0.2)
 
 
@@ -138,7 +145,7 @@ def wait_for_resume(job: str, restart: int, log: Path, timeout: float = 300) -> 
     """Wait until the job's start after its `restart`-th requeue has resumed from a snapshot."""
     deadline, banner = time.monotonic() + timeout, f"(restart {restart})"
     while "resuming from" not in (log.read_text() if log.exists() else "").partition(banner)[2]:
-        assert time.monotonic() < deadline, f"job {job} did not come back: {job_state(job)}\n{log.read_text() if log.exists() else ''}"
+        assert time.monotonic() < deadline, f"job {job} did not come back: {job_state(job)}\n{brief(log)}"
         time.sleep(0.5)
 
 
@@ -156,8 +163,8 @@ def wait_for_restarts(job: str, restarts: int, log: Path, timeout: float = 480) 
         # A requeue passes through an ended state for a moment; one that lasts is the end.
         ended_early = (ended_early or time.monotonic()) if state in FINAL_STATES else None
         if ended_early is not None and time.monotonic() - ended_early > 30:
-            pytest.fail(f"job {job} ended ({state}) after {count} restarts, not {restarts}: {seen}\n{log.read_text()}")
-        assert time.monotonic() < deadline, f"job {job} did not finish: {seen}\n{log.read_text() if log.exists() else ''}"
+            pytest.fail(f"job {job} ended ({state}) after {count} restarts, not {restarts}: {seen}\n{brief(log)}")
+        assert time.monotonic() < deadline, f"job {job} did not finish: {seen}\n{brief(log)}"
         time.sleep(1)
     return log.read_text()
 

@@ -19,6 +19,7 @@ from slurm_jobs import (
     FINAL_STATES,
     VENV,
     all_agree,
+    brief,
     env,
     job_state,
     progress_count,
@@ -180,18 +181,37 @@ def test_a_lost_node_killed_tasks_and_a_frozen_rank_each_come_back_and_resume_fr
     assert signal_tasks(job, "ddnode2", signal.SIGSTOP, rank=3), "no rank 3 on ddnode2"
     text = wait_for_restarts(job, 3, log)
     first, second, third, fourth = re.split(r"\(restart [123]\)", text)
+
+    def check(ok: object, what: str) -> None:
+        assert ok, f"{what}; the job's log without its progress lines:\n{brief(text)}"
+
     stopped = re.search(r"\[rank 0/4\] stopped on SIGTERM .*?snapshot (\S+snapshot-(\d+)\.pt)", first)
-    assert stopped and "requeued: continuing its run from the last snapshot" in second.splitlines()[0], text
-    assert f"resuming from {stopped.group(1)}" in second, text
-    assert "ddpack: the step failed (exit " in second and "(failure restart 1 of at most 2)" in second, text
+    check(stopped, "lost node: rank 0 did not stop on SIGTERM with a snapshot")
+    check("requeued: continuing its run from the last snapshot" in second.splitlines()[0], "lost node: the job was not requeued")
+    check(f"resuming from {stopped.group(1)}" in second, "lost node: the requeued job did not resume from the stop's snapshot")
+    check(
+        "ddpack: the step failed (exit " in second and "(failure restart 1 of at most 2)" in second,
+        "killed tasks: the template did not retry the failed step",
+    )
     last_periodic = re.findall(r"snapshot saved: (\S+snapshot-(\d+)\.pt)", second)[-1]
-    assert int(last_periodic[1]) % 20 == 0 and f"resuming from {last_periodic[0]}" in third, text
-    assert "requeued: continuing its run from the last snapshot" in third.splitlines()[0]
+    check(int(last_periodic[1]) % 20 == 0, f"killed tasks: the last snapshot before the kill, {last_periodic[0]}, is not a periodic one")
+    check(f"resuming from {last_periodic[0]}" in third, f"killed tasks: the retry did not resume from {last_periodic[0]}")
+    check("requeued: continuing its run from the last snapshot" in third.splitlines()[0], "killed tasks: the retry is not a requeue")
     hung = [end for end in read_ends(third) if end.outcome == "hung"]
-    assert sorted(end.rank for end in hung) == [0, 1, 2] and all("rank 3 on ddnode2" in end.reason for end in hung), text
-    assert "ddpack: the step ended as hung (exit 137;" in third and "(failure restart 2 of at most 2)" in third, text
-    assert "ddpack: not keeping out ddnode2 (named unresponsive): partition debug has 2 nodes and the job needs 2" in third, text
-    assert all_agree(fourth, 4), text
+    check(
+        sorted(end.rank for end in hung) == [0, 1, 2],
+        f"frozen rank: ranks {sorted(end.rank for end in hung)} ended as hung, not 0, 1 and 2",
+    )
+    check(all("rank 3 on ddnode2" in end.reason for end in hung), "frozen rank: a hung rank's reason does not name rank 3 on ddnode2")
+    check(
+        "ddpack: the step ended as hung (exit 137;" in third and "(failure restart 2 of at most 2)" in third,
+        "frozen rank: the template did not retry the hung step",
+    )
+    check(
+        "ddpack: not keeping out ddnode2 (named unresponsive): partition debug has 2 nodes and the job needs 2" in third,
+        "frozen rank: the template did not say why ddnode2 is not kept out",
+    )
+    check(all_agree(fourth, 4), "the last start did not finish with 4 agreeing checksums")
 
 
 def test_the_restart_cap_stops_requeueing_and_says_how_to_continue(tmp_path: Path) -> None:
