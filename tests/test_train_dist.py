@@ -178,7 +178,8 @@ def test_a_stopped_rank_is_named_by_the_hang_watchdog_which_ends_the_job_with_ev
 def test_a_rank_stuck_in_its_dataset_ends_every_rank_with_its_stack_frame_in_the_forensics(tmp_path: Path) -> None:
     """The issue's case: rank 1 blocks forever inside a user's dataset (in a DataLoader worker). Both
     ranks end with 124; the summary names rank 1 (in `data` while rank 0 waits in the gradient sync),
-    and rank 1's file holds the worker's frame where it blocked."""
+    and rank 1's file holds the worker's frame where it blocked. The blocked worker ends with its rank
+    (it would otherwise wait forever, orphaned)."""
     forensics = tmp_path / "forensics"
     args = ["--task", "plugins.hang_task:make", "--epochs", "3", "--batch-size", "16", "--log-every", "1", "--snapshot-dir", ""]
     args += ["--hang-timeout", "5", "--forensics-dir", str(forensics), "--num-workers", "1"]
@@ -191,6 +192,8 @@ def test_a_rank_stuck_in_its_dataset_ends_every_rank_with_its_stack_frame_in_the
     assert "DataLoader worker-0" in stacks and re.search(r"hang_task\.py\", line \d+ in wait_for_storage_that_never_answers", stacks), stacks
     for rank in range(2):
         assert "behind: rank 1 on " in job.output(rank) and f"evidence in {forensics}" in job.output(rank), job.output(rank)
+    workers = [int(pid) for pid in re.findall(r"--- DataLoader worker-\d+-pid(\d+) ---", stacks)]
+    wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in workers), 10, f"rank 1's DataLoader workers {workers} to end")
 
 
 # ---------------------------------------------------------------- DataLoader workers, torchrun stops

@@ -26,6 +26,7 @@ How:
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import faulthandler
 import json
 import os
@@ -173,16 +174,15 @@ def register_worker_stack_dump(worker_id: int) -> None:
     faulthandler.register(WORKER_DUMP_SIGNAL, file=handle, all_threads=True)
 
 
-def _worker_stacks(wait_s: float = 1.0) -> str:
-    """Ask this rank's DataLoader workers for their stacks and collect them (removing their files)."""
+def _worker_stacks(wait_s: float = 1.0) -> tuple[str, list[int]]:
+    """Ask this rank's DataLoader workers for their stacks and collect them (removing their files); and
+    the workers' pids."""
     folder = stacks_dir()
     files = sorted(folder.glob("worker-*.txt")) if folder.is_dir() else []
-    for path in files:
-        pid = int(path.stem.rsplit("pid", 1)[1])
-        try:
+    pids = [int(path.stem.rsplit("pid", 1)[1]) for path in files]
+    for pid in pids:
+        with contextlib.suppress(OSError):
             os.kill(pid, WORKER_DUMP_SIGNAL)
-        except OSError:
-            continue
     if files:
         time.sleep(wait_s)
     parts = []
@@ -190,7 +190,18 @@ def _worker_stacks(wait_s: float = 1.0) -> str:
         text = path.read_text(errors="replace").strip()
         parts.append(f"--- DataLoader {path.stem} ---\n{text or '(no answer: the worker is gone or stopped)'}")
     remove_stacks_dir()
-    return "\n\n".join(parts)
+    return "\n\n".join(parts), pids
+
+
+def _kill(pids: list[int]) -> None:
+    """A hung rank's DataLoader workers go with it. A worker blocked in a dataset never gets back to
+    torch's check that its parent is alive, so it would outlive the rank, forever, wherever no cgroup or
+    container ends the job's processes (a bare `python -m train`, torchrun)."""
+    for pid in pids:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            # Still this rank's child: a file left by a worker long gone may name a pid the system reused.
+            if int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) == os.getpid():
+                os.kill(pid, signal.SIGKILL)
 
 
 def remove_stacks_dir() -> None:
@@ -371,7 +382,7 @@ class Watchdog:
             f"in {p.phase} for {now - p.phase_at:.1f}s, {now - p.progress_at:.1f}s since progress; {why}\n"
         )
         nccl = _dump_nccl_trace(self.forensics_dir / f"rank-{self.rank}.nccl-trace.pickle")
-        workers = _worker_stacks()
+        workers, worker_pids = _worker_stacks()
         write_atomic(mine, header + (f"NCCL flight recorder: {nccl}\n" if nccl else "") + "\n" + thread_stacks() + ("\n" + workers if workers else ""))
         self.store.set(f"dumped/{self.rank}", "1")
         summary = self._summarise(why)
@@ -388,6 +399,7 @@ class Watchdog:
             forensics=str(self.forensics_dir),
         )
         self.on_end(end)
+        _kill(worker_pids)
         self._exit(EXIT_HANG)
 
     def _summarise(self, why: str) -> dict[str, Any]:
