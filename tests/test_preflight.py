@@ -5,7 +5,6 @@ a peer dies."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -163,10 +162,8 @@ def preflight_args(tmp_path: Path, seconds: int = 6) -> list[str]:
 
 @dist
 def test_a_healthy_two_rank_slurm_step_passes_with_every_section(tmp_path: Path) -> None:
-    started = time.monotonic()
     job = start_slurm_step(tmp_path, [1, 1], preflight_args(tmp_path))
     assert job.wait(120) == [0, 0], job.output()
-    elapsed = time.monotonic() - started
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["ok"] is True and report["failures"] == []
     assert [r["rank"] for r in report["identity"]] == [0, 1]
@@ -180,7 +177,6 @@ def test_a_healthy_two_rank_slurm_step_passes_with_every_section(tmp_path: Path)
     out = job.output(0)
     assert "preflight: PASS in" in out and "# Avg bus bandwidth" in out
     assert job.output(1) == ""  # only rank 0 reports
-    assert elapsed < 60
 
 
 @dist
@@ -230,14 +226,15 @@ def test_a_peer_that_dies_or_hangs_mid_check_ends_the_others_within_the_budget(t
     wait_for(lambda: "preflight: 2 ranks" in job.output(0), 60, "the preflight to start")
     time.sleep(1.0)  # into the all-reduce sweep (half the budget)
     job.send(how, [1])
-    stopped = time.monotonic()
     try:
         assert job.procs[0].wait(timeout=60) == 1
     finally:
         job.kill()
-    assert time.monotonic() - stopped < budget + 5  # a hung peer: the collective timeout is the budget
     out = job.output(0)
-    assert "preflight: error: rank 0 on " in out and "a peer died or did not answer within 12 s" in out, out
+    # Ended by the collective timeout, which is the budget; the preflight's overrun timer (2 x budget + 30 s,
+    # past this wait) would say "did not finish within".
+    assert "preflight: error: rank 0 on " in out and f"a peer died or did not answer within {budget} s" in out, out
+    assert "did not finish within" not in out
     assert "Traceback" not in out
     assert not (tmp_path / "report.json").exists()
 
@@ -255,26 +252,34 @@ def test_a_rank_that_starts_later_than_the_budget_still_joins(tmp_path: Path) ->
     assert "preflight: PASS" in job.output(0)
 
 
+# Rank 1's matrix multiplies take SLOWDOWN times as long, as on a throttled device or slower cores: the
+# slowdown is its own, so no other load on the machine can hide it. (Four busy loops pinned to rank 1's core
+# could: the kernel moved the machine's other work onto rank 0's core until both ranks were as slow, and a
+# full CI run named no straggler.)
+SLOW_MATMUL = """import sys, time
+if "train.preflight" in sys.orig_argv:
+    import torch
+    mm = torch.mm
+    def slow_mm(*args, **kwargs):
+        started = time.perf_counter()
+        out = mm(*args, **kwargs)
+        time.sleep((SLOWDOWN - 1) * (time.perf_counter() - started))
+        return out
+    torch.mm = slow_mm
+"""
+
+
 @dist
 @pytest.mark.parametrize("strict", [False, True], ids=["warns", "strict"])
 def test_a_straggler_is_named_by_host_as_a_warning_or_with_strict_a_failure(tmp_path: Path, strict: bool) -> None:
-    """Rank 1 shares its core with four busy loops: a fifth of the rate of rank 0, alone on its core."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        pytest.skip("needs two cores")
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(4)]
-    try:
-        for hog in hogs:
-            os.sched_setaffinity(hog.pid, {cores[1]})
-        args = preflight_args(tmp_path)
-        job = start_slurm_step(tmp_path, [2], args[:1] + (["--preflight-strict"] if strict else []) + args[1:])
-        for proc, core in zip(job.procs, cores[:2], strict=True):
-            os.sched_setaffinity(proc.pid, {core})  # before Python starts any thread; later threads inherit it
-        codes = job.wait(120)
-    finally:
-        for hog in hogs:
-            hog.kill()
-            hog.wait()
+    """Rank 1 computes at a tenth of its own speed: it is named by host, and only it."""
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text(SLOW_MATMUL.replace("SLOWDOWN", "10"))  # imported at interpreter start
+    args = preflight_args(tmp_path)
+    args = args[:1] + (["--preflight-strict"] if strict else []) + args[1:]
+    job = start_slurm_step(tmp_path, [2], args, rank_env={1: {"PYTHONPATH": f"{slow}:{ROOT}"}})
+    codes = job.wait(120)
     out = job.output(0)
     report = json.loads((tmp_path / "report.json").read_text())
     host = report["identity"][1]["host"]
