@@ -184,8 +184,8 @@ def _mark_segments(ax: Any, run: Run, x_of: Any) -> None:
 
 
 def chart_loss(ax: Any, run: Run) -> None:
-    steps = [r["global_step"] for r in run.progress]
-    ax.plot(steps, [r["loss"] for r in run.progress], color="tab:blue", label="train loss")
+    losses = [(r["global_step"], r["loss"]) for r in run.progress if r.get("loss") is not None]  # a loop of one's own may give none
+    ax.plot([step for step, _ in losses], [loss for _, loss in losses], color="tab:blue", label="train loss")
     ax.set_xlabel("global step")
     ax.set_ylabel("loss")
     names = sorted({k for r in run.evals for k in r if k not in ("time", "kind", "epoch", "global_step")})
@@ -214,9 +214,10 @@ def chart_throughput(ax: Any, run: Run) -> None:
     t0, (unit, unit_name) = run.t0, time_axis(run)
     other = ax.twinx() if any(r.get("mfu") is not None for r in run.progress) else None
     for index, segment in enumerate(run.segments):
-        when = [(r["time"] - t0) / unit for r in segment.progress]
-        ax.plot(when, [r["samples_per_s"] for r in segment.progress], color="tab:blue", marker=".", label="samples/s" if index == 0 else None)
-        mfu = [(w, r["mfu"] * 100) for w, r in zip(when, segment.progress, strict=True) if r.get("mfu") is not None]
+        rated = [r for r in segment.progress if r.get("samples_per_s") is not None]
+        when = [(r["time"] - t0) / unit for r in rated]
+        ax.plot(when, [r["samples_per_s"] for r in rated], color="tab:blue", marker=".", label="samples/s" if index == 0 else None)
+        mfu = [(w, r["mfu"] * 100) for w, r in zip(when, rated, strict=True) if r.get("mfu") is not None]
         if other is not None and mfu:
             other.plot(*zip(*mfu, strict=True), color="tab:red", linestyle="--", label="MFU %" if index == 0 else None)
     ax.set_xlabel(f"{unit_name} since the first start")
@@ -328,7 +329,7 @@ def _when(seconds: float | None) -> str:
 def summary(run: Run) -> list[tuple[str, Any]]:
     start, progress = run.last_start or {}, run.progress
     last = run.segments[-1]
-    rates = [r["samples_per_s"] for r in progress]
+    rates = [r["samples_per_s"] for r in progress if r.get("samples_per_s") is not None]
     mfus = [r["mfu"] for r in progress if r.get("mfu") is not None]
     return [
         ("run folder", str(run.folder)),

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 
 from entrypoint.plan import BACKENDS, Host, Options, Plan, PlanError, app_command, from_app_dir, resolve_plan, trainer_command
+from entrypoint.supervise import stop_grace, supervise
 
 USAGE = f"""usage: entrypoint [--print-plan] [--nproc-per-node N] [--backend {{{",".join(BACKENDS)}}}]
                   [--preflight [--preflight-json PATH] [--preflight-seconds S] [--preflight-strict]]
@@ -23,6 +24,8 @@ Resolve where this process stands in a DDP job (torchrun, Slurm srun with or wit
 docker run -e RANK=..., or nothing) and exec COMMAND (default: the image's app command, $DDPACK_APP_CMD,
 else python -m train; leading flags go to python -m train) with RANK,
 WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR, MASTER_PORT, DDPACK_BACKEND set.
+A command of your own runs under a small parent that makes a preemption (SIGUSR1, SIGTERM) end in 128+N
+within $DDPACK_STOP_GRACE seconds (60), whatever the program does with the signal (entrypoint/supervise.py).
 
 options:
   --print-plan          print the resolved plan as JSON and exit
@@ -128,13 +131,28 @@ def plan_json(plan: Plan) -> str:
     data = asdict(plan)
     data["argv"] = list(plan.argv)
     data["env"] = dict(plan.env)
+    data["supervised"] = supervised(plan)
     return json.dumps(data, indent=2, sort_keys=True)
 
 
-def execute(plan: Plan) -> None:
-    """Replace this process with the plan's command; returns only by raising."""
+def is_bundle_command(argv: Sequence[str]) -> bool:
+    """The bundle's trainer or preflight, which stop on SIGUSR1/SIGTERM by themselves (agreed, then 128+N)."""
+    prefix = trainer_command()[:-1]
+    return tuple(argv[: len(prefix)]) == prefix and tuple(argv[len(prefix) : len(prefix) + 1]) in (("train",), ("train.preflight",))
+
+
+def supervised(plan: Plan) -> bool:
+    """Whether the plan's command runs under entrypoint.supervise: a command of the user's, run as this rank."""
+    return plan.launcher == "exec" and not is_bundle_command(plan.argv)
+
+
+def execute(plan: Plan, grace_s: float) -> int:
+    """Replace this process with the plan's command (returns only by raising), or supervise a user's own."""
     env = {**os.environ, **plan.env}
+    if supervised(plan):
+        return supervise(plan.argv, env, grace_s)
     os.execvpe(plan.argv[0], list(plan.argv), env)
+    return 0  # unreachable: execvpe does not return
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -145,7 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         options, print_plan = parse_args(args)
         plan = resolve_plan(os.environ, options, Host.probe())
-    except (UsageError, PlanError) as exc:
+        grace_s = stop_grace(os.environ)
+    except (UsageError, PlanError, ValueError) as exc:
         print(f"entrypoint: error: {exc}", file=sys.stderr)
         return 2
     if print_plan:
@@ -153,14 +172,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     sys.stdout.flush()
     try:
-        execute(plan)
+        return execute(plan, grace_s)
     except FileNotFoundError:
         print(f"entrypoint: error: command not found: {plan.argv[0]!r}; check the image's PATH", file=sys.stderr)
         return 127
     except PermissionError:
         print(f"entrypoint: error: command not executable: {plan.argv[0]!r}", file=sys.stderr)
         return 126
-    return 0  # unreachable: execvpe does not return
 
 
 if __name__ == "__main__":

@@ -1,0 +1,158 @@
+"""A user's own framework under ddpack: real PyTorch Lightning and Hugging Face `Trainer` projects
+(tests/frameworks/, each a `train.py`) launched as `srun` launches a step's tasks, with faults injected: a
+preemption signal that reaches one rank, a rank frozen in its training step, and Lightning with no adapter.
+The launcher's supervisor and the adapters' rules on their own come first."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, clean_env
+from ddp_jobs import Job, start_slurm_step, subdir, wait_for
+
+from entrypoint.supervise import exit_status
+
+PROJECTS = ROOT / "tests" / "frameworks"
+
+
+# ---------------------------------------------------------------- the supervisor's rules
+
+
+def test_after_a_stop_signal_any_ending_but_done_bad_input_or_hung_is_a_preemption() -> None:
+    assert exit_status(0, None, pushed=False) == 0 and exit_status(-9, None, pushed=False) == 137  # no signal: as it ended
+    assert exit_status(138, signal.SIGUSR1, pushed=False) == 138  # it stopped itself
+    assert exit_status(0, signal.SIGUSR1, pushed=False) == 0  # it finished before it had to stop
+    assert exit_status(1, signal.SIGUSR1, pushed=False) == 138  # it crashed on the way out: requeue it all the same
+    assert exit_status(124, signal.SIGTERM, pushed=False) == 124  # a hang the watchdog ended is a failure, not a preemption
+    # Pushed (SIGTERM on its behalf, or aborted and killed): Lightning's SIGTERMException exits 0 mid-training.
+    assert exit_status(0, signal.SIGUSR1, pushed=True) == 138 and exit_status(-9, signal.SIGUSR1, pushed=True) == 138
+    assert exit_status(2, signal.SIGUSR1, pushed=True) == 2  # bad input is never retried
+
+
+def entrypoint(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "entrypoint", *args], env=clean_env(**env), capture_output=True, text=True, timeout=60)
+
+
+def test_a_bad_stop_grace_is_one_line_and_exit_2() -> None:
+    result = entrypoint("--", "true", DDPACK_STOP_GRACE="1m")
+    assert result.returncode == 2
+    assert result.stderr == "entrypoint: error: DDPACK_STOP_GRACE='1m' is not a number of seconds in (0, 3600]; set it to one or unset it\n"
+
+
+def test_a_users_command_is_supervised_and_the_bundles_own_are_not() -> None:
+    plans = [json.loads(entrypoint("--print-plan", *args).stdout) for args in (["--", "python", "my.py"], [], ["--preflight"])]
+    assert [plan["supervised"] for plan in plans] == [True, False, False]
+
+
+def test_a_program_that_ignores_sigusr1_is_stopped_with_sigterm_and_requeued(tmp_path: Path) -> None:
+    """A script with no handler of its own: SIGUSR1 (ignored in the child) becomes SIGTERM, and the step ends 138."""
+    script = tmp_path / "loop.py"
+    script.write_text("import signal, time\nprint('ignored:', signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN, flush=True)\nwhile True:\n    time.sleep(0.1)\n")
+    job = start_slurm_step(tmp_path, [1], ["--", sys.executable, str(script)])
+    wait_for(lambda: "ignored: True" in job.output(0), 30, "the script to start with SIGUSR1 ignored")
+    job.send(signal.SIGUSR1, [0])
+    assert job.wait(60) == [138], job.output()
+    assert "entrypoint: SIGUSR1 received; the program has 60 s to stop (DDPACK_STOP_GRACE)" in job.output(0)
+
+
+# ---------------------------------------------------------------- real frameworks
+
+
+def start_project(tmp_path: Path, project: str, run: Path, step: str, **env: str) -> Job:
+    """Two ranks of a project's train.py, as the per-task template's step runs them: Slurm's variables as
+    Lightning reads them (job name other than `interactive`, --ntasks-per-node), the run folder as the
+    working directory, and the template's DDPACK_METRICS_FILE and DDPACK_FORENSICS_DIR."""
+    pytest.importorskip("lightning" if project.startswith("lightning") else "transformers")
+    run.mkdir(parents=True, exist_ok=True)
+    task_env = {
+        "SLURM_JOB_NAME": "ddpack",
+        "SLURM_NTASKS": "2",
+        "SLURM_NTASKS_PER_NODE": "2",
+        "SLURM_NODELIST": "127.0.0.1",
+        "DDPACK_METRICS_FILE": str(run / "metrics.jsonl"),
+        "DDPACK_FORENSICS_DIR": str(run / "forensics"),
+        **env,
+    }
+    script = PROJECTS / project / "train.py"
+    return start_slurm_step(subdir(tmp_path, step), [2], ["--", sys.executable, str(script)], cwd=run, rank_env={0: task_env, 1: task_env})
+
+
+def records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def progressed(run: Path, count: int) -> bool:
+    path = run / "metrics.jsonl"
+    return path.exists() and path.read_text().count('"kind": "progress"') >= count
+
+
+def preempted_resumed_and_reported(tmp_path: Path, project: str) -> None:
+    """SIGUSR1 to rank 1 alone mid-training: both ranks stop at one step and exit 138 after the framework's own
+    checkpoint; a second start (the requeue) resumes from it and finishes with agreeing checksums; the
+    metrics file holds both segments and `make report` draws them."""
+    run = tmp_path / "run"
+    first = start_project(tmp_path, project, run, "first", STEP_SLEEP_S="0.01")
+    wait_for(lambda: progressed(run, 3), 120, "training to report progress")
+    first.send(signal.SIGUSR1, [1])
+    assert first.wait(120) == [138, 138], first.output()
+    stops = [first.ends(rank)[-1] for rank in (0, 1)]
+    assert [(end.outcome, end.signal) for end in stops] == [("stopped", "SIGUSR1")] * 2, stops
+    assert stops[0].global_step == stops[1].global_step and Path(str(stops[0].snapshot)).exists(), stops
+
+    second = start_project(tmp_path, project, run, "second", SLURM_RESTART_COUNT="1")
+    assert second.wait(180) == [0, 0], second.output()
+    ends = [second.ends(rank)[-1] for rank in (0, 1)]
+    assert [end.outcome for end in ends] == ["done", "done"] and ends[0].checksum == ends[1].checksum, ends
+    starts = [r for r in records(run) if r["kind"] == "start"]
+    assert [s["global_step"] for s in starts] == [0, stops[0].global_step], starts  # resumed where it stopped
+    assert ends[0].global_step > stops[0].global_step
+    progress = [r for r in records(run) if r["kind"] == "progress"]
+    assert all(len(r["rank_step_s"]) == 2 for r in progress) and any(r.get("samples_per_s") for r in progress)
+
+    report = subprocess.run([sys.executable, "-m", "ddpack.report", str(run)], env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr
+    page = (run / "report.html").read_text()
+    assert "<tr><td>segments</td><td>2</td></tr>" in page and "<td>stopped</td>" in page and "<td>done</td>" in page
+
+
+@pytest.mark.dist
+def test_a_lightning_run_preempted_on_one_rank_stops_on_all_resumes_and_finishes(tmp_path: Path) -> None:
+    preempted_resumed_and_reported(tmp_path, "lightning_project")
+
+
+@pytest.mark.dist
+def test_a_hugging_face_trainer_run_preempted_on_one_rank_stops_on_all_resumes_and_finishes(tmp_path: Path) -> None:
+    preempted_resumed_and_reported(tmp_path, "hf_project")
+
+
+@pytest.mark.dist
+def test_a_lightning_rank_frozen_in_training_step_is_named_with_its_stacks(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    job = start_project(tmp_path, "lightning_project", run, "frozen", FREEZE_AT="1:30", DDPACK_HANG_TIMEOUT="8")
+    assert job.wait(120) == [124, 124], job.output()
+    summary = json.loads((run / "forensics" / "summary.json").read_text())
+    assert summary["behind_ranks"] == [1] and "in forward after step 30" in summary["behind"][0], summary
+    assert "in training_step" in (run / "forensics" / "rank-1.txt").read_text()
+    assert [end.outcome for end in job.ends()] == ["hung", "hung"]
+    assert [r for r in records(run) if r["kind"] == "end"][-1]["outcome"] == "hung"
+
+
+@pytest.mark.dist
+def test_lightning_without_the_adapter_never_deadlocks_past_the_grace_and_is_requeued(tmp_path: Path) -> None:
+    """Slurm's SIGUSR1 reaches every rank. Lightning alone would checkpoint inside its handler and call scontrol;
+    under the supervisor it installs no SIGUSR1 handler, is told to stop with SIGTERM (whose own handler
+    broadcasts inside the handler and may deadlock), and is aborted with its stacks after the grace: either
+    way the step ends 138, which the template requeues."""
+    run = tmp_path / "run"
+    job = start_project(tmp_path, "lightning_project", run, "bare", DDPACK_ADAPTER="0", EPOCHS="50", STEP_SLEEP_S="0.01", DDPACK_STOP_GRACE="15")
+    wait_for(lambda: "Initializing distributed" in job.output(1), 120, "training to start")
+    job.send(signal.SIGUSR1, [0, 1])
+    assert job.wait(120) == [138, 138], job.output()
+    out = job.output()
+    assert "Handling auto-requeue signal" not in out and "scontrol" not in out
+    assert out.count("entrypoint: SIGUSR1 received; the program has 15 s to stop (DDPACK_STOP_GRACE)") == 2
