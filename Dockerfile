@@ -37,6 +37,7 @@ ENV VIRTUAL_ENV=/opt/ddpack/venv \
 # The bundle's code last: a trainer change rebuilds only this layer.
 COPY entrypoint /opt/ddpack/lib/entrypoint
 COPY train /opt/ddpack/lib/train
+COPY ddpack_run /opt/ddpack/lib/ddpack_run
 RUN python -m compileall -q /opt/ddpack/lib >/dev/null && chmod -R a+rX /opt/ddpack/lib && mkdir -p /workspace && chmod 1777 /workspace
 
 ARG VERSION=dev

@@ -37,7 +37,7 @@ from ddpack.errors import HostError, run_verb
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BASE = "python:3.11-slim-bookworm"
 DEFAULT_TORCH_VERSION = "2.13.0"
-CONTEXT_ITEMS = ("pyproject.toml", "Dockerfile", "Dockerfile.gpu", "entrypoint", "train", "docker")
+CONTEXT_ITEMS = ("pyproject.toml", "Dockerfile", "Dockerfile.gpu", "entrypoint", "train", "ddpack_run", "docker")
 APP_DOCKERFILE = "docker/app.Dockerfile"
 # The one line docker/install-app.py ends a failed app build with; shown as the build's error.
 APP_ERROR = "ddpack-app: error: "

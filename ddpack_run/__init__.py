@@ -91,7 +91,7 @@ class Run:
     anyway); `hang_timeout` (DDPACK_HANG_TIMEOUT): seconds without a finished step on every rank that make a
     hang, 0 turns the watchdog off; `metrics_file` (DDPACK_METRICS_FILE) and `forensics_dir`
     (DDPACK_FORENSICS_DIR, else ./forensics): where the records and a hang's evidence go; `framework`: a name
-    for the start record."""
+    for the start record; `start_step`: the step a resumed run continues from; `total_steps`: for the record."""
 
     def __init__(
         self,
@@ -101,6 +101,7 @@ class Run:
         forensics_dir: str | None = None,
         log_every: int = MAX_STEPS_BETWEEN_AGREEMENTS,
         framework: str = "own loop",
+        start_step: int = 0,
         total_steps: int | None = None,
     ) -> None:
         self.hang_timeout = _env_seconds("DDPACK_HANG_TIMEOUT", DEFAULT_HANG_TIMEOUT) if hang_timeout is None else hang_timeout
@@ -112,7 +113,7 @@ class Run:
         self.rank, self.world_size, self.host = 0, 1, socket.gethostname()
         self.log = RankLog(0, 1)
         self.metrics = MetricsFile(None)
-        self.global_step = 0
+        self.global_step = start_step  # where this start resumed: the start record's position
         self.stop_signal: signal.Signals | None = None
         self._started = False
         self._watchdog: Watchdog | None = None

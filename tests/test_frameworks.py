@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, clean_env
 from ddp_jobs import Job, start_slurm_step, subdir, wait_for
+from readme_examples import python_block
 
 from entrypoint.supervise import exit_status
 
@@ -52,7 +53,9 @@ def test_a_users_command_is_supervised_and_the_bundles_own_are_not() -> None:
 def test_a_program_that_ignores_sigusr1_is_stopped_with_sigterm_and_requeued(tmp_path: Path) -> None:
     """A script with no handler of its own: SIGUSR1 (ignored in the child) becomes SIGTERM, and the step ends 138."""
     script = tmp_path / "loop.py"
-    script.write_text("import signal, time\nprint('ignored:', signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN, flush=True)\nwhile True:\n    time.sleep(0.1)\n")
+    script.write_text(
+        "import signal, time\nprint('ignored:', signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN, flush=True)\nwhile True:\n    time.sleep(0.1)\n"
+    )
     job = start_slurm_step(tmp_path, [1], ["--", sys.executable, str(script)])
     wait_for(lambda: "ignored: True" in job.output(0), 30, "the script to start with SIGUSR1 ignored")
     job.send(signal.SIGUSR1, [0])
@@ -156,3 +159,24 @@ def test_lightning_without_the_adapter_never_deadlocks_past_the_grace_and_is_req
     out = job.output()
     assert "Handling auto-requeue signal" not in out and "scontrol" not in out
     assert out.count("entrypoint: SIGUSR1 received; the program has 15 s to stop (DDPACK_STOP_GRACE)") == 2
+
+
+@pytest.mark.dist
+def test_the_readmes_own_loop_stops_on_one_ranks_signal_resumes_and_finishes(tmp_path: Path) -> None:
+    """The README's myloop.py as written: SIGUSR1 to rank 1 stops both at one step (138) after rank 0 saved;
+    the second start continues from that step and both finish on the same parameters."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "myloop.py").write_text(python_block("# myloop.py"))
+    env = {"DDPACK_METRICS_FILE": str(run / "metrics.jsonl"), "DDPACK_FORENSICS_DIR": str(run / "forensics")}
+    first = start_slurm_step(subdir(tmp_path, "first"), [2], ["--", sys.executable, "myloop.py"], cwd=run, rank_env={0: env, 1: env})
+    wait_for(lambda: progressed(run, 2), 60, "the loop to report progress")
+    first.send(signal.SIGUSR1, [1])
+    assert first.wait(60) == [138, 138], first.output()
+    stopped = {end.global_step for end in first.ends()}
+    assert len(stopped) == 1 and (run / "loop.pt").is_file()
+    second = start_slurm_step(subdir(tmp_path, "second"), [2], ["--", sys.executable, "myloop.py"], cwd=run, rank_env={0: env, 1: env})
+    assert second.wait(120) == [0, 0], second.output()
+    ends = second.ends()
+    assert [end.global_step for end in ends] == [2000, 2000] and ends[0].checksum == ends[1].checksum, ends
+    assert [r["global_step"] for r in records(run) if r["kind"] == "start"] == [0, *stopped]

@@ -19,7 +19,7 @@ from ddp_jobs import start_slurm_step, start_standalone, wait_for
 from entrypoint.cli import UsageError, parse_args
 from train.preflight.comm import AllReduceRow, Link, bus_factor, ring_shift, slow_links
 from train.preflight.compute import Rate, stragglers
-from train.preflight.identity import Identity, code_digest, disagreements, rank_ranges
+from train.preflight.identity import CODE_PACKAGES, Identity, code_digest, disagreements, rank_ranges
 from train.preflight.report import all_reduce_table, identity_table
 from train.preflight.storage import check_storage
 
@@ -83,7 +83,7 @@ def test_rank_ranges() -> None:
 
 
 def test_code_digest_follows_the_sources(tmp_path: Path) -> None:
-    for package in ("entrypoint", "train"):
+    for package in CODE_PACKAGES:
         shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
     assert code_digest(tmp_path) == code_digest(ROOT)
     (tmp_path / "train" / "trainer.py").write_text((ROOT / "train" / "trainer.py").read_text() + "\n# edited\n")
@@ -191,7 +191,7 @@ def test_four_ranks_under_torchrun_pass(tmp_path: Path) -> None:
 @dist
 def test_a_rank_on_another_bundle_revision_fails_the_check_and_is_named(tmp_path: Path) -> None:
     stale = tmp_path / "stale-image"
-    for package in ("entrypoint", "train"):
+    for package in CODE_PACKAGES:
         shutil.copytree(ROOT / package, stale / package, ignore=shutil.ignore_patterns("__pycache__"))
     app = {"name": "myproj", "digest": "5ca1ab1e0000"}  # an older build of the user's project, too
     (stale / "ddpack-build.json").write_text(json.dumps({"version": "0.1.0", "revision": "0123456789abcdef0123", "app": app}))

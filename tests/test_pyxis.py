@@ -14,18 +14,23 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 from docker_support import ReadmeProject
 from readme_examples import write_mytask
 from slurm_cluster import ClusterUnavailable, ensure_cluster
 from slurm_jobs import USER_SCRIPT, all_agree, env, preempt_and_resume, sbatch, submit, wait_for_progress, wait_for_restarts
+
+from train import outcome
 
 pytestmark = pytest.mark.pyxis
 JOB_USER = "ddpackjob"  # a real login shell: enroot copies the user's shell, and nologin cannot run containers
@@ -270,3 +275,91 @@ def test_enroot_start_runs_the_launcher_once_whether_or_not_it_is_named(sqsh: Pa
         subprocess.run(["enroot", "remove", "--force", name], env=env(), capture_output=True, timeout=120)
     assert plans[0]["mode"] == plans[1]["mode"] == "single"
     assert plans[0]["argv"] == plans[1]["argv"] == ["python", "ddp.py", "4", "2"]  # the image's APP_CMD, in its WORKDIR /opt/app
+
+
+# ---------------------------------------------------------------- a user's framework, through the template
+
+
+@pytest.fixture(scope="module")
+def frameworks_sqsh(sqsh: Path, shared: Path) -> Path:
+    """tests/frameworks built as a user's project is, by `make image sqsh APP=...` (Lightning, transformers and
+    accelerate from the package index onto the bundle's image, its torch held), its squashfs in the shared folder."""
+    output = shared / "images" / "frameworks.sqsh"
+    command = ["make", "image", "sqsh", f"APP={ROOT / 'tests' / 'frameworks'}", f"SQSH={output}", f"VENV={sys.prefix}"]
+    out = subprocess.run(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=3600)
+    assert out.returncode == 0, f"{' '.join(command)} failed (exit {out.returncode}):\n{out.stdout[-6000:]}\n{out.stderr[-3000:]}"
+    output.chmod(0o644)
+    return output
+
+
+def framework_job(shared: Path, frameworks_sqsh: Path, project: str, **settings: str) -> tuple[str, Path, Path]:
+    """`DDPACK_COMMAND="python /opt/app/PROJECT/train.py"` through pyxis-per-task.sbatch on both nodes, two tasks each."""
+    folder = submission_folder(shared, project)
+    return submit(
+        folder, project, ("--ntasks-per-node=2",), "pyxis-per-task.sbatch",
+        DDPACK_SQSH=str(frameworks_sqsh), DDPACK_MOUNTS=f"{shared}:/fsx", DDPACK_COMMAND=f"python /opt/app/{project}/train.py",
+        NODES="2", DEVICES="2", **settings,
+    )  # fmt: skip
+
+
+def stopped_then_finished(text: str, starts: int) -> list[str]:
+    """The job log split at its requeues; checks that the first start stopped every rank at one step on SIGUSR1
+    (exit 138, requeued) and the last finished with agreeing checksums."""
+    parts = re.split(r"\(restart \d+\)", text)[1:]  # each start's banner says (restart N)
+    assert len(parts) == starts, text
+    stops = [end for end in outcome.read_ends(parts[0]) if end.outcome == "stopped"]
+    assert len(stops) == 4 and len({end.global_step for end in stops}) == 1 and {end.signal for end in stops} == {"SIGUSR1"}, parts[0]
+    assert "ddpack: preempted (exit 138); requeueing job" in parts[0], parts[0]
+    assert "requeued: continuing its run from the last snapshot" in parts[1].splitlines()[0]
+    assert all_agree(parts[-1], 4), parts[-1]
+    return parts
+
+
+def reported(metrics: Path, segments: int) -> str:
+    """`make report RUN=...` on the job's run folder: the page's segment count."""
+    run = metrics.parent
+    out = subprocess.run(["make", "report", f"RUN={run}", f"VENV={sys.prefix}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    page = (run / "report.html").read_text()
+    assert f"<tr><td>segments</td><td>{segments}</td></tr>" in page, page[:3000]
+    return page
+
+
+def test_a_lightning_project_is_preempted_requeued_resumed_then_hangs_is_named_and_finishes(frameworks_sqsh: Path, shared: Path) -> None:
+    """Lightning 2.6 from the package index with ddpack's one-line callback, under the per-task template: SIGUSR1
+    to every task mid-training (as --signal=USR1@90 does) stops all four ranks at one step after Lightning's own
+    checkpoint, and the template requeues; the next start resumes from it, and rank 1 blocks in training_step:
+    the watchdog ends the step 124 with forensics naming rank 1, and the template retries; the third start
+    resumes from the checkpoint again and finishes with agreeing checksums. make report draws three segments."""
+    job, metrics, log = framework_job(
+        shared, frameworks_sqsh, "lightning_project", STEP_SLEEP_S="0.02", FREEZE_AT="1:5", FREEZE_ON_RESTART="1", DDPACK_HANG_TIMEOUT="15"
+    )
+    wait_for_progress(metrics, 3, log, "Lightning did not start training")
+    subprocess.run(["scancel", "--signal=USR1", job], check=True)
+    text = wait_for_restarts(job, 2, log)
+    parts = stopped_then_finished(text, 3)
+    stopped_at = outcome.read_ends(parts[0])[0].global_step
+    hung = [end for end in outcome.read_ends(parts[1]) if end.outcome == "hung"]
+    assert hung and all("behind: rank 1 on " in str(end.reason) for end in hung), parts[1]
+    assert "ddpack: the step ended as hung (exit 124; evidence in" in parts[1], parts[1]
+    run = metrics.parent
+    summary = json.loads((run / "forensics" / "summary.json").read_text())
+    assert summary["behind_ranks"] == [1] and "in training_step" in (run / "forensics" / "rank-1.txt").read_text()
+    starts = [json.loads(line) for line in metrics.read_text().splitlines() if '"kind": "start"' in line]
+    assert [s["global_step"] for s in starts] == [0, stopped_at, stopped_at] and starts[0]["framework"] == "lightning", starts
+    assert "scontrol: not found" not in text and "Handling auto-requeue signal" not in text
+    reported(metrics, 3)
+
+
+def test_a_hugging_face_trainer_project_is_preempted_requeued_and_resumes_from_its_checkpoint(frameworks_sqsh: Path, shared: Path) -> None:
+    """transformers' Trainer with ddpack's callback, same template and signal: the Trainer saves checkpoint-N at
+    the agreed step on every rank, the step ends 138 and is requeued; the next start resumes from checkpoint-N
+    and finishes with agreeing checksums; make report draws both segments."""
+    job, metrics, log = framework_job(shared, frameworks_sqsh, "hf_project", STEP_SLEEP_S="0.02", OUTPUT_DIR="hf-output")
+    wait_for_progress(metrics, 3, log, "the Trainer did not start training")
+    subprocess.run(["scancel", "--signal=USR1", job], check=True)
+    parts = stopped_then_finished(wait_for_restarts(job, 1, log), 2)
+    checkpoint = outcome.read_ends(parts[0])[0].snapshot
+    assert checkpoint and checkpoint.endswith(f"/hf-output/checkpoint-{outcome.read_ends(parts[0])[0].global_step}")
+    assert (metrics.parent / "hf-output" / Path(checkpoint).name / "trainer_state.json").is_file()
+    reported(metrics, 2)

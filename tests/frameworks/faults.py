@@ -1,18 +1,25 @@
 """Faults the framework projects inject on request, from the environment (the same in every launch shape):
-FREEZE_AT="RANK:STEP" blocks that rank forever inside its training step at that global step (a hung rank in
-user code); STEP_SLEEP_S slows every step (so a test can signal mid-training)."""
+FREEZE_AT="RANK:N" blocks that rank forever inside its N-th training step of this start (counting from 0: a
+hung rank in user code), on every start or, with FREEZE_ON_RESTART=K, only on the start after the K-th
+requeue (SLURM_RESTART_COUNT); STEP_SLEEP_S slows every step (so a test can signal mid-training)."""
 
 from __future__ import annotations
 
 import os
 import time
 
+_calls = 0
+
 
 def in_training_step(rank: int, global_step: int) -> None:
+    global _calls
+    calls, _calls = _calls, _calls + 1
     if delay := float(os.environ.get("STEP_SLEEP_S", "0") or 0):
         time.sleep(delay)
-    frozen = os.environ.get("FREEZE_AT")
-    if frozen and (rank, global_step) == tuple(int(part) for part in frozen.split(":")):
-        print(f"rank {rank}: frozen in training_step at step {global_step}", flush=True)
+    frozen, restart = os.environ.get("FREEZE_AT"), os.environ.get("FREEZE_ON_RESTART")
+    if not frozen or (restart is not None and restart != os.environ.get("SLURM_RESTART_COUNT", "0")):
+        return
+    if (rank, calls) == tuple(int(part) for part in frozen.split(":")):
+        print(f"rank {rank}: frozen in training_step at global step {global_step}", flush=True)
         while True:
             time.sleep(1)

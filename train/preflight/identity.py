@@ -24,7 +24,7 @@ LIB = Path(__file__).resolve().parents[2]  # /opt/ddpack/lib in the image, the c
 # Written by the image build (Dockerfile, Dockerfile.gpu): the version and revision it was built from.
 # Its presence is what "inside the bundle's image" means: a host checkout or venv has none.
 BUILD_FILE = LIB / "ddpack-build.json"
-CODE_PACKAGES = ("entrypoint", "train")
+CODE_PACKAGES = ("entrypoint", "train", "ddpack_run")
 
 # Fields every rank must share; the rest (host, rank, visible devices) describe where a rank is.
 AGREED = ("bundle", "code", "app", "in_image", "python", "torch", "cuda", "nccl", "device", "driver", "transport", "efa")
