@@ -18,7 +18,11 @@ BENCH_GPU_ARGS ?=
 
 # Images: $(IMAGE):$(TAG) (CPU) and $(IMAGE):$(TAG)-gpu.
 IMAGE         ?= ddpack
-TAG           ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
+# Evaluated once per make run (not at each use, as ?= would): a commit during a long build must not give its
+# image and its squashfs different names.
+ifeq ($(origin TAG),undefined)
+TAG           := $(shell git describe --always --dirty 2>/dev/null || echo dev)
+endif
 # Empty: python:3.11-slim-bookworm, or a base built from Debian's archive when that cannot be pulled.
 BASE_IMAGE    ?=
 # A folder of wheels (torch...) to install from; empty: pip's find-links folders (ddpack/build_inputs.py).

@@ -27,6 +27,7 @@ container, beside `train/`; torch is imported when the process group is.
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import math
 import os
@@ -264,6 +265,7 @@ class Run:
         if self._watchdog is not None:
             self._watchdog.stop()
         self.watcher.restore()
+        atexit.register(_destroy_process_group)
         self._record_end(
             RunEnd(rank=self.rank, world_size=self.world_size, host=self.host, outcome=outcome, exit_code=exit_code, global_step=self.global_step, **extra)
         )
@@ -302,6 +304,19 @@ class _Window:
             return None
         mean = float(self._loss_sum) / self._losses
         return mean if math.isfinite(mean) else None
+
+
+def _destroy_process_group() -> None:
+    """At interpreter exit, after a Run ended: a gloo process group still alive then can end the process with
+    `terminate called without an active exception` (exit 134) once training is over (seen with the HF Trainer),
+    which would turn a stop's 138 or a finish's 0 into a failure that the templates retry."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # leaving anyway: a peer may be gone already
+        pass
 
 
 def batch_size(batch: Any) -> int | None:

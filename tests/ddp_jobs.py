@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -114,10 +115,23 @@ def start_slurm_step(
     return Job(procs, logs)
 
 
-def start_standalone(tmp: Path, nproc: int, args: Sequence[str], cwd: Path | None = None) -> Job:
-    """`entrypoint --nproc-per-node N` with nothing set: torchrun --standalone."""
+def start_standalone(tmp: Path, nproc: int, args: Sequence[str], cwd: Path | None = None, env: Mapping[str, str] | None = None) -> Job:
+    """`entrypoint --nproc-per-node N` with nothing set but `env`: torchrun --standalone."""
     log = tmp / "standalone.log"
-    return Job([_spawn([*ENTRYPOINT, f"--nproc-per-node={nproc}", *args], clean_env(), log, cwd)], [log])
+    return Job([_spawn([*ENTRYPOINT, f"--nproc-per-node={nproc}", *args], clean_env(**(env or {})), log, cwd)], [log])
+
+
+def start_env_mode(tmp: Path, world: int, args: Sequence[str], env: Mapping[str, str] | None = None) -> Job:
+    """`docker run -e RANK=r -e WORLD_SIZE=w -e MASTER_ADDR -e MASTER_PORT IMAGE ...` once per rank, on this host."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs, logs = [], []
+    for rank in range(world):
+        logs.append(tmp / f"rank{rank}.log")
+        ranks = {"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs.append(_spawn([*ENTRYPOINT, *args], clean_env(**ranks, **(env or {})), logs[-1], tmp))
+    return Job(procs, logs)
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, clean_env
-from ddp_jobs import Job, start_slurm_step, subdir, wait_for
+from ddp_jobs import Job, start_env_mode, start_slurm_step, start_standalone, subdir, wait_for
 from readme_examples import python_block
 
 from entrypoint.supervise import exit_status
@@ -180,3 +180,32 @@ def test_the_readmes_own_loop_stops_on_one_ranks_signal_resumes_and_finishes(tmp
     ends = second.ends()
     assert [end.global_step for end in ends] == [2000, 2000] and ends[0].checksum == ends[1].checksum, ends
     assert [r["global_step"] for r in records(run) if r["kind"] == "start"] == [0, *stopped]
+
+
+SHAPES = {
+    # name: (start the job, the ranks' Lightning environment)
+    "srun-per-task": (lambda tmp, argv: start_slurm_step(tmp, [2], argv, rank_env=dict.fromkeys(range(2), SLURM_TASKS)), "SLURMEnvironment"),
+    "torchrun-under-slurm": (
+        lambda tmp, argv: start_slurm_step(tmp, [1, 1], argv, nproc_per_node=2, rank_env=dict.fromkeys(range(2), SLURM_NODES)),
+        "TorchElasticEnvironment",
+    ),
+    "nproc-per-node": (lambda tmp, argv: start_standalone(tmp, 2, argv, env={"NODES": "1", "DEVICES": "2"}), "TorchElasticEnvironment"),
+    "docker-env": (lambda tmp, argv: start_env_mode(tmp, 2, argv, env={"NODES": "2", "DEVICES": "1"}), "LightningEnvironment"),
+}
+SLURM_TASKS = {"SLURM_JOB_NAME": "ddpack", "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NODELIST": "127.0.0.1", "NODES": "1", "DEVICES": "2"}
+SLURM_NODES = {"SLURM_JOB_NAME": "ddpack", "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "1", "SLURM_NODELIST": "127.0.0.[1-2]", "NODES": "2", "DEVICES": "2"}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_lightning_and_hugging_face_see_the_ranks_the_launcher_resolved(tmp_path: Path, shape: str) -> None:
+    pytest.importorskip("lightning")
+    pytest.importorskip("transformers")
+    start, environment = SHAPES[shape]
+    job = start(tmp_path, ["--", sys.executable, str(PROJECTS / "who.py")])
+    assert job.wait(180) == [0] * len(job.procs), job.output()
+    seen = [json.loads(line.split("who ", 1)[1]) for line in job.output().splitlines() if line.startswith("who ")]
+    assert sorted(s["env"][0] for s in seen) == list(range(len(seen))) and len(seen) in (2, 4), seen
+    for ranks in seen:
+        assert ranks["hf"] == ranks["env"] and ranks["lightning"] == ranks["env"], ranks
+        assert ranks["lightning_environment"] == environment, ranks
