@@ -81,7 +81,8 @@ def _env_seconds(name: str, default: float) -> float:
     except ValueError:
         value = -1.0
     if not (value >= 0 and math.isfinite(value)):
-        sys.exit(f"ddpack_run: error: {name}={text!r} is not a number of seconds >= 0; set it to one (0 turns the hang watchdog off) or unset it")
+        print(f"ddpack_run: error: {name}={text!r} is not a number of seconds >= 0; set it to one (0 turns the hang watchdog off) or unset it", file=sys.stderr)
+        raise SystemExit(2)
     return value
 
 
@@ -150,10 +151,10 @@ class Run:
         self.global_step = step if step is not None else self.global_step + 1
         self.progress.step_done(self.global_step)
         self._window.step(samples, loss)
-        if self.world_size == 1:
-            self.stop_signal = self.watcher.received
-        elif self.global_step >= self._next_agreement:
+        if self.global_step >= self._next_agreement:
             self._agree()
+        elif self.world_size == 1:  # nobody to agree with: a signal stops this rank at once
+            self.stop_signal = self.watcher.received
         return self.stop_signal is not None
 
     def exit_stopped(self, checkpoint: str | None = None) -> None:
@@ -236,7 +237,8 @@ class Run:
         codes[self.rank] = float(int(signalled)) if signalled is not None else 0.0
         slots = RankTimes.slots(self.rank, self.world_size, window.seconds(), window.data_s, window.backward_s)
         sums = torch.tensor([*codes, *slots], dtype=torch.float64)
-        dist.all_reduce(sums)
+        if self.world_size > 1:
+            dist.all_reduce(sums)
         self.progress.enter("data")
         values = [float(v) for v in sums]
         stop_codes, time_sums = [int(v) for v in values[: self.world_size] if v], values[self.world_size :]

@@ -15,9 +15,12 @@ What this parent does:
 - On SIGUSR1 or SIGTERM, a child that catches that signal gets it passed on (once: `docker stop` and a plain
   `kill` reach only this process; under Slurm, which signals every process of the step, the program may see
   it twice, so its handler should only note it, as ddpack_run's do), and a child that does not catch it is
-  sent SIGTERM instead, at once. A child still running
-  DDPACK_STOP_GRACE seconds later (default 60, inside the 90 s warning) is sent SIGABRT, which makes Python's
-  faulthandler (PYTHONFAULTHANDLER, set here) print every thread's stack to the job log, then SIGKILL.
+  sent SIGTERM instead, at once. A child still running DDPACK_STOP_GRACE seconds after SIGUSR1 (default 60,
+  inside `--signal=USR1@90`'s warning), or 20 s after SIGTERM (scancel, the time limit: Slurm's KillWait sends
+  SIGKILL 30 s after it by default), is sent SIGABRT, which makes Python's faulthandler (PYTHONFAULTHANDLER,
+  set here) print every thread's stack: a hung program's evidence, whatever it runs, without root or ptrace.
+  Then SIGKILL. The child's stderr passes through this parent (to the job log as it comes) so that the stacks
+  also land in the run folder's forensics (DDPACK_FORENSICS_DIR/rank-R.txt, as the hang watchdog names them).
 - The exit status: the child's own, except that after a stop signal any ending but done-before-we-pushed (0),
   bad input (2) and a hang (124) is 128+N, so the step is requeued as preempted however the program ended.
 
@@ -26,16 +29,22 @@ Standard library only: this is the launcher's world.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 DEFAULT_STOP_GRACE_S = 60.0
+TERM_GRACE_S = 20.0  # at most, after SIGTERM: inside Slurm's default KillWait (30 s), so the stacks come first
 ABORT_WAIT_S = 5.0  # for faulthandler to write the stacks before SIGKILL
 KEPT_CODES = (0, 2, 124)  # done, bad input, a hang the watchdog ended: not a preemption, whatever signal came
+STDERR_KEPT = 1 << 20  # the last MiB of the child's stderr: where faulthandler's dump of every thread lands
+ABORT_MARK = b"Fatal Python error: Aborted"
 
 
 def stop_grace(environ: Mapping[str, str]) -> float:
@@ -79,14 +88,59 @@ def _ignore_usr1() -> None:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
+class StderrTail:
+    """Copies the child's stderr to ours as it comes (one write per read) and keeps its last STDERR_KEPT bytes."""
+
+    def __init__(self, pipe: int) -> None:
+        self._pipe, self._kept = pipe, bytearray()
+        self._thread = threading.Thread(target=self._copy, name="ddpack-stderr", daemon=True)
+        self._thread.start()
+
+    def _copy(self) -> None:
+        while chunk := os.read(self._pipe, 65536):
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(2, view) :]
+            self._kept += chunk
+            del self._kept[: max(0, len(self._kept) - STDERR_KEPT)]
+        os.close(self._pipe)
+
+    def stacks(self, wait_s: float = 2.0) -> str | None:
+        """The last faulthandler dump, once the child is gone (its DataLoader workers may keep the pipe open:
+        wait `wait_s` at most for the rest)."""
+        self._thread.join(wait_s)
+        at = self._kept.rfind(ABORT_MARK)
+        return bytes(self._kept[at:]).decode(errors="replace") if at >= 0 else None
+
+
+def save_stacks(stacks: str, env: Mapping[str, str], why: str) -> Path | None:
+    """`stacks` as DDPACK_FORENSICS_DIR/rank-R.txt (through a temp file), or None where no folder is set or writable."""
+    folder, rank = env.get("DDPACK_FORENSICS_DIR"), env.get("RANK", "0")
+    if not folder:
+        return None
+    path = Path(folder) / f"rank-{rank}.txt"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(f"rank {rank} host {os.uname().nodename} pid {os.getpid()}: {why}\n\n{stacks}")
+        tmp.replace(path)
+    except OSError:
+        return None
+    return path
+
+
 def supervise(argv: Sequence[str], env: Mapping[str, str], grace_s: float) -> int:
     """Run `argv` as this rank's program and return the status the step should end with."""
     stops: list[signal.Signals] = []
     previous = {sig: signal.signal(sig, lambda signum, frame: stops.append(signal.Signals(signum))) for sig in STOP_SIGNALS}
-    child = subprocess.Popen(list(argv), env={**env, "PYTHONFAULTHANDLER": env.get("PYTHONFAULTHANDLER") or "1"}, preexec_fn=_ignore_usr1)
+    child_env = {**env, "PYTHONFAULTHANDLER": env.get("PYTHONFAULTHANDLER") or "1"}
+    child = subprocess.Popen(list(argv), env=child_env, preexec_fn=_ignore_usr1, stderr=subprocess.PIPE)
+    assert child.stderr is not None
+    tail = StderrTail(os.dup(child.stderr.fileno()))
+    child.stderr.close()
     passed_on: set[signal.Signals] = set()
     stop: signal.Signals | None = None
-    pushed, deadline, aborted = False, float("inf"), False
+    pushed, deadline, aborted, allowed = False, float("inf"), False, grace_s
     try:
         while True:
             try:
@@ -97,8 +151,9 @@ def supervise(argv: Sequence[str], env: Mapping[str, str], grace_s: float) -> in
             while stops:
                 sig = stops.pop(0)
                 if stop is None:
-                    stop, deadline = sig, time.monotonic() + grace_s
-                    print(f"entrypoint: {sig.name} received; the program has {grace_s:g} s to stop (DDPACK_STOP_GRACE)", file=sys.stderr, flush=True)
+                    stop, allowed = sig, grace_s if sig == signal.SIGUSR1 else min(grace_s, TERM_GRACE_S)
+                    deadline = time.monotonic() + allowed
+                    print(f"entrypoint: {sig.name} received; the program has {allowed:g} s to stop (DDPACK_STOP_GRACE)", file=sys.stderr, flush=True)
                 if sig in passed_on:
                     continue
                 passed_on.add(sig)
@@ -111,7 +166,7 @@ def supervise(argv: Sequence[str], env: Mapping[str, str], grace_s: float) -> in
                 pushed = True
                 if not aborted:
                     print(
-                        f"entrypoint: the program did not stop within {grace_s:g} s of {stop.name}; its threads' stacks follow "
+                        f"entrypoint: the program did not stop within {allowed:g} s of {stop.name}; its threads' stacks follow "
                         f"(SIGABRT), then it is killed and the step ends {128 + int(stop)} to be requeued",
                         file=sys.stderr,
                         flush=True,
@@ -124,4 +179,8 @@ def supervise(argv: Sequence[str], env: Mapping[str, str], grace_s: float) -> in
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if aborted and stop is not None and (stacks := tail.stacks()) is not None:
+        why = f"did not stop within {allowed:g} s of {stop.name}; every thread's stack at SIGABRT (faulthandler)"
+        if (saved := save_stacks(stacks, env, why)) is not None:
+            print(f"entrypoint: the stacks are in {saved}", file=sys.stderr, flush=True)
     return exit_status(returncode, stop, pushed)

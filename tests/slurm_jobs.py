@@ -168,27 +168,3 @@ def wait_for_restarts(job: str, restarts: int, log: Path, timeout: float = 480) 
         assert time.monotonic() < deadline, f"job {job} did not finish: {seen}\n{brief(log)}"
         time.sleep(1)
     return log.read_text()
-
-
-# A user's own training script (no torch, no ddpack, 100 steps of 0.2 s): it saves its step on SIGUSR1 and exits
-# 128+10, as the README asks of a program run with DDPACK_COMMAND; rank 0 writes progress records where
-# wait_for_progress looks.
-USER_SCRIPT = """
-import json, os, signal, sys, time
-rank, stop = int(os.environ["RANK"]), []
-signal.signal(signal.SIGUSR1, lambda *_: stop.append(1))
-state = f"state-{rank}.json"
-step = json.load(open(state))["step"] if os.path.exists(state) else 0
-print(f"rank {rank} starts at step {step}", flush=True)
-while step < 100:
-    if stop:
-        json.dump({"step": step}, open(state, "w"))
-        print(f"rank {rank} saved step {step} on SIGUSR1", flush=True)
-        sys.exit(138)
-    step += 1
-    time.sleep(0.2)
-    if rank == 0:
-        with open(os.environ["DDPACK_METRICS_FILE"], "a") as metrics:
-            metrics.write(json.dumps({"kind": "progress", "global_step": step}) + "\\n")
-print(f"rank {rank} done at step {step}", flush=True)
-"""

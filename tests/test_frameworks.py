@@ -63,6 +63,85 @@ def test_a_program_that_ignores_sigusr1_is_stopped_with_sigterm_and_requeued(tmp
     assert "entrypoint: SIGUSR1 received; the program has 60 s to stop (DDPACK_STOP_GRACE)" in job.output(0)
 
 
+def test_a_program_that_will_not_stop_leaves_its_stacks_and_ends_requeueable(tmp_path: Path) -> None:
+    """scancel or the time limit (SIGTERM): a program that catches it but is stuck (here in a function of its own)
+    is aborted after the grace with every thread's Python stack in the log and the run folder's forensics, then
+    killed; the step ends 143."""
+    script = tmp_path / "stuck.py"
+    script.write_text(
+        "import signal, time\nsignal.signal(signal.SIGTERM, lambda *_: None)\n"
+        "def wait_for_a_peer_that_never_answers():\n    while True:\n        time.sleep(0.1)\n"
+        "print('stuck', flush=True)\nwait_for_a_peer_that_never_answers()\n"
+    )
+    forensics = tmp_path / "forensics"
+    job = start_slurm_step(tmp_path, [1], ["--", sys.executable, str(script)], rank_env={0: {"DDPACK_STOP_GRACE": "2", "DDPACK_FORENSICS_DIR": str(forensics)}})
+    wait_for(lambda: "stuck" in job.output(0), 30, "the script to start")
+    job.send(signal.SIGTERM, [0])
+    assert job.wait(60) == [143], job.output()
+    out = job.output(0)
+    assert "entrypoint: the program did not stop within 2 s of SIGTERM; its threads' stacks follow (SIGABRT)" in out
+    assert "Fatal Python error: Aborted" in out and "in wait_for_a_peer_that_never_answers" in out, out
+    assert f"entrypoint: the stacks are in {forensics}/rank-0.txt" in out
+    saved = (forensics / "rank-0.txt").read_text()
+    assert saved.startswith("rank 0 host ") and "did not stop within 2 s of SIGTERM" in saved and "in wait_for_a_peer_that_never_answers" in saved
+
+
+def test_a_run_of_one_process_stops_on_its_own_signal_and_records_the_segment(tmp_path: Path) -> None:
+    """No process group: the signal is this rank's verdict at the next step; the metrics get the segment's start,
+    its progress (the first step's) and its end, and the exit is 128+N with the checkpoint named."""
+    import os
+
+    import ddpack_run
+
+    metrics = tmp_path / "m.jsonl"
+    run = ddpack_run.Run(metrics_file=str(metrics), hang_timeout=0, start_step=40, total_steps=100)
+    assert not run.step_done(samples=8, loss=0.5) and run.global_step == 41
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert run.step_done(samples=8, loss=0.4) and run.global_step == 42
+    with pytest.raises(SystemExit) as stopped:
+        run.exit_stopped("ckpt.pt")
+    assert stopped.value.code == 138 and signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # its handler is gone again
+    kinds = [(r["kind"], r.get("global_step"), r.get("outcome")) for r in map(json.loads, metrics.read_text().splitlines())]
+    assert kinds == [("start", 40, None), ("progress", 41, None), ("end", 42, "stopped")]
+    assert json.loads(metrics.read_text().splitlines()[-1])["snapshot"] == "ckpt.pt"
+
+
+# A user's own script (no torch, no ddpack, 100 steps of 0.05 s), as the README asks of a program run with
+# DDPACK_COMMAND: it notes SIGUSR1 in its handler, saves its step and exits 128+10.
+USER_SCRIPT = """
+import json, os, signal, sys, time
+rank, stop = int(os.environ["RANK"]), []
+signal.signal(signal.SIGUSR1, lambda *_: stop.append(1))
+state = f"state-{rank}.json"
+step = json.load(open(state))["step"] if os.path.exists(state) else 0
+print(f"rank {rank} starts at step {step}", flush=True)
+while step < 100:
+    if stop:
+        json.dump({"step": step}, open(state, "w"))
+        print(f"rank {rank} saved step {step} on SIGUSR1", flush=True)
+        sys.exit(138)
+    step += 1
+    time.sleep(0.05)
+print(f"rank {rank} done at step {step}", flush=True)
+"""
+
+
+@pytest.mark.dist
+def test_a_script_with_its_own_sigusr1_handler_gets_the_signal_saves_exits_138_and_resumes(tmp_path: Path) -> None:
+    """Slurm's SIGUSR1 reaches every process of the step, the launcher passes it on once more: the script's
+    handler runs, it saves and exits 138, which the supervisor keeps; the next start continues from the save."""
+    (tmp_path / "user_train.py").write_text(USER_SCRIPT)
+    first = start_slurm_step(subdir(tmp_path, "first"), [2], ["--", sys.executable, "user_train.py"], cwd=tmp_path)
+    wait_for(lambda: all(" starts at step 0" in first.output(rank) for rank in (0, 1)), 60, "both ranks to start")
+    first.send(signal.SIGUSR1, [0, 1])
+    assert first.wait(60) == [138, 138], first.output()
+    saved = sorted(int(json.loads((tmp_path / f"state-{rank}.json").read_text())["step"]) for rank in (0, 1))
+    second = start_slurm_step(subdir(tmp_path, "second"), [2], ["--", sys.executable, "user_train.py"], cwd=tmp_path)
+    assert second.wait(60) == [0, 0], second.output()
+    assert sorted(int(second.output(r).split(" starts at step ")[1].split()[0]) for r in (0, 1)) == saved and min(saved) > 0
+    assert all("done at step 100" in second.output(rank) for rank in (0, 1))
+
+
 # ---------------------------------------------------------------- real frameworks
 
 

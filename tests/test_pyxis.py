@@ -19,7 +19,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from conftest import ROOT
 from docker_support import ReadmeProject
 from readme_examples import write_mytask
 from slurm_cluster import ClusterUnavailable, ensure_cluster
-from slurm_jobs import USER_SCRIPT, all_agree, env, preempt_and_resume, sbatch, submit, wait_for_progress, wait_for_restarts
+from slurm_jobs import all_agree, env, preempt_and_resume, sbatch, submit, wait_for_progress, wait_for_restarts
 
 from train import outcome
 
@@ -233,32 +232,6 @@ def test_preemption_round_trip_of_the_bundled_trainer_through_pyxis_torchrun(sqs
     assert "ddpack: preempted (exit 138); requeueing job" in first and "(restart 1 of at most 10)" in first
     assert "requeued: continuing its run from the last snapshot" in second.splitlines()[0]
     assert "[rank 0/4] resuming from" in second and all_agree(second, 4)
-
-
-def test_a_users_own_script_under_pyxis_per_task_that_exits_138_after_usr1_is_requeued_and_resumes(sqsh: Path, shared: Path) -> None:
-    """Not the bundled trainer: a script of the user's in the shared folder, run in the image by DDPACK_COMMAND,
-    saving its step on SIGUSR1 and exiting 128+10; the exit status alone requeues it, and its second start
-    continues from the saved step on every rank."""
-    folder = submission_folder(shared, "own")
-    (folder / "user_train.py").write_text(USER_SCRIPT)
-    job, metrics, log = submit(
-        folder, "own", ("--ntasks-per-node=2",), "pyxis-per-task.sbatch",
-        DDPACK_SQSH=str(sqsh), DDPACK_MOUNTS=f"{shared}:/fsx", DDPACK_COMMAND="python /fsx/team/own/user_train.py",
-    )  # fmt: skip
-    # Each task starts its own container: signal once every rank runs the script, as Slurm's --signal would.
-    wait_for_progress(metrics, 10, log, "the script did not start")
-    deadline = time.monotonic() + 120
-    while log.read_text().count(" starts at step 0") < 4:
-        assert time.monotonic() < deadline, log.read_text()
-        time.sleep(0.2)
-    subprocess.run(["scancel", "--signal=USR1", job], check=True)
-    text = wait_for_restarts(job, 1, log)
-    first, second = text.split("(restart 1)", 1)
-    assert first.count("saved step") == 4 and "ddpack: preempted (exit 138); requeueing job" in first, text
-    assert "requeued: continuing its run from the last snapshot" in second.splitlines()[0]
-    saved = sorted(int(line.split()[-3]) for line in first.splitlines() if " saved step " in line)
-    started = sorted(int(line.split()[-1]) for line in second.splitlines() if " starts at step " in line)
-    assert started == saved and min(started) > 0 and second.count("done at step 100") == 4, text
 
 
 def test_enroot_start_runs_the_launcher_once_whether_or_not_it_is_named(sqsh: Path) -> None:
