@@ -13,7 +13,18 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 
-from entrypoint.plan import BACKENDS, Host, Options, Plan, PlanError, app_command, from_app_dir, resolve_plan, trainer_command
+from entrypoint.plan import (
+    BACKENDS,
+    Host,
+    Options,
+    Plan,
+    PlanError,
+    app_command,
+    from_app_dir,
+    resolve_plan,
+    seconds_up_to_an_hour,
+    trainer_command,
+)
 from entrypoint.supervise import stop_grace, supervise
 
 USAGE = f"""usage: entrypoint [--print-plan] [--nproc-per-node N] [--backend {{{",".join(BACKENDS)}}}]
@@ -55,11 +66,7 @@ def preflight_command(trainer_flags: Sequence[str], values: dict[str, str | None
 
 
 def _seconds(text: str) -> str:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value <= 3600:
+    if seconds_up_to_an_hour(text) is None:
         raise UsageError(f"--preflight-seconds={text!r} is not a number of seconds in (0, 3600]")
     return text
 

@@ -27,6 +27,15 @@ SLURM_PORT_SPAN = 15000
 SLURM_STEPS_PER_JOB_PORTS = 16
 
 
+def seconds_up_to_an_hour(text: str) -> float | None:
+    """`text` as a number of seconds in (0, 3600], or None when it is not one (the caller names the setting)."""
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if 0 < value <= 3600 else None
+
+
 def trainer_command() -> tuple[str, ...]:
     """The bundle's trainer, run by the same interpreter as the launcher (the image's venv).
 

@@ -38,6 +38,8 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from entrypoint.plan import seconds_up_to_an_hour
+
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 DEFAULT_STOP_GRACE_S = 60.0
 TERM_GRACE_S = 20.0  # at most, after SIGTERM: inside Slurm's default KillWait (30 s), so the stacks come first
@@ -52,11 +54,8 @@ def stop_grace(environ: Mapping[str, str]) -> float:
     text = environ.get("DDPACK_STOP_GRACE", "")
     if not text:
         return DEFAULT_STOP_GRACE_S
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value <= 3600:
+    value = seconds_up_to_an_hour(text)
+    if value is None:
         raise ValueError(f"DDPACK_STOP_GRACE={text!r} is not a number of seconds in (0, 3600]; set it to one or unset it")
     return value
 
