@@ -1,4 +1,4 @@
-"""The README's worked examples, taken from the README itself, so that the tests run what users read."""
+"""The README's and docs/' worked examples, taken from the pages themselves, so that the tests run what users read."""
 
 from __future__ import annotations
 
@@ -8,14 +8,20 @@ from pathlib import Path
 from conftest import ROOT
 
 README = ROOT / "README.md"
+PAGES = (README, *sorted((ROOT / "docs").glob("*.md")))
+
+
+def pages_text() -> str:
+    """The README and every docs/ page, one after the other: where a worked example may live."""
+    return "\n".join(page.read_text() for page in PAGES)
 
 
 def python_block(first_line_prefix: str) -> str:
-    """The README's ```python block whose first line starts with `first_line_prefix`."""
-    for block in re.findall(r"```python\n(.*?)```", README.read_text(), re.S):
+    """The ```python block (README or docs/) whose first line starts with `first_line_prefix`."""
+    for block in re.findall(r"```python\n(.*?)```", pages_text(), re.S):
         if block.startswith(first_line_prefix):
             return block
-    raise AssertionError(f"README.md has no python block starting {first_line_prefix!r}")
+    raise AssertionError(f"neither README.md nor docs/ has a python block starting {first_line_prefix!r}")
 
 
 def write_mytask(folder: Path) -> Path:
@@ -27,7 +33,7 @@ def write_mytask(folder: Path) -> Path:
 
 
 def readme_line(prefix: str) -> str:
-    """The README's command line (in a ```sh block) that starts with `prefix`."""
+    """The README's command line (in a ```sh block) that starts with `prefix`: the front page's commands."""
     for block in re.findall(r"```sh\n(.*?)```", README.read_text(), re.S):
         for line in block.splitlines():
             if line.startswith(prefix):
