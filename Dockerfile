@@ -4,7 +4,8 @@ ARG BASE_IMAGE=python:3.11-slim-bookworm
 FROM ${BASE_IMAGE}
 ARG BASE_IMAGE
 
-ARG TORCH_VERSION=2.13.0
+# Given by make image: ddpack/images.py's DEFAULT_TORCH_VERSION (the one definition), or TORCH_VERSION.
+ARG TORCH_VERSION
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG PIP_EXTRA_ARGS=""
 # 1 keeps what no runtime here loads: torch's C++ test programs and CMake files, the packages' test suites.

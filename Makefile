@@ -4,7 +4,10 @@ SHELL := /bin/bash
 
 PYTHON        ?= python3
 VENV          ?= .venv
-TORCH_VERSION ?= 2.13.0
+# The images' torch (ddpack/images.py holds the one definition), for the host venv too.
+ifeq ($(origin TORCH_VERSION),undefined)
+TORCH_VERSION := $(shell sed -n 's/^DEFAULT_TORCH_VERSION = "\(.*\)"$$/\1/p' ddpack/images.py)
+endif
 # Extra pip options for the host venv's torch, e.g. PIP_TORCH_OPTS='--index-url https://download.pytorch.org/whl/cpu'
 PIP_TORCH_OPTS ?=
 PYTEST_ARGS   ?=

@@ -29,10 +29,9 @@ from typing import Any
 
 from ddpack.credentials import write_atomically
 from ddpack.errors import HostError, run_verb
+from train import run_folder
 from train.metrics import format_share
 
-METRICS_NAME = "metrics.jsonl"
-PREFLIGHT_NAME = "preflight.json"
 OUTCOME_COLOURS = {"done": "tab:green", "stopped": "tab:orange", "failed": "tab:red", "hung": "tab:purple", "bad-input": "tab:gray"}
 
 
@@ -94,10 +93,10 @@ def metrics_path(run: Path) -> Path:
     if run.is_file():
         return run
     if not run.is_dir():
-        raise HostError(f"RUN={run} is not a folder; give the run folder that holds {METRICS_NAME} (the templates' runs/<job>-<id>)", 2)
-    path = run / METRICS_NAME
+        raise HostError(f"RUN={run} is not a folder; give the run folder that holds {run_folder.METRICS} (the templates' runs/<job>-<id>)", 2)
+    path = run / run_folder.METRICS
     if not path.is_file():
-        raise HostError(f"{run} holds no {METRICS_NAME}; give the folder a run wrote it in (the trainer's --metrics-file), or the file itself", 2)
+        raise HostError(f"{run} holds no {run_folder.METRICS}; give the folder a run wrote it in (the trainer's --metrics-file), or the file itself", 2)
     return path
 
 
@@ -151,7 +150,7 @@ def read_run(run: Path) -> Run:
     path = metrics_path(run)
     records, warnings = read_records(path)
     preflight = None
-    preflight_file = path.parent / PREFLIGHT_NAME
+    preflight_file = path.parent / run_folder.PREFLIGHT
     if preflight_file.is_file():
         try:
             preflight = json.loads(preflight_file.read_text(encoding="utf-8"))
@@ -426,10 +425,10 @@ def write_report(run_dir: Path, with_png: bool = False) -> list[Path]:
     plt = _pyplot()
     for warning in run.warnings:
         print(f"report: warning: {warning}", file=sys.stderr)
-    written = [run.folder / "report.html"]
+    written = [run.folder / run_folder.REPORT]
     write_atomically(written[0], render_html(run, plt), mode=0o644)
     if with_png:
-        written.append(run.folder / "report.png")
+        written.append(run.folder / run_folder.REPORT_IMAGE)
         write_atomically(written[1], render_png(run, plt), mode=0o644)
     return written
 

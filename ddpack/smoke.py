@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import re
 import sys
 import threading
 import time
@@ -30,15 +29,16 @@ from docker.models.containers import Container
 
 from ddpack.engine import docker_client
 from ddpack.errors import HostError, run_verb
-from ddpack.report import METRICS_NAME, write_report
+from ddpack.report import write_report
+from train import run_folder
 from train.outcome import read_ends
+from train.preflight.verdict import read_verdict
 
 TRAINER_ARGS = ("--epochs", "3", "--log-every", "25", "--snapshot-dir", "/tmp/snapshots")
 # DataLoader workers hand batches over in /dev/shm; Docker's default 64 MB kills them on real datasets.
 SHM_SIZE = "2g"
 # The preflight runs first, in its own two containers, with the same launch and trainer flags.
 PREFLIGHT_ARGS = ("--preflight-seconds", "10")
-PREFLIGHT_RE = re.compile(r"preflight: (PASS|FAILED)\b.*")
 # The run folder on the host (a job's shared folder) and where the containers see it.
 RUNS_DIR = Path("build/smoke")
 RUN_MOUNT = "/run/ddpack"
@@ -96,12 +96,12 @@ def run_smoke(image: str, variant: str, timeout_s: float, trainer_args: tuple[st
     print(f"smoke[{variant}]: {image}, 2 containers, world size {world}, network {network.name}, running {runs}", flush=True)
     run_dir = RUNS_DIR / f"{variant}-{run_id}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    preflight_args = ("--preflight", *PREFLIGHT_ARGS, "--preflight-json", f"{RUN_MOUNT}/preflight.json")
+    preflight_args = ("--preflight", *PREFLIGHT_ARGS, "--preflight-json", f"{RUN_MOUNT}/{run_folder.PREFLIGHT}")
     # The project's program takes no trainer flags: the image runs it as it is.
-    trainer_args = () if command else (*trainer_args, "--metrics-file", f"{RUN_MOUNT}/metrics.jsonl")
+    trainer_args = () if command else (*trainer_args, "--metrics-file", f"{RUN_MOUNT}/{run_folder.METRICS}")
     try:
         preflight = _run_phase(client, image, variant, network.name, f"{run_id}-preflight", (*preflight_args, *trainer_args), timeout_s, run_dir)
-        if not _preflight_report(variant, preflight, timeout_s):
+        if not _preflight_report(variant, preflight, timeout_s, run_dir):
             return False
         training = _run_phase(client, image, variant, network.name, run_id, trainer_args, timeout_s, run_dir)
         if command:
@@ -116,7 +116,7 @@ def run_smoke(image: str, variant: str, timeout_s: float, trainer_args: tuple[st
 def _say_where_the_run_report_is(variant: str, run_dir: Path) -> None:
     """Writes the run report and prints where it is. A run that failed before its first record leaves no
     metrics: that is said in a line, not raised, since the failure above is what the user needs to see."""
-    if not (run_dir / METRICS_NAME).is_file():
+    if not (run_dir / run_folder.METRICS).is_file():
         print(f"smoke[{variant}]: no run report (the run wrote no metrics: it ended before its first step)")
         return
     try:
@@ -174,13 +174,12 @@ def _text(members: list[Member]) -> str:
     return "\n".join(line for m in members for line in m.lines)
 
 
-def _preflight_report(variant: str, members: list[Member], timeout_s: float) -> bool:
-    text = _text(members)
-    verdict = PREFLIGHT_RE.search(text)
-    ok = all(m.exit_code == 0 for m in members) and verdict is not None and verdict.group(1) == "PASS"
-    print(
-        f"smoke[{variant}]: {verdict.group(0) if verdict else 'preflight: no verdict'}; exit codes { ({m.name: m.exit_code for m in members}) }"
-    )
+def _preflight_report(variant: str, members: list[Member], timeout_s: float, run_dir: Path) -> bool:
+    """The preflight's verdict from its record in the run folder (train/preflight/verdict.py), not its log."""
+    verdict = read_verdict(run_dir / run_folder.PREFLIGHT)
+    ok = all(m.exit_code == 0 for m in members) and verdict is not None and verdict[0]
+    said = verdict[1] if verdict else f"preflight: no verdict (no readable {run_folder.PREFLIGHT})"
+    print(f"smoke[{variant}]: {said}; exit codes { ({m.name: m.exit_code for m in members}) }")
     if not ok:
         _show_failures(variant, members, timeout_s)
         print(f"smoke[{variant}]: FAIL (the preflight failed; training not started)", flush=True)

@@ -57,6 +57,7 @@ def _import_bundle_train() -> None:
 
 _import_bundle_train()
 
+from train import run_folder  # noqa: E402
 from train.metrics import MetricsFile, RankLog  # noqa: E402 - after the bundle's train package is the one imported
 from train.outcome import RunEnd  # noqa: E402
 from train.perf import RankTimes, SlowRanks  # noqa: E402
@@ -108,7 +109,7 @@ class Run:
     ) -> None:
         self.hang_timeout = _env_seconds("DDPACK_HANG_TIMEOUT", DEFAULT_HANG_TIMEOUT) if hang_timeout is None else hang_timeout
         self.metrics_path = metrics_file if metrics_file is not None else os.environ.get("DDPACK_METRICS_FILE") or None
-        self.forensics_dir = Path(forensics_dir or os.environ.get("DDPACK_FORENSICS_DIR") or "forensics").absolute()
+        self.forensics_dir = Path(forensics_dir or os.environ.get("DDPACK_FORENSICS_DIR") or run_folder.FORENSICS).absolute()
         self.log_every, self.framework, self.total_steps = max(1, log_every), framework, total_steps
         self.progress = Progress()
         self.watcher = PreemptionWatcher()

@@ -9,6 +9,12 @@ set -eu
 torch_req=$1
 torch_index=${2:-}
 expect=${3:-cpu}
+case "${torch_req}" in
+torch== | torch==+*)
+  echo "ddpack: no torch version given; build with make image, which passes --build-arg TORCH_VERSION" >&2
+  exit 2
+  ;;
+esac
 
 if [ -s /run/secrets/pip_cert ]; then
   export PIP_CERT=/run/secrets/pip_cert

@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 
 from entrypoint.hostlist import HostlistError, expand_hostlist, expand_tasks_per_node
 
+# Defined here, in the launcher, which must never import train (see supervise.py): the trainer's flags
+# (train.config) take their choices from these.
 BACKENDS = ("gloo", "nccl", "mpi", "ucc")
-CPU_BIND_CHOICES = ("auto", "none")  # the trainer's --cpu-bind (train.config)
+CPU_BIND_CHOICES = ("auto", "none")  # the trainer's --cpu-bind
 DEFAULT_MASTER_PORT = 29500
 # Ports derived from a Slurm job id land in [15000, 30000): below Linux's default ephemeral range
 # (32768-60999), so a rendezvous port never collides with an outgoing connection's source port.

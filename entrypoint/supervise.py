@@ -117,6 +117,8 @@ def save_stacks(stacks: str, env: Mapping[str, str], why: str) -> Path | None:
     folder, rank = env.get("DDPACK_FORENSICS_DIR"), env.get("RANK", "0")
     if not folder:
         return None
+    # As train/run_folder.py's rank_stacks() names it; the launcher never imports train (`python -m entrypoint` has
+    # the working directory first on sys.path, where a user's train.py would run instead): tests check the names agree.
     path = Path(folder) / f"rank-{rank}.txt"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

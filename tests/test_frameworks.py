@@ -17,6 +17,7 @@ from ddp_jobs import Job, start_env_mode, start_slurm_step, start_standalone, su
 from readme_examples import python_block
 
 from entrypoint.supervise import exit_status
+from train import run_folder
 
 PROJECTS = ROOT / "tests" / "frameworks"
 
@@ -81,8 +82,8 @@ def test_a_program_that_will_not_stop_leaves_its_stacks_and_ends_requeueable(tmp
     out = job.output(0)
     assert "entrypoint: the program did not stop within 2 s of SIGTERM; its threads' stacks follow (SIGABRT)" in out
     assert "Fatal Python error: Aborted" in out and "in wait_for_a_peer_that_never_answers" in out, out
-    assert f"entrypoint: the stacks are in {forensics}/rank-0.txt" in out
-    saved = (forensics / "rank-0.txt").read_text()
+    assert f"entrypoint: the stacks are in {forensics / run_folder.rank_stacks(0)}" in out  # named as the watchdog names them
+    saved = (forensics / run_folder.rank_stacks(0)).read_text()
     assert saved.startswith("rank 0 host ") and "did not stop within 2 s of SIGTERM" in saved and "in wait_for_a_peer_that_never_answers" in saved
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -198,3 +199,18 @@ def test_each_task_of_a_per_gpu_step_gets_its_share_of_the_nodes_cpus(env: dict[
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SRUN_"))}
     out = subprocess.run(["bash", "-uc", script], capture_output=True, text=True, timeout=30, env={**clean, **env})
     assert out.returncode == 0 and out.stdout == f"{line}share={share}\n", out.stderr
+
+
+def test_the_helper_spells_the_run_folders_names_as_train_run_folder_defines_them() -> None:
+    """The run folder's layout is defined once (train/run_folder.py); the shell helper, which cannot import it,
+    must name every file and folder it reads or exports the same way. Its own dot-files are its business."""
+    from train import run_folder
+
+    text = HELPER.read_text()
+    spelled = set(re.findall(r"(?:\$\{DDPACK_RUN_DIR\}|\$\{forensics\}|\$1)/([A-Za-z0-9._-]+)(?:/([A-Za-z0-9._-]+))?", text))
+    names = {part for pair in spelled for part in pair if part and not part.startswith((".", "$"))}
+    public = {run_folder.SNAPSHOTS, run_folder.METRICS, run_folder.PREFLIGHT, run_folder.FORENSICS, run_folder.SUMMARY}
+    public |= {run_folder.UNRESPONSIVE_NODES, run_folder.REPORT}
+    assert names == public, names ^ public
+    out = step_command()
+    assert out.stdout.splitlines()[-1] == f"/fsx/runs/a-1/{run_folder.SNAPSHOTS} /fsx/runs/a-1/{run_folder.METRICS} /fsx/runs/a-1/{run_folder.FORENSICS}"

@@ -9,13 +9,14 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import NoReturn
 
-BACKENDS = ("gloo", "nccl", "mpi", "ucc")
+from entrypoint.plan import BACKENDS, CPU_BIND_CHOICES  # one definition: the launcher checks them first
+from train import run_folder
+
 # Three minutes: steps of seconds are the norm even for large models, a recompile or a slow first
 # batch of a new epoch takes tens of seconds, and the first step, snapshot writes and eval are not
 # timed at all; a hang found in 3 minutes rather than at NCCL's 10 saves most of the idle allocation.
 DEFAULT_HANG_TIMEOUT = 180.0
 HANG_SHARE_OF_COLLECTIVE = 0.6
-CPU_BIND_CHOICES = ("auto", "none")
 
 
 @dataclass(frozen=True)
@@ -180,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     state = parser.add_argument_group("snapshots and logs")
     state.add_argument(
         "--snapshot-dir",
-        default=os.environ.get("DDPACK_SNAPSHOT_DIR", "snapshots"),
+        default=os.environ.get("DDPACK_SNAPSHOT_DIR", run_folder.SNAPSHOTS),
         help="where rank 0 writes snapshots and every run resumes from ('' disables); default $DDPACK_SNAPSHOT_DIR or ./snapshots",
     )
     state.add_argument(
@@ -232,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     dist.add_argument(
         "--forensics-dir",
-        default=os.environ.get("DDPACK_FORENSICS_DIR", "forensics"),
+        default=os.environ.get("DDPACK_FORENSICS_DIR", run_folder.FORENSICS),
         help="where a hang leaves every rank's stacks and the summary; default $DDPACK_FORENSICS_DIR or ./forensics",
     )
     dist.add_argument(

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from train import run_folder
 from train.config import Config
 from train.data import Batch, EpochOrder, default_num_workers, make_batches
 from train.distributed import DistContext, broadcast_buffers, broadcast_from_main, first_line, gather_objects, sum_over_ranks
@@ -192,7 +193,7 @@ class Trainer:
         """Rank 0, at start, before the first collective (start-up, like the imports: a CPU's rate takes a
         quarter of a second to measure): the peak per device MFU divides by (train/perf.py)."""
         cfg, device = self.config, self.ctx.device
-        preflight = Path(cfg.metrics_file).parent / "preflight.json" if cfg.metrics_file else None
+        preflight = Path(cfg.metrics_file).parent / run_folder.PREFLIGHT if cfg.metrics_file else None
         self.peak = device_peak(device, cfg.amp, preflight, lambda: matmul_gflops(self.ctx, CPU_MEASURE_S))
         if self.peak is None:
             self.log(

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from train.outcome import RunEnd
+from train.run_folder import SUMMARY, UNRESPONSIVE_NODES, rank_stacks
 
 EXIT_HANG = 124  # as timeout(1): the run was ended for taking too long
 # Phases in step order: a rank in an earlier phase after the same step is behind the others.
@@ -53,8 +54,6 @@ PHASES = ("setup", "data", "forward", "backward", "sync", "optimizer", "metrics"
 UNTIMED = frozenset({"setup", "snapshot", "eval"})
 WORKER_DUMP_SIGNAL = signal.SIGUSR2
 STACKS_PREFIX = "ddpack-stacks-"
-# Nodes whose ranks stopped answering (frozen, lost), one a line: enroot/ddpack-job.sh reads it.
-UNRESPONSIVE_NODES = "unresponsive-nodes"
 
 
 class Progress:
@@ -375,7 +374,7 @@ class Watchdog:
             return  # training finished while we looked
         self._ending.set()
         self.forensics_dir.mkdir(parents=True, exist_ok=True)
-        mine = self.forensics_dir / f"rank-{self.rank}.txt"
+        mine = self.forensics_dir / rank_stacks(self.rank)
         p, now = self.progress, time.monotonic()
         header = (
             f"rank {self.rank}/{self.world_size} host {self.host} pid {os.getpid()}: last finished step {p.step}, "
@@ -406,7 +405,7 @@ class Watchdog:
         """Rank 0, or the lowest rank answering when rank 0's heartbeat is stale, writes summary.json once
         the live ranks have dumped (or the grace ran out), then waits for them to read it before leaving
         (rank 0 may host the store); the others wait for it, as long."""
-        path = self.forensics_dir / "summary.json"
+        path = self.forensics_dir / SUMMARY
         deadline = time.monotonic() + self.grace_s
         while True:
             if path.exists():  # written by another rank (a shared run folder) or by a rank that lost the store
@@ -419,7 +418,7 @@ class Watchdog:
             dumped = [r for r in live if r == self.rank or self.store.get(f"dumped/{r}") is not None]
             if writer == self.rank and (dumped == live or time.monotonic() > deadline or self.store.gone):
                 verdict = judge(beats, self.world_size, now, self.stale_after, self.timeout_s)
-                stacks = {str(r): f"rank-{r}.txt" for r in range(self.world_size) if (self.forensics_dir / f"rank-{r}.txt").exists()}
+                stacks = {str(r): rank_stacks(r) for r in range(self.world_size) if (self.forensics_dir / rank_stacks(r)).exists()}
                 summary = {**verdict.summary, "reason": why, "written_by": self.rank, "time": now, "stacks": stacks}
                 if not write_atomic(path, json.dumps(summary, indent=1) + "\n", exclusive=True):
                     continue  # another rank's came first: that one stands

@@ -13,6 +13,7 @@ from train.preflight.comm import P2P_BYTES, AllReduceRow, Link
 from train.preflight.compute import Rate
 from train.preflight.identity import Identity
 from train.preflight.storage import StorageResult
+from train.preflight.verdict import verdict_line
 
 
 @dataclass
@@ -113,15 +114,8 @@ def render(report: Report) -> list[str]:
         lines.append("storage: skipped (--snapshot-dir '' disables snapshots)")
     lines += [f"preflight: WARN {warning}" for warning in report.warnings]
     lines += [f"preflight: FAIL {failure}" for failure in report.failures]
-    verdict = f"FAILED ({plural(len(report.failures), 'problem')})" if report.failures else "PASS"
-    if report.warnings:
-        verdict += f" with {plural(len(report.warnings), 'warning')} (--preflight-strict makes them failures)"
-    lines.append(f"preflight: {verdict} in {report.seconds:.1f} s")
+    lines.append(verdict_line(report.failures, report.warnings, report.seconds))
     return lines
-
-
-def plural(count: int, noun: str) -> str:
-    return f"{count} {noun}{'s' if count != 1 else ''}"
 
 
 def write_json_atomically(path: str, text: str) -> None:
