@@ -102,11 +102,12 @@ test-quick: venv ## run the fast tier only (no multi-process, Docker, Slurm or p
 lint: venv ## ruff over the whole tree
 	$(VENV)/bin/ruff check .
 
-bench: venv ## print trainer throughput, snapshot stall vs a synchronous write, preflight vs direct all-reduce, launcher start-up, recovery table (Slurm)
+bench: venv ## print trainer throughput, snapshot stall vs a synchronous write, preflight vs direct all-reduce, launcher start-up, the Lightning callback's cost, recovery table (Slurm)
 	$(VPY) bench/bench_train.py
 	$(VPY) bench/bench_snapshot.py
 	$(VPY) bench/bench_preflight.py
 	$(VPY) bench/bench_launcher.py
+	$(VPY) bench/bench_frameworks.py
 	$(VPY) bench/bench_recovery.py
 
 engine: venv ## make sure a Docker engine answers (starts Debian's dockerd when root)

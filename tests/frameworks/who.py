@@ -27,7 +27,9 @@ class Probe(L.LightningModule):
     def on_fit_start(self) -> None:
         seen["lightning"] = [self.trainer.global_rank, self.trainer.world_size, self.trainer.local_rank]
         seen["lightning_environment"] = type(self.trainer.strategy.cluster_environment).__name__
-        print("who " + json.dumps(seen), flush=True)
+        # One write per line: torchrun's workers share one stdout pipe, and print() writes the text and its
+        # newline apart, so two ranks' lines could join (seen on a loaded machine).
+        os.write(1, ("who " + json.dumps(seen) + "\n").encode())
 
 
 trainer = L.Trainer(
