@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = Path(__file__).resolve().parent
-sys.path[:0] = [str(ROOT), str(BENCH), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(BENCH)]
 
 import torch  # noqa: E402
 
@@ -65,7 +65,8 @@ def bare_matmul_gflops(device: torch.device, seconds: float) -> float:
 
 
 def matmul_rounds(device: torch.device, seconds: float) -> None:
-    ctx = DistContext(0, 1, 0, 1, "nccl" if device.type == "cuda" else "gloo", device, "bench")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    ctx = DistContext(rank=0, world_size=1, local_rank=0, local_world_size=1, backend=backend, device=device, host="bench")
     pre, bare = [], []
     for _ in range(ROUNDS):
         pre.append(matmul_gflops(ctx, seconds))
@@ -86,8 +87,9 @@ def bare_gpt_loop(steps: int, tiny: bool) -> None:
     """One rank of a bare DDP loop (the competitor), run as its own process; prints ms a step after warm-up."""
     import torch.distributed as dist
     from bench_tasks import gpt_model, gpt_tokens
-    from plugins.zoo import next_token_loss
     from torch.nn.parallel import DistributedDataParallel
+
+    from testbed.gpt import next_token_loss
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -122,7 +124,7 @@ def one_rank_env(**extra: str) -> dict[str, str]:
 
     return {
         **os.environ,
-        "PYTHONPATH": f"{ROOT}:{BENCH}:{ROOT / 'tests'}",
+        "PYTHONPATH": f"{ROOT}:{BENCH}",
         "RANK": "0",
         "WORLD_SIZE": "1",
         "LOCAL_RANK": "0",

@@ -45,8 +45,7 @@ def timed_app_build(project: Path, tag: str, bundle: str, no_cache: bool = False
 
 def project_figures(bundle: str) -> tuple[float, float]:
     """(cold, after a one-line code change) seconds for the README's project on `bundle`."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from readme_examples import write_cpu_ddp
+    from testbed.readme_examples import write_cpu_ddp
 
     with tempfile.TemporaryDirectory() as tmp:
         project = write_cpu_ddp(Path(tmp) / "cpu-ddp")

@@ -1,7 +1,7 @@
 """Recovery table, the goodput view: what each disorderly or orderly ending costs a job on the real Slurm.
 
 One job of the bundled trainer through enroot/baremetal.sbatch (4 ranks on the two test nodes that
-tests/slurm_cluster.py runs on this host, --snapshot-every N), and one failure after another, each once the
+testbed/slurm_cluster.py runs on this host, --snapshot-every N), and one failure after another, each once the
 job has trained again for a while:
 
 - preemption: `scancel --signal=USR1` (what `--signal=USR1@90` sends before the time limit);
@@ -47,9 +47,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
 
-from slurm_jobs import job_state, progress_count, signal_tasks, submit, wait_for_progress  # noqa: E402
+from testbed.slurm_jobs import job_state, progress_count, signal_tasks, submit, wait_for_progress  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,8 @@ def main() -> int:
     parser.add_argument("--train-between", type=int, default=40, help="progress records between one recovery and the next failure")
     opts = parser.parse_args()
     if shutil.which("sinfo") is None or subprocess.run(["sinfo", "-h"], capture_output=True).returncode != 0:
-        print("bench_recovery: no Slurm controller answers (sinfo); start the two-node test cluster: .venv/bin/python tests/slurm_cluster.py", file=sys.stderr)
+        start = ".venv/bin/python testbed/slurm_cluster.py"
+        print(f"bench_recovery: no Slurm controller answers (sinfo); start the two-node test cluster: {start}", file=sys.stderr)
         return 2
     work = Path(tempfile.mkdtemp(prefix="ddpack-bench-recovery-"))
     args = f"--dataset-size 32768 --epochs 3 --log-every 1 --snapshot-every {opts.snapshot_every} --hang-timeout {opts.hang_timeout:g}"

@@ -29,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from train.snapshot import SnapshotStore, SnapshotWriter, Written  # noqa: E402
+from train.snapshot import Snapshot, SnapshotStore, SnapshotWriter, Written  # noqa: E402
 
 GOAL = 0.1  # stall <= 0.1 x the synchronous write
 
@@ -49,21 +49,21 @@ def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=False)
 
 
-def state_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer, global_step: int) -> dict:
-    return {
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "epoch": 0,
-        "step_in_epoch": global_step,
-        "global_step": global_step,
-        "rng": [{"torch": torch.get_rng_state()}],
-        "world_size": 1,
-        "config": {},
-    }
+def state_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer, global_step: int) -> Snapshot:
+    return Snapshot(
+        model=model.state_dict(),
+        optimizer=optimizer.state_dict(),
+        epoch=0,
+        step_in_epoch=global_step,
+        global_step=global_step,
+        rng=[{"torch": torch.get_rng_state()}],
+        world_size=1,
+        config={},
+    )
 
 
-def state_bytes(state: dict) -> int:
-    tensors = list(state["model"].values()) + [t for s in state["optimizer"]["state"].values() for t in s.values() if torch.is_tensor(t)]
+def state_bytes(state: Snapshot) -> int:
+    tensors = list(state.model.values()) + [t for s in state.optimizer["state"].values() for t in s.values() if torch.is_tensor(t)]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 

@@ -18,7 +18,7 @@ does on a journaled ext4 or xfs. The first line names the filesystem; `--journal
 journaled ext4 (a loop file, plain `mkfs.ext4`, as on a node's disk) over DIR, the folder every node's
 ENROOT_DATA_PATH lies under (here /tmp/enroot/data), for the run.
 
-Needs root, enroot and a Slurm with pyxis (tests/slurm_cluster.py starts one here).
+Needs root, enroot and a Slurm with pyxis (testbed/slurm_cluster.py starts one here).
 """
 
 from __future__ import annotations

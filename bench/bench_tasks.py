@@ -50,7 +50,7 @@ GPT_TINY = {"vocab": 64, "block_size": 16, "dim": 32, "heads": 2, "layers": 2, "
 
 
 def gpt_model(tiny: bool = False) -> nn.Module:
-    from plugins.zoo import TinyGPT  # the model zoo's GPT (tests/plugins/zoo.py), at another size
+    from testbed.gpt import TinyGPT  # the model zoo's GPT, at another size
 
     return TinyGPT(**(GPT_TINY if tiny else GPT_SHAPE))
 
@@ -64,7 +64,7 @@ def gpt_tokens(size: int, tiny: bool = False, seed: int = 0) -> TensorDataset:
 
 
 def gpt(config: Config) -> Task:
-    from plugins.zoo import next_token_loss
+    from testbed.gpt import next_token_loss
 
     tiny = os.environ.get("BENCH_GPT_TINY") == "1"
     torch.manual_seed(config.seed)

@@ -179,7 +179,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     if opts.cpu_bind == "auto":
         rank, world = dist.get_rank(), dist.get_world_size()
-        bind_local_ranks(DistContext(rank, world, rank, world, "gloo", torch.device("cpu"), ""))
+        bind_local_ranks(DistContext(rank=rank, world_size=world, local_rank=rank, local_world_size=world, backend="gloo", device=torch.device("cpu"), host=""))
     try:
         if opts.which == "tutorial":
             tutorial(opts.epochs, opts.batch_size, opts.dataset_size, opts.lr)

@@ -26,7 +26,7 @@ TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 RETRIES = Config(retries={"max_attempts": 6, "mode": "standard"})  # throttling and 5xx, with backoff
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RepositorySettings:
     scan_on_push: bool = True
     tag_mutability: str = "MUTABLE"

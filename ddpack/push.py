@@ -165,6 +165,7 @@ def push_image(
     image: str,
     repository: str,
     tag: str,
+    *,
     region: str | None = None,
     settings: RepositorySettings | None = None,
     registry_override: str | None = None,
@@ -249,10 +250,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kms-key", default=None, help="new repositories: KMS key (with --encryption KMS)")
     parser.add_argument("--attempts", type=int, default=4, help="tries for transient failures")
     opts = parser.parse_args(argv)
-    settings = RepositorySettings(not opts.no_scan_on_push, opts.tag_mutability, opts.encryption, opts.kms_key)
+    settings = RepositorySettings(
+        scan_on_push=not opts.no_scan_on_push, tag_mutability=opts.tag_mutability, encryption=opts.encryption, kms_key=opts.kms_key
+    )
 
     def body() -> int:
-        result = push_image(opts.image, opts.repository, opts.tag, opts.region, settings, opts.registry, opts.attempts)
+        result = push_image(
+            opts.image, opts.repository, opts.tag, region=opts.region, settings=settings, registry_override=opts.registry, attempts=opts.attempts
+        )
         host = result.reference.split("/", 1)[0]
         print(next_steps(result, host, opts.repository, opts.tag, aws_session(opts.region).region_name))
         return 0

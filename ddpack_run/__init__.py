@@ -58,13 +58,13 @@ def _import_bundle_train() -> None:
 _import_bundle_train()
 
 from train import run_folder  # noqa: E402
-from train.metrics import MetricsFile, RankLog  # noqa: E402 - after the bundle's train package is the one imported
+from train.metrics import MetricsFile, RankLog, start_fields  # noqa: E402 - after the bundle's train package is the one imported
 from train.outcome import RunEnd  # noqa: E402
 from train.perf import RankTimes, SlowRanks  # noqa: E402
 from train.signals import PreemptionWatcher  # noqa: E402
-from train.watchdog import EXIT_HANG, GuardedStore, Progress, Watchdog, tcp_store  # noqa: E402
+from train.watchdog import EXIT_HANG, PHASES, GuardedStore, Phase, Progress, Watchdog, tcp_store  # noqa: E402
 
-__all__ = ["EXIT_HANG", "Run"]
+__all__ = ["EXIT_HANG", "Phase", "Run"]
 
 DEFAULT_HANG_TIMEOUT = 180.0
 # The ranks agree (stop flag, per-rank times) about this often: one small all-reduce (~1 ms on gloo between
@@ -135,8 +135,10 @@ class Run:
         self.watcher = PreemptionWatcher()
 
     def phase(self, name: str) -> None:
-        """Where this rank is in its step, for the hang verdict and the per-rank times: "data" (waiting for the
-        next batch), "forward", "backward" (its gradients' all-reduce included), "optimizer"."""
+        """Where this rank is in its step, for the hang verdict and the per-rank times: Phase.DATA ("data", waiting
+        for the next batch), Phase.FORWARD, Phase.BACKWARD (its gradients' all-reduce included), Phase.OPTIMIZER."""
+        if name not in PHASES:
+            raise ValueError(f"phase {name!r} is not one of {', '.join(PHASES)}; use ddpack_run.Phase's names")
         now = time.perf_counter()
         self._window.charge(self.progress.phase, now - self._phase_at)
         self._phase_at = now
@@ -148,7 +150,7 @@ class Run:
         `exit_stopped()`."""
         if not self._started:
             self._start()
-        self.phase("data")
+        self.phase(Phase.DATA)
         self.global_step = step if step is not None else self.global_step + 1
         self.progress.step_done(self.global_step)
         self._window.step(samples, loss)
@@ -196,17 +198,11 @@ class Run:
             hosts = [None] * self.world_size
             dist.all_gather_object(hosts, self.host)
         self._slow = SlowRanks([str(h) for h in hosts])
+        backend = dist.get_backend() if self.world_size > 1 else None
         self.metrics.write(
             "start",
-            world_size=self.world_size,
-            hosts=hosts,
-            backend=dist.get_backend() if self.world_size > 1 else None,
+            **start_fields(world_size=self.world_size, hosts=hosts, backend=backend, global_step=self.global_step, total_steps=self.total_steps),
             framework=self.framework,
-            global_step=self.global_step,
-            total_steps=self.total_steps,
-            slurm_job_id=os.environ.get("SLURM_JOB_ID"),
-            slurm_restart_count=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
-            torchelastic_restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
         )
         if self.hang_timeout and self.world_size > 1 and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
             deadline = min(10.0, max(2.0, self.hang_timeout / 3))
@@ -232,7 +228,7 @@ class Run:
         import torch.distributed as dist
 
         window, self._window = self._window, _Window()
-        self.progress.enter("sync")
+        self.progress.enter(Phase.SYNC)
         signalled = self.watcher.received
         codes = [0.0] * self.world_size
         codes[self.rank] = float(int(signalled)) if signalled is not None else 0.0
@@ -240,7 +236,7 @@ class Run:
         sums = torch.tensor([*codes, *slots], dtype=torch.float64)
         if self.world_size > 1:
             dist.all_reduce(sums)
-        self.progress.enter("data")
+        self.progress.enter(Phase.DATA)
         values = [float(v) for v in sums]
         stop_codes, time_sums = [int(v) for v in values[: self.world_size] if v], values[self.world_size :]
         if stop_codes:

@@ -19,7 +19,7 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
-from ddpack_run import Run, parameter_checksum
+from ddpack_run import Phase, Run, parameter_checksum
 
 __all__ = ["DdpackCallback", "last_checkpoint"]
 
@@ -47,13 +47,13 @@ class DdpackCallback(TrainerCallback):
         self.run.total_steps = state.max_steps or None
         if model is not None:  # where forward ends and backward (with the gradients' all-reduce) begins
             self._hooks = [
-                model.register_forward_pre_hook(lambda *_: self.run.phase("forward")),
-                model.register_forward_hook(lambda *_: self.run.phase("backward")),
+                model.register_forward_pre_hook(lambda *_: self.run.phase(Phase.FORWARD)),
+                model.register_forward_hook(lambda *_: self.run.phase(Phase.BACKWARD)),
             ]
-        self.run.phase("data")
+        self.run.phase(Phase.DATA)
 
     def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
-        self.run.phase("optimizer")
+        self.run.phase(Phase.OPTIMIZER)
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs: dict[str, float] | None = None, **kwargs: Any) -> None:
         if logs and isinstance(logs.get("loss"), (int, float)):

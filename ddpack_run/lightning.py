@@ -26,7 +26,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-from ddpack_run import Run, batch_size, parameter_checksum
+from ddpack_run import Phase, Run, batch_size, parameter_checksum
 
 __all__ = ["DdpackCallback", "last_hpc_checkpoint"]
 
@@ -50,20 +50,20 @@ class DdpackCallback(Callback):
         self.run.global_step = self._last_step = trainer.global_step
         if trainer.max_steps and trainer.max_steps > 0:
             self.run.total_steps = trainer.max_steps
-        self.run.phase("data")
+        self.run.phase(Phase.DATA)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        self.run.phase("forward")
+        self.run.phase(Phase.FORWARD)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
-        self.run.phase("backward")
+        self.run.phase(Phase.BACKWARD)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        self.run.phase("optimizer")
+        self.run.phase(Phase.OPTIMIZER)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step == self._last_step:  # a micro-batch of gradient accumulation: no step yet
-            self.run.phase("data")
+            self.run.phase(Phase.DATA)
             return
         self._last_step = trainer.global_step
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs

@@ -99,7 +99,7 @@ class PlanError(ValueError):
     """Input that cannot describe a DDP job; the message is the one line the user sees."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Options:
     """What the user asked for on the entrypoint's own command line."""
 
@@ -108,7 +108,7 @@ class Options:
     backend: str | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Host:
     """Facts about the machine, injected so that tests do not depend on the machine they run on."""
 
@@ -130,7 +130,7 @@ class Host:
         return Host(cpu_count=cpus or 1, nvidia_device_files=nvidia, free_port=port)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     """The resolved launch: printed by --print-plan, executed otherwise.
 
@@ -305,7 +305,7 @@ DEFAULT_SHUTDOWN_TIMEOUT = 30
 TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class _Inputs:
     """Everything a resolver reads, passed as one value."""
 
@@ -317,7 +317,7 @@ class _Inputs:
 
 
 def _exec_plan(
-    inp: _Inputs, rank: int, world: int, local_rank: int, local_world: int, node_rank: int, nnodes: int, addr: str, port: int
+    inp: _Inputs, *, rank: int, world: int, local_rank: int, local_world: int, node_rank: int, nnodes: int, addr: str, port: int
 ) -> Plan:
     """This process is the rank: exec the command with the DDP variables set."""
     env = {
@@ -334,12 +334,24 @@ def _exec_plan(
         **_nccl_defaults(inp.environ, inp.backend),
     }
     return Plan(
-        inp.mode, "exec", rank, world, local_rank, local_world, node_rank, nnodes, addr, port, inp.backend, inp.options.command, env
+        mode=inp.mode,
+        launcher="exec",
+        rank=rank,
+        world_size=world,
+        local_rank=local_rank,
+        local_world_size=local_world,
+        node_rank=node_rank,
+        nnodes=nnodes,
+        master_addr=addr,
+        master_port=port,
+        backend=inp.backend,
+        argv=inp.options.command,
+        env=env,
     )
 
 
 def _torchrun_plan(
-    inp: _Inputs, nnodes: int, nproc: int, node_rank: int, addr: str, port: int, rdzv_id: str | None, procs_per_task: int = 1
+    inp: _Inputs, *, nnodes: int, nproc: int, node_rank: int, addr: str, port: int, rdzv_id: str | None, procs_per_task: int = 1
 ) -> Plan:
     """This process becomes a torchrun agent for `nproc` local ranks; rdzv_id None means --standalone."""
     endpoint = None if rdzv_id is None else f"{url_host(addr)}:{port}"
@@ -348,7 +360,21 @@ def _torchrun_plan(
     env = {"DDPACK_BACKEND": inp.backend, **_omp_threads(inp.environ, inp.host, nproc, procs_per_task), **_nccl_defaults(inp.environ, inp.backend)}
     if "PET_SIGNALS_TO_HANDLE" not in inp.environ:
         env["PET_SIGNALS_TO_HANDLE"] = TORCHRUN_SIGNALS
-    return Plan(inp.mode, "torchrun", None, nnodes * nproc, None, nproc, node_rank, nnodes, addr, port, inp.backend, argv, env)
+    return Plan(
+        mode=inp.mode,
+        launcher="torchrun",
+        rank=None,
+        world_size=nnodes * nproc,
+        local_rank=None,
+        local_world_size=nproc,
+        node_rank=node_rank,
+        nnodes=nnodes,
+        master_addr=addr,
+        master_port=port,
+        backend=inp.backend,
+        argv=argv,
+        env=env,
+    )
 
 
 def _resolve_torchelastic(inp: _Inputs) -> Plan:
@@ -428,8 +454,12 @@ def _resolve_slurm(inp: _Inputs) -> Plan:
     devices = visible_cuda_devices(environ, inp.host)
     if one_task_per_node and (nproc or devices > 1):
         nproc = nproc or devices
-        return _torchrun_plan(inp, len(hosts), nproc, node_rank, addr, port, str(job_id), procs_per_task=nproc)
-    return _exec_plan(inp, rank, world, local_rank, local_world, node_rank, len(hosts), addr, port)
+        return _torchrun_plan(
+            inp, nnodes=len(hosts), nproc=nproc, node_rank=node_rank, addr=addr, port=port, rdzv_id=str(job_id), procs_per_task=nproc
+        )
+    return _exec_plan(
+        inp, rank=rank, world=world, local_rank=local_rank, local_world=local_world, node_rank=node_rank, nnodes=len(hosts), addr=addr, port=port
+    )
 
 
 def _resolve_env(inp: _Inputs) -> Plan:
@@ -453,7 +483,9 @@ def _resolve_env(inp: _Inputs) -> Plan:
         if nnodes > 1 and not addr:
             raise PlanError(f"NNODES={nnodes} but MASTER_ADDR is not set; set it to node 0's host name or address")
         rdzv_id = environ.get("RDZV_ID", "ddpack")
-        return _torchrun_plan(inp, nnodes, inp.options.nproc_per_node, node_rank, addr or "127.0.0.1", port, rdzv_id)
+        return _torchrun_plan(
+            inp, nnodes=nnodes, nproc=inp.options.nproc_per_node, node_rank=node_rank, addr=addr or "127.0.0.1", port=port, rdzv_id=rdzv_id
+        )
     if "RANK" not in environ or "WORLD_SIZE" not in environ:
         missing = "RANK" if "RANK" not in environ else "WORLD_SIZE"
         raise PlanError(f"{missing} is not set; set RANK and WORLD_SIZE together (or neither, for one process)")
@@ -469,7 +501,9 @@ def _resolve_env(inp: _Inputs) -> Plan:
     if world > 1 and not addr:
         raise PlanError(f"WORLD_SIZE={world} but MASTER_ADDR is not set; set it to rank 0's host name or address")
     nnodes = max(1, world // local_world)
-    return _exec_plan(inp, rank, world, local_rank, local_world, node_rank, nnodes, addr or "127.0.0.1", port)
+    return _exec_plan(
+        inp, rank=rank, world=world, local_rank=local_rank, local_world=local_world, node_rank=node_rank, nnodes=nnodes, addr=addr or "127.0.0.1", port=port
+    )
 
 
 def _resolve_single(inp: _Inputs) -> Plan:
@@ -478,8 +512,8 @@ def _resolve_single(inp: _Inputs) -> Plan:
     port = _port_var(inp.environ, "MASTER_PORT", inp.host.free_port)
     nproc = inp.options.nproc_per_node or 1
     if nproc > 1:
-        return _torchrun_plan(inp, 1, nproc, 0, addr, port, rdzv_id=None)
-    return _exec_plan(inp, 0, 1, 0, 1, 0, 1, addr, port)
+        return _torchrun_plan(inp, nnodes=1, nproc=nproc, node_rank=0, addr=addr, port=port, rdzv_id=None)
+    return _exec_plan(inp, rank=0, world=1, local_rank=0, local_world=1, node_rank=0, nnodes=1, addr=addr, port=port)
 
 
 _RESOLVERS = {
@@ -498,4 +532,6 @@ def resolve_plan(environ: Mapping[str, str], options: Options, host: Host) -> Pl
     if cpu_bind and cpu_bind not in CPU_BIND_CHOICES:  # read by every rank's trainer; caught here once
         raise PlanError(f"DDPACK_CPU_BIND={cpu_bind!r} is not one of {', '.join(CPU_BIND_CHOICES)}; set it to one of them or unset it")
     mode = detect_mode(environ)
-    return _RESOLVERS[mode](_Inputs(mode, environ, options, host, choose_backend(environ, options, host)))
+    return _RESOLVERS[mode](
+        _Inputs(mode=mode, environ=environ, options=options, host=host, backend=choose_backend(environ, options, host))
+    )

@@ -14,8 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from conftest import ROOT, clean_env
-
+from testbed.env import ROOT, clean_env
 from train.outcome import RunEnd, checksums, read_ends
 
 ENTRYPOINT = [sys.executable, "-m", "entrypoint"]

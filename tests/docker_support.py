@@ -59,7 +59,7 @@ class ReadmeProject:
 def build_readme_project(folder: Path) -> ReadmeProject:
     """`make image smoke sqsh APP=../cpu-ddp APP_CMD=...` exactly as the README shows it, with the project
     written from the README into `folder` (named cpu-ddp) in place of ../cpu-ddp."""
-    from readme_examples import readme_line, write_cpu_ddp
+    from testbed.readme_examples import readme_line, write_cpu_ddp
 
     assert folder.name == "cpu-ddp"
     write_cpu_ddp(folder)

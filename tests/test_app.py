@@ -10,13 +10,13 @@ import sys
 from pathlib import Path, PurePosixPath
 
 import pytest
-from conftest import ROOT, clean_env
-from readme_examples import write_cpu_ddp
 
 from ddpack.app import check_torch_requirements, read_app, stage_app
 from ddpack.errors import HostError
 from entrypoint.cli import parse_args
 from entrypoint.plan import PlanError, from_app_dir, trainer_command
+from testbed.env import ROOT, clean_env
+from testbed.readme_examples import write_cpu_ddp
 
 
 def load_installer():

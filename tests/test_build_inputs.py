@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, clean_env
 
 from ddpack.build_inputs import PipSettings, TorchWheel, check_wheels_run_on, parse_pip_config_list, resolve_build_inputs
 from ddpack.errors import HostError
+from testbed.env import ROOT, clean_env
 
 CPU_WHEEL = "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"
 CUDA_WHEEL = "torch-2.13.0-cp311-cp311-manylinux_2_28_x86_64.whl"

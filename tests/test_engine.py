@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, clean_env
 
 from ddpack.engine import APT_LOCKS, wait_for_apt_locks
 from ddpack.errors import HostError
+from testbed.env import ROOT, clean_env
 
 HOLD = (
     "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); fcntl.lockf(fd, fcntl.LOCK_EX);"

@@ -7,7 +7,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import clean_env
+
+from testbed.env import clean_env
 
 ENTRYPOINT = [sys.executable, "-m", "entrypoint"]
 SLURM_RANK3 = {

@@ -12,11 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, clean_env
 from ddp_jobs import Job, start_env_mode, start_slurm_step, start_standalone, subdir, wait_for
-from readme_examples import python_block
 
 from entrypoint.supervise import exit_status
+from testbed.env import ROOT, clean_env
+from testbed.readme_examples import python_block
 from train import run_folder
 
 PROJECTS = ROOT / "tests" / "frameworks"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from conftest import ROOT, clean_env
+from testbed.env import ROOT, clean_env
 
 
 def host(*args: str, **env: str) -> subprocess.CompletedProcess[str]:

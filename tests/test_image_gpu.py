@@ -50,10 +50,9 @@ def test_gpu_image_trains_on_cpu_when_no_device_is_visible(gpu_image: tuple[dock
 
 def test_a_project_on_the_gpu_image_keeps_its_cuda_torch_and_nccl(gpu_image: tuple[docker.DockerClient, str], tmp_path, capsys) -> None:
     """`make image-gpu APP=DIR`: the CUDA wheels (nvidia-*) are held with torch, and the CUDA torch stays."""
-    from readme_examples import write_cpu_ddp
-
     from ddpack.app import read_app
     from ddpack.images import build_app_image, plan_build
+    from testbed.readme_examples import write_cpu_ddp
 
     client, image = gpu_image
     tag = "cpu-ddp:pytest-gpu-app"

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 from docker_support import TEST_TAG, build, engine_or_skip, host_ca_bundle
-from readme_examples import write_mytask
 
 import docker
 from ddpack.errors import HostError
 from ddpack.smoke import SHM_SIZE, run_smoke
+from testbed.readme_examples import write_mytask
 
 pytestmark = pytest.mark.docker
 

@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+
+from testbed.env import ROOT
 
 HELPER = ROOT / "enroot" / "ddpack-job.sh"
 

@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, clean_env
 from ddp_jobs import start_slurm_step, start_standalone, wait_for
 
 from entrypoint.cli import UsageError, parse_args
+from testbed.env import ROOT, clean_env
 from train.preflight.comm import AllReduceRow, Link, bus_factor, ring_shift, slow_links
 from train.preflight.compute import Rate, stragglers
 from train.preflight.identity import CODE_PACKAGES, Identity, code_digest, disagreements, rank_ranges

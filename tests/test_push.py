@@ -18,7 +18,6 @@ import bcrypt
 import boto3
 import pytest
 import requests
-from conftest import ROOT, clean_env
 from docker_support import TEST_TAG, build, engine_or_skip
 
 import docker
@@ -26,6 +25,7 @@ from ddpack.credentials import write_enroot_credentials
 from ddpack.ecr import ECR_HOST_RE, RepositorySettings
 from ddpack.errors import HostError
 from ddpack.push import classify, push_image
+from testbed.env import ROOT, clean_env
 from train.distributed import free_port
 
 pytestmark = pytest.mark.docker

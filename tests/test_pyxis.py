@@ -23,12 +23,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
 from docker_support import ReadmeProject
-from readme_examples import write_mytask
-from slurm_cluster import ClusterUnavailable, ensure_cluster
-from slurm_jobs import all_agree, env, preempt_and_resume, sbatch, submit, wait_for_progress, wait_for_restarts
 
+from testbed.env import ROOT
+from testbed.readme_examples import write_mytask
+from testbed.slurm_cluster import ClusterUnavailable, ensure_cluster
+from testbed.slurm_jobs import all_agree, env, preempt_and_resume, sbatch, submit, wait_for_progress, wait_for_restarts
 from train import outcome
 
 pytestmark = pytest.mark.pyxis

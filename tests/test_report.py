@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, clean_env
 from ddp_jobs import metrics_step, start_slurm_step, subdir, wait_for
 from torch import nn
 
+from testbed.env import ROOT, clean_env
 from train.config import parse_config
 from train.metrics import MetricsFile, format_share
 from train.perf import RankTimes, SlowRanks, count_flops_per_sample, mfu, preflight_peak, table_peak

@@ -13,9 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
-from readme_examples import write_mytask
-from slurm_cluster import ClusterUnavailable, ensure_cluster
-from slurm_jobs import (
+
+from testbed.readme_examples import write_mytask
+from testbed.slurm_cluster import ClusterUnavailable, ensure_cluster
+from testbed.slurm_jobs import (
     FINAL_STATES,
     VENV,
     all_agree,
@@ -31,7 +32,6 @@ from slurm_jobs import (
     wait_for_restarts,
     wait_for_resume,
 )
-
 from train.outcome import read_ends
 
 pytestmark = pytest.mark.slurm

@@ -15,12 +15,12 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, clean_env
 from docker_support import TEST_TAG, build, engine_or_skip
 
 from ddpack.base import LOCAL_BASE
 from ddpack.errors import HostError
 from ddpack.sqsh import RUNNERS, convert, layers_unavailable, record_path
+from testbed.env import ROOT, clean_env
 
 docker = pytest.mark.docker
 FIXTURE_TAG = "ddpack-sqsh-fixture:pytest"

@@ -10,16 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, clean_env
 from ddp_jobs import run_train
 
+from testbed.env import ROOT, clean_env
 from train.affinity import cpu_list, parse_cpu_list, plan_slices
 from train.config import build_parser, parse_config
 from train.data import BatchKey, SeededBatches
 from train.distributed import DeviceError, choose_cuda_index
 from train.model import unused_parameter_names
 from train.outcome import RunEnd, checksums, read_ends
-from train.snapshot import SnapshotStore, SnapshotWriteError, SnapshotWriter, Written, list_snapshots, snapshot_name
+from train.snapshot import Snapshot, SnapshotStore, SnapshotWriteError, SnapshotWriter, Written, list_snapshots, snapshot_name
 from train.tasks import TaskError, load_task
 
 REQUIRED_FLAGS = [
@@ -147,17 +147,10 @@ def test_builtin_tasks_batch_by_tensor_indexing() -> None:
         load_task(parse_config(["--task", "a:b:c:"]))
 
 
-def _state(step: int) -> dict:
-    return {
-        "model": {"w": torch.full((3,), float(step))},
-        "optimizer": {},
-        "epoch": 0,
-        "step_in_epoch": step,
-        "global_step": step,
-        "rng": [],
-        "world_size": 1,
-        "config": {},
-    }
+def _state(step: int) -> Snapshot:
+    return Snapshot(
+        model={"w": torch.full((3,), float(step))}, optimizer={}, epoch=0, step_in_epoch=step, global_step=step, rng=[], world_size=1, config={}
+    )
 
 
 def test_store_keeps_newest_readable_and_leaves_no_temp_files(tmp_path: Path) -> None:
@@ -167,7 +160,7 @@ def test_store_keeps_newest_readable_and_leaves_no_temp_files(tmp_path: Path) ->
     assert [p.name for p in list_snapshots(tmp_path)] == [snapshot_name(30), snapshot_name(20)]
     assert sorted(p.name for p in tmp_path.iterdir()) == [snapshot_name(20), snapshot_name(30)]
     state, path, reports = SnapshotStore(tmp_path).load_latest()
-    assert path == tmp_path / snapshot_name(30) and state["model"]["w"][0] == 30 and reports == []
+    assert path == tmp_path / snapshot_name(30) and state.model["w"][0] == 30 and reports == []
 
 
 class GatedStore(SnapshotStore):
@@ -178,7 +171,7 @@ class GatedStore(SnapshotStore):
         self.gate = threading.Event()
         self.fail = False
 
-    def save(self, state: dict) -> Path:
+    def save(self, state: Snapshot) -> Path:
         assert self.gate.wait(30)
         if self.fail:
             raise OSError(28, "No space left on device")
@@ -191,7 +184,7 @@ def test_background_snapshots_hold_training_only_for_the_copy_one_write_at_a_tim
     state = _state(10)
     writer.submit(state, held_since=0.0)
     assert writer.in_flight and list_snapshots(tmp_path) == []  # training goes on while it writes
-    state["model"]["w"].fill_(99.0)  # training changes the live tensors at once
+    state.model["w"].fill_(99.0)  # training changes the live tensors at once
     store.gate.set()
     last = writer.wait()
     assert isinstance(last, Written) and written == [last] and last.global_step == 10 and last.write_s >= 0

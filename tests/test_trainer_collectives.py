@@ -240,5 +240,5 @@ def test_clipping_bounds_the_synced_gradients_norm(group: DistContext) -> None:
 
 def test_bf16_grads_under_amp_train_with_the_same_one_collective_a_step(group: DistContext) -> None:
     trainer, calls, _ = fit(group, "--log-every", "1000000", "--amp", "--bf16-grads")
-    assert trainer.grad_sync.compress and trainer.global_step == 116
+    assert trainer.model.compress and trainer.global_step == 116
     assert calls == Counter({"gloo:all_gather": 116 + 2, "gloo:all_reduce": 1, "gloo:broadcast": 2})

@@ -31,7 +31,7 @@ def test_a_hang_timeout_the_collective_timeout_would_beat_is_one_line(capsys: py
 
 
 def beat(rank: int, sent: float, step: int, phase: str, stalled: float = 0.0) -> Heartbeat:
-    return Heartbeat(rank, f"node{rank}", 100 + rank, sent, step, phase, 1.0, stalled)
+    return Heartbeat(rank=rank, host=f"node{rank}", pid=100 + rank, sent=sent, step=step, phase=phase, phase_s=1.0, stalled_s=stalled)
 
 
 def test_judge_names_stale_ranks_then_the_earliest_live_position() -> None:

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 from ddp_jobs import reference_checksum, run_train, start_slurm_step, stopped_mid_epoch_then_resumed
-from readme_examples import write_mytask
 
+from testbed.readme_examples import write_mytask
 from train.config import parse_config
 
 PROJECT = Path(__file__).resolve().parent  # the user's project folder: `--task plugins.zoo:...` imports from here

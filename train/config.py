@@ -6,7 +6,7 @@ import argparse
 import importlib.util
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from typing import NoReturn
 
 from entrypoint.plan import BACKENDS, CPU_BIND_CHOICES  # one definition: the launcher checks them first
@@ -19,29 +19,33 @@ DEFAULT_HANG_TIMEOUT = 180.0
 HANG_SHARE_OF_COLLECTIVE = 0.6
 
 
+# Marks the settings that must match a snapshot's for a resumed run to continue the same trajectory.
+TRAJECTORY = {"trajectory": True}
+
+
 @dataclass(frozen=True)
 class Config:
-    task: str
+    task: str = field(metadata=TRAJECTORY)
     num_workers: int | None
     epochs: int
-    batch_size: int
-    lr: float
-    optimizer: str
-    momentum: float
-    weight_decay: float
-    lr_schedule: str
-    warmup_steps: int
-    seed: int
-    data_seed: int
-    dataset_size: int | None
-    grad_accum: int
+    batch_size: int = field(metadata=TRAJECTORY)
+    lr: float = field(metadata=TRAJECTORY)
+    optimizer: str = field(metadata=TRAJECTORY)
+    momentum: float = field(metadata=TRAJECTORY)
+    weight_decay: float = field(metadata=TRAJECTORY)
+    lr_schedule: str = field(metadata=TRAJECTORY)
+    warmup_steps: int = field(metadata=TRAJECTORY)
+    seed: int = field(metadata=TRAJECTORY)
+    data_seed: int = field(metadata=TRAJECTORY)
+    dataset_size: int | None = field(metadata=TRAJECTORY)
+    grad_accum: int = field(metadata=TRAJECTORY)
     amp: bool
     tf32: bool
     bf16_grads: bool
-    clip_grad_norm: float | None
-    sync_batchnorm: bool
+    clip_grad_norm: float | None = field(metadata=TRAJECTORY)
+    sync_batchnorm: bool = field(metadata=TRAJECTORY)
     find_unused_parameters: bool
-    compile: bool
+    compile: bool = field(metadata=TRAJECTORY)
     max_steps: int
     snapshot_dir: str
     snapshot_every: int
@@ -55,6 +59,11 @@ class Config:
     hang_timeout: float
     forensics_dir: str
     cpu_bind: str
+
+    @classmethod
+    def trajectory_fields(cls) -> tuple[str, ...]:
+        """The settings a resumed run must share with its snapshot (else train.trainer.SnapshotMismatch)."""
+        return tuple(f.name for f in fields(cls) if f.metadata.get("trajectory"))
 
     def to_dict(self) -> dict:
         return asdict(self)

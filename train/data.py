@@ -30,7 +30,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset, get_worker_info
 
 from train.affinity import allowed_cpus
-from train.watchdog import register_worker_stack_dump
+from train.forensics import register_worker_stack_dump
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

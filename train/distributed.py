@@ -17,7 +17,7 @@ import torch.distributed as dist
 from train.gpu import gpus_expected, why_no_cuda
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DistContext:
     """Where this process stands, as the launcher (or torchrun) described it."""
 
@@ -104,7 +104,9 @@ def init_distributed(backend: str, device: torch.device, timeout_s: float) -> Di
         timeout=timedelta(seconds=timeout_s),
         **({"device_id": device} if device.type == "cuda" else {}),
     )
-    return DistContext(rank, world, local_rank, local_world, backend, device, node_name())
+    return DistContext(
+        rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world, backend=backend, device=device, host=node_name()
+    )
 
 
 def default_to_one_process() -> None:

@@ -188,3 +188,63 @@ class GradientSync:
             if count > 0:
                 return sig
         return None
+
+
+class SyncedModel:
+    """The trainer's one front to DDP and the stop protocol: DDP over the user's module with the stop flags
+    riding in its gradient sync (GradientSync). A step reads
+
+        outputs = synced(inputs)                   # no_sync() around the micro-batches that do not sync
+        synced.backward(loss, syncs=True)          # the last micro-batch: this rank's stop marks ride along
+        synced.finish()                            # the gradients are summed (before the optimizer)
+        agreed = synced.agreed_stop()              # at the step boundary: the same signal, or None, on every rank
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        watcher: PreemptionWatcher,
+        world_size: int,
+        device: torch.device,
+        compress: bool,
+        compiled: Callable[..., Any] | None,
+        find_unused_parameters: bool,
+        bucket_cap_mb: float | None,
+    ) -> None:
+        self.sync = GradientSync(watcher, world_size, device, compress=compress)
+        # Gradients are views of DDP's buckets: the collectives reduce them in place, and backward
+        # accumulates into them in place (the trainer zeroes them, never sets them to None).
+        self.ddp = DistributedDataParallel(
+            self.sync.wrap(module, forward=compiled, find_unused_parameters=find_unused_parameters),
+            device_ids=[device] if device.type == "cuda" else None,
+            gradient_as_bucket_view=True,
+            bucket_cap_mb=bucket_cap_mb,
+            find_unused_parameters=find_unused_parameters,
+        )
+        self.sync.attach(self.ddp)
+        self._flags: torch.Tensor | None = None
+
+    @property
+    def compress(self) -> bool:
+        return self.sync.compress
+
+    def __call__(self, inputs: Any) -> Any:
+        outputs, self._flags = self.ddp(inputs)
+        return outputs
+
+    def no_sync(self) -> Any:
+        return self.ddp.no_sync()
+
+    def train(self) -> None:
+        self.ddp.train()
+
+    def backward(self, loss: torch.Tensor, *, syncs: bool) -> None:
+        """Backward from `loss`; `syncs` for the micro-batch whose backward DDP syncs (the last of a step)."""
+        (self.sync.carry_flags(loss, self._flags) if syncs else loss).backward()
+
+    def finish(self) -> None:
+        self.sync.finish()
+
+    def agreed_stop(self) -> signal.Signals | None:
+        return self.sync.poll()

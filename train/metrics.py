@@ -13,6 +13,21 @@ from pathlib import Path
 from typing import Any, TextIO
 
 
+def start_fields(*, world_size: int, hosts: list[str], backend: str | None, global_step: int, total_steps: int | None) -> dict[str, Any]:
+    """What every `start` record holds, the trainer's and ddpack_run's alike: who ran, from which step, in
+    which Slurm job and restart. `make report` draws a segment from them."""
+    return {
+        "world_size": world_size,
+        "hosts": hosts,
+        "backend": backend,
+        "global_step": global_step,
+        "total_steps": total_steps,
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
+        "torchelastic_restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+    }
+
+
 def format_duration(seconds: float) -> str:
     seconds = max(0, round(seconds))
     hours, rem = divmod(seconds, 3600)

@@ -22,11 +22,14 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
+
+from train.distributed import first_line
 
 # Dense peak TFLOP/s per GPU: (name tokens that must all appear, bf16, tf32, fp32). None: no such unit.
 # Matched in order, so a more specific name (H100 PCIe, L40S) comes before a shorter one (H100, L4).
@@ -122,6 +125,55 @@ def count_flops_per_sample(
 def mfu(samples_per_s: float, flops_per_sample: float, peak_per_device: float, devices: int) -> float:
     """The share of the devices' peak the model's own FLOPs use at this throughput."""
     return samples_per_s * flops_per_sample / (peak_per_device * devices)
+
+
+class MfuMeter:
+    """Rank 0's MFU: the peak per device, found at start (start-up, like the imports: a CPU's rate takes a
+    quarter of a second to measure), and the model's FLOPs per sample, counted on its first micro-batch
+    (as the loader delivered it, in a worker where there are workers: the dataset is never read in this
+    process). The eager module is counted, with --compile too. A model the FLOP counter cannot run, or a
+    GPU with no known peak, loses the figure (one warning), never the run."""
+
+    def __init__(self, log: Callable[[str], None]) -> None:
+        self.log = log
+        self.peak: Peak | None = None
+        self.flops_per_sample: float | None = None
+
+    def find_peak(self, device: torch.device, amp: bool, preflight_json: Path | None, measure_cpu: Callable[[], float]) -> None:
+        self.peak = device_peak(device, amp, preflight_json, measure_cpu)
+        if self.peak is None:
+            self.log(
+                f"warning: MFU not reported: no peak rate known for {torch.cuda.get_device_name(device)}; "
+                "run the job's preflight (DDPACK_PREFLIGHT=1) to measure one"
+            )
+
+    def count(
+        self,
+        module: nn.Module,
+        batch: tuple[torch.Tensor, torch.Tensor],
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        autocast: Callable[[], AbstractContextManager],
+    ) -> None:
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        try:
+            with rng_untouched(device):
+                self.flops_per_sample = count_flops_per_sample(module, batch, loss_fn, autocast)
+        except Exception as exc:
+            self.log(f"warning: MFU not reported: counting the model's FLOPs on one batch failed ({type(exc).__name__}: {first_line(exc)})")
+
+    def of(self, samples_per_s: float, devices: int) -> float | None:
+        """MFU at this global throughput, once both the peak and the FLOPs are known."""
+        if self.flops_per_sample is None or self.peak is None:
+            return None
+        return mfu(samples_per_s, self.flops_per_sample, self.peak.flops_per_s, devices)
+
+    def start_fields(self) -> dict[str, Any]:
+        """For the `start` record, which `make report` reads to draw MFU and say where the peak came from."""
+        return {
+            "flops_per_sample": self.flops_per_sample,
+            "peak_flops_per_s": self.peak.flops_per_s if self.peak else None,
+            "peak_source": self.peak.source if self.peak else None,
+        }
 
 
 @contextmanager

@@ -16,7 +16,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +26,40 @@ from train.distributed import first_line
 
 SNAPSHOT_RE = re.compile(r"^snapshot-(\d{10})\.pt$")
 TEMP_RE = re.compile(r"^\.snapshot-\d{10}\.pt\.tmp-\d+$")
-# A snapshot from before the learning rate became a function of the step also holds "scheduler",
-# which is not read: the step decides the rate.
-REQUIRED_KEYS = ("format", "model", "optimizer", "epoch", "step_in_epoch", "global_step", "rng", "world_size", "config")
 FORMAT = 1
+
+
+@dataclass(kw_only=True)
+class Snapshot:
+    """The trainer's saved state: written and read back as this one type (as minGPT-ddp's `Snapshot`), so that
+    new state is one field here. On disk it is a plain dict of these fields plus "format" (torch.load with
+    weights_only=True reads only plain containers and tensors)."""
+
+    model: dict[str, Any]  # the module's state dict (never the compiled or DDP-wrapped one's)
+    optimizer: dict[str, Any]
+    epoch: int  # from 0
+    step_in_epoch: int  # optimizer steps done in `epoch`
+    global_step: int
+    rng: list[dict[str, Any]]  # every rank's RNG states, by rank
+    world_size: int
+    config: dict[str, Any]  # Config.to_dict() of the run that wrote it
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields as they are (no copy: asdict would deep-copy every tensor)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Snapshot:
+        """A loaded file's dict; ValueError naming what is missing or which format it is. Keys of older
+        formats are ignored (a snapshot from before the learning rate became a function of the step also
+        holds "scheduler", which is not read: the step decides the rate)."""
+        names = [f.name for f in fields(cls)]
+        missing = [k for k in ("format", *names) if k not in data]
+        if missing:
+            raise ValueError(f"missing {', '.join(missing)}")
+        if data["format"] != FORMAT:
+            raise ValueError(f"format {data['format']} is not {FORMAT}")
+        return cls(**{k: data[k] for k in names})
 
 
 def snapshot_name(global_step: int) -> str:
@@ -60,8 +90,8 @@ class SnapshotStore:
     keep: int = 2
     unreadable: set[Path] = field(default_factory=set)
 
-    def load_latest(self) -> tuple[dict[str, Any] | None, Path | None, list[str]]:
-        """(state, path, reports): the newest snapshot that loads and has every key; reports say why
+    def load_latest(self) -> tuple[Snapshot | None, Path | None, list[str]]:
+        """(snapshot, path, reports): the newest snapshot that loads and has every field; reports say why
         newer ones were skipped."""
         reports: list[str] = []
         for temp in self.directory.glob(".snapshot-*") if self.directory.is_dir() else []:
@@ -70,28 +100,23 @@ class SnapshotStore:
                 reports.append(f"removed {temp.name}, a snapshot write that a crash interrupted")
         for path in list_snapshots(self.directory):
             try:
-                state = torch.load(path, map_location="cpu", weights_only=True)
-                missing = [k for k in REQUIRED_KEYS if k not in state]
-                if missing:
-                    raise ValueError(f"missing {', '.join(missing)}")
-                if state["format"] != FORMAT:
-                    raise ValueError(f"format {state['format']} is not {FORMAT}")
+                snapshot = Snapshot.from_dict(torch.load(path, map_location="cpu", weights_only=True))
             except Exception as exc:  # any failure to read means: do not trust it
                 reason = first_line(exc)
                 reports.append(f"snapshot {path} is unreadable ({reason}); skipping it (left in place)")
                 self.unreadable.add(path)
                 continue
-            return state, path, reports
+            return snapshot, path, reports
         return None, None, reports
 
-    def save(self, state: dict[str, Any]) -> Path:
+    def save(self, snapshot: Snapshot) -> Path:
         """Write atomically, then drop readable snapshots beyond the newest `keep`."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        final = self.directory / snapshot_name(state["global_step"])
+        final = self.directory / snapshot_name(snapshot.global_step)
         tmp = self.directory / f".{final.name}.tmp-{os.getpid()}"
         try:
             with open(tmp, "wb") as handle:
-                torch.save({"format": FORMAT, **state}, handle)
+                torch.save({"format": FORMAT, **snapshot.as_dict()}, handle)
                 handle.flush()
                 os.fsync(handle.fileno())
             if final in self.unreadable and final.exists():
@@ -143,10 +168,10 @@ class SnapshotWriter:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    def submit(self, state: dict[str, Any], held_since: float) -> None:
-        """Copy `state` off and start writing it; `held_since` is when training stopped for it."""
+    def submit(self, snapshot: Snapshot, held_since: float) -> None:
+        """Copy `snapshot` off and start writing it; `held_since` is when training stopped for it."""
         self.wait()
-        host = self._to_host(state, ())
+        host = Snapshot(**self._to_host(snapshot.as_dict(), ()))
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed
         stall_s = time.monotonic() - held_since
@@ -167,15 +192,15 @@ class SnapshotWriter:
     def in_flight(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def _write(self, host: dict[str, Any], stall_s: float) -> None:
+    def _write(self, host: Snapshot, stall_s: float) -> None:
         started = time.monotonic()
         try:
             path = self.store.save(host)
         except BaseException as exc:  # handed to the training thread at its next wait
-            where = f"the snapshot of step {host['global_step']} could not be written to {self.store.directory}"
+            where = f"the snapshot of step {host.global_step} could not be written to {self.store.directory}"
             self._error = SnapshotWriteError(f"{where}: {first_line(exc)}; make room or fix its permissions, or pass another --snapshot-dir, then resume")
             return
-        self.last = Written(path=path, global_step=host["global_step"], stall_s=stall_s, write_s=time.monotonic() - started)
+        self.last = Written(path=path, global_step=host.global_step, stall_s=stall_s, write_s=time.monotonic() - started)
         self.on_written(self.last)
 
     def _to_host(self, value: Any, key: tuple[Any, ...]) -> Any:

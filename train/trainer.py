@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 import random
 import signal
 import time
@@ -20,42 +19,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from train import run_folder
 from train.config import Config
 from train.data import Batch, EpochOrder, default_num_workers, make_batches
 from train.distributed import DistContext, broadcast_buffers, broadcast_from_main, first_line, gather_objects, sum_over_ranks
 from train.gpu import set_tf32
-from train.grad_sync import GradientSync
-from train.metrics import MetricsFile, RankLog, format_duration, format_share
+from train.grad_sync import SyncedModel
+from train.metrics import MetricsFile, RankLog, format_duration, format_share, start_fields
 from train.model import explain_setup_failure, prepare_module
-from train.perf import CPU_MEASURE_S, Peak, RankTimes, SlowRanks, count_flops_per_sample, device_peak, mfu, precision, rng_untouched
+from train.perf import CPU_MEASURE_S, MfuMeter, RankTimes, SlowRanks, precision
 from train.preflight.compute import matmul_gflops
 from train.signals import PreemptionWatcher
-from train.snapshot import SnapshotStore, SnapshotWriter, Written
+from train.snapshot import Snapshot, SnapshotStore, SnapshotWriter, Written
 from train.tasks import Task
-from train.watchdog import Progress
-
-# Config fields that must match a snapshot for the resumed run to continue the same trajectory.
-TRAJECTORY_FIELDS = (
-    "task",
-    "batch_size",
-    "grad_accum",
-    "lr",
-    "optimizer",
-    "momentum",
-    "weight_decay",
-    "lr_schedule",
-    "warmup_steps",
-    "seed",
-    "data_seed",
-    "dataset_size",
-    "clip_grad_norm",
-    "sync_batchnorm",
-    "compile",
-)
-
+from train.watchdog import Phase, Progress
 
 # On CPU every bucket, the first included, holds up to DDP's default 25 MiB. Left to its defaults DDP
 # caps the first bucket at 1 MiB so that NCCL can start on it while backward goes on; with gloo
@@ -82,7 +60,7 @@ class ChecksumMismatch(Exception):
     """Ranks ended with different parameters: DDP's core promise was broken."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Result:
     global_step: int
     final_loss: float | None
@@ -153,24 +131,22 @@ class Trainer:
         self.autocast = (lambda: torch.autocast(ctx.device.type, dtype=torch.bfloat16)) if config.amp else nullcontext
         self.hosts: list[str] = gather_objects(ctx.host, ctx)
         self.slow_ranks = SlowRanks(self.hosts)  # for the progress line that names a slow rank
-        # Rank 0 finds the device's peak at start (_find_peak) and counts the model's FLOPs at its first step (_count_flops).
-        self.flops_per_sample: float | None = None
-        self.peak: Peak | None = None
+        # Rank 0 finds the device's peak at start and counts the model's FLOPs at its first step.
+        self.mfu = MfuMeter(log)
         self.counted = not ctx.is_main
         # DDP wraps the module with the stop-flag parameter beside it (train.grad_sync); the optimizer,
         # snapshots and checksums see the module alone (never the compiled one: its state dict's names
-        # carry a prefix). Gradients are views of DDP's buckets: the collectives reduce them in place,
-        # and backward accumulates into them in place (_train_step).
-        self.grad_sync = GradientSync(watcher, ctx.world_size, ctx.device, compress=config.bf16_grads)
-        forward = torch.compile(self.module) if config.compile else None
-        self.model = DistributedDataParallel(
-            self.grad_sync.wrap(self.module, forward=forward, find_unused_parameters=config.find_unused_parameters),
-            device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
-            gradient_as_bucket_view=True,
-            bucket_cap_mb=CPU_BUCKET_CAP_MB if ctx.device.type == "cpu" else None,
+        # carry a prefix).
+        self.model = SyncedModel(
+            self.module,
+            watcher=watcher,
+            world_size=ctx.world_size,
+            device=ctx.device,
+            compress=config.bf16_grads,
+            compiled=torch.compile(self.module) if config.compile else None,
             find_unused_parameters=config.find_unused_parameters,
+            bucket_cap_mb=CPU_BUCKET_CAP_MB if ctx.device.type == "cpu" else None,
         )
-        self.grad_sync.attach(self.model)
         self.trained = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = self._make_optimizer()
         order = EpochOrder(len(task.train_data), world_size=ctx.world_size, rank=ctx.rank, batch_size=config.batch_size, seed=config.seed)
@@ -189,50 +165,19 @@ class Trainer:
 
     # ------------------------------------------------------------------ set-up
 
-    def _find_peak(self) -> None:
-        """Rank 0, at start, before the first collective (start-up, like the imports: a CPU's rate takes a
-        quarter of a second to measure): the peak per device MFU divides by (train/perf.py)."""
-        cfg, device = self.config, self.ctx.device
-        preflight = Path(cfg.metrics_file).parent / run_folder.PREFLIGHT if cfg.metrics_file else None
-        self.peak = device_peak(device, cfg.amp, preflight, lambda: matmul_gflops(self.ctx, CPU_MEASURE_S))
-        if self.peak is None:
-            self.log(
-                f"warning: MFU not reported: no peak rate known for {torch.cuda.get_device_name(device)}; "
-                "run the job's preflight (DDPACK_PREFLIGHT=1) to measure one"
-            )
-
-    def _count_flops(self, batch: Batch) -> None:
-        """Rank 0, once, on its first micro-batch (as the loader delivered it, in a worker where there are
-        workers: the dataset is never read in this process): the model's FLOPs per sample, for MFU. The
-        eager module is counted, with --compile too. A model the FLOP counter cannot run loses the MFU
-        figure, never the run."""
-        self.counted = True
-        try:
-            with rng_untouched(self.ctx.device):
-                self.flops_per_sample = count_flops_per_sample(self.module, batch, self.task.loss_fn, self.autocast)
-        except Exception as exc:
-            self.log(f"warning: MFU not reported: counting the model's FLOPs on one batch failed ({type(exc).__name__}: {first_line(exc)})")
-
     def _start_fields(self, start_step: int) -> dict[str, Any]:
         """The metrics file's `start` record: one a segment (a requeued or restarted run appends another),
         with what `make report` needs to draw it: who ran, from where, at what peak."""
         device = self.ctx.device
         return {
-            "world_size": self.ctx.world_size,
-            "hosts": self.hosts,
-            "backend": self.ctx.backend,
+            **start_fields(
+                world_size=self.ctx.world_size, hosts=self.hosts, backend=self.ctx.backend, global_step=start_step, total_steps=self.total_steps
+            ),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "global_step": start_step,
-            "total_steps": self.total_steps,
-            "flops_per_sample": self.flops_per_sample,
-            "peak_flops_per_s": self.peak.flops_per_s if self.peak else None,
-            "peak_source": self.peak.source if self.peak else None,
-            "precision": precision(self.ctx.device, self.config.amp),  # of the matmuls: bf16, tf32 or fp32
+            **self.mfu.start_fields(),
+            "precision": precision(device, self.config.amp),  # of the matmuls: bf16, tf32 or fp32
             "bf16_grads": self.config.bf16_grads,
             "tokens_per_sample": self.task.tokens_per_sample,
-            "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-            "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
-            "torchelastic_restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
             "config": self.config.to_dict(),
         }
 
@@ -263,17 +208,17 @@ class Trainer:
 
     # ------------------------------------------------------------------ snapshots
 
-    def _state(self, rng_all: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "model": self.module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "epoch": self.epoch,
-            "step_in_epoch": self.step_in_epoch,
-            "global_step": self.global_step,
-            "rng": rng_all,
-            "world_size": self.ctx.world_size,
-            "config": self.config.to_dict(),
-        }
+    def _state(self, rng_all: list[dict[str, Any]]) -> Snapshot:
+        return Snapshot(
+            model=self.module.state_dict(),
+            optimizer=self.optimizer.state_dict(),
+            epoch=self.epoch,
+            step_in_epoch=self.step_in_epoch,
+            global_step=self.global_step,
+            rng=rng_all,
+            world_size=self.ctx.world_size,
+            config=self.config.to_dict(),
+        )
 
     def snapshot(self, durable: bool = False) -> None:
         """Collective: every rank hands rank 0 its RNG state; rank 0 copies the state to host memory
@@ -285,16 +230,16 @@ class Trainer:
         if self.last_snapshot_step != self.global_step:
             # Timed, as every collective is: a peer frozen before the gather is a hang. Were it counted as
             # progress, the ranks waiting here would look busy to the watchdog for as long as they wait.
-            self.progress.enter("snapshot-gather")
+            self.progress.enter(Phase.SNAPSHOT_GATHER)
             rng_all = gather_objects(_rng_state(self.ctx.device), self.ctx)
-        self.progress.enter_counted("snapshot")  # from here on local and maybe long: the copy, a durable write
+        self.progress.enter_counted(Phase.SNAPSHOT)  # from here on local and maybe long: the copy, a durable write
         if rng_all is not None:
             if self.writer is not None:
                 self.writer.submit(self._state(rng_all), held_since)
             self.last_snapshot_step = self.global_step
         if durable and self.writer is not None:
             self.writer.wait()
-        self.progress.enter_counted("step-end")
+        self.progress.enter_counted(Phase.STEP_END)
 
     def _snapshot_written(self, written: Written) -> None:
         """On the writer's thread, once a snapshot is durable."""
@@ -315,9 +260,9 @@ class Trainer:
 
     def restore(self) -> None:
         """Rank 0 picks the newest readable snapshot and sends it to every rank."""
-        state = None
+        snapshot = None
         if self.store is not None:
-            state, path, reports = self.store.load_latest()
+            snapshot, path, reports = self.store.load_latest()
             for report in reports:
                 self.log(report)
             if path is None:
@@ -326,28 +271,28 @@ class Trainer:
                 self.log(f"resuming from {path}")
         if not self.config.snapshot_dir:
             return
-        state = broadcast_from_main(state, self.ctx)
-        if state is not None:
-            self._load_state(state)
+        snapshot = broadcast_from_main(snapshot, self.ctx)
+        if snapshot is not None:
+            self._load_state(snapshot)
 
-    def _load_state(self, state: dict[str, Any]) -> None:
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.epoch, self.step_in_epoch, self.global_step = state["epoch"], state["step_in_epoch"], state["global_step"]
+    def _load_state(self, snapshot: Snapshot) -> None:
+        self.module.load_state_dict(snapshot.model)
+        self.optimizer.load_state_dict(snapshot.optimizer)
+        self.epoch, self.step_in_epoch, self.global_step = snapshot.epoch, snapshot.step_in_epoch, snapshot.global_step
         self.last_snapshot_step = self.global_step
         # A setting the snapshot predates (absent from its config) cannot differ.
-        saved = state["config"]
-        changed = [k for k in TRAJECTORY_FIELDS if k in saved and saved[k] != getattr(self.config, k)]
+        saved = snapshot.config
+        changed = [k for k in Config.trajectory_fields() if k in saved and saved[k] != getattr(self.config, k)]
         if changed:
             diff = ", ".join(f"--{k.replace('_', '-')} {saved[k]} -> {getattr(self.config, k)}" for k in changed)
             if not self.config.allow_changed_settings:
                 raise SnapshotMismatch(
-                    f"the snapshot at global step {state['global_step']} in {self.config.snapshot_dir} belongs to a run with other settings "
+                    f"the snapshot at global step {snapshot.global_step} in {self.config.snapshot_dir} belongs to a run with other settings "
                     f"({diff}); to start a new run give it its own --snapshot-dir (a new run directory), or pass "
                     f"--allow-changed-settings to continue that run with these settings"
                 )
             self.log(f"warning: continuing with changed settings ({diff}); the run will not match an uninterrupted one", main_only=True)
-        saved_world = state["world_size"]
+        saved_world = snapshot.world_size
         if saved_world != self.ctx.world_size:
             # Keep the samples already seen this epoch: map the position onto the new world size.
             seen = self.step_in_epoch * self.config.grad_accum * self.config.batch_size * saved_world
@@ -357,7 +302,7 @@ class Trainer:
                 f"resuming at step {self.step_in_epoch} of epoch {self.epoch + 1}; not bit-exact",
                 main_only=True,
             )
-        _set_rng_state(state["rng"][self.ctx.rank % len(state["rng"])], self.ctx.device)
+        _set_rng_state(snapshot.rng[self.ctx.rank % len(snapshot.rng)], self.ctx.device)
         self.log(f"resumed after {self._position()}", main_only=True)
 
     # ------------------------------------------------------------------ one step
@@ -378,20 +323,20 @@ class Trainer:
         for i, (inputs, targets) in enumerate(micro_batches):
             synced = i == count - 1
             with nullcontext() if synced else self.model.no_sync():
-                progress.enter("forward")
+                progress.enter(Phase.FORWARD)
                 with self.autocast():
-                    outputs, flags = self.model(inputs)
+                    outputs = self.model(inputs)
                     loss = self.task.loss_fn(outputs, targets)
                 scaled = loss / count if count > 1 else loss
-                progress.enter("backward")
-                (self.grad_sync.carry_flags(scaled, flags) if synced else scaled).backward()
+                progress.enter(Phase.BACKWARD)
+                self.model.backward(scaled, syncs=synced)
             losses.append(loss.detach())
             samples += len(inputs)
-        progress.enter("sync")
+        progress.enter(Phase.SYNC)
         waited = time.perf_counter()
-        self.grad_sync.finish()
+        self.model.finish()
         waited = time.perf_counter() - waited
-        progress.enter("optimizer")
+        progress.enter(Phase.OPTIMIZER)
         grad_norm = None
         if self.config.clip_grad_norm is not None:
             # In place on the synced gradients (views of DDP's buckets), identical on every rank.
@@ -408,7 +353,8 @@ class Trainer:
     def fit(self) -> Result:
         cfg = self.config
         if self.ctx.is_main:
-            self._find_peak()
+            preflight = Path(cfg.metrics_file).parent / run_folder.PREFLIGHT if cfg.metrics_file else None
+            self.mfu.find_peak(self.ctx.device, cfg.amp, preflight, lambda: matmul_gflops(self.ctx, CPU_MEASURE_S))
         self.restore()
         start_step, started = self.global_step, time.monotonic()
         self.metrics.opening("start", lambda: self._start_fields(start_step))
@@ -420,7 +366,7 @@ class Trainer:
         except BaseException:
             self._land_snapshot_in_flight()
             raise
-        self.progress.enter("finish")
+        self.progress.enter(Phase.FINISH)
         # DDP hands every rank rank 0's buffers before each forward, so after the last one each rank
         # still holds its own (BatchNorm's running statistics): rank 0's are the run's, as in every snapshot.
         broadcast_buffers(self.module, self.ctx)
@@ -429,7 +375,7 @@ class Trainer:
         steps = self.global_step - start_step
         checksum = self._agree_on_checksum()
         samples_per_s = steps * cfg.grad_accum * cfg.batch_size * self.ctx.world_size / elapsed
-        return Result(self.global_step, last_loss, checksum, steps / elapsed, samples_per_s)
+        return Result(global_step=self.global_step, final_loss=last_loss, checksum=checksum, steps_per_s=steps / elapsed, samples_per_s=samples_per_s)
 
     def position(self) -> dict[str, int]:
         """Where training stands, numbered as the progress lines number it (epochs from 1), in the end
@@ -457,7 +403,7 @@ class Trainer:
         """Collective, every --log-every steps: mean loss over ranks, global throughput and MFU, and every
         rank's step times, all in the one all-reduce a progress line needs anyway; rank 0 prints and
         records them."""
-        self.progress.enter("metrics")
+        self.progress.enter(Phase.METRICS)
         window_s = max(time.monotonic() - window.started, 1e-9)
         mine = RankTimes.slots(self.ctx.rank, self.ctx.world_size, window_s, window.data_s, window.sync_s)
         totals = sum_over_ranks(torch.stack(window.losses).sum(), [len(window.losses), window.samples, *mine], self.ctx)
@@ -473,8 +419,8 @@ class Trainer:
         rates: dict[str, float] = {}
         if self.task.tokens_per_sample:
             rates["tokens_per_s"] = samples_per_s * self.task.tokens_per_sample
-        if self.flops_per_sample is not None and self.peak is not None:
-            rates["mfu"] = mfu(samples_per_s, self.flops_per_sample, self.peak.flops_per_s, self.ctx.world_size)
+        if (used := self.mfu.of(samples_per_s, self.ctx.world_size)) is not None:
+            rates["mfu"] = used
         if self.ctx.is_main:
             norm = f" grad_norm {grad_norm:.4g}" if grad_norm is not None else ""
             tokens = f" tokens/s {rates['tokens_per_s']:,.0f}" if "tokens_per_s" in rates else ""
@@ -509,13 +455,13 @@ class Trainer:
                 stream = self.batches.epoch(self.epoch, self.step_in_epoch * cfg.grad_accum)
                 for step in range(self.step_in_epoch, self.steps_per_epoch):
                     count = min(cfg.grad_accum, self.batches_per_epoch - step * cfg.grad_accum)
-                    self.progress.enter("data")
+                    self.progress.enter(Phase.DATA)
                     waited = time.perf_counter()
                     micro_batches = [next(stream) for _ in range(count)]
                     window.data_s += time.perf_counter() - waited
                     if not self.counted:
-                        counting = time.monotonic()
-                        self._count_flops(micro_batches[0])
+                        counting, self.counted = time.monotonic(), True
+                        self.mfu.count(self.module, micro_batches[0], self.task.loss_fn, self.autocast)
                         window.started += time.monotonic() - counting  # not this rank's step time
                     window.add(*self._train_step(micro_batches))
                     self.global_step, self.step_in_epoch = self.global_step + 1, step + 1
@@ -524,7 +470,7 @@ class Trainer:
                     if self.global_step % cfg.log_every == 0 or done:
                         last_loss = self._progress(window, start_step, started)
                         window = Window()
-                    agreed = self.grad_sync.poll()
+                    agreed = self.model.agreed_stop()
                     if agreed is not None and not done:
                         self._stop(agreed)
                     if cfg.snapshot_every and self.global_step % cfg.snapshot_every == 0:
@@ -537,7 +483,7 @@ class Trainer:
             # A failure that says the settings do not fit the model (an unused parameter without
             # --find-unused-parameters, which DDP reports at the step after the first; a model torch
             # cannot compile) becomes one line naming what to change. The try costs nothing per step.
-            raise explain_setup_failure(exc, self.model) or exc from None
+            raise explain_setup_failure(exc, self.model.ddp) or exc from None
         finally:
             self.batches.close()
         return last_loss
@@ -546,7 +492,7 @@ class Trainer:
         finished = self.epoch
         self.epoch, self.step_in_epoch = self.epoch + 1, 0
         if self.ctx.is_main and self.task.eval_data is not None and self.task.metric is not None:
-            self.progress.enter_counted("eval")
+            self.progress.enter_counted(Phase.EVAL)
             self.module.eval()
             with torch.no_grad():
                 inputs, targets = (t.to(self.ctx.device) for t in self.task.eval_data.tensors)
@@ -554,7 +500,7 @@ class Trainer:
             self.module.train()
             self.log(f"epoch {finished + 1} done: " + " ".join(f"{k} {v:.4f}" for k, v in results.items()))
             self.metrics.write("eval", epoch=finished, global_step=self.global_step, **results)
-            self.progress.enter_counted("step-end")
+            self.progress.enter_counted(Phase.STEP_END)
         if self.config.snapshot_every == 0:
             self.snapshot()
 

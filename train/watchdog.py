@@ -26,34 +26,48 @@ How:
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
-import faulthandler
 import json
 import os
-import signal
-import sys
-import tempfile
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from train.forensics import kill_workers, remove_stacks_dir, write_atomic, write_rank_evidence
 from train.outcome import RunEnd
 from train.run_folder import SUMMARY, UNRESPONSIVE_NODES, rank_stacks
 
 EXIT_HANG = 124  # as timeout(1): the run was ended for taking too long
+
+
+class Phase:
+    """Where a rank's training thread is, as the trainer and ddpack_run mark it (`Progress.enter(Phase.DATA)`)
+    and heartbeats carry it: plain strings, so that a heartbeat is JSON and a mark costs one attribute store;
+    named here, so that a misspelt phase fails where it is written instead of never matching."""
+
+    SETUP = "setup"
+    DATA = "data"  # waiting for the next batch
+    FORWARD = "forward"
+    BACKWARD = "backward"  # with DDP, the gradients' all-reduce overlaps it
+    SYNC = "sync"  # waiting for the last of the all-reduce
+    OPTIMIZER = "optimizer"
+    METRICS = "metrics"  # a progress line's all-reduce
+    STEP_END = "step-end"
+    SNAPSHOT_GATHER = "snapshot-gather"  # the ranks' RNG states to rank 0: a collective, so timed
+    SNAPSHOT = "snapshot"
+    EVAL = "eval"
+    FINISH = "finish"
+
+
 # Phases in step order: a rank in an earlier phase after the same step is behind the others.
-PHASES = ("setup", "data", "forward", "backward", "sync", "optimizer", "metrics", "step-end", "snapshot-gather", "snapshot", "eval", "finish")
+PHASES = tuple(value for name, value in vars(Phase).items() if name.isupper())
 # Legitimately long and not a hang while the rank's heartbeat is fresh; the first step is untimed too.
 # None of them may wait on a peer: a rank blocked in a collective would count as making progress, and a
 # frozen peer would never be found (the snapshot's gather of the ranks' RNG states is timed for this).
-UNTIMED = frozenset({"setup", "snapshot", "eval"})
-WORKER_DUMP_SIGNAL = signal.SIGUSR2
-STACKS_PREFIX = "ddpack-stacks-"
+UNTIMED = frozenset({Phase.SETUP, Phase.SNAPSHOT, Phase.EVAL})
 
 
 class Progress:
@@ -64,7 +78,7 @@ class Progress:
 
     def __init__(self) -> None:
         self.step = 0
-        self.phase = "setup"
+        self.phase = Phase.SETUP
         self.phase_at = self.progress_at = time.monotonic()
         self.armed = False  # after the first step finished in this process: it may compile, warm up, resume
 
@@ -87,7 +101,7 @@ class Progress:
         return now - self.progress_at
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Heartbeat:
     rank: int
     host: str
@@ -152,103 +166,6 @@ def tcp_store(deadline_s: float) -> Callable[[], Any]:
         return dist.TCPStore(addr, port, None, False, timedelta(seconds=deadline_s), wait_for_workers=False)
 
     return connect
-
-
-# ---------------------------------------------------------------- DataLoader workers' stacks
-
-
-def stacks_dir(rank_pid: int | None = None) -> Path:
-    return Path(tempfile.gettempdir()) / f"{STACKS_PREFIX}{rank_pid or os.getpid()}"
-
-
-def register_worker_stack_dump(worker_id: int) -> None:
-    """DataLoader worker_init_fn: on SIGUSR2 this worker writes every thread's Python stack to a file its
-    rank reads (faulthandler: works while the worker is blocked in user code or in C)."""
-    folder = stacks_dir(os.getppid())
-    try:
-        folder.mkdir(exist_ok=True)
-        handle = open(folder / f"worker-{worker_id}-pid{os.getpid()}.txt", "w")  # noqa: SIM115 - open for the worker's life
-    except OSError:
-        return  # no writable temp folder: a hang's forensics then lack this worker's stack, training goes on
-    faulthandler.register(WORKER_DUMP_SIGNAL, file=handle, all_threads=True)
-
-
-def _worker_stacks(wait_s: float = 1.0) -> tuple[str, list[int]]:
-    """Ask this rank's DataLoader workers for their stacks and collect them (removing their files); and
-    the workers' pids."""
-    folder = stacks_dir()
-    files = sorted(folder.glob("worker-*.txt")) if folder.is_dir() else []
-    pids = [int(path.stem.rsplit("pid", 1)[1]) for path in files]
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            os.kill(pid, WORKER_DUMP_SIGNAL)
-    if files:
-        time.sleep(wait_s)
-    parts = []
-    for path in files:
-        text = path.read_text(errors="replace").strip()
-        parts.append(f"--- DataLoader {path.stem} ---\n{text or '(no answer: the worker is gone or stopped)'}")
-    remove_stacks_dir()
-    return "\n\n".join(parts), pids
-
-
-def _kill(pids: list[int]) -> None:
-    """A hung rank's DataLoader workers go with it. A worker blocked in a dataset never gets back to
-    torch's check that its parent is alive, so it would outlive the rank, forever, wherever no cgroup or
-    container ends the job's processes (a bare `python -m train`, torchrun)."""
-    for pid in pids:
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            # Still this rank's child: a file left by a worker long gone may name a pid the system reused.
-            if int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) == os.getpid():
-                os.kill(pid, signal.SIGKILL)
-
-
-def remove_stacks_dir() -> None:
-    folder = stacks_dir()
-    if folder.is_dir():
-        for path in folder.iterdir():
-            path.unlink(missing_ok=True)
-        folder.rmdir()
-
-
-def thread_stacks() -> str:
-    """Every Python thread of this process, named, innermost frame last."""
-    names = {t.ident: t.name for t in threading.enumerate()}
-    parts = []
-    for ident, frame in sys._current_frames().items():
-        if ident == threading.get_ident():
-            continue  # the watchdog itself
-        parts.append(f"--- thread {names.get(ident, '?')} ({ident}) ---\n" + "".join(traceback.format_stack(frame)))
-    return "\n".join(parts)
-
-
-def _dump_nccl_trace(path: Path) -> str | None:
-    """torch's NCCL flight recorder (on with TORCH_NCCL_TRACE_BUFFER_SIZE, which init sets for nccl)."""
-    try:
-        from torch._C._distributed_c10d import _dump_nccl_trace  # type: ignore[attr-defined]
-
-        data = _dump_nccl_trace()
-    except Exception:
-        return None
-    path.write_bytes(data)
-    return path.name
-
-
-def write_atomic(path: Path, text: str, exclusive: bool = False) -> bool:
-    """Write through a temp file; `exclusive`: only if `path` does not exist yet (False when it did)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    try:
-        if exclusive:
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                return False
-        else:
-            os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return True
 
 
 # ---------------------------------------------------------------- the watchdog
@@ -337,7 +254,16 @@ class Watchdog:
 
     def _heartbeat(self) -> Heartbeat:
         p, now = self.progress, time.monotonic()
-        return Heartbeat(self.rank, self.host, os.getpid(), time.time(), p.step, p.phase, round(now - p.phase_at, 2), round(p.stalled_s(now), 2))
+        return Heartbeat(
+            rank=self.rank,
+            host=self.host,
+            pid=os.getpid(),
+            sent=time.time(),
+            step=p.step,
+            phase=p.phase,
+            phase_s=round(now - p.phase_at, 2),
+            stalled_s=round(p.stalled_s(now), 2),
+        )
 
     def _beat(self) -> None:
         self.store.set(f"hb/{self.rank}", json.dumps(asdict(self._heartbeat())))
@@ -374,15 +300,12 @@ class Watchdog:
             return  # training finished while we looked
         self._ending.set()
         self.forensics_dir.mkdir(parents=True, exist_ok=True)
-        mine = self.forensics_dir / rank_stacks(self.rank)
         p, now = self.progress, time.monotonic()
         header = (
             f"rank {self.rank}/{self.world_size} host {self.host} pid {os.getpid()}: last finished step {p.step}, "
             f"in {p.phase} for {now - p.phase_at:.1f}s, {now - p.progress_at:.1f}s since progress; {why}\n"
         )
-        nccl = _dump_nccl_trace(self.forensics_dir / f"rank-{self.rank}.nccl-trace.pickle")
-        workers, worker_pids = _worker_stacks()
-        write_atomic(mine, header + (f"NCCL flight recorder: {nccl}\n" if nccl else "") + "\n" + thread_stacks() + ("\n" + workers if workers else ""))
+        worker_pids = write_rank_evidence(self.forensics_dir, self.rank, header)
         self.store.set(f"dumped/{self.rank}", "1")
         summary = self._summarise(why)
         behind = "; ".join(summary.get("behind", [])) or "every rank stalled at the same place (see the stacks)"
@@ -398,7 +321,7 @@ class Watchdog:
             forensics=str(self.forensics_dir),
         )
         self.on_end(end)
-        _kill(worker_pids)
+        kill_workers(worker_pids)
         self._exit(EXIT_HANG)
 
     def _summarise(self, why: str) -> dict[str, Any]:

@@ -19,7 +19,7 @@ TEST_BYTES = 64 << 20
 CHUNK = 4 << 20
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StorageResult:
     folder: str
     error: str | None = None
@@ -58,16 +58,16 @@ def check_storage(folder: str, seconds: float, nbytes: int = TEST_BYTES) -> Stor
         finally:
             os.close(fd)
         if read.digest() != written.digest():
-            return StorageResult(folder, error=f"storage: {folder}: the test file read back differs from what was written")
+            return StorageResult(folder=folder, error=f"storage: {folder}: the test file read back differs from what was written")
         free = shutil.disk_usage(folder).free
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__
         return StorageResult(
-            folder,
+            folder=folder,
             error=f"storage: cannot write to the snapshot folder {folder} ({reason}: {exc.filename or folder}); "
             "make it writable by this job's user or pass --snapshot-dir a folder that is",
         )
     finally:
         with contextlib.suppress(OSError):
             path.unlink()
-    return StorageResult(folder, None, total, total / write_s / 1e6, total / read_s / 1e6, free)
+    return StorageResult(folder=folder, nbytes=total, write_mbps=total / write_s / 1e6, read_mbps=total / read_s / 1e6, free_bytes=free)

@@ -11,9 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-from conftest import ROOT, clean_env
-
+from testbed.env import ROOT, clean_env
 from train import outcome
 
 VENV = Path(sys.executable).parent.parent
@@ -164,7 +162,7 @@ def wait_for_restarts(job: str, restarts: int, log: Path, timeout: float = 480) 
         # still requeues within seconds) is the end.
         ended_early = (ended_early or time.monotonic()) if state in FINAL_STATES else None
         if ended_early is not None and time.monotonic() - ended_early > 60:
-            pytest.fail(f"job {job} ended ({state}) after {count} restarts, not {restarts}: {seen}\n{brief(log)}")
+            raise AssertionError(f"job {job} ended ({state}) after {count} restarts, not {restarts}: {seen}\n{brief(log)}")
         assert time.monotonic() < deadline, f"job {job} did not finish: {seen}\n{brief(log)}"
         time.sleep(1)
     return log.read_text()

@@ -1,0 +1,140 @@
+"""A run folder as records: what `make report` draws, read apart from the drawing.
+
+`metrics.jsonl` is rank 0's JSON-lines file (`start` once a segment, `progress`, `eval`, `snapshot`, `end`;
+a requeued or restarted run appends another segment to the same file), `preflight.json` the preflight's
+record when the job ran one (train.run_folder names both). Bad input is a HostError with exit 2: no
+folder, no metrics file, an empty one, or a damaged line before the last. A torn last line (a run killed
+mid-write) is skipped with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ddpack.errors import HostError
+from train import run_folder
+
+
+@dataclass
+class Segment:
+    """One start of the trainer (a first run, a resume after a stop, a restart after a failure)."""
+
+    start: dict[str, Any] | None
+    progress: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    snapshots: list[dict[str, Any]] = field(default_factory=list)
+    end: dict[str, Any] | None = None
+
+    @property
+    def began(self) -> float | None:
+        first = self.start or (self.progress[0] if self.progress else None)
+        return first["time"] if first else None
+
+    @property
+    def ended(self) -> float | None:
+        times = [r["time"] for r in (self.progress + self.evals + self.snapshots + ([self.end] if self.end else []))]
+        return max(times) if times else self.began
+
+    @property
+    def outcome(self) -> str:
+        return self.end["outcome"] if self.end else "no end record (killed, or still running)"
+
+
+@dataclass
+class Run:
+    folder: Path
+    segments: list[Segment]
+    preflight: dict[str, Any] | None
+    warnings: list[str]
+
+    @property
+    def progress(self) -> list[dict[str, Any]]:
+        return [r for s in self.segments for r in s.progress]
+
+    @property
+    def evals(self) -> list[dict[str, Any]]:
+        return [r for s in self.segments for r in s.evals]
+
+    @property
+    def t0(self) -> float:
+        return min(s.began for s in self.segments if s.began is not None)
+
+    @property
+    def last_start(self) -> dict[str, Any] | None:
+        starts = [s.start for s in self.segments if s.start]
+        return starts[-1] if starts else None
+
+
+def metrics_path(run: Path) -> Path:
+    """The run folder's metrics file; RUN may also name the file itself."""
+    if run.is_file():
+        return run
+    if not run.is_dir():
+        raise HostError(f"RUN={run} is not a folder; give the run folder that holds {run_folder.METRICS} (the templates' runs/<job>-<id>)", 2)
+    path = run / run_folder.METRICS
+    if not path.is_file():
+        raise HostError(f"{run} holds no {run_folder.METRICS}; give the folder a run wrote it in (the trainer's --metrics-file), or the file itself", 2)
+    return path
+
+
+def read_records(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """Every record; a torn last line is skipped with a warning, a damaged line before it is an error."""
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError as exc:
+        raise HostError(f"cannot read {path}: {exc.strerror}", 2) from None
+    records, warnings = [], []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or "kind" not in record or "time" not in record:
+                raise ValueError("not a metrics record")
+        except ValueError:
+            if number == len(lines):
+                warnings.append(f"skipped {path}'s last line {number}: torn (the run was killed while writing it)")
+                continue
+            raise HostError(f"line {number} of {path} is not a metrics record; the file is damaged: remove that line and run again", 2) from None
+        records.append(record)
+    if not records:
+        raise HostError(f"{path} has no records: the run wrote nothing yet (it stopped before its first step, or is still starting)", 2)
+    return records, warnings
+
+
+def split_segments(records: Iterable[dict[str, Any]]) -> list[Segment]:
+    """A `start` record opens a segment; records before the first (files from older trainers) form one too."""
+    segments: list[Segment] = []
+    for record in records:
+        kind = record["kind"]
+        if kind == "start" or not segments:
+            segments.append(Segment(start=record if kind == "start" else None))
+            if kind == "start":
+                continue
+        segment = segments[-1]
+        if kind == "progress":
+            segment.progress.append(record)
+        elif kind == "eval":
+            segment.evals.append(record)
+        elif kind == "snapshot":
+            segment.snapshots.append(record)
+        elif kind in ("end", "final"):
+            segment.end = record
+    return segments
+
+
+def read_run(run: Path) -> Run:
+    path = metrics_path(run)
+    records, warnings = read_records(path)
+    preflight = None
+    preflight_file = path.parent / run_folder.PREFLIGHT
+    if preflight_file.is_file():
+        try:
+            preflight = json.loads(preflight_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            warnings.append(f"skipped {preflight_file}: not readable JSON")
+    return Run(folder=path.parent, segments=split_segments(records), preflight=preflight, warnings=warnings)
