@@ -58,6 +58,7 @@ def _import_bundle_train() -> None:
 _import_bundle_train()
 
 from train import run_folder  # noqa: E402
+from train.config import DEFAULT_HANG_TIMEOUT  # noqa: E402
 from train.metrics import MetricsFile, RankLog, start_fields  # noqa: E402 - after the bundle's train package is the one imported
 from train.outcome import RunEnd  # noqa: E402
 from train.perf import RankTimes, SlowRanks  # noqa: E402
@@ -66,7 +67,6 @@ from train.watchdog import EXIT_HANG, PHASES, GuardedStore, Phase, Progress, Wat
 
 __all__ = ["EXIT_HANG", "Phase", "Run"]
 
-DEFAULT_HANG_TIMEOUT = 180.0
 # The ranks agree (stop flag, per-rank times) about this often: one small all-reduce (~1 ms on gloo between
 # two local processes) a second of training costs about 0.1%, and a stop lands well inside SIGUSR1@90's warning.
 AGREE_EVERY_S = 1.0
@@ -90,7 +90,7 @@ def _env_seconds(name: str, default: float) -> float:
 class Run:
     """One rank's view of the run; create one per process (after or before init_process_group).
 
-    `log_every`: steps between progress records and agreements at most (they happen about once a second
+    `max_steps_between`: steps between progress records and agreements at most (they happen about once a second
     anyway); `hang_timeout` (DDPACK_HANG_TIMEOUT): seconds without a finished step on every rank that make a
     hang, 0 turns the watchdog off; `metrics_file` (DDPACK_METRICS_FILE) and `forensics_dir`
     (DDPACK_FORENSICS_DIR, else ./forensics): where the records and a hang's evidence go; `framework`: a name
@@ -102,7 +102,7 @@ class Run:
         hang_timeout: float | None = None,
         metrics_file: str | None = None,
         forensics_dir: str | None = None,
-        log_every: int = MAX_STEPS_BETWEEN_AGREEMENTS,
+        max_steps_between: int = MAX_STEPS_BETWEEN_AGREEMENTS,
         framework: str = "own loop",
         start_step: int = 0,
         total_steps: int | None = None,
@@ -110,7 +110,7 @@ class Run:
         self.hang_timeout = _env_seconds("DDPACK_HANG_TIMEOUT", DEFAULT_HANG_TIMEOUT) if hang_timeout is None else hang_timeout
         self.metrics_path = metrics_file if metrics_file is not None else os.environ.get("DDPACK_METRICS_FILE") or None
         self.forensics_dir = Path(forensics_dir or os.environ.get("DDPACK_FORENSICS_DIR") or run_folder.FORENSICS).absolute()
-        self.log_every, self.framework, self.total_steps = max(1, log_every), framework, total_steps
+        self.max_steps_between, self.framework, self.total_steps = max(1, max_steps_between), framework, total_steps
         self.progress = Progress()
         self.watcher = PreemptionWatcher()
         self.rank, self.world_size, self.host = 0, 1, socket.gethostname()
@@ -242,7 +242,7 @@ class Run:
         if stop_codes:
             self.stop_signal = signal.Signals(stop_codes[0])  # the lowest signalled rank's: every rank reads the same
         times = RankTimes.from_sums(time_sums, window.steps)
-        every = max(1, min(self.log_every, int(AGREE_EVERY_S / max(max(times.step_s), 1e-6))))
+        every = max(1, min(self.max_steps_between, int(AGREE_EVERY_S / max(max(times.step_s), 1e-6))))
         self._next_agreement = self.global_step + every
         slow = self._slow.judge(time_sums, window.steps) if self._slow else None
         fields: dict[str, Any] = {"global_step": self.global_step, "steps": window.steps}
