@@ -1,8 +1,11 @@
-"""A real two-node Slurm on this one machine, for the tests (Debian's slurm-wlm + munge).
+"""A real Slurm of three nodes on this one machine, for the tests (Debian's slurm-wlm + munge).
 
-Two slurmd daemons (`-N ddnode1`, `-N ddnode2`) on different ports stand in for two nodes; their names
-resolve to 127.0.0.1 through /etc/hosts, as cluster node names resolve on a real cluster. Idempotent:
-a running cluster is reused. Needs root; writes /etc/slurm/slurm.conf only when it is absent or ours.
+Three slurmd daemons (`-N ddnode1` ... `-N ddnode3`) on different ports stand in for three nodes; their names
+resolve to 127.0.0.1 through /etc/hosts, as cluster node names resolve on a real cluster. Partition `debug`
+(the default) holds two of them, as the templates' two-node jobs need; `big` holds all three, for a job with a
+spare node. Each slurmd runs in a mount namespace of its own where NODE_LOCAL (the templates' default staging
+folder) is that node's own folder, so an image staged to "every node's local disk" lands once per node here too.
+Idempotent: a running cluster is reused. Needs root; writes /etc/slurm/slurm.conf only when it is absent or ours.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ from pathlib import Path
 
 CONF = Path("/etc/slurm/slurm.conf")
 MARKER = "# ddpack test cluster"
-NODES = ("ddnode1", "ddnode2")
+NODES = ("ddnode1", "ddnode2", "ddnode3")
+NODE_LOCAL = Path("/tmp/ddpack-images")  # enroot/ddpack-job.sh's DDPACK_STAGE_DIR default
+NODE_DISKS = Path("/var/lib/ddpack-test-nodes")  # NODE_DISKS/<node> is NODE_LOCAL as that node sees it
 SLURM_CONF = f"""{MARKER}
 ClusterName=ddpack
 SlurmctldHost=localhost
@@ -42,10 +47,24 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 ReturnToService=2
 KillWait=5
+TaskProlog=/etc/slurm/ddpack-task-prolog.sh
 MinJobAge=30
 NodeName=ddnode1 NodeHostname=localhost NodeAddr=127.0.0.1 Port=17001 CPUs=2 RealMemory=4000 State=UNKNOWN
 NodeName=ddnode2 NodeHostname=localhost NodeAddr=127.0.0.1 Port=17002 CPUs=2 RealMemory=4000 State=UNKNOWN
+NodeName=ddnode3 NodeHostname=localhost NodeAddr=127.0.0.1 Port=17003 CPUs=2 RealMemory=4000 State=UNKNOWN
 PartitionName=debug Nodes=ddnode[1-2] Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
+PartitionName=big Nodes=ddnode[1-3] MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
+"""
+
+
+# Every task's `enroot` is its node's (the per-node wrapper below, as plain `enroot` is on a real node), so a
+# job's own enroot calls (removing its container) reach the data folder pyxis used on that node.
+TASK_PROLOG = Path("/etc/slurm/ddpack-task-prolog.sh")
+TASK_PROLOG_TEXT = """#!/bin/sh
+# ddpack test cluster: this node's enroot first on every task's PATH (Slurm reads `export` lines from a TaskProlog).
+wrapper=/usr/local/lib/enroot-nodes/${SLURMD_NODENAME}
+[ -d "$wrapper" ] && echo "export PATH=$wrapper:$PATH"
+exit 0
 """
 
 
@@ -71,9 +90,18 @@ def _slurmd_pid(node: str) -> int | None:
     return int(out.stdout.split()[0]) if out.returncode == 0 and out.stdout.split() else None
 
 
+def _own_disk(pid: int) -> bool:
+    """The slurmd sees NODE_LOCAL as its node's own folder (it was started by _start_slurmd)."""
+    try:
+        return any(line.split()[4] == str(NODE_LOCAL) for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines())
+    except OSError:
+        return False
+
+
 def _start_slurmd(node: str) -> None:
-    """Start this node's slurmd with its enroot wrapper first on PATH (when installed); restart one that
-    predates pyxis' plugstack entry or lacks the wrapper, since slurmd reads both only when it starts."""
+    """Start this node's slurmd with its enroot wrapper first on PATH (when installed), in a mount namespace
+    where NODE_LOCAL is the node's own folder; restart one that predates pyxis' plugstack entry, lacks the
+    wrapper or that folder, since slurmd reads all three only when it starts (its steps inherit them)."""
     wrapper = ENROOT_NODE_WRAPPERS / node
     env = dict(os.environ)
     if wrapper.is_dir():
@@ -83,17 +111,22 @@ def _start_slurmd(node: str) -> None:
         environ = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
         stale = wrapper.is_dir() and str(wrapper) not in environ
         stale = stale or (PYXIS_PLUGSTACK.exists() and PYXIS_PLUGSTACK.lstat().st_mtime > Path(f"/proc/{pid}").stat().st_mtime)
+        stale = stale or not _own_disk(pid)
         if not stale:
             return
         subprocess.run(["kill", str(pid)], check=True)
         deadline = time.monotonic() + 20
         while _slurmd_pid(node) is not None and time.monotonic() < deadline:
             time.sleep(0.2)
-    subprocess.run(["slurmd", "-N", node], check=True, env=env)
+    disk = NODE_DISKS / node
+    disk.mkdir(parents=True, exist_ok=True)
+    NODE_LOCAL.mkdir(parents=True, exist_ok=True)
+    own_disk = f'mount --bind "{disk}" "{NODE_LOCAL}" && exec slurmd -N {node}'
+    subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", own_disk], check=True, env=env)
 
 
 def ensure_cluster(timeout_s: float = 60) -> None:
-    """Start munged, slurmctld and two slurmd unless a cluster already answers with both nodes."""
+    """Start munged, slurmctld and every node's slurmd unless a cluster already answers with all of them."""
     if shutil.which("slurmctld") is None or shutil.which("munged") is None:
         raise ClusterUnavailable("slurm-wlm and munge are not installed (apt-get install -y slurm-wlm munge)")
     if _idle_nodes() >= len(NODES) and os.geteuid() != 0:
@@ -104,6 +137,8 @@ def ensure_cluster(timeout_s: float = 60) -> None:
         raise ClusterUnavailable(f"{CONF} belongs to another Slurm set-up; not touching it")
     CONF.parent.mkdir(parents=True, exist_ok=True)
     CONF.write_text(SLURM_CONF)
+    TASK_PROLOG.write_text(TASK_PROLOG_TEXT)
+    TASK_PROLOG.chmod(0o755)
     hosts = Path("/etc/hosts")
     if not all(node in hosts.read_text().split() for node in NODES):
         with hosts.open("a") as handle:

@@ -119,10 +119,11 @@ def wait_for_progress(metrics: Path, count: int, log: Path, what: str = "", time
 
 
 def signal_tasks(job: str, node: str, sig: signal.Signals = signal.SIGKILL, rank: int | None = None) -> list[int]:
-    """Send `sig` to every process of `job`'s training step on `node` (both test nodes run on this host: a
-    task's environment names its node), or to rank `rank`'s alone. SIGKILL is a kernel panic or the OOM
-    killer (no signal to catch); SIGSTOP a frozen process."""
-    pids = []
+    """Send `sig` to every process of `job`'s newest step on `node` (its training step: the templates' set-up
+    steps have ended by then; the test nodes run on this host, and a task's environment names its node), or to
+    rank `rank`'s alone. SIGKILL is a kernel panic or the OOM killer (no signal to catch); SIGSTOP a frozen
+    process."""
+    steps: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -130,9 +131,14 @@ def signal_tasks(job: str, node: str, sig: signal.Signals = signal.SIGKILL, rank
             environ = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        mine = f"SLURM_JOB_ID={job}".encode() in environ and f"SLURMD_NODENAME={node}".encode() in environ and b"SLURM_STEP_ID=0" in environ
-        if mine and (rank is None or f"SLURM_PROCID={rank}".encode() in environ):
-            pids.append(int(entry.name))
+        if f"SLURM_JOB_ID={job}".encode() not in environ or f"SLURMD_NODENAME={node}".encode() not in environ:
+            continue
+        step = next((int(v[len(b"SLURM_STEP_ID=") :]) for v in environ if v.startswith(b"SLURM_STEP_ID=")), None)
+        if step is None or step >= 0xFFFFFFF0:  # the batch script, the extern step
+            continue
+        if rank is None or f"SLURM_PROCID={rank}".encode() in environ:
+            steps.setdefault(step, []).append(int(entry.name))
+    pids = steps[max(steps)] if steps else []
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
@@ -145,6 +151,19 @@ def wait_for_resume(job: str, restart: int, log: Path, timeout: float = 300) -> 
     while "resuming from" not in (log.read_text() if log.exists() else "").partition(banner)[2]:
         assert time.monotonic() < deadline, f"job {job} did not come back: {job_state(job)}\n{brief(log)}"
         time.sleep(0.5)
+
+
+def wait_for_end(job: str, log: Path, timeout: float = 480) -> tuple[str, int]:
+    """Wait until the job has ended for good (not a requeue passing through an ended state); (its final state,
+    its requeue count)."""
+    deadline, ended = time.monotonic() + timeout, None
+    while True:
+        state, _, count = job_state(job)
+        ended = (ended or time.monotonic()) if state in FINAL_STATES else None
+        if ended is not None and time.monotonic() - ended > 10:
+            return state, count
+        assert time.monotonic() < deadline, f"job {job} did not end: {state}\n{brief(log)}"
+        time.sleep(1)
 
 
 def wait_for_restarts(job: str, restarts: int, log: Path, timeout: float = 480) -> str:
