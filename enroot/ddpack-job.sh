@@ -23,11 +23,20 @@
 #   ddpack_preflight_options FOLDER
 #                              the preflight step's entrypoint options (report FOLDER/preflight.json, then
 #                              DDPACK_PREFLIGHT_ARGS, e.g. --preflight-strict) in the array ddpack_preflight_opts
-#   ddpack_name_container      pyxis templates with DDPACK_PREFLIGHT=1: set ddpack_container_name, which
-#                              both steps pass as --container-name so pyxis unpacks the image once per node
-#   ddpack_remove_container    remove that container from every node (pyxis keeps named containers
+#   ddpack_name_container      pyxis templates: set ddpack_container_name (ddpack-<job id>), which every step of
+#                              the job passes as --container-name, so pyxis unpacks the image once per node per job
+#   ddpack_prepare_nodes SQSH  pyxis templates, one step on every node of the job: remove containers that ended jobs
+#                              left behind, and set ddpack_image, what --container-image names: SQSH itself, or its
+#                              copy on each node's local disk (DDPACK_STAGE, see ddpack_stage_image)
+#   ddpack_remove_container    remove the job's container from every node (pyxis keeps named containers
 #                              after the job unless its plugstack.conf sets container_scope=job)
-#   ddpack_after_step RC       requeue or not, from the training step's exit status (see the function)
+#   ddpack_train CMD...        the training step: the template's ddpack_step (srun and its options), then CMD, on
+#                              the job's training nodes; a failure restarts it in this allocation while it can
+#                              (ddpack_after_step), then the job ends or goes back to the queue (ddpack_leave).
+#                              Exits the script with the last step's status
+#   ddpack_after_step RC       decide, from the training step's exit status, to end, restart here or requeue
+#                              (sets ddpack_next; see the function); one line says which and why
+#   ddpack_leave               remove the container; requeue when ddpack_after_step decided so
 #
 # Run directories: one run, one folder. A new submission gets runs/<job name>-<job id> in the submission
 # folder; a requeue keeps its job id and so continues its own folder; to continue an earlier run in a new
@@ -170,30 +179,267 @@ ddpack_preflight_options() {
 ddpack_container_name=""
 
 ddpack_name_container() {
-    [ "${DDPACK_PREFLIGHT:-0}" = 1 ] && ddpack_container_name=ddpack-${SLURM_JOB_ID}
-    return 0
+    ddpack_container_name=ddpack-${SLURM_JOB_ID}
 }
 
 ddpack_remove_container() {
     [ -n "${ddpack_container_name}" ] || return 0
     # One task per node, with the node's own enroot (the one pyxis runs). Under container_scope=job pyxis
-    # calls it pyxis_<job>_<name> and removes it itself, so a missing pyxis_<name> is not an error.
-    srun --ntasks-per-node=1 --nodes="${SLURM_JOB_NUM_NODES}" \
-        bash -c 'enroot remove -f "pyxis_$1" >/dev/null 2>&1 || true' _ "${ddpack_container_name}"
+    # calls it pyxis_<job>_<name> and removes it itself, so a missing pyxis_<name> is not an error. The nodes
+    # are the job's as Slurm lists them now: a node it lost is gone from the list.
+    local nodes
+    nodes=$(ddpack_job_nodelist)
+    srun --ntasks-per-node=1 --nodes="$(scontrol show hostnames "${nodes}" | wc -l)" --ntasks="$(scontrol show hostnames "${nodes}" | wc -l)" \
+        --nodelist="${nodes}" bash -c 'enroot remove -f "pyxis_$1" >/dev/null 2>&1 || true' _ "${ddpack_container_name}"
     ddpack_container_name=""
+}
+
+# The job's nodes as Slurm lists them now (a hostlist): a --no-kill job that lost a node no longer holds it,
+# while SLURM_JOB_NODELIST still names it.
+ddpack_job_nodelist() {
+    local listed
+    listed=$(scontrol show job "${SLURM_JOB_ID}" 2>/dev/null | sed -n 's/^ *NodeList=//p' | head -n1)
+    case "${listed}" in '' | '(null)') listed=${SLURM_JOB_NODELIST:-} ;; esac
+    echo "${listed}"
+}
+
+# --------------------------------------------------------------------------- the image on the nodes
+#
+# DDPACK_STAGE decides how the nodes get the squashfs:
+#   off     every node reads DDPACK_SQSH from the shared filesystem (pyxis 0.19's own way): N reads of the image
+#   sbcast  one read: Slurm's sbcast sends it down a tree (fan-out DDPACK_STAGE_FANOUT, at most 8) to the
+#           nodes' local disk, DDPACK_STAGE_DIR/<key>.sqsh, where <key> names the image's content; a node that
+#           already holds that key (an earlier job's copy) is skipped. DDPACK_STAGE_KEEP (2) keys stay per node.
+#   auto    (the default) the nodes' copies when every node holds the image already (nothing read at all); else
+#           sbcast when the model (ddpack/goodput_model.py) says the nodes would wait less: N nodes unpacking from
+#           the shared filesystem at once each get DDPACK_FSX_MBPS / N of it, so they wait size / min(unpack, fsx/N);
+#           sbcast then unpack waits size / sbcast + size / unpack. Sbcast wins when N x sbcast x unpack >
+#           fsx x (sbcast + unpack): from 5 nodes with the defaults (1200, 1000 and DDPACK_UNPACK_MBPS=400 MB/s)
+ddpack_prepare_nodes() {
+    local sqsh=$1 mode=${DDPACK_STAGE:-auto} dir=${DDPACK_STAGE_DIR:-/tmp/ddpack-images} keep=${DDPACK_STAGE_KEEP:-2}
+    local fsx=${DDPACK_FSX_MBPS:-1200} bcast=${DDPACK_SBCAST_MBPS:-1000} unpack=${DDPACK_UNPACK_MBPS:-400} fanout=${DDPACK_STAGE_FANOUT:-8}
+    local nodes count key="" answers rc lacking why="DDPACK_STAGE=off"
+    case "${mode}" in auto | sbcast | off) ;; *) ddpack_die "DDPACK_STAGE=${mode} is not auto, sbcast or off" ;; esac
+    for setting in "DDPACK_STAGE_KEEP=${keep}" "DDPACK_FSX_MBPS=${fsx}" "DDPACK_SBCAST_MBPS=${bcast}" "DDPACK_UNPACK_MBPS=${unpack}" \
+        "DDPACK_STAGE_FANOUT=${fanout}"; do
+        case "${setting#*=}" in '' | *[!0-9]* | 0) ddpack_die "${setting} is not a whole number above 0" ;; esac
+    done
+    [ "${fanout}" -le 8 ] || ddpack_die "DDPACK_STAGE_FANOUT=${fanout} is above sbcast's limit of 8"
+    case "${dir}" in /*) ;; *) ddpack_die "DDPACK_STAGE_DIR=${dir} is not an absolute path on the nodes' local disk" ;; esac
+    ddpack_image=${sqsh}
+    nodes=$(ddpack_job_nodelist)
+    count=$(scontrol show hostnames "${nodes}" | wc -l)
+    case "${sqsh}" in
+    /*) ;;
+    *) mode=off why="not a file: pyxis imports it on every node" ;;
+    esac
+    local modelled
+    modelled=$(ddpack_stage_by_model "${count}" "${fsx}" "${bcast}" "${unpack}")
+    [ "${mode}" = off ] || key=$(ddpack_image_key "${sqsh}") || { mode=off; key=""; }
+    # One step on every node: containers of jobs that are over (scancelled, timed out, killed with their
+    # script) go, and a node says whether it lacks the staged copy (touching it when it has it: the newest
+    # DDPACK_STAGE_KEEP stay).
+    answers=$(srun --nodes="${count}" --ntasks="${count}" --ntasks-per-node=1 --nodelist="${nodes}" bash -c '
+        for name in $(enroot list 2>/dev/null); do
+            job=${name#pyxis_}; job=${job#ddpack-}; job=${job%%_*}
+            case "${name}" in pyxis_ddpack-*|pyxis_*_ddpack-*) ;; *) continue ;; esac
+            case "${job}" in ""|*[!0-9]*) continue ;; esac
+            [ "${job}" = "${SLURM_JOB_ID}" ] && continue
+            squeue -h -j "${job}" 2>/dev/null | grep -q . && continue
+            enroot remove -f "${name}" >/dev/null 2>&1 && echo "ddpack: removed container ${name} on ${SLURMD_NODENAME} (job ${job} is over)" >&2
+        done
+        [ -n "$1" ] || exit 0
+        if [ -s "$2/$1.sqsh" ]; then touch "$2/$1.sqsh" && echo "has ${SLURMD_NODENAME}"; else echo "lacks ${SLURMD_NODENAME}"; fi' _ "${key}" "${dir}")
+    rc=$?
+    if [ "${mode}" != off ] && { [ "${rc}" -ne 0 ] || [ "$(echo "${answers}" | grep -c '^\(has\|lacks\) ')" -ne "${count}" ]; }; then
+        mode=off why="staging failed: not every node answered whether it holds the image (exit ${rc})"
+    fi
+    lacking=$(echo "${answers}" | sed -n 's/^lacks //p')
+    if [ "${mode}" = auto ] && [ -n "${lacking}" ]; then
+        mode=${modelled} why="DDPACK_STAGE=auto: for ${count} node(s) the model has the shared filesystem ahead of sbcast"
+    fi
+    if [ "${mode}" = off ]; then
+        echo "ddpack: image: every node reads ${sqsh} (${why})"
+        return 0
+    fi
+    if [ -z "${lacking}" ]; then
+        echo "ddpack: image: all ${count} nodes hold ${dir}/${key}.sqsh already; the shared filesystem is not read"
+        ddpack_image=${dir}/${key}.sqsh
+        return 0
+    fi
+    ddpack_stage_image "${sqsh}" "${dir}/${key}.sqsh" "${keep}" "${fanout}" "$(echo "${lacking}" | paste -sd,)" && ddpack_image=${dir}/${key}.sqsh
+    return 0
+}
+
+# sbcast or off for NODES nodes: the model's choice (ddpack/goodput_model.py, without the tree's few blocks) at
+# FSX, SBCAST and UNPACK MB/s: N unpacks from the shared filesystem at once wait size / min(unpack, fsx / N);
+# sbcast then an unpack from local disk, size / sbcast + size / unpack.
+ddpack_stage_by_model() {
+    local nodes=$1 fsx=$2 bcast=$3 unpack=$4
+    if [ "$((nodes * bcast * unpack))" -gt "$((fsx * (bcast + unpack)))" ] && [ "$((nodes * unpack))" -gt "${fsx}" ]; then
+        echo sbcast
+    else
+        echo off
+    fi
+}
+
+# A name for the image: its content's, from make sqsh's record beside it (the Docker image's id and the squash
+# options) while the record describes the file as it is; else the file's version, from its size, modification
+# time and inode (no read of the file: a copy made again, with cp, is a new name and is sent again).
+ddpack_image_key() {
+    local sqsh=$1 record="$1.ddpack.json" id options size mtime
+    if [ -f "${record}" ]; then
+        id=$(sed -n 's/^ *"image_id": "sha256:\([0-9a-f]*\)".*/\1/p' "${record}")
+        options=$(sed -n 's/^ *"squash_options": "\(.*\)",\{0,1\}$/\1/p' "${record}")
+        size=$(sed -n 's/^ *"size": \([0-9]*\).*/\1/p' "${record}")
+        mtime=$(sed -n 's/^ *"mtime_ns": \([0-9]*\).*/\1/p' "${record}")
+        if [ -n "${id}" ] && [ "${size}" = "$(stat -c %s "${sqsh}")" ] && [ "${mtime}" = "$(date -r "${sqsh}" +%s%N)" ]; then
+            echo "${id:0:24}-$(printf '%s' "${options}" | sha256sum | cut -c1-8)"
+            return 0
+        fi
+    fi
+    stat -L -c 'file %s %Y %i %n' "${sqsh}" | sha256sum | cut -c1-32
+}
+
+# sbcast SQSH to the LACKING nodes (comma-separated) as TARGET: a step that holds those nodes (sbcast sends to
+# a step's nodes), then the copy under a temporary name, then each node checks its size and renames it. On a
+# failure one line names the node and why, and this start reads the shared file instead (returns 1).
+ddpack_stage_image() {
+    local sqsh=$1 target=$2 keep=$3 fanout=$4 lacking=$5 count handoff step="" started rc size
+    count=$(scontrol show hostnames "${lacking}" | wc -l)
+    size=$(stat -c %s "${sqsh}")
+    handoff=${DDPACK_RUN_DIR}/.ddpack-stage-${SLURM_JOB_ID}
+    rm -rf "${handoff}" && mkdir -p "${handoff}"
+    started=$(date +%s%N)
+    # shellcheck disable=SC2016
+    srun --nodes="${count}" --ntasks="${count}" --ntasks-per-node=1 --nodelist="${lacking}" bash -c '
+        mkdir -p "$(dirname "$1")" || exit 1
+        echo "${SLURM_STEP_ID}" >"$2/${SLURMD_NODENAME}"
+        exec sleep 3600' _ "${target}" "${handoff}" &
+    local holder=$! waited=0
+    while [ "$(find "${handoff}" -type f | wc -l)" -lt "${count}" ]; do
+        if ! kill -0 "${holder}" 2>/dev/null || [ "${waited}" -ge 600 ]; then
+            echo "ddpack: staging the image failed: could not reach ${lacking} to receive it; this start reads ${sqsh} on every node"
+            kill "${holder}" 2>/dev/null; wait "${holder}" 2>/dev/null
+            rm -rf "${handoff}"
+            return 1
+        fi
+        sleep 0.2
+        waited=$((waited + 1))
+    done
+    step=$(cat "$(find "${handoff}" -type f | head -n1)")
+    local errors
+    errors=$(sbcast --force --fanout="${fanout}" --jobid="${SLURM_JOB_ID}.${step}" "${sqsh}" "${target}.part-${SLURM_JOB_ID}" 2>&1)
+    rc=$?
+    scancel --quiet "${SLURM_JOB_ID}.${step}" 2>/dev/null
+    wait "${holder}" 2>/dev/null
+    rm -rf "${handoff}"
+    if [ "${rc}" -ne 0 ]; then
+        echo "ddpack: staging the image failed: sbcast to ${lacking}: $(echo "${errors}" | grep -v '^$' | tail -n1); this start reads ${sqsh} on every node"
+        return 1
+    fi
+    # Each node: the whole file, renamed into place, the newest KEEP copies kept.
+    errors=$(srun --nodes="${count}" --ntasks="${count}" --ntasks-per-node=1 --nodelist="${lacking}" bash -c '
+        part="$1.part-${SLURM_JOB_ID}"
+        got=$(stat -c %s "${part}" 2>/dev/null || echo 0)
+        if [ "${got}" != "$2" ]; then echo "${SLURMD_NODENAME}: received ${got} of $2 bytes"; rm -f "${part}"; exit 1; fi
+        mv -f "${part}" "$1" || { echo "${SLURMD_NODENAME}: cannot rename ${part}"; exit 1; }
+        ls -1t "$(dirname "$1")"/*.sqsh 2>/dev/null | tail -n +$(($3 + 1)) | xargs -r rm -f' _ "${target}" "${size}" "${keep}" 2>&1)
+    rc=$?
+    if [ "${rc}" -ne 0 ]; then
+        echo "ddpack: staging the image failed on $(echo "${errors}" | grep -v '^$' | head -n1); this start reads ${sqsh} on every node"
+        return 1
+    fi
+    local ms=$((($(date +%s%N) - started) / 1000000))
+    echo "ddpack: image: sent ${sqsh} ($((size / 1048576)) MiB) once, by sbcast, to ${lacking} as ${target} in $((ms / 1000)).$(printf '%03d' $((ms % 1000))) s"
+    return 0
+}
+
+# --------------------------------------------------------------------------- training, restarted in place
+#
+# DDPACK_SPARE_NODES=K: the job's last K nodes are spares (ask sbatch for --nodes=<training nodes + K>);
+# training runs on the others, and a restart swaps a spare in for a node that failed.
+
+ddpack_bad_nodes=""   # comma-separated: nodes a hang's forensics named, over the whole job
+ddpack_last_nodes=""  # the nodes the last training step ran on
+ddpack_next=""        # ddpack_after_step's decision: end, restart or requeue
+
+ddpack_train() {
+    local rc spares=${DDPACK_SPARE_NODES:-0}
+    case "${spares}" in '' | *[!0-9]*) ddpack_die "DDPACK_SPARE_NODES=${spares} is not a whole number of nodes" ;; esac
+    case "${DDPACK_RESTART_IN_PLACE:-1}" in 0 | 1) ;; *) ddpack_die "DDPACK_RESTART_IN_PLACE=${DDPACK_RESTART_IN_PLACE} is not 1 (restart a failed step in this allocation) or 0 (requeue)" ;; esac
+    ddpack_placement=()
+    if [ "${spares}" -gt 0 ]; then
+        ddpack_place || ddpack_die "DDPACK_SPARE_NODES=${spares}: ${ddpack_short}"
+        echo "ddpack: training on ${ddpack_last_nodes}; spare: $(ddpack_spares_now)"
+    fi
+    while :; do
+        "${ddpack_step[@]}" ${ddpack_placement[@]+"${ddpack_placement[@]}"} "$@"
+        rc=$?
+        ddpack_after_step "${rc}"
+        [ "${ddpack_next}" = restart ] || break
+        : >"${DDPACK_RUN_DIR}/${ddpack_start_marker}"   # forensics newer than this belong to the restart
+    done
+    ddpack_leave
+    exit "${rc}"
+}
+
+# The allocation's nodes that are not the ones training uses now.
+ddpack_spares_now() {
+    local node spare=()
+    for node in $(scontrol show hostnames "$(ddpack_job_nodelist)"); do
+        case ",${ddpack_last_nodes}," in *",${node},"*) ;; *) spare+=("${node}") ;; esac
+    done
+    if [ "${#spare[@]}" -eq 0 ]; then echo none; else (IFS=,; echo "${spare[*]}"); fi
+}
+
+# ddpack_placement: the srun options that put a training step on the job's healthy nodes, the ones the last
+# step used first, spares after; returns 1 (ddpack_short says why) when fewer are healthy than training needs.
+# Healthy: still in the job (Slurm drops a node it lost from a --no-kill job), not down, drained or failing in
+# sinfo, not named unresponsive by a hang's forensics during this job.
+ddpack_place() {
+    local spares=${DDPACK_SPARE_NODES:-0} need listed node state per_node healthy=() first=() rest=()
+    need=$((${SLURM_JOB_NUM_NODES:-1} - spares))
+    [ "${need}" -ge 1 ] || ddpack_die "DDPACK_SPARE_NODES=${spares} leaves no node to train on: the job has ${SLURM_JOB_NUM_NODES:-1}; ask sbatch for --nodes=<training nodes + spares>"
+    per_node=${SLURM_NTASKS_PER_NODE:-}
+    per_node=${per_node%%(*}
+    case "${per_node}" in '' | *[!0-9]*) ddpack_die "a restart in this allocation needs --ntasks-per-node (SLURM_NTASKS_PER_NODE=${SLURM_NTASKS_PER_NODE:-}); the templates set it" ;; esac
+    listed=$(ddpack_job_nodelist)
+    local -A bad=()
+    for node in ${ddpack_bad_nodes//,/ }; do bad[${node}]=1; done
+    while read -r node state; do
+        case "${state}" in down* | drain* | drng* | fail* | *'*') bad[${node}]=1 ;; esac
+    done < <(sinfo -h -N -n "${listed}" -o "%N %t" 2>/dev/null)
+    for node in $(scontrol show hostnames "${listed}"); do
+        [ -n "${bad[${node}]+x}" ] && continue
+        case ",${ddpack_last_nodes}," in *",${node},"*) first+=("${node}") ;; *) rest+=("${node}") ;; esac
+    done
+    healthy=(${first[@]+"${first[@]}"} ${rest[@]+"${rest[@]}"})
+    if [ "${#healthy[@]}" -lt "${need}" ]; then
+        ddpack_short="${#healthy[@]} healthy node(s) left in the allocation and training needs ${need}"
+        return 1
+    fi
+    ddpack_last_nodes=$(IFS=,; echo "${healthy[*]:0:${need}}")
+    ddpack_placement=(--nodes="${need}" --ntasks="$((need * per_node))" --nodelist="${ddpack_last_nodes}")
 }
 
 # The step's exit status decides, whatever ran (the bundled trainer, your DDPACK_COMMAND, the image's own):
 #   0 done; 2 bad input (never retried: the error line says what to fix);
-#   128+10 / 128+15 (138, 143) stopped on SIGUSR1/SIGTERM: preempted, requeued up to DDPACK_MAX_RESTARTS (10);
+#   128+10 / 128+15 (138, 143) stopped on SIGUSR1/SIGTERM: preempted (or the time limit's warning): back to the
+#   queue, requeued up to DDPACK_MAX_RESTARTS (10);
 #   anything else (124 a hang the watchdog ended, 137 a SIGKILL such as the OOM killer's or srun's for a rank
-#   still frozen DDPACK_STEP_WAIT seconds after the others ended, 1 a crash or a lost peer): a failure, retried up
-#   to DDPACK_MAX_FAILURE_RESTARTS times (default 1) per run folder, keeping out the nodes the hang's forensics
-#   named unresponsive where the partition has others to spare. A hang is told by its exit 124 or by forensics
-#   written during this start (the frozen rank's 137 is the step's status then).
+#   still frozen DDPACK_STEP_WAIT seconds after the others ended, 1 a crash or a lost peer or node): a failure,
+#   retried up to DDPACK_MAX_FAILURE_RESTARTS times (default 1) per run folder. A retry restarts the step in
+#   this allocation when enough healthy nodes remain (a spare swapped in for a bad node; DDPACK_RESTART_IN_PLACE=0
+#   turns that off), else requeues the job,
+#   keeping out the nodes the hang's forensics named unresponsive where the partition has others to spare. A
+#   hang is told by its exit 124 or by forensics written during this start (the frozen rank's 137 is the step's
+#   status then).
+# Sets ddpack_next: end, restart or requeue (ddpack_leave requeues, keeping out ddpack_keep_out).
 ddpack_after_step() {
     local rc=$1 restarts=${SLURM_RESTART_COUNT:-0} max=${DDPACK_MAX_RESTARTS:-10} max_failed=${DDPACK_MAX_FAILURE_RESTARTS:-1}
-    local failures_file=${DDPACK_RUN_DIR}/.ddpack-failure-restarts failed=0 kind
+    local failures_file=${DDPACK_RUN_DIR}/.ddpack-failure-restarts failed=0 kind named
+    ddpack_next=end ddpack_keep_out=""
     case "${max}" in '' | *[!0-9]*) ddpack_die "DDPACK_MAX_RESTARTS=${max} is not a whole number" ;; esac
     case "${max_failed}" in '' | *[!0-9]*) ddpack_die "DDPACK_MAX_FAILURE_RESTARTS=${max_failed} is not a whole number" ;; esac
     ddpack_report_hint
@@ -206,19 +452,25 @@ ddpack_after_step() {
     138 | 143) kind=preempted ;;
     *) kind=failed ;;
     esac
+    local lost what="failed (exit ${rc})"
+    lost=$(ddpack_lost_nodes)
+    if [ -n "${lost}" ]; then
+        # Slurm SIGTERMs the tasks of a step that lost a node (143): a failure of the node, not a preemption.
+        kind=failed what="ended (exit ${rc}) when the job lost ${lost}"
+    fi
     if [ "${kind}" = preempted ]; then
         if [ "${restarts}" -ge "${max}" ]; then
             echo "ddpack: preempted (exit ${rc}) after ${restarts} restarts, the cap DDPACK_MAX_RESTARTS=${max}; not requeueing (resubmit with DDPACK_RUN_DIR=${DDPACK_RUN_DIR} to continue)"
             return 0
         fi
         echo "ddpack: preempted (exit ${rc}); requeueing job ${SLURM_JOB_ID} (restart $((restarts + 1)) of at most ${max})"
-        ddpack_requeue
+        ddpack_next=requeue
         return 0
     fi
     [ -f "${failures_file}" ] && failed=$(cat "${failures_file}")
     case "${failed}" in '' | *[!0-9]*) failed=0 ;; esac
-    local what="failed (exit ${rc})" forensics=${DDPACK_RUN_DIR}/forensics
-    if [ "${rc}" -eq 124 ] || [ "${forensics}/summary.json" -nt "${DDPACK_RUN_DIR}/${ddpack_start_marker}" ]; then
+    local forensics=${DDPACK_RUN_DIR}/forensics
+    if [ -z "${lost}" ] && { [ "${rc}" -eq 124 ] || [ "${forensics}/summary.json" -nt "${DDPACK_RUN_DIR}/${ddpack_start_marker}" ]; }; then
         what="ended as hung (exit ${rc}; evidence in ${forensics})"
     fi
     if [ "${failed}" -ge "${max_failed}" ] || [ "${restarts}" -ge "${max}" ]; then
@@ -226,9 +478,56 @@ ddpack_after_step() {
         return 0
     fi
     echo "$((failed + 1))" >"${failures_file}.tmp" && mv "${failures_file}.tmp" "${failures_file}"
-    echo "ddpack: the step ${what}; requeueing job ${SLURM_JOB_ID} to resume from its last snapshot (failure restart $((failed + 1)) of at most ${max_failed})"
+    local count="failure restart $((failed + 1)) of at most ${max_failed}" without=""
+    named=$(ddpack_nodes_named_this_start)
+    if [ -n "${named}" ]; then
+        ddpack_bad_nodes=${ddpack_bad_nodes:+${ddpack_bad_nodes},}${named}
+        without=", without ${named} (named unresponsive)"
+    fi
+    case "${DDPACK_RESTART_IN_PLACE:-1}" in
+    0) ddpack_short="DDPACK_RESTART_IN_PLACE=0" ;;
+    1) if ddpack_place; then
+        echo "ddpack: the step ${what}; restarting it in this allocation on ${ddpack_last_nodes}${without} from its last snapshot (${count})"
+        ddpack_next=restart
+        return 0
+    fi ;;
+    *) ddpack_die "DDPACK_RESTART_IN_PLACE=${DDPACK_RESTART_IN_PLACE} is not 1 (restart a failed step in this allocation) or 0 (requeue)" ;;
+    esac
+    echo "ddpack: the step ${what}; ${ddpack_short}: requeueing job ${SLURM_JOB_ID} to resume from its last snapshot (${count})"
     ddpack_nodes_to_keep_out
+    ddpack_next=requeue
+}
+
+# The nodes the last training step ran on that the job lost (Slurm dropped them from this --no-kill job) or that
+# sinfo says are down, drained or failing, comma-separated.
+ddpack_lost_nodes() {
+    local ran=${ddpack_last_nodes} listed node state lost=()
+    [ -n "${ran}" ] || ran=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null | paste -sd,)
+    [ -n "${ran}" ] || return 0
+    listed=$(ddpack_job_nodelist)
+    local -A now=() bad=()
+    for node in $(scontrol show hostnames "${listed}" 2>/dev/null); do now[${node}]=1; done
+    while read -r node state; do
+        case "${state}" in down* | drain* | drng* | fail* | *'*') bad[${node}]=1 ;; esac
+    done < <(sinfo -h -N -n "${ran}" -o "%N %t" 2>/dev/null)
+    for node in ${ran//,/ }; do
+        if [ -z "${now[${node}]+x}" ] || [ -n "${bad[${node}]+x}" ]; then lost+=("${node}"); fi
+    done
+    [ "${#lost[@]}" -eq 0 ] || (IFS=,; echo "${lost[*]}")
+}
+
+# After the last step of this start: the job's container leaves the nodes, then the requeue ddpack_after_step decided.
+ddpack_leave() {
+    ddpack_remove_container
+    [ "${ddpack_next}" = requeue ] || return 0
     ddpack_requeue "${ddpack_keep_out}"
+}
+
+# The nodes a hang's forensics named unresponsive during this start, comma-separated (none: empty).
+ddpack_nodes_named_this_start() {
+    local named=${DDPACK_RUN_DIR}/forensics/unresponsive-nodes
+    [ -s "${named}" ] && [ "${named}" -nt "${DDPACK_RUN_DIR}/${ddpack_start_marker}" ] || return 0
+    paste -sd, "${named}"
 }
 
 # Where the run's charts come from, once a step has left metrics (a user's own program may write none).
@@ -240,13 +539,13 @@ ddpack_report_hint() {
 # Set ddpack_keep_out to the nodes a hang's forensics named unresponsive during this start, comma-separated,
 # when the partition has enough other nodes for the job (else it would never start again, and a line says so).
 ddpack_nodes_to_keep_out() {
-    local named=${DDPACK_RUN_DIR}/forensics/unresponsive-nodes nodes total
+    local nodes total
     ddpack_keep_out=""
-    [ -s "${named}" ] && [ "${named}" -nt "${DDPACK_RUN_DIR}/${ddpack_start_marker}" ] || return 0
-    nodes=$(paste -sd, "${named}")
+    nodes=${ddpack_bad_nodes}
+    [ -n "${nodes}" ] || return 0
     total=$(sinfo -h -p "${SLURM_JOB_PARTITION:-}" -o %D 2>/dev/null | head -n1)
     case "${total}" in '' | *[!0-9]*) total=0 ;; esac
-    if [ "$((total - $(wc -l <"${named}")))" -lt "${SLURM_JOB_NUM_NODES:-1}" ]; then
+    if [ "$((total - $(echo "${nodes//,/ }" | wc -w)))" -lt "${SLURM_JOB_NUM_NODES:-1}" ]; then
         echo "ddpack: not keeping out ${nodes} (named unresponsive): partition ${SLURM_JOB_PARTITION:-?} has ${total} nodes and the job needs ${SLURM_JOB_NUM_NODES:-1}"
         return 0
     fi

@@ -103,10 +103,13 @@ def after_step(
     hang_summary: bool = False,
     forensics_before_this_start: bool = False,
     partition_nodes: int = 3,
+    job_nodes: str = "ddnode1,ddnode2",
+    down: str = "",
     **settings: str,
 ):
-    """`ddpack_after_step RC` with scontrol and sinfo stubbed (their calls recorded in calls.txt), after a start
-    that ddpack_setup marked; forensics written during it, or before it (an earlier start's)."""
+    """`ddpack_after_step RC; ddpack_leave` with scontrol and sinfo stubbed (their calls recorded in calls.txt),
+    after a start that ddpack_setup marked; forensics written during it, or before it (an earlier start's).
+    `job_nodes`: the job's nodes as Slurm lists them now; `down`: those sinfo reports down."""
     run_dir = tmp_path / "run"
     (run_dir / "forensics").mkdir(parents=True)
     if failures is not None:
@@ -124,45 +127,92 @@ def after_step(
             when = earlier if forensics_before_this_start else start + 5
             os.utime(run_dir / "forensics" / name, (when, when))
     calls = tmp_path / "calls.txt"
-    for tool, out in (("scontrol", ""), ("sinfo", f"echo {partition_nodes}")):
+    scontrol = f"""case "$1 $2" in
+"show job") echo "   NodeList={job_nodes}" ;;
+"show hostnames") echo "$3" | tr , '\\n' ;;
+esac"""
+    states = " ".join(f"{n}:{'down*' if n in down.split(',') else 'alloc'}" for n in job_nodes.split(","))
+    sinfo = f"""case "$*" in
+*" -p "*) echo {partition_nodes} ;;
+*" -N "*) for s in {states}; do echo "${{s%%:*}} ${{s#*:}}"; done ;;
+esac"""
+    for tool, out in (("scontrol", scontrol), ("sinfo", sinfo)):
         (tmp_path / tool).write_text(f'#!/bin/sh\necho "{tool} $*" >> "{calls}"\n{out}\n')
         (tmp_path / tool).chmod(0o755)
     env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "DDPACK_RUN_DIR": str(run_dir), "SLURM_JOB_ID": "77", "SLURM_JOB_NUM_NODES": "2"}
-    env |= {"SLURM_JOB_PARTITION": "debug", **settings}
-    out = subprocess.run(["bash", "-uc", f'. "{HELPER}"; ddpack_after_step {rc}'], env=env, capture_output=True, text=True, timeout=30)
+    env |= {"SLURM_JOB_PARTITION": "debug", "SLURM_NTASKS_PER_NODE": "2", **settings}
+    script = f'. "{HELPER}"; ddpack_after_step {rc}; ddpack_leave; echo "next=$ddpack_next placement=${{ddpack_placement[*]:-}}" >&2'
+    out = subprocess.run(["bash", "-uc", script], env=env, capture_output=True, text=True, timeout=30)
     return out, calls.read_text() if calls.exists() else "", run_dir
 
 
+IN_PLACE = "restarting it in this allocation on ddnode1,ddnode2 from its last snapshot (failure restart 1 of at most 1)"
+
+
 @pytest.mark.parametrize(
-    ("rc", "settings", "line", "requeued"),
+    ("rc", "settings", "line", "next_"),
     [
-        (0, {}, "", False),
-        (2, {}, "ddpack: the step ended on bad input (exit 2); not requeueing", False),
-        (138, {}, "ddpack: preempted (exit 138); requeueing job 77 (restart 1 of at most 10)", True),
-        (143, {"SLURM_RESTART_COUNT": "10"}, "ddpack: preempted (exit 143) after 10 restarts, the cap DDPACK_MAX_RESTARTS=10; not requeueing", False),
-        (137, {}, "ddpack: the step failed (exit 137); requeueing job 77 to resume from its last snapshot (failure restart 1 of at most 1)", True),
-        (1, {"DDPACK_MAX_FAILURE_RESTARTS": "0"}, "ddpack: the step failed (exit 1) after 0 failure restarts, the cap DDPACK_MAX_FAILURE_RESTARTS=0;", False),
+        (0, {}, "", "end"),
+        (2, {}, "ddpack: the step ended on bad input (exit 2); not requeueing", "end"),
+        (138, {}, "ddpack: preempted (exit 138); requeueing job 77 (restart 1 of at most 10)", "requeue"),
+        (143, {"SLURM_RESTART_COUNT": "10"}, "ddpack: preempted (exit 143) after 10 restarts, the cap DDPACK_MAX_RESTARTS=10; not requeueing", "end"),
+        (137, {}, f"ddpack: the step failed (exit 137); {IN_PLACE}", "restart"),
+        (
+            137,
+            {"DDPACK_RESTART_IN_PLACE": "0"},
+            "ddpack: the step failed (exit 137); DDPACK_RESTART_IN_PLACE=0: requeueing job 77 to resume from its last snapshot "
+            "(failure restart 1 of at most 1)",
+            "requeue",
+        ),
+        (1, {"DDPACK_MAX_FAILURE_RESTARTS": "0"}, "ddpack: the step failed (exit 1) after 0 failure restarts, the cap DDPACK_MAX_FAILURE_RESTARTS=0;", "end"),
     ],
 )
-def test_the_exit_status_alone_decides_a_requeue_for_any_command(tmp_path: Path, rc: int, settings: dict[str, str], line: str, requeued: bool) -> None:
-    """A user's own script that exits 138 after SIGUSR1 is requeued like the trainer; a crash once; bad input never."""
+def test_the_exit_status_alone_decides_the_next_start_for_any_command(tmp_path: Path, rc: int, settings: dict[str, str], line: str, next_: str) -> None:
+    """A user's own script that exits 138 after SIGUSR1 is requeued like the trainer; a crash restarts in this
+    allocation, once; bad input never restarts."""
     out, calls, run_dir = after_step(tmp_path, rc, **settings)
-    assert out.returncode == 0 and out.stderr == "", out.stderr
+    assert out.returncode == 0 and out.stderr.startswith(f"next={next_} "), out.stderr
     assert out.stdout.startswith(line) and out.stdout.count("\n") == (1 if line else 0), out.stdout
-    assert ("scontrol requeue 77" in calls) == requeued
-    assert (run_dir / ".ddpack-failure-restarts").exists() == (requeued and rc not in (138, 143))
+    assert ("scontrol requeue 77" in calls) == (next_ == "requeue")
+    assert (run_dir / ".ddpack-failure-restarts").exists() == (next_ != "end" and rc not in (138, 143))
+    if next_ == "restart":  # the same nodes, as Slurm lists them now
+        assert out.stderr == "next=restart placement=--nodes=2 --ntasks=4 --nodelist=ddnode1,ddnode2\n"
 
 
-def test_a_hang_is_retried_once_without_the_unresponsive_node_then_not_again(tmp_path: Path) -> None:
+def test_a_hang_that_names_a_node_the_job_cannot_spare_requeues_without_it_then_not_again(tmp_path: Path) -> None:
     out, calls, run_dir = after_step(tmp_path, 124, unresponsive="ddnode2\n")
     assert out.stdout.splitlines() == [
-        f"ddpack: the step ended as hung (exit 124; evidence in {run_dir}/forensics); requeueing job 77 to resume from its last snapshot "
-        "(failure restart 1 of at most 1)",
+        f"ddpack: the step ended as hung (exit 124; evidence in {run_dir}/forensics); 1 healthy node(s) left in the allocation and training "
+        "needs 2: requeueing job 77 to resume from its last snapshot (failure restart 1 of at most 1)",
         "ddpack: keeping ddnode2 (named unresponsive by the hang's forensics) out of the restart",
     ]
-    assert calls.splitlines() == ["sinfo -h -p debug -o %D", "scontrol requeue 77", "scontrol update JobId=77 ExcNodeList=ddnode2"]
+    assert calls.splitlines()[-3:] == ["sinfo -h -p debug -o %D", "scontrol requeue 77", "scontrol update JobId=77 ExcNodeList=ddnode2"]
     again, calls, _ = after_step(tmp_path / "again", 124, failures=1)
-    assert "after 1 failure restarts, the cap DDPACK_MAX_FAILURE_RESTARTS=1; not requeueing" in again.stdout and calls == ""
+    assert "after 1 failure restarts, the cap DDPACK_MAX_FAILURE_RESTARTS=1; not requeueing" in again.stdout and "requeue" not in calls
+
+
+@pytest.mark.parametrize(
+    ("job_nodes", "down", "unresponsive", "chosen"),
+    [
+        ("ddnode1,ddnode2,ddnode3", "ddnode2", "", "ddnode1,ddnode3"),  # set DOWN: still in the job, not healthy
+        ("ddnode1,ddnode3", "", "", "ddnode1,ddnode3"),  # lost: Slurm dropped it from the --no-kill job
+        ("ddnode1,ddnode2,ddnode3", "", "ddnode1\n", "ddnode2,ddnode3"),  # named by a hang's forensics
+    ],
+)
+def test_a_spare_node_takes_the_place_of_a_bad_one_in_the_same_allocation(
+    tmp_path: Path, job_nodes: str, down: str, unresponsive: str, chosen: str
+) -> None:
+    out, calls, _ = after_step(
+        tmp_path, 1, job_nodes=job_nodes, down=down, unresponsive=unresponsive, SLURM_JOB_NUM_NODES="3", DDPACK_SPARE_NODES="1"
+    )
+    assert f"restarting it in this allocation on {chosen}" in out.stdout and out.stdout.count("\n") == 1, out.stdout
+    assert out.stderr == f"next=restart placement=--nodes=2 --ntasks=4 --nodelist={chosen}\n" and "requeue" not in calls
+
+
+def test_too_few_healthy_nodes_go_back_to_the_queue(tmp_path: Path) -> None:
+    out, calls, _ = after_step(tmp_path, 1, job_nodes="ddnode1,ddnode2,ddnode3", down="ddnode1,ddnode2", SLURM_JOB_NUM_NODES="3", DDPACK_SPARE_NODES="1")
+    assert "1 healthy node(s) left in the allocation and training needs 2: requeueing job 77" in out.stdout
+    assert out.stderr.startswith("next=requeue ") and "scontrol requeue 77" in calls
 
 
 def test_a_node_the_job_cannot_do_without_is_not_kept_out(tmp_path: Path) -> None:
@@ -175,10 +225,25 @@ def test_a_frozen_rank_killed_by_srun_is_told_as_a_hang_by_this_starts_forensics
     """The others' watchdogs exit 124, srun kills the frozen rank DDPACK_STEP_WAIT later, and the step's
     status is that rank's 137: the forensics written during this start say it was a hang."""
     out, calls, run_dir = after_step(tmp_path, 137, hang_summary=True, unresponsive="ddnode2\n")
-    assert out.stdout.startswith(f"ddpack: the step ended as hung (exit 137; evidence in {run_dir}/forensics); requeueing job 77"), out.stdout
+    assert out.stdout.startswith(f"ddpack: the step ended as hung (exit 137; evidence in {run_dir}/forensics); 1 healthy"), out.stdout
     assert "ExcNodeList=ddnode2" in calls
     stale, calls, _ = after_step(tmp_path / "stale", 137, hang_summary=True, unresponsive="ddnode2\n", forensics_before_this_start=True)
-    assert stale.stdout.startswith("ddpack: the step failed (exit 137); requeueing job 77") and "ExcNodeList" not in calls, stale.stdout
+    assert stale.stdout == f"ddpack: the step failed (exit 137); {IN_PLACE}\n" and "ExcNodeList" not in calls, stale.stdout
+
+
+@pytest.mark.parametrize(
+    ("settings", "line"),
+    [
+        ({"DDPACK_SPARE_NODES": "one"}, "ddpack: error: DDPACK_SPARE_NODES=one is not a whole number of nodes"),
+        ({"DDPACK_SPARE_NODES": "2"}, "ddpack: error: DDPACK_SPARE_NODES=2 leaves no node to train on: the job has 2; ask sbatch for "),
+        ({"DDPACK_RESTART_IN_PLACE": "yes"}, "ddpack: error: DDPACK_RESTART_IN_PLACE=yes is not 1 (restart a failed step in this allocation) or 0"),
+    ],
+)
+def test_bad_restart_settings_are_one_line_before_training_starts(tmp_path: Path, settings: dict[str, str], line: str) -> None:
+    env = {"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "77", "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS_PER_NODE": "2", **settings}
+    script = f'. "{HELPER}"; ddpack_step=(echo STEP-RAN); ddpack_train x'
+    out = subprocess.run(["bash", "-uc", script], env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "STEP-RAN" not in out.stdout and out.stderr.startswith(line) and out.stderr.count("\n") == 1, out.stderr
 
 
 SHARE_NOTE = "CPUs (SRUN_CPUS_PER_TASK; set it to choose)"
@@ -215,3 +280,43 @@ def test_the_helper_spells_the_run_folders_names_as_train_run_folder_defines_the
     assert names == public, names ^ public
     out = step_command()
     assert out.stdout.splitlines()[-1] == f"/fsx/runs/a-1/{run_folder.SNAPSHOTS} /fsx/runs/a-1/{run_folder.METRICS} /fsx/runs/a-1/{run_folder.FORENSICS}"
+
+
+def image_key(sqsh: Path) -> str:
+    out = subprocess.run(["bash", "-uc", f'. "{HELPER}"; ddpack_image_key "$1"', "helper", str(sqsh)], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_a_staged_image_is_named_by_its_content(tmp_path: Path) -> None:
+    """make sqsh's record (the image id and the squash options) names the file while it describes it; a file the
+    record no longer describes, or one without a record, is named by its size, time and inode, without reading
+    it. The helper reads the record that ddpack.sqsh writes, by the same name."""
+    from ddpack.sqsh import record_path, write_record
+
+    sqsh = tmp_path / "x.sqsh"
+    sqsh.write_bytes(b"squashfs bytes")
+    write_record(sqsh, "ddpack:abc", "sha256:" + "ab" * 32, "-comp lzo -noI")
+    named = image_key(sqsh)
+    assert re.fullmatch(r"(ab){12}-[0-9a-f]{8}", named) and record_path(sqsh).exists()
+    write_record(sqsh, "ddpack:abc", "sha256:" + "ab" * 32, "-comp zstd")
+    assert image_key(sqsh) != named and image_key(sqsh).startswith("ab" * 12)  # other options, other content
+    sqsh.write_bytes(b"another image")  # the record describes the file as it was: its version names it
+    versioned = image_key(sqsh)
+    assert re.fullmatch(r"[0-9a-f]{32}", versioned) and image_key(sqsh) == versioned
+    copy = tmp_path / "copy.sqsh"
+    copy.write_bytes(sqsh.read_bytes())
+    assert image_key(copy) != versioned  # another file (a cp), another name: sent again, never mistaken
+
+
+def test_a_step_slurm_ended_because_its_job_lost_a_node_is_a_failure_not_a_preemption(tmp_path: Path) -> None:
+    """Slurm SIGTERMs the tasks of a step whose node went down (143): with a spare the step restarts in place;
+    without one the job goes back to the queue as a failure (never counted against DDPACK_MAX_RESTARTS alone)."""
+    lost = {"SLURM_JOB_NODELIST": "ddnode1,ddnode2,ddnode3", "SLURM_JOB_NUM_NODES": "3", "DDPACK_SPARE_NODES": "1"}
+    out, calls, _ = after_step(tmp_path, 143, job_nodes="ddnode1,ddnode3", **lost)
+    assert out.stdout == (
+        "ddpack: the step ended (exit 143) when the job lost ddnode2; restarting it in this allocation on ddnode1,ddnode3 "
+        "from its last snapshot (failure restart 1 of at most 1)\n"
+    ), out.stdout
+    alone, calls, _ = after_step(tmp_path / "alone", 143, job_nodes="ddnode1", SLURM_JOB_NODELIST="ddnode1,ddnode2")
+    assert alone.stdout.startswith("ddpack: the step ended (exit 143) when the job lost ddnode2; 1 healthy node(s) left") and "requeue 77" in calls
