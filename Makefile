@@ -12,6 +12,7 @@ endif
 PIP_TORCH_OPTS ?=
 PYTEST_ARGS   ?=
 BENCH_START_ARGS ?=
+BENCH_GOODPUT_ARGS ?=
 # make report: the run folder (holding metrics.jsonl) and options (--png: also one summary image).
 RUN           ?=
 REPORT_ARGS   ?=
@@ -63,7 +64,7 @@ APP_OPTS = $(if $(APP),--app '$(APP)' --app-cmd "$$APP_CMD" --bundle-tag $(IMAGE
 AWS_ENV := AWS_REGION='$(AWS_REGION)' REGISTRY='$(REGISTRY)'
 IMAGE_ENV := BASE_IMAGE='$(BASE_IMAGE)' WHEELHOUSE='$(WHEELHOUSE)' CA_BUNDLE='$(CA_BUNDLE)' TORCH_VERSION='$(TORCH_VERSION)'
 
-.PHONY: help venv test test-quick lint bench bench-images bench-sqsh bench-start bench-gpu clean engine base image image-gpu smoke push push-gpu enroot-credentials sqsh sqsh-gpu report
+.PHONY: help venv test test-quick lint bench bench-images bench-sqsh bench-start bench-goodput bench-gpu clean engine base image image-gpu smoke push push-gpu enroot-credentials sqsh sqsh-gpu report
 
 help: ## list targets and variables
 	@echo "ddpack - build, ship and launch PyTorch DDP in containers on Slurm"
@@ -81,6 +82,7 @@ help: ## list targets and variables
 	@echo "  SQSH=$(SQSH) SQSH_GPU=$(SQSH_GPU) SQSH_CONVERTER=$(SQSH_CONVERTER) SQSH_ARGS=$(SQSH_ARGS) ENROOT_SQUASH_OPTIONS=$(ENROOT_SQUASH_OPTIONS)"
 	@echo "  PYTHON=$(PYTHON) VENV=$(VENV) TORCH_VERSION=$(TORCH_VERSION) PIP_TORCH_OPTS=$(PIP_TORCH_OPTS)"
 	@echo "  PYTEST_ARGS=$(PYTEST_ARGS) BENCH_START_ARGS=$(BENCH_START_ARGS) (--baseline-image IMG, --journaled-data DIR, --rounds N)"
+	@echo "  BENCH_GOODPUT_ARGS=$(BENCH_GOODPUT_ARGS) (--rounds N, --fsx-mbps MB/s)"
 	@echo "  BENCH_SQSH_ARGS=$(BENCH_SQSH_ARGS) (--against IMG [--only-against]: what IMAGE:TAG costs over IMG)"
 	@echo "  BENCH_GPU_ARGS=$(BENCH_GPU_ARGS) (--steps N, --seconds S, --dry-run-on-cpu)"
 	@echo "  RUN=$(RUN) REPORT_ARGS=$(REPORT_ARGS) (make report: the run folder holding metrics.jsonl; --png: also one summary image)"
@@ -136,6 +138,9 @@ bench-sqsh: image ## print make sqsh next to enroot import, the floors, and size
 
 bench-start: image ## print srun -> first training step under pyxis: make sqsh vs enroot import (root, Slurm+pyxis)
 	$(VPY) bench/bench_start.py --image $(CPU_REF) $(BENCH_START_ARGS)
+
+bench-goodput: sqsh ## print sbatch -> first step and failure -> training again under pyxis, today's path vs ddpack's, and the model at 2-1,024 nodes (root, Slurm+pyxis)
+	$(VPY) bench/bench_goodput.py --sqsh $(SQSH) $(BENCH_GOODPUT_ARGS)
 
 push: engine ## push IMAGE:TAG to ECR (boto3 + docker SDK; AWS_REGION, ECR_REPOSITORY, PUSH_ARGS)
 	$(AWS_ENV) $(VPY) -m ddpack.push --image $(CPU_REF) --repository $(ECR_REPOSITORY) --tag $(TAG) $(PUSH_ARGS)

@@ -16,9 +16,11 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,9 +28,20 @@ import pytest
 from docker_support import ReadmeProject
 
 from testbed.env import ROOT
+from testbed.file_opens import OpenCounter
 from testbed.readme_examples import write_mytask
-from testbed.slurm_cluster import ClusterUnavailable, ensure_cluster
-from testbed.slurm_jobs import all_agree, env, preempt_and_resume, sbatch, submit, wait_for_progress, wait_for_restarts
+from testbed.slurm_cluster import NODE_DISKS, NODES, ClusterUnavailable, ensure_cluster
+from testbed.slurm_jobs import (
+    all_agree,
+    env,
+    preempt_and_resume,
+    sbatch,
+    signal_tasks,
+    submit,
+    wait_for_end,
+    wait_for_progress,
+    wait_for_restarts,
+)
 from train import outcome
 
 pytestmark = pytest.mark.pyxis
@@ -164,9 +177,19 @@ def node_enroot(shared: Path) -> str:
 
 
 def slurmd_log_lines(text: str) -> list[str]:
-    """Lines of both test nodes' slurmd logs (where pyxis reports) that contain `text`."""
-    logs = [Path(f"/var/log/slurm/slurmd-{node}.log").read_text() for node in ("ddnode1", "ddnode2")]
+    """Lines of the test nodes' slurmd logs (where pyxis reports) that contain `text`."""
+    logs = [Path(f"/var/log/slurm/slurmd-{node}.log").read_text() for node in NODES]
     return [line for log in logs for line in log.splitlines() if text in line]
+
+
+def unpacks(job: str) -> int:
+    """How many times pyxis unpacked the job's named container (once per node per job start when it is reused)."""
+    return sum(line.endswith(f"creating container filesystem: pyxis_ddpack-{job}") for line in slurmd_log_lines("creating container"))
+
+
+def reuses(job: str) -> int:
+    """How many steps of the job started in a container an earlier step of it unpacked, summed over the nodes."""
+    return sum(f"[{job}." in line for line in slurmd_log_lines("pyxis: reusing existing container filesystem"))
 
 
 @pytest.mark.parametrize("template", sorted(TEMPLATE_ARGS))
@@ -194,9 +217,8 @@ def test_pyxis_templates_run_the_preflight_in_the_image_then_train_in_the_same_c
     assert len({r["app"] for r in report["identity"]}) == 1 and report["identity"][0]["app"].startswith("cpu-ddp@")
     assert sorted(r["host"] for r in report["identity"]) == ["ddnode1", "ddnode1", "ddnode2", "ddnode2"]
     assert report["storage"]["folder"].startswith("/fsx/")  # the snapshot folder as the container sees it
-    # Unpacked once per node by the preflight step (.0), reused by training (.1), removed afterwards.
-    assert len(slurmd_log_lines(f"[{job}.0] pyxis: creating container filesystem: pyxis_ddpack-{job}")) == 2
-    assert len(slurmd_log_lines(f"[{job}.1] pyxis: reusing existing container filesystem")) == 2
+    # Unpacked once per node by the preflight step, reused by training, removed afterwards.
+    assert unpacks(job) == 2 and reuses(job) == 2
     assert not list(Path("/tmp/enroot/data").glob(f"*/*/pyxis_ddpack-{job}"))
 
 
@@ -276,8 +298,8 @@ def framework_job(shared: Path, frameworks_sqsh: Path, project: str, **settings:
 
 
 def stopped_then_finished(text: str, starts: int) -> list[str]:
-    """The job log split at its requeues; checks that the first start stopped every rank at one step on SIGUSR1
-    (exit 138, requeued) and the last finished with agreeing checksums."""
+    """The job log split at its requeues (`starts` job starts); checks that the first start stopped every rank at
+    one step on SIGUSR1 (exit 138, requeued) and the last finished with agreeing checksums."""
     parts = re.split(r"\(restart \d+\)", text)[1:]  # each start's banner says (restart N)
     assert len(parts) == starts, text
     stops = [end for end in outcome.read_ends(parts[0]) if end.outcome == "stopped"]
@@ -302,19 +324,21 @@ def test_a_lightning_project_is_preempted_requeued_resumed_then_hangs_is_named_a
     """Lightning 2.6 from the package index with ddpack's one-line callback, under the per-task template: SIGUSR1
     to every task mid-training (as --signal=USR1@90 does) stops all four ranks at one step after Lightning's own
     checkpoint, and the template requeues; the next start resumes from it, and rank 1 blocks in training_step:
-    the watchdog ends the step 124 with forensics naming rank 1, and the template retries; the third start
-    resumes from the checkpoint again and finishes with agreeing checksums. make report draws three segments."""
+    the watchdog ends the step 124 with forensics naming rank 1, and the template restarts the step in the same
+    allocation (no node was named unresponsive), in the container it already unpacked; that step resumes from the
+    checkpoint again and finishes with agreeing checksums. make report draws three segments."""
     job, metrics, log = framework_job(
         shared, frameworks_sqsh, "lightning_project", STEP_SLEEP_S="0.02", FREEZE_AT="1:5", FREEZE_ON_RESTART="1", DDPACK_HANG_TIMEOUT="15"
     )
     wait_for_progress(metrics, 3, log, "Lightning did not start training")
     subprocess.run(["scancel", "--signal=USR1", job], check=True)
-    text = wait_for_restarts(job, 2, log)
-    parts = stopped_then_finished(text, 3)
+    text = wait_for_restarts(job, 1, log)
+    parts = stopped_then_finished(text, 2)
     stopped_at = outcome.read_ends(parts[0])[0].global_step
     hung = [end for end in outcome.read_ends(parts[1]) if end.outcome == "hung"]
     assert hung and all("behind: rank 1 on " in str(end.reason) for end in hung), parts[1]
-    assert "ddpack: the step ended as hung (exit 124; evidence in" in parts[1], parts[1]
+    assert "ddpack: the step ended as hung (exit 124; evidence in" in parts[1] and "restarting it in this allocation on ddnode1,ddnode2" in parts[1]
+    assert unpacks(job) == 4 and reuses(job) == 2  # once per node per job start; the restart in place reused them
     run = metrics.parent
     summary = json.loads((run / "forensics" / "summary.json").read_text())
     assert summary["behind_ranks"] == [1] and "in training_step" in (run / "forensics" / "rank-1.txt").read_text()
@@ -336,3 +360,84 @@ def test_a_hugging_face_trainer_project_is_preempted_requeued_and_resumes_from_i
     assert checkpoint and checkpoint.endswith(f"/hf-output/checkpoint-{outcome.read_ends(parts[0])[0].global_step}")
     assert (metrics.parent / "hf-output" / Path(checkpoint).name / "trainer_state.json").is_file()
     reported(metrics, 2)
+
+
+# ---------------------------------------------------------------- goodput: the image once per job, restarts in place
+
+RESTART_ARGS = "--dataset-size 16384 --epochs 3 --log-every 1 --snapshot-every 20"
+
+
+def starts_of(metrics: Path) -> list[dict]:
+    return [json.loads(line) for line in metrics.read_text().splitlines() if '"kind": "start"' in line]
+
+
+def test_a_node_set_down_mid_training_is_replaced_by_the_spare_and_the_image_is_read_once(sqsh: Path, shared: Path) -> None:
+    """Three nodes, one of them a spare (sbatch --nodes=3, DDPACK_SPARE_NODES=1): the squashfs is read from the
+    shared folder once, by sbcast, which sends it to every node's own disk; training runs on two nodes. ddnode2
+    set DOWN mid-training (a health agent's verdict) ends the step; the template restarts it in the same job and
+    allocation on ddnode1 and the spare, from the last snapshot, and the run finishes there. Each node unpacked the
+    image once; ddnode1's restart reused its container."""
+    for node in NODES:  # no copy from an earlier run: this job stages the image
+        shutil.rmtree(NODE_DISKS / node, ignore_errors=True)
+        (NODE_DISKS / node).mkdir(parents=True)
+    folder = submission_folder(shared, "spare")
+    with OpenCounter(sqsh) as readers:
+        job, metrics, log = submit(
+            folder, "spare", ("--partition=big", "--nodes=3", "--ntasks-per-node=2"), "pyxis-per-task.sbatch",
+            DDPACK_SQSH=str(sqsh), DDPACK_MOUNTS=f"{shared}:/fsx", DDPACK_SPARE_NODES="1", DDPACK_TRAIN_ARGS=RESTART_ARGS,
+            DDPACK_STAGE="sbcast",  # auto would too from 5 nodes (the model's threshold with its default rates)
+        )  # fmt: skip
+        wait_for_progress(metrics, 30, log, "training did not start")
+        try:
+            subprocess.run(["scontrol", "update", "nodename=ddnode2", "state=down", "reason=ddpack-spare-test"], check=True)
+            state, requeues = wait_for_end(job, log)
+        finally:
+            subprocess.run(["scontrol", "update", "nodename=ddnode2", "state=resume"], capture_output=True)  # if Slurm has not
+    text = log.read_text()
+    assert (state, requeues) == ("COMPLETED", 0), text
+    assert "ddpack: training on ddnode1,ddnode2; spare: ddnode3" in text, text
+    assert re.search(r"ddpack: image: sent \S+ \(\d+ MiB\) once, by sbcast, to ddnode1,ddnode2,ddnode3 as /tmp/ddpack-images/\S+\.sqsh", text), text
+    assert re.search(r"the step ended \(exit \d+\) when the job lost ddnode2; restarting it in this allocation on ddnode1,ddnode3 ", text), text
+    assert all_agree(text.rpartition("restarting it in this allocation")[2], 4), text
+    assert [command.split()[0] for command in readers.commands.values()] == ["sbcast"], readers.commands  # one read, however many nodes
+    staged = {node: sorted(p.name for p in (NODE_DISKS / node).iterdir()) for node in NODES}
+    assert len({tuple(names) for names in staged.values()}) == 1 and len(staged["ddnode1"]) == 1, staged
+    first, second = starts_of(metrics)
+    assert sorted(set(first["hosts"])) == ["ddnode1", "ddnode2"] and sorted(set(second["hosts"])) == ["ddnode1", "ddnode3"]
+    assert first["slurm_restart_count"] == second["slurm_restart_count"] == 0 and second["global_step"] % 20 == 0
+    assert unpacks(job) == 3 and reuses(job) == 1  # ddnode1 and ddnode2, then the spare; ddnode1 reused its own
+
+
+def test_a_killed_rank_is_training_again_in_the_same_job_without_reading_or_unpacking_the_image_again(sqsh: Path, shared: Path) -> None:
+    """Rank 3 SIGKILLed mid-training (the OOM killer, a kernel panic): the others' collective fails, the step
+    ends, and the template restarts it in the same allocation, in the containers the first step unpacked, from
+    the last snapshot; the run finishes with agreeing checksums and no requeue. The nodes hold the image from the
+    job before (staged copies are reused, as DDPACK_STAGE=auto does whenever every node holds them: the shared file
+    is not opened at all), and a container that job left on the node it lost is removed by this one."""
+    key = subprocess.run(["bash", "-c", f'. "{ROOT}/enroot/ddpack-job.sh"; ddpack_image_key "$1"', "_", str(sqsh)], capture_output=True, text=True)
+    for node in NODES:  # the job before's copies (the test above sends them; run alone, this one lays them down)
+        if not (NODE_DISKS / node / f"{key.stdout.strip()}.sqsh").exists():
+            NODE_DISKS.joinpath(node).mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(sqsh, NODE_DISKS / node / f"{key.stdout.strip()}.sqsh")
+    folder = submission_folder(shared, "killed")
+    with OpenCounter(sqsh) as readers:
+        job, metrics, log = submit(
+            folder, "killed", ("--ntasks-per-node=2",), "pyxis-per-task.sbatch",
+            DDPACK_SQSH=str(sqsh), DDPACK_MOUNTS=f"{shared}:/fsx", DDPACK_TRAIN_ARGS=RESTART_ARGS,
+        )  # fmt: skip
+        wait_for_progress(metrics, 30, log, "training did not start")
+        killed_at = time.time()
+        assert signal_tasks(job, "ddnode2", signal.SIGKILL, rank=3), "no rank 3 on ddnode2"
+        state, requeues = wait_for_end(job, log)
+    text = log.read_text()
+    assert (state, requeues) == ("COMPLETED", 0), text
+    assert re.search(r"ddpack: image: all 2 nodes hold /tmp/ddpack-images/\S+\.sqsh already; the shared filesystem is not read", text), text
+    assert readers.pids == {}, readers.commands
+    assert re.search(r"ddpack: the step failed \(exit \d+\); restarting it in this allocation on ddnode1,ddnode2 from its last snapshot", text), text
+    assert all_agree(text.rpartition("restarting it in this allocation")[2], 4), text
+    _, second = starts_of(metrics)
+    assert second["global_step"] % 20 == 0 and second["slurm_restart_count"] == 0
+    assert unpacks(job) == 2 and reuses(job) == 2  # the restart started in the containers the first step unpacked
+    assert not list(Path("/tmp/enroot/data").glob("*/*/pyxis_ddpack-*")), "a job's container was left on a node"
+    print(f"killed rank: training again (the restart's start record) {second['time'] - killed_at:.1f} s after the SIGKILL")
+

@@ -1,12 +1,15 @@
 """Faults the framework projects inject on request, from the environment (the same in every launch shape):
 FREEZE_AT="RANK:N" blocks that rank forever inside its N-th training step of this start (counting from 0: a
-hung rank in user code), on every start or, with FREEZE_ON_RESTART=K, only on the start after the K-th
-requeue (SLURM_RESTART_COUNT); STEP_SLEEP_S slows every step (so a test can signal mid-training)."""
+hung rank in user code), on every start or, with FREEZE_ON_RESTART=K, only on the first start after the K-th
+requeue (SLURM_RESTART_COUNT; a file in the working directory, the run folder, remembers that it froze, so a
+restart of the step in the same allocation runs on); STEP_SLEEP_S slows every step (so a test can signal
+mid-training)."""
 
 from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 _calls = 0
 
@@ -20,6 +23,11 @@ def in_training_step(rank: int, global_step: int) -> None:
     if not frozen or (restart is not None and restart != os.environ.get("SLURM_RESTART_COUNT", "0")):
         return
     if (rank, calls) == tuple(int(part) for part in frozen.split(":")):
+        if restart is not None:
+            once = Path(f".faults-froze-rank-{rank}-after-restart-{restart}")
+            if once.exists():
+                return
+            once.touch()
         print(f"rank {rank}: frozen in training_step at global step {global_step}", flush=True)
         while True:
             time.sleep(1)

@@ -1,0 +1,50 @@
+"""The start-time model (ddpack/goodput_model.py) and the template's choice that follows it."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from ddpack.goodput_model import Site, ddpack, main, read_and_unpack_shared, stage_by_sbcast, today, tree_depth
+from testbed.env import ROOT
+
+HELPER = ROOT / "enroot" / "ddpack-job.sh"
+
+
+def test_the_issue_arithmetic_128_nodes_reading_a_5_4_gb_image_from_a_1_2_gb_per_s_filesystem() -> None:
+    """128 x 5.4 GB read at once from 1.2 GB/s of FSx is ~576 s: today's start is bound by that, ddpack's by one
+    read and one local unpack; a failure costs today the queue plus a start, ddpack a new step and the trainer."""
+    site = Site()
+    assert read_and_unpack_shared(5400, 128, site) == pytest.approx(5400 * 128 / 1200)
+    old, new = today(5400, 128, site), ddpack(5400, 128, site)
+    assert old.start_s > 9 * 60 and new.start_s < 60 and new.recovery_s == site.detect_s + site.step_s + site.trainer_s
+    assert old.recovery_s == pytest.approx(site.detect_s + site.requeue_s + old.start_s)
+    assert ddpack(5400, 128, site, staged=True).start_s < new.start_s
+
+
+def test_sbcast_costs_one_read_whatever_the_node_count_plus_a_block_per_level() -> None:
+    site = Site()
+    assert [tree_depth(n, 8) for n in (1, 2, 8, 9, 64, 65, 1024)] == [0, 1, 1, 2, 2, 3, 4]
+    assert stage_by_sbcast(5400, 1024, site) - stage_by_sbcast(5400, 2, site) == pytest.approx(3 * 8 / 1000)
+
+
+@pytest.mark.parametrize("rates", [(1200, 1000, 400), (300, 1000, 400), (5000, 800, 250), (1200, 100, 2000)])
+def test_the_templates_auto_staging_follows_the_model(rates: tuple[int, int, int]) -> None:
+    """DDPACK_STAGE=auto picks sbcast exactly where the model's start with sbcast beats every node reading the
+    shared file (the tree's few blocks aside), for each node count up to 256."""
+    fsx, bcast, unpack = rates
+    site = Site(fsx_mbps=fsx, sbcast_mbps=bcast, unpack_mbps=unpack)
+    script = f'. "{HELPER}"; for n in $(seq 1 256); do ddpack_stage_by_model "$n" {fsx} {bcast} {unpack}; done'
+    chosen = subprocess.run(["bash", "-uc", script], capture_output=True, text=True, check=True, timeout=60).stdout.split()
+    for nodes, choice in enumerate(chosen, 1):
+        shared = read_and_unpack_shared(5400, nodes, site)
+        staged = 5400 / min(bcast, fsx) + 5400 / unpack
+        assert choice == ("sbcast" if staged < shared else "off"), (nodes, choice, shared, staged)
+
+
+def test_the_model_prints_a_table_and_refuses_a_rate_of_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--nodes", "128", "--image-gb", "5.4"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].split()[:2] == ["5.4GB", "128"] and len(out) == 2
+    assert main(["--unpack-mbps", "0"]) == 2 and "--unpack-mbps must be above 0" in capsys.readouterr().err
