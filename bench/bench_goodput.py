@@ -53,9 +53,9 @@ def first_progress(metrics: Path, after: float = 0.0) -> float | None:
 
 
 def clear_staged() -> None:
-    for node in NODES:
-        shutil.rmtree(NODE_DISKS / node, ignore_errors=True)
-        (NODE_DISKS / node).mkdir(parents=True)
+    for node in NODES:  # the files only: each folder is mounted as its node's local disk
+        for old in (NODE_DISKS / node).iterdir():
+            old.unlink()
 
 
 def start(folder: Path, sqsh: Path, shared: Path, stage: str, name: str) -> dict[str, float]:

@@ -254,7 +254,7 @@ ddpack_prepare_nodes() {
     if [ "${mode}" != off ] && { [ "${rc}" -ne 0 ] || [ "$(echo "${answers}" | grep -c '^\(has\|lacks\) ')" -ne "${count}" ]; }; then
         mode=off why="staging failed: not every node answered whether it holds the image (exit ${rc})"
     fi
-    lacking=$(echo "${answers}" | sed -n 's/^lacks //p')
+    lacking=$(echo "${answers}" | sed -n 's/^lacks //p' | sort -V)
     if [ "${mode}" = auto ] && [ -n "${lacking}" ]; then
         mode=${modelled} why="DDPACK_STAGE=auto: for ${count} node(s) the model has the shared filesystem ahead of sbcast"
     fi
@@ -398,7 +398,7 @@ ddpack_spares_now() {
 # Healthy: still in the job (Slurm drops a node it lost from a --no-kill job), not down, drained or failing in
 # sinfo, not named unresponsive by a hang's forensics during this job.
 ddpack_place() {
-    local spares=${DDPACK_SPARE_NODES:-0} need listed node state per_node healthy=() first=() rest=()
+    local spares=${DDPACK_SPARE_NODES:-0} need listed node per_node healthy=() first=() rest=()
     need=$((${SLURM_JOB_NUM_NODES:-1} - spares))
     [ "${need}" -ge 1 ] || ddpack_die "DDPACK_SPARE_NODES=${spares} leaves no node to train on: the job has ${SLURM_JOB_NUM_NODES:-1}; ask sbatch for --nodes=<training nodes + spares>"
     per_node=${SLURM_NTASKS_PER_NODE:-}
@@ -407,9 +407,7 @@ ddpack_place() {
     listed=$(ddpack_job_nodelist)
     local -A bad=()
     for node in ${ddpack_bad_nodes//,/ }; do bad[${node}]=1; done
-    while read -r node state; do
-        case "${state}" in down* | drain* | drng* | fail* | *'*') bad[${node}]=1 ;; esac
-    done < <(sinfo -h -N -n "${listed}" -o "%N %t" 2>/dev/null)
+    for node in $(ddpack_unhealthy_nodes "${listed}"); do bad[${node}]=1; done
     for node in $(scontrol show hostnames "${listed}"); do
         [ -n "${bad[${node}]+x}" ] && continue
         case ",${ddpack_last_nodes}," in *",${node},"*) first+=("${node}") ;; *) rest+=("${node}") ;; esac
@@ -498,18 +496,24 @@ ddpack_after_step() {
     ddpack_next=requeue
 }
 
+# The nodes of HOSTLIST that sinfo says are down, drained, failing or not responding (a trailing *), one a line.
+ddpack_unhealthy_nodes() {
+    local node state
+    while read -r node state; do
+        case "${state}" in down* | drain* | drng* | fail* | *'*') echo "${node}" ;; esac
+    done < <(sinfo -h -N -n "$1" -o "%N %t" 2>/dev/null)
+}
+
 # The nodes the last training step ran on that the job lost (Slurm dropped them from this --no-kill job) or that
 # sinfo says are down, drained or failing, comma-separated.
 ddpack_lost_nodes() {
-    local ran=${ddpack_last_nodes} listed node state lost=()
+    local ran=${ddpack_last_nodes} listed node lost=()
     [ -n "${ran}" ] || ran=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null | paste -sd,)
     [ -n "${ran}" ] || return 0
     listed=$(ddpack_job_nodelist)
     local -A now=() bad=()
     for node in $(scontrol show hostnames "${listed}" 2>/dev/null); do now[${node}]=1; done
-    while read -r node state; do
-        case "${state}" in down* | drain* | drng* | fail* | *'*') bad[${node}]=1 ;; esac
-    done < <(sinfo -h -N -n "${ran}" -o "%N %t" 2>/dev/null)
+    for node in $(ddpack_unhealthy_nodes "${ran}"); do bad[${node}]=1; done
     for node in ${ran//,/ }; do
         if [ -z "${now[${node}]+x}" ] || [ -n "${bad[${node}]+x}" ]; then lost+=("${node}"); fi
     done

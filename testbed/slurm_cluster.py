@@ -32,6 +32,8 @@ SlurmUser=root
 SlurmdUser=root
 SlurmctldPort=6817
 StateSaveLocation=/var/spool/slurmctld
+# The slurmd ports lie outside [15000, 30000), where the launcher derives a step's MASTER_PORT from its job and
+# step id (entrypoint/plan.py): a rank of job 125 would otherwise find ddnode2's port taken.
 SlurmdSpoolDir=/var/spool/slurmd/%n
 SlurmctldPidFile=/run/slurmctld.pid
 SlurmdPidFile=/run/slurmd-%n.pid
@@ -47,24 +49,25 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 ReturnToService=2
 KillWait=5
-TaskProlog=/etc/slurm/ddpack-task-prolog.sh
 MinJobAge=30
-NodeName=ddnode1 NodeHostname=localhost NodeAddr=127.0.0.1 Port=17001 CPUs=2 RealMemory=4000 State=UNKNOWN
-NodeName=ddnode2 NodeHostname=localhost NodeAddr=127.0.0.1 Port=17002 CPUs=2 RealMemory=4000 State=UNKNOWN
-NodeName=ddnode3 NodeHostname=localhost NodeAddr=127.0.0.1 Port=17003 CPUs=2 RealMemory=4000 State=UNKNOWN
+NodeName=ddnode1 NodeHostname=localhost NodeAddr=127.0.0.1 Port=6831 CPUs=2 RealMemory=4000 State=UNKNOWN
+NodeName=ddnode2 NodeHostname=localhost NodeAddr=127.0.0.1 Port=6832 CPUs=2 RealMemory=4000 State=UNKNOWN
+NodeName=ddnode3 NodeHostname=localhost NodeAddr=127.0.0.1 Port=6833 CPUs=2 RealMemory=4000 State=UNKNOWN
 PartitionName=debug Nodes=ddnode[1-2] Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 PartitionName=big Nodes=ddnode[1-3] MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 """
 
 
-# Every task's `enroot` is its node's (the per-node wrapper below, as plain `enroot` is on a real node), so a
-# job's own enroot calls (removing its container) reach the data folder pyxis used on that node.
-TASK_PROLOG = Path("/etc/slurm/ddpack-task-prolog.sh")
-TASK_PROLOG_TEXT = """#!/bin/sh
-# ddpack test cluster: this node's enroot first on every task's PATH (Slurm reads `export` lines from a TaskProlog).
-wrapper=/usr/local/lib/enroot-nodes/${SLURMD_NODENAME}
-[ -d "$wrapper" ] && echo "export PATH=$wrapper:$PATH"
-exit 0
+# A task's `enroot` is its node's (the per-node wrapper below, as plain `enroot` is on a real node), so a job's
+# own enroot calls (removing its container) reach the data folder pyxis used on that node: a dispatcher early on
+# root's PATH (/usr/local/sbin) picks the wrapper of the node a task runs on, and plain enroot elsewhere. (A
+# TaskProlog cannot do it: under pyxis it runs inside the container.)
+NODE_ENROOT = Path("/usr/local/sbin/enroot")
+NODE_ENROOT_TEXT = """#!/bin/sh
+# ddpack test cluster: the enroot of the simulated node this task runs on (testbed/slurm_cluster.py).
+wrapper=/usr/local/lib/enroot-nodes/${SLURMD_NODENAME:-none}/enroot
+[ -x "$wrapper" ] && exec "$wrapper" "$@"
+exec /usr/bin/enroot "$@"
 """
 
 
@@ -91,9 +94,11 @@ def _slurmd_pid(node: str) -> int | None:
 
 
 def _own_disk(pid: int) -> bool:
-    """The slurmd sees NODE_LOCAL as its node's own folder (it was started by _start_slurmd)."""
+    """The slurmd sees NODE_LOCAL as its node's own folder (it was started by _start_slurmd), and that folder
+    still exists (removing it leaves the mount on a deleted directory, where nothing can be written)."""
     try:
-        return any(line.split()[4] == str(NODE_LOCAL) for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines())
+        mounts = [line.split() for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()]
+        return any(m[4] == str(NODE_LOCAL) and not m[3].endswith("//deleted") for m in mounts)
     except OSError:
         return False
 
@@ -137,8 +142,8 @@ def ensure_cluster(timeout_s: float = 60) -> None:
         raise ClusterUnavailable(f"{CONF} belongs to another Slurm set-up; not touching it")
     CONF.parent.mkdir(parents=True, exist_ok=True)
     CONF.write_text(SLURM_CONF)
-    TASK_PROLOG.write_text(TASK_PROLOG_TEXT)
-    TASK_PROLOG.chmod(0o755)
+    NODE_ENROOT.write_text(NODE_ENROOT_TEXT)
+    NODE_ENROOT.chmod(0o755)
     hosts = Path("/etc/hosts")
     if not all(node in hosts.read_text().split() for node in NODES):
         with hosts.open("a") as handle:

@@ -377,9 +377,9 @@ def test_a_node_set_down_mid_training_is_replaced_by_the_spare_and_the_image_is_
     set DOWN mid-training (a health agent's verdict) ends the step; the template restarts it in the same job and
     allocation on ddnode1 and the spare, from the last snapshot, and the run finishes there. Each node unpacked the
     image once; ddnode1's restart reused its container."""
-    for node in NODES:  # no copy from an earlier run: this job stages the image
-        shutil.rmtree(NODE_DISKS / node, ignore_errors=True)
-        (NODE_DISKS / node).mkdir(parents=True)
+    for node in NODES:  # no copy from an earlier run: this job stages the image (the folder itself is a node's mount)
+        for old in (NODE_DISKS / node).iterdir():
+            old.unlink()
     folder = submission_folder(shared, "spare")
     with OpenCounter(sqsh) as readers:
         job, metrics, log = submit(
