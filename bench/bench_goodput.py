@@ -60,6 +60,7 @@ def clear_staged() -> None:
 
 def start(folder: Path, sqsh: Path, shared: Path, stage: str, name: str) -> dict[str, float]:
     """sbatch -> the first progress record, then the job is cancelled (it has shown what it came for)."""
+    folder.mkdir(parents=True, exist_ok=True)
     submitted = time.time()
     job, metrics, log = submit(
         folder, name, ("--ntasks-per-node=2",), "pyxis-per-task.sbatch",
@@ -79,6 +80,7 @@ def start(folder: Path, sqsh: Path, shared: Path, stage: str, name: str) -> dict
 
 
 def recovery(folder: Path, sqsh: Path, shared: Path, in_place: bool, name: str) -> dict[str, float]:
+    folder.mkdir(parents=True, exist_ok=True)
     job, metrics, log = submit(
         folder, name, ("--ntasks-per-node=2",), "pyxis-per-task.sbatch",
         DDPACK_SQSH=str(sqsh), DDPACK_MOUNTS=f"{shared}:/fsx", DDPACK_RESTART_IN_PLACE="1" if in_place else "0", DDPACK_TRAIN_ARGS=TRAIN,

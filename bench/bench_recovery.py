@@ -125,8 +125,10 @@ def measure(path: str, failure: str, inject: Callable[[], None], job: str, metri
 def one_path(path: str, in_place: bool, opts: argparse.Namespace, work: Path) -> tuple[list[Recovery], list[dict]]:
     """One job on three nodes, one of them a spare (sbatch --nodes=3, DDPACK_SPARE_NODES=1), and the four failures."""
     args = f"--dataset-size 32768 --epochs 3 --log-every 1 --snapshot-every {opts.snapshot_every} --hang-timeout {opts.hang_timeout:g}"
+    folder = work / path.split()[0]
+    folder.mkdir(parents=True, exist_ok=True)
     job, metrics, log = submit(
-        work / path.split()[0], "recovery", ("--partition=big", "--nodes=3"), DDPACK_TRAIN_ARGS=args, DDPACK_MAX_FAILURE_RESTARTS="3",
+        folder, "recovery", ("--partition=big", "--nodes=3"), DDPACK_TRAIN_ARGS=args, DDPACK_MAX_FAILURE_RESTARTS="3",
         DDPACK_STEP_WAIT=str(opts.step_wait), DDPACK_SPARE_NODES="1", DDPACK_RESTART_IN_PLACE="1" if in_place else "0",
     )  # fmt: skip
     print(f"recovery, {path}: job {job}, 4 ranks on 2 nodes and a spare, trainer {args}, DDPACK_STEP_WAIT={opts.step_wait}; log {log}", flush=True)
