@@ -99,26 +99,29 @@ def measure(path: str, failure: str, inject: Callable[[], None], job: str, metri
         if decided is None and decisions(log) > decided_before:
             decided = time.time()
         rows = records(metrics)[seen:]
-        ends = [i for i, r in enumerate(rows) if r["kind"] == "end"]
-        after = [r for r in rows[ends[0] + 1 :] if r["kind"] == "progress"] if ends else []
+        # The next start opens with its start record; a rank 0 killed outright (a node lost: Slurm SIGKILLs the
+        # step) leaves no end record before it.
+        starts = [i for i, r in enumerate(rows) if r["kind"] == "start"]
+        after = [r for r in rows[starts[0] + 1 :] if r["kind"] == "progress"] if starts else []
         if after and decided is not None:
             break
         if time.monotonic() > deadline:
             raise SystemExit(f"bench_recovery: the job did not train again after the {failure} within {timeout:.0f}s ({job_state(job)}); see {log}")
         time.sleep(0.1)
-    end, first = rows[ends[0]], after[0]
-    before = max((r["global_step"] for r in records(metrics)[: seen + ends[0]] if r["kind"] == "progress"), default=0)
+    ends = [r for r in rows[: starts[0]] if r["kind"] == "end"]
+    end, first = (ends[0] if ends else None), after[0]
+    before = max((r["global_step"] for r in records(metrics)[: seen + starts[0]] if r["kind"] == "progress"), default=0)
     replayed = max(0, before - (first["global_step"] - 1))
     back = first["time"] - injected
     return Recovery(
         path=path,
         failure=failure,
-        detect_s=end["time"] - injected,
+        detect_s=end["time"] - injected if end else float("nan"),
         decided_s=decided - injected,
         back_s=back,
         replayed=replayed,
         lost_s=back + replayed * step_time(records(metrics)),
-        how_it_ended=f"{end['outcome']} (exit {end['exit_code']})",
+        how_it_ended=f"{end['outcome']} (exit {end['exit_code']})" if end else "killed (no end record)",
     )
 
 
