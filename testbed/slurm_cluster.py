@@ -71,6 +71,13 @@ exec /usr/bin/enroot "$@"
 """
 
 
+def clear_staged_images() -> None:
+    """Remove every image staged on the nodes' local disks (a start that must stage again, cold)."""
+    for node in NODES:  # the files only: each folder is mounted as its node's local disk
+        for old in (NODE_DISKS / node).iterdir():
+            old.unlink()
+
+
 class ClusterUnavailable(RuntimeError):
     """Why a Slurm cluster cannot be had here."""
 
