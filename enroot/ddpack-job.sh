@@ -1,6 +1,9 @@
 # ddpack-job.sh — what every ddpack Slurm template shares; sourced by enroot/*.sbatch (bash 4.2+).
 #
-#   ddpack_setup NAME          the run directory and the banner line (sets DDPACK_RUN_DIR)
+#   ddpack_setup NAME          the umask (DDPACK_UMASK, 077), the run directory, locked for this job (a second live
+#                              job that names it is refused), the watchdog's secret (DDPACK_JOB_TOKEN) and the
+#                              banner line (sets DDPACK_RUN_DIR)
+#   ddpack_node VERB ARGS...   enroot/ddpack_node.py with the host's python3: staging, leases, the run folder's lock
 #   ddpack_container_path P    P as the container sees it through DDPACK_MOUNTS, or a one-line error
 #   ddpack_project_dir [container]
 #                              export DDPACK_PROJECT_DIR, where the trainer imports `--task module:factory`
@@ -36,7 +39,8 @@
 #                              Exits the script with the last step's status
 #   ddpack_after_step RC       decide, from the training step's exit status, to end, restart here or requeue
 #                              (sets ddpack_next; see the function); one line says which and why
-#   ddpack_leave               remove the container; requeue when ddpack_after_step decided so
+#   ddpack_leave               remove the container; requeue when ddpack_after_step decided so, else give the run
+#                              folder's lock back
 #
 # Run directories: one run, one folder. A new submission gets runs/<job name>-<job id> in the submission
 # folder; a requeue keeps its job id and so continues its own folder; to continue an earlier run in a new
@@ -52,6 +56,7 @@ ddpack_die() {
 
 ddpack_setup() {
     local name=$1
+    ddpack_private_files
     if [ -n "${DDPACK_RUN_DIR:-}" ]; then
         ddpack_run_origin="continuing ${DDPACK_RUN_DIR} (DDPACK_RUN_DIR)"
     else
@@ -64,8 +69,37 @@ ddpack_setup() {
     fi
     export DDPACK_RUN_DIR
     mkdir -p "${DDPACK_RUN_DIR}" || ddpack_die "cannot create the run directory ${DDPACK_RUN_DIR}; set DDPACK_RUN_DIR to a writable folder on the shared filesystem"
+    ddpack_node lock "${DDPACK_RUN_DIR}" --job "${SLURM_JOB_ID}" || exit 2
     : >"${DDPACK_RUN_DIR}/${ddpack_start_marker}"   # forensics newer than this were written during this start
+    # The hang watchdog's keys in the rendezvous store carry this secret, which only this start's ranks know (made
+    # here, never sent through slurmctld; srun hands it to each task): another user who reaches the store's port
+    # cannot name them.
+    DDPACK_JOB_TOKEN=$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')
+    export DDPACK_JOB_TOKEN
     echo "ddpack: job ${SLURM_JOB_ID} (restart ${SLURM_RESTART_COUNT:-0}) on ${SLURM_JOB_NODELIST}, run dir ${DDPACK_RUN_DIR} (${ddpack_run_origin})"
+}
+
+# What the job writes is its user's alone: run folders, snapshots (weights and optimizer state), metrics,
+# forensics, staged images. DDPACK_UMASK (077) is the umask of the script and so of every step (srun passes it to
+# its tasks); 027 lets your group read, for a team that shares runs. The job's log was opened by Slurm before this
+# script ran, with the umask sbatch was called under: it is narrowed to the same mode here.
+ddpack_private_files() {
+    local mask=${DDPACK_UMASK:-077} log
+    [[ "${mask}" =~ ^0?[0-7]{3}$ ]] || ddpack_die "DDPACK_UMASK=${mask} is not an octal umask such as 077 (yours alone) or 027 (your group may read)"
+    umask "${mask}"
+    while IFS= read -r log; do
+        [ -f "${log}" ] && [ -O "${log}" ] && [ ! -L "${log}" ] && chmod "$(printf '%o' $((0666 & ~8#${mask})))" "${log}"
+    done < <(scontrol show job "${SLURM_JOB_ID}" 2>/dev/null | sed -n 's/^ *Std\(Out\|Err\)=//p' | sort -u)
+    return 0
+}
+
+# ddpack_node VERB ARGS...: enroot/ddpack_node.py (standard-library Python: the staging folder, leases, the run
+# folder's lock), run with this host's python3. Its text is read once, where this helper is sourced, and handed
+# to python3 -c: a node that runs it needs no path to the checkout.
+ddpack_node_py=$(cat "$(dirname "${BASH_SOURCE[0]}")/ddpack_node.py" 2>/dev/null)
+ddpack_node() {
+    [ -n "${ddpack_node_py}" ] || ddpack_die "cannot read ddpack_node.py beside ddpack-job.sh; set DDPACK_HOME to ddpack's enroot/ folder"
+    python3 -c "${ddpack_node_py}" "$@"
 }
 
 # Each task of a one-task-per-GPU step gets its share of the node's CPUs. srun (Slurm 22.05 and later)
@@ -209,16 +243,21 @@ ddpack_job_nodelist() {
 #   off     every node reads DDPACK_SQSH from the shared filesystem (pyxis 0.19's own way): N reads of the image
 #   sbcast  one read: Slurm's sbcast sends it down a tree (fan-out DDPACK_STAGE_FANOUT, at most 8) to the
 #           nodes' local disk, DDPACK_STAGE_DIR/<key>.sqsh, where <key> names the image's content; a node that
-#           already holds that key (an earlier job's copy) is skipped. DDPACK_STAGE_KEEP (2) keys stay per node.
+#           already holds that key (an earlier job's copy) is skipped. DDPACK_STAGE_KEEP (2) keys stay per node,
+#           and any key a live job of yours has chosen (ddpack_node.py's leases).
+#           DDPACK_STAGE_DIR (default /tmp/ddpack-images-<your uid>) is yours alone: made 0700 when missing; refused
+#           (this start reads the shared file, one line says why) when another user made it first, it is a link,
+#           others can write it, it lies on a shared filesystem or holds anything but ddpack's staged names. A copy
+#           there is used only when it is a plain file of yours of the image's size (docs/security.md).
 #   auto    (the default) the nodes' copies when every node holds the image already (nothing read at all); else
 #           sbcast when the model (ddpack/goodput_model.py) says the nodes would wait less: N nodes unpacking from
 #           the shared filesystem at once each get DDPACK_FSX_MBPS / N of it, so they wait size / min(unpack, fsx/N);
 #           sbcast then unpack waits size / sbcast + size / unpack. Sbcast wins when N x sbcast x unpack >
 #           fsx x (sbcast + unpack): from 5 nodes with the defaults (1200, 1000 and DDPACK_UNPACK_MBPS=400 MB/s)
 ddpack_prepare_nodes() {
-    local sqsh=$1 mode=${DDPACK_STAGE:-auto} dir=${DDPACK_STAGE_DIR:-/tmp/ddpack-images} keep=${DDPACK_STAGE_KEEP:-2}
+    local sqsh=$1 mode=${DDPACK_STAGE:-auto} dir=${DDPACK_STAGE_DIR:-/tmp/ddpack-images-$(id -u)} keep=${DDPACK_STAGE_KEEP:-2}
     local fsx=${DDPACK_FSX_MBPS:-1200} bcast=${DDPACK_SBCAST_MBPS:-1000} unpack=${DDPACK_UNPACK_MBPS:-400} fanout=${DDPACK_STAGE_FANOUT:-8}
-    local nodes count key="" answers rc lacking why="DDPACK_STAGE=off"
+    local nodes count key="" size=0 answers rc lacking refused why="DDPACK_STAGE=off"
     case "${mode}" in auto | sbcast | off) ;; *) ddpack_die "DDPACK_STAGE=${mode} is not auto, sbcast or off" ;; esac
     for setting in "DDPACK_STAGE_KEEP=${keep}" "DDPACK_FSX_MBPS=${fsx}" "DDPACK_SBCAST_MBPS=${bcast}" "DDPACK_UNPACK_MBPS=${unpack}" \
         "DDPACK_STAGE_FANOUT=${fanout}"; do
@@ -235,23 +274,19 @@ ddpack_prepare_nodes() {
     esac
     local modelled
     modelled=$(ddpack_stage_by_model "${count}" "${fsx}" "${bcast}" "${unpack}")
-    [ "${mode}" = off ] || key=$(ddpack_image_key "${sqsh}") || { mode=off; key=""; }
-    # One step on every node: containers of jobs that are over (scancelled, timed out, killed with their
-    # script) go, and a node says whether it lacks the staged copy (touching it when it has it: the newest
-    # DDPACK_STAGE_KEEP stay).
-    answers=$(srun --nodes="${count}" --ntasks="${count}" --ntasks-per-node=1 --nodelist="${nodes}" bash -c '
-        for name in $(enroot list 2>/dev/null); do
-            job=${name#pyxis_}; job=${job#ddpack-}; job=${job%%_*}
-            case "${name}" in pyxis_ddpack-*|pyxis_*_ddpack-*) ;; *) continue ;; esac
-            case "${job}" in ""|*[!0-9]*) continue ;; esac
-            [ "${job}" = "${SLURM_JOB_ID}" ] && continue
-            squeue -h -j "${job}" 2>/dev/null | grep -q . && continue
-            enroot remove -f "${name}" >/dev/null 2>&1 && echo "ddpack: removed container ${name} on ${SLURMD_NODENAME} (job ${job} is over)" >&2
-        done
-        [ -n "$1" ] || exit 0
-        if [ -s "$2/$1.sqsh" ]; then touch "$2/$1.sqsh" && echo "has ${SLURMD_NODENAME}"; else echo "lacks ${SLURMD_NODENAME}"; fi' _ "${key}" "${dir}")
+    if [ "${mode}" != off ]; then
+        key=$(ddpack_image_key "${sqsh}") && size=$(stat -c %s "${sqsh}") || { mode=off key="" why="cannot read ${sqsh}"; }
+    fi
+    # One step on every node (ddpack_node.py prepare): containers of this user's jobs that are over (scancelled, timed
+    # out, killed with their script) go, and each node checks its staging folder, leases the key for this job and
+    # answers whether it holds a copy it can trust (has / lacks), or why it will not stage (refuse).
+    answers=$(srun --nodes="${count}" --ntasks="${count}" --ntasks-per-node=1 --nodelist="${nodes}" \
+        python3 -c "${ddpack_node_py}" prepare --dir "${dir}" --job "${SLURM_JOB_ID}" --key "${key}" --size "${size}" --keep "${keep}")
     rc=$?
-    if [ "${mode}" != off ] && { [ "${rc}" -ne 0 ] || [ "$(echo "${answers}" | grep -c '^\(has\|lacks\) ')" -ne "${count}" ]; }; then
+    refused=$(echo "${answers}" | sed -n 's/^refuse //p')
+    if [ "${mode}" != off ] && [ -n "${refused}" ]; then
+        mode=off why="staging refused on ${refused%%$'\n'*}"
+    elif [ "${mode}" != off ] && { [ "${rc}" -ne 0 ] || [ "$(echo "${answers}" | grep -c '^\(has\|lacks\) ')" -ne "${count}" ]; }; then
         mode=off why="staging failed: not every node answered whether it holds the image (exit ${rc})"
     fi
     lacking=$(echo "${answers}" | sed -n 's/^lacks //p' | sort -V)
@@ -267,7 +302,7 @@ ddpack_prepare_nodes() {
         ddpack_image=${dir}/${key}.sqsh
         return 0
     fi
-    ddpack_stage_image "${sqsh}" "${dir}/${key}.sqsh" "${keep}" "${fanout}" "$(echo "${lacking}" | paste -sd,)" && ddpack_image=${dir}/${key}.sqsh
+    ddpack_stage_image "${sqsh}" "${dir}" "${key}" "${keep}" "${fanout}" "$(echo "${lacking}" | paste -sd,)" && ddpack_image=${dir}/${key}.sqsh
     return 0
 }
 
@@ -283,45 +318,39 @@ ddpack_stage_by_model() {
     fi
 }
 
-# A name for the image: its content's, from make sqsh's record beside it (the Docker image's id and the squash
-# options) while the record describes the file as it is; else the file's version, from its size, modification
-# time and inode (no read of the file: a copy made again, with cp, is a new name and is sent again).
+# A name for the image (ddpack_node.py key): its content's, from make sqsh's record beside it (the Docker image's id
+# and the squash options) while the record describes the file as it is; else the file's version (size, modification
+# time, inode, path: no read of the file; a copy made again, with cp, is a new name and is sent again).
 ddpack_image_key() {
-    local sqsh=$1 record="$1.ddpack.json" id options size mtime
-    if [ -f "${record}" ]; then
-        id=$(sed -n 's/^ *"image_id": "sha256:\([0-9a-f]*\)".*/\1/p' "${record}")
-        options=$(sed -n 's/^ *"squash_options": "\(.*\)",\{0,1\}$/\1/p' "${record}")
-        size=$(sed -n 's/^ *"size": \([0-9]*\).*/\1/p' "${record}")
-        mtime=$(sed -n 's/^ *"mtime_ns": \([0-9]*\).*/\1/p' "${record}")
-        if [ -n "${id}" ] && [ "${size}" = "$(stat -c %s "${sqsh}")" ] && [ "${mtime}" = "$(date -r "${sqsh}" +%s%N)" ]; then
-            echo "${id:0:24}-$(printf '%s' "${options}" | sha256sum | cut -c1-8)"
-            return 0
-        fi
-    fi
-    stat -L -c 'file %s %Y %i %n' "${sqsh}" | sha256sum | cut -c1-32
+    ddpack_node key "$1"
 }
 
-# sbcast SQSH to the LACKING nodes (comma-separated) as TARGET: a step that holds those nodes (sbcast sends to
-# a step's nodes), then the copy under a temporary name, then each node checks its size and renames it. On a
-# failure one line names the node and why, and this start reads the shared file instead (returns 1).
+# sbcast SQSH to the LACKING nodes (comma-separated) into DIR as KEY.sqsh: a step that holds those nodes (sbcast
+# sends to a step's nodes) and makes on each a new private folder for it (ddpack_node.py receive: sbcast never
+# writes through a name another user could have planted), the copy, then each node checks it (ours, a plain file,
+# the whole size) and renames it into place (ddpack_node.py install). On a failure one line names the node and why,
+# and this start reads the shared file instead (returns 1).
 ddpack_stage_image() {
-    local sqsh=$1 target=$2 keep=$3 fanout=$4 lacking=$5 count handoff step="" started rc size
+    local sqsh=$1 dir=$2 key=$3 keep=$4 fanout=$5 lacking=$6 count handoff step="" started rc size incoming
     count=$(scontrol show hostnames "${lacking}" | wc -l)
     size=$(stat -c %s "${sqsh}")
-    handoff=${DDPACK_RUN_DIR}/.ddpack-stage-${SLURM_JOB_ID}
-    rm -rf "${handoff}" && mkdir -p "${handoff}"
+    incoming=.incoming-${SLURM_JOB_ID}-$(od -An -tx1 -N8 /dev/urandom | tr -d ' \n')
+    handoff=$(mktemp -d "${DDPACK_RUN_DIR}/.ddpack-stage-${SLURM_JOB_ID}.XXXXXX") || {
+        echo "ddpack: staging the image failed: cannot make a folder in ${DDPACK_RUN_DIR}; this start reads ${sqsh} on every node"
+        return 1
+    }
     started=$(date +%s%N)
     # shellcheck disable=SC2016
     srun --nodes="${count}" --ntasks="${count}" --ntasks-per-node=1 --nodelist="${lacking}" bash -c '
-        mkdir -p "$(dirname "$1")" || exit 1
-        echo "${SLURM_STEP_ID}" >"$2/${SLURMD_NODENAME}"
-        exec sleep 3600' _ "${target}" "${handoff}" &
+        python3 -c "$1" receive --dir "$2" --job "${SLURM_JOB_ID}" --incoming "$3" || exit 1
+        echo "${SLURM_STEP_ID}" >"$4/${SLURMD_NODENAME}"
+        exec sleep 3600' _ "${ddpack_node_py}" "${dir}" "${incoming}" "${handoff}" &
     local holder=$! waited=0
     while [ "$(find "${handoff}" -type f | wc -l)" -lt "${count}" ]; do
         if ! kill -0 "${holder}" 2>/dev/null || [ "${waited}" -ge 600 ]; then
-            echo "ddpack: staging the image failed: could not reach ${lacking} to receive it; this start reads ${sqsh} on every node"
+            echo "ddpack: staging the image failed: could not make a private folder to receive it on ${lacking}; this start reads ${sqsh} on every node"
             kill "${holder}" 2>/dev/null; wait "${holder}" 2>/dev/null
-            rm -rf "${handoff}"
+            rm -rf -- "${handoff}"
             return 1
         fi
         sleep 0.2
@@ -329,29 +358,29 @@ ddpack_stage_image() {
     done
     step=$(cat "$(find "${handoff}" -type f | head -n1)")
     local errors
-    errors=$(sbcast --force --fanout="${fanout}" --jobid="${SLURM_JOB_ID}.${step}" "${sqsh}" "${target}.part-${SLURM_JOB_ID}" 2>&1)
+    errors=$(sbcast --fanout="${fanout}" --jobid="${SLURM_JOB_ID}.${step}" "${sqsh}" "${dir}/${incoming}/${key}.sqsh" 2>&1)
     rc=$?
     scancel --quiet "${SLURM_JOB_ID}.${step}" 2>/dev/null
     wait "${holder}" 2>/dev/null
-    rm -rf "${handoff}"
+    rm -rf -- "${handoff}"
     if [ "${rc}" -ne 0 ]; then
         echo "ddpack: staging the image failed: sbcast to ${lacking}: $(echo "${errors}" | grep -v '^$' | tail -n1); this start reads ${sqsh} on every node"
+        # What it left behind goes with the receiving folders (ddpack_node.py install removes its own).
+        srun --nodes="${count}" --ntasks="${count}" --ntasks-per-node=1 --nodelist="${lacking}" python3 -c "${ddpack_node_py}" install \
+            --dir "${dir}" --job "${SLURM_JOB_ID}" --key "${key}" --size "${size}" --keep "${keep}" --incoming "${incoming}" >/dev/null 2>&1
         return 1
     fi
-    # Each node: the whole file, renamed into place, the newest KEEP copies kept.
-    errors=$(srun --nodes="${count}" --ntasks="${count}" --ntasks-per-node=1 --nodelist="${lacking}" bash -c '
-        part="$1.part-${SLURM_JOB_ID}"
-        got=$(stat -c %s "${part}" 2>/dev/null || echo 0)
-        if [ "${got}" != "$2" ]; then echo "${SLURMD_NODENAME}: received ${got} of $2 bytes"; rm -f "${part}"; exit 1; fi
-        mv -f "${part}" "$1" || { echo "${SLURMD_NODENAME}: cannot rename ${part}"; exit 1; }
-        ls -1t "$(dirname "$1")"/*.sqsh 2>/dev/null | tail -n +$(($3 + 1)) | xargs -r rm -f' _ "${target}" "${size}" "${keep}" 2>&1)
+    # Each node: the whole file, ours, renamed into place; then copies no live job of this user leases beyond the newest KEEP go.
+    errors=$(srun --nodes="${count}" --ntasks="${count}" --ntasks-per-node=1 --nodelist="${lacking}" python3 -c "${ddpack_node_py}" install \
+        --dir "${dir}" --job "${SLURM_JOB_ID}" --key "${key}" --size "${size}" --keep "${keep}" --incoming "${incoming}" 2>&1)
     rc=$?
     if [ "${rc}" -ne 0 ]; then
-        echo "ddpack: staging the image failed on $(echo "${errors}" | grep -v '^$' | head -n1); this start reads ${sqsh} on every node"
+        echo "ddpack: staging the image failed on $(echo "${errors}" | grep -v '^ddpack: removed' | grep -v '^$' | head -n1); this start reads ${sqsh} on every node"
         return 1
     fi
+    echo "${errors}" | grep '^ddpack: removed' || true
     local ms=$((($(date +%s%N) - started) / 1000000))
-    echo "ddpack: image: sent ${sqsh} ($((size / 1048576)) MiB) once, by sbcast, to ${lacking} as ${target} in $((ms / 1000)).$(printf '%03d' $((ms % 1000))) s"
+    echo "ddpack: image: sent ${sqsh} ($((size / 1048576)) MiB) once, by sbcast, to ${lacking} as ${dir}/${key}.sqsh in $((ms / 1000)).$(printf '%03d' $((ms % 1000))) s"
     return 0
 }
 
@@ -406,7 +435,9 @@ ddpack_place() {
     case "${per_node}" in '' | *[!0-9]*) ddpack_die "a restart in this allocation needs --ntasks-per-node (SLURM_NTASKS_PER_NODE=${SLURM_NTASKS_PER_NODE:-}); the templates set it" ;; esac
     listed=$(ddpack_job_nodelist)
     local -A bad=()
-    for node in ${ddpack_bad_nodes//,/ }; do bad[${node}]=1; done
+    local -a named_bad
+    IFS=, read -r -a named_bad <<<"${ddpack_bad_nodes}"
+    for node in ${named_bad[@]+"${named_bad[@]}"}; do bad[${node}]=1; done
     for node in $(ddpack_unhealthy_nodes "${listed}"); do bad[${node}]=1; done
     for node in $(scontrol show hostnames "${listed}"); do
         [ -n "${bad[${node}]+x}" ] && continue
@@ -514,7 +545,9 @@ ddpack_lost_nodes() {
     local -A now=() bad=()
     for node in $(scontrol show hostnames "${listed}" 2>/dev/null); do now[${node}]=1; done
     for node in $(ddpack_unhealthy_nodes "${ran}"); do bad[${node}]=1; done
-    for node in ${ran//,/ }; do
+    local -a ran_nodes
+    IFS=, read -r -a ran_nodes <<<"${ran}"
+    for node in ${ran_nodes[@]+"${ran_nodes[@]}"}; do
         if [ -z "${now[${node}]+x}" ] || [ -n "${bad[${node}]+x}" ]; then lost+=("${node}"); fi
     done
     [ "${#lost[@]}" -eq 0 ] || (IFS=,; echo "${lost[*]}")
@@ -523,15 +556,25 @@ ddpack_lost_nodes() {
 # After the last step of this start: the job's container leaves the nodes, then the requeue ddpack_after_step decided.
 ddpack_leave() {
     ddpack_remove_container
-    [ "${ddpack_next}" = requeue ] || return 0
+    if [ "${ddpack_next}" != requeue ]; then
+        ddpack_node unlock "${DDPACK_RUN_DIR}" --job "${SLURM_JOB_ID}"   # the run folder is free for another job
+        return 0
+    fi
     ddpack_requeue "${ddpack_keep_out}"
 }
 
-# The nodes a hang's forensics named unresponsive during this start, comma-separated (none: empty).
+# The nodes a hang's forensics named unresponsive during this start, comma-separated (none: empty). Only names of
+# this job's nodes count: the file is written from what ranks said through the rendezvous store, and a name that is
+# not one of ours must never reach ExcNodeList.
 ddpack_nodes_named_this_start() {
-    local named=${DDPACK_RUN_DIR}/forensics/unresponsive-nodes
+    local named=${DDPACK_RUN_DIR}/forensics/unresponsive-nodes node ours=()
     [ -s "${named}" ] && [ "${named}" -nt "${DDPACK_RUN_DIR}/${ddpack_start_marker}" ] || return 0
-    paste -sd, "${named}"
+    local -A job_nodes=()
+    for node in $(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null); do job_nodes[${node}]=1; done
+    while IFS= read -r node; do
+        [ -n "${node}" ] && [ -n "${job_nodes[${node}]+x}" ] && ours+=("${node}")
+    done <"${named}"
+    [ "${#ours[@]}" -eq 0 ] || (IFS=,; echo "${ours[*]}")
 }
 
 # Where the run's charts come from, once a step has left metrics (a user's own program may write none).
@@ -549,7 +592,7 @@ ddpack_nodes_to_keep_out() {
     [ -n "${nodes}" ] || return 0
     total=$(sinfo -h -p "${SLURM_JOB_PARTITION:-}" -o %D 2>/dev/null | head -n1)
     case "${total}" in '' | *[!0-9]*) total=0 ;; esac
-    if [ "$((total - $(echo "${nodes//,/ }" | wc -w)))" -lt "${SLURM_JOB_NUM_NODES:-1}" ]; then
+    if [ "$((total - $(tr ',' '\n' <<<"${nodes}" | grep -c .)))" -lt "${SLURM_JOB_NUM_NODES:-1}" ]; then
         echo "ddpack: not keeping out ${nodes} (named unresponsive): partition ${SLURM_JOB_PARTITION:-?} has ${total} nodes and the job needs ${SLURM_JOB_NUM_NODES:-1}"
         return 0
     fi

@@ -3,8 +3,11 @@
 Three slurmd daemons (`-N ddnode1` ... `-N ddnode3`) on different ports stand in for three nodes; their names
 resolve to 127.0.0.1 through /etc/hosts, as cluster node names resolve on a real cluster. Partition `debug`
 (the default) holds two of them, as the templates' two-node jobs need; `big` holds all three, for a job with a
-spare node. Each slurmd runs in a mount namespace of its own where NODE_LOCAL (the templates' default staging
-folder) is that node's own folder, so an image staged to "every node's local disk" lands once per node here too.
+spare node. Each slurmd runs in a mount namespace of its own where NODE_TMP is that node's own folder (sticky and
+world-writable, as a node's /tmp is): jobs submitted through testbed.slurm_jobs stage images in a folder of their
+user's there (DDPACK_STAGE_DIR=NODE_TMP/ddpack-images-<uid>, as the templates' default is /tmp/ddpack-images-<uid>),
+so an image staged to "every node's local disk" lands once per node here too, and a test can plant files on one
+node as another user would in that node's /tmp.
 Idempotent: a running cluster is reused. Needs root; writes /etc/slurm/slurm.conf only when it is absent or ours.
 """
 
@@ -19,8 +22,20 @@ from pathlib import Path
 CONF = Path("/etc/slurm/slurm.conf")
 MARKER = "# ddpack test cluster"
 NODES = ("ddnode1", "ddnode2", "ddnode3")
-NODE_LOCAL = Path("/tmp/ddpack-images")  # enroot/ddpack-job.sh's DDPACK_STAGE_DIR default
-NODE_DISKS = Path("/var/lib/ddpack-test-nodes")  # NODE_DISKS/<node> is NODE_LOCAL as that node sees it
+NODE_TMP = Path("/tmp/ddnode-tmp")  # each node's own /tmp, for the staging folders
+NODE_DISKS = Path("/var/lib/ddpack-test-nodes")  # NODE_DISKS/<node> is NODE_TMP as that node sees it
+
+
+def stage_dir(uid: int) -> Path:
+    """DDPACK_STAGE_DIR for jobs of user `uid` on the test cluster (the templates' /tmp/ddpack-images-<uid>)."""
+    return NODE_TMP / f"ddpack-images-{uid}"
+
+
+def node_stage_dir(node: str, uid: int) -> Path:
+    """That staging folder as the host sees node `node`'s copy of it."""
+    return NODE_DISKS / node / stage_dir(uid).name
+
+
 SLURM_CONF = f"""{MARKER}
 ClusterName=ddpack
 SlurmctldHost=localhost
@@ -72,10 +87,10 @@ exec /usr/bin/enroot "$@"
 
 
 def clear_staged_images() -> None:
-    """Remove every image staged on the nodes' local disks (a start that must stage again, cold)."""
-    for node in NODES:  # the files only: each folder is mounted as its node's local disk
-        for old in (NODE_DISKS / node).iterdir():
-            old.unlink()
+    """Remove every user's staging folder from every node's disk (a start that must stage again, cold)."""
+    for node in NODES:  # what is in it only: each node's folder is mounted as its NODE_TMP
+        for old in (NODE_DISKS / node).glob("ddpack-images-*"):
+            shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
 
 
 class ClusterUnavailable(RuntimeError):
@@ -101,18 +116,18 @@ def _slurmd_pid(node: str) -> int | None:
 
 
 def _own_disk(pid: int) -> bool:
-    """The slurmd sees NODE_LOCAL as its node's own folder (it was started by _start_slurmd), and that folder
+    """The slurmd sees NODE_TMP as its node's own folder (it was started by _start_slurmd), and that folder
     still exists (removing it leaves the mount on a deleted directory, where nothing can be written)."""
     try:
         mounts = [line.split() for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()]
-        return any(m[4] == str(NODE_LOCAL) and not m[3].endswith("//deleted") for m in mounts)
+        return any(m[4] == str(NODE_TMP) and not m[3].endswith("//deleted") for m in mounts)
     except OSError:
         return False
 
 
 def _start_slurmd(node: str) -> None:
     """Start this node's slurmd with its enroot wrapper first on PATH (when installed), in a mount namespace
-    where NODE_LOCAL is the node's own folder; restart one that predates pyxis' plugstack entry, lacks the
+    where NODE_TMP is the node's own folder; restart one that predates pyxis' plugstack entry, lacks the
     wrapper or that folder, since slurmd reads all three only when it starts (its steps inherit them)."""
     wrapper = ENROOT_NODE_WRAPPERS / node
     env = dict(os.environ)
@@ -132,8 +147,9 @@ def _start_slurmd(node: str) -> None:
             time.sleep(0.2)
     disk = NODE_DISKS / node
     disk.mkdir(parents=True, exist_ok=True)
-    NODE_LOCAL.mkdir(parents=True, exist_ok=True)
-    own_disk = f'mount --bind "{disk}" "{NODE_LOCAL}" && exec slurmd -N {node}'
+    disk.chmod(0o1777)  # as a node's /tmp: every user may make a folder there, and only remove their own
+    NODE_TMP.mkdir(parents=True, exist_ok=True)
+    own_disk = f'mount --bind "{disk}" "{NODE_TMP}" && exec slurmd -N {node}'
     subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", own_disk], check=True, env=env)
 
 

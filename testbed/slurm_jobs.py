@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from testbed.env import ROOT, clean_env
+from testbed.slurm_cluster import stage_dir
 from train import outcome
 
 VENV = Path(sys.executable).parent.parent
@@ -26,7 +27,8 @@ def brief(log: Path | str) -> str:
 
 
 def env(**extra: str) -> dict[str, str]:
-    return clean_env(DDPACK_VENV=str(VENV), **extra)
+    """A job's environment: the bundle's venv, and the submitting user's staging folder on each node's own /tmp."""
+    return clean_env(DDPACK_VENV=str(VENV), DDPACK_STAGE_DIR=str(stage_dir(os.getuid())), **extra)
 
 
 def all_agree(text: str, world: int) -> bool:

@@ -30,7 +30,7 @@ from docker_support import ReadmeProject
 from testbed.env import ROOT
 from testbed.file_opens import OpenCounter
 from testbed.readme_examples import write_mytask
-from testbed.slurm_cluster import NODE_DISKS, NODES, ClusterUnavailable, ensure_cluster
+from testbed.slurm_cluster import NODES, ClusterUnavailable, clear_staged_images, ensure_cluster, node_stage_dir, stage_dir
 from testbed.slurm_jobs import (
     all_agree,
     env,
@@ -377,9 +377,7 @@ def test_a_node_set_down_mid_training_is_replaced_by_the_spare_and_the_image_is_
     set DOWN mid-training (a health agent's verdict) ends the step; the template restarts it in the same job and
     allocation on ddnode1 and the spare, from the last snapshot, and the run finishes there. Each node unpacked the
     image once; ddnode1's restart reused its container."""
-    for node in NODES:  # no copy from an earlier run: this job stages the image (the folder itself is a node's mount)
-        for old in (NODE_DISKS / node).iterdir():
-            old.unlink()
+    clear_staged_images()  # no copy from an earlier run: this job stages the image
     folder = submission_folder(shared, "spare")
     with OpenCounter(sqsh) as readers:
         job, metrics, log = submit(
@@ -396,11 +394,11 @@ def test_a_node_set_down_mid_training_is_replaced_by_the_spare_and_the_image_is_
     text = log.read_text()
     assert (state, requeues) == ("COMPLETED", 0), text
     assert "ddpack: training on ddnode1,ddnode2; spare: ddnode3" in text, text
-    assert re.search(r"ddpack: image: sent \S+ \(\d+ MiB\) once, by sbcast, to ddnode1,ddnode2,ddnode3 as /tmp/ddpack-images/\S+\.sqsh", text), text
+    assert re.search(rf"ddpack: image: sent \S+ \(\d+ MiB\) once, by sbcast, to ddnode1,ddnode2,ddnode3 as {stage_dir(os.getuid())}/\S+\.sqsh", text), text
     assert re.search(r"the step ended \(exit \d+\) when the job lost ddnode2; restarting it in this allocation on ddnode1,ddnode3 ", text), text
     assert all_agree(text.rpartition("restarting it in this allocation")[2], 4), text
     assert [command.split()[0] for command in readers.commands.values()] == ["sbcast"], readers.commands  # one read, however many nodes
-    staged = {node: sorted(p.name for p in (NODE_DISKS / node).iterdir()) for node in NODES}
+    staged = {node: sorted(p.name for p in node_stage_dir(node, os.getuid()).glob("*.sqsh")) for node in NODES}
     assert len({tuple(names) for names in staged.values()}) == 1 and len(staged["ddnode1"]) == 1, staged
     first, second = starts_of(metrics)
     assert sorted(set(first["hosts"])) == ["ddnode1", "ddnode2"] and sorted(set(second["hosts"])) == ["ddnode1", "ddnode3"]
@@ -416,9 +414,10 @@ def test_a_killed_rank_is_training_again_in_the_same_job_without_reading_or_unpa
     is not opened at all), and a container that job left on the node it lost is removed by this one."""
     key = subprocess.run(["bash", "-c", f'. "{ROOT}/enroot/ddpack-job.sh"; ddpack_image_key "$1"', "_", str(sqsh)], capture_output=True, text=True)
     for node in NODES:  # the job before's copies (the test above sends them; run alone, this one lays them down)
-        if not (NODE_DISKS / node / f"{key.stdout.strip()}.sqsh").exists():
-            NODE_DISKS.joinpath(node).mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(sqsh, NODE_DISKS / node / f"{key.stdout.strip()}.sqsh")
+        staged = node_stage_dir(node, os.getuid())
+        if not (staged / f"{key.stdout.strip()}.sqsh").exists():
+            staged.mkdir(mode=0o700, exist_ok=True)
+            shutil.copyfile(sqsh, staged / f"{key.stdout.strip()}.sqsh")
     folder = submission_folder(shared, "killed")
     with OpenCounter(sqsh) as readers:
         job, metrics, log = submit(
@@ -431,7 +430,7 @@ def test_a_killed_rank_is_training_again_in_the_same_job_without_reading_or_unpa
         state, requeues = wait_for_end(job, log)
     text = log.read_text()
     assert (state, requeues) == ("COMPLETED", 0), text
-    assert re.search(r"ddpack: image: all 2 nodes hold /tmp/ddpack-images/\S+\.sqsh already; the shared filesystem is not read", text), text
+    assert re.search(rf"ddpack: image: all 2 nodes hold {stage_dir(os.getuid())}/\S+\.sqsh already; the shared filesystem is not read", text), text
     assert readers.pids == {}, readers.commands
     assert re.search(r"ddpack: the step failed \(exit \d+\); restarting it in this allocation on ddnode1,ddnode2 from its last snapshot", text), text
     assert all_agree(text.rpartition("restarting it in this allocation")[2], 4), text

@@ -1,0 +1,487 @@
+"""ddpack_node.py — the decisions a ddpack job makes on a node's shared folders, safe when other users share them.
+
+Run by enroot/ddpack-job.sh with the host's python3 (standard library only), as the job's user, one task per
+node (`srun ... python3 -c "$code" VERB ...`) or on the batch host:
+
+    key SQSH                 the staging key of a squashfs: its content's (make sqsh's record) or its file's version
+    prepare                  on each node: remove containers of this user's jobs that are over, check the staging
+                             folder (created private when missing), lease the job's key, drop copies no live job
+                             leases beyond the newest KEEP, then answer `has NODE`, `lacks NODE` or `refuse NODE why`
+    receive                  on each node: make the private folder sbcast writes into
+    install                  on each node: check what sbcast wrote (ours, a plain file, the whole size) and rename it
+                             into place as KEY.sqsh, then the same cleanup as prepare
+    lock RUN_DIR             on the batch host: take the run folder for this job, or refuse naming the live job that
+                             holds it; unlock RUN_DIR gives it back when the job leaves it for good
+
+Why Python and not more shell: these are decisions about files another user may have planted (owner, mode, links,
+odd names) and about `squeue`'s answer (a failure is not "no jobs"); os.lstat, O_NOFOLLOW and a list of names
+say that exactly, where `ls | xargs rm` split names on whitespace (docs/security.md).
+
+Trust (docs/security.md): other users of the node are not trusted; root and the Slurm admins are. The staging folder
+(DDPACK_STAGE_DIR, default /tmp/ddpack-images-<uid>) is used only when this user owns it, it is not a link, group
+and others cannot write it and every folder above it is root's or ours (and sticky where others can write it); it
+holds only ddpack's names, on a local filesystem. Inside a folder only we can write, a name only we can have made is
+trusted, and nothing is followed through a link.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import re
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# A staged copy's name: the key ddpack-job.sh derives (image id prefix and options hash, or a file-version hash).
+KEY = re.compile(r"[0-9a-f]{24}-[0-9a-f]{8}|[0-9a-f]{32}")
+STAGED = re.compile(rf"(?:{KEY.pattern})\.sqsh")
+INCOMING = re.compile(r"\.incoming-(\d+)-[0-9a-f]{8,64}")
+LEASES = ".leases"  # LEASES/<job id> holds the key that live job chose
+JOB_ID = re.compile(r"[0-9]+")
+# Filesystems another machine can write: a staging folder there is shared with other nodes and users.
+NETWORK_FS = {
+    "nfs", "nfs4", "lustre", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "gpfs", "beegfs", "9p", "afs", "panfs",
+    "wekafs", "fuse.glusterfs", "fuse.sshfs", "fuse.s3fs", "fuse.gcsfuse", "fuse.mountpoint-s3", "fuse.cephfs",
+}  # fmt: skip
+SQUEUE_TIMEOUT_S = 30
+
+
+class Refused(Exception):
+    """A folder or file this user cannot trust, with the one line that says why and what to do."""
+
+
+# --------------------------------------------------------------------------- Slurm's view of this user's jobs
+
+
+def live_jobs(uid: int | None = None) -> set[str] | None:
+    """This user's jobs that Slurm still lists (pending, running, requeued, completing), or None when squeue
+    failed: a controller that timed out says nothing about which jobs are over, so a caller removes nothing."""
+    who = str(os.getuid() if uid is None else uid)
+    try:
+        out = subprocess.run(["squeue", "-h", "-u", who, "-o", "%A"], capture_output=True, text=True, timeout=SQUEUE_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        warn(f"squeue did not answer ({exc}); removing nothing this time")
+        return None
+    if out.returncode != 0:
+        warn(f"squeue failed (exit {out.returncode}: {last_line(out.stderr)}); removing nothing this time")
+        return None
+    return {word for word in out.stdout.split() if JOB_ID.fullmatch(word)}
+
+
+# States in which squeue still lists a job (for MinJobAge) that has left its nodes for good.
+OVER = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
+
+
+def job_state(job: str) -> str | None:
+    """The state squeue gives job `job` (any user's) while it lives, "" when Slurm no longer lists it or lists it
+    as over, None when squeue failed."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True, timeout=SQUEUE_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return "" if "Invalid job id" in out.stderr else None
+    state = out.stdout.strip().splitlines()[0] if out.stdout.strip() else ""
+    return "" if state in OVER else state
+
+
+# --------------------------------------------------------------------------- folders we may trust
+
+
+def check_ancestors(path: Path) -> None:
+    """Every folder above `path` is root's or ours, and sticky where group or others can write it (as /tmp is):
+    otherwise another user could rename our folder away and put theirs in its place."""
+    if os.path.realpath(path.parent) != str(path.parent):
+        raise Refused(f"{path.parent} goes through a symbolic link ({os.path.realpath(path.parent)}); name the real folder")
+    for folder in [*reversed(path.parents)]:
+        info = os.lstat(folder)
+        if info.st_uid not in (0, os.getuid()):
+            raise Refused(f"{folder} belongs to uid {info.st_uid}, who could replace what lies under it")
+        if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+            raise Refused(f"{folder} is writable by other users and not sticky, so they could replace what lies under it")
+
+
+def filesystem_type(path: Path, mountinfo: str = "/proc/self/mountinfo") -> str:
+    """The type of the filesystem `path` lies on: the longest mount point above it in this mount namespace's
+    mountinfo (the node's own view)."""
+    real = os.path.realpath(path)
+    best, fstype = "", ""
+    with contextlib.suppress(OSError), open(mountinfo) as mounts:
+        for line in mounts:
+            fields = line.split()
+            point = fields[4].encode().decode("unicode_escape")
+            rest = fields[fields.index("-") + 1 :]
+            inside = real == point or real.startswith(point.rstrip("/") + "/")
+            if inside and len(point) >= len(best):
+                best, fstype = point, rest[0]
+    return fstype
+
+
+def private_folder(path: Path, setting: str, mountinfo: str = "/proc/self/mountinfo") -> Path:
+    """`path` as a folder only this user can write: made 0700 when missing; refused (one line) when it is a link,
+    someone else's, writable by group or others, on a filesystem other machines share, or when a folder above it
+    could be swapped by another user. An existing folder of ours that others may read is closed to them."""
+    if not path.is_absolute():
+        raise Refused(f"{setting}={path} is not an absolute path on the node's local disk")
+    check_ancestors(path)
+    fstype = filesystem_type(path, mountinfo)
+    if fstype in NETWORK_FS or fstype.startswith("fuse."):
+        raise Refused(f"{setting}={path} is on a {fstype} filesystem that other nodes share; name a folder on the node's local disk")
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode):
+        raise Refused(f"{setting}={path} is a symbolic link (another user may have planted it); remove it or name another folder")
+    if not stat.S_ISDIR(info.st_mode):
+        raise Refused(f"{setting}={path} is not a folder")
+    if info.st_uid != os.getuid():
+        raise Refused(f"{setting}={path} belongs to uid {info.st_uid}, not to you (uid {os.getuid()}); it is not used")
+    if info.st_mode & 0o022:
+        raise Refused(f"{setting}={path} is writable by other users (mode {stat.S_IMODE(info.st_mode):o}); it is not used")
+    if stat.S_IMODE(info.st_mode) & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
+def check_stage_contents(folder: Path) -> None:
+    """The staging folder holds ddpack's names alone: pointed at a folder of other files (a shared images folder, a
+    project), its cleanup would delete what is not its own."""
+    for entry in os.scandir(folder):
+        if STAGED.fullmatch(entry.name) or INCOMING.fullmatch(entry.name) or entry.name == LEASES:
+            continue
+        raise Refused(
+            f"DDPACK_STAGE_DIR={folder} holds {entry.name!r}, which is not an image ddpack staged; "
+            "point DDPACK_STAGE_DIR at a folder of its own (the default is /tmp/ddpack-images-<uid>)"
+        )
+
+
+def trusted_copy(path: Path, size: int) -> bool:
+    """`path` is a plain file of ours (not a link, one name, nobody else can write it) of exactly `size` bytes."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return (
+        stat.S_ISREG(info.st_mode)
+        and info.st_uid == os.getuid()
+        and not info.st_mode & 0o022
+        and info.st_nlink == 1
+        and info.st_size == size
+    )
+
+
+# --------------------------------------------------------------------------- leases and the cleanup
+
+
+def lease(folder: Path, job: str, key: str) -> None:
+    """Record that job `job` chose `key`: no cleanup removes that copy while the job lives."""
+    leases = folder / LEASES
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(leases, 0o700)
+    if not stat.S_ISDIR(os.lstat(leases).st_mode):
+        raise Refused(f"{leases} is not a folder")
+    write_private(leases / job, key + "\n")
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write `text` to `path` through a new temporary name beside it, then rename: never through a link, never half."""
+    tmp = path.with_name(f".{path.name}.{os.urandom(8).hex()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def read_leases(folder: Path) -> dict[str, str]:
+    """{job id: key} from the lease folder; names that are not job ids are ignored."""
+    leases: dict[str, str] = {}
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(folder / LEASES):
+            if JOB_ID.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+                with contextlib.suppress(OSError):
+                    key = Path(entry.path).read_text().strip()
+                    leases[entry.name] = key if KEY.fullmatch(key) else ""
+    return leases
+
+
+def clean_stage(folder: Path, keep: int, job: str, live: set[str] | None) -> list[str]:
+    """Remove, by name, what no live job of ours needs: copies beyond the newest `keep` that no live job leases,
+    leases and half-received folders of jobs that are over. With `live` None (squeue failed) nothing goes.
+    Returns the names removed."""
+    if live is None:
+        return []
+    live = live | {job}
+    removed: list[str] = []
+    leased = set()
+    for holder, key in read_leases(folder).items():
+        if holder in live:
+            leased.add(key)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(folder / LEASES / holder)
+    copies = []
+    for entry in os.scandir(folder):
+        incoming = INCOMING.fullmatch(entry.name)
+        if incoming and incoming.group(1) not in live:
+            remove_incoming(folder / entry.name)
+            removed.append(entry.name)
+        elif STAGED.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+            copies.append((entry.stat(follow_symlinks=False).st_mtime, entry.name))
+    for _, name in sorted(copies, reverse=True)[keep:]:
+        if name.removesuffix(".sqsh") in leased:
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(folder / name)
+        removed.append(name)
+    return removed
+
+
+def remove_incoming(path: Path) -> None:
+    """A receiving folder of ours: its files by name (no recursion through links), then the folder."""
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(path):
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
+        os.rmdir(path)
+
+
+# --------------------------------------------------------------------------- containers of jobs that are over
+
+
+CONTAINER = re.compile(r"pyxis_(?:\d+_)?ddpack-(\d+)")
+
+
+def remove_stale_containers(job: str, live: set[str] | None, node: str) -> None:
+    """Remove this user's ddpack containers (pyxis_ddpack-<job>, or pyxis_<job>_ddpack-<job> under container_scope
+    =job) whose job Slurm no longer lists: a job scancelled or timed out leaves its container behind. An squeue that
+    failed removes nothing."""
+    if live is None:
+        return
+    try:
+        names = subprocess.run(["enroot", "list"], capture_output=True, text=True, timeout=60).stdout.split()
+    except (OSError, subprocess.TimeoutExpired):
+        return
+    for name in names:
+        match = CONTAINER.fullmatch(name)
+        if not match or match.group(1) == job or match.group(1) in live:
+            continue
+        gone = subprocess.run(["enroot", "remove", "-f", name], capture_output=True, timeout=120).returncode == 0
+        if gone:
+            warn(f"removed container {name} on {node} (job {match.group(1)} is over)")
+
+
+# --------------------------------------------------------------------------- the verbs
+
+
+def image_key(sqsh: Path) -> str:
+    """A name for the image: its content's, from make sqsh's record beside it (the Docker image's id and the squash
+    options) while the record describes the file as it is; else the file's version (size, modification time, inode
+    and path: no read of the file; a copy made again is a new name and is sent again)."""
+    info = os.stat(sqsh)
+    with contextlib.suppress(OSError, ValueError, AttributeError, TypeError):
+        record = json.loads(Path(f"{sqsh}.ddpack.json").read_text())
+        image_id = str(record["image_id"]).removeprefix("sha256:")
+        if re.fullmatch(r"[0-9a-f]{64}", image_id) and record["size"] == info.st_size and record["mtime_ns"] == info.st_mtime_ns:
+            options = hashlib_hex(str(record.get("squash_options", "")))[:8]
+            return f"{image_id[:24]}-{options}"
+    return hashlib_hex(f"file {info.st_size} {int(info.st_mtime)} {info.st_ino} {sqsh}")[:32]
+
+
+def hashlib_hex(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def prepare(args: argparse.Namespace) -> int:
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    live = live_jobs()
+    remove_stale_containers(args.job, live, node)
+    if not args.key:
+        return 0
+    folder = Path(args.dir)
+    try:
+        private_folder(folder, "DDPACK_STAGE_DIR")
+        check_stage_contents(folder)
+        lease(folder, args.job, args.key)
+        for name in clean_stage(folder, args.keep, args.job, live):
+            warn(f"removed {folder}/{name} on {node} (no live job of yours uses it)")
+        copy = folder / f"{args.key}.sqsh"
+        if trusted_copy(copy, args.size):
+            os.utime(copy)  # the newest DDPACK_STAGE_KEEP stay
+            print(f"has {node}")
+        else:
+            print(f"lacks {node}")
+    except (Refused, OSError) as why:
+        print(f"refuse {node} {one_line(why)}")
+    return 0
+
+
+def receive(args: argparse.Namespace) -> int:
+    """The folder sbcast writes into: new, ours, 0700, inside the checked staging folder (the caller then holds
+    the node for sbcast)."""
+    folder = Path(args.dir)
+    try:
+        private_folder(folder, "DDPACK_STAGE_DIR")
+        os.mkdir(folder / args.incoming, 0o700)
+    except (Refused, OSError) as why:
+        print(f"{os.environ.get('SLURMD_NODENAME', '?')}: {one_line(why)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def install(args: argparse.Namespace) -> int:
+    """What sbcast wrote, checked (a plain file of ours, of the source's size) and renamed into place as KEY.sqsh."""
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    folder = Path(args.dir)
+    incoming = folder / args.incoming
+    part = incoming / f"{args.key}.sqsh"
+    try:
+        private_folder(folder, "DDPACK_STAGE_DIR")
+        if not trusted_copy(part, args.size):
+            got = os.lstat(part).st_size if os.path.lexists(part) else 0
+            print(f"{node}: received {got} of {args.size} bytes")
+            return 1
+        os.replace(part, folder / f"{args.key}.sqsh")
+    except (Refused, OSError) as why:
+        print(f"{node}: {one_line(why)}")
+        return 1
+    finally:
+        remove_incoming(incoming)
+    for name in clean_stage(folder, args.keep, args.job, live_jobs()):
+        warn(f"removed {folder}/{name} on {node} (no live job of yours uses it)")
+    return 0
+
+
+LOCK = ".ddpack-lock"
+
+
+def lock(args: argparse.Namespace) -> int:
+    """Take the run folder for job `job`: its lock file names the job holding it. A requeue of the holder (same
+    job id) continues; a live other job is refused in one line; a holder Slurm no longer lists left it behind
+    (scancelled, timed out) and is replaced. An squeue that fails refuses: a folder in use is never shared."""
+    run_dir = Path(args.run_dir)
+    path = run_dir / LOCK
+    me = f"{args.job} {os.environ.get('USER') or os.getuid()} {socket.gethostname()} {int(time.time())}\n"
+    with guard(run_dir / f"{LOCK}.guard"):
+        try:
+            holder_line = read_nofollow(path)
+        except FileNotFoundError:
+            holder_line = ""
+        holder = holder_line.split()[0] if holder_line.split() else ""
+        if holder and holder != args.job:
+            state = job_state(holder) if JOB_ID.fullmatch(holder) else ""
+            if state is None:
+                die(f"the run folder {run_dir} is held by job {holder} and squeue cannot say whether it is over; try again")
+            if state:
+                die(
+                    f"the run folder {run_dir} is in use by job {holder} ({state}, {' '.join(holder_line.split()[1:2])}); "
+                    f"wait for it to end, scancel {holder}, or give this job another DDPACK_RUN_DIR"
+                )
+        write_private(path, me)
+    return 0
+
+
+@contextlib.contextmanager
+def guard(path: Path):  # type: ignore[no-untyped-def]
+    """An exclusive flock on `path` around a lock's read and write, so two jobs starting at once cannot both take
+    it. A filesystem without flock (some NFS mounts) goes on without it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def unlock(args: argparse.Namespace) -> int:
+    """Give the run folder back when this job leaves it for good (not on a requeue)."""
+    path = Path(args.run_dir) / LOCK
+    with contextlib.suppress(OSError):
+        if read_nofollow(path).split()[:1] == [args.job]:
+            os.unlink(path)
+    return 0
+
+
+def read_nofollow(path: Path) -> str:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd) as handle:
+        return handle.read(4096)
+
+
+def key(args: argparse.Namespace) -> int:
+    print(image_key(Path(args.sqsh)))
+    return 0
+
+
+# --------------------------------------------------------------------------- plumbing
+
+
+def warn(text: str) -> None:
+    print(f"ddpack: {text}", file=sys.stderr, flush=True)
+
+
+def die(text: str) -> None:
+    print(f"ddpack: error: {text}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def last_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "no message"
+
+
+def one_line(why: BaseException) -> str:
+    if isinstance(why, OSError) and why.errno in (errno.EACCES, errno.EPERM):
+        return f"{why.filename}: permission denied (another user's folder?)"
+    return " ".join(str(why).split())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ddpack_node.py", description=__doc__.splitlines()[0])
+    verbs = parser.add_subparsers(dest="verb", required=True)
+    stage = argparse.ArgumentParser(add_help=False)
+    stage.add_argument("--dir", required=True)
+    stage.add_argument("--job", required=True)
+    stage.add_argument("--key", default="")
+    stage.add_argument("--size", type=int, default=0)
+    stage.add_argument("--keep", type=int, default=2)
+    verbs.add_parser("prepare", parents=[stage]).set_defaults(run=prepare)
+    for name, run in (("receive", receive), ("install", install)):
+        sub = verbs.add_parser(name, parents=[stage])
+        sub.add_argument("--incoming", required=True, type=incoming_name)
+        sub.set_defaults(run=run)
+    for name, run in (("lock", lock), ("unlock", unlock)):
+        sub = verbs.add_parser(name)
+        sub.add_argument("run_dir")
+        sub.add_argument("--job", required=True)
+        sub.set_defaults(run=run)
+    verbs.add_parser("key").add_argument("sqsh")
+    verbs.choices["key"].set_defaults(run=key)
+    args = parser.parse_args(argv)
+    if getattr(args, "key", "") and args.verb != "key" and not KEY.fullmatch(args.key):
+        die(f"--key {args.key!r} is not a staging key")
+    return args.run(args)
+
+
+def incoming_name(text: str) -> str:
+    if not INCOMING.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a receiving folder's name (.incoming-<job>-<hex>)")
+    return text
+
+
+if __name__ == "__main__":
+    sys.exit(main())
