@@ -15,11 +15,13 @@ again for a while:
   agent's verdict).
 
 From rank 0's metrics file (its records carry wall-clock times, the same clock as the injection's here), the job
-log and the injection's time:
+log and the injection's time, measured as bench_goodput.py measures them (recovery_timing.py):
 
-- detect: until rank 0's end record (the job knows and stops training);
+- detect: until the failing segment's end record (the job knows and stops training); n/a where rank 0 wrote
+  none (the lost node: Slurm SIGKILLs the step, rank 0 with it);
 - decided: until the template's decision appears in the job log (the step has ended: requeue, or restart here);
-- back: until the first progress record of the next start (training runs again);
+- back: until the first progress record of the next start (training runs again); log: the same from the job log,
+  until the restart's first progress line appears;
 - replayed: steps trained before the failure that the resume trains again (the last one reached, minus the
   snapshot's step);
 - lost: back + replayed x the median step time (the job's goodput loss for this failure).
@@ -36,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import shutil
 import signal
 import statistics
@@ -49,25 +50,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
+
+from recovery_timing import NO_END, Recovery, follow, log_length, read_metrics  # noqa: E402
 
 from testbed.slurm_jobs import job_state, progress_count, signal_tasks, submit, wait_for_progress  # noqa: E402
 
 
-@dataclass(frozen=True)
-class Recovery:
+@dataclass(frozen=True, kw_only=True)
+class Row:
+    """One failure on one path: its recovery (recovery_timing.py) and what it cost the job."""
+
     path: str
     failure: str
-    detect_s: float  # injection -> rank 0's end record
-    decided_s: float  # injection -> the template's decision in the job log (requeue, or restart in this allocation)
-    back_s: float  # injection -> the next start's first progress record
-    replayed: int
-    lost_s: float
-    how_it_ended: str
-
-
-def records(metrics: Path) -> list[dict]:
-    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
+    recovery: Recovery
+    lost_s: float  # back + replayed x the median step time
 
 
 def step_time(rows: list[dict]) -> float:
@@ -80,52 +77,21 @@ def step_time(rows: list[dict]) -> float:
     return statistics.median(gaps) if gaps else 0.0
 
 
-DECISIONS = ("requeueing job", "restarting it in this allocation")
-
-
-def decisions(log: Path) -> int:
-    text = log.read_text() if log.exists() else ""
-    return sum(text.count(d) for d in DECISIONS)
-
-
-def measure(path: str, failure: str, inject: Callable[[], None], job: str, metrics: Path, log: Path, timeout: float = 600) -> Recovery:
-    """Inject once training runs, then follow the metrics file and the job log (its lines carry no times:
-    the template's decision is timed as it appears, polled every 0.1 s) until the next start trains."""
-    seen, decided_before = len(records(metrics)), decisions(log)
-    injected, decided = time.time(), None
+def measure(
+    path: str, failure: str, inject: Callable[[], None], job: str, metrics: Path, log: Path, timeout: float = 600, no_end: str = NO_END
+) -> Row:
+    """Inject once training runs, then follow the metrics file and the job log until the next start trains
+    (recovery_timing.follow: the next start's first progress record, not the failing job's own next one)."""
+    skip, injected = log_length(log), time.time()
     inject()
-    deadline = time.monotonic() + timeout
-    while True:
-        if decided is None and decisions(log) > decided_before:
-            decided = time.time()
-        rows = records(metrics)[seen:]
-        # The next start opens with its start record; a rank 0 killed outright (a node lost: Slurm SIGKILLs the
-        # step) leaves no end record before it.
-        starts = [i for i, r in enumerate(rows) if r["kind"] == "start"]
-        after = [r for r in rows[starts[0] + 1 :] if r["kind"] == "progress"] if starts else []
-        if after and decided is not None:
-            break
-        if time.monotonic() > deadline:
-            raise SystemExit(f"bench_recovery: the job did not train again after the {failure} within {timeout:.0f}s ({job_state(job)}); see {log}")
-        time.sleep(0.1)
-    ends = [r for r in rows[: starts[0]] if r["kind"] == "end"]
-    end, first = (ends[0] if ends else None), after[0]
-    before = max((r["global_step"] for r in records(metrics)[: seen + starts[0]] if r["kind"] == "progress"), default=0)
-    replayed = max(0, before - (first["global_step"] - 1))
-    back = first["time"] - injected
-    return Recovery(
-        path=path,
-        failure=failure,
-        detect_s=end["time"] - injected if end else float("nan"),
-        decided_s=decided - injected,
-        back_s=back,
-        replayed=replayed,
-        lost_s=back + replayed * step_time(records(metrics)),
-        how_it_ended=f"{end['outcome']} (exit {end['exit_code']})" if end else "killed (no end record)",
-    )
+    try:
+        recovery = follow(metrics, log, injected, skip, timeout=timeout, no_end=no_end)
+    except TimeoutError as exc:
+        raise SystemExit(f"bench_recovery: after the {failure}: {exc} ({job_state(job)}); see {log}") from None
+    return Row(path=path, failure=failure, recovery=recovery, lost_s=recovery.back_s + recovery.replayed * step_time(read_metrics(metrics)))
 
 
-def one_path(path: str, in_place: bool, opts: argparse.Namespace, work: Path) -> tuple[list[Recovery], list[dict]]:
+def one_path(path: str, in_place: bool, opts: argparse.Namespace, work: Path) -> tuple[list[Row], list[dict]]:
     """One job on three nodes, one of them a spare (sbatch --nodes=3, DDPACK_SPARE_NODES=1), and the four failures."""
     args = f"--dataset-size 32768 --epochs 3 --log-every 1 --snapshot-every {opts.snapshot_every} --hang-timeout {opts.hang_timeout:g}"
     folder = work / path.split()[0]
@@ -147,23 +113,24 @@ def one_path(path: str, in_place: bool, opts: argparse.Namespace, work: Path) ->
         node = next(n for n in ("ddnode2", "ddnode3", "ddnode1") if signal_tasks(job, n, signal.SIGCONT, rank=3))
         subprocess.run(["scontrol", "update", f"nodename={node}", "state=down", "reason=ddpack-bench-recovery"], check=True)
 
-    failures: list[tuple[str, Callable[[], None]]] = [
-        ("preemption", lambda: subprocess.run(["scancel", "--signal=USR1", job], check=True)),
-        ("killed rank", rank_3(signal.SIGKILL)),
-        ("hung rank", rank_3(signal.SIGSTOP)),
-        ("lost node", node_down),
+    lost = "no end record: the node set DOWN made Slurm SIGKILL the step, rank 0 with it"
+    failures: list[tuple[str, Callable[[], None], str]] = [
+        ("preemption", lambda: subprocess.run(["scancel", "--signal=USR1", job], check=True), NO_END),
+        ("killed rank", rank_3(signal.SIGKILL), NO_END),
+        ("hung rank", rank_3(signal.SIGSTOP), NO_END),
+        ("lost node", node_down, lost),
     ]
     table = []
     try:
-        for name, inject in failures:
+        for name, inject, no_end in failures:
             wait_for_progress(metrics, progress_count(metrics) + opts.train_between, log, f"the job did not train before the {name}")
-            table.append(measure(path, name, inject, job, metrics, log))
+            table.append(measure(path, name, inject, job, metrics, log, no_end=no_end))
             print(f"recovery: {table[-1]}", flush=True)
     finally:
         for node in ("ddnode1", "ddnode2", "ddnode3"):
             subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], capture_output=True)
         subprocess.run(["scancel", job], capture_output=True)
-    return table, records(metrics)
+    return table, read_metrics(metrics)
 
 
 def main() -> int:
@@ -187,16 +154,19 @@ def main() -> int:
     snaps = [r for r in rows if r["kind"] == "snapshot"]
     setup = f"median step {step * 1000:.0f} ms, snapshot every {opts.snapshot_every} steps, hang timeout {opts.hang_timeout:g} s"
     print(f"\nrecovery table (one round each; {setup})")
-    print(f"{'failure':<12} {'path':<16} {'detect s':>9} {'decided s':>10} {'back s':>8} {'replayed':>9} {'lost s':>8}  rank 0 ended")
+    print(f"{'failure':<12} {'path':<16} {'detect s':>9} {'decided s':>10} {'back s':>8} {'log s':>7} {'replayed':>9} {'lost s':>8}  rank 0 ended")
     for failure in dict.fromkeys(r.failure for r in table):
-        for r in (r for r in table if r.failure == failure):
+        for row in (r for r in table if r.failure == failure):
+            r = row.recovery
+            detect = f"{r.detect_s:>9.1f}" if r.detect_s is not None else f"{'n/a':>9}"
             print(
-                f"{r.failure:<12} {r.path:<16} {r.detect_s:>9.1f} {r.decided_s:>10.1f} {r.back_s:>8.1f} {r.replayed:>9d} {r.lost_s:>8.1f}"
-                f"  {r.how_it_ended}"
+                f"{row.failure:<12} {row.path:<16} {detect} {r.decided_s:>10.1f} {r.back_s:>8.1f} {r.log_back_s:>7.1f} {r.replayed:>9d} "
+                f"{row.lost_s:>8.1f}  {r.ended}"
             )
     print(
-        "  seconds after the failure: detect, rank 0 ended; decided, the step ended and the template requeued the job or restarted the "
-        "step in its allocation; back, it trained again.\n"
+        "  seconds after the failure: detect, rank 0 ended (its end record); decided, the step ended and the template requeued the job "
+        "or restarted the step in its allocation; back, it trained again (the next start's first progress record); log, the same from "
+        "the job log (the restart's first progress line, polled).\n"
         "  A requeue waits for Slurm to start the job again (here at least cred_expire=10 s, until the old job credential expires; on a "
         "busy cluster, the queue); a restart in place only for a new step. Preemption requeues on both paths (the allocation is wanted "
         "elsewhere). The floor of back is detect plus the trainer's start (imports, rendezvous, the snapshot, the first step)."

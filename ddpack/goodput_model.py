@@ -1,7 +1,9 @@
 """The start-time model: a job's start and its recovery from a failure against node count, today's path (every
 node reads the squashfs from the shared filesystem and unpacks it; a failure requeues the job, which starts
-again through the queue and unpacks again) against ddpack's (one read, sbcast down a tree to every node's local
-disk; a failure restarts the step in the allocation, in the container the first step unpacked).
+again through the queue and unpacks again) against ddpack's (a failure restarts the step in the allocation, in the
+container the first step unpacked). ddpack's start is the path DDPACK_STAGE=auto takes, named in the table: the
+shared file where few nodes read it at once, one read sent by sbcast down a tree to every node's local disk where
+many would; beside it sbcast forced (DDPACK_STAGE=sbcast) and the image already on every node.
 
 `python -m ddpack.goodput_model` prints the table for your site's figures (`--help`); `make bench-goodput`
 feeds it the per-node ones it measures on the test cluster. Assumptions, each a parameter:
@@ -44,6 +46,7 @@ class Site:
 class Times:
     start_s: float
     recovery_s: float
+    path: str  # how the nodes got the image: "shared" (each reads the shared file), "sbcast", or "held" (already there)
 
 
 def tree_depth(nodes: int, fanout: int) -> int:
@@ -63,30 +66,58 @@ def stage_by_sbcast(size_mb: float, nodes: int, site: Site) -> float:
     return size_mb / rate + tree_depth(nodes, site.fanout) * SBCAST_BLOCK_MB / rate
 
 
+def auto_stages(nodes: int, site: Site) -> bool:
+    """DDPACK_STAGE=auto's choice for nodes that lack the image, as enroot/ddpack-job.sh's ddpack_stage_by_model
+    makes it (in whole MB/s, the tree's few blocks aside): sbcast then an unpack from local disk, size / sbcast +
+    size / unpack, against every node unpacking from the shared filesystem at once, size / min(unpack, fsx / N).
+    The size cancels: N x sbcast x unpack > fsx x (sbcast + unpack), and N x unpack > fsx (below that each node's
+    share outruns its unpack, and one more copy cannot win)."""
+    fsx, bcast, unpack = int(site.fsx_mbps), int(site.sbcast_mbps), int(site.unpack_mbps)
+    return nodes * bcast * unpack > fsx * (bcast + unpack) and nodes * unpack > fsx
+
+
 def today(size_mb: float, nodes: int, site: Site) -> Times:
+    """pyxis without ddpack: every node reads and unpacks the shared file; a failure requeues the job."""
     start = site.step_s + read_and_unpack_shared(size_mb, nodes, site) + site.trainer_s
-    return Times(start_s=start, recovery_s=site.detect_s + site.requeue_s + start)
+    return Times(start_s=start, recovery_s=site.detect_s + site.requeue_s + start, path="shared")
 
 
-def ddpack(size_mb: float, nodes: int, site: Site, staged: bool = False) -> Times:
-    """`staged`: the nodes hold this image from an earlier job (nothing is read or sent)."""
-    stage = 0.0 if staged else stage_by_sbcast(size_mb, nodes, site)
-    start = site.step_s + stage + size_mb / site.unpack_mbps + site.trainer_s
-    return Times(start_s=start, recovery_s=site.detect_s + site.step_s + site.trainer_s)
+def ddpack(size_mb: float, nodes: int, site: Site, *, stage: str = "auto", held: bool = False) -> Times:
+    """The templates: `stage` is DDPACK_STAGE (auto, sbcast, off); `held`, every node holds this image from an
+    earlier job, so neither auto nor sbcast reads or sends anything. A failure restarts the step in place."""
+    if stage not in ("auto", "sbcast", "off"):
+        raise ValueError(f"stage={stage!r} is not auto, sbcast or off (DDPACK_STAGE's values)")
+    recovery = site.detect_s + site.step_s + site.trainer_s
+    if stage != "off" and held:
+        return Times(start_s=site.step_s + size_mb / site.unpack_mbps + site.trainer_s, recovery_s=recovery, path="held")
+    if stage == "sbcast" or (stage == "auto" and auto_stages(nodes, site)):
+        start = site.step_s + stage_by_sbcast(size_mb, nodes, site) + size_mb / site.unpack_mbps + site.trainer_s
+        return Times(start_s=start, recovery_s=recovery, path="sbcast")
+    return Times(start_s=today(size_mb, nodes, site).start_s, recovery_s=recovery, path="shared")
 
 
 def table(site: Site, sizes_gb: tuple[float, ...] = (0.9, 5.4), node_counts: tuple[int, ...] = (2, 16, 128, 1024)) -> str:
+    """Start and recovery per image size and node count: today's path, what ddpack does (DDPACK_STAGE=auto, its
+    path named), sbcast forced (DDPACK_STAGE=sbcast) and the image already on every node."""
     lines = [
-        f"{'image':>6} {'nodes':>6} | {'start: today':>13} {'ddpack':>8} {'(staged)':>9} | {'recovery: today':>16} {'ddpack':>8}",
+        f"{'image':>6} {'nodes':>6} | {'start: today':>13} {'ddpack (auto: path)':>20} {'sbcast':>9} {'held':>8} | "
+        f"{'recovery: today':>16} {'ddpack':>8}",
     ]
     for size_gb in sizes_gb:
         size_mb = size_gb * 1000
         for nodes in node_counts:
-            old, new, warm = today(size_mb, nodes, site), ddpack(size_mb, nodes, site), ddpack(size_mb, nodes, site, staged=True)
+            old, new = today(size_mb, nodes, site), ddpack(size_mb, nodes, site)
+            forced, held = ddpack(size_mb, nodes, site, stage="sbcast"), ddpack(size_mb, nodes, site, held=True)
+            chosen = f"{_duration(new.start_s)} ({new.path})"
             lines.append(
-                f"{size_gb:>4.1f}GB {nodes:>6} | {_duration(old.start_s):>13} {_duration(new.start_s):>8} {_duration(warm.start_s):>9} | "
-                f"{_duration(old.recovery_s):>16} {_duration(new.recovery_s):>8}"
+                f"{size_gb:>4.1f}GB {nodes:>6} | {_duration(old.start_s):>13} {chosen:>20} {_duration(forced.start_s):>9} "
+                f"{_duration(held.start_s):>8} | {_duration(old.recovery_s):>16} {_duration(new.recovery_s):>8}"
             )
+    lines += [
+        "start: sbatch -> first step. ddpack (auto): DDPACK_STAGE=auto's path where the nodes lack the image (shared: each reads",
+        "the shared file, as today; sbcast: one read sent to every node); sbcast: DDPACK_STAGE=sbcast forced; held: every node holds",
+        "the image already (auto uses it). recovery: a killed rank -> training again (today: a requeue; ddpack: a restart in place).",
+    ]
     return "\n".join(lines)
 
 
