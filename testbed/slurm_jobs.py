@@ -13,6 +13,7 @@ from pathlib import Path
 
 from testbed.env import ROOT, clean_env
 from testbed.slurm_cluster import stage_dir
+from testbed.users import User
 from train import outcome
 
 VENV = Path(sys.executable).parent.parent
@@ -29,6 +30,21 @@ def brief(log: Path | str) -> str:
 def env(**extra: str) -> dict[str, str]:
     """A job's environment: the bundle's venv, and the submitting user's staging folder on each node's own /tmp."""
     return clean_env(DDPACK_VENV=str(VENV), DDPACK_STAGE_DIR=str(stage_dir(os.getuid())), **extra)
+
+
+def as_user(user: User | None, job_env: dict[str, str]) -> dict[str, object]:
+    """subprocess.run's keywords that submit as `user` (None: this process's user): that user's HOME and staging
+    folder, and a PATH without root's own tools (a python3 under /root is not theirs to run)."""
+    if user is None:
+        return {"env": job_env}
+    runs = user.runs()
+    runs["env"] = {
+        **job_env,
+        **runs["env"],  # type: ignore[dict-item]
+        "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "DDPACK_STAGE_DIR": str(stage_dir(user.uid)),
+    }
+    return runs
 
 
 def all_agree(text: str, world: int) -> bool:
@@ -64,10 +80,18 @@ def job_state(job: str) -> tuple[str, str, int]:
 
 
 def submit(
-    tmp_path: Path, name: str, sbatch_args: tuple[str, ...] = (), template: str = "baremetal.sbatch", **settings: str
+    tmp_path: Path,
+    name: str,
+    sbatch_args: tuple[str, ...] = (),
+    template: str = "baremetal.sbatch",
+    user: User | None = None,
+    **settings: str,
 ) -> tuple[str, Path, Path]:
-    """Submit a template from `tmp_path` and return at once: (job, its metrics file, its log)."""
+    """Submit a template from `tmp_path` (as `user`, else as this process's user) and return at once: (job, its
+    metrics file, its log)."""
     (tmp_path / "logs").mkdir(exist_ok=True)
+    if user is not None:
+        os.chown(tmp_path / "logs", user.uid, user.gid)
     trainer = (
         []
         if {"DDPACK_COMMAND", "DDPACK_TRAIN_ARGS"} & settings.keys()
@@ -77,11 +101,11 @@ def submit(
     job = (
         subprocess.run(
             ["sbatch", "--parsable", f"--job-name={name}", f"--export={exports}", *sbatch_args, str(ROOT / "enroot" / template)],
-            env=env(OMP_NUM_THREADS="1"),
             cwd=tmp_path,
             capture_output=True,
             text=True,
             check=True,
+            **as_user(user, env(OMP_NUM_THREADS="1")),  # type: ignore[arg-type]
         )
         .stdout.strip()
         .split(";")[0]

@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from testbed.env import ROOT
+from testbed.slurm_cluster import ClusterUnavailable, ensure_cluster
+
+if TYPE_CHECKING:
+    from docker_support import ReadmeProject
 
 
 @pytest.fixture
@@ -25,3 +35,48 @@ def readme_project(tmp_path_factory: pytest.TempPathFactory):
 
     engine_or_skip()
     return build_readme_project(tmp_path_factory.mktemp("project") / "cpu-ddp")
+
+
+# --------------------------------------------------------------- the pyxis tier's cluster, shared folder and image
+
+
+def _missing_stack() -> str | None:
+    if shutil.which("enroot") is None:
+        return "enroot is not installed (../shared/tools/install-enroot-pyxis.sh)"
+    if "--container-image" not in subprocess.run(["srun", "--help"], capture_output=True, text=True).stdout:
+        return "pyxis is not enabled (install-enroot-pyxis.sh --enable-pyxis)"
+    return None
+
+
+@pytest.fixture(scope="session")
+def pyxis_stack() -> None:
+    """The test cluster with pyxis and enroot: started when it can be, a failure under CI, else a skip."""
+    try:
+        ensure_cluster()
+    except ClusterUnavailable as exc:
+        missing: str | None = str(exc)
+    else:
+        missing = _missing_stack()
+    if missing:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must provide Slurm with pyxis and enroot: {missing}")
+        pytest.skip(missing)
+
+
+@pytest.fixture(scope="session")
+def shared() -> Iterator[Path]:
+    """A folder every job user can write, standing in for /fsx."""
+    folder = Path(tempfile.mkdtemp(prefix="ddpack-fsx-", dir="/tmp"))
+    folder.chmod(0o1777)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def sqsh(shared: Path, readme_project: ReadmeProject) -> Path:
+    """The README's `cp build/cpu-ddp+TAG.sqsh /fsx/images/cpu-ddp.sqsh`, into the shared folder."""
+    (shared / "images").mkdir(mode=0o755)
+    output = shared / "images" / "cpu-ddp.sqsh"
+    shutil.copyfile(readme_project.sqsh, output)
+    output.chmod(0o644)
+    return output

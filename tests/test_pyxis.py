@@ -21,16 +21,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from docker_support import ReadmeProject
 
 from testbed.env import ROOT
 from testbed.file_opens import OpenCounter
 from testbed.readme_examples import write_mytask
-from testbed.slurm_cluster import NODES, ClusterUnavailable, clear_staged_images, ensure_cluster, node_stage_dir, stage_dir
+from testbed.slurm_cluster import NODES, clear_staged_images, node_stage_dir, stage_dir
 from testbed.slurm_jobs import (
     all_agree,
     env,
@@ -44,49 +42,8 @@ from testbed.slurm_jobs import (
 )
 from train import outcome
 
-pytestmark = pytest.mark.pyxis
+pytestmark = [pytest.mark.pyxis, pytest.mark.usefixtures("pyxis_stack")]
 JOB_USER = "ddpackjob"  # a real login shell: enroot copies the user's shell, and nologin cannot run containers
-
-
-def _missing_stack() -> str | None:
-    if shutil.which("enroot") is None:
-        return "enroot is not installed (../shared/tools/install-enroot-pyxis.sh)"
-    if "--container-image" not in subprocess.run(["srun", "--help"], capture_output=True, text=True).stdout:
-        return "pyxis is not enabled (install-enroot-pyxis.sh --enable-pyxis)"
-    return None
-
-
-@pytest.fixture(scope="module", autouse=True)
-def stack() -> None:
-    try:
-        ensure_cluster()
-    except ClusterUnavailable as exc:
-        missing: str | None = str(exc)
-    else:
-        missing = _missing_stack()
-    if missing:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must provide Slurm with pyxis and enroot: {missing}")
-        pytest.skip(missing)
-
-
-@pytest.fixture(scope="module")
-def shared() -> Iterator[Path]:
-    """A folder every job user can write, standing in for /fsx."""
-    folder = Path(tempfile.mkdtemp(prefix="ddpack-fsx-", dir="/tmp"))
-    folder.chmod(0o1777)
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def sqsh(shared: Path, readme_project: ReadmeProject) -> Path:
-    """The README's `cp build/cpu-ddp+TAG.sqsh /fsx/images/cpu-ddp.sqsh`, into the shared folder."""
-    (shared / "images").mkdir(mode=0o755)
-    output = shared / "images" / "cpu-ddp.sqsh"
-    shutil.copyfile(readme_project.sqsh, output)
-    output.chmod(0o644)
-    return output
 
 
 @pytest.fixture(scope="module")
