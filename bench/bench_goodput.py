@@ -51,7 +51,7 @@ def first_progress(metrics: Path) -> float | None:
     return next((r["time"] for r in read_metrics(metrics) if r["kind"] == "progress"), None)
 
 
-def start(folder: Path, sqsh: Path, shared: Path, stage: str, name: str) -> dict[str, float]:
+def start(folder: Path, sqsh: Path, shared: Path, stage: str, name: str) -> dict[str, float | str]:
     """sbatch -> the first progress record, then the job is cancelled (it has shown what it came for)."""
     folder.mkdir(parents=True, exist_ok=True)
     submitted = time.time()
@@ -66,7 +66,9 @@ def start(folder: Path, sqsh: Path, shared: Path, stage: str, name: str) -> dict
         wait_for_end(job, log)
     text = log.read_text()
     sent = re.search(r"ddpack: image: sent .* \((\d+) MiB\) once, by sbcast, .* in ([\d.]+) s", text)
-    out = {"start_s": first_progress(metrics) - submitted}
+    out: dict[str, float | str] = {"start_s": first_progress(metrics) - submitted}
+    # The path the job took, in its own words: a "cold" start that did not stage is not a figure for staging.
+    out["image"] = "; ".join(line.removeprefix("ddpack: image: ") for line in text.splitlines() if line.startswith("ddpack: image: "))
     if sent:
         out["sbcast_s"], out["sbcast_mbps"] = float(sent.group(2)), int(sent.group(1)) * 1.048576 / max(float(sent.group(2)), 1e-3)
     return out
@@ -152,7 +154,7 @@ def main() -> int:
     commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     print(f"goodput at {commit or '?'}: {opts.sqsh} ({size_mb:,.0f} MB), pyxis-per-task.sbatch, 4 ranks on 2 nodes, trainer {TRAIN}", flush=True)
     try:
-        starts: dict[str, list[dict[str, float]]] = {"shared (today)": [], "staged, cold": [], "staged, warm": []}
+        starts: dict[str, list[dict[str, float | str]]] = {"shared (today)": [], "staged, cold": [], "staged, warm": []}
         for round_ in range(opts.rounds):
             for label, stage in (("shared (today)", "off"), ("staged, cold", "sbcast"), ("staged, warm", "sbcast")):
                 if label == "staged, cold":
@@ -173,6 +175,9 @@ def main() -> int:
         median = statistics.median(r["start_s"] for r in rows)
         extra = f"  (sbcast {statistics.median(r['sbcast_s'] for r in rows):.1f} s)" if all("sbcast_s" in r for r in rows) else ""
         print(f"  {label:<16} {median:>7.1f} s   {median / shared_s:.2f}x today{extra}")
+        for round_, r in enumerate(rows, 1):  # a row whose job took another path than its label says is not that path's figure
+            if (label == "staged, cold") != ("sbcast_s" in r):
+                print(f"    NOT {label.upper()} in round {round_}: the job's image line says {r['image']!r}")
     print("recovery: rank 3 SIGKILLed -> training again (seconds after the kill: from rank 0's records; back also as timed from the job log)")
     for label, r in backs.items():
         detect = f"{r.detect_s:>5.2f} s" if r.detect_s is not None else "  n/a  "
