@@ -57,13 +57,14 @@ def _import_bundle_train() -> None:
 
 _import_bundle_train()
 
+from entrypoint.plan import PlanError, job_token  # noqa: E402 - importable wherever train is (train.config imports it)
 from train import run_folder  # noqa: E402
 from train.config import DEFAULT_HANG_TIMEOUT  # noqa: E402
 from train.metrics import MetricsFile, RankLog, start_fields  # noqa: E402 - after the bundle's train package is the one imported
 from train.outcome import RunEnd  # noqa: E402
 from train.perf import RankTimes, SlowRanks  # noqa: E402
 from train.signals import PreemptionWatcher  # noqa: E402
-from train.watchdog import EXIT_HANG, PHASES, GuardedStore, Phase, Progress, Watchdog, tcp_store  # noqa: E402
+from train.watchdog import EXIT_HANG, PHASES, Phase, Progress, Watchdog, job_store, unsigned_store_note  # noqa: E402
 
 __all__ = ["EXIT_HANG", "Phase", "Run"]
 
@@ -87,6 +88,16 @@ def _env_seconds(name: str, default: float) -> float:
     return value
 
 
+def _check_job_token() -> None:
+    """A malformed DDPACK_JOB_TOKEN is bad input, found before training (the launcher refuses it first; a
+    program started by hand is not launched by it)."""
+    try:
+        job_token(os.environ)
+    except PlanError as exc:
+        print(f"ddpack_run: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 class Run:
     """One rank's view of the run; create one per process (after or before init_process_group).
 
@@ -108,6 +119,7 @@ class Run:
         total_steps: int | None = None,
     ) -> None:
         self.hang_timeout = _env_seconds("DDPACK_HANG_TIMEOUT", DEFAULT_HANG_TIMEOUT) if hang_timeout is None else hang_timeout
+        _check_job_token()
         self.metrics_path = metrics_file if metrics_file is not None else os.environ.get("DDPACK_METRICS_FILE") or None
         self.forensics_dir = Path(forensics_dir or os.environ.get("DDPACK_FORENSICS_DIR") or run_folder.FORENSICS).absolute()
         self.max_steps_between, self.framework, self.total_steps = max(1, max_steps_between), framework, total_steps
@@ -206,8 +218,9 @@ class Run:
         )
         if self.hang_timeout and self.world_size > 1 and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
             deadline = min(10.0, max(2.0, self.hang_timeout / 3))
-            restart = os.environ.get("SLURM_RESTART_COUNT", "0") + "." + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-            store = GuardedStore(tcp_store(deadline), deadline, prefix=f"ddpack-run-watchdog/{restart}/")
+            store = job_store(os.environ, name="ddpack-run-watchdog", deadline_s=deadline)
+            if self.rank == 0 and (note := unsigned_store_note(os.environ)) is not None:
+                self.log(note)
             self._watchdog = Watchdog(
                 self.progress,
                 rank=self.rank,
@@ -217,6 +230,7 @@ class Run:
                 forensics_dir=self.forensics_dir,
                 log=self.log,
                 store=store,
+                rank_hosts=[str(h) for h in hosts],
                 on_end=self._record_end,
             )
             self._watchdog.start()

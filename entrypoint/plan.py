@@ -27,6 +27,11 @@ DEFAULT_MASTER_PORT = 29500
 SLURM_PORT_LOW = 15000
 SLURM_PORT_SPAN = 15000
 SLURM_STEPS_PER_JOB_PORTS = 16
+# The job's secret (docs/security.md): the templates make it from /dev/urandom inside the batch script, so it never
+# passes through slurmctld, and srun hands it to every task; the hang watchdog signs its rendezvous-store values
+# with it (train/watchdog.py), because the store answers any user on the cluster who can reach the port.
+JOB_TOKEN_VAR = "DDPACK_JOB_TOKEN"
+_JOB_TOKEN = re.compile(r"[0-9A-Fa-f]{16,128}")
 
 
 def seconds_up_to_an_hour(text: str) -> float | None:
@@ -36,6 +41,24 @@ def seconds_up_to_an_hour(text: str) -> float | None:
     except ValueError:
         return None
     return value if 0 < value <= 3600 else None
+
+
+def job_token(environ: Mapping[str, str]) -> str | None:
+    """The job's secret (DDPACK_JOB_TOKEN), or None where there is none (`docker run -e`, torchrun by hand, a
+    laptop: one user's machine). A value that is set but is not 16-128 hex characters is refused rather than
+    used or ignored: an empty one is what a failed `$(...)` in a job script leaves, and running unprotected on
+    a shared cluster without a word is what the variable exists to prevent. The error names the length, never
+    the value: it is a secret, and errors end up in job logs."""
+    raw = environ.get(JOB_TOKEN_VAR)
+    if raw is None:
+        return None
+    if not _JOB_TOKEN.fullmatch(raw):
+        shape = "empty" if not raw else f"{len(raw)} characters" + ("" if re.fullmatch(r"[0-9A-Fa-f]*", raw) else ", not all hex")
+        raise PlanError(
+            f"{JOB_TOKEN_VAR} ({shape}) is not 16-128 hex characters; expected the job's secret as the ddpack templates "
+            "make it (32 hex characters from /dev/urandom) or unset it"
+        )
+    return raw
 
 
 def trainer_command() -> tuple[str, ...]:
@@ -531,6 +554,7 @@ def resolve_plan(environ: Mapping[str, str], options: Options, host: Host) -> Pl
     cpu_bind = environ.get("DDPACK_CPU_BIND")
     if cpu_bind and cpu_bind not in CPU_BIND_CHOICES:  # read by every rank's trainer; caught here once
         raise PlanError(f"DDPACK_CPU_BIND={cpu_bind!r} is not one of {', '.join(CPU_BIND_CHOICES)}; set it to one of them or unset it")
+    job_token(environ)  # read by every rank's watchdog; caught here once, before any rank starts
     mode = detect_mode(environ)
     return _RESOLVERS[mode](
         _Inputs(mode=mode, environ=environ, options=options, host=host, backend=choose_backend(environ, options, host))

@@ -1,16 +1,19 @@
-"""The hang watchdog's parts in one process: its default and bad settings, who it names, and that it
-fires on a stall and not while a peer is legitimately busy (a snapshot write, eval)."""
+"""The hang watchdog's parts in one process: its default and bad settings, who it names, that it fires on a
+stall and not while a peer is legitimately busy (a snapshot write, eval), and that what it reads from the store
+is checked (tests/test_watchdog_store.py: a real store, another user, the job's token)."""
 
 from __future__ import annotations
 
 import json
+import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from train.config import parse_config
-from train.watchdog import EXIT_HANG, GuardedStore, Heartbeat, Progress, Watchdog, judge
+from train.watchdog import EXIT_HANG, BadValue, GuardedStore, Heartbeat, Progress, Watchdog, judge
 
 
 def test_the_default_is_three_minutes_or_below_a_shorter_collective_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -125,3 +128,106 @@ def test_a_collective_failing_after_a_declared_hang_waits_for_the_watchdog_to_en
     dog.yield_to_a_declared_hang()
     assert exits == [EXIT_HANG] and [(end.outcome, end.reason.split(";")[0]) for end in ends] == [("hung", "rank 1 found the job hung")]
     dog.stop()
+
+
+# ---------------------------------------------------------------- values read from the store are checked
+
+GOOD_BEAT = {"rank": 1, "host": "node1", "pid": 4242, "sent": 1000.0, "step": 7, "phase": "sync", "phase_s": 1.0, "stalled_s": 0.5}
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ({"host": "evil;reboot"}, "is not a host name"),
+        ({"host": "-rf"}, "is not a host name"),
+        ({"host": "a" * 300}, "is not a host name"),
+        ({"host": "node9"}, "the process group has it on 'node1'"),
+        ({"rank": 0}, "rank 1's heartbeat says rank 0"),
+        ({"rank": True}, "expected an integer"),
+        ({"step": -1}, "expected an integer"),
+        ({"pid": "4242"}, "expected an integer"),
+        ({"sent": float("nan")}, "expected a number of seconds"),
+        ({"stalled_s": -5}, "expected a number of seconds"),
+        ({"phase": "hacked"}, "is not one of"),
+        ({"extra": 1}, "expected ['host'"),
+    ],
+)
+def test_a_heartbeat_is_believed_only_in_the_shape_a_rank_writes_it(change: dict, why: str) -> None:
+    assert Heartbeat.from_json(json.dumps(GOOD_BEAT), rank=1, host="node1") == Heartbeat(**GOOD_BEAT)
+    with pytest.raises(BadValue, match=re.escape(why)):
+        Heartbeat.from_json(json.dumps({**GOOD_BEAT, **change}), rank=1, host="node1")
+
+
+@pytest.mark.parametrize("text", ["", "not json", "[1, 2]", "[" * 100_000, json.dumps({**GOOD_BEAT, "host": "x" * 5000})])
+def test_a_heartbeat_that_is_not_one_is_a_bad_value(text: str) -> None:
+    with pytest.raises(BadValue):
+        Heartbeat.from_json(text, rank=1, host=None)
+
+
+def logged_watchdog(rank: int, progress: Progress, store: DictStore, folder: Path, exits: list[int], lines: list[str]) -> Watchdog:
+    dog = watchdog(rank, progress, store, folder, exits)
+    dog.log = lines.append
+    return dog
+
+
+def wait_for(condition: Callable[[], bool], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
+def test_bad_values_in_the_store_are_ignored_with_one_line_and_the_watchdog_goes_on(tmp_path: Path) -> None:
+    """Without a token (one user's machine) values are unsigned, but still checked: a malformed hang mark or
+    heartbeat killed the watchdog thread (json.loads, Heartbeat(**...)), so a later real hang ended no rank."""
+    store, exits, lines = DictStore(), [], []
+    waiting = Progress()
+    waiting.enter("sync")  # not armed: this rank never declares a hang itself, however slowly the test runs
+    dog = logged_watchdog(0, waiting, store, tmp_path, exits, lines)
+    dog.start()
+    for text in [b"not json", b'{"rank": "0"}', b'{"rank": 7, "time": 1}', b"[" * 100_000, b'{"rank": 1}', b"\xff\xfe"]:
+        store.data["t/hang"] = text
+        time.sleep(2 * dog.tick)
+    assert exits == [] and dog._thread.is_alive() and not (tmp_path / "summary.json").exists()
+    assert len([line for line in lines if "ignoring the rendezvous store's value" in line]) == 1, lines
+    store.data["t/hang"] = json.dumps({"rank": 1, "time": time.time()}).encode()  # a rank's real mark still counts
+    assert wait_for(lambda: exits == [EXIT_HANG], 10)
+    dog.stop()
+
+
+def test_a_host_that_is_not_the_ranks_own_never_reaches_unresponsive_nodes(tmp_path: Path) -> None:
+    """Rank 1 froze; a heartbeat naming another host under its key (written by anyone who reaches the store)
+    is refused against the hosts the ranks gathered through the process group: only node1 is kept out."""
+    store, exits, lines = DictStore(), [], []
+    dog = logged_watchdog(0, stalled(7, "sync"), store, tmp_path, exits, lines)
+    dog.know_hosts(["node0", "node1"])
+    store.data["t/hb/1"] = json.dumps({**GOOD_BEAT, "phase": "eval", "sent": time.time()}).encode()
+    dog.start()
+    time.sleep(1.5)  # rank 0 stalls past its 1 s timeout while rank 1 is in eval, its heartbeat fresh: no hang
+    assert exits == []
+    store.data["t/hb/1"] = json.dumps({**GOOD_BEAT, "host": "ddnode9", "sent": time.time() - 100}).encode()
+    assert wait_for(lambda: exits == [EXIT_HANG], 20)
+    assert (tmp_path / "unresponsive-nodes").read_text() == "node1\n"
+    assert any("the process group has it on 'node1'" in line for line in lines)
+
+
+def test_an_exception_inside_a_tick_is_one_line_and_the_watchdog_goes_on(tmp_path: Path) -> None:
+    class Flaky(Progress):
+        failures = 0
+
+        def stalled_s(self, now: float) -> float:
+            if self.failures:
+                self.failures -= 1
+                raise RuntimeError("a bug in one tick")
+            return super().stalled_s(now)
+
+    progress, exits, lines = Flaky(), [], []
+    progress.step_done(3)
+    progress.enter("sync")
+    dog = logged_watchdog(0, progress, DictStore(), tmp_path, exits, lines)
+    dog.start()
+    progress.failures = 5  # the next five ticks raise
+    assert wait_for(lambda: exits == [EXIT_HANG], 20), lines  # the hang after the failures is still found
+    assert [line for line in lines if "check failed" in line] == [
+        "watchdog: a check failed (RuntimeError: a bug in one tick); it goes on, later failures without a line"
+    ]

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from entrypoint.plan import PlanError, job_token
 from train.affinity import bind_local_ranks, cpu_list
 from train.config import parse_config
 from train.distributed import (
@@ -33,11 +34,16 @@ from train.signals import PreemptionWatcher
 from train.snapshot import SnapshotWriteError
 from train.tasks import TaskError, load_task
 from train.trainer import ChecksumMismatch, Preempted, SnapshotMismatch, Trainer
-from train.watchdog import GuardedStore, Progress, Watchdog, tcp_store
+from train.watchdog import Progress, Watchdog, job_store, unsigned_store_note
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(argv)
+    try:
+        job_token(os.environ)  # the launcher refuses a malformed one first; torchrun by hand does not
+    except PlanError as exc:
+        print(f"train: error: {exc}", file=sys.stderr)
+        return 2
     watcher = PreemptionWatcher()  # before the rendezvous, which can take a while under Slurm
     try:
         # The device first: a factory that allocates on CUDA allocates on this rank's GPU.
@@ -73,7 +79,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     watchdog = None
     if config.hang_timeout:
         deadline = min(10.0, max(2.0, config.hang_timeout / 3))
-        store = GuardedStore(tcp_store(deadline), deadline, prefix=f"ddpack-watchdog/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/")
+        store = job_store(os.environ, name="ddpack-watchdog", deadline_s=deadline)
+        if ctx.is_main and (note := unsigned_store_note(os.environ)) is not None:
+            log(note)
         watchdog = Watchdog(
             progress,
             rank=ctx.rank,
@@ -95,6 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         trainer = Trainer(config, task, ctx, log, metrics, watcher, progress)
+        if watchdog is not None:
+            watchdog.know_hosts(trainer.hosts)  # gathered through the process group: heartbeats must agree
         result = trainer.fit()
         loss = f"{result.final_loss:.5f}" if result.final_loss is not None else "n/a"
         log(

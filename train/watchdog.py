@@ -21,26 +21,43 @@ How:
   flight recorder; rank 0 (or, when rank 0 or the store is gone, the lowest rank still answering) waits
   for them and writes `summary.json` naming the ranks and hosts that fell behind; each rank prints one
   line saying where the evidence is and exits EXIT_HANG.
+- The store answers anyone who can reach its port, other users of a shared cluster included (torch's TCPStore
+  has no authentication, and `list_keys` names every key). So under the templates every value is signed with
+  the job's secret (DDPACK_JOB_TOKEN, which only the job's ranks have) over its whole key, and every value
+  read is checked before it is believed: signature, size, JSON shape, a heartbeat's host against the rank's
+  own (from the process group). A bad value is ignored with one line; the watchdog thread never dies of one.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
+import hmac
 import json
+import math
 import os
+import re
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from entrypoint.plan import JOB_TOKEN_VAR, job_token
 from train.forensics import kill_workers, remove_stacks_dir, write_atomic, write_rank_evidence
 from train.outcome import RunEnd
 from train.run_folder import SUMMARY, UNRESPONSIVE_NODES, rank_stacks
 
 EXIT_HANG = 124  # as timeout(1): the run was ended for taking too long
+# What Slurm and DNS accept as a node name. A heartbeat's host ends up in unresponsive-nodes, which the job script
+# hands to `scontrol update ExcNodeList=`: anything else is not a host of this job.
+HOSTNAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
+# The largest value the watchdog reads: the shared summary holds a few hundred bytes per rank (1,024 ranks: ~0.4 MB).
+MAX_VALUE_BYTES = 4 << 20
+MAX_HEARTBEAT_BYTES = 4096  # one is ~200 bytes
+T = TypeVar("T")
 
 
 class Phase:
@@ -124,15 +141,111 @@ class Heartbeat:
     def position(self) -> tuple[int, int]:
         return self.step, PHASES.index(self.phase) if self.phase in PHASES else 0
 
+    @classmethod
+    def from_json(cls, text: str, *, rank: int, host: str | None) -> Heartbeat:
+        """Rank `rank`'s heartbeat as the store holds it, checked field by field (BadValue otherwise): the
+        watchdog's verdicts, its summary and unresponsive-nodes are built from these. `host`: the rank's host
+        as the process group has it (None before it is known), which the heartbeat must name."""
+        if len(text) > MAX_HEARTBEAT_BYTES:
+            raise BadValue(f"a heartbeat of {len(text)} bytes; expected at most {MAX_HEARTBEAT_BYTES}")
+        data = _json_object(text)
+        expected = [f.name for f in fields(cls)]
+        if sorted(data) != sorted(expected):
+            raise BadValue(f"a heartbeat with the fields {sorted(data)[:12]}; expected {sorted(expected)}")
+        if _integer(data, "rank", 0, 2**31 - 1) != rank:
+            raise BadValue(f"rank {rank}'s heartbeat says rank {data['rank']}")
+        beat_host = data["host"]
+        if not (isinstance(beat_host, str) and HOSTNAME.fullmatch(beat_host)):
+            raise BadValue(f"a heartbeat's host {str(beat_host)[:80]!r} is not a host name")
+        if host is not None and beat_host != host:
+            raise BadValue(f"rank {rank}'s heartbeat names host {beat_host!r}; the process group has it on {host!r}")
+        if data["phase"] not in PHASES:
+            raise BadValue(f"a heartbeat's phase {str(data['phase'])[:40]!r} is not one of {', '.join(PHASES)}")
+        return cls(
+            rank=rank,
+            host=beat_host,
+            pid=_integer(data, "pid", 1, 2**31 - 1),
+            sent=_seconds(data, "sent"),
+            step=_integer(data, "step", 0, 2**63 - 1),
+            phase=data["phase"],
+            phase_s=_seconds(data, "phase_s"),
+            stalled_s=_seconds(data, "stalled_s"),
+        )
+
+
+class BadValue(ValueError):
+    """A value in the store that this job's ranks did not write, or not in the shape they write it."""
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # RecursionError: thousands of nested brackets
+        raise BadValue(f"not JSON ({type(exc).__name__})") from None
+    if not isinstance(data, dict):
+        raise BadValue(f"JSON {type(data).__name__}; expected an object")
+    return data
+
+
+def _integer(data: Mapping[str, Any], name: str, low: int, high: int) -> int:
+    value = data.get(name)
+    if type(value) is not int or not low <= value <= high:  # type(): True is an int to isinstance
+        raise BadValue(f"{name}={str(value)[:40]!r}; expected an integer in {low}..{high}")
+    return value
+
+
+def _seconds(data: Mapping[str, Any], name: str) -> float:
+    """Seconds (a duration, or a time since the epoch): finite, >= 0 and below year 2500."""
+    value = data.get(name)
+    if type(value) not in (int, float) or not math.isfinite(value) or not 0 <= value < 1.7e10:
+        raise BadValue(f"{name}={str(value)[:40]!r}; expected a number of seconds >= 0")
+    return float(value)
+
+
+def hang_mark(text: str, world_size: int) -> int:
+    """The rank that declared the hang, from the store's mark (BadValue when it is not one a rank wrote)."""
+    if len(text) > 1024:
+        raise BadValue(f"a hang mark of {len(text)} bytes; expected at most 1024")
+    data = _json_object(text)
+    _seconds(data, "time")
+    return _integer(data, "rank", 0, world_size - 1)
+
+
+def shared_summary(text: str) -> dict[str, Any]:
+    """The summary the writing rank shared through the store: what a rank that did not write it logs (`behind`)."""
+    data = _json_object(text)
+    behind = data.get("behind")
+    if not (isinstance(behind, list) and all(isinstance(line, str) and len(line) <= 1000 for line in behind)):
+        raise BadValue("a summary whose 'behind' is not a list of lines")
+    return data
+
+
+def marker(text: str) -> bool:
+    """A rank's "I dumped my stacks" or "I read the summary"."""
+    if text != "1":
+        raise BadValue(f"a marker {text[:40]!r}; expected '1'")
+    return True
+
 
 class GuardedStore:
     """The rendezvous store on a connection of its own, every call with a deadline; after one call
-    misses it the store counts as gone (the helper thread may stay blocked: it is a daemon)."""
+    misses it the store counts as gone (the helper thread may stay blocked: it is a daemon).
 
-    def __init__(self, connect: Callable[[], Any], deadline_s: float, prefix: str) -> None:
+    With `token` (the job's secret), every value is written as `HMAC-SHA256(token, key + newline + value)` in
+    hex, a space, then the value, and a value read back must carry the right one: the store answers any user
+    who can reach its port, and the signature, over the whole key (the start's scope included), is what they
+    cannot make, nor copy from one key or one start to another. Without a token (one user's machine) values
+    are written and read as they are."""
+
+    def __init__(self, connect: Callable[[], Any], deadline_s: float, prefix: str, token: str | None = None) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddpack-watchdog-store")
         self.deadline_s, self.prefix, self.gone = deadline_s, prefix, False
+        self._secret = token.encode() if token is not None else None
         self._store = self._call(connect)
+
+    @property
+    def signed(self) -> bool:
+        return self._secret is not None
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         if self.gone:
@@ -143,16 +256,35 @@ class GuardedStore:
             self.gone = True
             return None
 
+    def _signature(self, key: str, value: str) -> bytes:
+        assert self._secret is not None
+        return hmac.new(self._secret, f"{key}\n{value}".encode(), hashlib.sha256).hexdigest().encode()
+
     def set(self, key: str, value: str) -> None:
         if self._store is not None:
-            self._call(self._store.set, self.prefix + key, value)
+            full = self.prefix + key
+            self._call(self._store.set, full, value if self._secret is None else f"{self._signature(full, value).decode()} {value}")
 
     def get(self, key: str) -> str | None:
-        """The value, or None when the key is not there (never waits for it)."""
+        """The value, or None when the key is not there (never waits for it); BadValue when what is there
+        is too large, not text, or not signed with this job's token."""
         if self._store is None or not self._call(self._store.check, [self.prefix + key]):
             return None
-        value = self._call(self._store.get, self.prefix + key)
-        return value.decode() if value is not None else None
+        raw = self._call(self._store.get, self.prefix + key)
+        if raw is None:
+            return None
+        if len(raw) > MAX_VALUE_BYTES:
+            raise BadValue(f"{len(raw):,} bytes; expected at most {MAX_VALUE_BYTES:,}")
+        try:
+            text = bytes(raw).decode()
+        except UnicodeDecodeError:
+            raise BadValue("not UTF-8 text") from None
+        if self._secret is None:
+            return text
+        signature, _, value = text.partition(" ")
+        if not hmac.compare_digest(signature.encode(), self._signature(self.prefix + key, value)):
+            raise BadValue(f"not signed with this job's {JOB_TOKEN_VAR}")
+        return value
 
 
 def tcp_store(deadline_s: float) -> Callable[[], Any]:
@@ -166,6 +298,42 @@ def tcp_store(deadline_s: float) -> Callable[[], Any]:
         return dist.TCPStore(addr, port, None, False, timedelta(seconds=deadline_s), wait_for_workers=False)
 
     return connect
+
+
+def store_scope(environ: Mapping[str, str]) -> str:
+    """Which start of the job the keys belong to: Slurm's requeue count, the step (a restart in the same
+    allocation is a new step, under the same token) and torchrun's restart count. Every rank of a start reads
+    the same; a signed value recorded in one start does not verify under another's keys."""
+    return ".".join(environ.get(name) or "0" for name in ("SLURM_RESTART_COUNT", "SLURM_STEP_ID", "TORCHELASTIC_RESTART_COUNT"))
+
+
+def store_prefix(name: str, environ: Mapping[str, str], token: str | None) -> str:
+    """`name/<id>/<scope>/`, where `<id>` is derived from the token, never the token itself: TCPStore's
+    `list_keys` shows every key to anyone who connects. Without a token, `name/<scope>/`."""
+    if token is None:
+        return f"{name}/{store_scope(environ)}/"
+    job = hmac.new(token.encode(), b"ddpack-watchdog key names", hashlib.sha256).hexdigest()[:16]
+    return f"{name}/{job}/{store_scope(environ)}/"
+
+
+def job_store(environ: Mapping[str, str], *, name: str, deadline_s: float, connect: Callable[[], Any] | None = None) -> GuardedStore:
+    """The watchdog's store for this rank of this job: the rendezvous store (or `connect`), under the job's
+    prefix, signed with DDPACK_JOB_TOKEN when the job has one (PlanError when it is malformed: the callers
+    check it first and exit 2)."""
+    token = job_token(environ)
+    return GuardedStore(connect or tcp_store(deadline_s), deadline_s, prefix=store_prefix(name, environ, token), token=token)
+
+
+def unsigned_store_note(environ: Mapping[str, str]) -> str | None:
+    """A line for rank 0 when a Slurm job runs without a token: on a shared cluster, another user who reaches
+    the store could end the job as hung. The ddpack templates always set one; a job script of the user's own
+    may not. None elsewhere (docker, torchrun by hand: one user's machine), where it would only be noise."""
+    if environ.get(JOB_TOKEN_VAR) is not None or not (environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")):
+        return None
+    return (
+        f"watchdog: {JOB_TOKEN_VAR} is not set, so the hang watchdog's store values are not signed and another "
+        "user who reaches the rendezvous port could end this job as hung; the ddpack job templates set it"
+    )
 
 
 # ---------------------------------------------------------------- the watchdog
@@ -217,6 +385,7 @@ class Watchdog:
         forensics_dir: Path,
         log: Callable[[str], None],
         store: GuardedStore,
+        rank_hosts: Sequence[str] | None = None,
         on_hang: Callable[[dict[str, Any]], None] = lambda summary: None,
         on_end: Callable[[RunEnd], None] = lambda end: None,  # records the rank's end (python -m train: its record_end)
         exit: Callable[[int], None] = os._exit,
@@ -230,6 +399,19 @@ class Watchdog:
         self._stopped = threading.Event()
         self._ending = threading.Event()  # set once this watchdog has begun ending the rank
         self._thread = threading.Thread(target=self._run, name="ddpack-watchdog", daemon=True)
+        self._latest: dict[int, Heartbeat] = {}  # the freshest heartbeat read from each peer
+        self._warned: set[str] = set()
+        self.rank_hosts: Sequence[str] | None = None
+        if rank_hosts is not None:
+            self.know_hosts(rank_hosts)
+
+    def know_hosts(self, hosts: Sequence[str]) -> None:
+        """Every rank's host, in rank order, as the ranks gathered them through the process group (not the
+        store): from here on a peer's heartbeat must name its own, so that only hosts of this job's ranks can
+        reach the summary and unresponsive-nodes."""
+        if len(hosts) == self.world_size:
+            self.rank_hosts = tuple(hosts)
+            self._latest = {r: beat for r, beat in self._latest.items() if beat.host == hosts[r]}  # read before: checked again
 
     def start(self) -> None:
         self._beat()
@@ -245,7 +427,7 @@ class Watchdog:
         consequence, so this rank waits here while its watchdog (which notices the declaration within a
         tick) ends it with the hang's exit code, record and evidence, instead of recording a second,
         misleading end. Returns at once when no hang was declared (a peer really died)."""
-        if not self._ending.is_set() and self.store.get("hang") is None:
+        if not self._ending.is_set() and self._declared() is None:
             return
         self._ending.wait(2 * self.tick + 1)
         self._thread.join(self.grace_s + 4 * self.tick + 10)  # the watchdog exits the process; this bounds a stuck one
@@ -269,29 +451,78 @@ class Watchdog:
         self.store.set(f"hb/{self.rank}", json.dumps(asdict(self._heartbeat())))
 
     def _beats(self) -> dict[int, Heartbeat]:
+        """Every rank's latest heartbeat: this rank's own, and each peer's freshest yet. One older than a
+        heartbeat already read from that rank is a replay (its own clock only moves on), and a key gone
+        missing does not forget the rank: both keep the freshest, which goes stale if no newer one comes."""
         beats = {self.rank: self._heartbeat()}
         for r in range(self.world_size):
-            if r != self.rank and (text := self.store.get(f"hb/{r}")) is not None:
-                beats[r] = Heartbeat(**json.loads(text))
+            if r == self.rank:
+                continue
+            host = self.rank_hosts[r] if self.rank_hosts is not None else None
+            beat = self._read(f"hb/{r}", lambda text, r=r, host=host: Heartbeat.from_json(text, rank=r, host=host))
+            known = self._latest.get(r)
+            if beat is not None and (known is None or beat.sent >= known.sent):
+                self._latest[r] = beat
+            if r in self._latest:
+                beats[r] = self._latest[r]
         return beats
+
+    def _read(self, key: str, parse: Callable[[str], T]) -> T | None:
+        """The value under `key` as `parse` makes it, or None when there is none or it is bad (not signed
+        with the job's token, not the shape the ranks write): a bad one is ignored, with a line for the first."""
+        try:
+            text = self.store.get(key)
+            return None if text is None else parse(text)
+        except BadValue as exc:
+            self._warn_once("bad value", f"watchdog: ignoring the rendezvous store's value under {key!r}: {exc}; later bad ones without a line")
+            return None
+
+    def _declared(self) -> int | None:
+        """The rank that declared the job hung, or None."""
+        return self._read("hang", lambda text: hang_mark(text, self.world_size))
+
+    def _warn_once(self, kind: str, line: str) -> None:
+        """A line per kind of trouble, not per tick: the watchdog looks every tick, for as long as the run lasts."""
+        if kind not in self._warned:
+            self._warned.add(kind)
+            self.log(line)
 
     def _run(self) -> None:
         while not self._stopped.wait(self.tick):
-            self._beat()
-            declared = self.store.get("hang")
-            if declared is not None:
-                self._end(f"rank {json.loads(declared)['rank']} found the job hung")
+            try:
+                why = self._check()
+            except Exception as exc:  # never a dead watchdog: a hang after this would end no rank, with no evidence
+                first = str(exc).splitlines()[0][:200] if str(exc) else ""
+                self._warn_once("check failed", f"watchdog: a check failed ({type(exc).__name__}: {first}); it goes on, later failures without a line")
+                continue
+            if why is not None:
+                self._end_surely(why)
                 return
-            elif self.progress.stalled_s(time.monotonic()) > self.timeout_s:
-                if self.store.gone:
-                    self._end("the rendezvous store stopped answering (its host may be stopped or lost)")
-                    return
-                now = time.time()
-                beats = self._beats()
-                if all(b.stalled_by(now, self.stale_after) > self.timeout_s for b in beats.values()):
-                    self.store.set("hang", json.dumps({"rank": self.rank, "time": now}))
-                    self._end(f"no rank finished a step for {self.timeout_s:g}s")
-                    return
+
+    def _check(self) -> str | None:
+        """One tick: publish this rank's heartbeat, then why the job must end (None: it goes on)."""
+        self._beat()
+        declared = self._declared()
+        if declared is not None:
+            return f"rank {declared} found the job hung"
+        if self.progress.stalled_s(time.monotonic()) <= self.timeout_s:
+            return None
+        if self.store.gone:
+            return "the rendezvous store stopped answering (its host may be stopped or lost)"
+        now = time.time()
+        beats = self._beats()
+        if all(b.stalled_by(now, self.stale_after) > self.timeout_s for b in beats.values()):
+            self.store.set("hang", json.dumps({"rank": self.rank, "time": now}))
+            return f"no rank finished a step for {self.timeout_s:g}s"
+        return None
+
+    def _end_surely(self, why: str) -> None:
+        """`_end`, and the rank ends as hung even when writing the evidence fails (a full disk, a bad summary)."""
+        try:
+            self._end(why)
+        except Exception as exc:
+            self.log(f"hang: {why}; the evidence could not be written ({type(exc).__name__}: {exc}); exiting {EXIT_HANG}")
+            self._exit(EXIT_HANG)
 
     # ------------------------------------------------------------ the end
 
@@ -338,7 +569,7 @@ class Watchdog:
             beats = self._beats()
             live = sorted(r for r, b in beats.items() if b.age(now) <= self.stale_after)
             writer = live[0] if live and not self.store.gone else self.rank
-            dumped = [r for r in live if r == self.rank or self.store.get(f"dumped/{r}") is not None]
+            dumped = [r for r in live if r == self.rank or self._read(f"dumped/{r}", marker) is not None]
             if writer == self.rank and (dumped == live or time.monotonic() > deadline or self.store.gone):
                 verdict = judge(beats, self.world_size, now, self.stale_after, self.timeout_s)
                 stacks = {str(r): rank_stacks(r) for r in range(self.world_size) if (self.forensics_dir / rank_stacks(r)).exists()}
@@ -352,14 +583,14 @@ class Watchdog:
                 others = [r for r in live if r != self.rank]
                 until = time.monotonic() + 2 * self.tick + 2
                 while others and time.monotonic() < until and not self.store.gone:
-                    others = [r for r in others if self.store.get(f"read/{r}") is None]
+                    others = [r for r in others if self._read(f"read/{r}", marker) is None]
                     time.sleep(0.1)
                 return summary
             if writer != self.rank:
-                shared = self.store.get("summary")
+                shared = self._read("summary", shared_summary)
                 if shared is not None:
                     self.store.set(f"read/{self.rank}", "1")
-                    return json.loads(shared)
+                    return shared
                 if time.monotonic() > deadline + 5:
                     return {}
             time.sleep(min(self.tick, 0.5))
