@@ -9,6 +9,9 @@
         summary.json                 who fell behind, written once
         unresponsive-nodes           nodes whose ranks stopped answering, one a line (kept out of a retry)
       report.html                  make report's page
+      run.json                     `ddpack submit`'s record: image, code, command, settings, versions, each job
+      job/                         the job script as submitted and the helpers it sources (ddpack submit)
+      logs/slurm-<job id>.out      each job's log, requeues appended (ddpack submit's --output)
 
 Standard library only: the launcher (entrypoint/supervise.py), the trainer, ddpack_run and the host tools
 import these names; enroot/ddpack-job.sh spells them in shell, and tests/test_job_helper.py checks that it
@@ -25,8 +28,17 @@ SUMMARY = "summary.json"
 UNRESPONSIVE_NODES = "unresponsive-nodes"
 REPORT = "report.html"
 REPORT_IMAGE = "report.png"
+RUN_RECORD = "run.json"
+JOB = "job"
+JOB_SCRIPT = "ddpack.sbatch"
+LOGS = "logs"
 
 
 def rank_stacks(rank: int | str) -> str:
     """The file in FORENSICS that holds rank `rank`'s stacks."""
     return f"rank-{rank}.txt"
+
+
+def job_log(job_id: int | str) -> str:
+    """The file in LOGS that holds job `job_id`'s output (Slurm's --output=LOGS/slurm-%j.out)."""
+    return f"slurm-{job_id}.out"

@@ -1,0 +1,180 @@
+"""`ddpack`: one command from your project to a running job and back (docs/commands.md).
+
+    ddpack submit [APP_DIR] --nodes N [...] [--dry-run] [--json] [-- COMMAND...]
+    ddpack status [RUN|JOB_ID] [--json] [--watch]
+    ddpack logs   [RUN|JOB_ID] [-f] [--rank R]
+    ddpack cancel [RUN|JOB_ID]
+    ddpack ls     [--runs DIR]
+    ddpack resubmit RUN
+    ddpack report RUN [--png]
+
+Host side only: Slurm's own commands (sbatch, squeue, sacct where there is accounting, scancel) and the run folder.
+Bad input is one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from ddpack.errors import run_verb
+
+
+def _whole(text: str) -> int:
+    if not text.lstrip("-").isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
+    return int(text)
+
+
+def _env_pair(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=VALUE")
+    return name, value
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="ddpack", description=__doc__.splitlines()[0])
+    verbs = top.add_subparsers(dest="verb", required=True, metavar="VERB")
+    runs_help = "the runs folder (default: DDPACK_RUNS, else ./runs)"
+
+    sub = verbs.add_parser("submit", help="build, convert and submit a project (only what changed), recording what ran")
+    sub.add_argument("app_dir", nargs="?", default=".", type=Path, help="the project folder (default: here)")
+    sub.add_argument("--nodes", type=_whole, required=True, help="nodes that train")
+    sub.add_argument("--tasks-per-node", type=_whole, default=1, help="ranks per node (GPUs per node on GPU nodes)")
+    sub.add_argument("--spares", type=_whole, default=0, help="spare nodes held for a restart in place")
+    sub.add_argument("--gpus-per-node", type=_whole, default=0)
+    sub.add_argument("--partition")
+    sub.add_argument("--time", dest="time_limit", help="Slurm's time limit, e.g. 4:00:00")
+    sub.add_argument("--template", default="per-task", choices=("per-task", "torchrun"))
+    sub.add_argument(
+        "--mounts", default=os.environ.get("DDPACK_MOUNTS") or "/fsx:/fsx", help="pyxis' --container-mounts (default /fsx:/fsx)"
+    )
+    sub.add_argument("--runs", type=Path, default=None, help=runs_help)
+    sub.add_argument("--images", type=Path, default=None, help="the shared images folder (default: DDPACK_IMAGES, else /fsx/images)")
+    sub.add_argument("--sqsh", type=Path, help="a squashfs made already (make sqsh): nothing is built or converted")
+    sub.add_argument("--name", help="the job's and run folder's name (default: the project folder's)")
+    sub.add_argument("--env", type=_env_pair, action="append", default=[], metavar="NAME=VALUE", help="a setting for the job (repeatable)")
+    sub.add_argument("--dry-run", action="store_true", help="print the job script and run the checks; build, write and queue nothing")
+    sub.add_argument("--json", action="store_true", help="print one JSON object (job_id, run_dir, ...)")
+    sub.epilog = "-- COMMAND...: your program, run by every rank (default: the image's own command)"
+
+    for name, text in (("status", "a run's state, segments, progress and ETA"), ("logs", "a run's job logs, across requeues")):
+        sub = verbs.add_parser(name, help=text)
+        sub.add_argument("run", nargs="?", help="a run folder or a job id (default: the newest run)")
+        sub.add_argument("--runs", type=Path, default=None, help=runs_help)
+    verbs.choices["status"].add_argument("--json", action="store_true")
+    verbs.choices["status"].add_argument("--watch", action="store_true", help="refresh until the job ends")
+    verbs.choices["status"].add_argument("--interval", type=float, default=2.0, help="--watch's refresh, seconds")
+    verbs.choices["logs"].add_argument("-f", "--follow", action="store_true", help="follow until the job ends; exit 0 when it COMPLETED")
+    verbs.choices["logs"].add_argument("--rank", type=_whole, help="only rank R's lines")
+
+    sub = verbs.add_parser("cancel", help="scancel a run's job")
+    sub.add_argument("run", nargs="?")
+    sub.add_argument("--runs", type=Path, default=None, help=runs_help)
+    sub = verbs.add_parser("ls", help="every run with its state and progress")
+    sub.add_argument("--runs", type=Path, default=None, help=runs_help)
+    sub = verbs.add_parser("resubmit", help="a new job continuing a run, with the same job script and image")
+    sub.add_argument("run")
+    sub.add_argument("--runs", type=Path, default=None, help=runs_help)
+    sub = verbs.add_parser("report", help="the run's report.html")
+    sub.add_argument("run")
+    sub.add_argument("--png", action="store_true")
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command: list[str] = []
+    if "--" in argv:  # submit's program: everything after --, never read as ddpack's own arguments
+        command, argv = argv[argv.index("--") + 1 :], argv[: argv.index("--")]
+    opts = parser().parse_args(argv)
+    opts.command = command
+    from ddpack import runs as run_ops
+
+    runs = (opts.runs if getattr(opts, "runs", None) else run_ops.default_runs()).resolve()
+
+    def body() -> int:
+        if opts.verb == "submit":
+            return submit(opts, runs)
+        if opts.verb == "status":
+            return status(opts, runs)
+        if opts.verb == "logs":
+            run_dir = run_ops.resolve_run(opts.run, runs)
+            if opts.follow:
+                return run_ops.follow(run_dir, opts.rank)
+            run_ops.print_logs(run_dir, opts.rank)
+            return 0
+        if opts.verb == "cancel":
+            run_dir = run_ops.resolve_run(opts.run, runs)
+            job = run_ops.cancel(run_dir)
+            print(f"cancel: job {job} of {run_dir} cancelled (scancel); ddpack status {run_dir} shows CANCELLED once Slurm has ended it")
+            return 0
+        if opts.verb == "ls":
+            from ddpack.status import render_list
+
+            lines = render_list(runs)
+            print("\n".join(lines) if lines else f"no runs under {runs}")
+            return 0
+        if opts.verb == "resubmit":
+            run_dir = run_ops.resolve_run(opts.run, runs)
+            job = run_ops.resubmit(run_dir)
+            print(f"resubmit: job {job} continues {run_dir} with the same image and job script")
+            return 0
+        from ddpack.report import write_report
+
+        for path in write_report(Path(opts.run), with_png=opts.png):
+            print(f"report: wrote {path}")
+        return 0
+
+    return run_verb(opts.verb, body)
+
+
+def submit(opts: argparse.Namespace, runs: Path) -> int:
+    from ddpack.submit import SubmitSettings, as_json
+    from ddpack.submit import submit as do_submit
+
+    command = tuple(opts.command)
+    settings = SubmitSettings(
+        app_dir=opts.app_dir.resolve(),
+        nodes=opts.nodes,
+        tasks_per_node=opts.tasks_per_node,
+        spares=opts.spares,
+        gpus_per_node=opts.gpus_per_node,
+        partition=opts.partition,
+        time_limit=opts.time_limit,
+        template=opts.template,
+        mounts=opts.mounts,
+        runs=runs,
+        images=(opts.images or Path(os.environ.get("DDPACK_IMAGES") or "/fsx/images")).resolve(),
+        env=dict(opts.env),
+        command=command,
+        sqsh=opts.sqsh,
+        name=opts.name,
+    )
+    say = (lambda text: print(text, file=sys.stderr, flush=True)) if opts.json else print
+    result = do_submit(settings, dry_run=opts.dry_run, say=say)
+    if opts.json:
+        print(as_json(result))
+    elif result.job_id:
+        print("next:\n" + "\n".join(f"  {line}" for line in result.next_commands()))
+    return 0
+
+
+def status(opts: argparse.Namespace, runs: Path) -> int:
+    from ddpack.runs import resolve_run
+    from ddpack.status import render, run_status, watch
+
+    run_dir = resolve_run(opts.run, runs)
+    if opts.watch:
+        watch(run_dir, interval_s=opts.interval, tty=sys.stdout.isatty() and not opts.json, out=sys.stdout)
+        return 0
+    result = run_status(run_dir)
+    print(result.to_json() if opts.json else render(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

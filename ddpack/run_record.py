@@ -1,0 +1,133 @@
+"""A run's record, `run.json` in its folder: what ran (image, code, command, settings, the job script, the cluster's
+versions) and every job that ran it. Written before the first job is submitted, so the folder alone says what ran
+and can run it again (`ddpack resubmit`); each submission appends its job.
+
+One definition: `ddpack submit` writes it, `status`, `logs`, `cancel`, `ls` and `resubmit` read it. Writes go
+through a temporary name beside the file and a rename under an flock, so a reader never sees half a record and two
+writers never lose each other's job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ddpack.errors import HostError
+from ddpack.private_files import write_atomically
+from train.run_folder import RUN_RECORD
+
+FORMAT = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    job_id: str
+    attempt: int  # 1 for the submission, then one more per resubmit
+    submitted: float
+    how: str  # "submit" or "resubmit"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunRecord:
+    name: str
+    run_dir: str
+    created: float
+    user: str
+    host: str
+    image: dict[str, Any]  # ref, id, bundle, ecr_digest
+    sqsh: dict[str, Any]  # path, key, size, mtime_ns
+    code: dict[str, Any]  # app_dir, digest, git_commit, git_dirty, diff_sha256, diff_file
+    command: list[str]
+    settings: dict[str, Any]
+    script: str  # the job script, relative to the run folder
+    script_sha256: str
+    versions: dict[str, str]
+    jobs: list[Job] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)  # cancels, with time and job
+    format: int = FORMAT
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: Path) -> RunRecord:
+        if data.get("format") != FORMAT:
+            raise HostError(f"{where} is a run record of format {data.get('format')!r}; this ddpack reads format {FORMAT}", code=2)
+        try:
+            return cls(**{**data, "jobs": [Job(**job) for job in data.get("jobs", [])]})
+        except TypeError as exc:
+            raise HostError(f"{where} is not a ddpack run record ({exc}); it may have been edited by hand", code=2) from None
+
+    @property
+    def last_job(self) -> Job | None:
+        return self.jobs[-1] if self.jobs else None
+
+
+def record_path(run_dir: Path) -> Path:
+    return run_dir / RUN_RECORD
+
+
+def read_record(run_dir: Path) -> RunRecord:
+    path = record_path(run_dir)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise HostError(
+            f"{run_dir} holds no {RUN_RECORD}: it is not a run `ddpack submit` made (give a run folder, or a job id)", code=2
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise HostError(f"cannot read {path}: {exc}", code=2) from None
+    if not isinstance(data, dict):
+        raise HostError(f"{path} is not a ddpack run record", code=2)
+    return RunRecord.from_dict(data, path)
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    """`data` as JSON at `path`: a private temporary file beside it, then a rename (never half a file, never
+    through a planted name). Readable as the run folder is (the umask decides who may read the folder)."""
+    write_atomically(path, json.dumps(data, indent=2, sort_keys=True) + "\n", mode=0o644 & ~current_umask())
+
+
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def write_record(record: RunRecord) -> None:
+    run_dir = Path(record.run_dir)
+    with _locked(run_dir):
+        write_json_atomic(record_path(run_dir), asdict(record))
+
+
+@contextlib.contextmanager
+def _locked(run_dir: Path) -> Iterator[None]:
+    fd = os.open(run_dir / f".{RUN_RECORD}.lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        with contextlib.suppress(OSError):  # a filesystem without flock: one writer at a time is the user's
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def append_job(run_dir: Path, job_id: str, how: str) -> Job:
+    """Add a submitted job to the record, re-read under the lock so a concurrent append is kept."""
+    with _locked(run_dir):
+        record = read_record(run_dir)
+        job = Job(job_id=job_id, attempt=len(record.jobs) + 1, submitted=time.time(), how=how)
+        data = asdict(record)
+        data["jobs"].append(asdict(job))
+        write_json_atomic(record_path(run_dir), data)
+    return job
+
+
+def append_event(run_dir: Path, event: dict[str, Any]) -> None:
+    with _locked(run_dir):
+        data = asdict(read_record(run_dir))
+        data["events"].append({"time": time.time(), **event})
+        write_json_atomic(record_path(run_dir), data)

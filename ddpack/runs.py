@@ -1,0 +1,151 @@
+"""Finding a run and acting on it: `ddpack logs`, `cancel` and `resubmit`, over the run folder `ddpack submit` made.
+
+A run is named by its folder, by one of its job ids, or by nothing (the newest run under the runs folder). Its jobs'
+logs are `logs/slurm-<job>.out` in the folder (a requeue appends to its job's log; a resubmit is a new job and a new
+log), so `logs` shows a run's whole history and `logs -f` follows it across requeues, ending with the job's status.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import time
+from pathlib import Path
+from typing import TextIO
+
+from ddpack import slurm_cli
+from ddpack.errors import HostError
+from ddpack.run_record import append_event, append_job, read_record
+from ddpack.status import ENDED, list_runs, run_status
+from train import run_folder
+
+# `logs -f` exit statuses: the job's own exit code is not Slurm's to give after MinJobAge, its state is.
+EXIT_FOR_STATE = {"COMPLETED": 0, "FAILED": 1, "CANCELLED": 3, "TIMEOUT": 4}
+SETTLE_S = 10.0  # an ended state must hold this long: a requeue passes through one for a moment
+
+
+def default_runs() -> Path:
+    return Path(os.environ.get("DDPACK_RUNS") or "runs")
+
+
+def resolve_run(run: str | None, runs: Path) -> Path:
+    """The run folder `run` names: a folder, a job id of a run under `runs`, or (None) the newest run there."""
+    if run is None:
+        found = list_runs(runs)
+        if not found:
+            raise HostError(f"no runs under {runs}: submit one (ddpack submit), or name its folder (--runs DIR, or DDPACK_RUNS)", code=2)
+        return found[-1][0]
+    path = Path(run)
+    if path.is_dir():
+        read_record(path)  # a one-line error when it is not a run folder
+        return path.resolve()
+    if run.isdigit():
+        for folder, record in reversed(list_runs(runs)):
+            if any(job.job_id == run for job in record.jobs):
+                return folder
+        raise HostError(f"job {run} belongs to no run under {runs}; name the run folder, or give --runs", code=2)
+    raise HostError(f"{run} is neither a run folder nor a job id", code=2)
+
+
+# --------------------------------------------------------------------------- logs
+
+
+def rank_filter(line: str, rank: int | None) -> bool:
+    return rank is None or line.startswith(f"[rank {rank}/") or f"] [rank {rank}/" in line
+
+
+def print_logs(run_dir: Path, rank: int | None, out: TextIO = sys.stdout) -> dict[str, int]:
+    """Every job's log in submission order; {log: bytes shown}, where a follow goes on from."""
+    record = read_record(run_dir)
+    shown = {}
+    for job in record.jobs:
+        log = run_dir / run_folder.LOGS / run_folder.job_log(job.job_id)
+        if len(record.jobs) > 1:
+            out.write(f"==> job {job.job_id} (attempt {job.attempt}, {job.how}) <==\n")
+        data = log.read_bytes() if log.exists() else b""
+        complete = data[: data.rfind(b"\n") + 1]
+        for line in complete.decode(errors="replace").splitlines(keepends=True):
+            if rank_filter(line, rank):
+                out.write(line)
+        shown[str(log)] = len(complete)
+    out.flush()
+    return shown
+
+
+def follow(run_dir: Path, rank: int | None, out: TextIO = sys.stdout, poll_s: float = 0.5) -> int:
+    """Show the logs, then follow the newest job's until the job has ended (across its requeues); returns 0 when it
+    COMPLETED, else the state's exit status (EXIT_FOR_STATE)."""
+    shown = print_logs(run_dir, rank, out)
+    record = read_record(run_dir)
+    job = record.last_job
+    if job is None:
+        raise HostError(f"{run_dir} has no job to follow", code=2)
+    log = run_dir / run_folder.LOGS / run_folder.job_log(job.job_id)
+    offset, ended_since, next_check, state = shown.get(str(log), 0), None, 0.0, ""
+    while True:
+        if log.exists() and log.stat().st_size > offset:
+            with log.open("rb") as handle:
+                handle.seek(offset)
+                data = handle.read()
+            complete = data[: data.rfind(b"\n") + 1]
+            offset += len(complete)
+            for line in complete.decode(errors="replace").splitlines(keepends=True):
+                if rank_filter(line, rank):
+                    out.write(line)
+            out.flush()
+        now = time.monotonic()
+        if now >= next_check:
+            state = run_status(run_dir).state
+            next_check = now + 2.0
+            ended_since = (ended_since or now) if state in ENDED else None
+        if ended_since is not None and now - ended_since >= SETTLE_S:
+            out.write(f"ddpack logs: job {job.job_id} {state}\n")
+            out.flush()
+            return EXIT_FOR_STATE.get(state, 1)
+        time.sleep(poll_s)
+
+
+# --------------------------------------------------------------------------- cancel and resubmit
+
+
+def cancel(run_dir: Path) -> str:
+    """scancel the run's newest job (a requeue keeps its id, so the run stops for good); recorded in run.json."""
+    record = read_record(run_dir)
+    job = record.last_job
+    if job is None:
+        raise HostError(f"{run_dir} has no job to cancel", code=2)
+    slurm_cli.scancel(job.job_id)
+    append_event(run_dir, {"kind": "cancel", "job_id": job.job_id})
+    return job.job_id
+
+
+def resubmit(run_dir: Path) -> str:
+    """A new job that continues the run folder with the same job script and the same image; refused in one line
+    when that image is gone or changed, the script was edited, or a job of the run still lives."""
+    from ddpack.submit import image_key
+
+    record = read_record(run_dir)
+    sqsh = Path(record.sqsh["path"])
+    if not sqsh.is_file():
+        raise HostError(f"the image this run ran, {sqsh}, is gone; submit again (ddpack submit) to build and convert it", code=2)
+    now = image_key(sqsh)
+    if now != record.sqsh["key"]:
+        raise HostError(
+            f"the image at {sqsh} changed since this run was submitted (key {record.sqsh['key']}, now {now}): it is not the image "
+            "this run ran; submit again (ddpack submit) for the new one",
+            code=2,
+        )
+    script = run_dir / record.script
+    if hashlib.sha256(script.read_bytes()).hexdigest() != record.script_sha256:
+        raise HostError(f"{script} was edited since it was submitted; submit again rather than resubmit a changed job", code=2)
+    job = record.last_job
+    if job is not None:
+        queue = slurm_cli.queue_state(job.job_id)
+        if queue.failed:
+            raise HostError(f"cannot tell whether job {job.job_id} of this run is over: {queue.failed}; try again", code=2)
+        if queue.listed and queue.state not in slurm_cli.FINAL:
+            raise HostError(f"job {job.job_id} of this run is still {queue.state}; ddpack cancel it first, or wait for it", code=2)
+    job_id = slurm_cli.sbatch(script, run_dir)
+    append_job(run_dir, job_id, "resubmit")
+    return job_id

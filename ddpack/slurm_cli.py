@@ -1,0 +1,160 @@
+"""Slurm's own command line, asked the way a run's lifecycle needs it: a failure is never read as an answer.
+
+`squeue` that times out says nothing about a job; `squeue -j ID` for a job Slurm has purged says "Invalid job id"
+and exits 1. The two are told apart here (QueueAnswer.failed vs .listed False), so a status command never
+declares a run over, and never forgets it, because the controller was slow (torchx #1101 and SkyPilot #10457
+are what goes wrong otherwise). `sacct` is optional: many clusters (and the test cluster) have no accounting.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from ddpack.errors import HostError
+
+TIMEOUT_S = 30
+# The states in which a job has left its nodes for good (squeue -t all keeps them for MinJobAge seconds).
+FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Answer:
+    """A command's result: its output, or why it gave none (missing, timed out, failed)."""
+
+    stdout: str = ""
+    stderr: str = ""
+    failed: str = ""  # empty when the command ran and exited 0
+
+
+def ask(argv: list[str], timeout: float = TIMEOUT_S, cwd: Path | None = None) -> Answer:
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    except FileNotFoundError:
+        return Answer(failed=f"{argv[0]} is not installed here (run ddpack on a machine with Slurm's commands: a login node)")
+    except subprocess.TimeoutExpired:
+        return Answer(failed=f"{argv[0]} did not answer in {timeout:.0f} s")
+    if out.returncode != 0:
+        last = [line for line in out.stderr.splitlines() if line.strip()]
+        return Answer(
+            stdout=out.stdout, stderr=out.stderr, failed=f"{argv[0]} failed (exit {out.returncode}: {last[-1] if last else 'no message'})"
+        )
+    return Answer(stdout=out.stdout, stderr=out.stderr)
+
+
+@dataclass(frozen=True, kw_only=True)
+class QueueAnswer:
+    """What squeue says of one job: listed (with its state), not listed (Slurm forgot it), or failed (no answer)."""
+
+    listed: bool = False
+    state: str = ""  # PENDING, RUNNING, COMPLETING, REQUEUED, COMPLETED, CANCELLED, ...
+    reason: str = ""
+    nodes: str = ""
+    failed: str = ""
+
+
+def queue_state(job_id: str) -> QueueAnswer:
+    answer = ask(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T|%r|%N"])
+    if answer.failed:
+        if "Invalid job id" in answer.stderr:
+            return QueueAnswer(listed=False)
+        return QueueAnswer(failed=answer.failed)
+    line = answer.stdout.strip().splitlines()[0] if answer.stdout.strip() else ""
+    if not line:
+        return QueueAnswer(listed=False)
+    state, reason, nodes = [*line.split("|"), "", ""][:3]
+    return QueueAnswer(listed=True, state=state.strip(), reason=reason.strip(), nodes=nodes.strip())
+
+
+def queue_states(job_ids: list[str]) -> dict[str, str] | None:
+    """{job id: state} for the jobs squeue still lists, in one call; None when squeue failed."""
+    if not job_ids:
+        return {}
+    answer = ask(["squeue", "-h", "-t", "all", "-j", ",".join(job_ids), "-o", "%A|%T"])
+    if answer.failed and "Invalid job id" not in answer.stderr:
+        return None
+    states = {}
+    for line in answer.stdout.splitlines():
+        job, _, state = line.partition("|")
+        if job.strip():
+            states[job.strip()] = state.strip()
+    return states
+
+
+def accounting_state(job_id: str) -> tuple[str, str] | None:
+    """(state, exit code) from sacct, where the cluster keeps accounting; None where it has none or fails."""
+    answer = ask(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State,ExitCode"])
+    if answer.failed or not answer.stdout.strip():
+        return None
+    state, _, code = answer.stdout.strip().splitlines()[-1].partition("|")
+    return state.split()[0] if state.split() else "", code
+
+
+def job_exit_code(job_id: str) -> int | None:
+    """The batch script's exit status from scontrol (kept for MinJobAge seconds), None when unknown."""
+    answer = ask(["scontrol", "-o", "show", "job", job_id])
+    found = re.search(r"\bExitCode=(\d+):(\d+)", answer.stdout)
+    return int(found.group(1)) if found and not answer.failed else None
+
+
+def sbatch(script: Path, cwd: Path) -> str:
+    """Submit `script`; its job id. A refusal is one line naming sbatch's own reason."""
+    answer = ask(["sbatch", "--parsable", str(script)], timeout=120, cwd=cwd)
+    if answer.failed:
+        raise HostError(f"sbatch refused the job: {answer.failed}", code=2)
+    job = answer.stdout.strip().split(";")[0]
+    if not job.isdigit():
+        raise HostError(f"sbatch answered {answer.stdout.strip()!r}, not a job id", code=1)
+    return job
+
+
+def scancel(job_id: str) -> None:
+    answer = ask(["scancel", job_id])
+    if answer.failed:
+        raise HostError(f"scancel {job_id}: {answer.failed}", code=1)
+
+
+def partition_nodes(partition: str | None) -> tuple[str, int] | str:
+    """(the partition's name, its node count) — the default partition when `partition` is None — or why not."""
+    answer = ask(["sinfo", "-h", "-o", "%P|%D", *(["-p", partition] if partition else [])])
+    if answer.failed:
+        return answer.failed
+    total, name = 0, partition or ""
+    for line in answer.stdout.splitlines():
+        part, _, count = line.partition("|")
+        default = part.endswith("*")
+        part = part.rstrip("*")
+        if (partition and part == partition) or (not partition and default):
+            name, total = part, total + int(count or 0)
+    if not name:
+        if partition:
+            return f"partition {partition} does not exist (sinfo lists none by that name)"
+        return "this cluster has no default partition; give --partition"
+    if total == 0:
+        return f"partition {name} does not exist or has no nodes"
+    return name, total
+
+
+def has_pyxis() -> bool:
+    return "--container-image" in ask(["srun", "--help"]).stdout
+
+
+def versions() -> dict[str, str]:
+    """Slurm's, pyxis' and enroot's versions, as this host reports them ("" where a tool is absent)."""
+    slurm = ask(["sinfo", "--version"]).stdout.strip()
+    enroot = ask(["enroot", "version"]).stdout.strip()
+    return {"slurm": slurm, "pyxis": pyxis_version(), "enroot": enroot}
+
+
+def pyxis_version(plugstack: Path = Path("/etc/slurm/plugstack.conf.d")) -> str:
+    """pyxis' version from its SPANK plugin (the string it logs), found through plugstack.conf.d; "" without it."""
+    for conf in sorted(plugstack.glob("*.conf")) if plugstack.is_dir() else []:
+        for line in conf.read_text(errors="replace").splitlines():
+            words = line.split()
+            plugin = next((w for w in words if w.endswith("spank_pyxis.so")), None)
+            if plugin and Path(plugin).is_file():
+                found = re.search(rb"pyxis: version (v?[0-9][0-9.]*)", Path(plugin).read_bytes())
+                return found.group(1).decode() if found else "present"
+    return "present" if has_pyxis() else ""

@@ -1,0 +1,377 @@
+"""`ddpack status` and `ddpack ls`: a run's state, segments, progress and ETA, from Slurm and the run folder.
+
+The state comes from `squeue` (which keeps an ended job for MinJobAge), then `sacct` where the cluster keeps
+accounting, then the run folder's own records: run.json's cancels, the job log's `*** JOB … CANCELLED ***` and
+the template's decisions, the trainer's end record. An squeue that fails or no longer lists the job never loses a
+run: the folder still says what happened, and `state_from` says who answered.
+
+The metrics file can hold hundreds of thousands of progress records: they are counted, not parsed; only the
+start, end and snapshot records and the last progress records are read as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ddpack import slurm_cli
+from ddpack.run_record import RunRecord, read_record
+from train import run_folder
+from train.metrics import format_duration
+
+STATES = ("PENDING", "RUNNING", "REQUEUED", "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
+CANCELLED_LINE = re.compile(r"\*\*\* JOB (\d+) ON \S+ CANCELLED AT \S+( DUE TO TIME LIMIT)?")
+BANNER = re.compile(r"^ddpack: job (\d+) \(restart (\d+)\) on (\S+), run dir ")
+DECISION = re.compile(r"^ddpack: (preempted \(exit \d+\).*|the step .*(restarting it in this allocation|requeueing job|not requeueing).*)$")
+KEEP_PROGRESS = 50  # the last progress records parsed: enough for a rate over the segment's recent steps
+
+
+@dataclass(frozen=True, kw_only=True)
+class Segment:
+    """One start of the run's training: the first, each requeue, each restart in place."""
+
+    number: int
+    began: float | None
+    why: str  # "submitted", or the template's decision that started it
+    hosts: list[str] = field(default_factory=list)
+    from_step: int | None = None
+    slurm_restart: int | None = None
+    outcome: str | None = None  # the end record's, when the segment wrote one
+
+
+@dataclass(frozen=True, kw_only=True)
+class Status:
+    run_dir: str
+    name: str
+    job_id: str | None
+    attempt: int
+    state: str
+    state_from: str
+    note: str
+    step: int | None
+    total_steps: int | None
+    loss: float | None
+    samples_per_s: float | None
+    eta_s: float | None
+    slowest_rank: int | None
+    slowest_step_s: float | None
+    progress_records: int
+    updated: float | None
+    segments: list[Segment]
+    outcome: dict[str, Any] | None
+    image: str | None
+    sqsh: str | None
+
+    @property
+    def ended(self) -> bool:
+        return self.state in ENDED
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+
+# --------------------------------------------------------------------------- the run folder's records
+
+
+@dataclass
+class Records:
+    starts: list[dict[str, Any]] = field(default_factory=list)
+    ends: list[tuple[int, dict[str, Any]]] = field(default_factory=list)  # (segment index, end record)
+    progress: list[dict[str, Any]] = field(default_factory=list)  # the last KEEP_PROGRESS of the last segment
+    progress_count: int = 0
+
+
+def read_records(metrics: Path) -> Records:
+    """The records status needs, without parsing every progress line (a long run writes 100,000 of them)."""
+    records = Records()
+    try:
+        data = metrics.read_bytes()
+    except OSError:
+        return records
+    last_progress: list[bytes] = []
+    for line in data.splitlines():
+        if b'"kind": "progress"' in line:
+            records.progress_count += 1
+            last_progress.append(line)
+            if len(last_progress) > 2 * KEEP_PROGRESS:
+                del last_progress[:KEEP_PROGRESS]
+            continue
+        if b'"kind": "start"' not in line and b'"kind": "end"' not in line:
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a torn last line: the run was killed while writing it
+        if record.get("kind") == "start":
+            records.starts.append(record)
+            last_progress = []
+        elif record.get("kind") == "end":
+            records.ends.append((len(records.starts) - 1, record))
+    for line in last_progress[-KEEP_PROGRESS:]:
+        try:
+            records.progress.append(json.loads(line))
+        except ValueError:
+            continue
+    return records
+
+
+def job_logs(run_dir: Path, record: RunRecord) -> list[Path]:
+    return [run_dir / run_folder.LOGS / run_folder.job_log(job.job_id) for job in record.jobs]
+
+
+@dataclass(frozen=True)
+class LogEvent:
+    kind: str  # "banner" (a start of the job's script), "decision" (the template's verdict), "cancel"
+    job_id: str
+    text: str
+
+    @property
+    def starts_segment(self) -> bool:
+        """A decision after which training starts again (a requeue, a restart in place)."""
+        if self.kind != "decision":
+            return False
+        return "restarting it in this allocation" in self.text or ("requeueing job" in self.text and "not requeueing" not in self.text)
+
+
+def log_events(logs: list[Path], job_ids: list[str]) -> list[LogEvent]:
+    """The job logs' banners, template decisions and Slurm's cancel lines, in the order they were written."""
+    events = []
+    for log, job_id in zip(logs, job_ids, strict=True):
+        try:
+            text = log.read_text(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if line.startswith("ddpack: "):
+                if found := DECISION.match(line):
+                    events.append(LogEvent("decision", job_id, found.group(1)))
+                elif banner := BANNER.match(line):
+                    events.append(LogEvent("banner", banner.group(1), f"restart {banner.group(2)}"))
+            elif "*** JOB" in line and (cancel := CANCELLED_LINE.search(line)):
+                events.append(LogEvent("cancel", cancel.group(1), "TIMEOUT" if cancel.group(2) else "CANCELLED"))
+    return events
+
+
+def segments_of(records: Records, events: list[LogEvent]) -> list[Segment]:
+    """Each start record is a segment; the template's decision before it says why. A program that writes no
+    records (a user's own) still has the job log: each start of the job's script and each restart in place."""
+    outcomes = {index: end.get("outcome") for index, end in records.ends}
+    starting = [e.text for e in events if e.starts_segment]
+    if records.starts:
+        segments = [
+            Segment(
+                number=i + 1,
+                began=start.get("time"),
+                why="submitted" if i == 0 else (starting[i - 1] if i - 1 < len(starting) else "started again (a resubmit)"),
+                hosts=sorted(set(start.get("hosts") or [])),
+                from_step=start.get("global_step"),
+                slurm_restart=start.get("slurm_restart_count"),
+                outcome=outcomes.get(i),
+            )
+            for i, start in enumerate(records.starts)
+        ]
+        if len(starting) >= len(records.starts):  # the template started training again; its first record is to come
+            segments.append(Segment(number=len(segments) + 1, began=None, why=f"{starting[-1]} (starting)"))
+        return segments
+    segments = []
+    why = "submitted"
+    for event in events:
+        if event.kind == "banner" or "restarting it in this allocation" in event.text:
+            segments.append(Segment(number=len(segments) + 1, began=None, why=why if event.kind == "banner" else event.text))
+            why = "started again (a resubmit)"
+        elif event.starts_segment:
+            why = event.text
+    return segments
+
+
+# --------------------------------------------------------------------------- the state
+
+
+def state_of(job_id: str | None, record: RunRecord, records: Records, events: list[LogEvent]) -> tuple[str, str, str]:
+    """(state, who said so, a note) for the run's newest job."""
+    if job_id is None:
+        return "UNKNOWN", "run folder", "no job was submitted for this run"
+    ran_before = any(e.kind == "banner" and e.job_id == job_id for e in events)
+    decisions = [e.text for e in events if e.kind == "decision" and e.job_id == job_id]
+    queue = slurm_cli.queue_state(job_id)
+    note = ""
+    if queue.listed:
+        state = queue.state
+        if state.startswith("REQUEUE") or (state == "PENDING" and ran_before):
+            return "REQUEUED", "squeue", queue.reason
+        if state in ("COMPLETING", "CONFIGURING", "RESIZING", "STAGE_OUT"):
+            return "RUNNING", "squeue", state.lower()
+        if state in slurm_cli.FINAL and state not in ENDED:
+            return ("FAILED" if state != "PREEMPTED" else "REQUEUED"), "squeue", state.lower()
+        return state, "squeue", queue.reason if state == "PENDING" else ""
+    if queue.failed:
+        note = f"squeue failed ({queue.failed}); state from the run folder"
+    accounted = slurm_cli.accounting_state(job_id)
+    if accounted and accounted[0]:
+        state = accounted[0]
+        return (state if state in STATES else ("FAILED" if state in slurm_cli.FINAL else state)), "sacct", note
+    for event in reversed(record.events):
+        if event.get("kind") == "cancel" and event.get("job_id") == job_id:
+            return "CANCELLED", "run.json", note or "ddpack cancel"
+    for event in reversed(events):
+        if event.kind == "cancel" and event.job_id == job_id:
+            return event.text, "job log", note
+    last_segment = len(records.starts) - 1
+    end = next((e for i, e in reversed(records.ends) if i == last_segment), None)
+    if end is not None and end.get("outcome") == "done":
+        return "COMPLETED", "end record", note
+    if decisions and "not requeueing" in decisions[-1]:
+        return "FAILED", "job log", note or decisions[-1]
+    if end is not None:
+        return "FAILED", "end record", note or f"the last segment ended {end.get('outcome')} (exit {end.get('exit_code')})"
+    if queue.failed:
+        return "UNKNOWN", "run folder", note
+    return "FAILED", "run folder", "Slurm no longer lists the job and the run folder has no end record"
+
+
+def run_status(run_dir: Path) -> Status:
+    record = read_record(run_dir)
+    records = read_records(run_dir / run_folder.METRICS)
+    events = log_events(job_logs(run_dir, record), [job.job_id for job in record.jobs])
+    job = record.last_job
+    state, state_from, note = state_of(job.job_id if job else None, record, records, events)
+    segments = segments_of(records, events)
+    last = records.progress[-1] if records.progress else None
+    total = records.starts[-1].get("total_steps") if records.starts else None
+    end = records.ends[-1][1] if records.ends and records.ends[-1][0] == len(records.starts) - 1 else None
+    step = (end or last or {}).get("global_step")
+    rank_steps = (last or {}).get("rank_step_s") or []
+    slowest = max(range(len(rank_steps)), key=lambda r: rank_steps[r]) if rank_steps else None
+    return Status(
+        run_dir=str(run_dir),
+        name=record.name,
+        job_id=job.job_id if job else None,
+        attempt=job.attempt if job else 0,
+        state=state,
+        state_from=state_from,
+        note=note,
+        step=step,
+        total_steps=total,
+        loss=(last or {}).get("loss"),
+        samples_per_s=(last or {}).get("samples_per_s"),
+        eta_s=None if state in ENDED or end is not None or len(segments) > len(records.starts) else eta(records, total),
+        slowest_rank=slowest,
+        slowest_step_s=rank_steps[slowest] if slowest is not None else None,
+        progress_records=records.progress_count,
+        updated=(last or {}).get("time"),
+        segments=segments,
+        outcome=end,
+        image=record.image.get("ref"),
+        sqsh=record.sqsh.get("path"),
+    )
+
+
+def eta(records: Records, total: int | None) -> float | None:
+    """Seconds to the last step at the segment's recent rate: the trainer's own estimate when its progress records
+    carry one, else steps over time across the last records of this segment (a program of your own)."""
+    if not records.progress or not total:
+        return None
+    last = records.progress[-1]
+    if isinstance(last.get("eta_s"), int | float):
+        return max(0.0, float(last["eta_s"]))
+    first = records.progress[0]
+    steps, seconds = last.get("global_step", 0) - first.get("global_step", 0), last["time"] - first["time"]
+    if steps <= 0 or seconds <= 0:
+        return None
+    return max(0, total - last.get("global_step", 0)) * seconds / steps
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def _clock(when: float | None) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(when)) if when else "--:--:--"
+
+
+def render(status: Status) -> str:
+    lines = [f"run      {status.name}  ({status.run_dir})"]
+    job = f"job {status.job_id} (attempt {status.attempt})" if status.job_id else "no job"
+    lines.append(f"state    {status.state}  {job}, from {status.state_from}{f'; {status.note}' if status.note else ''}")
+    if status.step is not None:
+        share = f" ({100 * status.step / status.total_steps:.0f}%)" if status.total_steps else ""
+        parts = [f"step {status.step}/{status.total_steps or '?'}{share}"]
+        if status.loss is not None:
+            parts.append(f"loss {status.loss:.4g}")
+        if status.samples_per_s is not None:
+            parts.append(f"{status.samples_per_s:,.0f} samples/s")
+        if status.eta_s is not None:
+            parts.append(f"ETA {format_duration(status.eta_s)}")
+        if status.slowest_rank is not None and status.slowest_step_s is not None:
+            parts.append(f"slowest rank {status.slowest_rank} ({1000 * status.slowest_step_s:.1f} ms/step)")
+        lines.append("progress " + ", ".join(parts))
+    else:
+        lines.append("progress no progress records yet (still starting, or a program that writes none)")
+    for segment in status.segments:
+        where = f" on {','.join(segment.hosts)}" if segment.hosts else ""
+        start = f" from step {segment.from_step}" if segment.from_step is not None else ""
+        ended = f" -> {segment.outcome}" if segment.outcome else ""
+        lines.append(f"segment  {segment.number} {_clock(segment.began)}{where}{start}: {segment.why}{ended}")
+    if status.outcome and status.ended:
+        lines.append(
+            f"end      {status.outcome.get('outcome')} at step {status.outcome.get('global_step')} (exit {status.outcome.get('exit_code')})"
+        )
+    if status.image or status.sqsh:
+        lines.append(f"image    {status.image or '-'}  {status.sqsh or ''}")
+    return "\n".join(lines)
+
+
+def one_line(status: Status) -> str:
+    """What --watch prints per refresh when its output is not a terminal (a log, a pipe): one line, no redraws."""
+    progress = f"step {status.step}/{status.total_steps or '?'}" if status.step is not None else "no progress yet"
+    eta_text = f" ETA {format_duration(status.eta_s)}" if status.eta_s is not None else ""
+    return (
+        f"{time.strftime('%H:%M:%S')} {status.name} job {status.job_id} {status.state} {progress}{eta_text} segments {len(status.segments)}"
+    )
+
+
+def watch(run_dir: Path, *, interval_s: float, tty: bool, out: Any) -> Status:
+    """Redraw in a terminal, one line per refresh elsewhere, until the run's job has ended."""
+    while True:
+        status = run_status(run_dir)
+        if tty:
+            out.write("\x1b[H\x1b[2J" + render(status) + "\n")
+        else:
+            out.write(one_line(status) + "\n")
+        out.flush()
+        if status.ended:
+            return status
+        time.sleep(interval_s)
+
+
+def list_runs(runs: Path) -> list[tuple[Path, RunRecord]]:
+    """The run folders `ddpack submit` made under `runs`, oldest first."""
+    found = []
+    for path in runs.glob(f"*/{run_folder.RUN_RECORD}") if runs.is_dir() else []:
+        try:
+            found.append((path.parent, read_record(path.parent)))
+        except Exception:  # a damaged record is one run less in the list, not a failed listing
+            continue
+    return sorted(found, key=lambda item: item[1].created)
+
+
+def render_list(runs: Path) -> list[str]:
+    """One line per run: name, newest job, state, progress. One squeue call for all of them."""
+    found = list_runs(runs)
+    listed = slurm_cli.queue_states([r.last_job.job_id for _, r in found if r.last_job]) or {}
+    lines = []
+    for run_dir, record in found:
+        job = record.last_job
+        state = listed.get(job.job_id) if job else None
+        if not state or state in slurm_cli.FINAL or state == "PENDING":
+            state = run_status(run_dir).state  # the careful answer, where squeue alone does not settle it
+        records = read_records(run_dir / run_folder.METRICS)
+        total = records.starts[-1].get("total_steps") if records.starts else None
+        step = records.progress[-1].get("global_step") if records.progress else None
+        progress = f"step {step}/{total or '?'}" if step is not None else "-"
+        lines.append(f"{run_dir.name:40} job {job.job_id if job else '-':>8}  {state:10} {progress}")
+    return lines

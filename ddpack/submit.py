@@ -1,0 +1,506 @@
+"""`ddpack submit`: from a project folder to a queued job, with a record of exactly what ran.
+
+    settings (flags) -> checks (each problem one line, exit 2) -> the image (built only when its inputs changed)
+      -> the squashfs in the shared images folder (converted only when the image changed; content-addressed,
+         atomic, reused only when it is the user's own file) -> the run folder (run.json, the job script and the
+         helpers it sources, logs/) -> sbatch -> the job appended to run.json
+
+`--dry-run` stops before anything is built, written or queued: it prints the job script and runs the checks that
+would otherwise fail hours later, in the queue or on the nodes (pyxis in srun, the squashfs there, the run folder
+inside the container's mounts, the partition's size, the log folder writable, every setting).
+
+The job script is one of the pyxis templates (enroot/pyxis-per-task.sbatch, enroot/pyxis-torchrun.sbatch) with the
+run's #SBATCH options in place of the template's and its settings exported at the top, nothing inherited from the
+submitting shell's DDPACK_* variables: the script in the run folder is the whole job, and `ddpack resubmit` sends
+it again.
+"""
+
+from __future__ import annotations
+
+import getpass
+import hashlib
+import json
+import os
+import re
+import shlex
+import shutil
+import socket
+import stat
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ddpack import slurm_cli
+from ddpack.errors import HostError
+from ddpack.run_record import RunRecord, append_job, write_record
+from train import run_folder
+
+ROOT = Path(__file__).resolve().parents[1]
+TEMPLATES = {"per-task": "pyxis-per-task.sbatch", "torchrun": "pyxis-torchrun.sbatch"}
+HELPERS = ("ddpack-job.sh", "ddpack_node.py")
+# Settings submit sets itself from its flags: --env may not set them behind the flags' back.
+OWN_SETTINGS = ("DDPACK_SQSH", "DDPACK_RUN_DIR", "DDPACK_HOME", "DDPACK_MOUNTS", "DDPACK_COMMAND", "DDPACK_SPARE_NODES", "DDPACK_NPROC")
+SLURM_TIME = re.compile(r"\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|\d+-\d+:\d{1,2}:\d{1,2}|UNLIMITED|INFINITE")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Values the templates would refuse only once the job runs: refused here, before it queues.
+SETTING_VALUES = {
+    "DDPACK_STAGE": re.compile(r"auto|sbcast|off"),
+    "DDPACK_UMASK": re.compile(r"0?[0-7]{3}"),
+    "DDPACK_PREFLIGHT": re.compile(r"0|1|only"),
+    "DDPACK_RESTART_IN_PLACE": re.compile(r"0|1"),
+    **{name: re.compile(r"\d+") for name in ("DDPACK_MAX_RESTARTS", "DDPACK_MAX_FAILURE_RESTARTS", "DDPACK_STEP_WAIT")},
+    **{
+        name: re.compile(r"[1-9]\d*")
+        for name in ("DDPACK_STAGE_KEEP", "DDPACK_FSX_MBPS", "DDPACK_SBCAST_MBPS", "DDPACK_UNPACK_MBPS", "DDPACK_STAGE_FANOUT")
+    },
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SubmitSettings:
+    """What one `ddpack submit` asks for, by keyword (the flags, resolved)."""
+
+    app_dir: Path
+    nodes: int
+    tasks_per_node: int = 1
+    spares: int = 0
+    gpus_per_node: int = 0
+    partition: str | None = None
+    time_limit: str | None = None
+    template: str = "per-task"
+    mounts: str = "/fsx:/fsx"
+    runs: Path
+    images: Path
+    env: dict[str, str] = field(default_factory=dict)
+    command: tuple[str, ...] = ()
+    sqsh: Path | None = None  # a squashfs made already: nothing is built or converted
+    name: str | None = None
+
+    @property
+    def job_name(self) -> str:
+        return self.name or (self.sqsh.stem.split("+")[0] if self.sqsh else self.app_dir.resolve().name)
+
+
+# --------------------------------------------------------------------------- settings
+
+
+def known_settings() -> set[str]:
+    """Every DDPACK_* name the job side reads (templates, helper, launcher, trainer): an --env name outside it is a
+    typo, which a job would otherwise ignore in silence."""
+    names: set[str] = set()
+    for folder, pattern in (("enroot", "*"), ("entrypoint", "*.py"), ("train", "**/*.py"), ("ddpack_run", "*.py")):
+        for path in (ROOT / folder).glob(pattern):
+            if path.is_file():
+                names.update(re.findall(r"\bDDPACK_[A-Z0-9_]+\b", path.read_text(errors="replace")))
+    return names
+
+
+def setting_problems(settings: SubmitSettings) -> list[str]:
+    """Each invalid setting, as one line naming it, its value and what is expected."""
+    problems = []
+    if settings.nodes < 1:
+        problems.append(f"--nodes {settings.nodes}: a job needs at least 1 node")
+    if settings.tasks_per_node < 1:
+        problems.append(f"--tasks-per-node {settings.tasks_per_node}: each node runs at least 1 task")
+    if settings.spares < 0 or settings.gpus_per_node < 0:
+        problems.append("--spares and --gpus-per-node are whole numbers from 0")
+    if settings.template not in TEMPLATES:
+        problems.append(f"--template {settings.template}: expected one of {', '.join(TEMPLATES)}")
+    if settings.time_limit is not None and not SLURM_TIME.fullmatch(settings.time_limit):
+        problems.append(f"--time {settings.time_limit}: not a Slurm time (minutes, H:MM:SS, D-HH, D-HH:MM:SS)")
+    for entry in settings.mounts.split(","):
+        parts = entry.split(":")
+        if not entry or len(parts) > 3 or not all(p.startswith("/") for p in parts[:2] if p):
+            problems.append(f"--mounts {settings.mounts}: {entry!r} is not SRC[:DST[:FLAGS]] with absolute paths")
+    known = known_settings()
+    for name, value in settings.env.items():
+        if not ENV_NAME.fullmatch(name):
+            problems.append(f"--env {name}={value}: {name!r} is not a variable name")
+        elif name in OWN_SETTINGS:
+            problems.append(f"--env {name}: set by submit's own flags (--sqsh, --runs, --mounts, -- COMMAND, --spares, --tasks-per-node)")
+        elif name.startswith("DDPACK_") and name not in known:
+            problems.append(f"--env {name}: not a ddpack setting (a typo?); docs/cluster.md lists them")
+        elif name in SETTING_VALUES and not SETTING_VALUES[name].fullmatch(value):
+            problems.append(f"--env {name}={value}: expected {SETTING_VALUES[name].pattern.replace('|', ', ')}")
+    for word in settings.command:
+        if not word or any(c.isspace() for c in word) or any(c in word for c in "'\"\\"):
+            problems.append(f"command argument {word!r}: the templates split DDPACK_COMMAND on spaces; put it in a script of the project")
+    return problems
+
+
+# --------------------------------------------------------------------------- the image and its squashfs
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImageChoice:
+    ref: str
+    image_id: str
+    bundle: str
+    built: bool
+    ecr_digests: tuple[str, ...] = ()
+
+
+def source_digest(*, variant: str = "cpu") -> str:
+    """The bundle's build inputs (what images.stage_context copies, less the wheelhouse) and torch's version: the
+    bundle's image is built again only when this changes."""
+    from ddpack.images import CONTEXT_ITEMS, DEFAULT_TORCH_VERSION
+
+    digest = hashlib.sha256(f"{variant} {os.environ.get('TORCH_VERSION') or DEFAULT_TORCH_VERSION}".encode())
+    for item in CONTEXT_ITEMS:
+        path = ROOT / item
+        files = sorted(p for p in path.rglob("*") if p.is_file() and "__pycache__" not in p.parts) if path.is_dir() else [path]
+        for file in files:
+            digest.update(file.relative_to(ROOT).as_posix().encode() + b"\0" + file.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
+
+
+def local_image(client: Any, ref: str) -> Any | None:
+    from docker.errors import ImageNotFound
+
+    try:
+        return client.images.get(ref)
+    except ImageNotFound:
+        return None
+
+
+def ensure_image(app_dir: Path, *, build: bool = True) -> ImageChoice | None:
+    """The project's image on the bundle: found by the digest of its inputs (the project's files and requirements,
+    the bundle's sources), built only when no image has them. None in a dry run that would build."""
+    from ddpack.app import read_app
+    from ddpack.engine import docker_client
+    from ddpack.images import build_app_image, build_image, plan_build
+
+    app = read_app(app_dir)
+    client = docker_client()
+    bundle_ref = f"ddpack:src-{source_digest()}"
+    bundle = local_image(client, bundle_ref)
+    ref = f"{app.name.lower()}:{app.digest}-{bundle.id.split(':')[-1][:12] if bundle else 'new'}"
+    image = local_image(client, ref) if bundle else None
+    if image is not None:
+        return ImageChoice(
+            ref=ref, image_id=image.id, bundle=bundle_ref, built=False, ecr_digests=tuple(image.attrs.get("RepoDigests") or ())
+        )
+    if not build:
+        return None
+    if bundle is None:
+        build_image(plan_build(variant="cpu", tag=bundle_ref, version=bundle_ref.split(":")[1]))
+        bundle = client.images.get(bundle_ref)
+        ref = f"{app.name.lower()}:{app.digest}-{bundle.id.split(':')[-1][:12]}"
+    image_id = build_app_image(plan_build(variant="cpu", tag=ref, app=app, bundle_tag=bundle_ref))
+    return ImageChoice(ref=ref, image_id=image_id, bundle=bundle_ref, built=True)
+
+
+def trusted_file(path: Path) -> bool:
+    """A plain file of this user's, with one name, that nobody else can write: reusable from a shared folder."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid() and not info.st_mode & 0o022 and info.st_nlink == 1
+
+
+def squashfs_name(images: Path, app_name: str, image_id: str) -> Path:
+    """The content-addressed name in the shared images folder; a name another user holds (or a file that is not
+    plainly ours) is never reused or replaced: this user's own name beside it instead."""
+    path = images / f"{app_name.lower()}-{image_id.split(':')[-1][:16]}.sqsh"
+    if not os.path.lexists(path) or trusted_file(path):
+        return path
+    return path.with_name(f"{path.stem}-u{os.geteuid()}.sqsh")
+
+
+def ensure_squashfs(image: ImageChoice, images: Path, app_name: str) -> tuple[Path, bool]:
+    """(the squashfs, whether it was converted now): reused when it is ours and its record names this image."""
+    from ddpack.sqsh import DEFAULT_SQUASH_OPTIONS, convert, holds, squash_options
+
+    if not images.is_dir():
+        raise HostError(f"--images {images} is not a folder; create it on the shared filesystem (mkdir -p {images})", code=2)
+    path = squashfs_name(images, app_name, image.image_id)
+    if trusted_file(path) and holds(path, image.image_id, squash_options(DEFAULT_SQUASH_OPTIONS)[0]):
+        return path, False
+    convert(image.ref, path)
+    return path, True
+
+
+# --------------------------------------------------------------------------- the job script
+
+
+def sbatch_lines(settings: SubmitSettings, run_dir: Path) -> list[str]:
+    per_node = 1 if settings.template == "torchrun" else settings.tasks_per_node
+    lines = [
+        f"--job-name={settings.job_name}",
+        f"--nodes={settings.nodes + settings.spares}",
+        f"--ntasks-per-node={per_node}",
+        *([f"--gpus-per-node={settings.gpus_per_node}"] if settings.gpus_per_node else []),
+        *([f"--partition={settings.partition}"] if settings.partition else []),
+        *([f"--time={settings.time_limit}"] if settings.time_limit else []),
+        "--exclusive",
+        f"--output={run_dir / run_folder.LOGS / run_folder.job_log('%j')}",
+        "--open-mode=append",
+        "--signal=USR1@90",
+        "--requeue",
+        "--no-kill",
+    ]
+    return [f"#SBATCH {line}" for line in lines]
+
+
+def exported(settings: SubmitSettings, run_dir: Path, sqsh: Path) -> dict[str, str]:
+    values = {
+        "DDPACK_HOME": str(run_dir / run_folder.JOB),
+        "DDPACK_RUN_DIR": str(run_dir),
+        "DDPACK_SQSH": str(sqsh),
+        "DDPACK_MOUNTS": settings.mounts,
+    }
+    if settings.command:
+        values["DDPACK_COMMAND"] = " ".join(settings.command)
+    if settings.spares:
+        values["DDPACK_SPARE_NODES"] = str(settings.spares)
+    if settings.template == "torchrun":
+        values["DDPACK_NPROC"] = str(settings.tasks_per_node)
+    return {**values, **settings.env}
+
+
+def render_script(settings: SubmitSettings, run_dir: Path, sqsh: Path) -> str:
+    """The template with this run's #SBATCH options and settings: the whole job, as submitted."""
+    template = (ROOT / "enroot" / TEMPLATES[settings.template]).read_text()
+    head, marker, body = template.partition("set -uo pipefail\n")
+    if not marker:
+        raise HostError(f"enroot/{TEMPLATES[settings.template]} has no 'set -uo pipefail' line to put the settings after", code=1)
+    comments = [line for line in head.splitlines() if not line.lstrip("#").startswith("SBATCH")]
+    settings_block = [
+        "# ddpack submit: this run's settings (run.json records them). None is inherited from the submitting shell.",
+        "for ddpack_var in $(compgen -e | grep '^DDPACK_'); do unset \"${ddpack_var}\"; done",
+        *(f"export {name}={shlex.quote(value)}" for name, value in exported(settings, run_dir, sqsh).items()),
+    ]
+    return "\n".join([comments[0], *sbatch_lines(settings, run_dir), *comments[1:], marker.rstrip("\n"), *settings_block, ""]) + body
+
+
+# --------------------------------------------------------------------------- checks before anything queues
+
+
+def container_path(path: Path, mounts: str) -> str | None:
+    """`path` as the container sees it through pyxis' --container-mounts, None when no mount holds it."""
+    best: tuple[str, str] | None = None
+    for entry in mounts.split(","):
+        src, _, rest = entry.partition(":")
+        dst = rest.split(":")[0] or src
+        src, dst = src.rstrip("/") or "/", dst.rstrip("/") or "/"
+        inside = str(path) == src or str(path).startswith(src.rstrip("/") + "/")
+        if inside and (best is None or len(src) > len(best[0])):
+            best = (src, dst)
+    return None if best is None else best[1] + str(path)[len(best[0]) :]
+
+
+def writable_folder(folder: Path) -> str | None:
+    """Why `folder` (made when missing) cannot hold this run's files, or None: tried for real, with a file of our
+    own that is removed again (permissions, read-only filesystems and ACLs all answer)."""
+    existing = folder
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is not a folder"
+    try:
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".ddpack-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return f"{existing} is not writable ({exc.strerror})"
+    return None
+
+
+def cluster_problems(settings: SubmitSettings, sqsh: Path | None, run_dir: Path) -> list[str]:
+    """What would fail in the queue or on the nodes, each as one line."""
+    problems = []
+    if not slurm_cli.has_pyxis():
+        problems.append(
+            "this cluster's srun has no --container-image (pyxis is not loaded), so the job would fail at its first line; ask for pyxis"
+        )
+    if sqsh is not None and not (sqsh.is_file() and os.access(sqsh, os.R_OK)):
+        problems.append(
+            f"the squashfs {sqsh} is not a readable file here; the nodes would not find it either (--sqsh, or --images on the shared filesystem)"
+        )
+    if container_path(run_dir, settings.mounts) is None:
+        problems.append(
+            f"the run folder {run_dir} is under none of --mounts {settings.mounts}: the container could not write its snapshots; "
+            "add its filesystem to --mounts or choose --runs under one"
+        )
+    partition = slurm_cli.partition_nodes(settings.partition)
+    wanted = settings.nodes + settings.spares
+    if isinstance(partition, str):
+        problems.append(partition)
+    elif partition[1] < wanted:
+        asked = f"--nodes {settings.nodes} + --spares {settings.spares}"
+        problems.append(f"partition {partition[0]} has {partition[1]} nodes and the job asks for {wanted} ({asked}); it would never start")
+    why = writable_folder(run_dir / run_folder.LOGS)
+    if why:
+        problems.append(f"the log folder {run_dir / run_folder.LOGS} cannot be written: {why}; choose --runs where you may write")
+    return problems
+
+
+def raise_problems(problems: list[str]) -> None:
+    """Each problem on its own line, then exit 2 (HostError prints the last; the others first)."""
+    if not problems:
+        return
+    for problem in problems[:-1]:
+        print(f"ddpack submit: error: {problem}", flush=True)
+    raise HostError(problems[-1], code=2)
+
+
+# --------------------------------------------------------------------------- the record of the code
+
+
+def git(app_dir: Path, *args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(app_dir), *args], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def code_record(app_dir: Path, run_dir: Path | None) -> dict[str, Any]:
+    """Which code: the project's digest (every file that went into the image), its git commit, and the uncommitted
+    diff (kept in the run folder as code.diff, hashed here) and untracked files, which the image holds too."""
+    from ddpack.app import read_app
+
+    app = read_app(app_dir)
+    commit = (git(app_dir, "rev-parse", "HEAD") or "").strip()
+    diff = (git(app_dir, "diff", "HEAD", "--binary", "--", ".") or "") if commit else ""
+    untracked = (git(app_dir, "ls-files", "--others", "--exclude-standard", "--", ".") or "").split() if commit else []
+    record = {
+        "app_dir": str(app_dir.resolve()),
+        "digest": app.digest,
+        "files": len(app.files),
+        "git_commit": commit or None,
+        "git_dirty": bool(diff or untracked),
+        "diff_sha256": hashlib.sha256(diff.encode()).hexdigest() if diff else None,
+        "diff_file": "code.diff" if diff else None,
+        "untracked": untracked,
+    }
+    if diff and run_dir is not None:
+        (run_dir / "code.diff").write_text(diff)
+    return record
+
+
+# --------------------------------------------------------------------------- submit
+
+
+def new_run_dir(runs: Path, name: str) -> Path:
+    runs.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path(tempfile.mkdtemp(prefix=f"{name}-{stamp}-", dir=runs))
+
+
+def write_job(run_dir: Path, script: str) -> Path:
+    """The job script and the helpers it sources, copied into the run folder: what ran stays with the run."""
+    job = run_dir / run_folder.JOB
+    job.mkdir()
+    for helper in HELPERS:
+        shutil.copy2(ROOT / "enroot" / helper, job / helper)
+    path = job / run_folder.JOB_SCRIPT
+    path.write_text(script)
+    path.chmod(0o700)
+    (run_dir / run_folder.LOGS).mkdir()
+    return path
+
+
+@dataclass(frozen=True, kw_only=True)
+class Submitted:
+    job_id: str | None
+    run_dir: str
+    sqsh: str
+    image: str | None
+    built: bool
+    converted: bool
+    script: str
+
+    def next_commands(self) -> list[str]:
+        return [f"ddpack status {self.run_dir} --watch", f"ddpack logs {self.run_dir} -f", f"ddpack cancel {self.run_dir}"]
+
+
+def submit(settings: SubmitSettings, *, dry_run: bool = False, say: Any = print) -> Submitted:
+    raise_problems(setting_problems(settings))
+    image: ImageChoice | None = None
+    converted = False
+    if settings.sqsh is not None:
+        sqsh = settings.sqsh.resolve()
+    else:
+        image = ensure_image(settings.app_dir, build=not dry_run)
+        if image is None:
+            sqsh = settings.images / f"{settings.job_name.lower()}-<image id>.sqsh"
+            say(f"submit: would build {settings.app_dir.resolve().name} on the bundle and convert it to {sqsh}")
+        else:
+            say(f"submit: image {image.ref} ({image.image_id[:19]}{', built now' if image.built else ', unchanged: not rebuilt'})")
+            if dry_run:
+                sqsh = squashfs_name(settings.images, settings.job_name, image.image_id)
+            else:
+                sqsh, converted = ensure_squashfs(image, settings.images, settings.job_name)
+                say(f"submit: squashfs {sqsh} ({'converted now' if converted else 'already holds it: not copied'})")
+    run_dir = (
+        (settings.runs / f"{settings.job_name}-<time>").resolve() if dry_run else new_run_dir(settings.runs, settings.job_name).resolve()
+    )
+    problems = cluster_problems(settings, None if dry_run and image is None and settings.sqsh is None else sqsh, run_dir)
+    if dry_run:
+        print(render_script(settings, run_dir, sqsh), end="")
+        raise_problems(problems)
+        say("submit: dry run: every check passed; nothing was queued")
+        return Submitted(
+            job_id=None, run_dir=str(run_dir), sqsh=str(sqsh), image=image.ref if image else None, built=False, converted=False, script=""
+        )
+    if problems:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise_problems(problems)
+    script = render_script(settings, run_dir, sqsh)
+    script_path = write_job(run_dir, script)
+    info = sqsh.stat()
+    record = RunRecord(
+        name=run_dir.name,
+        run_dir=str(run_dir),
+        created=time.time(),
+        user=getpass.getuser(),
+        host=socket.gethostname(),
+        image=asdict(image) if image else {"ref": None, "image_id": None, "note": "--sqsh: made outside ddpack submit"},
+        sqsh={"path": str(sqsh), "key": image_key(sqsh), "size": info.st_size, "mtime_ns": info.st_mtime_ns},
+        code=code_record(settings.app_dir, run_dir) if settings.sqsh is None else {"app_dir": None, "note": "--sqsh given"},
+        command=list(settings.command),
+        settings={
+            **{k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(settings).items()},
+            "exported": exported(settings, run_dir, sqsh),
+        },
+        script=str(script_path.relative_to(run_dir)),
+        script_sha256=hashlib.sha256(script.encode()).hexdigest(),
+        versions=slurm_cli.versions(),
+    )
+    write_record(record)
+    job_id = slurm_cli.sbatch(script_path, run_dir)
+    append_job(run_dir, job_id, "submit")
+    say(f"submit: job {job_id} queued; run folder {run_dir} (run.json records the image, code, command and settings)")
+    return Submitted(
+        job_id=job_id,
+        run_dir=str(run_dir),
+        sqsh=str(sqsh),
+        image=image.ref if image else None,
+        built=bool(image and image.built),
+        converted=converted,
+        script=str(script_path),
+    )
+
+
+def node_helper() -> Any:
+    """enroot/ddpack_node.py as a module: the job helper's own definitions (the staging key), not a copy."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ddpack_node", ROOT / "enroot" / "ddpack_node.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def image_key(sqsh: Path) -> str:
+    """The staging key the job helper derives for this squashfs: the same image gives the same key."""
+    return node_helper().image_key(sqsh)
+
+
+def as_json(result: Submitted) -> str:
+    return json.dumps({**asdict(result), "next": result.next_commands()}, indent=2)
