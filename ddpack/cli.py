@@ -15,8 +15,10 @@ Bad input is one line and exit 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from ddpack.errors import run_verb
@@ -154,13 +156,29 @@ def submit(opts: argparse.Namespace, runs: Path) -> int:
         sqsh=opts.sqsh,
         name=opts.name,
     )
-    say = (lambda text: print(text, file=sys.stderr, flush=True)) if opts.json else print
-    result = do_submit(settings, dry_run=opts.dry_run, say=say)
-    if opts.json:
+    if opts.json:  # stdout holds the one JSON object: what the build and conversion print (their tools too) goes to stderr
+        with stdout_to_stderr():
+            result = do_submit(settings, dry_run=opts.dry_run, say=print)
         print(as_json(result))
-    elif result.job_id:
+        return 0
+    result = do_submit(settings, dry_run=opts.dry_run, say=print)
+    if result.job_id:
         print("next:\n" + "\n".join(f"  {line}" for line in result.next_commands()))
     return 0
+
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """File descriptor 1 pointed at 2 for a while: Python's prints and every child process's output alike."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def status(opts: argparse.Namespace, runs: Path) -> int:

@@ -23,6 +23,7 @@ from train import run_folder
 # `logs -f` exit statuses: the job's own exit code is not Slurm's to give after MinJobAge, its state is.
 EXIT_FOR_STATE = {"COMPLETED": 0, "FAILED": 1, "CANCELLED": 3, "TIMEOUT": 4}
 SETTLE_S = 10.0  # an ended state must hold this long: a requeue passes through one for a moment
+POLL_STATE_S = 2.0  # how often `logs -f` asks Slurm for the job's state (the log itself is read every poll)
 
 
 def default_runs() -> Path:
@@ -97,7 +98,7 @@ def follow(run_dir: Path, rank: int | None, out: TextIO = sys.stdout, poll_s: fl
         now = time.monotonic()
         if now >= next_check:
             state = run_status(run_dir).state
-            next_check = now + 2.0
+            next_check = now + POLL_STATE_S
             ended_since = (ended_since or now) if state in ENDED else None
         if ended_since is not None and now - ended_since >= SETTLE_S:
             out.write(f"ddpack logs: job {job.job_id} {state}\n")

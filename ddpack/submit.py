@@ -27,6 +27,7 @@ import shutil
 import socket
 import stat
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -344,7 +345,7 @@ def raise_problems(problems: list[str]) -> None:
     if not problems:
         return
     for problem in problems[:-1]:
-        print(f"ddpack submit: error: {problem}", flush=True)
+        print(f"ddpack submit: error: {problem}", file=sys.stderr, flush=True)
     raise HostError(problems[-1], code=2)
 
 
@@ -421,6 +422,9 @@ class Submitted:
 
 def submit(settings: SubmitSettings, *, dry_run: bool = False, say: Any = print) -> Submitted:
     raise_problems(setting_problems(settings))
+    # What submit writes (the run folder, run.json, the squashfs) and the job log sbatch opens are as private as the
+    # job's own files (the templates' DDPACK_UMASK).
+    os.umask(int(settings.env.get("DDPACK_UMASK", "077"), 8))
     image: ImageChoice | None = None
     converted = False
     if settings.sqsh is not None:

@@ -1,0 +1,365 @@
+"""`ddpack submit / status / logs / cancel / resubmit` against fake Slurm commands and recorded run folders.
+
+Slurm's commands are stand-ins on PATH that answer as a real controller does, including the answers that break
+status tools elsewhere: an squeue that times out, an squeue that no longer lists the job, no accounting at all.
+The run folders hold the records a real job writes (a requeue, a cancel, 100,000 progress records). The test
+cluster's tier (tests/test_lifecycle_cluster.py) runs the same commands on real jobs.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from ddpack import cli, status
+from ddpack.errors import HostError
+from ddpack.run_record import Job, RunRecord, read_record, write_record
+from ddpack.runs import follow, print_logs, resolve_run, resubmit
+from ddpack.submit import SubmitSettings, image_key, render_script, setting_problems, submit
+from train import run_folder
+
+
+@pytest.fixture
+def slurm(tmp_path, monkeypatch) -> Path:
+    """A folder of fake Slurm commands first on PATH; each one logs its arguments to calls.log."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    fake(bin_dir, "sacct", "echo 'sacct: error: Slurm accounting storage is disabled' >&2; exit 1")
+    fake(bin_dir, "squeue", "exit 0")
+    fake(bin_dir, "srun", "echo '      --container-image=[USER@][REGISTRY#]IMAGE[:TAG]|PATH'")
+    fake(bin_dir, "sinfo", 'case "$*" in *--version*) echo "slurm-wlm 22.05.8" ;; *) echo "debug*|2"; echo "big|3" ;; esac')
+    fake(bin_dir, "sbatch", "echo 101")
+    fake(bin_dir, "scancel", "exit 0")
+    fake(bin_dir, "enroot", "echo 3.4.1")
+    return bin_dir
+
+
+def fake(bin_dir: Path, name: str, body: str) -> None:
+    path = bin_dir / name
+    path.write_text(f'#!/bin/bash\necho "{name} $*" >>"{bin_dir}/calls.log"\n{body}\n')
+    path.chmod(0o755)
+
+
+def calls(bin_dir: Path, name: str) -> list[str]:
+    log = bin_dir / "calls.log"
+    return [line for line in (log.read_text().splitlines() if log.exists() else []) if line.startswith(name + " ")]
+
+
+def make_run(root: Path, *, jobs: tuple[str, ...] = ("41",), records: list[dict] | None = None, logs: dict[str, str] | None = None) -> Path:
+    run_dir = root / "runs" / "cpu-ddp-20261125-120000-abcd"
+    (run_dir / run_folder.LOGS).mkdir(parents=True)
+    (run_dir / run_folder.JOB).mkdir()
+    (run_dir / run_folder.JOB / run_folder.JOB_SCRIPT).write_text("#!/bin/bash\n")
+    sqsh = root / "images" / "cpu-ddp-0da569a1216820a3.sqsh"
+    sqsh.parent.mkdir(exist_ok=True)
+    sqsh.write_bytes(b"hsqs" + b"\0" * 1000)
+    record = RunRecord(
+        name=run_dir.name, run_dir=str(run_dir), created=time.time(), user="alice", host="login1",
+        image={"ref": "cpu-ddp:7b3b-8f80", "image_id": "sha256:0da5"}, sqsh={"path": str(sqsh), "key": image_key(sqsh), "size": 1004},
+        code={}, command=[], settings={}, script=f"{run_folder.JOB}/{run_folder.JOB_SCRIPT}",
+        script_sha256="e3a6a1b0a2b8b2d1e5a1a0f3b5d1c7e9f2a4c6b8d0e2f4a6c8e0b2d4f6a8c0e2", versions={},
+        jobs=[Job(job_id=job, attempt=i + 1, submitted=time.time(), how="submit" if i == 0 else "resubmit") for i, job in enumerate(jobs)],
+    )  # fmt: skip
+    import hashlib
+
+    record = RunRecord(**{**asdict(record), "jobs": record.jobs, "script_sha256": hashlib.sha256(b"#!/bin/bash\n").hexdigest()})
+    write_record(record)
+    if records is not None:
+        (run_dir / run_folder.METRICS).write_text("".join(json.dumps(r) + "\n" for r in records))
+    for job, text in (logs or {}).items():
+        (run_dir / run_folder.LOGS / run_folder.job_log(job)).write_text(text)
+    return run_dir
+
+
+def start(t: float, step: int, restart: int = 0, total: int = 232) -> dict:
+    return {"time": t, "kind": "start", "world_size": 4, "hosts": ["ddnode1", "ddnode1", "ddnode2", "ddnode2"], "global_step": step,
+            "total_steps": total, "slurm_restart_count": restart}  # fmt: skip
+
+
+def progress(t: float, step: int, eta: float | None = None) -> dict:
+    record = {"time": t, "kind": "progress", "global_step": step, "loss": 1.0 / (step + 1), "samples_per_s": 2000.0,
+              "rank_step_s": [0.010, 0.012, 0.031, 0.011]}  # fmt: skip
+    if eta is not None:
+        record["eta_s"] = eta
+    return record
+
+
+def end(t: float, step: int, outcome: str, code: int) -> dict:
+    return {"time": t, "kind": "end", "outcome": outcome, "exit_code": code, "global_step": step}
+
+
+BANNER = "ddpack: job 41 (restart {r}) on ddnode[1-2], run dir /fsx/runs/x (continuing)\n"
+PREEMPTED = "ddpack: preempted (exit 138); requeueing job 41 (restart 1 of at most 10)\n"
+REQUEUED_RUN = [
+    start(100, 0),
+    progress(101, 10),
+    progress(102, 20),
+    end(103, 22, "stopped", 138),
+    start(130, 22, 1),
+    progress(131, 30),
+    progress(133, 50),
+]
+REQUEUED_LOG = BANNER.format(r=0) + "[rank 0/4] step 10\n[rank 3/4] step 10\n" + PREEMPTED + BANNER.format(r=1) + "[rank 0/4] step 30\n"
+
+
+# --------------------------------------------------------------------------- status
+
+
+def test_a_running_requeued_job_shows_both_segments_the_step_of_the_total_an_eta_and_the_slowest_rank(tmp_path, slurm) -> None:
+    fake(slurm, "squeue", "echo 'RUNNING|None|ddnode[1-2]'")
+    run_dir = make_run(tmp_path, records=REQUEUED_RUN, logs={"41": REQUEUED_LOG})
+    got = status.run_status(run_dir)
+    assert (got.state, got.state_from, got.step, got.total_steps) == ("RUNNING", "squeue", 50, 232)
+    assert got.eta_s == pytest.approx((232 - 50) * (133 - 131) / (50 - 30))  # no eta_s in the records: the segment's rate
+    assert (got.slowest_rank, got.slowest_step_s) == (2, 0.031)
+    assert [(s.number, s.why, s.from_step, s.outcome) for s in got.segments] == [
+        (1, "submitted", 0, "stopped"),
+        (2, "preempted (exit 138); requeueing job 41 (restart 1 of at most 10)", 22, None),
+    ]
+    payload = json.loads(got.to_json())
+    assert {"state", "step", "total_steps", "eta_s", "segments"} <= payload.keys() and len(payload["segments"]) == 2
+    assert "segment  2 " in status.render(got) and "slowest rank 2 (31.0 ms/step)" in status.render(got)
+
+
+@pytest.mark.parametrize(
+    ("squeue", "expected"),
+    [
+        ("echo 'PENDING|BeginTime|'", ("REQUEUED", "squeue")),  # requeued: Slurm holds it back a moment
+        ("echo 'REQUEUE_HOLD|JobHeldUser|'", ("REQUEUED", "squeue")),
+        ("echo 'COMPLETED|None|ddnode[1-2]'", ("COMPLETED", "squeue")),
+        ("echo 'CANCELLED|None|ddnode[1-2]'", ("CANCELLED", "squeue")),
+        ("echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1", ("COMPLETED", "end record")),  # Slurm forgot it
+        ("echo 'squeue: error: Socket timed out on send/recv operation' >&2; exit 1", ("COMPLETED", "end record")),
+    ],
+)
+def test_the_state_comes_from_squeue_then_the_run_folder(tmp_path, slurm, squeue: str, expected: tuple[str, str]) -> None:
+    fake(slurm, "squeue", squeue)
+    run_dir = make_run(tmp_path, records=[*REQUEUED_RUN, end(140, 232, "done", 0)], logs={"41": REQUEUED_LOG})
+    got = status.run_status(run_dir)
+    assert (got.state, got.state_from) == expected
+    assert got.eta_s is None and got.step == 232
+    if "timed out" in squeue:
+        assert got.note.startswith("squeue failed (squeue failed (exit 1: squeue: error: Socket timed out on send/recv operation)")
+
+
+def test_an_squeue_that_fails_never_loses_a_run_and_a_run_with_no_end_record_is_unknown(tmp_path, slurm) -> None:
+    """SkyPilot #10457: one empty squeue deleted a run's record. Here a failed squeue leaves the run listed and says
+    UNKNOWN (not FAILED) while nothing in the folder settles it; an squeue that answers, but no longer lists the job,
+    with no end record, is FAILED."""
+    fake(slurm, "squeue", "echo 'squeue: error: Unable to contact slurm controller (connect failure)' >&2; exit 1")
+    run_dir = make_run(tmp_path, records=REQUEUED_RUN, logs={"41": REQUEUED_LOG})
+    got = status.run_status(run_dir)
+    assert (got.state, got.state_from) == ("UNKNOWN", "run folder") and got.step == 50
+    assert [line.split()[0] for line in status.render_list(tmp_path / "runs")] == [run_dir.name]
+    assert (run_dir / run_folder.RUN_RECORD).exists()
+    fake(slurm, "squeue", "exit 0")
+    assert status.run_status(run_dir).state == "FAILED"
+
+
+@pytest.mark.parametrize(
+    ("line", "state"),
+    [("CANCELLED AT 2026-11-25T12:00:00", "CANCELLED"), ("CANCELLED AT 2026-11-25T12:00:00 DUE TO TIME LIMIT", "TIMEOUT")],
+)
+def test_slurms_own_cancel_line_in_the_log_says_cancelled_or_timeout_without_accounting(tmp_path, slurm, line: str, state: str) -> None:
+    log = REQUEUED_LOG + f"slurmstepd: error: *** JOB 41 ON ddnode1 {line} ***\n"
+    run_dir = make_run(tmp_path, records=REQUEUED_RUN, logs={"41": log})
+    assert (status.run_status(run_dir).state, status.run_status(run_dir).state_from) == (state, "job log")
+
+
+def test_accounting_answers_when_the_cluster_has_it(tmp_path, slurm) -> None:
+    fake(slurm, "sacct", "echo 'TIMEOUT|0:0'")
+    run_dir = make_run(tmp_path, records=REQUEUED_RUN)
+    assert (status.run_status(run_dir).state, status.run_status(run_dir).state_from) == ("TIMEOUT", "sacct")
+
+
+def test_a_program_that_writes_no_records_still_has_a_state_its_segments_and_its_log(tmp_path, slurm) -> None:
+    fake(slurm, "squeue", "echo 'RUNNING|None|ddnode[1-2]'")
+    log = (
+        BANNER.format(r=0)
+        + "epoch 1\n"
+        + "ddpack: the step failed (exit 1); restarting it in this allocation on ddnode1,ddnode2 from its last snapshot (failure restart 1 of at most 1)\n"
+        + "epoch 1\n"
+        + PREEMPTED
+        + BANNER.format(r=1)
+    )
+    run_dir = make_run(tmp_path, logs={"41": log})
+    got = status.run_status(run_dir)
+    assert got.state == "RUNNING" and got.step is None and got.eta_s is None
+    assert [s.why.split(";")[0] for s in got.segments] == ["submitted", "the step failed (exit 1)", "preempted (exit 138)"]
+
+
+def test_status_reads_a_run_of_100000_progress_records_without_parsing_them_all(tmp_path, slurm) -> None:
+    """Counted, not parsed: the newest records alone are JSON-decoded (bench/bench_lifecycle.py times it)."""
+    fake(slurm, "squeue", "echo 'RUNNING|None|ddnode[1-2]'")
+    run_dir = make_run(tmp_path)
+    with (run_dir / run_folder.METRICS).open("w") as handle:
+        handle.write(json.dumps(start(0, 0, total=200_000)) + "\n")
+        for step in range(1, 100_001):
+            handle.write(json.dumps(progress(step * 0.01, step, eta=(200_000 - step) * 0.01)) + "\n")
+    got = status.run_status(run_dir)
+    assert (got.step, got.total_steps, got.progress_records) == (100_000, 200_000, 100_000)
+    assert got.eta_s == pytest.approx(1000.0)
+
+
+# --------------------------------------------------------------------------- logs, cancel, resubmit
+
+
+def test_logs_show_every_job_in_order_and_one_ranks_lines(tmp_path, slurm) -> None:
+    run_dir = make_run(tmp_path, jobs=("41", "57"), logs={"41": REQUEUED_LOG, "57": "[rank 3/4] resumed\n[rank 0/4] resumed\npartial"})
+    out = io.StringIO()
+    print_logs(run_dir, None, out)
+    text = out.getvalue()
+    assert text.index("==> job 41 (attempt 1, submit) <==") < text.index(PREEMPTED) < text.index("==> job 57 (attempt 2, resubmit) <==")
+    assert "partial" not in text  # a line still being written is shown once it is whole
+    out = io.StringIO()
+    print_logs(run_dir, 3, out)
+    assert [line for line in out.getvalue().splitlines() if not line.startswith("==>")] == ["[rank 3/4] step 10", "[rank 3/4] resumed"]
+
+
+def test_logs_follow_a_job_across_its_requeue_and_exit_with_its_state(tmp_path, slurm, monkeypatch) -> None:
+    """The log grows through a requeue (squeue: RUNNING, then PENDING, then RUNNING again, then COMPLETED); follow
+    prints what is appended and exits 0 only once COMPLETED has held (a requeue passes through an ended state)."""
+    import ddpack.runs
+
+    monkeypatch.setattr(ddpack.runs, "SETTLE_S", 0.5)
+    answers = slurm / "answers"
+    answers.write_text("RUNNING\nCANCELLED\nPENDING\nRUNNING\nCOMPLETED\n")
+    fake(slurm, "squeue", f'state=$(head -n1 "{answers}"); [ "$(wc -l <"{answers}")" -gt 1 ] && sed -i 1d "{answers}"; echo "$state||"')
+    run_dir = make_run(tmp_path, records=REQUEUED_RUN, logs={"41": BANNER.format(r=0)})
+    log = run_dir / run_folder.LOGS / run_folder.job_log("41")
+    import threading
+
+    def grow() -> None:
+        for text in ("[rank 0/4] step 10\n", PREEMPTED, BANNER.format(r=1), "[rank 0/4] done\n"):
+            time.sleep(0.3)
+            with log.open("a") as handle:
+                handle.write(text)
+        with (run_dir / run_folder.METRICS).open("a") as handle:
+            handle.write(json.dumps(end(150, 232, "done", 0)) + "\n")
+
+    thread = threading.Thread(target=grow)
+    thread.start()
+    out = io.StringIO()
+    monkeypatch.setattr(ddpack.runs, "POLL_STATE_S", 0.2)
+    code = follow(run_dir, None, out, poll_s=0.05)
+    thread.join()
+    assert code == 0, out.getvalue()
+    text = out.getvalue()
+    assert text.index(PREEMPTED) < text.index("[rank 0/4] done") < text.index("ddpack logs: job 41 COMPLETED")
+
+
+def test_resubmit_continues_the_run_and_is_refused_when_its_image_changed_or_is_gone(tmp_path, slurm) -> None:
+    fake(slurm, "squeue", "echo 'COMPLETED||'")
+    run_dir = make_run(tmp_path, records=REQUEUED_RUN)
+    fake(slurm, "sbatch", "echo 57")
+    assert resubmit(run_dir) == "57"
+    assert [(j.job_id, j.attempt, j.how) for j in read_record(run_dir).jobs] == [("41", 1, "submit"), ("57", 2, "resubmit")]
+    assert calls(slurm, "sbatch") == [f"sbatch --parsable {run_dir}/job/ddpack.sbatch"]
+    sqsh = Path(read_record(run_dir).sqsh["path"])
+    os.utime(sqsh, (1, 1))  # copied over, rebuilt, touched: not the file this run ran
+    with pytest.raises(HostError, match="changed since this run was submitted"):
+        resubmit(run_dir)
+    sqsh.unlink()
+    with pytest.raises(HostError, match="is gone; submit again"):
+        resubmit(run_dir)
+    assert len(calls(slurm, "sbatch")) == 1
+
+
+def test_a_run_is_named_by_its_folder_a_job_id_or_nothing(tmp_path, slurm) -> None:
+    run_dir = make_run(tmp_path, jobs=("41", "57"))
+    runs = tmp_path / "runs"
+    assert resolve_run(None, runs) == resolve_run("57", runs) == resolve_run(str(run_dir), runs) == run_dir.resolve()
+    with pytest.raises(HostError, match="job 99 belongs to no run under"):
+        resolve_run("99", runs)
+
+
+def test_cancel_scancels_the_newest_job_and_status_then_says_cancelled(tmp_path, slurm, capsys) -> None:
+    run_dir = make_run(tmp_path, jobs=("41", "57"), records=REQUEUED_RUN)
+    assert cli.main(["cancel", str(run_dir)]) == 0
+    assert calls(slurm, "scancel") == ["scancel 57"]
+    assert (status.run_status(run_dir).state, status.run_status(run_dir).state_from) == ("CANCELLED", "run.json")
+
+
+# --------------------------------------------------------------------------- submit and its dry run
+
+
+def settings(tmp_path: Path, **changes) -> SubmitSettings:
+    sqsh = tmp_path / "fsx" / "images" / "x.sqsh"
+    sqsh.parent.mkdir(parents=True, exist_ok=True)
+    sqsh.write_bytes(b"hsqs")
+    base = {"app_dir": tmp_path, "nodes": 2, "tasks_per_node": 2, "runs": tmp_path / "fsx" / "runs", "images": sqsh.parent,
+            "sqsh": sqsh, "mounts": f"{tmp_path / 'fsx'}:/fsx", "name": "cpu-ddp"}  # fmt: skip
+    return SubmitSettings(**{**base, **changes})
+
+
+def test_submit_writes_the_record_before_sbatch_and_appends_the_job(tmp_path, slurm) -> None:
+    fake(slurm, "sbatch", 'test -f "$(dirname "$(dirname "$2")")/run.json" && echo 73 || { echo "no run.json yet" >&2; exit 1; }')
+    result = submit(settings(tmp_path, command=("python", "ddp.py", "4", "2"), env={"DDPACK_STAGE": "sbcast"}), say=lambda _: None)
+    record = read_record(Path(result.run_dir))
+    assert result.job_id == "73" and [j.job_id for j in record.jobs] == ["73"]
+    script = (Path(result.run_dir) / record.script).read_text()
+    assert "export DDPACK_COMMAND='python ddp.py 4 2'" in script and "export DDPACK_STAGE=sbcast" in script
+    assert f"#SBATCH --output={result.run_dir}/logs/slurm-%j.out" in script and "#SBATCH --nodes=2" in script
+    assert record.versions == {"slurm": "slurm-wlm 22.05.8", "pyxis": record.versions["pyxis"], "enroot": "3.4.1"}
+    assert sorted(p.name for p in (Path(result.run_dir) / "job").iterdir()) == ["ddpack-job.sh", "ddpack.sbatch", "ddpack_node.py"]
+    assert os.stat(result.run_dir).st_mode & 0o077 == 0  # the run folder is the user's alone (DDPACK_UMASK 077)
+
+
+@pytest.mark.parametrize(
+    ("broken", "line"),
+    [
+        ("no pyxis", "this cluster's srun has no --container-image (pyxis is not loaded)"),
+        ("squashfs not there", "is not a readable file here; the nodes would not find it either"),
+        ("too many nodes", "partition debug has 2 nodes and the job asks for 3 (--nodes 2 + --spares 1); it would never start"),
+        ("unwritable log folder", "cannot be written:"),
+        ("bad setting", "--env DDPACK_STAGE=sbcats: expected auto, sbcast, off"),
+        ("a typo in a setting's name", "--env DDPACK_STAEG: not a ddpack setting (a typo?)"),
+        ("run folder outside the mounts", "is under none of --mounts"),
+    ],
+)
+def test_a_dry_run_names_each_broken_setup_in_one_line_exits_2_and_queues_nothing(tmp_path, slurm, capsys, broken: str, line: str) -> None:
+    args = ["submit", "--nodes", "2", "--tasks-per-node", "2", "--dry-run", "--runs", str(tmp_path / "fsx" / "runs"),
+            "--sqsh", str(settings(tmp_path).sqsh), "--mounts", f"{tmp_path / 'fsx'}:/fsx", str(tmp_path)]  # fmt: skip
+    if broken == "no pyxis":
+        fake(slurm, "srun", "echo '      --cpu-bind=...'")
+    elif broken == "squashfs not there":
+        args[args.index("--sqsh") + 1] = str(tmp_path / "fsx" / "images" / "gone.sqsh")
+    elif broken == "too many nodes":
+        args += ["--spares", "1"]
+    elif broken == "unwritable log folder":
+        (tmp_path / "fsx" / "runs").write_text("a file where the runs folder should be")
+    elif broken == "bad setting":
+        args += ["--env", "DDPACK_STAGE=sbcats"]
+    elif broken == "a typo in a setting's name":
+        args += ["--env", "DDPACK_STAEG=sbcast"]
+    else:
+        args[args.index("--mounts") + 1] = "/data:/data"
+    assert cli.main(args) == 2
+    out, err = capsys.readouterr()
+    errors = [text for text in (out + err).splitlines() if text.startswith("ddpack submit: error:")]
+    assert len(errors) == 1 and line in errors[0], out + err
+    assert calls(slurm, "sbatch") == []
+
+
+def test_a_dry_run_of_a_good_setup_prints_the_exact_job_script(tmp_path, slurm, capsys) -> None:
+    good = settings(tmp_path)
+    assert cli.main(["submit", "--nodes", "2", "--tasks-per-node", "2", "--dry-run", "--runs", str(good.runs), "--sqsh", str(good.sqsh),
+                     "--mounts", good.mounts, "--name", "cpu-ddp", str(tmp_path)]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    expected = render_script(good, (good.runs / "cpu-ddp-<time>").resolve(), good.sqsh.resolve())
+    assert out.startswith(expected) and "dry run: every check passed; nothing was queued" in out
+    assert calls(slurm, "sbatch") == [] and not good.runs.exists()
+
+
+def test_settings_are_checked_before_anything_runs(tmp_path) -> None:
+    problems = setting_problems(
+        settings(tmp_path, nodes=0, time_limit="soon", template="mpi", command=("python", "a b.py"), env={"DDPACK_SQSH": "/x"})
+    )
+    assert len(problems) == 5, problems

@@ -1,0 +1,98 @@
+"""`ddpack submit / status / logs -f / resubmit / cancel` on the test cluster (Slurm, pyxis, enroot, no accounting),
+as a new user runs them: the installed `ddpack` command on the README's project, one job through a preemption."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from docker_support import ReadmeProject
+
+from testbed.slurm_jobs import env
+
+pytestmark = [pytest.mark.pyxis, pytest.mark.usefixtures("pyxis_stack")]
+DDPACK = str(Path(sys.executable).parent / "ddpack")  # what `make venv` (and pip install of the checkout) installs
+TRAIN = "DDPACK_TRAIN_ARGS=--dataset-size 16384 --epochs 2 --log-every 1 --snapshot-every 20"
+
+
+def ddpack(*args: str, path: str | None = None) -> subprocess.CompletedProcess[str]:
+    job_env = env(OMP_NUM_THREADS="1")
+    if path:
+        job_env["PATH"] = f"{path}:{job_env['PATH']}"
+    return subprocess.run([DDPACK, *args], env=job_env, capture_output=True, text=True, timeout=600)
+
+
+def status_of(run_dir: str, path: str | None = None) -> dict:
+    out = ddpack("status", run_dir, "--json", path=path)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def wait_for(what: str, check, timeout: float = 240):  # type: ignore[no-untyped-def]
+    deadline, seen = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        seen = check()
+        if seen:
+            return seen
+        time.sleep(1)
+    raise AssertionError(f"{what} within {timeout:.0f} s")
+
+
+def test_a_run_from_submit_through_a_preemption_to_completion_then_resubmitted_and_cancelled(
+    shared: Path, readme_project: ReadmeProject, tmp_path: Path
+) -> None:
+    work = shared / "lifecycle"
+    (work / "images").mkdir(parents=True)
+    submitted = ddpack(
+        "submit", str(readme_project.folder), "--nodes", "2", "--tasks-per-node", "2", "--runs", str(work / "runs"),
+        "--images", str(work / "images"), "--mounts", f"{shared}:/fsx", "--env", TRAIN, "--json",
+    )  # fmt: skip
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    result = json.loads(submitted.stdout)
+    run_dir, job = result["run_dir"], result["job_id"]
+    record = json.loads((Path(run_dir) / "run.json").read_text())
+    image_id = subprocess.run(["docker", "image", "inspect", "-f", "{{.Id}}", record["image"]["ref"]], capture_output=True, text=True)
+    assert record["image"]["image_id"] == image_id.stdout.strip() and Path(record["sqsh"]["path"]).is_file()
+    assert record["jobs"][0]["job_id"] == job and record["versions"]["pyxis"] == "v0.19.0" and record["code"]["digest"]
+    assert status_of(run_dir)["state"] in ("PENDING", "RUNNING")
+
+    training = wait_for("a step, a total and an ETA", lambda: (s := status_of(run_dir))["step"] and s["eta_s"] is not None and s)
+    assert training["state"] == "RUNNING" and training["total_steps"] == 232 and len(training["segments"]) == 1
+
+    failing = tmp_path / "squeue-down"
+    failing.mkdir()
+    (failing / "squeue").write_text("#!/bin/sh\necho 'squeue: error: Socket timed out on send/recv operation' >&2\nexit 1\n")
+    (failing / "squeue").chmod(0o755)
+    blind = status_of(run_dir, path=str(failing))  # no accounting here, and squeue failing: the run is not lost
+    assert blind["state"] == "UNKNOWN" and blind["step"] and blind["note"].startswith("squeue failed")
+
+    follower = subprocess.Popen([DDPACK, "logs", run_dir, "-f"], env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    subprocess.run(["scancel", "--signal=USR1", job], check=True)  # what --signal=USR1@90 sends before a preemption
+    requeued = wait_for("the requeue's second segment", lambda: len((s := status_of(run_dir))["segments"]) >= 2 and s)
+    assert "preempted (exit 138); requeueing job" in requeued["segments"][1]["why"], requeued
+    try:
+        followed, _ = follower.communicate(timeout=300)
+    finally:
+        follower.kill()
+    assert follower.returncode == 0, followed[-3000:]
+    preempted, finished = followed.index("ddpack: preempted (exit 138)"), followed.rindex("checksums agree across 4 ranks")
+    assert preempted < finished < followed.index(f"ddpack logs: job {job} COMPLETED")
+    done = status_of(run_dir)
+    assert (done["state"], done["step"], len(done["segments"])) == ("COMPLETED", 232, 2), done
+
+    again = ddpack("resubmit", run_dir)
+    assert again.returncode == 0, again.stderr
+    second = again.stdout.split()[2]
+    log = Path(run_dir) / "logs" / f"slurm-{second}.out"
+    wait_for("the resubmitted job in the same run folder", lambda: log.exists() and f"run dir {run_dir} (continuing" in log.read_text())
+    cancelled = ddpack("cancel", run_dir)
+    assert cancelled.returncode == 0 and f"job {second} of {run_dir} cancelled" in cancelled.stdout, cancelled.stderr
+    final = wait_for("CANCELLED", lambda: (s := status_of(run_dir))["state"] == "CANCELLED" and s, timeout=60)
+    assert final["job_id"] == second and final["attempt"] == 2
+    assert [j["job_id"] for j in json.loads((Path(run_dir) / "run.json").read_text())["jobs"]] == [job, second]
+    assert os.stat(run_dir).st_mode & 0o077 == 0
