@@ -363,3 +363,24 @@ def test_settings_are_checked_before_anything_runs(tmp_path) -> None:
         settings(tmp_path, nodes=0, time_limit="soon", template="mpi", command=("python", "a b.py"), env={"DDPACK_SQSH": "/x"})
     )
     assert len(problems) == 5, problems
+
+
+def test_the_readmes_submit_line_runs_as_written(tmp_path, slurm, monkeypatch, capsys) -> None:
+    """The front page's `ddpack submit` line, its ../cpu-ddp swapped for the project and /fsx for a folder here, as a
+    dry run with a squashfs made already (the cluster tier submits the same project for real)."""
+    import shlex
+
+    from testbed.readme_examples import readme_line, write_cpu_ddp
+
+    fsx = tmp_path / "fsx"
+    project = write_cpu_ddp(tmp_path / "cpu-ddp")
+    good = settings(tmp_path)
+    monkeypatch.setenv("DDPACK_RUNS", str(fsx / "runs"))
+    monkeypatch.setenv("DDPACK_IMAGES", str(fsx / "images"))
+    monkeypatch.setenv("DDPACK_MOUNTS", f"{fsx}:/fsx")
+    words = shlex.split(readme_line(".venv/bin/ddpack submit "))[1:]
+    words = [str(project) if word == "../cpu-ddp" else word for word in words]
+    cut = words.index("--")
+    assert cli.main([*words[:cut], "--dry-run", "--sqsh", str(good.sqsh), *words[cut:]]) == 0
+    out = capsys.readouterr().out
+    assert "export DDPACK_COMMAND='python ddp.py 4 2'" in out and "#SBATCH --ntasks-per-node=2" in out
