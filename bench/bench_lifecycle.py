@@ -25,10 +25,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ddpack.run_records import read_run  # noqa: E402
-from testbed.env import clean_env  # noqa: E402
-from testbed.readme_examples import write_cpu_ddp  # noqa: E402
-from testbed.slurm_cluster import ensure_cluster  # noqa: E402
+from ddpack.run_records import read_run
+from testbed.env import clean_env
+from testbed.readme_examples import write_cpu_ddp
+from testbed.slurm_cluster import ensure_cluster
 
 DDPACK = str(Path(sys.executable).parent / "ddpack")
 

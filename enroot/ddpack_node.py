@@ -218,30 +218,48 @@ def read_leases(folder: Path) -> dict[str, str]:
     return leases
 
 
-def clean_stage(folder: Path, keep: int, job: str, live: set[str] | None) -> list[str]:
+class LiveJobs:
+    """This user's live jobs plus this one, asked of squeue once and only when a removal depends on the answer: a
+    start with nothing to clean (the usual one) never asks. None when squeue failed: then nothing is removed."""
+
+    def __init__(self, job: str) -> None:
+        self.job, self._asked, self._answer = job, False, None
+
+    def get(self) -> set[str] | None:
+        if not self._asked:
+            self._answer, self._asked = live_jobs(), True
+        return None if self._answer is None else self._answer | {self.job}
+
+
+def clean_stage(folder: Path, keep: int, live: LiveJobs) -> list[str]:
     """Remove, by name, what no live job of ours needs: copies beyond the newest `keep` that no live job leases,
-    leases and half-received folders of jobs that are over. With `live` None (squeue failed) nothing goes.
-    Returns the names removed."""
-    if live is None:
+    leases and half-received folders of jobs that are over. Nothing goes when squeue failed. Returns the names
+    removed."""
+    copies, incoming = [], []
+    for entry in os.scandir(folder):
+        if (found := INCOMING.fullmatch(entry.name)) and found.group(1) != live.job:
+            incoming.append((found.group(1), entry.name))
+        elif STAGED.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+            copies.append((entry.stat(follow_symlinks=False).st_mtime, entry.name))
+    beyond = [name for _, name in sorted(copies, reverse=True)[keep:]]
+    if not beyond and not incoming:
         return []
-    live = live | {job}
+    jobs = live.get()
+    if jobs is None:
+        return []
     removed: list[str] = []
     leased = set()
     for holder, key in read_leases(folder).items():
-        if holder in live:
+        if holder in jobs:
             leased.add(key)
         else:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(folder / LEASES / holder)
-    copies = []
-    for entry in os.scandir(folder):
-        incoming = INCOMING.fullmatch(entry.name)
-        if incoming and incoming.group(1) not in live:
-            remove_incoming(folder / entry.name)
-            removed.append(entry.name)
-        elif STAGED.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
-            copies.append((entry.stat(follow_symlinks=False).st_mtime, entry.name))
-    for _, name in sorted(copies, reverse=True)[keep:]:
+    for owner, name in incoming:
+        if owner not in jobs:
+            remove_incoming(folder / name)
+            removed.append(name)
+    for name in beyond:
         if name.removesuffix(".sqsh") in leased:
             continue
         with contextlib.suppress(FileNotFoundError):
@@ -265,23 +283,24 @@ def remove_incoming(path: Path) -> None:
 CONTAINER = re.compile(r"pyxis_(?:\d+_)?ddpack-(\d+)")
 
 
-def remove_stale_containers(job: str, live: set[str] | None, node: str) -> None:
+def remove_stale_containers(live: LiveJobs, node: str) -> None:
     """Remove this user's ddpack containers (pyxis_ddpack-<job>, or pyxis_<job>_ddpack-<job> under container_scope
     =job) whose job Slurm no longer lists: a job scancelled or timed out leaves its container behind. An squeue that
     failed removes nothing."""
-    if live is None:
-        return
     try:
         names = subprocess.run(["enroot", "list"], capture_output=True, text=True, timeout=60).stdout.split()
     except (OSError, subprocess.TimeoutExpired):
         return
-    for name in names:
-        match = CONTAINER.fullmatch(name)
-        if not match or match.group(1) == job or match.group(1) in live:
+    others = [(name, m.group(1)) for name in names if (m := CONTAINER.fullmatch(name)) and m.group(1) != live.job]
+    jobs = live.get() if others else set()
+    if jobs is None:
+        return
+    for name, job in others:
+        if job in jobs:
             continue
         gone = subprocess.run(["enroot", "remove", "-f", name], capture_output=True, timeout=120).returncode == 0
         if gone:
-            warn(f"removed container {name} on {node} (job {match.group(1)} is over)")
+            warn(f"removed container {name} on {node} (job {job} is over)")
 
 
 # --------------------------------------------------------------------------- the verbs
@@ -307,8 +326,8 @@ def hashlib_hex(text: str) -> str:
 
 def prepare(args: argparse.Namespace) -> int:
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-    live = live_jobs()
-    remove_stale_containers(args.job, live, node)
+    live = LiveJobs(args.job)
+    remove_stale_containers(live, node)
     if not args.key:
         return 0
     folder = Path(args.dir)
@@ -316,7 +335,7 @@ def prepare(args: argparse.Namespace) -> int:
         private_folder(folder, "DDPACK_STAGE_DIR")
         check_stage_contents(folder)
         lease(folder, args.job, args.key)
-        for name in clean_stage(folder, args.keep, args.job, live):
+        for name in clean_stage(folder, args.keep, live):
             warn(f"removed {folder}/{name} on {node} (no live job of yours uses it)")
         copy = folder / f"{args.key}.sqsh"
         if trusted_copy(copy, args.size):
@@ -360,7 +379,7 @@ def install(args: argparse.Namespace) -> int:
         return 1
     finally:
         remove_incoming(incoming)
-    for name in clean_stage(folder, args.keep, args.job, live_jobs()):
+    for name in clean_stage(folder, args.keep, LiveJobs(args.job)):
         warn(f"removed {folder}/{name} on {node} (no live job of yours uses it)")
     return 0
 
