@@ -572,7 +572,9 @@ ddpack_nodes_named_this_start() {
     local named=${DDPACK_RUN_DIR}/forensics/unresponsive-nodes node ours=()
     [ -s "${named}" ] && [ "${named}" -nt "${DDPACK_RUN_DIR}/${ddpack_start_marker}" ] || return 0
     local -A job_nodes=()
-    for node in $(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null); do job_nodes[${node}]=1; done
+    for node in $(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null) $(scontrol show hostnames "$(ddpack_job_nodelist)" 2>/dev/null); do
+        job_nodes[${node}]=1
+    done
     while IFS= read -r node; do
         [ -n "${node}" ] && [ -n "${job_nodes[${node}]+x}" ] && ours+=("${node}")
     done <"${named}"

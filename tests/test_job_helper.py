@@ -191,6 +191,15 @@ def test_a_hang_that_names_a_node_the_job_cannot_spare_requeues_without_it_then_
     assert "after 1 failure restarts, the cap DDPACK_MAX_FAILURE_RESTARTS=1; not requeueing" in again.stdout and "requeue" not in calls
 
 
+def test_only_the_jobs_own_nodes_named_by_forensics_reach_excnodelist(tmp_path: Path) -> None:
+    """unresponsive-nodes is written from what ranks said through the rendezvous store: a name that is not one of the
+    job's nodes (another user's injection, a glob) never reaches Slurm's ExcNodeList, and `*` is not expanded."""
+    (tmp_path / "train.py").write_text("mine")
+    out, calls, _ = after_step(tmp_path, 124, unresponsive="ddnode2\n*\nlogin-node\nddnode2,login-node\n")
+    assert "scontrol update JobId=77 ExcNodeList=ddnode2" in calls.splitlines(), calls
+    assert "login-node" not in calls and "train.py" not in calls
+
+
 @pytest.mark.parametrize(
     ("job_nodes", "down", "unresponsive", "chosen"),
     [
