@@ -25,9 +25,10 @@ from train.metrics import format_duration
 
 STATES = ("PENDING", "RUNNING", "REQUEUED", "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
-CANCELLED_LINE = re.compile(r"\*\*\* JOB (\d+) ON \S+ CANCELLED AT \S+( DUE TO TIME LIMIT)?")
+# Slurm's own line when it ends a job's script: scancel, the time limit, or a requeue (which is no ending at all).
+CANCELLED_LINE = re.compile(r"\*\*\* JOB (\d+) ON \S+ CANCELLED AT \S+( DUE TO TIME LIMIT| DUE TO JOB REQUEUE)?")
 BANNER = re.compile(r"^ddpack: job (\d+) \(restart (\d+)\) on (\S+), run dir ")
-DECISION = re.compile(r"^ddpack: (preempted \(exit \d+\).*|the step .*(restarting it in this allocation|requeueing job|not requeueing).*)$")
+DECISION = re.compile(r"^ddpack: (preempted \(exit \d+\).*|the step completed \(exit 0\)|the step .*(restarting it in this allocation|requeueing job|not requeueing).*)$")
 KEEP_PROGRESS = 50  # the last progress records parsed: enough for a rate over the segment's recent steps
 
 
@@ -152,7 +153,7 @@ def log_events(logs: list[Path], job_ids: list[str]) -> list[LogEvent]:
                     events.append(LogEvent("decision", job_id, found.group(1)))
                 elif banner := BANNER.match(line):
                     events.append(LogEvent("banner", banner.group(1), f"restart {banner.group(2)}"))
-            elif "*** JOB" in line and (cancel := CANCELLED_LINE.search(line)):
+            elif "*** JOB" in line and (cancel := CANCELLED_LINE.search(line)) and cancel.group(2) != " DUE TO JOB REQUEUE":
                 events.append(LogEvent("cancel", cancel.group(1), "TIMEOUT" if cancel.group(2) else "CANCELLED"))
     return events
 
@@ -218,13 +219,15 @@ def state_of(job_id: str | None, record: RunRecord, records: Records, events: li
     for event in reversed(record.events):
         if event.get("kind") == "cancel" and event.get("job_id") == job_id:
             return "CANCELLED", "run.json", note or "ddpack cancel"
-    for event in reversed(events):
-        if event.kind == "cancel" and event.job_id == job_id:
-            return event.text, "job log", note
+    mine = [e for e in events if e.job_id == job_id and e.kind in ("banner", "cancel")]
+    if mine and mine[-1].kind == "cancel":  # Slurm ended the script, and it did not start again after
+        return mine[-1].text, "job log", note
     last_segment = len(records.starts) - 1
     end = next((e for i, e in reversed(records.ends) if i == last_segment), None)
     if end is not None and end.get("outcome") == "done":
         return "COMPLETED", "end record", note
+    if decisions and decisions[-1].startswith("the step completed"):
+        return "COMPLETED", "job log", note
     if decisions and "not requeueing" in decisions[-1]:
         return "FAILED", "job log", note or decisions[-1]
     if end is not None:

@@ -475,7 +475,10 @@ ddpack_after_step() {
     case "${max_failed}" in '' | *[!0-9]*) ddpack_die "DDPACK_MAX_FAILURE_RESTARTS=${max_failed} is not a whole number" ;; esac
     ddpack_report_hint
     case "${rc}" in
-    0) return 0 ;;
+    0)
+        echo "ddpack: the step completed (exit 0)"   # the run's end, for ddpack status once Slurm has forgotten the job
+        return 0
+        ;;
     2)
         echo "ddpack: the step ended on bad input (exit 2); not requeueing: fix what its error line names and resubmit"
         return 0

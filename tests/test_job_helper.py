@@ -152,7 +152,7 @@ IN_PLACE = "restarting it in this allocation on ddnode1,ddnode2 from its last sn
 @pytest.mark.parametrize(
     ("rc", "settings", "line", "next_"),
     [
-        (0, {}, "", "end"),
+        (0, {}, "ddpack: the step completed (exit 0)", "end"),
         (2, {}, "ddpack: the step ended on bad input (exit 2); not requeueing", "end"),
         (138, {}, "ddpack: preempted (exit 138); requeueing job 77 (restart 1 of at most 10)", "requeue"),
         (143, {"SLURM_RESTART_COUNT": "10"}, "ddpack: preempted (exit 143) after 10 restarts, the cap DDPACK_MAX_RESTARTS=10; not requeueing", "end"),

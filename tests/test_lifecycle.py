@@ -173,6 +173,16 @@ def test_slurms_own_cancel_line_in_the_log_says_cancelled_or_timeout_without_acc
     assert (status.run_status(run_dir).state, status.run_status(run_dir).state_from) == (state, "job log")
 
 
+def test_a_requeue_is_not_a_cancel_and_a_cancel_before_a_restart_is_not_the_end(tmp_path, slurm) -> None:
+    """Slurm writes `CANCELLED AT … DUE TO JOB REQUEUE` when it requeues a job: the run went on. A scancel'd start
+    that the job came back from (a banner after it) is not the job's end either."""
+    requeue = "slurmstepd: error: *** JOB 41 ON ddnode1 CANCELLED AT 2026-11-25T12:00:00 DUE TO JOB REQUEUE ***\n"
+    cancel = "slurmstepd: error: *** JOB 41 ON ddnode1 CANCELLED AT 2026-11-25T12:00:00 ***\n"
+    for log in (BANNER.format(r=0) + PREEMPTED + requeue + BANNER.format(r=1), BANNER.format(r=0) + cancel + BANNER.format(r=1)):
+        run_dir = make_run(tmp_path / str(len(log)), records=[*REQUEUED_RUN, end(140, 232, "done", 0)], logs={"41": log})
+        assert (status.run_status(run_dir).state, status.run_status(run_dir).state_from) == ("COMPLETED", "end record")
+
+
 def test_accounting_answers_when_the_cluster_has_it(tmp_path, slurm) -> None:
     fake(slurm, "sacct", "echo 'TIMEOUT|0:0'")
     run_dir = make_run(tmp_path, records=REQUEUED_RUN)
@@ -193,6 +203,10 @@ def test_a_program_that_writes_no_records_still_has_a_state_its_segments_and_its
     got = status.run_status(run_dir)
     assert got.state == "RUNNING" and got.step is None and got.eta_s is None
     assert [s.why.split(";")[0] for s in got.segments] == ["submitted", "the step failed (exit 1)", "preempted (exit 138)"]
+    with (run_dir / run_folder.LOGS / run_folder.job_log("41")).open("a") as handle:
+        handle.write("epoch 3\nddpack: the step completed (exit 0)\n")
+    fake(slurm, "squeue", "exit 0")  # MinJobAge later, Slurm has forgotten it: the template's last line still says
+    assert (status.run_status(run_dir).state, status.run_status(run_dir).state_from) == ("COMPLETED", "job log")
 
 
 def test_status_reads_a_run_of_100000_progress_records_without_parsing_them_all(tmp_path, slurm) -> None:
