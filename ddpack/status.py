@@ -28,7 +28,10 @@ ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
 # Slurm's own line when it ends a job's script: scancel, the time limit, or a requeue (which is no ending at all).
 CANCELLED_LINE = re.compile(r"\*\*\* JOB (\d+) ON \S+ CANCELLED AT \S+( DUE TO TIME LIMIT| DUE TO JOB REQUEUE)?")
 BANNER = re.compile(r"^ddpack: job (\d+) \(restart (\d+)\) on (\S+), run dir ")
-DECISION = re.compile(r"^ddpack: (preempted \(exit \d+\).*|the step completed \(exit 0\)|the step .*(restarting it in this allocation|requeueing job|not requeueing).*)$")
+DECISION = re.compile(
+    r"^ddpack: (preempted \(exit \d+\).*|the step completed \(exit 0\)"
+    r"|the step .*(restarting it in this allocation|requeueing job|not requeueing).*)$"
+)
 KEEP_PROGRESS = 50  # the last progress records parsed: enough for a rate over the segment's recent steps
 
 

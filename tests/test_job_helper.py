@@ -195,7 +195,7 @@ def test_only_the_jobs_own_nodes_named_by_forensics_reach_excnodelist(tmp_path: 
     """unresponsive-nodes is written from what ranks said through the rendezvous store: a name that is not one of the
     job's nodes (another user's injection, a glob) never reaches Slurm's ExcNodeList, and `*` is not expanded."""
     (tmp_path / "train.py").write_text("mine")
-    out, calls, _ = after_step(tmp_path, 124, unresponsive="ddnode2\n*\nlogin-node\nddnode2,login-node\n")
+    _, calls, _ = after_step(tmp_path, 124, unresponsive="ddnode2\n*\nlogin-node\nddnode2,login-node\n")
     assert "scontrol update JobId=77 ExcNodeList=ddnode2" in calls.splitlines(), calls
     assert "login-node" not in calls and "train.py" not in calls
 
