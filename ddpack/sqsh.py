@@ -16,6 +16,12 @@ else ddpack's default) and says which. The result goes to a temporary file, is l
 (entrypoint, python, metadata), and only then renamed over the output; a record next to it
 (`X.sqsh.ddpack.json`: image id, options, the file's size and mtime) makes the next `make sqsh` of the
 same image a no-op.
+
+The output folder may be shared (`/fsx/images`) and `layers` runs as root, so nothing is written through a
+name another user could have planted there: the squashfs is made inside a private folder that mkdtemp
+creates beside the output (0700, a random name; the same filesystem, so the rename is atomic), the record
+through mkstemp, and the output path's own last component is never resolved (a link planted at it is
+replaced, not followed). A record or output that is not a regular file of this user is not trusted.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from ddpack.enroot_tree import (
     squash_options,
 )
 from ddpack.errors import HostError, run_verb
+from ddpack.private_files import is_own_file, write_atomically
 
 # Chosen from measurements (`make bench-sqsh`, `make bench-start`): uncompressed (HyperPod's enroot.conf
 # setting) converts fastest, unpacks as fast as lz4 and starts a 2-node step fastest here; lz4 and zstd
@@ -324,6 +331,8 @@ def _record(output: Path, image_id: str, options: str) -> dict:
 
 def holds(output: Path, image_id: str, options: str) -> bool:
     """The output is the file a previous conversion of this image with these options wrote (unchanged since)."""
+    if not (is_own_file(output) and is_own_file(record_path(output))):
+        return False
     try:
         recorded = json.loads(record_path(output).read_text())
         recorded.pop("image", None)
@@ -333,10 +342,10 @@ def holds(output: Path, image_id: str, options: str) -> bool:
 
 
 def write_record(output: Path, image: str, image_id: str, options: str) -> None:
+    """The record beside `output`, through a temp file mkstemp makes there (readable by the users whose jobs
+    read it, like the squashfs)."""
     record = {"image": image, **_record(output, image_id, options)}
-    tmp = record_path(output).with_name(f".{record_path(output).name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    os.replace(tmp, record_path(output))
+    write_atomically(record_path(output), json.dumps(record, indent=1) + "\n", mode=0o644)
 
 
 def choose_converter(requested: str, image_attrs: dict) -> tuple[str, str]:
@@ -355,7 +364,7 @@ def choose_converter(requested: str, image_attrs: dict) -> tuple[str, str]:
 def convert(image: str, output: Path, converter: str = "auto", force: bool = False) -> Path:
     """Write `output` atomically (or leave it, when it already holds this image); returns it."""
     started = time.monotonic()
-    output = output.resolve()
+    output = output.parent.resolve() / output.name  # never the last component: a link planted there is replaced, not followed
     if not output.parent.is_dir():
         raise HostError(f"output folder {output.parent} does not exist; create it or choose another SQSH path", code=2)
     if converter not in ("auto", *CONVERTERS):
@@ -371,8 +380,11 @@ def convert(image: str, output: Path, converter: str = "auto", force: bool = Fal
         return output
     converter, why = choose_converter(converter, attrs)
     print(f"sqsh: {image} -> {output} ({converter}{why}; ENROOT_SQUASH_OPTIONS={options!r} from {source})", flush=True)
-    tmp_out = output.with_name(f".{output.name}.tmp-{os.getpid()}")
-    tmp_out.unlink(missing_ok=True)
+    try:
+        staging = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}."))
+    except OSError as exc:
+        raise HostError(f"cannot write in {output.parent} ({exc.strerror or exc}); choose another SQSH path") from None
+    tmp_out = staging / output.name
     try:
         with tempfile.TemporaryDirectory(prefix="ddpack-sqsh-") as workspace:
             RUNNERS[converter](client, image, attrs["Config"], options, tmp_out, Path(workspace))
@@ -387,7 +399,7 @@ def convert(image: str, output: Path, converter: str = "auto", force: bool = Fal
             ) from None
         raise HostError(f"writing {output} failed: {exc.strerror or exc}") from None
     finally:
-        tmp_out.unlink(missing_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)  # our own private folder: what a failed converter left in it
     size = output.stat().st_size
     print(f"sqsh: wrote {output} ({size / 2**20:,.0f} MiB, {len(names):,} files and links) in {time.monotonic() - started:.1f}s")
     return output
