@@ -44,9 +44,10 @@ APP_IMAGE     ?= $(if $(APP),$(shell basename '$(abspath $(APP))' | tr 'A-Z' 'a-
 OFFLINE       ?=
 NAME          := $(or $(APP_IMAGE),$(IMAGE))
 export APP_CMD
-# Push: the ECR repository (created when missing) and, for stand-ins, a registry host to use instead.
+# Push: the ECR repository (created when missing) and, for stand-ins, a registry host to use instead
+# (ddpack's own name: the common REGISTRY, set for something else, would send the ECR token there unseen).
 ECR_REPOSITORY ?= $(NAME)
-REGISTRY      ?=
+DDPACK_REGISTRY ?=
 AWS_REGION    ?=
 PUSH_ARGS     ?=
 # Squashfs output (pyxis: srun --container-image=/fsx/.../x.sqsh) and converter (auto: layers, else enroot, else mksquashfs).
@@ -61,7 +62,7 @@ CPU_REF := $(NAME):$(TAG)
 GPU_REF := $(NAME):$(TAG)-gpu
 # With APP: the project's build options (the bundle's image under it keeps the name $(IMAGE)).
 APP_OPTS = $(if $(APP),--app '$(APP)' --app-cmd "$$APP_CMD" --bundle-tag $(IMAGE):$(TAG)$(1)) $(if $(OFFLINE),--offline)
-AWS_ENV := AWS_REGION='$(AWS_REGION)' REGISTRY='$(REGISTRY)'
+AWS_ENV := AWS_REGION='$(AWS_REGION)' DDPACK_REGISTRY='$(DDPACK_REGISTRY)'
 IMAGE_ENV := BASE_IMAGE='$(BASE_IMAGE)' WHEELHOUSE='$(WHEELHOUSE)' CA_BUNDLE='$(CA_BUNDLE)' TORCH_VERSION='$(TORCH_VERSION)'
 
 .PHONY: help venv test test-quick lint bench bench-images bench-sqsh bench-start bench-goodput bench-gpu clean engine base image image-gpu smoke push push-gpu enroot-credentials sqsh sqsh-gpu report
@@ -78,7 +79,7 @@ help: ## list targets and variables
 	@echo "  BASE_IMAGE=$(BASE_IMAGE) (empty: python:3.11-slim-bookworm, else a Debian-archive base)"
 	@echo "  WHEELHOUSE=$(WHEELHOUSE) (empty: pip's find-links) CA_BUNDLE=$(CA_BUNDLE) (empty: pip's cert, else SSL_CERT_FILE)"
 	@echo "  BUILD_ARGS=$(BUILD_ARGS) (e.g. --build-arg INSTALL_EFA=1 for image-gpu)"
-	@echo "  REGISTRY=$(REGISTRY) AWS_REGION=$(AWS_REGION) ECR_REPOSITORY=$(ECR_REPOSITORY) PUSH_ARGS=$(PUSH_ARGS)"
+	@echo "  DDPACK_REGISTRY=$(DDPACK_REGISTRY) AWS_REGION=$(AWS_REGION) ECR_REPOSITORY=$(ECR_REPOSITORY) PUSH_ARGS=$(PUSH_ARGS)"
 	@echo "  SQSH=$(SQSH) SQSH_GPU=$(SQSH_GPU) SQSH_CONVERTER=$(SQSH_CONVERTER) SQSH_ARGS=$(SQSH_ARGS) ENROOT_SQUASH_OPTIONS=$(ENROOT_SQUASH_OPTIONS)"
 	@echo "  PYTHON=$(PYTHON) VENV=$(VENV) TORCH_VERSION=$(TORCH_VERSION) PIP_TORCH_OPTS=$(PIP_TORCH_OPTS)"
 	@echo "  PYTEST_ARGS=$(PYTEST_ARGS) BENCH_START_ARGS=$(BENCH_START_ARGS) (--baseline-image IMG, --journaled-data DIR, --rounds N)"

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 from pathlib import Path
 
-from ddpack.ecr import aws_session, registry_credential
+from ddpack.ecr import aws_session, registry_credential, registry_override_from
 from ddpack.errors import HostError, run_verb
+from ddpack.private_files import write_atomically
 
 
 def credentials_path() -> Path:
@@ -23,23 +23,6 @@ def credentials_path() -> Path:
         return Path(os.environ["ENROOT_CONFIG_PATH"]) / ".credentials"
     config_home = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
     return Path(config_home) / "enroot" / ".credentials"
-
-
-def write_atomically(path: Path, content: str | bytes, mode: int = 0o600) -> None:
-    """Replace `path` with `content` all at once (a reader never sees half a file); the file never
-    exists with other permissions."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(content.encode() if isinstance(content, str) else content)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write_enroot_credentials(
@@ -64,7 +47,11 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m ddpack.credentials", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--region", default=os.environ.get("AWS_REGION") or None)
-    parser.add_argument("--registry", default=os.environ.get("REGISTRY") or None, help="registry host instead of the token's")
+    parser.add_argument(
+        "--registry",
+        default=registry_override_from(os.environ),
+        help="registry host instead of the token's (default: DDPACK_REGISTRY; a non-ECR host is named in a warning first)",
+    )
     parser.add_argument("--literal", action="store_true", help="store the current token instead of the aws command")
     opts = parser.parse_args(argv)
 

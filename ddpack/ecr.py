@@ -2,7 +2,9 @@
 
 Credentials come from boto3's standard chain (environment, profile, SSO, instance role). Endpoints
 can be overridden the standard way (AWS_ENDPOINT_URL_ECR, AWS_ENDPOINT_URL_STS), which is how the
-tests point this at moto's server.
+tests point this at moto's server. The registry host the token goes to is the token's own ECR endpoint
+unless ddpack's own setting DDPACK_REGISTRY names another (a stand-in); never the common name REGISTRY,
+which a shell or CI may set for something else and which would silently send the token there.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import base64
 import os
 import re
+import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -23,6 +27,7 @@ from ddpack.errors import HostError
 ECR_HOST_RE = re.compile(r"^(\d{12})\.dkr[.-]ecr(-fips)?\.([a-z0-9-]+)\.(amazonaws\.com(\.cn)?|on\.aws)$")
 REPOSITORY_RE = re.compile(r"^(?=.{2,256}$)(?:[a-z0-9]+(?:[._-][a-z0-9]+)*/)*[a-z0-9]+(?:[._-][a-z0-9]+)*$")
 TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+REGISTRY_SETTING = "DDPACK_REGISTRY"  # ddpack's own name for the registry override: the environment's and make's
 RETRIES = Config(retries={"max_attempts": 6, "mode": "standard"})  # throttling and 5xx, with backoff
 
 
@@ -115,16 +120,32 @@ def ensure_repository(session: boto3.Session, name: str, settings: RepositorySet
         raise _explain("ecr create-repository", exc) from None
 
 
+def registry_override_from(environ: Mapping[str, str]) -> str | None:
+    """The registry host the user asked for instead of the token's: DDPACK_REGISTRY, and nothing else."""
+    return environ.get(REGISTRY_SETTING) or None
+
+
 def registry_credential(session: boto3.Session, registry_override: str | None = None) -> RegistryCredential:
     """The registry's host and a docker credential from get-authorization-token.
 
     The credential is only ever sent to a host that looks like an ECR registry, unless the user named
-    another one explicitly (`registry_override`, e.g. a local registry standing in for ECR)."""
+    another one explicitly (`registry_override`, from DDPACK_REGISTRY: e.g. a local registry standing in
+    for ECR); such a host is named in one warning line on stderr here, before the caller sends or writes
+    anything, so that a stray setting cannot hand the token over unseen."""
     data = _aws_call("ecr get-authorization-token", session.client("ecr", config=RETRIES).get_authorization_token)["authorizationData"][0]
     username, _, password = base64.b64decode(data["authorizationToken"]).decode().partition(":")
     host = re.sub(r"^https?://", "", data["proxyEndpoint"]).rstrip("/")
+    endpoint = ECR_HOST_RE.match(host)
     if registry_override:
+        if not ECR_HOST_RE.match(registry_override):
+            account = endpoint[1] if endpoint else account_id(session)
+            print(
+                f"ddpack: warning: sending the ECR token for account {account} to {registry_override}, "
+                f"which is not an ECR registry ({REGISTRY_SETTING})",
+                file=sys.stderr,
+                flush=True,
+            )
         host = registry_override
-    elif not ECR_HOST_RE.match(host):
+    elif not endpoint:
         raise HostError(f"the token's endpoint {host!r} is not an ECR registry host; refusing to send it a credential")
     return RegistryCredential(host, username, password, data.get("expiresAt"))

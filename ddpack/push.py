@@ -24,6 +24,7 @@ from ddpack.ecr import (
     aws_session,
     ensure_repository,
     registry_credential,
+    registry_override_from,
     validate_repository,
     validate_tag,
 )
@@ -243,7 +244,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--region", default=os.environ.get("AWS_REGION") or None, help="AWS region (default: AWS_REGION, then your profile)"
     )
-    parser.add_argument("--registry", default=os.environ.get("REGISTRY") or None, help="push to this registry host instead of the token's")
+    parser.add_argument(
+        "--registry",
+        default=registry_override_from(os.environ),
+        help="push to this registry host instead of the token's (default: DDPACK_REGISTRY; a non-ECR host is named in a warning first)",
+    )
     parser.add_argument("--no-scan-on-push", action="store_true", help="new repositories: no scan on push")
     parser.add_argument("--tag-mutability", choices=("MUTABLE", "IMMUTABLE"), default="MUTABLE", help="new repositories: tag mutability")
     parser.add_argument("--encryption", choices=("AES256", "KMS"), default="AES256", help="new repositories: encryption")
