@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import os
+import re
 import signal
+import stat
 import sys
 import tempfile
 import threading
@@ -34,39 +36,117 @@ def write_rank_evidence(folder: Path, rank: int, header: str) -> list[int]:
 
 
 # ---------------------------------------------------------------- DataLoader workers' stacks
+#
+# /tmp is shared by every user of a node, so the workers' folder is private by construction: the rank makes it
+# with mkdtemp (a random name, mode 0700, made by this process: no other user's file or link can be in it or at
+# its name) and names it to its workers in STACKS_ENV, which forked and spawned workers alike inherit; the
+# worker checks it is ours and private before it opens a file there, with O_EXCL|O_NOFOLLOW. A pid read from a
+# file name is signalled only when it is this rank's own child (a child's pid is not reused before its parent
+# reaps it), and no cleanup error ever ends a run: at most one warning line.
+
+STACKS_ENV = "DDPACK_WORKER_STACKS_DIR"
+STACKS_PREFIX = "ddpack-stacks-"
+WORKER_FILE_RE = re.compile(r"^worker-(\d+)-pid(\d+)\.txt$")
+MAX_WORKER_STACKS_BYTES = 1 << 20  # a worker's dump is a few KB; a runaway one does not fill the evidence
+
+_own: tuple[int, Path] | None = None  # (the pid that made it, this rank's folder): a forked child never owns it
+_own_lock = threading.Lock()
+_warned = False
 
 
-def stacks_dir(rank_pid: int | None = None) -> Path:
-    return Path(tempfile.gettempdir()) / f"{STACKS_PREFIX}{rank_pid or os.getpid()}"
+def prepare_worker_stacks() -> Path | None:
+    """Make this rank's private folder for its DataLoader workers' stacks and name it to them (STACKS_ENV).
+    The watchdog calls it when it starts, before the trainer's DataLoader starts its workers; None (and one
+    warning line) when no temporary folder can be made: a hang's evidence then lacks the workers' stacks."""
+    global _own
+    with _own_lock:
+        folder = _own_stacks_dir()
+        if folder is None:
+            try:
+                folder = Path(tempfile.mkdtemp(prefix=STACKS_PREFIX))
+            except OSError as exc:
+                _warn_once(
+                    f"no private folder for the DataLoader workers' stacks ({exc.strerror or exc}); a hang's evidence will lack them"
+                )
+                return None
+            _own = (os.getpid(), folder)
+    os.environ[STACKS_ENV] = str(folder)
+    return folder
+
+
+def _own_stacks_dir() -> Path | None:
+    """The folder this very process made (not a parent's, whose module state a forked child inherits)."""
+    return _own[1] if _own is not None and _own[0] == os.getpid() else None
+
+
+def _is_private_dir(path: str) -> bool:
+    """A real folder (not a link) of ours that no other user can write or read: safe to create files in."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid() and not info.st_mode & 0o077
 
 
 def register_worker_stack_dump(worker_id: int) -> None:
     """DataLoader worker_init_fn: on SIGUSR2 this worker writes every thread's Python stack to a file its
-    rank reads (faulthandler: works while the worker is blocked in user code or in C)."""
-    folder = stacks_dir(os.getppid())
+    rank reads (faulthandler: works while the worker is blocked in user code or in C). The file is made new
+    (O_EXCL, never through a link) in the folder the rank named in STACKS_ENV, only when that folder is ours
+    and private; without one (no watchdog, or an inherited name that is not ours) the worker dumps nothing."""
+    folder = os.environ.get(STACKS_ENV)
+    if not folder or not _is_private_dir(folder):
+        return
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        folder.mkdir(exist_ok=True)
-        handle = open(folder / f"worker-{worker_id}-pid{os.getpid()}.txt", "w")  # noqa: SIM115 - open for the worker's life
+        fd = os.open(os.path.join(folder, f"worker-{worker_id}-pid{os.getpid()}.txt"), flags, 0o600)
     except OSError:
-        return  # no writable temp folder: a hang's forensics then lack this worker's stack, training goes on
+        return  # the folder went away: a hang's forensics then lack this worker's stack, training goes on
+    handle = os.fdopen(fd, "w")  # open for the worker's life: faulthandler keeps a reference to it
     faulthandler.register(WORKER_DUMP_SIGNAL, file=handle, all_threads=True)
 
 
+def _is_own_child(pid: int) -> bool:
+    """`pid` is a child of this process now (/proc/PID/stat's ppid): a name in a file is not enough to signal
+    a process, since a file left by a worker long gone may name a pid the system reused."""
+    try:
+        return pid > 0 and int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) == os.getpid()
+    except (OSError, ValueError, IndexError):
+        return False
+
+
+def _read_private(path: Path) -> str:
+    """A worker's stacks file: read without following a link, at most MAX_WORKER_STACKS_BYTES."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        return f"(unreadable: {exc.strerror or exc})"
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+            return "(not a regular file)"
+        return handle.read(MAX_WORKER_STACKS_BYTES).decode(errors="replace").strip()
+
+
 def _worker_stacks(wait_s: float = 1.0) -> tuple[str, list[int]]:
-    """Ask this rank's DataLoader workers for their stacks and collect them (removing their files); and
-    the workers' pids."""
-    folder = stacks_dir()
-    files = sorted(folder.glob("worker-*.txt")) if folder.is_dir() else []
-    pids = [int(path.stem.rsplit("pid", 1)[1]) for path in files]
+    """Ask this rank's DataLoader workers for their stacks and collect them (removing their folder); and
+    the workers' pids (only this rank's own children: the ones it may signal and kill)."""
+    folder = _own_stacks_dir()
+    if folder is None:
+        return "", []
+    try:
+        listing = sorted(os.listdir(folder))
+    except OSError:
+        listing = []
+    named = {name: int(match[2]) for name in listing if (match := WORKER_FILE_RE.match(name))}  # file -> worker pid
+    pids = [pid for pid in named.values() if _is_own_child(pid)]
     for pid in pids:
         with contextlib.suppress(OSError):
             os.kill(pid, WORKER_DUMP_SIGNAL)
-    if files:
+    if pids:
         time.sleep(wait_s)
     parts = []
-    for path in files:
-        text = path.read_text(errors="replace").strip()
-        parts.append(f"--- DataLoader {path.stem} ---\n{text or '(no answer: the worker is gone or stopped)'}")
+    for name in named:
+        text = _read_private(folder / name)
+        parts.append(f"--- DataLoader {name.removesuffix('.txt')} ---\n{text or '(no answer: the worker is gone or stopped)'}")
     remove_stacks_dir()
     return "\n\n".join(parts), pids
 
@@ -76,18 +156,42 @@ def kill_workers(pids: list[int]) -> None:
     torch's check that its parent is alive, so it would outlive the rank, forever, wherever no cgroup or
     container ends the job's processes (a bare `python -m train`, torchrun)."""
     for pid in pids:
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            # Still this rank's child: a file left by a worker long gone may name a pid the system reused.
-            if int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) == os.getpid():
+        if _is_own_child(pid):
+            with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
 
 
 def remove_stacks_dir() -> None:
-    folder = stacks_dir()
-    if folder.is_dir():
-        for path in folder.iterdir():
-            path.unlink(missing_ok=True)
-        folder.rmdir()
+    """Remove this rank's folder of workers' stacks, and only that one (never a folder this process did not
+    make). Never raises: a cleanup that fails costs at most one warning line, not the run's end or its 124."""
+    global _own
+    with _own_lock:
+        folder = _own_stacks_dir()
+        if folder is None:
+            return
+        _own = None
+    if os.environ.get(STACKS_ENV) == str(folder):
+        os.environ.pop(STACKS_ENV)
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            for name in os.listdir(fd):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=fd)
+        finally:
+            os.close(fd)
+        os.rmdir(folder)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        _warn_once(f"could not remove {folder} ({exc.strerror or exc}); training is unaffected")
+
+
+def _warn_once(message: str) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        print(f"ddpack: warning: {message}", file=sys.stderr, flush=True)
 
 
 def thread_stacks() -> str:
@@ -109,15 +213,19 @@ def _dump_nccl_trace(path: Path) -> str | None:
         data = _dump_nccl_trace()
     except Exception:
         return None
-    path.write_bytes(data)
+    write_atomic(path, data)
     return path.name
 
 
-def write_atomic(path: Path, text: str, exclusive: bool = False) -> bool:
-    """Write through a temp file; `exclusive`: only if `path` does not exist yet (False when it did)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
+def write_atomic(path: Path, data: str | bytes, exclusive: bool = False) -> bool:
+    """Write through a temp file that mkstemp makes beside `path` (a random name, created by this process:
+    never a link or a file another user planted in the run folder), with the mode open() would give it under
+    the umask; `exclusive`: only if `path` does not exist yet (False when it did)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
     try:
+        with os.fdopen(fd, "wb") as handle:
+            os.fchmod(handle.fileno(), 0o666 & ~_umask())
+            handle.write(data.encode() if isinstance(data, str) else data)
         if exclusive:
             try:
                 os.link(tmp, path)
@@ -126,5 +234,13 @@ def write_atomic(path: Path, text: str, exclusive: bool = False) -> bool:
         else:
             os.replace(tmp, path)
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
     return True
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (os.umask would, for every thread at once)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        return int(next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("Umask:")).split()[1], 8)
+    return 0o077  # unknown: the private choice

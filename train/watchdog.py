@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from entrypoint.plan import JOB_TOKEN_VAR, job_token
-from train.forensics import kill_workers, remove_stacks_dir, write_atomic, write_rank_evidence
+from train.forensics import kill_workers, prepare_worker_stacks, remove_stacks_dir, write_atomic, write_rank_evidence
 from train.outcome import RunEnd
 from train.run_folder import SUMMARY, UNRESPONSIVE_NODES, rank_stacks
 
@@ -414,6 +414,7 @@ class Watchdog:
             self._latest = {r: beat for r, beat in self._latest.items() if beat.host == hosts[r]}  # read before: checked again
 
     def start(self) -> None:
+        prepare_worker_stacks()  # before the trainer's DataLoader starts its workers, which inherit its name
         self._beat()
         self._thread.start()
 
