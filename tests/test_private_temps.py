@@ -251,7 +251,7 @@ def test_only_this_ranks_own_children_named_in_its_folder_are_signalled_or_kille
     and is killed; a process that is not a child (here one the rank's own user started) is left alone."""
     monkeypatch.delenv(forensics.STACKS_ENV, raising=False)
     folder = forensics.prepare_worker_stacks()
-    assert folder is not None and (folder.stat().st_mode & 0o777, folder.stat().st_uid) == (0o700, os.geteuid())
+    assert folder is not None and not folder.exists()  # its first worker makes it
     code = "import sys, time; from train.forensics import register_worker_stack_dump; register_worker_stack_dump(3); print(1, flush=True); time.sleep(300)"
     worker = subprocess.Popen(
         [sys.executable, "-c", code],
@@ -263,6 +263,7 @@ def test_only_this_ranks_own_children_named_in_its_folder_are_signalled_or_kille
     stranger_pid = int(stranger.stdout)
     try:
         assert worker.stdout is not None and worker.stdout.readline() == "1\n"
+        assert (folder.stat().st_mode & 0o777, folder.stat().st_uid) == (0o700, os.geteuid())
         (folder / f"worker-9-pid{stranger_pid}.txt").write_text("")
         text, pids = forensics._worker_stacks(wait_s=1.0)
         assert pids == [worker.pid]
@@ -282,11 +283,13 @@ def test_a_cleanup_that_fails_is_one_warning_line_never_an_exception(tmp_path: P
     monkeypatch.delenv(forensics.STACKS_ENV, raising=False)
     folder = forensics.prepare_worker_stacks()
     assert folder is not None and os.environ[forensics.STACKS_ENV] == str(folder)
+    folder.mkdir(mode=0o700)  # as its first worker does
     (folder / "odd").mkdir()  # not ours to expect: unlink fails on it
     forensics.remove_stacks_dir()
     forensics.remove_stacks_dir()  # nothing left to do: silent
     again = forensics.prepare_worker_stacks()
     assert again is not None and again != folder
+    again.mkdir(mode=0o700)
     (again / "odd").mkdir()
     forensics.remove_stacks_dir()
     err = capsys.readouterr().err
@@ -295,6 +298,31 @@ def test_a_cleanup_that_fails_is_one_warning_line_never_an_exception(tmp_path: P
     for leftover in (folder, again):
         (leftover / "odd").rmdir()
         leftover.rmdir()
+
+
+def test_a_folder_of_another_user_even_at_the_ranks_own_name_is_neither_read_nor_removed(users, monkeypatch, capsys) -> None:
+    """The rank's name is random and secret; were another user to make a folder there anyway, the rank's workers
+    would not write in it (test above), and the rank neither reads, signals nor removes anything in it."""
+    _, mallory = users
+    monkeypatch.setattr(forensics, "_warned", False)
+    monkeypatch.delenv(forensics.STACKS_ENV, raising=False)
+    folder = forensics.prepare_worker_stacks()
+    assert folder is not None
+    folder.mkdir(mode=0o700)
+    planted = folder / f"worker-0-pid{os.getpid()}.txt"
+    planted.write_text("theirs")
+    owned(planted, mallory, 0o644)
+    owned(folder, mallory, 0o700)
+    try:
+        assert forensics._worker_stacks(wait_s=0) == ("", [])
+        assert planted.read_text() == "theirs"
+        forensics.remove_stacks_dir()
+        assert planted.read_text() == "theirs"
+        err = capsys.readouterr().err
+        assert err == f"ddpack: warning: could not remove {folder} (owned by uid {mallory.uid}, left as it is); training is unaffected\n"
+    finally:
+        planted.unlink()
+        folder.rmdir()
 
 
 def test_evidence_files_never_go_through_a_planted_temp_name(users, tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ import contextlib
 import faulthandler
 import os
 import re
+import secrets
 import signal
 import stat
 import sys
@@ -37,36 +38,40 @@ def write_rank_evidence(folder: Path, rank: int, header: str) -> list[int]:
 
 # ---------------------------------------------------------------- DataLoader workers' stacks
 #
-# /tmp is shared by every user of a node, so the workers' folder is private by construction: the rank makes it
-# with mkdtemp (a random name, mode 0700, made by this process: no other user's file or link can be in it or at
-# its name) and names it to its workers in STACKS_ENV, which forked and spawned workers alike inherit; the
-# worker checks it is ours and private before it opens a file there, with O_EXCL|O_NOFOLLOW. A pid read from a
-# file name is signalled only when it is this rank's own child (a child's pid is not reused before its parent
-# reaps it), and no cleanup error ever ends a run: at most one warning line.
+# /tmp is shared by every user of a node, so the workers' folder is private by construction, as mkdtemp makes
+# one: the rank draws a random name (no other user can know it: a process's environment is readable by its own
+# user only) and names it to its workers in STACKS_ENV, which forked and spawned workers alike inherit; the first
+# worker creates it (mkdir 0700), and every worker checks that it is a real folder of its own user that nobody
+# else can write before it opens a file there, with O_EXCL|O_NOFOLLOW. Made by the first worker rather than by
+# the rank, it exists only for ranks that have workers (a rank killed outright leaves it behind in /tmp, and a
+# ddpack_run rank's framework never passes ddpack's worker_init_fn). A pid read from a file name is signalled
+# only when it is this rank's own child (a child's pid is not reused before its parent reaps it), and no cleanup
+# error ever ends a run: at most one warning line.
 
 STACKS_ENV = "DDPACK_WORKER_STACKS_DIR"
 STACKS_PREFIX = "ddpack-stacks-"
 WORKER_FILE_RE = re.compile(r"^worker-(\d+)-pid(\d+)\.txt$")
 MAX_WORKER_STACKS_BYTES = 1 << 20  # a worker's dump is a few KB; a runaway one does not fill the evidence
 
-_own: tuple[int, Path] | None = None  # (the pid that made it, this rank's folder): a forked child never owns it
+_own: tuple[int, Path] | None = None  # (the pid that named it, this rank's folder): a forked child never owns it
 _own_lock = threading.Lock()
 _warned = False
 
 
 def prepare_worker_stacks() -> Path | None:
-    """Make this rank's private folder for its DataLoader workers' stacks and name it to them (STACKS_ENV).
-    The watchdog calls it when it starts, before the trainer's DataLoader starts its workers; None (and one
-    warning line) when no temporary folder can be made: a hang's evidence then lacks the workers' stacks."""
+    """Name this rank's private folder for its DataLoader workers' stacks to them (STACKS_ENV): a random name
+    in the temporary folder, which the first worker creates. The watchdog calls it when it starts, before the
+    trainer's DataLoader starts its workers; None (and one warning line) when there is no temporary folder: a
+    hang's evidence then lacks the workers' stacks."""
     global _own
     with _own_lock:
         folder = _own_stacks_dir()
         if folder is None:
             try:
-                folder = Path(tempfile.mkdtemp(prefix=STACKS_PREFIX))
+                folder = Path(tempfile.gettempdir()) / f"{STACKS_PREFIX}{secrets.token_hex(8)}"
             except OSError as exc:
                 _warn_once(
-                    f"no private folder for the DataLoader workers' stacks ({exc.strerror or exc}); a hang's evidence will lack them"
+                    f"no temporary folder for the DataLoader workers' stacks ({exc.strerror or exc}); a hang's evidence will lack them"
                 )
                 return None
             _own = (os.getpid(), folder)
@@ -75,7 +80,7 @@ def prepare_worker_stacks() -> Path | None:
 
 
 def _own_stacks_dir() -> Path | None:
-    """The folder this very process made (not a parent's, whose module state a forked child inherits)."""
+    """The folder this very process named (not a parent's, whose module state a forked child inherits)."""
     return _own[1] if _own is not None and _own[0] == os.getpid() else None
 
 
@@ -91,10 +96,15 @@ def _is_private_dir(path: str) -> bool:
 def register_worker_stack_dump(worker_id: int) -> None:
     """DataLoader worker_init_fn: on SIGUSR2 this worker writes every thread's Python stack to a file its
     rank reads (faulthandler: works while the worker is blocked in user code or in C). The file is made new
-    (O_EXCL, never through a link) in the folder the rank named in STACKS_ENV, only when that folder is ours
-    and private; without one (no watchdog, or an inherited name that is not ours) the worker dumps nothing."""
+    (O_EXCL, never through a link) in the folder the rank named in STACKS_ENV (the first worker makes it, 0700),
+    only when that folder is ours and private; without one (no watchdog, or a name whose folder is not ours)
+    the worker dumps nothing."""
     folder = os.environ.get(STACKS_ENV)
-    if not folder or not _is_private_dir(folder):
+    if not folder:
+        return
+    with contextlib.suppress(OSError):  # made by another worker already, or not makeable: the check below decides
+        os.mkdir(folder, 0o700)
+    if not _is_private_dir(folder):
         return
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
@@ -130,7 +140,7 @@ def _worker_stacks(wait_s: float = 1.0) -> tuple[str, list[int]]:
     """Ask this rank's DataLoader workers for their stacks and collect them (removing their folder); and
     the workers' pids (only this rank's own children: the ones it may signal and kill)."""
     folder = _own_stacks_dir()
-    if folder is None:
+    if folder is None or not _is_private_dir(str(folder)):  # no workers made it (or, unthinkably, not ours)
         return "", []
     try:
         listing = sorted(os.listdir(folder))
@@ -162,8 +172,8 @@ def kill_workers(pids: list[int]) -> None:
 
 
 def remove_stacks_dir() -> None:
-    """Remove this rank's folder of workers' stacks, and only that one (never a folder this process did not
-    make). Never raises: a cleanup that fails costs at most one warning line, not the run's end or its 124."""
+    """Remove this rank's folder of workers' stacks, and only that one (never a folder of another user, even at
+    its name). Never raises: a cleanup that fails costs at most one warning line, not the run's end or its 124."""
     global _own
     with _own_lock:
         folder = _own_stacks_dir()
@@ -175,6 +185,8 @@ def remove_stacks_dir() -> None:
     try:
         fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
+            if os.fstat(fd).st_uid != os.geteuid():
+                raise PermissionError(f"owned by uid {os.fstat(fd).st_uid}, left as it is")
             for name in os.listdir(fd):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(name, dir_fd=fd)
