@@ -13,6 +13,7 @@ PIP_TORCH_OPTS ?=
 PYTEST_ARGS   ?=
 BENCH_START_ARGS ?=
 BENCH_GOODPUT_ARGS ?=
+BENCH_LIFECYCLE_ARGS ?=
 # make report: the run folder (holding metrics.jsonl) and options (--png: also one summary image).
 RUN           ?=
 REPORT_ARGS   ?=
@@ -65,7 +66,7 @@ APP_OPTS = $(if $(APP),--app '$(APP)' --app-cmd "$$APP_CMD" --bundle-tag $(IMAGE
 AWS_ENV := AWS_REGION='$(AWS_REGION)' DDPACK_REGISTRY='$(DDPACK_REGISTRY)'
 IMAGE_ENV := BASE_IMAGE='$(BASE_IMAGE)' WHEELHOUSE='$(WHEELHOUSE)' CA_BUNDLE='$(CA_BUNDLE)' TORCH_VERSION='$(TORCH_VERSION)'
 
-.PHONY: help venv test test-quick lint bench bench-images bench-sqsh bench-start bench-goodput bench-gpu clean engine base image image-gpu smoke push push-gpu enroot-credentials sqsh sqsh-gpu report
+.PHONY: help venv test test-quick lint bench bench-images bench-sqsh bench-start bench-goodput bench-lifecycle bench-gpu clean engine base image image-gpu smoke push push-gpu enroot-credentials sqsh sqsh-gpu report
 
 help: ## list targets and variables
 	@echo "ddpack - build, ship and launch PyTorch DDP in containers on Slurm"
@@ -142,6 +143,9 @@ bench-start: image ## print srun -> first training step under pyxis: make sqsh v
 
 bench-goodput: sqsh ## print sbatch -> first step and failure -> training again under pyxis, today's path vs ddpack's, and the model at 2-1,024 nodes (root, Slurm+pyxis)
 	$(VPY) bench/bench_goodput.py --sqsh $(SQSH) $(BENCH_GOODPUT_ARGS)
+
+bench-lifecycle: venv ## print ddpack submit with nothing changed vs plain sbatch, and ddpack status on 100,000 progress records vs tail (Slurm, Docker)
+	$(VPY) bench/bench_lifecycle.py $(BENCH_LIFECYCLE_ARGS)
 
 push: engine ## push IMAGE:TAG to ECR (boto3 + docker SDK; AWS_REGION, ECR_REPOSITORY, PUSH_ARGS)
 	$(AWS_ENV) $(VPY) -m ddpack.push --image $(CPU_REF) --repository $(ECR_REPOSITORY) --tag $(TAG) $(PUSH_ARGS)
