@@ -31,9 +31,12 @@ def _whole(text: str) -> int:
 
 
 def _env_pair(text: str) -> tuple[str, str]:
+    """NAME=VALUE, or NAME alone for a value from this environment (a secret: never in argv, where `ps` shows it)."""
     name, sep, value = text.partition("=")
     if not sep:
-        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=VALUE")
+        if name not in os.environ:
+            raise argparse.ArgumentTypeError(f"{text!r} is not NAME=VALUE, and {name} is not set in this environment")
+        value = os.environ[name]
     return name, value
 
 
@@ -58,7 +61,14 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("--images", type=Path, default=None, help="the shared images folder (default: DDPACK_IMAGES, else /fsx/images)")
     sub.add_argument("--sqsh", type=Path, help="a squashfs made already (make sqsh): nothing is built or converted")
     sub.add_argument("--name", help="the job's and run folder's name (default: the project folder's)")
-    sub.add_argument("--env", type=_env_pair, action="append", default=[], metavar="NAME=VALUE", help="a setting for the job (repeatable)")
+    sub.add_argument(
+        "--env",
+        type=_env_pair,
+        action="append",
+        default=[],
+        metavar="NAME[=VALUE]",
+        help="a setting for the job (repeatable; NAME alone: its value from this environment)",
+    )
     sub.add_argument("--dry-run", action="store_true", help="print the job script and run the checks; build, write and queue nothing")
     sub.add_argument("--json", action="store_true", help="print one JSON object (job_id, run_dir, ...)")
     sub.epilog = "-- COMMAND...: your program, run by every rank (default: the image's own command)"
@@ -187,7 +197,7 @@ def status(opts: argparse.Namespace, runs: Path) -> int:
 
     run_dir = resolve_run(opts.run, runs)
     if opts.watch:
-        watch(run_dir, interval_s=opts.interval, tty=sys.stdout.isatty() and not opts.json, out=sys.stdout)
+        watch(run_dir, interval_s=opts.interval, tty=sys.stdout.isatty(), out=sys.stdout, as_json=opts.json)
         return 0
     result = run_status(run_dir)
     print(result.to_json() if opts.json else render(result))

@@ -13,6 +13,7 @@ import contextlib
 import fcntl
 import json
 import os
+import stat
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -71,8 +72,25 @@ def record_path(run_dir: Path) -> Path:
     return run_dir / RUN_RECORD
 
 
+def own_file_problem(path: Path) -> str | None:
+    """Why `path` is not a plain file or folder of this user's that nobody else can write (a run folder sits in a
+    shared runs folder, where another user can make folders and plant records), or None."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o022:
+        return f"{path} is not yours alone (a link, another user's, or writable by others)"
+    return None
+
+
 def read_record(run_dir: Path) -> RunRecord:
+    """The run's record, read only from a run folder and a run.json of this user's that nobody else can write: a
+    record another user planted could name this user's jobs (cancel) or a script of theirs (resubmit)."""
     path = record_path(run_dir)
+    for item in (run_dir, path):
+        if (problem := own_file_problem(item)) is not None:
+            raise HostError(f"{problem}; it is not a run of yours", code=2)
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:

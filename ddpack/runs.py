@@ -16,7 +16,7 @@ from typing import TextIO
 
 from ddpack import slurm_cli
 from ddpack.errors import HostError
-from ddpack.run_record import append_event, append_job, read_record
+from ddpack.run_record import append_event, own_file_problem, read_record
 from ddpack.status import ENDED, list_runs, run_status
 from train import run_folder
 
@@ -116,6 +116,11 @@ def cancel(run_dir: Path) -> str:
     job = record.last_job
     if job is None:
         raise HostError(f"{run_dir} has no job to cancel", code=2)
+    queue = slurm_cli.queue_state(job.job_id)
+    if queue.failed:
+        raise HostError(f"cannot tell whether job {job.job_id} of this run still lives: {queue.failed}; try again", code=2)
+    if not queue.listed or queue.state in slurm_cli.FINAL:
+        raise HostError(f"job {job.job_id}, this run's newest, has ended ({queue.state or 'Slurm no longer lists it'}); nothing to cancel", code=2)
     slurm_cli.scancel(job.job_id)
     append_event(run_dir, {"kind": "cancel", "job_id": job.job_id})
     return job.job_id
@@ -124,7 +129,7 @@ def cancel(run_dir: Path) -> str:
 def resubmit(run_dir: Path) -> str:
     """A new job that continues the run folder with the same job script and the same image; refused in one line
     when that image is gone or changed, the script was edited, or a job of the run still lives."""
-    from ddpack.submit import image_key
+    from ddpack.submit import image_key, record_job
 
     record = read_record(run_dir)
     sqsh = Path(record.sqsh["path"])
@@ -138,6 +143,9 @@ def resubmit(run_dir: Path) -> str:
             code=2,
         )
     script = run_dir / record.script
+    for item in (script.parent, script):
+        if (problem := own_file_problem(item)) is not None:
+            raise HostError(f"{problem}; not resubmitting it", code=2)
     if hashlib.sha256(script.read_bytes()).hexdigest() != record.script_sha256:
         raise HostError(f"{script} was edited since it was submitted; submit again rather than resubmit a changed job", code=2)
     job = record.last_job
@@ -148,5 +156,5 @@ def resubmit(run_dir: Path) -> str:
         if queue.listed and queue.state not in slurm_cli.FINAL:
             raise HostError(f"job {job.job_id} of this run is still {queue.state}; ddpack cancel it first, or wait for it", code=2)
     job_id = slurm_cli.sbatch(script, run_dir)
-    append_job(run_dir, job_id, "resubmit")
+    record_job(run_dir, job_id, "resubmit")
     return job_id

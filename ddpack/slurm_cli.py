@@ -137,8 +137,19 @@ def partition_nodes(partition: str | None) -> tuple[str, int] | str:
     return name, total
 
 
+def pyxis_answer() -> str:
+    """Why a pyxis job cannot run here ("" when srun has pyxis' --container-image): srun missing or failing is said
+    as such, not as "no pyxis"."""
+    answer = ask(["srun", "--help"])
+    if answer.failed:
+        return f"cannot ask srun whether pyxis is loaded: {answer.failed}"
+    if "--container-image" not in answer.stdout:
+        return "this cluster's srun has no --container-image (pyxis is not loaded), so the job would fail at its first line; ask for pyxis"
+    return ""
+
+
 def has_pyxis() -> bool:
-    return "--container-image" in ask(["srun", "--help"]).stdout
+    return not pyxis_answer()
 
 
 def versions() -> dict[str, str]:

@@ -214,7 +214,7 @@ def state_of(job_id: str | None, record: RunRecord, records: Records, events: li
             return ("FAILED" if state != "PREEMPTED" else "REQUEUED"), "squeue", state.lower()
         return state, "squeue", queue.reason if state == "PENDING" else ""
     if queue.failed:
-        note = f"squeue failed ({queue.failed}); state from the run folder"
+        note = f"{queue.failed}; state from the run folder"
     accounted = slurm_cli.accounting_state(job_id)
     if accounted and accounted[0]:
         state = accounted[0]
@@ -233,10 +233,10 @@ def state_of(job_id: str | None, record: RunRecord, records: Records, events: li
         return "COMPLETED", "job log", note
     if decisions and "not requeueing" in decisions[-1]:
         return "FAILED", "job log", note or decisions[-1]
-    if end is not None:
-        return "FAILED", "end record", note or f"the last segment ended {end.get('outcome')} (exit {end.get('exit_code')})"
-    if queue.failed:
+    if queue.failed:  # the job may be between a stop and its requeue: only a verdict above settles it
         return "UNKNOWN", "run folder", note
+    if end is not None:
+        return "FAILED", "end record", f"the last segment ended {end.get('outcome')} (exit {end.get('exit_code')})"
     return "FAILED", "run folder", "Slurm no longer lists the job and the run folder has no end record"
 
 
@@ -340,11 +340,14 @@ def one_line(status: Status) -> str:
     )
 
 
-def watch(run_dir: Path, *, interval_s: float, tty: bool, out: Any) -> Status:
-    """Redraw in a terminal, one line per refresh elsewhere, until the run's job has ended."""
+def watch(run_dir: Path, *, interval_s: float, tty: bool, out: Any, as_json: bool = False) -> Status:
+    """Redraw in a terminal, one line per refresh elsewhere (one JSON object a line with as_json), until the run's
+    job has ended."""
     while True:
         status = run_status(run_dir)
-        if tty:
+        if as_json:
+            out.write(json.dumps(asdict(status)) + "\n")
+        elif tty:
             out.write("\x1b[H\x1b[2J" + render(status) + "\n")
         else:
             out.write(one_line(status) + "\n")
@@ -360,7 +363,7 @@ def list_runs(runs: Path) -> list[tuple[Path, RunRecord]]:
     for path in runs.glob(f"*/{run_folder.RUN_RECORD}") if runs.is_dir() else []:
         try:
             found.append((path.parent, read_record(path.parent)))
-        except Exception:  # a damaged record is one run less in the list, not a failed listing
+        except Exception:  # another user's folder, or a damaged record: one run less in the list, never one acted on
             continue
     return sorted(found, key=lambda item: item[1].created)
 

@@ -126,6 +126,8 @@ def setting_problems(settings: SubmitSettings) -> list[str]:
             problems.append(f"--env {name}: not a ddpack setting (a typo?); docs/cluster.md lists them")
         elif name in SETTING_VALUES and not SETTING_VALUES[name].fullmatch(value):
             problems.append(f"--env {name}={value}: expected {SETTING_VALUES[name].pattern.replace('|', ', ')}")
+    if settings.name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", settings.name):
+        problems.append(f"--name {settings.name!r}: letters, digits, '.', '_' and '-' only (it names the job and the run folder)")
     for word in settings.command:
         if not word or any(c.isspace() for c in word) or any(c in word for c in "'\"\\"):
             problems.append(f"command argument {word!r}: the templates split DDPACK_COMMAND on spaces; put it in a script of the project")
@@ -311,13 +313,27 @@ def writable_folder(folder: Path) -> str | None:
     return None
 
 
+def shared_folder_problem(folder: Path, flag: str) -> str | None:
+    """Why `folder` (the runs or images folder, often on a shared filesystem) could be swapped or filled by another
+    user under this user's runs and images, or None: it and every folder above it must be root's or this user's, and
+    sticky where others can write (the job helper's own rule, enroot/ddpack_node.py)."""
+    node = node_helper()
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        node.check_ancestors(existing / "x")
+    except node.Refused as why:
+        return f"{flag} {folder}: {why}; use a folder of your own ({flag} {folder}/{getpass.getuser()})"
+    return None
+
+
 def cluster_problems(settings: SubmitSettings, sqsh: Path | None, run_dir: Path) -> list[str]:
     """What would fail in the queue or on the nodes, each as one line."""
     problems = []
-    if not slurm_cli.has_pyxis():
-        problems.append(
-            "this cluster's srun has no --container-image (pyxis is not loaded), so the job would fail at its first line; ask for pyxis"
-        )
+    pyxis = slurm_cli.pyxis_answer()
+    if pyxis:
+        problems.append(pyxis)
     if sqsh is not None and not (sqsh.is_file() and os.access(sqsh, os.R_OK)):
         problems.append(
             f"the squashfs {sqsh} is not a readable file here; the nodes would not find it either (--sqsh, or --images on the shared filesystem)"
@@ -334,6 +350,9 @@ def cluster_problems(settings: SubmitSettings, sqsh: Path | None, run_dir: Path)
     elif partition[1] < wanted:
         asked = f"--nodes {settings.nodes} + --spares {settings.spares}"
         problems.append(f"partition {partition[0]} has {partition[1]} nodes and the job asks for {wanted} ({asked}); it would never start")
+    for folder, flag in ((settings.runs, "--runs"), *([(settings.images, "--images")] if settings.sqsh is None else [])):
+        if (problem := shared_folder_problem(folder, flag)) is not None:
+            problems.append(problem)
     why = writable_folder(run_dir / run_folder.LOGS)
     if why:
         problems.append(f"the log folder {run_dir / run_folder.LOGS} cannot be written: {why}; choose --runs where you may write")
@@ -478,7 +497,7 @@ def submit(settings: SubmitSettings, *, dry_run: bool = False, say: Any = print)
     )
     write_record(record)
     job_id = slurm_cli.sbatch(script_path, run_dir)
-    append_job(run_dir, job_id, "submit")
+    record_job(run_dir, job_id, "submit")
     say(f"submit: job {job_id} queued; run folder {run_dir} (run.json records the image, code, command and settings)")
     return Submitted(
         job_id=job_id,
@@ -489,6 +508,14 @@ def submit(settings: SubmitSettings, *, dry_run: bool = False, say: Any = print)
         converted=converted,
         script=str(script_path),
     )
+
+
+def record_job(run_dir: Path, job_id: str, how: str) -> None:
+    """The queued job into run.json; a failure here is one line that names the job, which is queued all the same."""
+    try:
+        append_job(run_dir, job_id, how)
+    except (OSError, HostError) as exc:
+        raise HostError(f"job {job_id} is queued, but recording it in {run_dir}/run.json failed ({exc}); scancel {job_id} or add it by hand", code=1) from None
 
 
 def node_helper() -> Any:

@@ -59,6 +59,7 @@ ddpack_setup() {
     ddpack_private_files
     if [ -n "${DDPACK_RUN_DIR:-}" ]; then
         ddpack_run_origin="continuing ${DDPACK_RUN_DIR} (DDPACK_RUN_DIR)"
+        [ -e "${DDPACK_RUN_DIR}/${ddpack_start_marker}" ] || ddpack_run_origin="new run in ${DDPACK_RUN_DIR} (DDPACK_RUN_DIR); a requeue continues it"
     else
         DDPACK_RUN_DIR=${SLURM_SUBMIT_DIR}/runs/${name}-${SLURM_JOB_ID}
         if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then
@@ -68,7 +69,8 @@ ddpack_setup() {
         fi
     fi
     export DDPACK_RUN_DIR
-    mkdir -p "${DDPACK_RUN_DIR}" || ddpack_die "cannot create the run directory ${DDPACK_RUN_DIR}; set DDPACK_RUN_DIR to a writable folder on the shared filesystem"
+    # Made here when missing, then used only when it is this user's (not a link, nobody else can write or swap it),
+    # and only by this job while it lives: another live job that names it is refused, naming the holder.
     ddpack_node lock "${DDPACK_RUN_DIR}" --job "${SLURM_JOB_ID}" || exit 2
     : >"${DDPACK_RUN_DIR}/${ddpack_start_marker}"   # forensics newer than this were written during this start
     # The hang watchdog's keys in the rendezvous store carry this secret, which only this start's ranks know (made
@@ -268,6 +270,7 @@ ddpack_prepare_nodes() {
     [ "${fanout}" -le 8 ] || ddpack_die "DDPACK_STAGE_FANOUT=${fanout} is above sbcast's limit of 8"
     case "${dir}" in /*) ;; *) ddpack_die "DDPACK_STAGE_DIR=${dir} is not an absolute path on the nodes' local disk" ;; esac
     ddpack_image=${sqsh}
+    case "${sqsh}" in /*) ddpack_node image-ok "${sqsh}" || exit 2 ;; esac   # nobody else can swap what the job runs
     nodes=$(ddpack_job_nodelist)
     count=$(scontrol show hostnames "${nodes}" | wc -l)
     case "${sqsh}" in
@@ -343,16 +346,18 @@ ddpack_stage_image() {
     }
     started=$(date +%s%N)
     # shellcheck disable=SC2016
-    srun --nodes="${count}" --ntasks="${count}" --ntasks-per-node=1 --nodelist="${lacking}" bash -c '
+    # The step that holds the lacking nodes is cancelled once sbcast is done: srun's lines about that go to a file,
+    # and only a node's own refusal (receive's line) is shown.
+    srun --quiet --nodes="${count}" --ntasks="${count}" --ntasks-per-node=1 --nodelist="${lacking}" bash -c '
         "$5" -I -S -c "$1" receive --dir "$2" --job "${SLURM_JOB_ID}" --incoming "$3" || exit 1
         echo "${SLURM_STEP_ID}" >"$4/${SLURMD_NODENAME}"
-        exec sleep 3600' _ "${ddpack_node_py}" "${dir}" "${incoming}" "${handoff}" "${ddpack_python}" &
+        exec sleep 3600' _ "${ddpack_node_py}" "${dir}" "${incoming}" "${handoff}" "${ddpack_python}" 2>"${handoff}.err" &
     local holder=$! waited=0
     while [ "$(find "${handoff}" -type f | wc -l)" -lt "${count}" ]; do
         if ! kill -0 "${holder}" 2>/dev/null || [ "${waited}" -ge 600 ]; then
-            echo "ddpack: staging the image failed: could not make a private folder to receive it on ${lacking}; this start reads ${sqsh} on every node"
+            echo "ddpack: staging the image failed: could not make a private folder to receive it on ${lacking} ($(grep -v '^srun' "${handoff}.err" | grep . | head -n1)); this start reads ${sqsh} on every node"
             kill "${holder}" 2>/dev/null; wait "${holder}" 2>/dev/null
-            rm -rf -- "${handoff}"
+            rm -rf -- "${handoff}" "${handoff}.err"
             return 1
         fi
         sleep 0.2
@@ -364,7 +369,7 @@ ddpack_stage_image() {
     rc=$?
     scancel --quiet "${SLURM_JOB_ID}.${step}" 2>/dev/null
     wait "${holder}" 2>/dev/null
-    rm -rf -- "${handoff}"
+    rm -rf -- "${handoff}" "${handoff}.err"
     if [ "${rc}" -ne 0 ]; then
         echo "ddpack: staging the image failed: sbcast to ${lacking}: $(echo "${errors}" | grep -v '^$' | tail -n1); this start reads ${sqsh} on every node"
         # What it left behind goes with the receiving folders (ddpack_node.py install removes its own).
@@ -494,7 +499,7 @@ ddpack_after_step() {
     fi
     if [ "${kind}" = preempted ]; then
         if [ "${restarts}" -ge "${max}" ]; then
-            echo "ddpack: preempted (exit ${rc}) after ${restarts} restarts, the cap DDPACK_MAX_RESTARTS=${max}; not requeueing (resubmit with DDPACK_RUN_DIR=${DDPACK_RUN_DIR} to continue)"
+            echo "ddpack: preempted (exit ${rc}) after ${restarts} restarts, the cap DDPACK_MAX_RESTARTS=${max}; not requeueing ($(ddpack_continue_hint) to continue)"
             return 0
         fi
         echo "ddpack: preempted (exit ${rc}); requeueing job ${SLURM_JOB_ID} (restart $((restarts + 1)) of at most ${max})"
@@ -508,7 +513,7 @@ ddpack_after_step() {
         what="ended as hung (exit ${rc}; evidence in ${forensics})"
     fi
     if [ "${failed}" -ge "${max_failed}" ] || [ "${restarts}" -ge "${max}" ]; then
-        echo "ddpack: the step ${what} after ${failed} failure restarts, the cap DDPACK_MAX_FAILURE_RESTARTS=${max_failed}; not requeueing (resubmit with DDPACK_RUN_DIR=${DDPACK_RUN_DIR} to continue from its last snapshot)"
+        echo "ddpack: the step ${what} after ${failed} failure restarts, the cap DDPACK_MAX_FAILURE_RESTARTS=${max_failed}; not requeueing ($(ddpack_continue_hint) to continue from its last snapshot)"
         return 0
     fi
     echo "$((failed + 1))" >"${failures_file}.tmp" && mv "${failures_file}.tmp" "${failures_file}"
@@ -530,6 +535,11 @@ ddpack_after_step() {
     echo "ddpack: the step ${what}; ${ddpack_short}: requeueing job ${SLURM_JOB_ID} to resume from its last snapshot (${count})"
     ddpack_nodes_to_keep_out
     ddpack_next=requeue
+}
+
+# How to continue this run in a new job: `ddpack resubmit` for a run `ddpack submit` made, else the setting.
+ddpack_continue_hint() {
+    if [ -f "${DDPACK_RUN_DIR}/run.json" ]; then echo "ddpack resubmit ${DDPACK_RUN_DIR}"; else echo "resubmit with DDPACK_RUN_DIR=${DDPACK_RUN_DIR}"; fi
 }
 
 # The nodes of HOSTLIST that sinfo says are down, drained, failing or not responding (a trailing *), one a line.

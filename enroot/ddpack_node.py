@@ -4,6 +4,7 @@ Run by enroot/ddpack-job.sh with the host's python3 (standard library only), as 
 node (`srun ... python3 -c "$code" VERB ...`) or on the batch host:
 
     key SQSH                 the staging key of a squashfs: its content's (make sqsh's record) or its file's version
+    image-ok SQSH            refuse a squashfs other users could replace (writable by them, or in a folder they can)
     prepare                  on each node: remove containers of this user's jobs that are over, check the staging
                              folder (created private when missing), lease the job's key, drop copies no live job
                              leases beyond the newest KEEP, then answer `has NODE`, `lacks NODE` or `refuse NODE why`
@@ -333,16 +334,17 @@ def prepare(args: argparse.Namespace) -> int:
     folder = Path(args.dir)
     try:
         private_folder(folder, "DDPACK_STAGE_DIR")
-        check_stage_contents(folder)
-        lease(folder, args.job, args.key)
-        for name in clean_stage(folder, args.keep, live):
-            warn(f"removed {folder}/{name} on {node} (no live job of yours uses it)")
-        copy = folder / f"{args.key}.sqsh"
-        if trusted_copy(copy, args.size):
-            os.utime(copy)  # the newest DDPACK_STAGE_KEEP stay
-            print(f"has {node}")
-        else:
-            print(f"lacks {node}")
+        with folder_locked(folder):  # two jobs of yours on this node: one cleans while the other answers, never both
+            check_stage_contents(folder)
+            lease(folder, args.job, args.key)
+            for name in clean_stage(folder, args.keep, live):
+                warn(f"removed {folder}/{name} on {node} (no live job of yours uses it)")
+            copy = folder / f"{args.key}.sqsh"
+            if trusted_copy(copy, args.size):
+                os.utime(copy, follow_symlinks=False)  # the newest DDPACK_STAGE_KEEP stay
+                print(f"has {node}")
+            else:
+                print(f"lacks {node}")
     except (Refused, OSError) as why:
         print(f"refuse {node} {one_line(why)}")
     return 0
@@ -369,19 +371,35 @@ def install(args: argparse.Namespace) -> int:
     part = incoming / f"{args.key}.sqsh"
     try:
         private_folder(folder, "DDPACK_STAGE_DIR")
-        if not trusted_copy(part, args.size):
-            got = os.lstat(part).st_size if os.path.lexists(part) else 0
-            print(f"{node}: received {got} of {args.size} bytes")
+        info = os.lstat(part) if os.path.lexists(part) else None
+        if info is None or not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+            print(f"{node}: sbcast left no file of yours at {part}")
             return 1
+        if info.st_size != args.size:
+            print(f"{node}: received {info.st_size} of {args.size} bytes")
+            return 1
+        os.chmod(part, 0o600, follow_symlinks=False)  # sbcast copies the source's mode (a team's 664): ours alone now
         os.replace(part, folder / f"{args.key}.sqsh")
     except (Refused, OSError) as why:
         print(f"{node}: {one_line(why)}")
         return 1
     finally:
         remove_incoming(incoming)
-    for name in clean_stage(folder, args.keep, LiveJobs(args.job)):
-        warn(f"removed {folder}/{name} on {node} (no live job of yours uses it)")
+    with folder_locked(folder):
+        for name in clean_stage(folder, args.keep, LiveJobs(args.job)):
+            warn(f"removed {folder}/{name} on {node} (no live job of yours uses it)")
     return 0
+
+
+@contextlib.contextmanager
+def folder_locked(folder: Path):  # type: ignore[no-untyped-def]
+    """An exclusive flock on a folder of ours (a local filesystem: the staging folder is refused elsewhere)."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 LOCK = ".ddpack-lock"
@@ -392,6 +410,10 @@ def lock(args: argparse.Namespace) -> int:
     job id) continues; a live other job is refused in one line; a holder Slurm no longer lists left it behind
     (scancelled, timed out) and is replaced. An squeue that fails refuses: a folder in use is never shared."""
     run_dir = Path(args.run_dir)
+    try:
+        own_run_folder(run_dir)
+    except (Refused, OSError) as why:
+        die(f"DDPACK_RUN_DIR={run_dir}: {one_line(why)}")
     path = run_dir / LOCK
     me = f"{args.job} {os.environ.get('USER') or os.getuid()} {socket.gethostname()} {int(time.time())}\n"
     with guard(run_dir / f"{LOCK}.guard"):
@@ -413,17 +435,62 @@ def lock(args: argparse.Namespace) -> int:
     return 0
 
 
+def own_run_folder(run_dir: Path) -> None:
+    """The run folder, made when missing (with its parents, under the job's umask), used only when it is this user's,
+    not a link, and nobody else can write it or swap it (every folder above it root's or ours, sticky where others
+    can write): another user's folder at a guessable runs/<name>-<job id> would get the job's snapshots and plant
+    what the job reads back."""
+    if not run_dir.is_absolute():
+        raise Refused("is not an absolute path")
+    with contextlib.suppress(FileExistsError):
+        run_dir.mkdir(parents=True)
+    info = os.lstat(run_dir)
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise Refused("is a symbolic link or not a folder; name a folder of your own")
+    if info.st_uid != os.getuid():
+        raise Refused(f"belongs to uid {info.st_uid}, not to you (uid {os.getuid()}); give this job a run folder of your own")
+    if info.st_mode & 0o022:
+        raise Refused(f"is writable by other users (mode {stat.S_IMODE(info.st_mode):o}); chmod go-w it, or give this job another run folder")
+    check_ancestors(run_dir)
+
+
 @contextlib.contextmanager
 def guard(path: Path):  # type: ignore[no-untyped-def]
-    """An exclusive flock on `path` around a lock's read and write, so two jobs starting at once cannot both take
-    it. A filesystem without flock (some NFS mounts) goes on without it."""
+    """An exclusive lock around a run lock's read and write, so two jobs starting at once cannot both take it: an
+    flock, or where the filesystem has none (an NFS or Lustre mount without flock), a guard file made with O_EXCL,
+    waited for up to a minute (one older than that was left by a killed job and is taken over)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
-        with contextlib.suppress(OSError):
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError:
+        os.close(fd)
+        with exclusive_file(path.with_name(path.name + ".excl")):
+            yield
+        return
+    try:
         yield
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def exclusive_file(path: Path, wait_s: float = 60.0):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+            break
+        except FileExistsError:
+            if time.monotonic() > deadline:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                deadline = time.monotonic() + wait_s
+            time.sleep(0.1)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def unlock(args: argparse.Namespace) -> int:
@@ -439,6 +506,25 @@ def read_nofollow(path: Path) -> str:
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     with os.fdopen(fd) as handle:
         return handle.read(4096)
+
+
+def image_ok(args: argparse.Namespace) -> int:
+    """The squashfs the job will import is not a file other users can replace: not writable by them, in no folder
+    they can write without a sticky bit. Its owner may be anyone: the user chose it (a team's images folder, an
+    admin's)."""
+    real = Path(os.path.realpath(args.sqsh))
+    info = os.stat(real)
+    if info.st_mode & 0o022:
+        mode = f"{stat.S_IMODE(info.st_mode):o}"
+        die(f"DDPACK_SQSH={args.sqsh} is writable by other users (mode {mode}): any of them could replace what your job runs; chmod go-w it")
+    for folder in real.parents:
+        mode = os.stat(folder).st_mode
+        if mode & 0o022 and not mode & stat.S_ISVTX:
+            die(
+                f"DDPACK_SQSH={args.sqsh}: {folder} is writable by other users and not sticky, so any of them could swap the image; "
+                "keep images in a folder only you (or root) can write"
+            )
+    return 0
 
 
 def key(args: argparse.Namespace) -> int:
@@ -490,6 +576,8 @@ def main(argv: list[str] | None = None) -> int:
         sub.set_defaults(run=run)
     verbs.add_parser("key").add_argument("sqsh")
     verbs.choices["key"].set_defaults(run=key)
+    verbs.add_parser("image-ok").add_argument("sqsh")
+    verbs.choices["image-ok"].set_defaults(run=image_ok)
     args = parser.parse_args(argv)
     if getattr(args, "key", "") and args.verb != "key" and not KEY.fullmatch(args.key):
         die(f"--key {args.key!r} is not a staging key")

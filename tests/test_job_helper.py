@@ -285,7 +285,7 @@ def test_the_helper_spells_the_run_folders_names_as_train_run_folder_defines_the
     spelled = set(re.findall(r"(?:\$\{DDPACK_RUN_DIR\}|\$\{forensics\}|\$1)/([A-Za-z0-9._-]+)(?:/([A-Za-z0-9._-]+))?", text))
     names = {part for pair in spelled for part in pair if part and not part.startswith((".", "$"))}
     public = {run_folder.SNAPSHOTS, run_folder.METRICS, run_folder.PREFLIGHT, run_folder.FORENSICS, run_folder.SUMMARY}
-    public |= {run_folder.UNRESPONSIVE_NODES, run_folder.REPORT}
+    public |= {run_folder.UNRESPONSIVE_NODES, run_folder.REPORT, run_folder.RUN_RECORD}
     assert names == public, names ^ public
     out = step_command()
     assert out.stdout.splitlines()[-1] == f"/fsx/runs/a-1/{run_folder.SNAPSHOTS} /fsx/runs/a-1/{run_folder.METRICS} /fsx/runs/a-1/{run_folder.FORENSICS}"

@@ -146,7 +146,7 @@ def test_the_state_comes_from_squeue_then_the_run_folder(tmp_path, slurm, squeue
     assert (got.state, got.state_from) == expected
     assert got.eta_s is None and got.step == 232
     if "timed out" in squeue:
-        assert got.note.startswith("squeue failed (squeue failed (exit 1: squeue: error: Socket timed out on send/recv operation)")
+        assert got.note == "squeue failed (exit 1: squeue: error: Socket timed out on send/recv operation); state from the run folder"
 
 
 def test_an_squeue_that_fails_never_loses_a_run_and_a_run_with_no_end_record_is_unknown(tmp_path, slurm) -> None:
@@ -296,9 +296,41 @@ def test_a_run_is_named_by_its_folder_a_job_id_or_nothing(tmp_path, slurm) -> No
 
 def test_cancel_scancels_the_newest_job_and_status_then_says_cancelled(tmp_path, slurm, capsys) -> None:
     run_dir = make_run(tmp_path, jobs=("41", "57"), records=REQUEUED_RUN)
+    fake(slurm, "squeue", "echo 'RUNNING|None|ddnode[1-2]'")
     assert cli.main(["cancel", str(run_dir)]) == 0
     assert calls(slurm, "scancel") == ["scancel 57"]
+    fake(slurm, "squeue", "exit 0")  # Slurm has forgotten it: run.json still knows
     assert (status.run_status(run_dir).state, status.run_status(run_dir).state_from) == ("CANCELLED", "run.json")
+
+
+@pytest.mark.parametrize("squeue", ["echo 'COMPLETED|None|'", "exit 0", "echo 'squeue: error: Socket timed out' >&2; exit 1"])
+def test_cancel_of_a_job_that_has_ended_or_cannot_be_asked_about_is_one_line_and_records_nothing(tmp_path, slurm, capsys, squeue: str) -> None:
+    """scancel says nothing for an ended or unknown job: cancel asks first, so a finished run never reads CANCELLED."""
+    fake(slurm, "squeue", squeue)
+    run_dir = make_run(tmp_path, records=[*REQUEUED_RUN, end(140, 232, "done", 0)])
+    assert cli.main(["cancel", str(run_dir)]) == 2
+    assert calls(slurm, "scancel") == [] and read_record(run_dir).events == []
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_a_run_folder_or_record_that_is_not_the_users_own_is_never_listed_or_acted_on(tmp_path, slurm, capsys) -> None:
+    """Another user can make a folder in a shared runs folder and plant a run.json naming this user's job ids and a
+    script of theirs: ls, status, cancel and resubmit must not take it for a run of this user's."""
+    from testbed.users import UsersUnavailable, attacker
+
+    try:
+        mallory = attacker()
+    except UsersUnavailable as why:
+        pytest.skip(str(why))
+    fake(slurm, "squeue", "echo 'RUNNING|None|ddnode[1-2]'")
+    run_dir = make_run(tmp_path, records=REQUEUED_RUN)
+    for path in (run_dir, run_dir / "run.json", run_dir / "job", run_dir / "job" / "ddpack.sbatch"):
+        os.chown(path, mallory.uid, mallory.gid)
+    assert status.list_runs(tmp_path / "runs") == []
+    for verb in ("cancel", "resubmit", "status"):
+        assert cli.main([verb, str(run_dir)]) == 2
+        assert "it is not a run of yours" in capsys.readouterr().err
+    assert calls(slurm, "scancel") == [] and calls(slurm, "sbatch") == []
 
 
 # --------------------------------------------------------------------------- submit and its dry run
@@ -336,6 +368,7 @@ def test_submit_writes_the_record_before_sbatch_and_appends_the_job(tmp_path, sl
         ("bad setting", "--env DDPACK_STAGE=sbcats: expected auto, sbcast, off"),
         ("a typo in a setting's name", "--env DDPACK_STAEG: not a ddpack setting (a typo?)"),
         ("run folder outside the mounts", "is under none of --mounts"),
+        ("runs folder another user owns", "who could replace what lies under it; use a folder of your own"),
     ],
 )
 def test_a_dry_run_names_each_broken_setup_in_one_line_exits_2_and_queues_nothing(tmp_path, slurm, capsys, broken: str, line: str) -> None:
@@ -353,6 +386,15 @@ def test_a_dry_run_names_each_broken_setup_in_one_line_exits_2_and_queues_nothin
         args += ["--env", "DDPACK_STAGE=sbcats"]
     elif broken == "a typo in a setting's name":
         args += ["--env", "DDPACK_STAEG=sbcast"]
+    elif broken == "runs folder another user owns":
+        from testbed.users import UsersUnavailable, attacker
+
+        try:
+            mallory = attacker()
+        except UsersUnavailable as why:
+            pytest.skip(str(why))
+        (tmp_path / "fsx" / "runs").mkdir(mode=0o777)
+        os.chown(tmp_path / "fsx" / "runs", mallory.uid, mallory.gid)
     else:
         args[args.index("--mounts") + 1] = "/data:/data"
     assert cli.main(args) == 2

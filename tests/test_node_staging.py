@@ -268,3 +268,59 @@ def test_a_staging_folder_on_a_shared_filesystem_is_refused(tmp_path, fstype: st
             node.private_folder(tmp_path / "stage", "DDPACK_STAGE_DIR", str(mountinfo))
     else:
         assert node.private_folder(tmp_path / "stage", "DDPACK_STAGE_DIR", str(mountinfo)).is_dir()
+
+
+def test_a_run_folder_another_user_made_first_is_refused_and_nothing_in_it_is_written(users, node_tmp) -> None:
+    """runs/<name>-<job id> is guessable: the attacker makes it first (open to all, the start marker a link to the
+    victim's file). The victim's job refuses it in one line before writing anything there."""
+    alice, mallory = users
+    fake_tools(node_tmp, squeue="")
+    victims = plant(node_tmp / "victims-notes.txt", alice, "mine", 0o600)
+    theirs = node_tmp / "stage-86"
+    theirs.mkdir()
+    os.chown(theirs, mallory.uid, mallory.gid)
+    theirs.chmod(0o777)
+    (theirs / ".ddpack-this-start").symlink_to(victims)
+    out = run_as(alice, node_tmp, "lock", str(theirs), "--job", "86")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert f"DDPACK_RUN_DIR={theirs}: belongs to uid {mallory.uid}, not to you" in out.stderr
+    assert victims.read_text() == "mine" and not (theirs / ".ddpack-lock").exists()
+    mine = own_folder(node_tmp / "mine", alice)
+    mine.chmod(0o775)  # a group could swap files in it
+    assert "is writable by other users (mode 775)" in run_as(alice, node_tmp, "lock", str(mine), "--job", "86").stderr
+
+
+def test_an_image_other_users_could_replace_is_refused_before_the_job_imports_it(users, node_tmp) -> None:
+    alice, mallory = users
+    fake_tools(node_tmp, squeue="")
+    images = own_folder(node_tmp / "images", alice)
+    images.chmod(0o755)
+    image = plant(images / "x.sqsh", alice, "hsqs", 0o644)
+    assert run_as(alice, node_tmp, "image-ok", str(image)).returncode == 0
+    image.chmod(0o664)
+    out = run_as(alice, node_tmp, "image-ok", str(image))
+    assert out.returncode == 2 and "is writable by other users (mode 664)" in out.stderr, out.stderr
+    image.chmod(0o644)
+    images.chmod(0o777)  # anyone may rename the image away and put theirs in its place
+    out = run_as(alice, node_tmp, "image-ok", str(image))
+    assert out.returncode == 2 and "is writable by other users and not sticky" in out.stderr, out.stderr
+    teams = node_tmp / "team-images"  # another user's folder that only they can write: the user chose to trust them
+    teams.mkdir(mode=0o755)
+    os.chown(teams, mallory.uid, mallory.gid)
+    assert run_as(alice, node_tmp, "image-ok", str(plant(teams / "y.sqsh", mallory, "hsqs", 0o644))).returncode == 0
+
+
+def test_a_copy_of_a_team_writable_image_is_made_private_and_staged(users, node_tmp) -> None:
+    """sbcast copies the source's mode: an image made under umask 002 arrives group-writable, in the job's own 0700
+    folder. It is made 0600 and staged, not refused on every start."""
+    alice, _ = users
+    fake_tools(node_tmp, squeue="500")
+    folder = node_tmp / f"ddpack-images-{alice.uid}"
+    stage = ("--dir", str(folder), "--job", "500", "--key", KEY, "--size", "4")
+    incoming = ".incoming-500-00112233445566778899aabb"
+    assert run_as(alice, node_tmp, "receive", *stage, "--incoming", incoming).returncode == 0
+    plant(folder / incoming / f"{KEY}.sqsh", alice, "abcd", 0o664)
+    out = run_as(alice, node_tmp, "install", *stage, "--incoming", incoming)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert (folder / f"{KEY}.sqsh").stat().st_mode & 0o777 == 0o600
+    assert prepare(alice, node_tmp, folder).stdout == "has ddnode1\n"
