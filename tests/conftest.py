@@ -80,3 +80,29 @@ def sqsh(shared: Path, readme_project: ReadmeProject) -> Path:
     shutil.copyfile(readme_project.sqsh, output)
     output.chmod(0o644)
     return output
+
+
+# --------------------------------------------------------------- two users of a shared node
+
+
+@pytest.fixture(scope="session")
+def users():  # type: ignore[no-untyped-def]
+    """(victim, attacker): two unprivileged users (testbed/users.py), made when missing; a skip where they cannot
+    be (not root), a failure under CI."""
+    from testbed.users import UsersUnavailable, attacker, victim
+
+    try:
+        return victim(), attacker()
+    except UsersUnavailable as why:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must provide two unprivileged users: {why}")
+        pytest.skip(str(why))
+
+
+@pytest.fixture
+def node_tmp() -> Iterator[Path]:
+    """A node's /tmp: owned by root, sticky, writable by everyone."""
+    base = Path(tempfile.mkdtemp(prefix="ddpack-node-tmp-"))
+    base.chmod(0o1777)
+    yield base
+    subprocess.run(["rm", "-rf", "--one-file-system", str(base)], check=False)

@@ -7,16 +7,13 @@ and for the node's containers. The node's /tmp is a fresh sticky, world-writable
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from testbed.env import ROOT
-from testbed.users import User, UsersUnavailable, attacker, victim
+from testbed.users import User
 
 NODE_PY = ROOT / "enroot" / "ddpack_node.py"
 PYTHON = "/usr/bin/python3"  # the node's own python3, as the job helper runs it (not a venv of root's)
@@ -24,24 +21,12 @@ KEY = "0123456789abcdef01234567-89abcdef"
 OTHER_KEYS = ("1" * 24 + "-" + "1" * 8, "2" * 24 + "-" + "2" * 8, "3" * 32)
 
 
-@pytest.fixture(scope="module")
-def users() -> tuple[User, User]:
-    try:
-        return victim(), attacker()
-    except UsersUnavailable as why:
-        pytest.skip(str(why))
-
 
 @pytest.fixture
-def node_tmp() -> Iterator[Path]:
-    """A node's /tmp: owned by root, sticky, writable by everyone; fake squeue and enroot beside it."""
-    base = Path(tempfile.mkdtemp(prefix="ddpack-node-"))
-    base.chmod(0o1777)
-    bin_dir = base / "bin"
-    bin_dir.mkdir()
-    bin_dir.chmod(0o755)
-    yield base
-    shutil.rmtree(base)
+def node_tmp(node_tmp: Path) -> Path:
+    """The shared node /tmp fixture, with a folder for the fake squeue and enroot beside it."""
+    (node_tmp / "bin").mkdir(mode=0o755)
+    return node_tmp
 
 
 def fake_tools(node_tmp: Path, *, squeue: str, enroot_list: str = "") -> None:

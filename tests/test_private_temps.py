@@ -20,7 +20,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from ddpack import credentials, push, sqsh
 from ddpack.ecr import REGISTRY_SETTING, RegistryCredential, registry_override_from
 from ddpack.errors import HostError
 from testbed.env import ROOT
-from testbed.users import User, UsersUnavailable, attacker, victim
+from testbed.users import User
 from train import forensics
 
 PYTHON = "/usr/bin/python3"  # a node's own python3, which any user can run (root's venv may live under /root)
@@ -90,22 +89,6 @@ if __name__ == "__main__":
     print("done", flush=True)
 """
 
-
-@pytest.fixture(scope="module")
-def users() -> tuple[User, User]:
-    try:
-        return victim(), attacker()
-    except UsersUnavailable as why:
-        pytest.skip(str(why))
-
-
-@pytest.fixture
-def node_tmp() -> Iterator[Path]:
-    """A node's /tmp: owned by root, sticky, writable by everyone (the children get it as TMPDIR)."""
-    base = Path(tempfile.mkdtemp(prefix="ddpack-private-temps-"))
-    base.chmod(0o1777)
-    yield base
-    subprocess.run(["rm", "-rf", "--one-file-system", str(base)], check=False)
 
 
 def owned(path: Path, user: User, mode: int) -> Path:
