@@ -442,8 +442,15 @@ class Submitted:
 def submit(settings: SubmitSettings, *, dry_run: bool = False, say: Any = print) -> Submitted:
     raise_problems(setting_problems(settings))
     # What submit writes (the run folder, run.json, the squashfs) and the job log sbatch opens are as private as the
-    # job's own files (the templates' DDPACK_UMASK).
-    os.umask(int(settings.env.get("DDPACK_UMASK", "077"), 8))
+    # job's own files (the templates' DDPACK_UMASK); the caller's umask is its own again afterwards.
+    previous = os.umask(int(settings.env.get("DDPACK_UMASK", "077"), 8))
+    try:
+        return _submit(settings, dry_run=dry_run, say=say)
+    finally:
+        os.umask(previous)
+
+
+def _submit(settings: SubmitSettings, *, dry_run: bool, say: Any) -> Submitted:
     image: ImageChoice | None = None
     converted = False
     if settings.sqsh is not None:

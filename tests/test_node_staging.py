@@ -25,7 +25,8 @@ OTHER_KEYS = ("1" * 24 + "-" + "1" * 8, "2" * 24 + "-" + "2" * 8, "3" * 32)
 @pytest.fixture
 def node_tmp(node_tmp: Path) -> Path:
     """The shared node /tmp fixture, with a folder for the fake squeue and enroot beside it."""
-    (node_tmp / "bin").mkdir(mode=0o755)
+    (node_tmp / "bin").mkdir()
+    (node_tmp / "bin").chmod(0o755)  # whatever this process's umask
     return node_tmp
 
 
@@ -290,7 +291,8 @@ def test_an_image_other_users_could_replace_is_refused_before_the_job_imports_it
     out = run_as(alice, node_tmp, "image-ok", str(image))
     assert out.returncode == 2 and "is writable by other users and not sticky" in out.stderr, out.stderr
     teams = node_tmp / "team-images"  # another user's folder that only they can write: the user chose to trust them
-    teams.mkdir(mode=0o755)
+    teams.mkdir()
+    teams.chmod(0o755)
     os.chown(teams, mallory.uid, mallory.gid)
     assert run_as(alice, node_tmp, "image-ok", str(plant(teams / "y.sqsh", mallory, "hsqs", 0o644))).returncode == 0
 
