@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from docker_support import ReadmeProject
 
-from testbed.slurm_jobs import env
+from testbed.slurm_jobs import env, submit, wait_for_end
 
 pytestmark = [pytest.mark.pyxis, pytest.mark.usefixtures("pyxis_stack")]
 DDPACK = str(Path(sys.executable).parent / "ddpack")  # what `make venv` (and pip install of the checkout) installs
@@ -71,6 +71,18 @@ def test_a_run_from_submit_through_a_preemption_to_completion_then_resubmitted_a
     blind = status_of(run_dir, path=str(failing))  # no accounting here, and squeue failing: the run is not lost
     assert blind["state"] == "UNKNOWN" and blind["step"] and blind["note"].startswith("squeue failed")
 
+    # A second job naming the same run folder while this one trains is refused in one line naming the holder
+    # (issue 41: two jobs would rotate each other's snapshots away).
+    second_job, _, second_log = submit(
+        tmp_path, "second", ("--partition=big", "--nodes=1", "--ntasks-per-node=1", "--nodelist=ddnode3"), "baremetal.sbatch",
+        DDPACK_RUN_DIR=run_dir,
+    )  # fmt: skip
+    assert wait_for_end(second_job, second_log, timeout=120)[0] == "FAILED"
+    assert [line for line in second_log.read_text().splitlines() if "ddpack: error" in line] == [
+        f"ddpack: error: the run folder {run_dir} is in use by job {job} (RUNNING, root); "
+        f"wait for it to end, scancel {job}, or give this job another DDPACK_RUN_DIR"
+    ], second_log.read_text()
+
     follower = subprocess.Popen([DDPACK, "logs", run_dir, "-f"], env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     subprocess.run(["scancel", "--signal=USR1", job], check=True)  # what --signal=USR1@90 sends before a preemption
     requeued = wait_for("the requeue's second segment", lambda: len((s := status_of(run_dir))["segments"]) >= 2 and s)
@@ -84,13 +96,17 @@ def test_a_run_from_submit_through_a_preemption_to_completion_then_resubmitted_a
     assert preempted < finished < followed.index(f"ddpack logs: job {job} COMPLETED")
     done = status_of(run_dir)
     assert (done["state"], done["step"], len(done["segments"])) == ("COMPLETED", 232, 2), done
+    metrics = Path(run_dir) / "metrics.jsonl"
+    private = [Path(run_dir), metrics, *Path(run_dir).glob("logs/*"), *Path(run_dir).glob("snapshots/*")]
+    assert len(private) > 3 and all(not path.lstat().st_mode & 0o077 for path in private)  # DDPACK_UMASK=077: the user's alone
+    assert not (Path(run_dir) / ".ddpack-lock").exists()  # given back when the job left for good
 
     again = ddpack("resubmit", run_dir)
     assert again.returncode == 0, again.stderr
     second = again.stdout.split()[2]
-    log = Path(run_dir) / "logs" / f"slurm-{second}.out"
-    wait_for("the resubmitted job in the same run folder", lambda: log.exists() and f"run dir {run_dir} (continuing" in log.read_text())
-    cancelled = ddpack("cancel", run_dir)
+    record = json.loads((Path(run_dir) / "run.json").read_text())
+    assert record["jobs"][-1] == {**record["jobs"][-1], "job_id": second, "attempt": 2, "how": "resubmit"}
+    cancelled = ddpack("cancel", run_dir)  # queued or starting: the same script, continuing the same run folder
     assert cancelled.returncode == 0 and f"job {second} of {run_dir} cancelled" in cancelled.stdout, cancelled.stderr
     final = wait_for("CANCELLED", lambda: (s := status_of(run_dir))["state"] == "CANCELLED" and s, timeout=60)
     assert final["job_id"] == second and final["attempt"] == 2
