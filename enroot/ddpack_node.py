@@ -34,6 +34,7 @@ import fcntl
 import hashlib
 import json
 import os
+import pwd
 import re
 import socket
 import stat
@@ -415,7 +416,7 @@ def lock(args: argparse.Namespace) -> int:
     except (Refused, OSError) as why:
         die(f"DDPACK_RUN_DIR={run_dir}: {one_line(why)}")
     path = run_dir / LOCK
-    me = f"{args.job} {os.environ.get('USER') or os.getuid()} {socket.gethostname()} {int(time.time())}\n"
+    me = f"{args.job} {user_name()} {socket.gethostname()} {int(time.time())}\n"
     with guard(run_dir / f"{LOCK}.guard"):
         try:
             holder_line = read_nofollow(path)
@@ -500,6 +501,14 @@ def unlock(args: argparse.Namespace) -> int:
         if read_nofollow(path).split()[:1] == [args.job]:
             os.unlink(path)
     return 0
+
+
+def user_name() -> str:
+    """This user's name from the password database (a batch job's environment may carry no USER), else the uid."""
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        return str(os.getuid())
 
 
 def read_nofollow(path: Path) -> str:
