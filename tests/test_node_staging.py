@@ -196,25 +196,33 @@ def test_containers_of_jobs_that_are_over_go_and_a_failed_squeue_removes_none(us
     assert "removed container pyxis_ddpack-5 on ddnode1 (job 5 is over)" in out.stderr
 
 
+INCOMING = ".incoming-500-00112233445566778899aabb"
+
+
+def receiving(alice: User, node_tmp: Path) -> tuple[Path, tuple[str, ...]]:
+    """Job 500's staging folder with a fresh receiving folder INCOMING made by `receive`; (folder, staging args)."""
+    fake_tools(node_tmp, squeue="500")
+    folder = node_tmp / f"ddpack-images-{alice.uid}"
+    stage = ("--dir", str(folder), "--job", "500", "--key", KEY, "--size", "4")
+    assert run_as(alice, node_tmp, "receive", *stage, "--incoming", INCOMING).returncode == 0
+    return folder, stage
+
+
 def test_what_sbcast_wrote_is_installed_only_when_it_is_the_users_whole_file(users, node_tmp) -> None:
     """receive makes a fresh private folder for sbcast (a name that exists already is refused, never reused);
     install renames the copy into place only when it is a plain file of the user's of the source's size."""
     alice, _ = users
-    fake_tools(node_tmp, squeue="500")
-    folder = node_tmp / f"ddpack-images-{alice.uid}"
-    stage = ("--dir", str(folder), "--job", "500", "--key", KEY, "--size", "4")
-    incoming = ".incoming-500-00112233445566778899aabb"
-    assert run_as(alice, node_tmp, "receive", *stage, "--incoming", incoming).returncode == 0
-    assert (folder / incoming).stat().st_mode & 0o777 == 0o700
-    assert run_as(alice, node_tmp, "receive", *stage, "--incoming", incoming).returncode == 1  # never reused
+    folder, stage = receiving(alice, node_tmp)
+    assert (folder / INCOMING).stat().st_mode & 0o777 == 0o700
+    assert run_as(alice, node_tmp, "receive", *stage, "--incoming", INCOMING).returncode == 1  # never reused
     target = plant(node_tmp / "victims-checkpoint.pt", alice, "weights", 0o600)
-    os.symlink(target, folder / incoming / f"{KEY}.sqsh")  # were a link there, install must not follow it
-    out = run_as(alice, node_tmp, "install", *stage, "--incoming", incoming)
+    os.symlink(target, folder / INCOMING / f"{KEY}.sqsh")  # were a link there, install must not follow it
+    out = run_as(alice, node_tmp, "install", *stage, "--incoming", INCOMING)
     assert out.returncode == 1 and not (folder / f"{KEY}.sqsh").exists() and target.read_text() == "weights", out.stdout
-    assert not (folder / incoming).exists()
-    assert run_as(alice, node_tmp, "receive", *stage, "--incoming", incoming).returncode == 0
-    plant(folder / incoming / f"{KEY}.sqsh", alice, "abcd", 0o600)
-    out = run_as(alice, node_tmp, "install", *stage, "--incoming", incoming)
+    assert not (folder / INCOMING).exists()
+    assert run_as(alice, node_tmp, "receive", *stage, "--incoming", INCOMING).returncode == 0
+    plant(folder / INCOMING / f"{KEY}.sqsh", alice, "abcd", 0o600)
+    out = run_as(alice, node_tmp, "install", *stage, "--incoming", INCOMING)
     assert out.returncode == 0 and (folder / f"{KEY}.sqsh").read_text() == "abcd", out.stdout + out.stderr
 
 
@@ -301,13 +309,9 @@ def test_a_copy_of_a_team_writable_image_is_made_private_and_staged(users, node_
     """sbcast copies the source's mode: an image made under umask 002 arrives group-writable, in the job's own 0700
     folder. It is made 0600 and staged, not refused on every start."""
     alice, _ = users
-    fake_tools(node_tmp, squeue="500")
-    folder = node_tmp / f"ddpack-images-{alice.uid}"
-    stage = ("--dir", str(folder), "--job", "500", "--key", KEY, "--size", "4")
-    incoming = ".incoming-500-00112233445566778899aabb"
-    assert run_as(alice, node_tmp, "receive", *stage, "--incoming", incoming).returncode == 0
-    plant(folder / incoming / f"{KEY}.sqsh", alice, "abcd", 0o664)
-    out = run_as(alice, node_tmp, "install", *stage, "--incoming", incoming)
+    folder, stage = receiving(alice, node_tmp)
+    plant(folder / INCOMING / f"{KEY}.sqsh", alice, "abcd", 0o664)
+    out = run_as(alice, node_tmp, "install", *stage, "--incoming", INCOMING)
     assert out.returncode == 0, out.stdout + out.stderr
     assert (folder / f"{KEY}.sqsh").stat().st_mode & 0o777 == 0o600
     assert prepare(alice, node_tmp, folder).stdout == "has ddnode1\n"
