@@ -17,6 +17,7 @@ it again.
 
 from __future__ import annotations
 
+import functools
 import getpass
 import hashlib
 import json
@@ -525,6 +526,7 @@ def record_job(run_dir: Path, job_id: str, how: str) -> None:
         raise HostError(f"job {job_id} is queued, but recording it in {run_dir}/run.json failed ({exc}); scancel {job_id} or add it by hand", code=1) from None
 
 
+@functools.cache
 def node_helper() -> Any:
     """enroot/ddpack_node.py as a module: the job helper's own definitions (the staging key), not a copy."""
     import importlib.util
