@@ -5,12 +5,15 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from ddpack.submit import container_path
 from testbed.env import ROOT, clean_env
 from testbed.slurm_cluster import stage_dir
 from testbed.users import User
@@ -113,14 +116,84 @@ def submit(
     return job, tmp_path / "runs" / f"{name}-{job}" / "metrics.jsonl", tmp_path / "logs" / f"{name}-{job}.out"
 
 
+HELD_LINE = re.compile(r"^held_task: rank (\d+) held at batch \d+ of start (\S+) until ", re.MULTILINE)
+SIGNALLED_LINE = re.compile(r"^held_task: rank (\d+) got (\S+) while held in start (\S+)$", re.MULTILINE)
+# The held task's trainer flags: with its batches fetched in the training process, batch N is step N of a start.
+HELD_TRAIN_ARGS = "--task held_task:regression_held --num-workers 0"
+
+
+@dataclass(frozen=True)
+class Gate:
+    """A job's training held mid-run until the test opens it (testbed/held_task.py): a test that acts on a running
+    job decides from what it controls, not from how fast the host trains.
+
+    `settings` are the job's (HOLD_AT, HOLD_UNTIL), `train_args` the bundled trainer's flags (DDPACK_TRAIN_ARGS) with
+    the held task first (a program of the user's holds its steps itself: tests/frameworks/faults.py); `folder` is the
+    gate's folder on this host, the job's submission folder, which the container may see at another path."""
+
+    folder: Path
+    settings: dict[str, str]
+    train_args: str = HELD_TRAIN_ARGS
+
+    def held(self, log: Path, world: int, seen: tuple[str, ...] = (), timeout: float = 300) -> str:
+        """Wait until `world` ranks of one start (not one of the starts `seen`) are held; that start's key."""
+        deadline = time.monotonic() + timeout
+        while True:
+            ranks: dict[str, set[int]] = {}
+            for rank, key in HELD_LINE.findall(log.read_text() if log.exists() else ""):
+                ranks.setdefault(key, set()).add(int(rank))
+            full = [key for key, held in ranks.items() if len(held) >= world and key not in seen]
+            if full:
+                return full[0]
+            assert time.monotonic() < deadline, f"{world} ranks were not held within {timeout:.0f} s:\n{brief(log)}"
+            time.sleep(0.2)
+
+    def signalled(self, log: Path, key: str, world: int, name: str = "SIGUSR1", timeout: float = 120) -> None:
+        """Wait until `name` has reached `world` held ranks of start `key`: opened then, the gate lets them stop at the
+        next step, whenever Slurm delivered the signal."""
+        deadline = time.monotonic() + timeout
+        while len({r for r, sig, k in SIGNALLED_LINE.findall(log.read_text()) if (sig, k) == (name, key)}) < world:
+            assert time.monotonic() < deadline, f"{name} did not reach {world} held ranks of start {key}:\n{brief(log)}"
+            time.sleep(0.2)
+
+    def open(self, key: str | None = None) -> None:
+        """Let start `key` go on; with no key, every start now held and every one to come."""
+        gate = self.folder / (f"gate-{key}" if key else "gate")
+        gate.touch()
+        gate.chmod(0o644)
+
+
+def hold_training(folder: Path, at: int = 20, mounts: str | None = None, train_args: str = "") -> Gate:
+    """Copy the held task into the job's submission folder `folder` (where the trainer imports `--task` modules
+    from) and return its gate; `mounts`: the job's DDPACK_MOUNTS, when it runs in a container."""
+    inside = container_path(folder, mounts) if mounts else None
+    assert inside or not mounts, f"{folder} is under none of the mounts {mounts}"
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(Path(__file__).with_name("held_task.py"), folder / "held_task.py")
+    (folder / "held_task.py").chmod(0o644)
+    return Gate(folder, {"HOLD_AT": str(at), "HOLD_UNTIL": f"{inside or folder}/gate"}, f"{HELD_TRAIN_ARGS} {train_args}".strip())
+
+
 def submit_and_preempt(
     tmp_path: Path, name: str, sbatch_args: tuple[str, ...] = (), template: str = "baremetal.sbatch", **settings: str
 ) -> tuple[str, Path]:
-    """Submit a template and signal USR1 mid-run, as `--signal=USR1@90` would; returns (job, log)."""
-    job, metrics, log = submit(tmp_path, name, sbatch_args, template, **settings)
-    wait_for_progress(metrics, 20, log, "the job did not start training")
+    """Submit a template and signal USR1 mid-run, as `--signal=USR1@90` would; returns (job, log). The job is held
+    at step 20 of its first start until every rank has the signal, so it cannot end before it."""
+    gate = hold_training(tmp_path, 20, settings.get("DDPACK_MOUNTS"), "--dataset-size 16384 --epochs 2 --log-every 1")
+    job, _, log = submit(tmp_path, name, sbatch_args, template, **gate.settings, DDPACK_TRAIN_ARGS=gate.train_args, **settings)
+    world = int(settings.get("DDPACK_NPROC", "1")) * world_of(job)
+    key = gate.held(log, world)
     subprocess.run(["scancel", "--signal=USR1", job], check=True)
+    gate.signalled(log, key, world)
+    gate.open()
     return job, log
+
+
+def world_of(job: str) -> int:
+    """The tasks of a job, from scontrol (NumTasks)."""
+    out = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True, text=True).stdout
+    fields = dict(item.split("=", 1) for item in out.split() if "=" in item)
+    return int(fields.get("NumTasks", "1"))
 
 
 def preempt_and_resume(
@@ -169,14 +242,6 @@ def signal_tasks(job: str, node: str, sig: signal.Signals = signal.SIGKILL, rank
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
     return pids
-
-
-def wait_for_resume(job: str, restart: int, log: Path, timeout: float = 300) -> None:
-    """Wait until the job's start after its `restart`-th requeue has resumed from a snapshot."""
-    deadline, banner = time.monotonic() + timeout, f"(restart {restart})"
-    while "resuming from" not in (log.read_text() if log.exists() else "").partition(banner)[2]:
-        assert time.monotonic() < deadline, f"job {job} did not come back: {job_state(job)}\n{brief(log)}"
-        time.sleep(0.5)
 
 
 def wait_for_end(job: str, log: Path, timeout: float = 480) -> tuple[str, int]:

@@ -13,11 +13,15 @@ from pathlib import Path
 import pytest
 from docker_support import ReadmeProject
 
-from testbed.slurm_jobs import env, submit, wait_for_end
+from testbed.slurm_jobs import env, hold_training, submit, wait_for_end
+from train import run_folder
 
 pytestmark = [pytest.mark.pyxis, pytest.mark.usefixtures("pyxis_stack")]
 DDPACK = str(Path(sys.executable).parent / "ddpack")  # what `make venv` (and pip install of the checkout) installs
-TRAIN = "DDPACK_TRAIN_ARGS=--dataset-size 16384 --epochs 2 --log-every 1 --snapshot-every 20"
+# The job is held at step 20 of its first start (testbed/held_task.py) while the test reads it, starts a second job on
+# its run folder and signals it: it cannot end before the test is done with it, however fast the host trains. The
+# watchdog is off: a held step is the test's doing, not a hang.
+TRAIN = "--dataset-size 16384 --epochs 2 --log-every 1 --snapshot-every 20 --hang-timeout 0"
 
 
 def ddpack(*args: str, path: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -48,9 +52,11 @@ def test_a_run_from_submit_through_a_preemption_to_completion_then_resubmitted_a
 ) -> None:
     work = shared / "lifecycle"
     (work / "images").mkdir(parents=True)
+    gate = hold_training(work / "gate", 20, f"{shared}:/fsx", TRAIN)
+    held = {**gate.settings, "DDPACK_PROJECT_DIR": str(gate.folder), "DDPACK_TRAIN_ARGS": gate.train_args}
     submitted = ddpack(
         "submit", str(readme_project.folder), "--nodes", "2", "--tasks-per-node", "2", "--runs", str(work / "runs"),
-        "--images", str(work / "images"), "--mounts", f"{shared}:/fsx", "--env", TRAIN, "--json",
+        "--images", str(work / "images"), "--mounts", f"{shared}:/fsx", *(f"--env={name}={value}" for name, value in held.items()), "--json",
     )  # fmt: skip
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
     result = json.loads(submitted.stdout)
@@ -61,8 +67,11 @@ def test_a_run_from_submit_through_a_preemption_to_completion_then_resubmitted_a
     assert record["jobs"][0]["job_id"] == job and record["versions"]["pyxis"] == "v0.19.0" and record["code"]["digest"]
     assert status_of(run_dir)["state"] in ("PENDING", "RUNNING")
 
-    training = wait_for("a step, a total and an ETA", lambda: (s := status_of(run_dir))["step"] and s["eta_s"] is not None and s)
-    assert training["state"] == "RUNNING" and training["total_steps"] == 232 and len(training["segments"]) == 1
+    log = Path(run_dir) / run_folder.LOGS / run_folder.job_log(job)
+    start = gate.held(log, 4)  # all four ranks wait at step 21 until the test opens the gate
+    training = status_of(run_dir)
+    assert training["state"] == "RUNNING" and training["step"] == 20 and training["total_steps"] == 232 and training["eta_s"] is not None
+    assert len(training["segments"]) == 1
 
     failing = tmp_path / "squeue-down"
     failing.mkdir()
@@ -85,6 +94,8 @@ def test_a_run_from_submit_through_a_preemption_to_completion_then_resubmitted_a
 
     follower = subprocess.Popen([DDPACK, "logs", run_dir, "-f"], env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     subprocess.run(["scancel", "--signal=USR1", job], check=True)  # what --signal=USR1@90 sends before a preemption
+    gate.signalled(log, start, 4)
+    gate.open()  # every rank has the signal: they stop together at step 21, and the requeued start is not held
     requeued = wait_for("the requeue's second segment", lambda: len((s := status_of(run_dir))["segments"]) >= 2 and s)
     assert "preempted (exit 138); requeueing job" in requeued["segments"][1]["why"], requeued
     try:
@@ -101,13 +112,19 @@ def test_a_run_from_submit_through_a_preemption_to_completion_then_resubmitted_a
     assert len(private) > 3 and all(not path.lstat().st_mode & 0o077 for path in private)  # DDPACK_UMASK=077: the user's alone
     assert not (Path(run_dir) / ".ddpack-lock").exists()  # given back when the job left for good
 
-    again = ddpack("resubmit", run_dir)
-    assert again.returncode == 0, again.stderr
-    second = again.stdout.split()[2]
-    record = json.loads((Path(run_dir) / "run.json").read_text())
-    assert record["jobs"][-1] == {**record["jobs"][-1], "job_id": second, "attempt": 2, "how": "resubmit"}
-    cancelled = ddpack("cancel", run_dir)  # queued or starting: the same script, continuing the same run folder
-    assert cancelled.returncode == 0 and f"job {second} of {run_dir} cancelled" in cancelled.stdout, cancelled.stderr
+    # The resubmitted job stays queued, its partition down, until the test has cancelled it: started, it would find
+    # the run complete and end by itself, a race with the cancel.
+    subprocess.run(["scontrol", "update", "partitionname=debug", "state=down"], check=True)
+    try:
+        again = ddpack("resubmit", run_dir)
+        assert again.returncode == 0, again.stderr
+        second = again.stdout.split()[2]
+        record = json.loads((Path(run_dir) / "run.json").read_text())
+        assert record["jobs"][-1] == {**record["jobs"][-1], "job_id": second, "attempt": 2, "how": "resubmit"}
+        cancelled = ddpack("cancel", run_dir)  # queued: the same script, continuing the same run folder
+        assert cancelled.returncode == 0 and f"job {second} of {run_dir} cancelled" in cancelled.stdout, cancelled.stderr
+    finally:
+        subprocess.run(["scontrol", "update", "partitionname=debug", "state=up"], check=True)
     final = wait_for("CANCELLED", lambda: (s := status_of(run_dir))["state"] == "CANCELLED" and s, timeout=60)
     assert final["job_id"] == second and final["attempt"] == 2
     assert [j["job_id"] for j in json.loads((Path(run_dir) / "run.json").read_text())["jobs"]] == [job, second]

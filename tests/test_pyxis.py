@@ -30,14 +30,15 @@ from testbed.file_opens import OpenCounter
 from testbed.readme_examples import write_mytask
 from testbed.slurm_cluster import NODES, clear_staged_images, node_stage_dir, stage_dir
 from testbed.slurm_jobs import (
+    Gate,
     all_agree,
     env,
+    hold_training,
     preempt_and_resume,
     sbatch,
     signal_tasks,
     submit,
     wait_for_end,
-    wait_for_progress,
     wait_for_restarts,
 )
 from train import outcome
@@ -244,14 +245,25 @@ def frameworks_sqsh(sqsh: Path, shared: Path) -> Path:
     return output
 
 
-def framework_job(shared: Path, frameworks_sqsh: Path, project: str, **settings: str) -> tuple[str, Path, Path]:
-    """`DDPACK_COMMAND="python /opt/app/PROJECT/train.py"` through pyxis-per-task.sbatch on both nodes, two tasks each."""
+def framework_job(shared: Path, frameworks_sqsh: Path, project: str, **settings: str) -> tuple[str, Path, Path, Gate]:
+    """`DDPACK_COMMAND="python /opt/app/PROJECT/train.py"` through pyxis-per-task.sbatch on both nodes, two tasks each,
+    held at training step 3 of its first start until the test opens the gate."""
     folder = submission_folder(shared, project)
-    return submit(
+    gate = hold_training(folder, 3, f"{shared}:/fsx")
+    job, metrics, log = submit(
         folder, project, ("--ntasks-per-node=2",), "pyxis-per-task.sbatch",
         DDPACK_SQSH=str(frameworks_sqsh), DDPACK_MOUNTS=f"{shared}:/fsx", DDPACK_COMMAND=f"python /opt/app/{project}/train.py",
-        NODES="2", DEVICES="2", **settings,
+        NODES="2", DEVICES="2", **gate.settings, **settings,
     )  # fmt: skip
+    return job, metrics, log, gate
+
+
+def preempt_held(job: str, log: Path, gate: Gate) -> None:
+    """SIGUSR1 to every task of the held job (as --signal=USR1@90 sends it), and the gate opened once all four have it."""
+    start = gate.held(log, 4)
+    subprocess.run(["scancel", "--signal=USR1", job], check=True)
+    gate.signalled(log, start, 4)
+    gate.open()
 
 
 def stopped_then_finished(text: str, starts: int) -> list[str]:
@@ -284,11 +296,10 @@ def test_a_lightning_project_is_preempted_requeued_resumed_then_hangs_is_named_a
     the watchdog ends the step 124 with forensics naming rank 1, and the template restarts the step in the same
     allocation (no node was named unresponsive), in the container it already unpacked; that step resumes from the
     checkpoint again and finishes with agreeing checksums. make report draws three segments."""
-    job, metrics, log = framework_job(
-        shared, frameworks_sqsh, "lightning_project", STEP_SLEEP_S="0.02", FREEZE_AT="1:5", FREEZE_ON_RESTART="1", DDPACK_HANG_TIMEOUT="15"
+    job, metrics, log, gate = framework_job(
+        shared, frameworks_sqsh, "lightning_project", FREEZE_AT="1:5", FREEZE_ON_RESTART="1", DDPACK_HANG_TIMEOUT="15"
     )
-    wait_for_progress(metrics, 3, log, "Lightning did not start training")
-    subprocess.run(["scancel", "--signal=USR1", job], check=True)
+    preempt_held(job, log, gate)
     text = wait_for_restarts(job, 1, log)
     parts = stopped_then_finished(text, 2)
     stopped_at = outcome.read_ends(parts[0])[0].global_step
@@ -309,9 +320,8 @@ def test_a_hugging_face_trainer_project_is_preempted_requeued_and_resumes_from_i
     """transformers' Trainer with ddpack's callback, same template and signal: the Trainer saves checkpoint-N at
     the agreed step on every rank, the step ends 138 and is requeued; the next start resumes from checkpoint-N
     and finishes with agreeing checksums; make report draws both segments."""
-    job, metrics, log = framework_job(shared, frameworks_sqsh, "hf_project", STEP_SLEEP_S="0.02", OUTPUT_DIR="hf-output")
-    wait_for_progress(metrics, 3, log, "the Trainer did not start training")
-    subprocess.run(["scancel", "--signal=USR1", job], check=True)
+    job, metrics, log, gate = framework_job(shared, frameworks_sqsh, "hf_project", OUTPUT_DIR="hf-output")
+    preempt_held(job, log, gate)
     parts = stopped_then_finished(wait_for_restarts(job, 1, log), 2)
     checkpoint = outcome.read_ends(parts[0])[0].snapshot
     assert checkpoint and checkpoint.endswith(f"/hf-output/checkpoint-{outcome.read_ends(parts[0])[0].global_step}")
@@ -336,15 +346,18 @@ def test_a_node_set_down_mid_training_is_replaced_by_the_spare_and_the_image_is_
     image once; ddnode1's restart reused its container."""
     clear_staged_images()  # no copy from an earlier run: this job stages the image
     folder = submission_folder(shared, "spare")
+    gate = hold_training(folder, 30, f"{shared}:/fsx", RESTART_ARGS)
     with OpenCounter(sqsh) as readers:
         job, metrics, log = submit(
             folder, "spare", ("--partition=big", "--nodes=3", "--ntasks-per-node=2"), "pyxis-per-task.sbatch",
-            DDPACK_SQSH=str(sqsh), DDPACK_MOUNTS=f"{shared}:/fsx", DDPACK_SPARE_NODES="1", DDPACK_TRAIN_ARGS=RESTART_ARGS,
+            DDPACK_SQSH=str(sqsh), DDPACK_MOUNTS=f"{shared}:/fsx", DDPACK_SPARE_NODES="1", DDPACK_TRAIN_ARGS=gate.train_args,
             DDPACK_STAGE="sbcast",  # auto would too from 5 nodes (the model's threshold with its default rates)
+            **gate.settings,
         )  # fmt: skip
-        wait_for_progress(metrics, 30, log, "training did not start")
+        gate.held(log, 4)  # mid-training, and held there until the node is down
         try:
             subprocess.run(["scontrol", "update", "nodename=ddnode2", "state=down", "reason=ddpack-spare-test"], check=True)
+            gate.open()
             state, requeues = wait_for_end(job, log)
         finally:
             subprocess.run(["scontrol", "update", "nodename=ddnode2", "state=resume"], capture_output=True)  # if Slurm has not
@@ -376,14 +389,16 @@ def test_a_killed_rank_is_training_again_in_the_same_job_without_reading_or_unpa
             staged.mkdir(mode=0o700, exist_ok=True)
             shutil.copyfile(sqsh, staged / f"{key.stdout.strip()}.sqsh")
     folder = submission_folder(shared, "killed")
+    gate = hold_training(folder, 30, f"{shared}:/fsx", RESTART_ARGS)
     with OpenCounter(sqsh) as readers:
         job, metrics, log = submit(
             folder, "killed", ("--ntasks-per-node=2",), "pyxis-per-task.sbatch",
-            DDPACK_SQSH=str(sqsh), DDPACK_MOUNTS=f"{shared}:/fsx", DDPACK_TRAIN_ARGS=RESTART_ARGS,
+            DDPACK_SQSH=str(sqsh), DDPACK_MOUNTS=f"{shared}:/fsx", DDPACK_TRAIN_ARGS=gate.train_args, **gate.settings,
         )  # fmt: skip
-        wait_for_progress(metrics, 30, log, "training did not start")
+        gate.held(log, 4)  # mid-training, and held there until rank 3 is killed
         killed_at = time.time()
         assert signal_tasks(job, "ddnode2", signal.SIGKILL, rank=3), "no rank 3 on ddnode2"
+        gate.open()
         state, requeues = wait_for_end(job, log)
     text = log.read_text()
     assert (state, requeues) == ("COMPLETED", 0), text

@@ -22,15 +22,13 @@ from testbed.slurm_jobs import (
     all_agree,
     brief,
     env,
+    hold_training,
     job_state,
-    progress_count,
     sbatch,
     signal_tasks,
     submit,
     submit_and_preempt,
-    wait_for_progress,
     wait_for_restarts,
-    wait_for_resume,
 )
 from train.outcome import read_ends
 
@@ -166,22 +164,23 @@ def test_a_lost_node_killed_tasks_and_a_frozen_rank_each_come_back_and_resume_fr
     them with 124 and name ddnode2, srun kills the frozen rank DDPACK_STEP_WAIT seconds later; without ddnode2
     the allocation is too small, so the template requeues (saying why ddnode2 is not kept out: the partition has
     no node to spare); the run finishes with agreeing checksums."""
-    args = "--dataset-size 16384 --epochs 3 --log-every 1 --snapshot-every 20 --hang-timeout 15"
-    job, metrics, log = submit(tmp_path, "lost", DDPACK_TRAIN_ARGS=args, DDPACK_MAX_FAILURE_RESTARTS="3", DDPACK_STEP_WAIT="10")
-    wait_for_progress(metrics, 45, log)
+    # Each of the three starts is held at its step 31 while the test takes its node, kills its tasks or freezes its rank.
+    gate = hold_training(tmp_path, 30, train_args="--dataset-size 16384 --epochs 3 --log-every 1 --snapshot-every 20 --hang-timeout 15")
+    job, _, log = submit(
+        tmp_path, "lost", DDPACK_TRAIN_ARGS=gate.train_args, DDPACK_MAX_FAILURE_RESTARTS="3", DDPACK_STEP_WAIT="10", **gate.settings
+    )
+    first_start = gate.held(log, 4)
     try:
         subprocess.run(["scontrol", "update", "nodename=ddnode2", "state=down", "reason=ddpack-lost-node-test"], check=True)
-        wait_for_resume(job, 1, log)
+        gate.open(first_start)
+        requeued = gate.held(log, 4, seen=(first_start,))
     finally:
         subprocess.run(["scontrol", "update", "nodename=ddnode2", "state=resume"], capture_output=True)  # if Slurm has not
-    wait_for_progress(metrics, progress_count(metrics) + 30, log)
     assert signal_tasks(job, "ddnode2"), "no task of the job on ddnode2"
-    deadline = time.monotonic() + 300
-    while "restarting it in this allocation" not in log.read_text() or progress_count(metrics) < 2:
-        assert time.monotonic() < deadline, f"killed tasks: the step was not restarted in place\n{brief(log.read_text())}"
-        time.sleep(1)
-    wait_for_progress(metrics, progress_count(metrics) + 30, log)
+    gate.open(requeued)
+    gate.held(log, 4, seen=(first_start, requeued))  # the restart in place
     assert signal_tasks(job, "ddnode2", signal.SIGSTOP, rank=3), "no rank 3 on ddnode2"
+    gate.open()  # this start goes on without rank 3, and the next (the requeue) is not held
     text = wait_for_restarts(job, 2, log)
     first, second, third = re.split(r"\(restart [12]\)", text)
 

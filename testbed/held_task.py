@@ -1,0 +1,109 @@
+"""The built-in regression task with a gate in its data, for cluster tests that act on a job mid-run.
+
+A test that signals, cancels, reads or takes a node from a running job must find it still running, however fast the
+host trains. Waiting for N progress records and then acting is a race the job can win (it did on an idle CI machine:
+the whole run ended before the test's USR1). So the test holds the job instead: with HOLD_AT=N and HOLD_UNTIL=PATH,
+each process's N-th batch of this start (counting from 0) waits until PATH exists. The test acts while every rank
+waits there, then opens the gate (testbed.slurm_jobs.Gate); a start that begins after the gate is open never waits.
+
+Run it with `--task held_task:regression_held --num-workers 0`: the batches are then fetched in the training process, so
+the N-th batch is the N-th step of the start (DataLoader workers would each count their own). The test copies this
+file into the job's submission folder (the trainer imports `--task` modules from there, in a container as on bare
+metal), so it imports nothing of the test suite's. The framework projects (tests/frameworks/faults.py) hold their
+training steps with the same `Hold`, imported from there.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from torch.utils.data import Dataset, TensorDataset
+
+from train.config import Config
+from train.tasks import Task, regression
+
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+
+class Hold:
+    """Counts a process's batches (or steps) and holds the `at`-th until `gate`, or this start's gate, exists.
+
+    While it waits it says so, and says when a stop signal reaches it (the program's own handler still gets the
+    signal): a test that signals a held job opens the gate only once every rank has the signal, so the signal is
+    acted on at the next step, whatever Slurm's delivery takes."""
+
+    def __init__(self, at: int, gate: Path) -> None:
+        self.at, self.gate, self.count = at, gate, 0
+        self.key = f"{os.environ.get('SLURM_RESTART_COUNT') or 0}.{os.environ.get('SLURM_STEP_ID') or 0}"
+        self.this_start = gate.with_name(f"{gate.name}-{self.key}")
+
+    @classmethod
+    def from_environment(cls) -> Hold | None:
+        at, gate = os.environ.get("HOLD_AT"), os.environ.get("HOLD_UNTIL")
+        return cls(int(at), Path(gate)) if at and gate else None
+
+    def is_open(self) -> bool:
+        return self.gate.exists() or self.this_start.exists()
+
+    def tick(self) -> None:
+        """One more batch or step: the `at`-th waits for the gate."""
+        if self.count == self.at and not self.is_open():
+            self.wait()
+        self.count += 1
+
+    def wait(self) -> None:
+        rank, arrived = os.environ.get("RANK", "0"), []
+        previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+
+        def heard(signum: int, frame: FrameType | None) -> None:
+            arrived.append(signal.Signals(signum).name)
+            handler = previous[signal.Signals(signum)]
+            if callable(handler):
+                handler(signum, frame)
+
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, heard)
+        print(f"held_task: rank {rank} held at batch {self.at} of start {self.key} until {self.this_start} exists", flush=True)
+        told = 0
+        try:
+            while not self.is_open():
+                for name in arrived[told:]:
+                    print(f"held_task: rank {rank} got {name} while held in start {self.key}", flush=True)
+                told = len(arrived)
+                time.sleep(0.05)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+class HeldData(Dataset):
+    """`data`, fetched batch by batch, each fetch one tick of `hold`."""
+
+    def __init__(self, data: TensorDataset, hold: Hold) -> None:
+        self.data, self.hold = data, hold
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.data[index]
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        self.hold.tick()
+        inputs, targets = (tensor[indices] for tensor in self.data.tensors)
+        return list(zip(inputs, targets, strict=True))
+
+
+def regression_held(config: Config) -> Task:
+    """The regression task, its training data held as HOLD_AT and HOLD_UNTIL say (both unset: not held)."""
+    task = regression(config)
+    hold = Hold.from_environment()
+    if hold is not None:
+        task.train_data = HeldData(task.train_data, hold)  # type: ignore[arg-type]
+    return task
+

@@ -1,0 +1,48 @@
+"""The cluster tests' gate (testbed/held_task.py) on its own, in one trainer process: it holds the run at the step
+asked, says so, tells a stop signal that reaches it while held, and lets the run go on, and stop at the next step,
+once the test opens it."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from testbed.env import clean_env
+from testbed.slurm_jobs import HELD_LINE, HELD_TRAIN_ARGS, SIGNALLED_LINE, Gate, hold_training
+
+
+def test_the_run_is_held_until_the_gate_opens_then_stops_on_the_signal_it_got_while_held(tmp_path: Path) -> None:
+    gate = hold_training(tmp_path / "submission", at=5)
+    assert gate.train_args == HELD_TRAIN_ARGS
+    log = tmp_path / "job.out"
+    args = [*gate.train_args.split(), "--dataset-size", "2048", "--epochs", "50", "--log-every", "1"]
+    with log.open("w") as out:
+        trainer = subprocess.Popen(
+            [sys.executable, "-m", "train", *args, "--snapshot-dir", str(tmp_path / "snapshots")],
+            cwd=gate.folder, env=clean_env(**gate.settings, DDPACK_PROJECT_DIR=str(gate.folder)), stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            key = gate.held(log, world=1, timeout=120)
+            assert key == "0.0" and "global 5/" in log.read_text() and "global 6/" not in log.read_text()
+            time.sleep(1)  # held is held: no step goes past the gate
+            assert "global 6/" not in log.read_text() and trainer.poll() is None
+            trainer.send_signal(signal.SIGUSR1)
+            gate.signalled(log, key, world=1)
+            gate.open(key)
+            assert trainer.wait(timeout=120) == 138
+        finally:
+            trainer.kill()
+    text = log.read_text()
+    assert HELD_LINE.findall(text) == [("0", "0.0")] and SIGNALLED_LINE.findall(text) == [("0", "SIGUSR1", "0.0")]
+    steps = [int(n) for n in re.findall(r"global (\d+)/", text)]
+    assert max(steps) == 6 and "stopped on SIGUSR1" in text, text[-2000:]
+
+
+def test_an_open_gate_holds_no_start(tmp_path: Path) -> None:
+    gate = Gate(tmp_path, {}, "")
+    gate.open()
+    assert (tmp_path / "gate").stat().st_mode & 0o777 == 0o644
