@@ -25,11 +25,21 @@ LAUNCH_VARS = (
 )
 
 
+# Whether child processes see this machine's GPUs. Off: every test runs its ranks on the CPU with gloo, also on a
+# machine with GPUs, so that a result never depends on the machine. The GPU tier (tests/test_gpu.py) turns it on for
+# its own tests alone: hidden there too, its ranks would train on the CPU and test nothing of CUDA.
+gpus_visible = False
+
+
 def clean_env(**extra: str) -> dict[str, str]:
-    """os.environ without Slurm, torchrun or launcher variables, plus `extra`, with the repo importable."""
+    """os.environ without Slurm, torchrun or launcher variables, plus `extra`, with the repo importable; the GPUs
+    hidden unless `gpus_visible` (then as this process sees them)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k not in LAUNCH_VARS}
     env["PYTHONPATH"] = str(ROOT)
-    env["CUDA_VISIBLE_DEVICES"] = ""  # CPU and gloo, also on a machine with GPUs
+    if not gpus_visible:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    elif "CUDA_VISIBLE_DEVICES" in os.environ:
+        env["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
     env["OMP_NUM_THREADS"] = "1"
     env.update(extra)
     return env

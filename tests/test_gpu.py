@@ -12,9 +12,16 @@ import pytest
 import torch
 from ddp_jobs import grad_sync_pair_reports, metrics_step, reference_checksum, start_slurm_step, subdir, wait_for
 
+import testbed.env
 from train.gpu import driver_version, required_driver, set_tf32, version_tuple
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.fixture(autouse=True)
+def ranks_see_the_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every other tier hides the GPUs from the processes it starts (testbed/env.py); this one is about them."""
+    monkeypatch.setattr(testbed.env, "gpus_visible", True)
 
 TESTS = Path(__file__).resolve().parent  # where plugins.* live, as a user's task module would
 SHORT = ["--epochs", "1", "--dataset-size", "4096", "--batch-size", "64", "--log-every", "8"]

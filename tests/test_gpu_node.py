@@ -113,3 +113,18 @@ def test_efa_devices_are_found_by_their_driver_and_nccls_network_by_its_log(tmp_
     log.write_text("h:1:1 [0] NCCL INFO Using network Socket\nh:1:1 [0] NCCL WARN NET/Socket : no usable interface found\n")
     assert nccl_warnings(log) == ["h:1:1 [0] NCCL WARN NET/Socket : no usable interface found"] and nccl_warnings(None) == []
     assert capture_nccl_log({"NCCL_DEBUG": "info"}) is None and capture_nccl_log({"NCCL_DEBUG_FILE": "/x"}) is None  # the job reads it
+
+
+def test_only_the_gpu_tier_shows_the_processes_it_starts_the_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU tier as written hid the GPU from every rank it started (8 of 9 failed on an H200): the tests' child
+    environment hides the GPUs unless the tier turns them on, and then passes on what this process sees."""
+    import testbed.env
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert testbed.env.clean_env()["CUDA_VISIBLE_DEVICES"] == ""
+    monkeypatch.setattr(testbed.env, "gpus_visible", True)
+    assert testbed.env.clean_env()["CUDA_VISIBLE_DEVICES"] == "2,3"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert "CUDA_VISIBLE_DEVICES" not in testbed.env.clean_env()
+    gpu_tier = (Path(__file__).parent / "test_gpu.py").read_text()
+    assert 'monkeypatch.setattr(testbed.env, "gpus_visible", True)' in gpu_tier and "autouse=True" in gpu_tier

@@ -48,6 +48,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from train.distributed import wait_polling, waits_by_polling
 from train.signals import PreemptionWatcher
+from train.torch_compat import all_gather_into
 
 # On CPU, a bucket whose gathered copies (world size x its bytes) fit in this many bytes is exchanged
 # whole (one all-gather) and summed on each rank instead of all-reduced: see the module docstring.
@@ -146,7 +147,7 @@ class GradientSync:
         gathered = None
         if sent.numel() * sent.element_size() * self.world_size <= EXCHANGE_MAX_BYTES:
             gathered = sent.new_empty(self.world_size * sent.numel())
-            work = dist.all_gather_single(gathered, sent, async_op=True)
+            work = all_gather_into(gathered, sent, async_op=True)
         else:
             work = dist.all_reduce(sent, async_op=True)
         self._pending.append(_Pending(work, gathered, buffer, sent if self.compress and gathered is None else None))
