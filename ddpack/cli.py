@@ -1,25 +1,28 @@
 """`ddpack`: one command from your project to a running job and back (docs/commands.md).
 
-    ddpack submit [APP_DIR] --nodes N [...] [--dry-run] [--json] [-- COMMAND...]
-    ddpack status [RUN|JOB_ID] [--json] [--watch]
-    ddpack logs   [RUN|JOB_ID] [-f] [--rank R]
-    ddpack cancel [RUN|JOB_ID]
-    ddpack ls     [--runs DIR]
-    ddpack resubmit RUN
-    ddpack report RUN [--png]
+    ddpack submit   [APP_DIR] --nodes N [...] [--dry-run] [--json] [-- COMMAND...]
+    ddpack status   [RUN|JOB_ID] [--json] [--watch]
+    ddpack logs     [RUN|JOB_ID] [-f] [--rank R] [--json]
+    ddpack cancel   [RUN|JOB_ID] [--json]
+    ddpack ls       [--runs DIR] [--json]
+    ddpack resubmit RUN|JOB_ID [--json]
+    ddpack report   RUN|JOB_ID [--png] [--json]
 
 Host side only: Slurm's own commands (sbatch, squeue, sacct where there is accounting, scancel) and the run folder.
-Bad input is one line and exit 2.
+Bad input is one line and exit 2. --json prints one object (ls: a list of them) with status --json's names: run_dir,
+job_id, state, ...; `status --watch` and `logs -f` exit 0 when the run COMPLETED, else by its state (runs.EXIT_FOR_STATE).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from ddpack.errors import run_verb
 
@@ -43,7 +46,8 @@ def _env_pair(text: str) -> tuple[str, str]:
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="ddpack", description=__doc__.splitlines()[0])
     verbs = top.add_subparsers(dest="verb", required=True, metavar="VERB")
-    runs_help = "the runs folder (default: DDPACK_RUNS, else ./runs)"
+    runs_help = "the runs folder (default: DDPACK_RUNS, else /fsx/<user>/ddpack-runs)"
+    json_help = "print one JSON object (status --json's names: run_dir, job_id, state, ...)"
 
     sub = verbs.add_parser("submit", help="build, convert and submit a project (only what changed), recording what ran")
     sub.add_argument("app_dir", nargs="?", default=".", type=Path, help="the project folder (default: here)")
@@ -73,27 +77,28 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("--json", action="store_true", help="print one JSON object (job_id, run_dir, ...)")
     sub.epilog = "-- COMMAND...: your program, run by every rank (default: the image's own command)"
 
-    for name, text in (("status", "a run's state, segments, progress and ETA"), ("logs", "a run's job logs, across requeues")):
+    for name, text in (
+        ("status", "a run's state, segments, progress and ETA"),
+        ("logs", "a run's job logs, across requeues"),
+        ("cancel", "scancel a run's job"),
+    ):
         sub = verbs.add_parser(name, help=text)
         sub.add_argument("run", nargs="?", help="a run folder or a job id (default: the newest run)")
         sub.add_argument("--runs", type=Path, default=None, help=runs_help)
-    verbs.choices["status"].add_argument("--json", action="store_true")
-    verbs.choices["status"].add_argument("--watch", action="store_true", help="refresh until the job ends")
+        sub.add_argument("--json", action="store_true", help=json_help)
+    verbs.choices["status"].add_argument("--watch", action="store_true", help="refresh until the job ends; exit 0 when it COMPLETED")
     verbs.choices["status"].add_argument("--interval", type=float, default=2.0, help="--watch's refresh, seconds")
     verbs.choices["logs"].add_argument("-f", "--follow", action="store_true", help="follow until the job ends; exit 0 when it COMPLETED")
     verbs.choices["logs"].add_argument("--rank", type=_whole, help="only rank R's lines")
-
-    sub = verbs.add_parser("cancel", help="scancel a run's job")
-    sub.add_argument("run", nargs="?")
-    sub.add_argument("--runs", type=Path, default=None, help=runs_help)
     sub = verbs.add_parser("ls", help="every run with its state and progress")
     sub.add_argument("--runs", type=Path, default=None, help=runs_help)
-    sub = verbs.add_parser("resubmit", help="a new job continuing a run, with the same job script and image")
-    sub.add_argument("run")
-    sub.add_argument("--runs", type=Path, default=None, help=runs_help)
-    sub = verbs.add_parser("report", help="the run's report.html")
-    sub.add_argument("run")
-    sub.add_argument("--png", action="store_true")
+    sub.add_argument("--json", action="store_true", help="print one JSON list of runs (status --json's names)")
+    for name, text in (("resubmit", "a new job continuing a run, with the same job script and image"), ("report", "the run's report.html")):
+        sub = verbs.add_parser(name, help=text)
+        sub.add_argument("run", help="a run folder or a job id")
+        sub.add_argument("--runs", type=Path, default=None, help=runs_help)
+        sub.add_argument("--json", action="store_true", help=json_help)
+    verbs.choices["report"].add_argument("--png", action="store_true")
     return top
 
 
@@ -113,33 +118,27 @@ def main(argv: list[str] | None = None) -> int:
             return submit(opts, runs)
         if opts.verb == "status":
             return status(opts, runs)
-        if opts.verb == "logs":
-            run_dir = run_ops.resolve_run(opts.run, runs)
-            if opts.follow:
-                return run_ops.follow(run_dir, opts.rank)
-            run_ops.print_logs(run_dir, opts.rank)
-            return 0
-        if opts.verb == "cancel":
-            run_dir = run_ops.resolve_run(opts.run, runs)
-            job = run_ops.cancel(run_dir)
-            print(f"cancel: job {job} of {run_dir} cancelled (scancel); ddpack status {run_dir} shows CANCELLED once Slurm has ended it")
-            return 0
         if opts.verb == "ls":
-            from ddpack.status import render_list
+            from ddpack.status import list_rows, render_list
 
+            if opts.json:
+                print(json.dumps(list_rows(runs), indent=2))
+                return 0
             lines = render_list(runs)
             print("\n".join(lines) if lines else f"no runs under {runs}")
             return 0
+        if opts.verb == "report":
+            return report(opts, runs)
+        run_dir = run_ops.resolve_run(opts.run, runs)
+        if opts.verb == "logs":
+            return logs(opts, run_dir)
+        if opts.verb == "cancel":
+            job = run_ops.cancel(run_dir)
+            say = f"cancel: job {job} of {run_dir} cancelled (scancel); ddpack status {run_dir} shows CANCELLED once Slurm has ended it"
+            return answer(opts, run_dir, say, job_id=job)
         if opts.verb == "resubmit":
-            run_dir = run_ops.resolve_run(opts.run, runs)
             job = run_ops.resubmit(run_dir)
-            print(f"resubmit: job {job} continues {run_dir} with the same image and job script")
-            return 0
-        from ddpack.report import write_report
-
-        for path in write_report(Path(opts.run), with_png=opts.png):
-            print(f"report: wrote {path}")
-        return 0
+        return answer(opts, run_dir, f"resubmit: job {job} continues {run_dir} with the same image and job script", job_id=job)
 
     return run_verb(opts.verb, body)
 
@@ -193,14 +192,61 @@ def stdout_to_stderr() -> Iterator[None]:
 
 def status(opts: argparse.Namespace, runs: Path) -> int:
     from ddpack.runs import resolve_run
+    from ddpack.slurm_cli import EXIT_FOR_STATE
     from ddpack.status import render, run_status, watch
 
     run_dir = resolve_run(opts.run, runs)
     if opts.watch:
-        watch(run_dir, interval_s=opts.interval, tty=sys.stdout.isatty(), out=sys.stdout, as_json=opts.json)
-        return 0
+        final = watch(run_dir, interval_s=opts.interval, tty=sys.stdout.isatty(), out=sys.stdout, as_json=opts.json)
+        return EXIT_FOR_STATE.get(final.state, 1)
     result = run_status(run_dir)
     print(result.to_json() if opts.json else render(result))
+    return 0
+
+
+def report(opts: argparse.Namespace, runs: Path) -> int:
+    """A run folder of any template's (or its metrics file), or a run of ddpack submit's named by a job id."""
+    from ddpack.report import write_report
+    from ddpack.runs import resolve_run
+    from train.run_folder import RUN_RECORD
+
+    path = Path(opts.run)
+    run_dir = path if path.exists() else resolve_run(opts.run, runs)
+    written = [str(p) for p in write_report(run_dir, with_png=opts.png)]
+    if opts.json:
+        known = facts(run_dir) if (run_dir / RUN_RECORD).is_file() else {"run_dir": str(run_dir.resolve()), "job_id": None, "state": None}
+        print(json.dumps({**known, "files": written}, indent=2))
+    else:
+        print("\n".join(f"report: wrote {p}" for p in written))
+    return 0
+
+
+def logs(opts: argparse.Namespace, run_dir: Path) -> int:
+    from ddpack import runs as run_ops
+    from ddpack.errors import HostError
+
+    if opts.json:
+        if opts.follow:
+            raise HostError("logs --json prints the logs once, as one object; follow them with logs -f (without --json)", code=2)
+        print(json.dumps({**facts(run_dir), "jobs": run_ops.log_lines(run_dir, opts.rank)}, indent=2))
+        return 0
+    if opts.follow:
+        return run_ops.follow(run_dir, opts.rank)
+    run_ops.print_logs(run_dir, opts.rank)
+    return 0
+
+
+def facts(run_dir: Path) -> dict[str, Any]:
+    """The names every verb's --json shares with status --json: run_dir, job_id, attempt, state."""
+    from ddpack.status import run_status
+
+    now = run_status(run_dir)
+    return {"run_dir": now.run_dir, "job_id": now.job_id, "attempt": now.attempt, "state": now.state}
+
+
+def answer(opts: argparse.Namespace, run_dir: Path, sentence: str, **extra: Any) -> int:
+    """A verb's result: its sentence, or with --json one object of facts() and `extra`."""
+    print(json.dumps({**facts(run_dir), **extra}, indent=2) if opts.json else sentence)
     return 0
 
 

@@ -14,13 +14,30 @@ class HostError(Exception):
         self.code = code
 
 
+# The host side's packages beyond the standard library (pyproject.toml's [host] extra): a verb that needs one that is
+# missing says which, and how to install it, instead of a traceback.
+HOST_PACKAGES = {
+    "docker": "docker", "boto3": "boto3", "botocore": "boto3", "requests": "requests", "packaging": "packaging", "matplotlib": "matplotlib",
+}  # fmt: skip
+
+
 def run_verb(verb: str, body: Callable[[], int | None]) -> int:
-    """Run a verb's body; turn HostError and Ctrl-C into a one-line message and an exit code."""
+    """Run a verb's body; turn HostError, a missing host package and Ctrl-C into a one-line message and an exit code."""
     try:
         return body() or 0
     except HostError as exc:
         print(f"ddpack {verb}: error: {exc}", file=sys.stderr)
         return exc.code
+    except ModuleNotFoundError as exc:
+        top = (exc.name or "").split(".")[0]
+        if top not in HOST_PACKAGES:
+            raise
+        print(
+            f"ddpack {verb}: error: this needs the Python package {HOST_PACKAGES[top]!r}, which is not installed here; "
+            "pip install 'ddpack[host]' (from the checkout: pip install -e '.[host]', or make venv)",
+            file=sys.stderr,
+        )
+        return 2
     except KeyboardInterrupt:
         print(f"ddpack {verb}: interrupted", file=sys.stderr)
         return 130

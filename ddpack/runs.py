@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pwd
+import re
 import sys
 import time
 from pathlib import Path
@@ -17,17 +19,21 @@ from typing import TextIO
 from ddpack import slurm_cli
 from ddpack.errors import HostError
 from ddpack.run_record import append_event, own_file_problem, read_record
-from ddpack.status import ENDED, list_runs, run_status
+from ddpack.slurm_cli import ENDED, EXIT_FOR_STATE
+from ddpack.status import list_runs, run_status
 from train import run_folder
 
-# `logs -f` exit statuses: the job's own exit code is not Slurm's to give after MinJobAge, its state is.
-EXIT_FOR_STATE = {"COMPLETED": 0, "FAILED": 1, "CANCELLED": 3, "TIMEOUT": 4}
-SETTLE_S = 10.0  # an ended state must hold this long: a requeue passes through one for a moment
 POLL_STATE_S = 2.0  # how often `logs -f` asks Slurm for the job's state (the log itself is read every poll)
 
 
+# Where runs live when neither --runs nor DDPACK_RUNS says: the user's own folder on the shared filesystem, the same
+# from every folder the command is typed in and on every login node (a relative ./runs found nothing from elsewhere).
+SHARED_RUNS = "/fsx/{user}/ddpack-runs"
+
+
 def default_runs() -> Path:
-    return Path(os.environ.get("DDPACK_RUNS") or "runs")
+    """DDPACK_RUNS, else SHARED_RUNS for this user (named from the password database: a batch job may have no USER)."""
+    return Path(os.environ.get("DDPACK_RUNS") or SHARED_RUNS.format(user=pwd.getpwuid(os.geteuid()).pw_name))
 
 
 def resolve_run(run: str | None, runs: Path) -> Path:
@@ -52,8 +58,33 @@ def resolve_run(run: str | None, runs: Path) -> Path:
 # --------------------------------------------------------------------------- logs
 
 
+# srun --label's prefix (the per-task template labels a program of your own): the task number, right-aligned.
+SRUN_LABEL = re.compile(r"^\s*(\d+): ")
+
+
 def rank_filter(line: str, rank: int | None) -> bool:
-    return rank is None or line.startswith(f"[rank {rank}/") or f"] [rank {rank}/" in line
+    """Rank `rank`'s line: the bundled trainer's "[rank R/W]", or srun's "R: " label on any program's."""
+    if rank is None or line.startswith(f"[rank {rank}/") or f"] [rank {rank}/" in line:
+        return True
+    label = SRUN_LABEL.match(line)
+    return label is not None and int(label.group(1)) == rank
+
+
+def whole_lines(log: Path) -> tuple[list[str], int]:
+    """A log's whole lines (a line still being written is shown once it is whole) and their length in bytes."""
+    data = log.read_bytes() if log.exists() else b""
+    complete = data[: data.rfind(b"\n") + 1]
+    return complete.decode(errors="replace").splitlines(keepends=True), len(complete)
+
+
+def log_lines(run_dir: Path, rank: int | None) -> list[dict[str, object]]:
+    """Each job's whole lines (rank `rank`'s alone, when given), in submission order: what `logs --json` prints."""
+    jobs = []
+    for job in read_record(run_dir).jobs:
+        log = run_dir / run_folder.LOGS / run_folder.job_log(job.job_id)
+        lines = [line.rstrip("\n") for line in whole_lines(log)[0] if rank_filter(line, rank)]
+        jobs.append({"job_id": job.job_id, "attempt": job.attempt, "how": job.how, "log": str(log), "lines": lines})
+    return jobs
 
 
 def print_logs(run_dir: Path, rank: int | None, out: TextIO = sys.stdout) -> dict[str, int]:
@@ -64,19 +95,17 @@ def print_logs(run_dir: Path, rank: int | None, out: TextIO = sys.stdout) -> dic
         log = run_dir / run_folder.LOGS / run_folder.job_log(job.job_id)
         if len(record.jobs) > 1:
             out.write(f"==> job {job.job_id} (attempt {job.attempt}, {job.how}) <==\n")
-        data = log.read_bytes() if log.exists() else b""
-        complete = data[: data.rfind(b"\n") + 1]
-        for line in complete.decode(errors="replace").splitlines(keepends=True):
-            if rank_filter(line, rank):
-                out.write(line)
-        shown[str(log)] = len(complete)
+        lines, size = whole_lines(log)
+        out.writelines(line for line in lines if rank_filter(line, rank))
+        shown[str(log)] = size
     out.flush()
     return shown
 
 
-def follow(run_dir: Path, rank: int | None, out: TextIO = sys.stdout, poll_s: float = 0.5) -> int:
-    """Show the logs, then follow the newest job's until the job has ended (across its requeues); returns 0 when it
-    COMPLETED, else the state's exit status (EXIT_FOR_STATE)."""
+def follow(run_dir: Path, rank: int | None, out: TextIO = sys.stdout, poll_s: float = 0.5, settle_s: float | None = None) -> int:
+    """Show the logs, then follow the newest job's until the job has ended (an ended state that held `settle_s`,
+    slurm_cli.SETTLE_S: across its requeues); returns 0 when it COMPLETED, else the state's exit status (EXIT_FOR_STATE)."""
+    settle_s = slurm_cli.SETTLE_S if settle_s is None else settle_s
     shown = print_logs(run_dir, rank, out)
     record = read_record(run_dir)
     job = record.last_job
@@ -100,7 +129,7 @@ def follow(run_dir: Path, rank: int | None, out: TextIO = sys.stdout, poll_s: fl
             state = run_status(run_dir).state
             next_check = now + POLL_STATE_S
             ended_since = (ended_since or now) if state in ENDED else None
-        if ended_since is not None and now - ended_since >= SETTLE_S:
+        if ended_since is not None and now - ended_since >= settle_s:
             out.write(f"ddpack logs: job {job.job_id} {state}\n")
             out.flush()
             return EXIT_FOR_STATE.get(state, 1)

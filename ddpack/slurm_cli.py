@@ -16,8 +16,47 @@ from pathlib import Path
 from ddpack.errors import HostError
 
 TIMEOUT_S = 30
-# The states in which a job has left its nodes for good (squeue -t all keeps them for MinJobAge seconds).
-FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED")
+
+# Slurm's job states (squeue's and sacct's, without sacct's "by UID" suffix) as every ddpack verb reads them: the one
+# table of them. PREEMPTED is a job Slurm ended to make room (PreemptMode=CANCEL, after its grace time): it has left
+# its nodes for good, like a cancel, and `ddpack resubmit` continues its run; a preemption that requeues shows as
+# REQUEUED. States not listed (newer Slurms add some) are shown as Slurm names them and read as live.
+JOB_STATES = {
+    "PENDING": "PENDING",
+    "CONFIGURING": "RUNNING",
+    "RUNNING": "RUNNING",
+    "COMPLETING": "RUNNING",
+    "RESIZING": "RUNNING",
+    "SIGNALING": "RUNNING",
+    "STAGE_OUT": "RUNNING",
+    "SUSPENDED": "RUNNING",
+    "STOPPED": "RUNNING",
+    "REQUEUED": "REQUEUED",
+    "REQUEUE_FED": "REQUEUED",
+    "REQUEUE_HOLD": "REQUEUED",
+    "SPECIAL_EXIT": "REQUEUED",
+    "COMPLETED": "COMPLETED",
+    "FAILED": "FAILED",
+    "NODE_FAIL": "FAILED",
+    "OUT_OF_MEMORY": "FAILED",
+    "BOOT_FAIL": "FAILED",
+    "CANCELLED": "CANCELLED",
+    "TIMEOUT": "TIMEOUT",
+    "DEADLINE": "TIMEOUT",
+    "PREEMPTED": "PREEMPTED",
+}
+# ddpack's states in which a run's job has ended for good, and the exit status `logs -f` and `status --watch` end with.
+EXIT_FOR_STATE = {"COMPLETED": 0, "FAILED": 1, "CANCELLED": 3, "TIMEOUT": 4, "PREEMPTED": 5}
+ENDED = tuple(EXIT_FOR_STATE)
+SETTLE_S = 10.0  # an ended state must hold this long before a verb believes it: a requeue passes through one
+# Slurm's states in which a job has left its nodes for good (squeue -t all keeps them for MinJobAge seconds).
+FINAL = tuple(state for state, ours in JOB_STATES.items() if ours in ENDED)
+
+
+def ddpack_state(slurm_state: str) -> str:
+    """Slurm's state (sacct may add " by UID") as ddpack names it."""
+    word = slurm_state.split()[0] if slurm_state.split() else ""
+    return JOB_STATES.get(word, word)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,25 +155,37 @@ def scancel(job_id: str) -> None:
         raise HostError(f"scancel {job_id}: {answer.failed}", code=1)
 
 
-def partition_nodes(partition: str | None) -> tuple[str, int] | str:
-    """(the partition's name, its node count) — the default partition when `partition` is None — or why not."""
-    answer = ask(["sinfo", "-h", "-o", "%P|%D", *(["-p", partition] if partition else [])])
+# sinfo's node states (%T, long form, without its flags) in which a node can run a job.
+USABLE_NODE_STATES = ("idle", "mixed", "allocated", "completing", "planned")
+
+
+def partition_nodes(partition: str | None) -> tuple[str, int, int] | str:
+    """(the partition's name, its nodes that can run a job, its others: down, drained, failing, not responding, ...)
+    — the default partition when `partition` is None — or why not."""
+    answer = ask(["sinfo", "-h", "-o", "%P|%D|%T", *(["-p", partition] if partition else [])])
     if answer.failed:
         return answer.failed
-    total, name = 0, partition or ""
+    usable, other, name = 0, 0, ""
     for line in answer.stdout.splitlines():
-        part, _, count = line.partition("|")
+        part, count, state = [*line.split("|"), "", ""][:3]
         default = part.endswith("*")
         part = part.rstrip("*")
-        if (partition and part == partition) or (not partition and default):
-            name, total = part, total + int(count or 0)
+        if not ((partition and part == partition) or (not partition and default)):
+            continue
+        name = part
+        # A flag after the state: '*' not responding, '~' powered off (it powers up for a job), '#' powering up, ...
+        base, flags = state.rstrip("*~#!%$@^-"), state[len(state.rstrip("*~#!%$@^-")) :]
+        if base in USABLE_NODE_STATES and "*" not in flags:
+            usable += int(count or 0)
+        else:
+            other += int(count or 0)
     if not name:
         if partition:
             return f"partition {partition} does not exist (sinfo lists none by that name)"
         return "this cluster has no default partition; give --partition"
-    if total == 0:
+    if usable + other == 0:
         return f"partition {name} does not exist or has no nodes"
-    return name, total
+    return name, usable, other
 
 
 def pyxis_answer() -> str:

@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +24,10 @@ from ddpack.run_record import RunRecord, read_record
 from train import run_folder
 from train.metrics import format_duration
 
-STATES = ("PENDING", "RUNNING", "REQUEUED", "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
-ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
+ENDED = slurm_cli.ENDED
 # Slurm's own line when it ends a job's script: scancel, the time limit, or a requeue (which is no ending at all).
-CANCELLED_LINE = re.compile(r"\*\*\* JOB (\d+) ON \S+ CANCELLED AT \S+( DUE TO TIME LIMIT| DUE TO JOB REQUEUE)?")
-BANNER = re.compile(r"^ddpack: job (\d+) \(restart (\d+)\) on (\S+), run dir ")
+CANCELLED_LINE = re.compile(r"\*\*\* JOB (\d+) ON \S+ CANCELLED AT (\S+)( DUE TO TIME LIMIT| DUE TO JOB REQUEUE)?")
+BANNER = re.compile(r"^ddpack: job (\d+) \(restart (\d+)\) on (\S+), run dir .*?(?:, at (\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d{4}))?$")
 DECISION = re.compile(
     r"^ddpack: (preempted \(exit \d+\).*|the step completed \(exit 0\)"
     r"|the step .*(restarting it in this allocation|requeueing job|not requeueing).*)$"
@@ -42,6 +42,7 @@ class Segment:
     number: int
     began: float | None
     why: str  # "submitted", or the template's decision that started it
+    ended: float | None = None  # its end record's time, or Slurm's when it cancelled the job (None: running, or unknown)
     hosts: list[str] = field(default_factory=list)
     from_step: int | None = None
     slurm_restart: int | None = None
@@ -133,6 +134,7 @@ class LogEvent:
     kind: str  # "banner" (a start of the job's script), "decision" (the template's verdict), "cancel"
     job_id: str
     text: str
+    when: float | None = None  # a banner's time (the template's) or a cancel's (Slurm's, in the cluster's local time)
 
     @property
     def starts_segment(self) -> bool:
@@ -155,16 +157,30 @@ def log_events(logs: list[Path], job_ids: list[str]) -> list[LogEvent]:
                 if found := DECISION.match(line):
                     events.append(LogEvent("decision", job_id, found.group(1)))
                 elif banner := BANNER.match(line):
-                    events.append(LogEvent("banner", banner.group(1), f"restart {banner.group(2)}"))
-            elif "*** JOB" in line and (cancel := CANCELLED_LINE.search(line)) and cancel.group(2) != " DUE TO JOB REQUEUE":
-                events.append(LogEvent("cancel", cancel.group(1), "TIMEOUT" if cancel.group(2) else "CANCELLED"))
+                    when = parse_time(banner.group(4), "%Y-%m-%dT%H:%M:%S%z")
+                    events.append(LogEvent("banner", banner.group(1), f"restart {banner.group(2)}", when))
+            elif "*** JOB" in line and (cancel := CANCELLED_LINE.search(line)) and cancel.group(3) != " DUE TO JOB REQUEUE":
+                when = parse_time(cancel.group(2), "%Y-%m-%dT%H:%M:%S")
+                events.append(LogEvent("cancel", cancel.group(1), "TIMEOUT" if cancel.group(3) else "CANCELLED", when))
     return events
+
+
+def parse_time(text: str | None, layout: str) -> float | None:
+    """Seconds since the epoch from a log's time (one with no zone is the cluster's local time); None when absent."""
+    if not text:
+        return None
+    try:
+        return datetime.strptime(text, layout).timestamp()
+    except ValueError:
+        return None
 
 
 def segments_of(records: Records, events: list[LogEvent]) -> list[Segment]:
     """Each start record is a segment; the template's decision before it says why. A program that writes no
-    records (a user's own) still has the job log: each start of the job's script and each restart in place."""
-    outcomes = {index: end.get("outcome") for index, end in records.ends}
+    records (a user's own) still has the job log: each start of the job's script and each restart in place. A
+    segment begins at its start record's time (else its banner's) and ends at its end record's (else at Slurm's
+    cancel, when Slurm cancelled it)."""
+    ends = dict(records.ends)
     starting = [e.text for e in events if e.starts_segment]
     if records.starts:
         segments = [
@@ -172,25 +188,42 @@ def segments_of(records: Records, events: list[LogEvent]) -> list[Segment]:
                 number=i + 1,
                 began=start.get("time"),
                 why="submitted" if i == 0 else (starting[i - 1] if i - 1 < len(starting) else "started again (a resubmit)"),
+                ended=ends[i].get("time") if i in ends else None,
                 hosts=sorted(set(start.get("hosts") or [])),
                 from_step=start.get("global_step"),
                 slurm_restart=start.get("slurm_restart_count"),
-                outcome=outcomes.get(i),
+                outcome=ends[i].get("outcome") if i in ends else None,
             )
             for i, start in enumerate(records.starts)
         ]
         if len(starting) >= len(records.starts):  # the template started training again; its first record is to come
             segments.append(Segment(number=len(segments) + 1, began=None, why=f"{starting[-1]} (starting)"))
-        return segments
+        return with_cancel_times(segments, events)
     segments = []
     why = "submitted"
     for event in events:
         if event.kind == "banner" or "restarting it in this allocation" in event.text:
-            segments.append(Segment(number=len(segments) + 1, began=None, why=why if event.kind == "banner" else event.text))
+            began = event.when if event.kind == "banner" else None
+            segments.append(Segment(number=len(segments) + 1, began=began, why=why if event.kind == "banner" else event.text))
             why = "started again (a resubmit)"
         elif event.starts_segment:
             why = event.text
-    return segments
+    return with_cancel_times(segments, events)
+
+
+def with_cancel_times(segments: list[Segment], events: list[LogEvent]) -> list[Segment]:
+    """A segment with no end of its own that Slurm cancelled (scancel, the time limit) ends at Slurm's time: the first
+    cancel after it began and before the next segment did."""
+    cancels = [e.when for e in events if e.kind == "cancel" and e.when is not None]
+    timed = []
+    for i, segment in enumerate(segments):
+        following = next((s.began for s in segments[i + 1 :] if s.began is not None), None)
+        if segment.ended is None and segment.began is not None:
+            inside = [t for t in cancels if t >= segment.began - 1 and (following is None or t <= following)]
+            if inside:
+                segment = replace(segment, ended=inside[0])
+        timed.append(segment)
+    return timed
 
 
 # --------------------------------------------------------------------------- the state
@@ -205,20 +238,17 @@ def state_of(job_id: str | None, record: RunRecord, records: Records, events: li
     queue = slurm_cli.queue_state(job_id)
     note = ""
     if queue.listed:
-        state = queue.state
-        if state.startswith("REQUEUE") or (state == "PENDING" and ran_before):
+        state, ours = queue.state, slurm_cli.ddpack_state(queue.state)
+        if ours == "REQUEUED" or (state == "PENDING" and ran_before):
             return "REQUEUED", "squeue", queue.reason
-        if state in ("COMPLETING", "CONFIGURING", "RESIZING", "STAGE_OUT"):
-            return "RUNNING", "squeue", state.lower()
-        if state in slurm_cli.FINAL and state not in ENDED:
-            return ("FAILED" if state != "PREEMPTED" else "REQUEUED"), "squeue", state.lower()
+        if ours != state:  # COMPLETING is RUNNING, NODE_FAIL is FAILED, ...: Slurm's own word in the note
+            return ours, "squeue", state.lower()
         return state, "squeue", queue.reason if state == "PENDING" else ""
     if queue.failed:
         note = f"{queue.failed}; state from the run folder"
     accounted = slurm_cli.accounting_state(job_id)
     if accounted and accounted[0]:
-        state = accounted[0]
-        return (state if state in STATES else ("FAILED" if state in slurm_cli.FINAL else state)), "sacct", note
+        return slurm_cli.ddpack_state(accounted[0]), "sacct", note
     for event in reversed(record.events):
         if event.get("kind") == "cancel" and event.get("job_id") == job_id:
             return "CANCELLED", "run.json", note or "ddpack cancel"
@@ -321,7 +351,8 @@ def render(status: Status) -> str:
         where = f" on {','.join(segment.hosts)}" if segment.hosts else ""
         start = f" from step {segment.from_step}" if segment.from_step is not None else ""
         ended = f" -> {segment.outcome}" if segment.outcome else ""
-        lines.append(f"segment  {segment.number} {_clock(segment.began)}{where}{start}: {segment.why}{ended}")
+        span = f"{_clock(segment.began)}-{_clock(segment.ended)}" if segment.ended else _clock(segment.began)
+        lines.append(f"segment  {segment.number} {span}{where}{start}: {segment.why}{ended}")
     if status.outcome and status.ended:
         lines.append(
             f"end      {status.outcome.get('outcome')} at step {status.outcome.get('global_step')} (exit {status.outcome.get('exit_code')})"
@@ -340,9 +371,12 @@ def one_line(status: Status) -> str:
     )
 
 
-def watch(run_dir: Path, *, interval_s: float, tty: bool, out: Any, as_json: bool = False) -> Status:
+def watch(run_dir: Path, *, interval_s: float, tty: bool, out: Any, as_json: bool = False, settle_s: float | None = None) -> Status:
     """Redraw in a terminal, one line per refresh elsewhere (one JSON object a line with as_json), until the run's
-    job has ended."""
+    job has ended: an ended state that held `settle_s` (slurm_cli.SETTLE_S: a requeue passes through one), as `logs -f`
+    decides."""
+    settle_s = slurm_cli.SETTLE_S if settle_s is None else settle_s
+    ended_since = None
     while True:
         status = run_status(run_dir)
         if as_json:
@@ -352,7 +386,9 @@ def watch(run_dir: Path, *, interval_s: float, tty: bool, out: Any, as_json: boo
         else:
             out.write(one_line(status) + "\n")
         out.flush()
-        if status.ended:
+        now = time.monotonic()
+        ended_since = (ended_since or now) if status.ended else None
+        if ended_since is not None and now - ended_since >= settle_s:
             return status
         time.sleep(interval_s)
 
@@ -368,19 +404,33 @@ def list_runs(runs: Path) -> list[tuple[Path, RunRecord]]:
     return sorted(found, key=lambda item: item[1].created)
 
 
-def render_list(runs: Path) -> list[str]:
-    """One line per run: name, newest job, state, progress. One squeue call for all of them."""
+def list_rows(runs: Path) -> list[dict[str, Any]]:
+    """One row per run (status --json's names): run_dir, name, job_id, state, step, total_steps. One squeue call for
+    all of them."""
     found = list_runs(runs)
     listed = slurm_cli.queue_states([r.last_job.job_id for _, r in found if r.last_job]) or {}
-    lines = []
+    rows = []
     for run_dir, record in found:
         job = record.last_job
-        state = listed.get(job.job_id) if job else None
-        if not state or state in slurm_cli.FINAL or state == "PENDING":
+        state = slurm_cli.ddpack_state(listed[job.job_id]) if job and job.job_id in listed else None
+        if not state or state in ENDED or state == "PENDING":
             state = run_status(run_dir).state  # the careful answer, where squeue alone does not settle it
         records = read_records(run_dir / run_folder.METRICS)
-        total = records.starts[-1].get("total_steps") if records.starts else None
-        step = records.progress[-1].get("global_step") if records.progress else None
-        progress = f"step {step}/{total or '?'}" if step is not None else "-"
-        lines.append(f"{run_dir.name:40} job {job.job_id if job else '-':>8}  {state:10} {progress}")
+        rows.append({
+            "run_dir": str(run_dir),
+            "name": record.name,
+            "job_id": job.job_id if job else None,
+            "state": state,
+            "step": records.progress[-1].get("global_step") if records.progress else None,
+            "total_steps": records.starts[-1].get("total_steps") if records.starts else None,
+        })  # fmt: skip
+    return rows
+
+
+def render_list(runs: Path) -> list[str]:
+    """One line per run: name, newest job, state, progress."""
+    lines = []
+    for row in list_rows(runs):
+        progress = f"step {row['step']}/{row['total_steps'] or '?'}" if row["step"] is not None else "-"
+        lines.append(f"{Path(row['run_dir']).name:40} job {row['job_id'] or '-':>8}  {row['state']:10} {progress}")
     return lines

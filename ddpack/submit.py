@@ -215,14 +215,21 @@ def squashfs_name(images: Path, app_name: str, image_id: str) -> Path:
     return path.with_name(f"{path.stem}-u{os.geteuid()}.sqsh")
 
 
+def squashfs_holds(path: Path, image: ImageChoice) -> bool:
+    """Whether `path` is this user's own squashfs of `image`, made with today's options: reused, not converted again."""
+    from ddpack.sqsh import DEFAULT_SQUASH_OPTIONS, holds, squash_options
+
+    return trusted_file(path) and holds(path, image.image_id, squash_options(DEFAULT_SQUASH_OPTIONS)[0])
+
+
 def ensure_squashfs(image: ImageChoice, images: Path, app_name: str) -> tuple[Path, bool]:
     """(the squashfs, whether it was converted now): reused when it is ours and its record names this image."""
-    from ddpack.sqsh import DEFAULT_SQUASH_OPTIONS, convert, holds, squash_options
+    from ddpack.sqsh import convert
 
     if not images.is_dir():
         raise HostError(f"--images {images} is not a folder; create it on the shared filesystem (mkdir -p {images})", code=2)
     path = squashfs_name(images, app_name, image.image_id)
-    if trusted_file(path) and holds(path, image.image_id, squash_options(DEFAULT_SQUASH_OPTIONS)[0]):
+    if squashfs_holds(path, image):
         return path, False
     convert(image.ref, path)
     return path, True
@@ -349,8 +356,13 @@ def cluster_problems(settings: SubmitSettings, sqsh: Path | None, run_dir: Path)
     if isinstance(partition, str):
         problems.append(partition)
     elif partition[1] < wanted:
+        name, usable, other = partition
         asked = f"--nodes {settings.nodes} + --spares {settings.spares}"
-        problems.append(f"partition {partition[0]} has {partition[1]} nodes and the job asks for {wanted} ({asked}); it would never start")
+        besides = f" (and {other} down, drained or not responding)" if other else ""
+        problems.append(
+            f"partition {name} has {usable} nodes that can run a job{besides} and the job asks for {wanted} ({asked}); "
+            "it would wait until enough come back: ask for fewer, or another --partition"
+        )
     for folder, flag in ((settings.runs, "--runs"), *([(settings.images, "--images")] if settings.sqsh is None else [])):
         if (problem := shared_folder_problem(folder, flag)) is not None:
             problems.append(problem)
@@ -386,15 +398,20 @@ def code_record(app_dir: Path, run_dir: Path | None) -> dict[str, Any]:
     from ddpack.app import read_app
 
     app = read_app(app_dir)
+    if (git(app_dir, "rev-parse", "--is-inside-work-tree") or "").strip() != "true":
+        # No commit to name: the digest of every file that went into the image is the record of the code.
+        return {"app_dir": str(app_dir.resolve()), "digest": app.digest, "files": len(app.files), "vcs": "not under git",
+                "git_commit": None, "git_dirty": None, "diff_sha256": None, "diff_file": None, "untracked": []}  # fmt: skip
     commit = (git(app_dir, "rev-parse", "HEAD") or "").strip()
     diff = (git(app_dir, "diff", "HEAD", "--binary", "--", ".") or "") if commit else ""
-    untracked = (git(app_dir, "ls-files", "--others", "--exclude-standard", "--", ".") or "").split() if commit else []
+    untracked = (git(app_dir, "ls-files", "--others", "--exclude-standard", "--", ".") or "").split()
     record = {
         "app_dir": str(app_dir.resolve()),
         "digest": app.digest,
         "files": len(app.files),
+        "vcs": "git" if commit else "git, no commit yet",
         "git_commit": commit or None,
-        "git_dirty": bool(diff or untracked),
+        "git_dirty": bool(diff or untracked) if commit else None,
         "diff_sha256": hashlib.sha256(diff.encode()).hexdigest() if diff else None,
         "diff_file": "code.diff" if diff else None,
         "untracked": untracked,
@@ -454,24 +471,27 @@ def submit(settings: SubmitSettings, *, dry_run: bool = False, say: Any = print)
 def _submit(settings: SubmitSettings, *, dry_run: bool, say: Any) -> Submitted:
     image: ImageChoice | None = None
     converted = False
+    made = True  # whether the squashfs the job names exists already (a dry run checks it only then)
     if settings.sqsh is not None:
         sqsh = settings.sqsh.resolve()
     else:
         image = ensure_image(settings.app_dir, build=not dry_run)
         if image is None:
-            sqsh = settings.images / f"{settings.job_name.lower()}-<image id>.sqsh"
-            say(f"submit: would build {settings.app_dir.resolve().name} on the bundle and convert it to {sqsh}")
+            sqsh, made = settings.images / f"{settings.job_name.lower()}-<image id>.sqsh", False
+            say(f"submit: would build {settings.app_dir.resolve().name} on the bundle (ddpack:src-{source_digest()}) and convert it to {sqsh}")
         else:
             say(f"submit: image {image.ref} ({image.image_id[:19]}{', built now' if image.built else ', unchanged: not rebuilt'})")
             if dry_run:
                 sqsh = squashfs_name(settings.images, settings.job_name, image.image_id)
+                made = squashfs_holds(sqsh, image)
+                say(f"submit: squashfs {sqsh} ({'already holds it' if made else 'would convert the image to it'})")
             else:
                 sqsh, converted = ensure_squashfs(image, settings.images, settings.job_name)
                 say(f"submit: squashfs {sqsh} ({'converted now' if converted else 'already holds it: not copied'})")
     run_dir = (
         (settings.runs / f"{settings.job_name}-<time>").resolve() if dry_run else new_run_dir(settings.runs, settings.job_name).resolve()
     )
-    problems = cluster_problems(settings, None if dry_run and image is None and settings.sqsh is None else sqsh, run_dir)
+    problems = cluster_problems(settings, sqsh if made else None, run_dir)
     if dry_run:
         print(render_script(settings, run_dir, sqsh), end="")
         raise_problems(problems)

@@ -78,7 +78,8 @@ ddpack_setup() {
     # cannot name them.
     DDPACK_JOB_TOKEN=$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')
     export DDPACK_JOB_TOKEN
-    echo "ddpack: job ${SLURM_JOB_ID} (restart ${SLURM_RESTART_COUNT:-0}) on ${SLURM_JOB_NODELIST}, run dir ${DDPACK_RUN_DIR} (${ddpack_run_origin})"
+    # The time closes the line: `ddpack status` dates the segment this start begins, for a program that writes no records.
+    echo "ddpack: job ${SLURM_JOB_ID} (restart ${SLURM_RESTART_COUNT:-0}) on ${SLURM_JOB_NODELIST}, run dir ${DDPACK_RUN_DIR} (${ddpack_run_origin}), at $(date +%Y-%m-%dT%H:%M:%S%z)"
 }
 
 # What the job writes is its user's alone: run folders, snapshots (weights and optimizer state), metrics,

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ddpack import slurm_cli
 from ddpack.submit import container_path
 from testbed.env import ROOT, clean_env
 from testbed.slurm_cluster import stage_dir
@@ -72,7 +73,7 @@ def sbatch(template: str, cwd: Path, sbatch_args: tuple[str, ...] = (), **settin
     return out.returncode, out.stdout.strip().split(";")[0]
 
 
-FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+FINAL_STATES = slurm_cli.FINAL
 
 
 def job_state(job: str) -> tuple[str, str, int]:
@@ -116,8 +117,9 @@ def submit(
     return job, tmp_path / "runs" / f"{name}-{job}" / "metrics.jsonl", tmp_path / "logs" / f"{name}-{job}.out"
 
 
-HELD_LINE = re.compile(r"^held_task: rank (\d+) held at batch \d+ of start (\S+) until ", re.MULTILINE)
-SIGNALLED_LINE = re.compile(r"^held_task: rank (\d+) got (\S+) while held in start (\S+)$", re.MULTILINE)
+# A program of the user's has its lines labelled by srun ("R: ", the per-task template): the held task's lines too.
+HELD_LINE = re.compile(r"^(?:\s*\d+: )?held_task: rank (\d+) held at batch \d+ of start (\S+) until ", re.MULTILINE)
+SIGNALLED_LINE = re.compile(r"^(?:\s*\d+: )?held_task: rank (\d+) got (\S+) while held in start (\S+)$", re.MULTILINE)
 # The held task's trainer flags: with its batches fetched in the training process, batch N is step N of a start.
 HELD_TRAIN_ARGS = "--task held_task:regression_held --num-workers 0"
 

@@ -34,7 +34,7 @@ def slurm(tmp_path, monkeypatch) -> Path:
     fake(bin_dir, "sacct", "echo 'sacct: error: Slurm accounting storage is disabled' >&2; exit 1")
     fake(bin_dir, "squeue", "exit 0")
     fake(bin_dir, "srun", "echo '      --container-image=[USER@][REGISTRY#]IMAGE[:TAG]|PATH'")
-    fake(bin_dir, "sinfo", 'case "$*" in *--version*) echo "slurm-wlm 22.05.8" ;; *) echo "debug*|2"; echo "big|3" ;; esac')
+    fake(bin_dir, "sinfo", 'case "$*" in *--version*) echo "slurm-wlm 22.05.8" ;; *) echo "debug*|2|idle"; echo "big|3|idle" ;; esac')
     fake(bin_dir, "sbatch", "echo 101")
     fake(bin_dir, "scancel", "exit 0")
     fake(bin_dir, "enroot", "echo 3.4.1")
@@ -85,7 +85,8 @@ def start(t: float, step: int, restart: int = 0, total: int = 232) -> dict:
 
 def progress(t: float, step: int, eta: float | None = None) -> dict:
     record = {"time": t, "kind": "progress", "global_step": step, "loss": 1.0 / (step + 1), "samples_per_s": 2000.0,
-              "rank_step_s": [0.010, 0.012, 0.031, 0.011]}  # fmt: skip
+              "rank_step_s": [0.010, 0.012, 0.031, 0.011], "rank_sync_s": [0.004, 0.003, 0.0, 0.004],
+              "rank_data_s": [0.001, 0.001, 0.001, 0.001]}  # fmt: skip
     if eta is not None:
         record["eta_s"] = eta
     return record
@@ -242,7 +243,6 @@ def test_logs_follow_a_job_across_its_requeue_and_exit_with_its_state(tmp_path, 
     prints what is appended and exits 0 only once COMPLETED has held (a requeue passes through an ended state)."""
     import ddpack.runs
 
-    monkeypatch.setattr(ddpack.runs, "SETTLE_S", 0.5)
     answers = slurm / "answers"
     answers.write_text("RUNNING\nCANCELLED\nPENDING\nRUNNING\nCOMPLETED\n")
     fake(slurm, "squeue", f'state=$(head -n1 "{answers}"); [ "$(wc -l <"{answers}")" -gt 1 ] && sed -i 1d "{answers}"; echo "$state||"')
@@ -262,7 +262,7 @@ def test_logs_follow_a_job_across_its_requeue_and_exit_with_its_state(tmp_path, 
     thread.start()
     out = io.StringIO()
     monkeypatch.setattr(ddpack.runs, "POLL_STATE_S", 0.2)
-    code = follow(run_dir, None, out, poll_s=0.05)
+    code = follow(run_dir, None, out, poll_s=0.05, settle_s=0.5)
     thread.join()
     assert code == 0, out.getvalue()
     text = out.getvalue()
@@ -364,7 +364,7 @@ def test_submit_writes_the_record_before_sbatch_and_appends_the_job(tmp_path, sl
     [
         ("no pyxis", "this cluster's srun has no --container-image (pyxis is not loaded)"),
         ("squashfs not there", "is not a readable file here; the nodes would not find it either"),
-        ("too many nodes", "partition debug has 2 nodes and the job asks for 3 (--nodes 2 + --spares 1); it would never start"),
+        ("too many nodes", "partition debug has 2 nodes that can run a job and the job asks for 3 (--nodes 2 + --spares 1)"),
         ("unwritable log folder", "cannot be written:"),
         ("bad setting", "--env DDPACK_STAGE=sbcats: expected auto, sbcast, off"),
         ("a typo in a setting's name", "--env DDPACK_STAEG: not a ddpack setting (a typo?)"),
@@ -441,3 +441,155 @@ def test_the_readmes_submit_line_runs_as_written(tmp_path, slurm, monkeypatch, c
     assert cli.main([*words[:cut], "--dry-run", "--sqsh", str(good.sqsh), *words[cut:]]) == 0
     out = capsys.readouterr().out
     assert "export DDPACK_COMMAND='python ddp.py 4 2'" in out and "#SBATCH --ntasks-per-node=2" in out
+
+
+# --------------------------------------------------------------------------- every verb as a script reads it (issue 50)
+
+
+def test_every_verb_takes_json_with_status_names_and_a_job_id(tmp_path, slurm, capsys) -> None:
+    """cancel, resubmit, logs, report and ls answer in JSON with status --json's names; each takes a job id."""
+    fake(slurm, "squeue", "echo 'RUNNING|None|ddnode[1-2]'")
+    run_dir = make_run(tmp_path, records=REQUEUED_RUN, logs={"41": REQUEUED_LOG})
+    runs = str(tmp_path / "runs")
+
+    def answer(*argv: str) -> dict | list:
+        assert cli.main([*argv, "--runs", runs, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    assert answer("status", "41") | {"run_dir": str(run_dir), "job_id": "41", "state": "RUNNING"} == answer("status", "41")
+    logs = answer("logs", "41")
+    assert (logs["run_dir"], logs["job_id"], logs["state"]) == (str(run_dir), "41", "RUNNING")
+    assert logs["jobs"][0]["lines"] == REQUEUED_LOG.splitlines()
+    assert answer("ls") == [{"run_dir": str(run_dir), "name": run_dir.name, "job_id": "41", "state": "RUNNING", "step": 50, "total_steps": 232}]
+    report = answer("report", "41")
+    assert report["job_id"] == "41" and report["files"] == [str(run_dir / run_folder.REPORT)]
+    cancelled = answer("cancel", "41")
+    assert (cancelled["run_dir"], cancelled["job_id"]) == (str(run_dir), "41") and calls(slurm, "scancel") == ["scancel 41"]
+    fake(slurm, "squeue", "echo 'CANCELLED|None|'")
+    fake(slurm, "sbatch", "echo 57")
+    again = answer("resubmit", "41")
+    assert (again["job_id"], again["attempt"], again["run_dir"]) == ("57", 2, str(run_dir))
+    assert cli.main(["logs", "41", "--runs", runs, "--json", "-f"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+@pytest.mark.parametrize(("squeue", "code"), [("COMPLETED", 0), ("FAILED", 1), ("CANCELLED", 3), ("TIMEOUT", 4), ("PREEMPTED", 5)])
+def test_status_watch_exits_as_logs_follow_does(tmp_path, slurm, monkeypatch, capsys, squeue: str, code: int) -> None:
+    import ddpack.slurm_cli
+
+    monkeypatch.setattr(ddpack.slurm_cli, "SETTLE_S", 0.0)
+    fake(slurm, "squeue", f"echo '{squeue}|None|'")
+    run_dir = make_run(tmp_path, records=REQUEUED_RUN, logs={"41": REQUEUED_LOG})
+    assert cli.main(["status", str(run_dir), "--watch", "--interval", "0.01"]) == code
+    assert squeue in capsys.readouterr().out
+
+
+def test_preempted_is_an_end_in_every_verb(tmp_path, slurm, capsys) -> None:
+    """A job Slurm preempted and did not requeue (PreemptMode=CANCEL) has ended: status, ls, cancel and resubmit agree."""
+    fake(slurm, "squeue", "echo 'PREEMPTED|None|ddnode[1-2]'")
+    run_dir = make_run(tmp_path, records=REQUEUED_RUN, logs={"41": REQUEUED_LOG})
+    got = status.run_status(run_dir)
+    assert (got.state, got.ended, got.eta_s) == ("PREEMPTED", True, None)
+    assert status.list_rows(tmp_path / "runs")[0]["state"] == "PREEMPTED"
+    assert cli.main(["cancel", str(run_dir)]) == 2 and "has ended (PREEMPTED)" in capsys.readouterr().err
+    fake(slurm, "sbatch", "echo 57")
+    assert resubmit(run_dir) == "57"
+
+
+def test_each_segment_shows_its_start_and_end_after_a_cancel_and_a_resubmit(tmp_path, slurm) -> None:
+    """A program that writes no records, cancelled while it ran, then resubmitted: both segments have times, from the
+    template's banner and from Slurm's cancel line."""
+    began = time.mktime((2026, 11, 25, 12, 0, 0, 0, 0, -1))
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(began))
+    banner = "ddpack: job {job} (restart 0) on ddnode[1-2], run dir /fsx/runs/x (new run), at {at}\n"
+    cancel = "slurmstepd: error: *** JOB 41 ON ddnode1 CANCELLED AT 2026-11-25T12:05:00 ***\n"
+    second = time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(began + 600))
+    run_dir = make_run(
+        tmp_path, jobs=("41", "57"), logs={"41": banner.format(job=41, at=stamp) + "0: epoch 1\n" + cancel, "57": banner.format(job=57, at=second)}
+    )
+    fake(slurm, "squeue", "echo 'RUNNING|None|ddnode[1-2]'")
+    got = status.run_status(run_dir)
+    assert [(s.began, s.ended) for s in got.segments] == [(began, began + 300), (began + 600, None)]
+    assert "segment  1 12:00:00-12:05:00" in status.render(got).replace(time.strftime("%H:%M:%S", time.localtime(began)), "12:00:00")
+
+
+def test_logs_rank_picks_a_users_programs_lines_by_sruns_label(tmp_path, slurm) -> None:
+    log = BANNER.format(r=0) + "0: epoch 1 loss 0.5\n1: epoch 1 loss 0.5\n 1: epoch 2\n10: another rank\n[rank 1/4] the trainer's own\n"
+    run_dir = make_run(tmp_path, logs={"41": log})
+    out = io.StringIO()
+    print_logs(run_dir, 1, out)
+    assert out.getvalue().splitlines() == ["1: epoch 1 loss 0.5", " 1: epoch 2", "[rank 1/4] the trainer's own"]
+
+
+def test_the_partition_check_counts_only_nodes_that_can_run_the_job(tmp_path, slurm, capsys) -> None:
+    fake(slurm, "sinfo", 'case "$*" in *--version*) echo "slurm-wlm 22.05.8" ;; *) printf "debug*|1|idle\\ndebug*|1|drained\\ndebug*|1|idle*\\n" ;; esac')
+    good = settings(tmp_path)
+    argv = ["submit", "--nodes", "2", "--dry-run", "--runs", str(good.runs), "--sqsh", str(good.sqsh), "--mounts", good.mounts, str(tmp_path)]
+    assert cli.main(argv) == 2
+    assert "partition debug has 1 nodes that can run a job (and 2 down, drained or not responding) and the job asks for 2" in capsys.readouterr().err
+
+
+def test_the_runs_folder_is_the_users_own_on_the_shared_filesystem_and_named_when_empty(tmp_path, slurm, monkeypatch, capsys) -> None:
+    import pwd
+
+    from ddpack.runs import default_runs
+
+    monkeypatch.delenv("DDPACK_RUNS", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert default_runs() == Path(f"/fsx/{pwd.getpwuid(os.geteuid()).pw_name}/ddpack-runs")
+    monkeypatch.setenv("DDPACK_RUNS", str(tmp_path / "elsewhere"))
+    assert cli.main(["ls"]) == 0 and capsys.readouterr().out == f"no runs under {tmp_path / 'elsewhere'}\n"
+    assert cli.main(["status"]) == 2 and f"no runs under {tmp_path / 'elsewhere'}" in capsys.readouterr().err
+
+
+def test_a_project_not_under_git_is_recorded_so_with_its_files_digest(tmp_path) -> None:
+    import subprocess
+
+    from ddpack.app import read_app
+    from ddpack.submit import code_record
+    from testbed.readme_examples import write_cpu_ddp
+
+    project = write_cpu_ddp(tmp_path / "cpu-ddp")
+    plain = code_record(project, None)
+    assert (plain["vcs"], plain["git_commit"], plain["git_dirty"]) == ("not under git", None, None)
+    assert plain["digest"] == read_app(project).digest
+    git = ["git", "-C", str(project), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "x"], check=True)
+    tracked = code_record(project, None)
+    assert (tracked["vcs"], tracked["git_dirty"]) == ("git", False) and len(tracked["git_commit"]) == 40
+
+
+def test_a_missing_host_package_is_one_line_saying_what_to_install(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from testbed.env import clean_env
+
+    code = "import sys; sys.modules['docker'] = None; from ddpack.cli import main; raise SystemExit(main(sys.argv[1:]))"
+    out = subprocess.run(
+        [sys.executable, "-c", code, "submit", "--nodes", "1", "--dry-run", "--runs", str(tmp_path / "runs"), str(tmp_path)],
+        env=clean_env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert "needs the Python package 'docker'" in out.stderr and "pip install 'ddpack[host]'" in out.stderr
+
+
+def test_a_dry_run_of_a_project_whose_squashfs_is_not_made_yet_says_what_it_would_do_and_passes(tmp_path, slurm, monkeypatch, capsys) -> None:
+    """The image is built (or not), its squashfs not yet converted: the dry run says so and runs every other check."""
+    import ddpack.submit
+    from ddpack.submit import ImageChoice
+
+    good = settings(tmp_path)
+    argv = ["submit", "--nodes", "2", "--dry-run", "--runs", str(good.runs), "--images", str(good.images), "--mounts", good.mounts,
+            "--name", "cpu-ddp", str(tmp_path)]  # fmt: skip
+    built = ImageChoice(ref="cpu-ddp:7b3b-8f80", image_id="sha256:" + "ab" * 32, bundle="ddpack:src-1", built=False)
+    monkeypatch.setattr(ddpack.submit, "ensure_image", lambda app_dir, build: built)
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"squashfs {good.images}/cpu-ddp-abababababababab.sqsh (would convert the image to it)" in out
+    assert "dry run: every check passed" in out and "export DDPACK_SQSH=" in out
+    monkeypatch.setattr(ddpack.submit, "ensure_image", lambda app_dir, build: None)
+    assert cli.main(argv) == 0
+    assert "would build" in capsys.readouterr().out
