@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -54,10 +55,16 @@ def test_a_run_from_submit_through_a_preemption_to_completion_then_resubmitted_a
     (work / "images").mkdir(parents=True)
     gate = hold_training(work / "gate", 20, f"{shared}:/fsx", TRAIN)
     held = {**gate.settings, "DDPACK_PROJECT_DIR": str(gate.folder), "DDPACK_TRAIN_ARGS": gate.train_args}
-    submitted = ddpack(
+    args = (
         "submit", str(readme_project.folder), "--nodes", "2", "--tasks-per-node", "2", "--runs", str(work / "runs"),
-        "--images", str(work / "images"), "--mounts", f"{shared}:/fsx", *(f"--env={name}={value}" for name, value in held.items()), "--json",
+        "--images", str(work / "images"), "--mounts", f"{shared}:/fsx", *(f"--env={name}={value}" for name, value in held.items()),
     )  # fmt: skip
+    # A careful user's first step, with no squashfs in this images folder yet (and the image built or not).
+    dry = ddpack(*args, "--dry-run")
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    assert re.search(r"submit: would build|\(would convert the image to it\)", dry.stdout) and "dry run: every check passed" in dry.stdout
+    assert not list((work / "images").iterdir()) and not (work / "runs").exists()
+    submitted = ddpack(*args, "--json")
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
     result = json.loads(submitted.stdout)
     run_dir, job = result["run_dir"], result["job_id"]
@@ -107,6 +114,8 @@ def test_a_run_from_submit_through_a_preemption_to_completion_then_resubmitted_a
     assert preempted < finished < followed.index(f"ddpack logs: job {job} COMPLETED")
     done = status_of(run_dir)
     assert (done["state"], done["step"], len(done["segments"])) == ("COMPLETED", 232, 2), done
+    first, last = done["segments"]
+    assert first["began"] < first["ended"] <= last["began"] < last["ended"], done["segments"]  # dated from the records
     metrics = Path(run_dir) / "metrics.jsonl"
     private = [Path(run_dir), metrics, *Path(run_dir).glob("logs/*"), *Path(run_dir).glob("snapshots/*")]
     assert len(private) > 3 and all(not path.lstat().st_mode & 0o077 for path in private)  # DDPACK_UMASK=077: the user's alone
@@ -116,13 +125,14 @@ def test_a_run_from_submit_through_a_preemption_to_completion_then_resubmitted_a
     # the run complete and end by itself, a race with the cancel.
     subprocess.run(["scontrol", "update", "partitionname=debug", "state=down"], check=True)
     try:
-        again = ddpack("resubmit", run_dir)
+        again = ddpack("resubmit", job, "--runs", str(work / "runs"), "--json")  # named by its first job's id
         assert again.returncode == 0, again.stderr
-        second = again.stdout.split()[2]
+        second = json.loads(again.stdout)["job_id"]
         record = json.loads((Path(run_dir) / "run.json").read_text())
         assert record["jobs"][-1] == {**record["jobs"][-1], "job_id": second, "attempt": 2, "how": "resubmit"}
-        cancelled = ddpack("cancel", run_dir)  # queued: the same script, continuing the same run folder
-        assert cancelled.returncode == 0 and f"job {second} of {run_dir} cancelled" in cancelled.stdout, cancelled.stderr
+        cancelled = ddpack("cancel", run_dir, "--json")  # queued: the same script, continuing the same run folder
+        assert cancelled.returncode == 0, cancelled.stderr
+        assert json.loads(cancelled.stdout) | {"job_id": second, "run_dir": run_dir, "attempt": 2} == json.loads(cancelled.stdout)
     finally:
         subprocess.run(["scontrol", "update", "partitionname=debug", "state=up"], check=True)
     final = wait_for("CANCELLED", lambda: (s := status_of(run_dir))["state"] == "CANCELLED" and s, timeout=60)

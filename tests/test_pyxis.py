@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from ddpack.runs import rank_filter
 from testbed.env import ROOT
 from testbed.file_opens import OpenCounter
 from testbed.readme_examples import write_mytask
@@ -323,6 +324,9 @@ def test_a_hugging_face_trainer_project_is_preempted_requeued_and_resumes_from_i
     job, metrics, log, gate = framework_job(shared, frameworks_sqsh, "hf_project", OUTPUT_DIR="hf-output")
     preempt_held(job, log, gate)
     parts = stopped_then_finished(wait_for_restarts(job, 1, log), 2)
+    # Its lines are labelled with their rank by srun (the per-task template, for a program of your own): logs --rank.
+    rank_1 = [line for line in log.read_text().splitlines() if rank_filter(line, 1)]
+    assert any("held_task: rank 1 held" in line for line in rank_1) and not any("held_task: rank 2 " in line for line in rank_1)
     checkpoint = outcome.read_ends(parts[0])[0].snapshot
     assert checkpoint and checkpoint.endswith(f"/hf-output/checkpoint-{outcome.read_ends(parts[0])[0].global_step}")
     assert (metrics.parent / "hf-output" / Path(checkpoint).name / "trainer_state.json").is_file()
