@@ -372,6 +372,19 @@ def cluster_problems(settings: SubmitSettings, sqsh: Path | None, run_dir: Path)
     return problems
 
 
+def slurm_problems(script: str) -> list[str]:
+    """What Slurm's controller says of the exact job script (`sbatch --test-only`: its options, partition, nodes, GRES
+    and time limit, against the cluster as it is now), as one line; nothing is queued."""
+    with tempfile.NamedTemporaryFile("w", prefix="ddpack-test-only-", suffix=".sbatch") as handle:
+        handle.write(script)
+        handle.flush()
+        answer = slurm_cli.ask(["sbatch", "--test-only", handle.name], timeout=60)
+    if not answer.failed:
+        return []
+    said = [line.strip() for line in answer.stderr.splitlines() if line.strip()]
+    return [f"sbatch --test-only refused this job: {said[-1] if said else answer.failed}; fix the option it names"]
+
+
 def raise_problems(problems: list[str]) -> None:
     """Each problem on its own line, then exit 2 (HostError prints the last; the others first)."""
     if not problems:
@@ -469,15 +482,26 @@ def submit(settings: SubmitSettings, *, dry_run: bool = False, say: Any = print)
 
 
 def _submit(settings: SubmitSettings, *, dry_run: bool, say: Any) -> Submitted:
+    # Every check that needs no image runs before anything is built: a typo costs seconds, not a build.
+    planned_dir = (settings.runs / f"{settings.job_name}-<time>").resolve()
+    planned_sqsh = settings.sqsh.resolve() if settings.sqsh is not None else settings.images / f"{settings.job_name.lower()}-<image id>.sqsh"
+    problems = cluster_problems(settings, planned_sqsh if settings.sqsh is not None else None, planned_dir)
+    if not problems:
+        problems = slurm_problems(render_script(settings, planned_dir, planned_sqsh))
+    if problems and not dry_run:
+        raise_problems(problems)
     image: ImageChoice | None = None
     converted = False
-    made = True  # whether the squashfs the job names exists already (a dry run checks it only then)
-    if settings.sqsh is not None:
-        sqsh = settings.sqsh.resolve()
-    else:
-        image = ensure_image(settings.app_dir, build=not dry_run)
+    sqsh = planned_sqsh
+    if settings.sqsh is None:
+        try:
+            image = ensure_image(settings.app_dir, build=not dry_run)
+        except HostError as why:  # no engine, a bad project: a dry run names it with the rest
+            if not dry_run:
+                raise
+            problems.append(str(why))
+            image = None
         if image is None:
-            sqsh, made = settings.images / f"{settings.job_name.lower()}-<image id>.sqsh", False
             say(f"submit: would build {settings.app_dir.resolve().name} on the bundle (ddpack:src-{source_digest()}) and convert it to {sqsh}")
         else:
             say(f"submit: image {image.ref} ({image.image_id[:19]}{', built now' if image.built else ', unchanged: not rebuilt'})")
@@ -488,20 +512,14 @@ def _submit(settings: SubmitSettings, *, dry_run: bool, say: Any) -> Submitted:
             else:
                 sqsh, converted = ensure_squashfs(image, settings.images, settings.job_name)
                 say(f"submit: squashfs {sqsh} ({'converted now' if converted else 'already holds it: not copied'})")
-    run_dir = (
-        (settings.runs / f"{settings.job_name}-<time>").resolve() if dry_run else new_run_dir(settings.runs, settings.job_name).resolve()
-    )
-    problems = cluster_problems(settings, sqsh if made else None, run_dir)
     if dry_run:
-        print(render_script(settings, run_dir, sqsh), end="")
+        print(render_script(settings, planned_dir, sqsh), end="")
         raise_problems(problems)
-        say("submit: dry run: every check passed; nothing was queued")
+        say("submit: dry run: every check passed (sbatch --test-only too); nothing was queued")
         return Submitted(
-            job_id=None, run_dir=str(run_dir), sqsh=str(sqsh), image=image.ref if image else None, built=False, converted=False, script=""
+            job_id=None, run_dir=str(planned_dir), sqsh=str(sqsh), image=image.ref if image else None, built=False, converted=False, script=""
         )
-    if problems:
-        shutil.rmtree(run_dir, ignore_errors=True)
-        raise_problems(problems)
+    run_dir = new_run_dir(settings.runs, settings.job_name).resolve()
     script = render_script(settings, run_dir, sqsh)
     script_path = write_job(run_dir, script)
     info = sqsh.stat()

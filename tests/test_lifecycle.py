@@ -52,6 +52,11 @@ def calls(bin_dir: Path, name: str) -> list[str]:
     return [line for line in (log.read_text().splitlines() if log.exists() else []) if line.startswith(name + " ")]
 
 
+def queued(bin_dir: Path) -> list[str]:
+    """The sbatch calls that queue a job (not --test-only's)."""
+    return [call for call in calls(bin_dir, "sbatch") if "--test-only" not in call]
+
+
 def make_run(root: Path, *, jobs: tuple[str, ...] = ("41",), records: list[dict] | None = None, logs: dict[str, str] | None = None) -> Path:
     run_dir = root / "runs" / "cpu-ddp-20261125-120000-abcd"
     (run_dir / run_folder.LOGS).mkdir(parents=True)
@@ -330,7 +335,7 @@ def test_a_run_folder_or_record_that_is_not_the_users_own_is_never_listed_or_act
     for verb in ("cancel", "resubmit", "status"):
         assert cli.main([verb, str(run_dir)]) == 2
         assert "it is not a run of yours" in capsys.readouterr().err
-    assert calls(slurm, "scancel") == [] and calls(slurm, "sbatch") == []
+    assert calls(slurm, "scancel") == [] and queued(slurm) == []
 
 
 # --------------------------------------------------------------------------- submit and its dry run
@@ -346,7 +351,8 @@ def settings(tmp_path: Path, **changes) -> SubmitSettings:
 
 
 def test_submit_writes_the_record_before_sbatch_and_appends_the_job(tmp_path, slurm) -> None:
-    fake(slurm, "sbatch", 'test -f "$(dirname "$(dirname "$2")")/run.json" && echo 73 || { echo "no run.json yet" >&2; exit 1; }')
+    record_first = 'test -f "$(dirname "$(dirname "$2")")/run.json" && echo 73 || { echo "no run.json yet" >&2; exit 1; }'
+    fake(slurm, "sbatch", f'[ "$1" = --test-only ] && exit 0; {record_first}')
     result = submit(settings(tmp_path, command=("python", "ddp.py", "4", "2"), env={"DDPACK_STAGE": "sbcast"}), say=lambda _: None)
     record = read_record(Path(result.run_dir))
     assert result.job_id == "73" and [j.job_id for j in record.jobs] == ["73"]
@@ -402,7 +408,7 @@ def test_a_dry_run_names_each_broken_setup_in_one_line_exits_2_and_queues_nothin
     out, err = capsys.readouterr()
     errors = [text for text in (out + err).splitlines() if text.startswith("ddpack submit: error:")]
     assert len(errors) == 1 and line in errors[0], out + err
-    assert calls(slurm, "sbatch") == []
+    assert queued(slurm) == []
 
 
 def test_a_dry_run_of_a_good_setup_prints_the_exact_job_script(tmp_path, slurm, capsys) -> None:
@@ -411,8 +417,9 @@ def test_a_dry_run_of_a_good_setup_prints_the_exact_job_script(tmp_path, slurm, 
                      "--mounts", good.mounts, "--name", "cpu-ddp", str(tmp_path)]) == 0  # fmt: skip
     out = capsys.readouterr().out
     expected = render_script(good, (good.runs / "cpu-ddp-<time>").resolve(), good.sqsh.resolve())
-    assert out.startswith(expected) and "dry run: every check passed; nothing was queued" in out
-    assert calls(slurm, "sbatch") == [] and not good.runs.exists()
+    assert out.startswith(expected) and "dry run: every check passed (sbatch --test-only too); nothing was queued" in out
+    assert queued(slurm) == [] and not good.runs.exists()
+    assert [call.split()[:2] for call in calls(slurm, "sbatch")] == [["sbatch", "--test-only"]]  # the controller was asked
 
 
 def test_settings_are_checked_before_anything_runs(tmp_path) -> None:
@@ -593,3 +600,20 @@ def test_a_dry_run_of_a_project_whose_squashfs_is_not_made_yet_says_what_it_woul
     monkeypatch.setattr(ddpack.submit, "ensure_image", lambda app_dir, build: None)
     assert cli.main(argv) == 0
     assert "would build" in capsys.readouterr().out
+
+
+def test_slurms_own_refusal_of_the_script_comes_before_any_build(tmp_path, slurm, monkeypatch, capsys) -> None:
+    """sbatch --test-only with the exact script, before the image: a partition's limits, a GRES it lacks, a time
+    limit over its maximum cost seconds, not a build."""
+    import ddpack.submit
+
+    refusal = "sbatch: error: Batch job submission failed: Requested node configuration is not available"
+    fake(slurm, "sbatch", f'[ "$1" = --test-only ] && {{ echo "{refusal}" >&2; exit 1; }}; echo 9')
+    monkeypatch.setattr(ddpack.submit, "ensure_image", lambda *a, **k: pytest.fail("built before the checks"))
+    good = settings(tmp_path)
+    argv = ["submit", "--nodes", "2", "--gpus-per-node", "8", "--runs", str(good.runs), "--images", str(good.images), "--mounts", good.mounts,
+            str(tmp_path)]  # fmt: skip
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "sbatch --test-only refused this job: sbatch: error: Batch job submission failed: Requested node" in err
+    assert queued(slurm) == [] and not good.runs.exists()
