@@ -52,9 +52,12 @@ def parser() -> argparse.ArgumentParser:
     sub = verbs.add_parser("submit", help="build, convert and submit a project (only what changed), recording what ran")
     sub.add_argument("app_dir", nargs="?", default=".", type=Path, help="the project folder (default: here)")
     sub.add_argument("--nodes", type=_whole, required=True, help="nodes that train")
-    sub.add_argument("--tasks-per-node", type=_whole, default=1, help="ranks per node (GPUs per node on GPU nodes)")
+    sub.add_argument("--tasks-per-node", type=_whole, default=None, help="ranks per node (default: one per GPU with --gpus-per-node, else 1)")
     sub.add_argument("--spares", type=_whole, default=0, help="spare nodes held for a restart in place")
-    sub.add_argument("--gpus-per-node", type=_whole, default=0)
+    sub.add_argument(
+        "--gpus-per-node", type=_whole, default=0, help="GPUs a node: builds the project on the CUDA image (Dockerfile.gpu), one rank per GPU"
+    )
+    sub.add_argument("--efa", action="store_true", help="with --gpus-per-node: the CUDA image with AWS's EFA installer (p4d, p5)")
     sub.add_argument("--partition")
     sub.add_argument("--time", dest="time_limit", help="Slurm's time limit, e.g. 4:00:00")
     sub.add_argument("--template", default="per-task", choices=("per-task", "torchrun"))
@@ -148,12 +151,20 @@ def submit(opts: argparse.Namespace, runs: Path) -> int:
     from ddpack.submit import submit as do_submit
 
     command = tuple(opts.command)
+    tasks = opts.tasks_per_node if opts.tasks_per_node is not None else (opts.gpus_per_node or 1)
+    if opts.tasks_per_node is not None and opts.gpus_per_node and opts.tasks_per_node != opts.gpus_per_node:
+        print(
+            f"ddpack submit: warning: --tasks-per-node {tasks} with --gpus-per-node {opts.gpus_per_node}: {tasks} ranks a node share "
+            f"{opts.gpus_per_node} GPUs, where one rank per GPU is the rule (leave --tasks-per-node out for it)",
+            file=sys.stderr,
+        )
     settings = SubmitSettings(
         app_dir=opts.app_dir.resolve(),
         nodes=opts.nodes,
-        tasks_per_node=opts.tasks_per_node,
+        tasks_per_node=tasks,
         spares=opts.spares,
         gpus_per_node=opts.gpus_per_node,
+        efa=opts.efa,
         partition=opts.partition,
         time_limit=opts.time_limit,
         template=opts.template,

@@ -159,15 +159,26 @@ def scancel(job_id: str) -> None:
 USABLE_NODE_STATES = ("idle", "mixed", "allocated", "completing", "planned")
 
 
-def partition_nodes(partition: str | None) -> tuple[str, int, int] | str:
-    """(the partition's name, its nodes that can run a job, its others: down, drained, failing, not responding, ...)
-    — the default partition when `partition` is None — or why not."""
-    answer = ask(["sinfo", "-h", "-o", "%P|%D|%T", *(["-p", partition] if partition else [])])
+def gres_gpus(gres: str) -> int:
+    """The GPUs in sinfo's %G of a node ("gpu:8", "gpu:h100:8(S:0-1),efa:32", "(null)")."""
+    total = 0
+    for entry in gres.split(","):
+        parts = entry.split("(")[0].split(":")
+        if parts[0] == "gpu" and len(parts) > 1 and parts[-1].isdigit():
+            total += int(parts[-1])
+    return total
+
+
+def partition_nodes(partition: str | None, gpus: int = 0) -> tuple[str, int, int] | str:
+    """(the partition's name, its nodes that can run the job — with `gpus` GPUs or more each, when asked —, its
+    others: down, drained, failing, not responding, too few GPUs) — the default partition when `partition` is None —,
+    or why not."""
+    answer = ask(["sinfo", "-h", "-o", "%P|%D|%T|%G", *(["-p", partition] if partition else [])])
     if answer.failed:
         return answer.failed
     usable, other, name = 0, 0, ""
     for line in answer.stdout.splitlines():
-        part, count, state = [*line.split("|"), "", ""][:3]
+        part, count, state, gres = [*line.split("|"), "", "", ""][:4]
         default = part.endswith("*")
         part = part.rstrip("*")
         if not ((partition and part == partition) or (not partition and default)):
@@ -175,7 +186,7 @@ def partition_nodes(partition: str | None) -> tuple[str, int, int] | str:
         name = part
         # A flag after the state: '*' not responding, '~' powered off (it powers up for a job), '#' powering up, ...
         base, flags = state.rstrip("*~#!%$@^-"), state[len(state.rstrip("*~#!%$@^-")) :]
-        if base in USABLE_NODE_STATES and "*" not in flags:
+        if base in USABLE_NODE_STATES and "*" not in flags and gres_gpus(gres) >= gpus:
             usable += int(count or 0)
         else:
             other += int(count or 0)

@@ -69,7 +69,8 @@ class SubmitSettings:
     nodes: int
     tasks_per_node: int = 1
     spares: int = 0
-    gpus_per_node: int = 0
+    gpus_per_node: int = 0  # > 0: the CUDA image (Dockerfile.gpu), and Slurm's --gpus-per-node
+    efa: bool = False  # with GPUs: the image carries AWS's EFA installer (libfabric, aws-ofi-nccl)
     partition: str | None = None
     time_limit: str | None = None
     template: str = "per-task"
@@ -80,6 +81,11 @@ class SubmitSettings:
     command: tuple[str, ...] = ()
     sqsh: Path | None = None  # a squashfs made already: nothing is built or converted
     name: str | None = None
+
+    @property
+    def variant(self) -> str:
+        """The image the job needs: the CUDA one (nccl) when it asks for GPUs, else the CPU one (gloo)."""
+        return "gpu" if self.gpus_per_node else "cpu"
 
     @property
     def job_name(self) -> str:
@@ -109,6 +115,8 @@ def setting_problems(settings: SubmitSettings) -> list[str]:
         problems.append(f"--tasks-per-node {settings.tasks_per_node}: each node runs at least 1 task")
     if settings.spares < 0 or settings.gpus_per_node < 0:
         problems.append("--spares and --gpus-per-node are whole numbers from 0")
+    if settings.efa and not settings.gpus_per_node:
+        problems.append("--efa adds AWS's EFA installer to the CUDA image: it needs --gpus-per-node")
     if settings.template not in TEMPLATES:
         problems.append(f"--template {settings.template}: expected one of {', '.join(TEMPLATES)}")
     if settings.time_limit is not None and not SLURM_TIME.fullmatch(settings.time_limit):
@@ -145,14 +153,17 @@ class ImageChoice:
     bundle: str
     built: bool
     ecr_digests: tuple[str, ...] = ()
+    variant: str = "cpu"
+    efa: bool = False
 
 
-def source_digest(*, variant: str = "cpu") -> str:
-    """The bundle's build inputs (what images.stage_context copies, less the wheelhouse) and torch's version: the
-    bundle's image is built again only when this changes."""
+def source_digest(*, variant: str = "cpu", efa: bool = False) -> str:
+    """The bundle's build inputs (what images.stage_context copies, less the wheelhouse), its variant and torch's
+    version: the bundle's image is built again only when this changes."""
     from ddpack.images import CONTEXT_ITEMS, DEFAULT_TORCH_VERSION
 
-    digest = hashlib.sha256(f"{variant} {os.environ.get('TORCH_VERSION') or DEFAULT_TORCH_VERSION}".encode())
+    torch_version = os.environ.get("TORCH_VERSION") or DEFAULT_TORCH_VERSION
+    digest = hashlib.sha256(f"{variant}{' efa' if efa else ''} {torch_version}".encode())
     for item in CONTEXT_ITEMS:
         path = ROOT / item
         files = sorted(p for p in path.rglob("*") if p.is_file() and "__pycache__" not in p.parts) if path.is_dir() else [path]
@@ -170,31 +181,32 @@ def local_image(client: Any, ref: str) -> Any | None:
         return None
 
 
-def ensure_image(app_dir: Path, *, build: bool = True) -> ImageChoice | None:
-    """The project's image on the bundle: found by the digest of its inputs (the project's files and requirements,
-    the bundle's sources), built only when no image has them. None in a dry run that would build."""
+def ensure_image(app_dir: Path, *, build: bool = True, variant: str = "cpu", efa: bool = False) -> ImageChoice | None:
+    """The project's image on the bundle's `variant` (cpu, or gpu: the CUDA image, with AWS's EFA installer when `efa`):
+    found by the digest of its inputs (the project's files and requirements, the bundle's sources), built only when no
+    image has them. None in a dry run that would build."""
     from ddpack.app import read_app
     from ddpack.engine import docker_client
     from ddpack.images import build_app_image, build_image, plan_build
 
     app = read_app(app_dir)
     client = docker_client()
-    bundle_ref = f"ddpack:src-{source_digest()}"
+    bundle_ref = f"ddpack:src-{source_digest(variant=variant, efa=efa)}"
     bundle = local_image(client, bundle_ref)
     ref = f"{app.name.lower()}:{app.digest}-{bundle.id.split(':')[-1][:12] if bundle else 'new'}"
     image = local_image(client, ref) if bundle else None
+    chosen = {"bundle": bundle_ref, "variant": variant, "efa": efa}
     if image is not None:
-        return ImageChoice(
-            ref=ref, image_id=image.id, bundle=bundle_ref, built=False, ecr_digests=tuple(image.attrs.get("RepoDigests") or ())
-        )
+        return ImageChoice(ref=ref, image_id=image.id, built=False, ecr_digests=tuple(image.attrs.get("RepoDigests") or ()), **chosen)
     if not build:
         return None
     if bundle is None:
-        build_image(plan_build(variant="cpu", tag=bundle_ref, version=bundle_ref.split(":")[1]))
+        extra = ("--build-arg", "INSTALL_EFA=1") if efa else ()
+        build_image(plan_build(variant=variant, tag=bundle_ref, version=bundle_ref.split(":")[1], extra_args=extra))
         bundle = client.images.get(bundle_ref)
         ref = f"{app.name.lower()}:{app.digest}-{bundle.id.split(':')[-1][:12]}"
-    image_id = build_app_image(plan_build(variant="cpu", tag=ref, app=app, bundle_tag=bundle_ref))
-    return ImageChoice(ref=ref, image_id=image_id, bundle=bundle_ref, built=True)
+    image_id = build_app_image(plan_build(variant=variant, tag=ref, app=app, bundle_tag=bundle_ref))
+    return ImageChoice(ref=ref, image_id=image_id, built=True, **chosen)
 
 
 def trusted_file(path: Path) -> bool:
@@ -351,16 +363,17 @@ def cluster_problems(settings: SubmitSettings, sqsh: Path | None, run_dir: Path)
             f"the run folder {run_dir} is under none of --mounts {settings.mounts}: the container could not write its snapshots; "
             "add its filesystem to --mounts or choose --runs under one"
         )
-    partition = slurm_cli.partition_nodes(settings.partition)
+    partition = slurm_cli.partition_nodes(settings.partition, settings.gpus_per_node)
     wanted = settings.nodes + settings.spares
     if isinstance(partition, str):
         problems.append(partition)
     elif partition[1] < wanted:
         name, usable, other = partition
         asked = f"--nodes {settings.nodes} + --spares {settings.spares}"
-        besides = f" (and {other} down, drained or not responding)" if other else ""
+        kind = f"nodes with {settings.gpus_per_node} GPUs" if settings.gpus_per_node else "nodes"
+        besides = f" (and {other} down, drained, not responding{' or with fewer GPUs' if settings.gpus_per_node else ''})" if other else ""
         problems.append(
-            f"partition {name} has {usable} nodes that can run a job{besides} and the job asks for {wanted} ({asked}); "
+            f"partition {name} has {usable} {kind} that can run a job{besides} and the job asks for {wanted} ({asked}); "
             "it would wait until enough come back: ask for fewer, or another --partition"
         )
     for folder, flag in ((settings.runs, "--runs"), *([(settings.images, "--images")] if settings.sqsh is None else [])):
@@ -495,14 +508,15 @@ def _submit(settings: SubmitSettings, *, dry_run: bool, say: Any) -> Submitted:
     sqsh = planned_sqsh
     if settings.sqsh is None:
         try:
-            image = ensure_image(settings.app_dir, build=not dry_run)
+            image = ensure_image(settings.app_dir, build=not dry_run, variant=settings.variant, efa=settings.efa)
         except HostError as why:  # no engine, a bad project: a dry run names it with the rest
             if not dry_run:
                 raise
             problems.append(str(why))
             image = None
         if image is None:
-            say(f"submit: would build {settings.app_dir.resolve().name} on the bundle (ddpack:src-{source_digest()}) and convert it to {sqsh}")
+            bundle = f"ddpack:src-{source_digest(variant=settings.variant, efa=settings.efa)}"
+            say(f"submit: would build {settings.app_dir.resolve().name} on the bundle's {settings.variant} image ({bundle}) and convert it to {sqsh}")
         else:
             say(f"submit: image {image.ref} ({image.image_id[:19]}{', built now' if image.built else ', unchanged: not rebuilt'})")
             if dry_run:

@@ -286,9 +286,17 @@ ddpack_prepare_nodes() {
     # One step on every node (ddpack_node.py prepare): containers of this user's jobs that are over (scancelled, timed
     # out, killed with their script) go, and each node checks its staging folder, leases the key for this job and
     # answers whether it holds a copy it can trust (has / lacks), or why it will not stage (refuse).
+    # A GPU job (--gpus-per-node, --gres=gpu:N) checks that every node has the GPUs it was promised, first.
+    local per_node=${SLURM_GPUS_PER_NODE:-}
+    local gpus=${SLURM_GPUS_ON_NODE:-${per_node##*:}}
+    case "${gpus}" in '' | *[!0-9]*) gpus=0 ;; esac
     answers=$(srun --nodes="${count}" --ntasks="${count}" --ntasks-per-node=1 --nodelist="${nodes}" \
-        "${ddpack_python}" -I -S -c "${ddpack_node_py}" prepare --dir "${dir}" --job "${SLURM_JOB_ID}" --key "${key}" --size "${size}" --keep "${keep}")
+        "${ddpack_python}" -I -S -c "${ddpack_node_py}" prepare --dir "${dir}" --job "${SLURM_JOB_ID}" --key "${key}" --size "${size}" \
+        --keep "${keep}" --gpus "${gpus}")
     rc=$?
+    local nogpu
+    nogpu=$(echo "${answers}" | sed -n 's/^nogpu //p' | sort -V | head -n1)
+    [ -z "${nogpu}" ] || ddpack_die "this job was promised ${gpus} GPU(s) a node, but ${nogpu%% *} has ${nogpu#* } here, so the image would train on the CPU or fail; submit GPU jobs to a partition whose nodes have their GPUs, or drop --gpus-per-node to train on CPUs (not requeued)"
     refused=$(echo "${answers}" | sed -n 's/^refuse //p')
     if [ "${mode}" != off ] && [ -n "${refused}" ]; then
         mode=off why="staging refused on ${refused%%$'\n'*}"

@@ -326,8 +326,19 @@ def hashlib_hex(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def gpu_devices(root: Path = Path("/")) -> list[str]:
+    """This node's NVIDIA GPU device nodes (/dev/nvidia0, ...; not nvidiactl): what a container can be given."""
+    return sorted(path.name for path in (root / "dev").glob("nvidia[0-9]*"))
+
+
 def prepare(args: argparse.Namespace) -> int:
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    if args.gpus and len(found := gpu_devices()) < args.gpus:
+        # Before anything is staged or unpacked: a GPU job on a node without its GPUs ends in seconds, not after a
+        # multi-gigabyte CUDA image was unpacked to train on the CPU.
+        driver = "an NVIDIA driver" if Path("/proc/driver/nvidia/version").exists() else "no NVIDIA driver"
+        print(f"nogpu {node} {len(found)} GPU device(s) (/dev/nvidia0...), {driver}")
+        return 0
     live = LiveJobs(args.job)
     remove_stale_containers(live, node)
     if not args.key:
@@ -574,6 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     stage.add_argument("--size", type=int, default=0)
     stage.add_argument("--keep", type=int, default=2)
     verbs.add_parser("prepare", parents=[stage]).set_defaults(run=prepare)
+    verbs.choices["prepare"].add_argument("--gpus", type=int, default=0, help="the GPUs Slurm promised the job on each node")
     for name, run in (("receive", receive), ("install", install)):
         sub = verbs.add_parser(name, parents=[stage])
         sub.add_argument("--incoming", required=True, type=incoming_name)

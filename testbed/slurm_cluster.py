@@ -8,7 +8,11 @@ world-writable, as a node's /tmp is): jobs submitted through testbed.slurm_jobs 
 user's there (DDPACK_STAGE_DIR=NODE_TMP/ddpack-images-<uid>, as the templates' default is /tmp/ddpack-images-<uid>),
 so an image staged to "every node's local disk" lands once per node here too, and a test can plant files on one
 node as another user would in that node's /tmp.
-Idempotent: a running cluster is reused. Needs root; writes /etc/slurm/slurm.conf only when it is absent or ours.
+Partition `gpu` holds all three too, and every node announces two GPUs (GRES gpu:2, a count with no device files):
+these nodes have none, as a GPU partition's nodes whose GPUs a job cannot use, so a GPU job's request, script and
+record are real here, and so is its refusal on nodes without the GPUs it was promised.
+Idempotent: a running cluster is reused, and restarted when its configuration changed. Needs root; writes
+/etc/slurm/slurm.conf and gres.conf only when they are absent or ours.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ import time
 from pathlib import Path
 
 CONF = Path("/etc/slurm/slurm.conf")
+GRES_CONF = Path("/etc/slurm/gres.conf")
 MARKER = "# ddpack test cluster"
+GPUS_PER_NODE = 2
 NODES = ("ddnode1", "ddnode2", "ddnode3")
 NODE_TMP = Path("/tmp/ddnode-tmp")  # each node's own /tmp, for the staging folders
 NODE_DISKS = Path("/var/lib/ddpack-test-nodes")  # NODE_DISKS/<node> is NODE_TMP as that node sees it
@@ -65,11 +71,16 @@ AccountingStorageType=accounting_storage/none
 ReturnToService=2
 KillWait=5
 MinJobAge=30
-NodeName=ddnode1 NodeHostname=localhost NodeAddr=127.0.0.1 Port=6831 CPUs=2 RealMemory=4000 State=UNKNOWN
-NodeName=ddnode2 NodeHostname=localhost NodeAddr=127.0.0.1 Port=6832 CPUs=2 RealMemory=4000 State=UNKNOWN
-NodeName=ddnode3 NodeHostname=localhost NodeAddr=127.0.0.1 Port=6833 CPUs=2 RealMemory=4000 State=UNKNOWN
+GresTypes=gpu
+NodeName=ddnode1 NodeHostname=localhost NodeAddr=127.0.0.1 Port=6831 CPUs=2 RealMemory=4000 Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN
+NodeName=ddnode2 NodeHostname=localhost NodeAddr=127.0.0.1 Port=6832 CPUs=2 RealMemory=4000 Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN
+NodeName=ddnode3 NodeHostname=localhost NodeAddr=127.0.0.1 Port=6833 CPUs=2 RealMemory=4000 Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN
 PartitionName=debug Nodes=ddnode[1-2] Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 PartitionName=big Nodes=ddnode[1-3] MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
+PartitionName=gpu Nodes=ddnode[1-3] MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
+"""
+GRES = f"""{MARKER}
+NodeName=ddnode[1-3] Name=gpu Count={GPUS_PER_NODE}
 """
 
 
@@ -153,6 +164,18 @@ def _start_slurmd(node: str) -> None:
     subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", own_disk], check=True, env=env)
 
 
+def _stop_daemons(timeout_s: float = 30) -> None:
+    """Stop slurmctld and the nodes' slurmd, if running, and wait for them to go (a configuration change)."""
+    patterns = [["-x", "slurmctld"], *(["-f", f"slurmd -N {node}$"] for node in NODES)]
+    for pattern in patterns:
+        subprocess.run(["pkill", *pattern], capture_output=True)
+    deadline = time.monotonic() + timeout_s
+    while any(subprocess.run(["pgrep", *p], capture_output=True).returncode == 0 for p in patterns):
+        if time.monotonic() > deadline:
+            raise ClusterUnavailable("slurmctld or a slurmd did not stop for the new configuration; see /var/log/slurm/")
+        time.sleep(0.2)
+
+
 def ensure_cluster(timeout_s: float = 60) -> None:
     """Start munged, slurmctld and every node's slurmd unless a cluster already answers with all of them."""
     if shutil.which("slurmctld") is None or shutil.which("munged") is None:
@@ -161,10 +184,15 @@ def ensure_cluster(timeout_s: float = 60) -> None:
         return
     if os.geteuid() != 0:
         raise ClusterUnavailable("starting a test Slurm cluster needs root")
-    if CONF.exists() and MARKER not in CONF.read_text():
-        raise ClusterUnavailable(f"{CONF} belongs to another Slurm set-up; not touching it")
+    for conf in (CONF, GRES_CONF):
+        if conf.exists() and MARKER not in conf.read_text():
+            raise ClusterUnavailable(f"{conf} belongs to another Slurm set-up; not touching it")
     CONF.parent.mkdir(parents=True, exist_ok=True)
-    CONF.write_text(SLURM_CONF)
+    changed = [conf for conf, text in ((CONF, SLURM_CONF), (GRES_CONF, GRES)) if not conf.exists() or conf.read_text() != text]
+    for conf, text in ((CONF, SLURM_CONF), (GRES_CONF, GRES)):
+        conf.write_text(text)
+    if changed:
+        _stop_daemons()  # slurmctld and each slurmd read their configuration only when they start
     NODE_ENROOT.write_text(NODE_ENROOT_TEXT)
     NODE_ENROOT.chmod(0o755)
     hosts = Path("/etc/hosts")

@@ -73,6 +73,35 @@ def test_a_gpu_node_whose_gpus_torch_cannot_use_is_an_error_not_a_quiet_fall_bac
     assert select_device(None) == ("gloo", torch.device("cpu"))  # the GPU image on a CPU node: gloo, as before
 
 
+@pytest.mark.usefixtures("cuda_build")
+def test_gpus_slurm_promised_that_torch_cannot_see_are_an_error_even_where_slurm_hides_them(tmp_path: Path, monkeypatch) -> None:
+    """A GPU partition whose nodes have no GPU for this job (GRES without device files: Slurm sets
+    CUDA_VISIBLE_DEVICES=NoDevFiles, which otherwise reads as hidden on purpose) names the promise, not a silent CPU run."""
+    monkeypatch.setattr(train.gpu, "ROOT", node(tmp_path / "cpu-node"))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "NoDevFiles")
+    monkeypatch.setenv("SLURM_GPUS_ON_NODE", "2")
+    with pytest.raises(DeviceError, match=r"Slurm gave this job 2 GPU\(s\) on this node \(SLURM_GPUS_ON_NODE\) but torch sees none: no NVIDIA driver"):
+        select_device(None)
+    assert select_device("gloo") == ("gloo", torch.device("cpu"))  # asked for by name: trains on CPUs
+    monkeypatch.delenv("SLURM_GPUS_ON_NODE")
+    assert select_device(None) == ("gloo", torch.device("cpu"))
+
+
+def test_the_node_helper_refuses_a_gpu_job_on_a_node_without_the_gpus_before_staging(tmp_path: Path) -> None:
+    """enroot/ddpack_node.py prepare --gpus N (the job's first step on every node, before the image is staged or
+    unpacked): a node with fewer GPU devices answers nogpu, and the template ends the job on it in one line."""
+    import subprocess
+    import sys
+
+    from testbed.env import ROOT, clean_env
+
+    helper = ROOT / "enroot" / "ddpack_node.py"
+    argv = [sys.executable, "-I", "-S", str(helper), "prepare", "--dir", str(tmp_path / "stage"), "--job", "7", "--gpus", "2"]
+    out = subprocess.run(argv, env=clean_env(SLURMD_NODENAME="ddnode1"), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.startswith("nogpu ddnode1 0 GPU device(s)"), out.stdout + out.stderr
+    assert not (tmp_path / "stage").exists()  # nothing staged, nothing removed (the cluster tier runs the template's side)
+
+
 def test_tf32_is_on_by_default_on_ampere_and_later_and_off_with_no_tf32(monkeypatch: pytest.MonkeyPatch) -> None:
     from train.config import parse_config
     from train.perf import precision

@@ -34,7 +34,8 @@ def slurm(tmp_path, monkeypatch) -> Path:
     fake(bin_dir, "sacct", "echo 'sacct: error: Slurm accounting storage is disabled' >&2; exit 1")
     fake(bin_dir, "squeue", "exit 0")
     fake(bin_dir, "srun", "echo '      --container-image=[USER@][REGISTRY#]IMAGE[:TAG]|PATH'")
-    fake(bin_dir, "sinfo", 'case "$*" in *--version*) echo "slurm-wlm 22.05.8" ;; *) echo "debug*|2|idle"; echo "big|3|idle" ;; esac')
+    partitions = 'echo "debug*|2|idle|(null)"; echo "big|3|idle|(null)"; echo "gpu|3|idle|gpu:2"'
+    fake(bin_dir, "sinfo", f'case "$*" in *--version*) echo "slurm-wlm 22.05.8" ;; *) {partitions} ;; esac')
     fake(bin_dir, "sbatch", "echo 101")
     fake(bin_dir, "scancel", "exit 0")
     fake(bin_dir, "enroot", "echo 3.4.1")
@@ -529,11 +530,14 @@ def test_logs_rank_picks_a_users_programs_lines_by_sruns_label(tmp_path, slurm) 
 
 
 def test_the_partition_check_counts_only_nodes_that_can_run_the_job(tmp_path, slurm, capsys) -> None:
-    fake(slurm, "sinfo", 'case "$*" in *--version*) echo "slurm-wlm 22.05.8" ;; *) printf "debug*|1|idle\\ndebug*|1|drained\\ndebug*|1|idle*\\n" ;; esac')
+    nodes = "debug*|1|idle|gpu:8\\ndebug*|1|drained|gpu:8\\ndebug*|1|idle*|gpu:8\\ndebug*|2|idle|gpu:4(S:0)\\n"
+    fake(slurm, "sinfo", f'case "$*" in *--version*) echo "slurm-wlm 22.05.8" ;; *) printf "{nodes}" ;; esac')
     good = settings(tmp_path)
     argv = ["submit", "--nodes", "2", "--dry-run", "--runs", str(good.runs), "--sqsh", str(good.sqsh), "--mounts", good.mounts, str(tmp_path)]
-    assert cli.main(argv) == 2
-    assert "partition debug has 1 nodes that can run a job (and 2 down, drained or not responding) and the job asks for 2" in capsys.readouterr().err
+    assert cli.main(argv) == 0  # three nodes can run it: two with 4 GPUs, one with 8
+    assert cli.main([*argv[:-1], "--gpus-per-node", "8", argv[-1]]) == 2
+    err = capsys.readouterr().err
+    assert "partition debug has 1 nodes with 8 GPUs that can run a job (and 4 down, drained, not responding or with fewer GPUs)" in err
 
 
 def test_the_runs_folder_is_the_users_own_on_the_shared_filesystem_and_named_when_empty(tmp_path, slurm, monkeypatch, capsys) -> None:
@@ -592,12 +596,12 @@ def test_a_dry_run_of_a_project_whose_squashfs_is_not_made_yet_says_what_it_woul
     argv = ["submit", "--nodes", "2", "--dry-run", "--runs", str(good.runs), "--images", str(good.images), "--mounts", good.mounts,
             "--name", "cpu-ddp", str(tmp_path)]  # fmt: skip
     built = ImageChoice(ref="cpu-ddp:7b3b-8f80", image_id="sha256:" + "ab" * 32, bundle="ddpack:src-1", built=False)
-    monkeypatch.setattr(ddpack.submit, "ensure_image", lambda app_dir, build: built)
+    monkeypatch.setattr(ddpack.submit, "ensure_image", lambda app_dir, **how: built)
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert f"squashfs {good.images}/cpu-ddp-abababababababab.sqsh (would convert the image to it)" in out
     assert "dry run: every check passed" in out and "export DDPACK_SQSH=" in out
-    monkeypatch.setattr(ddpack.submit, "ensure_image", lambda app_dir, build: None)
+    monkeypatch.setattr(ddpack.submit, "ensure_image", lambda app_dir, **how: None)
     assert cli.main(argv) == 0
     assert "would build" in capsys.readouterr().out
 
@@ -611,9 +615,39 @@ def test_slurms_own_refusal_of_the_script_comes_before_any_build(tmp_path, slurm
     fake(slurm, "sbatch", f'[ "$1" = --test-only ] && {{ echo "{refusal}" >&2; exit 1; }}; echo 9')
     monkeypatch.setattr(ddpack.submit, "ensure_image", lambda *a, **k: pytest.fail("built before the checks"))
     good = settings(tmp_path)
-    argv = ["submit", "--nodes", "2", "--gpus-per-node", "8", "--runs", str(good.runs), "--images", str(good.images), "--mounts", good.mounts,
+    argv = ["submit", "--nodes", "2", "--time", "30-00:00:00", "--runs", str(good.runs), "--images", str(good.images), "--mounts", good.mounts,
             str(tmp_path)]  # fmt: skip
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "sbatch --test-only refused this job: sbatch: error: Batch job submission failed: Requested node" in err
     assert queued(slurm) == [] and not good.runs.exists()
+
+
+def test_a_gpu_job_asks_for_the_cuda_image_and_one_rank_per_gpu(tmp_path, slurm, monkeypatch, capsys) -> None:
+    """--gpus-per-node N: the project on the CUDA image (with EFA's installer when asked), N ranks a node unless told
+    otherwise (then one warning line), Slurm's --gpus-per-node, and a partition whose nodes have the GPUs."""
+    import ddpack.submit
+
+    asked = []
+    monkeypatch.setattr(ddpack.submit, "ensure_image", lambda app_dir, **how: asked.append(how))
+    good = settings(tmp_path)
+    base = ["submit", "--nodes", "2", "--dry-run", "--runs", str(good.runs), "--images", str(good.images), "--mounts", good.mounts]
+    assert cli.main([*base, "--partition", "gpu", "--gpus-per-node", "2", "--efa", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert asked == [{"build": False, "variant": "gpu", "efa": True}] and err == ""
+    assert "#SBATCH --gpus-per-node=2" in out and "#SBATCH --ntasks-per-node=2" in out and "bundle's gpu image" in out
+    assert cli.main([*base, "--partition", "gpu", "--gpus-per-node", "2", "--template", "torchrun", str(tmp_path)]) == 0
+    assert "export DDPACK_NPROC=2" in capsys.readouterr().out
+    assert cli.main([*base, "--partition", "gpu", "--gpus-per-node", "2", "--tasks-per-node", "1", str(tmp_path)]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warnings == [
+        "ddpack submit: warning: --tasks-per-node 1 with --gpus-per-node 2: 1 ranks a node share 2 GPUs, "
+        "where one rank per GPU is the rule (leave --tasks-per-node out for it)"
+    ]
+    assert cli.main([*base, "--efa", str(tmp_path)]) == 2
+    assert "--efa adds AWS's EFA installer to the CUDA image: it needs --gpus-per-node" in capsys.readouterr().err
+    assert cli.main([*base, "--gpus-per-node", "2", str(tmp_path)]) == 2  # debug's nodes have no GPUs
+    assert "partition debug has 0 nodes with 2 GPUs that can run a job (and 2 down, drained, not responding or with fewer GPUs)" in (
+        capsys.readouterr().err
+    )
+    assert [how["variant"] for how in asked] == ["gpu"] * 4  # a dry run goes on to say what it would build

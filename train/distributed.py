@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from train.gpu import gpus_expected, why_no_cuda
+from train.gpu import gpus_expected, gpus_promised, why_no_cuda
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,6 +74,8 @@ def select_device(backend: str | None) -> tuple[str, torch.device]:
     that what runs next (the user's task factory, DataLoader pinning) allocates on this rank's GPU
     rather than on GPU 0 from every rank."""
     if backend is None:
+        if not torch.cuda.is_available() and (promised := gpus_promised(os.environ)):
+            raise DeviceError(f"Slurm gave this job {promised} GPU(s) on this node (SLURM_GPUS_ON_NODE) but torch sees none: {why_no_cuda(os.environ)}")
         if not torch.cuda.is_available() and gpus_expected(os.environ):
             raise DeviceError(f"this node has NVIDIA GPUs but torch sees none: {why_no_cuda(os.environ)}")
         backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -94,6 +94,13 @@ def why_no_cuda(environ: Mapping[str, str], root: Path | None = None) -> str:
     )
 
 
+def gpus_promised(environ: Mapping[str, str]) -> int:
+    """The GPUs Slurm allocated this job on this node (SLURM_GPUS_ON_NODE: --gpus-per-node, --gres=gpu:N), 0 outside a
+    GPU allocation. A GPU partition whose GRES has no device files (CUDA_VISIBLE_DEVICES=NoDevFiles) still says so."""
+    text = environ.get("SLURM_GPUS_ON_NODE", "").strip()
+    return int(text) if text.isdigit() else 0
+
+
 def gpus_expected(environ: Mapping[str, str], root: Path | None = None) -> bool:
     """True when this is a CUDA build of torch on a node with NVIDIA GPUs that were not hidden on purpose:
     torch then not seeing them is a fault to report, not a reason to fall back to training on CPUs."""
