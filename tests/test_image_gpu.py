@@ -48,21 +48,23 @@ def test_gpu_image_trains_on_cpu_when_no_device_is_visible(gpu_image: tuple[dock
     assert "backend gloo device cpu" in out and "checksums agree across 1 ranks" in out
 
 
-def test_a_project_on_the_gpu_image_keeps_its_cuda_torch_and_nccl(gpu_image: tuple[docker.DockerClient, str], tmp_path, capsys) -> None:
-    """`make image-gpu APP=DIR`: the CUDA wheels (nvidia-*) are held with torch, and the CUDA torch stays."""
-    from ddpack.app import read_app
-    from ddpack.images import build_app_image, plan_build
+def test_submit_builds_a_gpu_jobs_project_on_the_cuda_image_with_its_torch_held(gpu_image: tuple[docker.DockerClient, str], tmp_path, capsys) -> None:
+    """`ddpack submit --gpus-per-node`'s build (as `make image-gpu APP=DIR`): the project on the bundle's CUDA image
+    (the same sources as the tier's image, so from the build cache), the CUDA wheels (nvidia-*) held with torch, and
+    the CUDA torch kept; asked again, nothing is built. The image stays: the cluster tier submits this project as a
+    GPU job (tests/test_lifecycle_cluster.py), which then converts it rather than building it again."""
+    from ddpack.submit import ensure_image
     from testbed.readme_examples import write_cpu_ddp
 
     client, image = gpu_image
-    tag = "cpu-ddp:pytest-gpu-app"
-    app = read_app(write_cpu_ddp(tmp_path / "cpu-ddp"), "python ddp.py 4 2")
-    build_app_image(plan_build(variant="gpu", tag=tag, version="pytest", app=app, bundle_tag=image, extra_args=("--no-cache",)))
-    try:
-        held = next(line for line in capsys.readouterr().out.splitlines() if "ddpack-app: installing" in line)
-        assert "torch==2.13.0" in held and "nvidia-nccl-cu13==" in held
-        probe = "import torch, tqdm; print(torch.__version__, torch.version.cuda)"
-        assert client.containers.run(tag, ["python", "-c", probe], entrypoint=[], remove=True).decode() == \
-            client.containers.run(image, ["python", "-c", probe.replace(", tqdm", "")], entrypoint=[], remove=True).decode()  # fmt: skip
-    finally:
-        client.images.remove(tag, force=True)
+    project = write_cpu_ddp(tmp_path / "cpu-ddp")
+    choice = ensure_image(project, variant="gpu")
+    assert choice is not None and (choice.variant, choice.efa, choice.built) == ("gpu", False, True)
+    held = next(line for line in capsys.readouterr().out.splitlines() if "ddpack-app: installing" in line)
+    assert "torch==2.13.0" in held and "nvidia-nccl-cu13==" in held
+    assert client.images.get(choice.bundle).labels["io.ddpack.variant"] == "gpu"
+    probe = "import torch, tqdm; print(torch.__version__, torch.version.cuda)"
+    assert client.containers.run(choice.ref, ["python", "-c", probe], entrypoint=[], remove=True).decode() == \
+        client.containers.run(image, ["python", "-c", probe.replace(", tqdm", "")], entrypoint=[], remove=True).decode()  # fmt: skip
+    again = ensure_image(project, variant="gpu")
+    assert again is not None and (again.ref, again.image_id, again.built) == (choice.ref, choice.image_id, False)

@@ -139,3 +139,36 @@ def test_a_run_from_submit_through_a_preemption_to_completion_then_resubmitted_a
     assert final["job_id"] == second and final["attempt"] == 2
     assert [j["job_id"] for j in json.loads((Path(run_dir) / "run.json").read_text())["jobs"]] == [job, second]
     assert os.stat(run_dir).st_mode & 0o077 == 0
+
+
+def test_a_gpu_job_is_built_on_the_cuda_image_asked_for_and_refused_in_one_line_on_nodes_without_its_gpus(
+    shared: Path, readme_project: ReadmeProject
+) -> None:
+    """`ddpack submit --gpus-per-node 2 --partition gpu` for real: the dry run, the CUDA image (from the Docker tier's
+    build when it ran) converted into the images folder, the script, Slurm's request and the record. The test
+    cluster's nodes announce two GPUs each and have none, as GPU nodes whose GPUs a job cannot use: the job ends
+    before any image is staged or unpacked, with one line naming the GPUs it was promised, and is not requeued."""
+    work = shared / "gpu-job"
+    (work / "images").mkdir(parents=True)
+    args = (
+        "submit", str(readme_project.folder), "--nodes", "2", "--gpus-per-node", "2", "--partition", "gpu", "--runs", str(work / "runs"),
+        "--images", str(work / "images"), "--mounts", f"{shared}:/fsx",
+    )  # fmt: skip
+    dry = ddpack(*args, "--dry-run")
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    assert "#SBATCH --gpus-per-node=2" in dry.stdout and "#SBATCH --ntasks-per-node=2" in dry.stdout and "#SBATCH --partition=gpu" in dry.stdout
+    submitted = ddpack(*args, "--json")
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    result = json.loads(submitted.stdout)
+    run_dir, job = Path(result["run_dir"]), result["job_id"]
+    record = json.loads((run_dir / "run.json").read_text())
+    image_id = subprocess.run(["docker", "image", "inspect", "-f", "{{.Id}}", record["image"]["ref"]], capture_output=True, text=True)
+    assert (record["image"]["variant"], record["image"]["image_id"]) == ("gpu", image_id.stdout.strip()) and record["code"]["digest"]
+    assert record["settings"]["gpus_per_node"] == 2 and record["settings"]["tasks_per_node"] == 2
+    log = run_dir / run_folder.LOGS / run_folder.job_log(job)
+    assert wait_for_end(job, log, timeout=300) == ("FAILED", 0)  # ended, and never requeued
+    errors = [line for line in log.read_text().splitlines() if line.startswith("ddpack: error:")]
+    assert len(errors) == 1 and re.match(r"ddpack: error: this job was promised 2 GPU\(s\) a node, but ddnode[12] has 0 GPU device", errors[0]), log.read_text()
+    unpacked = subprocess.run(["grep", "-l", f"pyxis_ddpack-{job}", *Path("/var/log/slurm").glob("slurmd-*.log")], capture_output=True, text=True)
+    assert unpacked.stdout == "", "a GPU job on nodes without GPUs unpacked its image"
+    assert status_of(str(run_dir))["state"] == "FAILED"
