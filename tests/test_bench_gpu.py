@@ -1,0 +1,22 @@
+"""`make bench-gpu`'s own code, on the CPU at tiny sizes (`--dry-run-on-cpu`): the bench that measures the trainer
+against a bare DDP loop on a GPU must run, and print its two comparisons with real ratios, wherever no GPU is lent."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+from testbed.env import ROOT, clean_env
+
+
+def test_the_gpu_bench_runs_on_the_cpu_and_prints_both_comparisons() -> None:
+    argv = [sys.executable, str(ROOT / "bench" / "bench_gpu.py"), "--dry-run-on-cpu", "--rounds", "1", "--steps", "10"]
+    out = subprocess.run(argv, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    matmul = re.search(r"^matmul bf16 .* preflight/bare (\d+\.\d+) \(goal >= 0\.85\)$", out.stdout, re.M)
+    gpt_line = r"^GPT ~92M bf16, .* trainer (\d+\.\d+) ms/step, bare DDP loop (\d+\.\d+) ms/step, trainer/bare (\d+\.\d+) \(goal <= 1\.03\)"
+    gpt = re.search(gpt_line, out.stdout, re.M)
+    assert matmul and gpt, out.stdout
+    trainer, bare, ratio = (float(gpt.group(i)) for i in (1, 2, 3))
+    assert trainer > 0 and bare > 0 and abs(ratio - trainer / bare) < 0.01 and float(matmul.group(1)) > 0
