@@ -137,9 +137,6 @@ def setting_problems(settings: SubmitSettings) -> list[str]:
             problems.append(f"--env {name}={value}: expected {SETTING_VALUES[name].pattern.replace('|', ', ')}")
     if settings.name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", settings.name):
         problems.append(f"--name {settings.name!r}: letters, digits, '.', '_' and '-' only (it names the job and the run folder)")
-    for word in settings.command:
-        if not word or any(c.isspace() for c in word) or any(c in word for c in "'\"\\"):
-            problems.append(f"command argument {word!r}: the templates split DDPACK_COMMAND on spaces; put it in a script of the project")
     return problems
 
 
@@ -276,8 +273,8 @@ def exported(settings: SubmitSettings, run_dir: Path, sqsh: Path) -> dict[str, s
         "DDPACK_SQSH": str(sqsh),
         "DDPACK_MOUNTS": settings.mounts,
     }
-    if settings.command:
-        values["DDPACK_COMMAND"] = " ".join(settings.command)
+    if settings.command:  # a JSON list: every word reaches every rank's exec exactly as given (ddpack_words)
+        values["DDPACK_COMMAND"] = json.dumps(list(settings.command))
     if settings.spares:
         values["DDPACK_SPARE_NODES"] = str(settings.spares)
     if settings.template == "torchrun":

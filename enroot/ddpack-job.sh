@@ -176,11 +176,41 @@ ddpack_command() {
     ddpack_cmd=()
     if [ -n "${DDPACK_COMMAND:-}" ]; then
         [ -z "${DDPACK_TRAIN_ARGS:-}" ] || ddpack_die "DDPACK_COMMAND and DDPACK_TRAIN_ARGS are both set; DDPACK_TRAIN_ARGS is for the bundled trainer: put your program's arguments in DDPACK_COMMAND"
-        read -r -a ddpack_cmd <<<"${DDPACK_COMMAND}"
-        ddpack_cmd=(-- "${ddpack_cmd[@]}")
+        ddpack_words ddpack_cmd DDPACK_COMMAND
+        ddpack_cmd=(-- ${ddpack_cmd[@]+"${ddpack_cmd[@]}"})
     else
-        read -r -a ddpack_cmd <<<"${DDPACK_TRAIN_ARGS:-}"
+        ddpack_words ddpack_cmd DDPACK_TRAIN_ARGS
     fi
+}
+
+# ddpack_words ARRAY SETTING: the words of a command setting (DDPACK_COMMAND, DDPACK_TRAIN_ARGS, DDPACK_PREFLIGHT_ARGS,
+# DDPACK_LAUNCH_ARGS) into ARRAY. A value that starts with [ is a JSON list of strings, each word exactly as given
+# (spaces, quotes, backslashes, empty words: what `ddpack submit -- CMD` writes); any other value is split on
+# whitespace, the hand-made form.
+ddpack_words_py='
+import json, shlex, sys
+name, text = sys.argv[1:]
+try:
+    words = json.loads(text)
+except ValueError as why:
+    print(f"{name} starts with [ but is not a JSON list ({why}); write it as a JSON list of strings, or as words without a leading [")
+    sys.exit(2)
+if not isinstance(words, list) or not all(isinstance(word, str) for word in words):
+    print(f"{name} is JSON but not a list of strings; write each argument as a string")
+    sys.exit(2)
+print(" ".join(shlex.quote(word) for word in words))
+'
+ddpack_words() {
+    local -n ddpack_words_into=$1
+    local setting=$2 quoted
+    local value=${!setting:-}
+    case "${value}" in
+    "["*)
+        quoted=$("${ddpack_python}" -I -S -c "${ddpack_words_py}" "${setting}" "${value}") || ddpack_die "${quoted}"
+        eval "ddpack_words_into=(${quoted})"
+        ;;
+    *) read -r -a ddpack_words_into <<<"${value}" ;;
+    esac
 }
 
 ddpack_require_pyxis() {
@@ -211,7 +241,7 @@ ddpack_preflight() {
 
 ddpack_preflight_options() {
     local -a extra
-    read -r -a extra <<<"${DDPACK_PREFLIGHT_ARGS:-}"
+    ddpack_words extra DDPACK_PREFLIGHT_ARGS
     ddpack_preflight_opts=(--preflight --preflight-json "$1/preflight.json" ${extra[@]+"${extra[@]}"})
 }
 

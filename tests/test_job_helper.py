@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -69,6 +70,12 @@ def step_command(**settings: str) -> subprocess.CompletedProcess[str]:
         ({}, "<>"),  # the image's own command (APP_CMD), else the bundled trainer
         ({"DDPACK_TRAIN_ARGS": "--task mytask:make --epochs 50"}, "<--task><mytask:make><--epochs><50>"),
         ({"DDPACK_COMMAND": "python ddp.py 50 5"}, "<--><python><ddp.py><50><5>"),
+        # A JSON list, as ddpack submit writes it: every word exactly, spaces, quotes, backslashes and empty words too.
+        (
+            {"DDPACK_COMMAND": json.dumps(["python", "train.py", "--name", "two words", "--note", "it's", "--path", "a\\b", "--empty", ""])},
+            "<--><python><train.py><--name><two words><--note><it's><--path><a\\b><--empty><>",
+        ),
+        ({"DDPACK_TRAIN_ARGS": '["--task", "my task:make", "--note", "$HOME `x`"]'}, "<--task><my task:make><--note><$HOME `x`>"),
     ],
 )
 def test_the_training_step_runs_your_command_the_trainers_flags_or_the_images_own(settings: dict[str, str], words: str) -> None:
@@ -86,6 +93,16 @@ def test_the_step_wait_reaches_srun_and_a_bad_one_is_one_line() -> None:
     ]
     assert [w.stdout for w in waits[:2]] == ["120\n", "30\n"]
     assert waits[2].returncode == 2 and waits[2].stderr == "ddpack: error: DDPACK_STEP_WAIT=2m is not a whole number of seconds\n"
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [("[python, train.py]", "starts with [ but is not a JSON list"), ('["python", 3]', "is JSON but not a list of strings")],
+)
+def test_a_command_that_starts_as_json_but_is_not_a_list_of_strings_is_one_line(value: str, why: str) -> None:
+    out = step_command(DDPACK_COMMAND=value)
+    assert out.returncode == 2 and out.stdout == "" and out.stderr.count("\n") == 1
+    assert out.stderr.startswith(f"ddpack: error: DDPACK_COMMAND {why}"), out.stderr
 
 
 def test_a_command_and_trainer_flags_together_are_one_line() -> None:

@@ -172,3 +172,26 @@ def test_a_gpu_job_is_built_on_the_cuda_image_asked_for_and_refused_in_one_line_
     unpacked = subprocess.run(["grep", "-l", f"pyxis_ddpack-{job}", *Path("/var/log/slurm").glob("slurmd-*.log")], capture_output=True, text=True)
     assert unpacked.stdout == "", "a GPU job on nodes without GPUs unpacked its image"
     assert status_of(str(run_dir))["state"] == "FAILED"
+
+
+def test_a_command_reaches_every_rank_word_for_word(shared: Path, sqsh: Path) -> None:
+    """`ddpack submit P -- CMD` with words that hold a space, a quote, a backslash, and nothing at all: every rank's
+    program gets exactly those arguments (the command travels as a JSON list, never split on spaces), and its lines
+    carry srun's rank label, which `ddpack logs --rank` reads."""
+    work = shared / "argv"
+    work.mkdir()
+    words = ["--name", "two words", "--note", "it's", "--path", "a\\b", "--empty", ""]
+    probe = "import json, os, sys; print('argv', os.environ['RANK'], json.dumps(sys.argv[1:]))"
+    submitted = ddpack(
+        "submit", str(work), "--nodes", "2", "--sqsh", str(sqsh), "--runs", str(work / "runs"), "--mounts", f"{shared}:/fsx", "--json",
+        "--", "python", "-c", probe, *words,
+    )  # fmt: skip
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    result = json.loads(submitted.stdout)
+    log = Path(result["run_dir"]) / run_folder.LOGS / run_folder.job_log(result["job_id"])
+    assert wait_for_end(result["job_id"], log, timeout=300) == ("COMPLETED", 0), log.read_text()
+    said = dict(re.findall(r"^ ?\d+: argv (\d) (.*)$", log.read_text(), re.M))
+    assert {rank: json.loads(text) for rank, text in said.items()} == {"0": words, "1": words}, log.read_text()
+    for rank in (0, 1):
+        lines = ddpack("logs", result["job_id"], "--runs", str(work / "runs"), "--rank", str(rank)).stdout.splitlines()
+        assert [line for line in lines if " argv " in line] == [f"{rank}: argv {rank} {json.dumps(words)}"]
