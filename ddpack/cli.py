@@ -114,9 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     opts.command = command
     from ddpack import runs as run_ops
 
-    runs = (opts.runs if getattr(opts, "runs", None) else run_ops.default_runs()).resolve()
-
     def body() -> int:
+        runs = (opts.runs if getattr(opts, "runs", None) else run_ops.default_runs()).resolve()
         if opts.verb == "submit":
             return submit(opts, runs)
         if opts.verb == "status":

@@ -32,8 +32,15 @@ SHARED_RUNS = "/fsx/{user}/ddpack-runs"
 
 
 def default_runs() -> Path:
-    """DDPACK_RUNS, else SHARED_RUNS for this user (named from the password database: a batch job may have no USER)."""
-    return Path(os.environ.get("DDPACK_RUNS") or SHARED_RUNS.format(user=pwd.getpwuid(os.geteuid()).pw_name))
+    """DDPACK_RUNS, else SHARED_RUNS for this user (named from the password database: a batch job may have no USER;
+    a user the database does not know, as in some containers, by USER, else the uid)."""
+    if os.environ.get("DDPACK_RUNS"):
+        return Path(os.environ["DDPACK_RUNS"])
+    try:
+        user = pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        user = os.environ.get("USER") or str(os.geteuid())
+    return Path(SHARED_RUNS.format(user=user))
 
 
 def resolve_run(run: str | None, runs: Path) -> Path:

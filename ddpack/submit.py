@@ -47,6 +47,8 @@ HELPERS = ("ddpack-job.sh", "ddpack_node.py")
 OWN_SETTINGS = ("DDPACK_SQSH", "DDPACK_RUN_DIR", "DDPACK_HOME", "DDPACK_MOUNTS", "DDPACK_COMMAND", "DDPACK_SPARE_NODES", "DDPACK_NPROC")
 SLURM_TIME = re.compile(r"\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|\d+-\d+:\d{1,2}:\d{1,2}|UNLIMITED|INFINITE")
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# The settings that hold a command's words: whitespace-split, or a JSON list when they start with [ (ddpack_words).
+WORD_SETTINGS = ("DDPACK_COMMAND", "DDPACK_TRAIN_ARGS", "DDPACK_PREFLIGHT_ARGS", "DDPACK_LAUNCH_ARGS")
 # Values the templates would refuse only once the job runs: refused here, before it queues.
 SETTING_VALUES = {
     "DDPACK_STAGE": re.compile(r"auto|sbcast|off"),
@@ -106,6 +108,17 @@ def known_settings() -> set[str]:
     return names
 
 
+def word_list_problem(text: str) -> str | None:
+    """Why `text` is not a JSON list of strings (the templates' ddpack_words reads it as one), or None."""
+    try:
+        words = json.loads(text)
+    except ValueError as why:
+        return f"is not JSON ({why})"
+    if not isinstance(words, list) or not all(isinstance(word, str) for word in words):
+        return "is not a list of strings"
+    return None
+
+
 def setting_problems(settings: SubmitSettings) -> list[str]:
     """Each invalid setting, as one line naming it, its value and what is expected."""
     problems = []
@@ -135,6 +148,9 @@ def setting_problems(settings: SubmitSettings) -> list[str]:
             problems.append(f"--env {name}: not a ddpack setting (a typo?); docs/cluster.md lists them")
         elif name in SETTING_VALUES and not SETTING_VALUES[name].fullmatch(value):
             problems.append(f"--env {name}={value}: expected {SETTING_VALUES[name].pattern.replace('|', ', ')}")
+    for name in WORD_SETTINGS:
+        if settings.env.get(name, "").startswith("[") and (why := word_list_problem(settings.env[name])):
+            problems.append(f"--env {name}: starts with [ but {why}; write a JSON list of strings, or words without a leading [")
     if settings.name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", settings.name):
         problems.append(f"--name {settings.name!r}: letters, digits, '.', '_' and '-' only (it names the job and the run folder)")
     return problems
@@ -389,10 +405,10 @@ def slurm_problems(script: str) -> list[str]:
         handle.write(script)
         handle.flush()
         answer = slurm_cli.ask(["sbatch", "--test-only", handle.name], timeout=60)
-    if not answer.failed:
-        return []
     said = [line.strip() for line in answer.stderr.splitlines() if line.strip()]
-    return [f"sbatch --test-only refused this job: {said[-1] if said else answer.failed}; fix the option it names"]
+    if not answer.failed or not said:  # accepted, or the controller did not answer: sbatch itself asks it again
+        return []
+    return [f"sbatch --test-only refused this job: {said[-1]}; fix the option it names"]
 
 
 def raise_problems(problems: list[str]) -> None:

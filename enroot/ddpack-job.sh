@@ -55,7 +55,11 @@ ddpack_die() {
 }
 
 ddpack_setup() {
-    local name=$1
+    local name=$1 setting
+    local -a ddpack_parsed=()
+    for setting in DDPACK_COMMAND DDPACK_TRAIN_ARGS DDPACK_PREFLIGHT_ARGS DDPACK_LAUNCH_ARGS; do
+        ddpack_words ddpack_parsed "${setting}"   # a malformed list is one line, before the run folder is touched
+    done
     ddpack_private_files
     if [ -n "${DDPACK_RUN_DIR:-}" ]; then
         ddpack_run_origin="continuing ${DDPACK_RUN_DIR} (DDPACK_RUN_DIR)"
@@ -201,15 +205,17 @@ if not isinstance(words, list) or not all(isinstance(word, str) for word in word
 print(" ".join(shlex.quote(word) for word in words))
 '
 ddpack_words() {
-    local -n ddpack_words_into=$1
-    local setting=$2 quoted
-    local value=${!setting:-}
-    case "${value}" in
+    # No nameref (bash 4.3): the array's name is checked, then assigned by name.
+    case "$1" in '' | [!a-zA-Z_]* | *[!a-zA-Z0-9_]*) ddpack_die "ddpack_words: '$1' is not an array name" ;; esac
+    local ddpack_words_setting=$2 ddpack_words_quoted
+    local ddpack_words_value=${!ddpack_words_setting:-}
+    case "${ddpack_words_value}" in
     "["*)
-        quoted=$("${ddpack_python}" -I -S -c "${ddpack_words_py}" "${setting}" "${value}") || ddpack_die "${quoted}"
-        eval "ddpack_words_into=(${quoted})"
+        ddpack_words_quoted=$("${ddpack_python}" -I -S -c "${ddpack_words_py}" "${ddpack_words_setting}" "${ddpack_words_value}") ||
+            ddpack_die "${ddpack_words_quoted}"
+        eval "$1=(${ddpack_words_quoted})"
         ;;
-    *) read -r -a ddpack_words_into <<<"${value}" ;;
+    *) read -r -a "$1" <<<"${ddpack_words_value}" ;;
     esac
 }
 
@@ -289,6 +295,26 @@ ddpack_job_nodelist() {
 #           the shared filesystem at once each get DDPACK_FSX_MBPS / N of it, so they wait size / min(unpack, fsx/N);
 #           sbcast then unpack waits size / sbcast + size / unpack. Sbcast wins when N x sbcast x unpack >
 #           fsx x (sbcast + unpack): from 5 nodes with the defaults (1200, 1000 and DDPACK_UNPACK_MBPS=400 MB/s)
+# The GPUs a node this job asked Slurm for (its TresPerNode: --gpus-per-node, --gres=gpu:N; several types add up), 0
+# for none. Asked of Slurm, not read from SLURM_GPUS_* variables, which a job submitted from inside a GPU allocation
+# inherits.
+ddpack_gpus_promised() {
+    local tres entry count total=0
+    local -a entries=()
+    tres=$(scontrol show job -o "${SLURM_JOB_ID}" 2>/dev/null | grep -o 'TresPerNode=[^ ]*' | head -n1)
+    IFS=, read -r -a entries <<<"${tres#TresPerNode=}"
+    for entry in ${entries[@]+"${entries[@]}"}; do
+        case "${entry}" in
+        gres[:/]gpu | gres[:/]gpu:*)
+            count=${entry##*:}
+            case "${count}" in '' | *[!0-9]*) count=1 ;; esac
+            total=$((total + count))
+            ;;
+        esac
+    done
+    echo "${total}"
+}
+
 ddpack_prepare_nodes() {
     local sqsh=$1 mode=${DDPACK_STAGE:-auto} dir=${DDPACK_STAGE_DIR:-/tmp/ddpack-images-$(id -u)} keep=${DDPACK_STAGE_KEEP:-2}
     local fsx=${DDPACK_FSX_MBPS:-1200} bcast=${DDPACK_SBCAST_MBPS:-1000} unpack=${DDPACK_UNPACK_MBPS:-400} fanout=${DDPACK_STAGE_FANOUT:-8}
@@ -317,16 +343,17 @@ ddpack_prepare_nodes() {
     # out, killed with their script) go, and each node checks its staging folder, leases the key for this job and
     # answers whether it holds a copy it can trust (has / lacks), or why it will not stage (refuse).
     # A GPU job (--gpus-per-node, --gres=gpu:N) checks that every node has the GPUs it was promised, first.
-    local per_node=${SLURM_GPUS_PER_NODE:-}
-    local gpus=${SLURM_GPUS_ON_NODE:-${per_node##*:}}
-    case "${gpus}" in '' | *[!0-9]*) gpus=0 ;; esac
+    local gpus
+    gpus=$(ddpack_gpus_promised)
     answers=$(srun --nodes="${count}" --ntasks="${count}" --ntasks-per-node=1 --nodelist="${nodes}" \
         "${ddpack_python}" -I -S -c "${ddpack_node_py}" prepare --dir "${dir}" --job "${SLURM_JOB_ID}" --key "${key}" --size "${size}" \
         --keep "${keep}" --gpus "${gpus}")
     rc=$?
-    local nogpu
-    nogpu=$(echo "${answers}" | sed -n 's/^nogpu //p' | sort -V | head -n1)
-    [ -z "${nogpu}" ] || ddpack_die "this job was promised ${gpus} GPU(s) a node, but ${nogpu%% *} has ${nogpu#* } here, so the image would train on the CPU or fail; submit GPU jobs to a partition whose nodes have their GPUs, or drop --gpus-per-node to train on CPUs (not requeued)"
+    local short none
+    none=$(echo "${answers}" | sed -n 's/^nogpu \(\S*\) 0 /\1 0 /p' | sort -V | head -n1)
+    [ -z "${none}" ] || ddpack_die "this job was promised ${gpus} GPU(s) a node, but ${none%% *} has ${none#* } here, so the image would train on the CPU or fail; submit GPU jobs to a partition whose nodes have their GPUs, or drop --gpus-per-node to train on CPUs (not requeued)"
+    short=$(echo "${answers}" | sed -n 's/^nogpu //p' | sort -V)
+    [ -z "${short}" ] || echo "ddpack: warning: fewer GPU devices than the ${gpus} promised a node (MIG slices share one device; else a GPU is missing): $(echo "${short}" | paste -sd ';' -)"
     refused=$(echo "${answers}" | sed -n 's/^refuse //p')
     if [ "${mode}" != off ] && [ -n "${refused}" ]; then
         mode=off why="staging refused on ${refused%%$'\n'*}"

@@ -334,11 +334,13 @@ def gpu_devices(root: Path = Path("/")) -> list[str]:
 def prepare(args: argparse.Namespace) -> int:
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     if args.gpus and len(found := gpu_devices()) < args.gpus:
-        # Before anything is staged or unpacked: a GPU job on a node without its GPUs ends in seconds, not after a
-        # multi-gigabyte CUDA image was unpacked to train on the CPU.
+        # Before anything is staged or unpacked: a GPU job on a node with no GPU ends in seconds, not after a
+        # multi-gigabyte CUDA image was unpacked to train on the CPU. Fewer devices than promised is only said (MIG
+        # slices of one GPU share its device node).
         driver = "an NVIDIA driver" if Path("/proc/driver/nvidia/version").exists() else "no NVIDIA driver"
         print(f"nogpu {node} {len(found)} GPU device(s) (/dev/nvidia0...), {driver}")
-        return 0
+        if not found:
+            return 0
     live = LiveJobs(args.job)
     remove_stale_containers(live, node)
     if not args.key:

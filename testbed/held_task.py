@@ -6,6 +6,9 @@ the whole run ended before the test's USR1). So the test holds the job instead: 
 each process's N-th batch of this start (counting from 0) waits until PATH exists. The test acts while every rank
 waits there, then opens the gate (testbed.slurm_jobs.Gate); a start that begins after the gate is open never waits.
 
+A test that fails before it opens the gate leaves no job behind for long: a hold gives up after HOLD_MAX_S (900 s)
+and training goes on to its end.
+
 Run it with `--task held_task:regression_held --num-workers 0`: the batches are then fetched in the training process, so
 the N-th batch is the N-th step of the start (DataLoader workers would each count their own). The test copies this
 file into the job's submission folder (the trainer imports `--task` modules from there, in a container as on bare
@@ -37,15 +40,15 @@ class Hold:
     signal): a test that signals a held job opens the gate only once every rank has the signal, so the signal is
     acted on at the next step, whatever Slurm's delivery takes."""
 
-    def __init__(self, at: int, gate: Path) -> None:
-        self.at, self.gate, self.count = at, gate, 0
+    def __init__(self, at: int, gate: Path, max_wait_s: float = 900.0) -> None:
+        self.at, self.gate, self.count, self.max_wait_s = at, gate, 0, max_wait_s
         self.key = f"{os.environ.get('SLURM_RESTART_COUNT') or 0}.{os.environ.get('SLURM_STEP_ID') or 0}"
         self.this_start = gate.with_name(f"{gate.name}-{self.key}")
 
     @classmethod
     def from_environment(cls) -> Hold | None:
         at, gate = os.environ.get("HOLD_AT"), os.environ.get("HOLD_UNTIL")
-        return cls(int(at), Path(gate)) if at and gate else None
+        return cls(int(at), Path(gate), float(os.environ.get("HOLD_MAX_S") or 900)) if at and gate else None
 
     def is_open(self) -> bool:
         return self.gate.exists() or self.this_start.exists()
@@ -61,24 +64,32 @@ class Hold:
         previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
 
         def heard(signum: int, frame: FrameType | None) -> None:
-            arrived.append(signal.Signals(signum).name)
-            handler = previous[signal.Signals(signum)]
+            sig = signal.Signals(signum)
+            arrived.append(sig.name)
+            handler = previous[sig]
             if callable(handler):
                 handler(signum, frame)
+            elif handler == signal.SIG_DFL:  # what the signal would have done: end the process
+                signal.signal(sig, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
 
         for sig in STOP_SIGNALS:
             signal.signal(sig, heard)
         print(f"held_task: rank {rank} held at batch {self.at} of start {self.key} until {self.this_start} exists", flush=True)
-        told = 0
+        told, deadline = 0, time.monotonic() + self.max_wait_s
         try:
             while not self.is_open():
                 for name in arrived[told:]:
                     print(f"held_task: rank {rank} got {name} while held in start {self.key}", flush=True)
                 told = len(arrived)
+                if time.monotonic() > deadline:  # a test that failed before opening the gate: the job ends by itself
+                    print(f"held_task: rank {rank} gave up waiting after {self.max_wait_s:g} s (HOLD_MAX_S); training on", flush=True)
+                    break
                 time.sleep(0.05)
         finally:
             for sig, handler in previous.items():
-                signal.signal(sig, handler)
+                if handler is not None:  # None: a handler installed outside Python, which cannot be put back from here
+                    signal.signal(sig, handler)
 
 
 class HeldData(Dataset):

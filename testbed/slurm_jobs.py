@@ -173,7 +173,8 @@ def hold_training(folder: Path, at: int = 20, mounts: str | None = None, train_a
     folder.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(Path(__file__).with_name("held_task.py"), folder / "held_task.py")
     (folder / "held_task.py").chmod(0o644)
-    return Gate(folder, {"HOLD_AT": str(at), "HOLD_UNTIL": f"{inside or folder}/gate"}, f"{HELD_TRAIN_ARGS} {train_args}".strip())
+    # The held task's flags last: the test's own cannot undo them.
+    return Gate(folder, {"HOLD_AT": str(at), "HOLD_UNTIL": f"{inside or folder}/gate"}, f"{train_args} {HELD_TRAIN_ARGS}".strip())
 
 
 def submit_and_preempt(

@@ -46,3 +46,16 @@ def test_an_open_gate_holds_no_start(tmp_path: Path) -> None:
     gate = Gate(tmp_path, {}, "")
     gate.open()
     assert (tmp_path / "gate").stat().st_mode & 0o777 == 0o644
+
+
+def test_a_gate_never_opened_gives_up_after_hold_max_s_and_the_run_ends_by_itself(tmp_path: Path) -> None:
+    """A test that failed before opening its gate leaves no job holding its nodes for ever."""
+    gate = hold_training(tmp_path / "submission", at=2, train_args="--dataset-size 512 --epochs 1 --log-every 1")
+    out = subprocess.run(
+        [sys.executable, "-m", "train", *gate.train_args.split(), "--snapshot-dir", str(tmp_path / "snapshots")],
+        cwd=gate.folder, env=clean_env(**gate.settings, HOLD_MAX_S="1", DDPACK_PROJECT_DIR=str(gate.folder)),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "held_task: rank 0 gave up waiting after 1 s (HOLD_MAX_S); training on" in out.stdout
+    assert "checksums agree across 1 ranks" in out.stdout

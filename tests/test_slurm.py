@@ -173,9 +173,13 @@ def test_a_lost_node_killed_tasks_and_a_frozen_rank_each_come_back_and_resume_fr
     try:
         subprocess.run(["scontrol", "update", "nodename=ddnode2", "state=down", "reason=ddpack-lost-node-test"], check=True)
         gate.open(first_start)
-        requeued = gate.held(log, 4, seen=(first_start,))
+        deadline = time.monotonic() + 300
+        while "requeueing job" not in log.read_text():  # the template's verdict on the loss; then the node may come back
+            assert time.monotonic() < deadline, f"lost node: the job was not requeued\n{brief(log)}"
+            time.sleep(0.5)
     finally:
         subprocess.run(["scontrol", "update", "nodename=ddnode2", "state=resume"], capture_output=True)  # if Slurm has not
+    requeued = gate.held(log, 4, seen=(first_start,))
     assert signal_tasks(job, "ddnode2"), "no task of the job on ddnode2"
     gate.open(requeued)
     gate.held(log, 4, seen=(first_start, requeued))  # the restart in place
