@@ -42,27 +42,11 @@ from train import run_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATES = {"per-task": "pyxis-per-task.sbatch", "torchrun": "pyxis-torchrun.sbatch"}
-HELPERS = ("ddpack-job.sh", "ddpack_node.py")
+HELPERS = ("ddpack-job.sh", "ddpack_node.py", "ddpack_settings.py")
 # Settings submit sets itself from its flags: --env may not set them behind the flags' back.
 OWN_SETTINGS = ("DDPACK_SQSH", "DDPACK_RUN_DIR", "DDPACK_HOME", "DDPACK_MOUNTS", "DDPACK_COMMAND", "DDPACK_SPARE_NODES", "DDPACK_NPROC")
 SLURM_TIME = re.compile(r"\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|\d+-\d+:\d{1,2}:\d{1,2}|UNLIMITED|INFINITE")
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-# The settings that hold a command's words: whitespace-split, or a JSON list when they start with [ (ddpack_words).
-WORD_SETTINGS = ("DDPACK_COMMAND", "DDPACK_TRAIN_ARGS", "DDPACK_PREFLIGHT_ARGS", "DDPACK_LAUNCH_ARGS")
-# Values the templates would refuse only once the job runs: refused here, before it queues.
-SETTING_VALUES = {
-    "DDPACK_STAGE": re.compile(r"auto|sbcast|off"),
-    "DDPACK_UMASK": re.compile(r"0?[0-7]{3}"),
-    "DDPACK_PREFLIGHT": re.compile(r"0|1|only"),
-    "DDPACK_RESTART_IN_PLACE": re.compile(r"0|1"),
-    **{name: re.compile(r"\d+") for name in ("DDPACK_MAX_RESTARTS", "DDPACK_MAX_FAILURE_RESTARTS", "DDPACK_STEP_WAIT")},
-    **{
-        name: re.compile(r"[1-9]\d*")
-        for name in ("DDPACK_STAGE_KEEP", "DDPACK_FSX_MBPS", "DDPACK_SBCAST_MBPS", "DDPACK_UNPACK_MBPS", "DDPACK_STAGE_FANOUT")
-    },
-}
-
-
 @dataclass(frozen=True, kw_only=True)
 class SubmitSettings:
     """What one `ddpack submit` asks for, by keyword (the flags, resolved)."""
@@ -97,26 +81,16 @@ class SubmitSettings:
 # --------------------------------------------------------------------------- settings
 
 
-def known_settings() -> set[str]:
-    """Every DDPACK_* name the job side reads (templates, helper, launcher, trainer): an --env name outside it is a
-    typo, which a job would otherwise ignore in silence."""
-    names: set[str] = set()
-    for folder, pattern in (("enroot", "*"), ("entrypoint", "*.py"), ("train", "**/*.py"), ("ddpack_run", "*.py")):
-        for path in (ROOT / folder).glob(pattern):
-            if path.is_file():
-                names.update(re.findall(r"\bDDPACK_[A-Z0-9_]+\b", path.read_text(errors="replace")))
-    return names
+@functools.cache
+def settings_table() -> Any:
+    """enroot/ddpack_settings.py as a module: the one table of the job's settings, which the templates check too."""
+    import importlib.util
 
-
-def word_list_problem(text: str) -> str | None:
-    """Why `text` is not a JSON list of strings (the templates' ddpack_words reads it as one), or None."""
-    try:
-        words = json.loads(text)
-    except ValueError as why:
-        return f"is not JSON ({why})"
-    if not isinstance(words, list) or not all(isinstance(word, str) for word in words):
-        return "is not a list of strings"
-    return None
+    spec = importlib.util.spec_from_file_location("ddpack_settings", ROOT / "enroot" / "ddpack_settings.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules.setdefault("ddpack_settings", module)  # its dataclasses look their module up there
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
 
 
 def setting_problems(settings: SubmitSettings) -> list[str]:
@@ -138,19 +112,20 @@ def setting_problems(settings: SubmitSettings) -> list[str]:
         parts = entry.split(":")
         if not entry or len(parts) > 3 or not all(p.startswith("/") for p in parts[:2] if p):
             problems.append(f"--mounts {settings.mounts}: {entry!r} is not SRC[:DST[:FLAGS]] with absolute paths")
-    known = known_settings()
+    table = settings_table().SETTINGS
     for name, value in settings.env.items():
         if not ENV_NAME.fullmatch(name):
             problems.append(f"--env {name}={value}: {name!r} is not a variable name")
         elif name in OWN_SETTINGS:
             problems.append(f"--env {name}: set by submit's own flags (--sqsh, --runs, --mounts, -- COMMAND, --spares, --tasks-per-node)")
-        elif name.startswith("DDPACK_") and name not in known:
+        elif not name.startswith("DDPACK_"):
+            continue
+        elif name not in table:
             problems.append(f"--env {name}: not a ddpack setting (a typo?); docs/cluster.md lists them")
-        elif name in SETTING_VALUES and not SETTING_VALUES[name].fullmatch(value):
-            problems.append(f"--env {name}={value}: expected {SETTING_VALUES[name].pattern.replace('|', ', ')}")
-    for name in WORD_SETTINGS:
-        if settings.env.get(name, "").startswith("[") and (why := word_list_problem(settings.env[name])):
-            problems.append(f"--env {name}: starts with [ but {why}; write a JSON list of strings, or words without a leading [")
+        elif table[name].own:
+            problems.append(f"--env {name}: set by ddpack itself ({table[name].meaning}), not by you")
+        elif (why := table[name].problem(name, value)) is not None:
+            problems.append(f"--env {why}")
     if settings.name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", settings.name):
         problems.append(f"--name {settings.name!r}: letters, digits, '.', '_' and '-' only (it names the job and the run folder)")
     return problems

@@ -55,11 +55,10 @@ ddpack_die() {
 }
 
 ddpack_setup() {
-    local name=$1 setting
-    local -a ddpack_parsed=()
-    for setting in DDPACK_COMMAND DDPACK_TRAIN_ARGS DDPACK_PREFLIGHT_ARGS DDPACK_LAUNCH_ARGS; do
-        ddpack_words ddpack_parsed "${setting}"   # a malformed list is one line, before the run folder is touched
-    done
+    local name=$1
+    # Every DDPACK_* value against ddpack_settings.py's table (the one ddpack submit checks too), before the run
+    # folder is touched: one line each, exit 2. (A run folder from before the table has no copy of it.)
+    [ -z "${ddpack_settings_py}" ] || "${ddpack_python}" -I -S -c "${ddpack_settings_py}" check || exit 2
     ddpack_private_files
     if [ -n "${DDPACK_RUN_DIR:-}" ]; then
         ddpack_run_origin="continuing ${DDPACK_RUN_DIR} (DDPACK_RUN_DIR)"
@@ -105,6 +104,7 @@ ddpack_private_files() {
 # to python3 -c: a node that runs it needs no path to the checkout.
 # The system's python3 in isolated mode (-I -S: no PYTHON* variables, no user or site packages; it starts in ~20 ms).
 ddpack_node_py=$(cat "$(dirname "${BASH_SOURCE[0]}")/ddpack_node.py" 2>/dev/null)
+ddpack_settings_py=$(cat "$(dirname "${BASH_SOURCE[0]}")/ddpack_settings.py" 2>/dev/null)
 ddpack_python=$(command -v /usr/bin/python3 || command -v python3 || echo python3)
 ddpack_node() {
     [ -n "${ddpack_node_py}" ] || ddpack_die "cannot read ddpack_node.py beside ddpack-job.sh; set DDPACK_HOME to ddpack's enroot/ folder"

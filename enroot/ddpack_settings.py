@@ -1,0 +1,137 @@
+"""ddpack's job settings: the one table of every DDPACK_* name a job reads, with its pattern, default and meaning.
+
+`ddpack submit` checks `--env` against it, and every template checks the job's environment against it first thing
+(`ddpack_setup` runs `python3 -I -S ddpack_settings.py check`), so a value is refused by both or by neither, before
+anything runs; docs/cluster.md lists the same names (a test holds it to this table). Standard library only: it runs
+with the nodes' system Python, outside any image.
+
+A pattern of None takes any text (a path, a command's words). Settings marked `own` are set by ddpack itself (the
+templates, `ddpack submit`, the images): a user's `--env` may not set them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+WHOLE = r"\d+"
+POSITIVE = r"[1-9]\d*"
+SECONDS = r"\d+(\.\d+)?"
+GRACE = r"0\.\d*[1-9]\d*|[1-9]\d{0,2}(\.\d+)?|[12]\d{3}(\.\d+)?|3[0-5]\d{2}(\.\d+)?|3600(\.0+)?"  # (0, 3600]
+
+
+@dataclass(frozen=True)
+class Setting:
+    pattern: str | None  # a full match; None: any text
+    default: str  # as the job sees it unset ("" when it has none)
+    meaning: str
+    own: bool = False  # set by ddpack (submit, the templates, the image), not by --env
+    words: bool = False  # a command's words: whitespace-split, or a JSON list of strings when it starts with [
+
+    def problem(self, name: str, value: str) -> str | None:
+        """Why `value` is no value of this setting, in one line's words, or None."""
+        if self.words and value.startswith("["):
+            try:
+                words = json.loads(value)
+            except ValueError as why:
+                return f"{name} starts with [ but is not a JSON list ({why}); write a JSON list of strings, or words without a leading ["
+            if not isinstance(words, list) or not all(isinstance(word, str) for word in words):
+                return f"{name} is JSON but not a list of strings; write each argument as a string"
+        if self.pattern is not None and not re.fullmatch(self.pattern, value):
+            return f"{name}={value}: expected {self.pattern.replace('|', ', ')}"
+        return None
+
+
+SETTINGS: dict[str, Setting] = {
+    # What runs, and where.
+    "DDPACK_SQSH": Setting(None, "/fsx/images/ddpack.sqsh", "the squashfs pyxis runs (a path on the shared filesystem)"),
+    "DDPACK_IMAGE": Setting(None, "", "docker-hostnet.sbatch: the Docker image every node runs"),
+    "DDPACK_RUN_DIR": Setting(None, "", "the run folder to continue (default: a new runs/<name>-<job> in the submission folder)"),
+    "DDPACK_PROJECT_DIR": Setting(None, "", "where --task modules are found (default: the submission folder)"),
+    "DDPACK_MOUNTS": Setting(None, "/fsx:/fsx", "pyxis' --container-mounts (host:container[:flags], comma-separated)"),
+    "DDPACK_VENV": Setting(None, "", "baremetal.sbatch: the bundle's virtual environment (default: the submission folder's .venv)"),
+    "DDPACK_DOCKER_ARGS": Setting(None, "", "docker-hostnet.sbatch: extra `docker run` options (e.g. --gpus all)"),
+    "DDPACK_TEMPLATE": Setting(
+        r"(?!preflight\.sbatch$)[A-Za-z0-9._-]+\.sbatch", "pyxis-per-task.sbatch", "preflight.sbatch: the template whose shape it checks"
+    ),
+    "DDPACK_COMMAND": Setting(None, "", "your program, run by every rank (a JSON list keeps each word exactly)", words=True),
+    "DDPACK_TRAIN_ARGS": Setting(None, "", "the bundled trainer's flags", words=True),
+    "DDPACK_PREFLIGHT_ARGS": Setting(None, "", "the preflight's extra flags", words=True),
+    "DDPACK_LAUNCH_ARGS": Setting(None, "", "the entrypoint's own options (e.g. --nproc-per-node 2)", words=True),
+    "DDPACK_NPROC": Setting(POSITIVE, "", "pyxis-torchrun.sbatch: ranks a node (torchrun's --nproc-per-node)"),
+    # Starting, stopping, restarting.
+    "DDPACK_PREFLIGHT": Setting(r"0|1|only", "0", "1: the preflight first, in the image; only: the preflight alone"),
+    "DDPACK_MAX_RESTARTS": Setting(WHOLE, "10", "requeues after a preemption, at most"),
+    "DDPACK_MAX_FAILURE_RESTARTS": Setting(WHOLE, "1", "restarts after a failure or a hang, at most"),
+    "DDPACK_RESTART_IN_PLACE": Setting(r"0|1", "1", "1: a failed step restarts in this allocation; 0: the job is requeued"),
+    "DDPACK_SPARE_NODES": Setting(WHOLE, "0", "nodes held back to replace a bad one"),
+    "DDPACK_STEP_WAIT": Setting(WHOLE, "120", "seconds srun gives a step's other tasks once one has ended (0: for ever)"),
+    "DDPACK_HANG_TIMEOUT": Setting(SECONDS, "180", "seconds with no rank finishing a step before the watchdog ends the job (0: off)"),
+    "DDPACK_STOP_GRACE": Setting(GRACE, "60", "seconds a program of yours gets to stop after SIGUSR1, in (0, 3600]"),
+    "DDPACK_SHUTDOWN_TIMEOUT": Setting(POSITIVE, "30", "seconds torchrun's agent waits for its workers to stop"),
+    "DDPACK_UMASK": Setting(r"0?[0-7]{3}", "077", "the job's umask: 077, its files are yours alone; 027, your group reads them"),
+    "DDPACK_BACKEND": Setting(r"gloo|nccl|mpi|ucc", "", "the process group's backend (default: nccl with CUDA, else gloo)"),
+    "DDPACK_CPU_BIND": Setting(r"auto|none", "auto", "auto: ranks that share a node each bind to their own slice of its CPUs"),
+    "DDPACK_TENSORBOARD_DIR": Setting(None, "", "the trainer also writes TensorBoard event files there"),
+    # The image on the nodes.
+    "DDPACK_STAGE": Setting(r"auto|sbcast|off", "auto", "how the nodes get the squashfs: sbcast to local disk, or read it where it is"),
+    "DDPACK_STAGE_DIR": Setting(r"/.*", "/tmp/ddpack-images-<uid>", "the nodes' local folder for staged images (yours alone)"),
+    "DDPACK_STAGE_KEEP": Setting(POSITIVE, "2", "staged images kept a node"),
+    "DDPACK_STAGE_FANOUT": Setting(r"[1-8]", "8", "sbcast's fan-out (Slurm 22.05 allows 8 at most)"),
+    "DDPACK_FSX_MBPS": Setting(POSITIVE, "1200", "the shared filesystem's read rate, MB/s, for the staging model"),
+    "DDPACK_SBCAST_MBPS": Setting(POSITIVE, "1000", "sbcast's rate, MB/s, for the staging model"),
+    "DDPACK_UNPACK_MBPS": Setting(POSITIVE, "400", "a node's unpack rate, MB/s, for the staging model"),
+    # Set by ddpack itself.
+    "DDPACK_HOME": Setting(None, "", "the folder of the job's helpers (ddpack submit: the run folder's job/)", own=True),
+    "DDPACK_JOB_TOKEN": Setting(None, "", "this start's secret for the watchdog's store (made by the template)", own=True),
+    "DDPACK_SNAPSHOT_DIR": Setting(None, "", "the run folder's snapshots/ (the template's)", own=True),
+    "DDPACK_METRICS_FILE": Setting(None, "", "the run folder's metrics.jsonl (the template's)", own=True),
+    "DDPACK_FORENSICS_DIR": Setting(None, "", "the run folder's forensics/ (the template's)", own=True),
+    "DDPACK_WORKER_STACKS_DIR": Setting(None, "", "a rank's DataLoader workers' stacks folder (the trainer's)", own=True),
+    "DDPACK_APP_CMD": Setting(None, "", "the project's command (the image's, from make image APP_CMD=)", own=True),
+    "DDPACK_APP_DIR": Setting(None, "", "the project's folder in the image (/opt/app)", own=True),
+}
+
+
+def problems(environ: Mapping[str, str]) -> list[str]:
+    """Each DDPACK_* variable of `environ` whose value the table refuses, one line each (unknown names are not
+    refused here: a submitting shell's stray variables reach a job through --export=ALL; submit refuses them)."""
+    found = []
+    for name, value in sorted(environ.items()):
+        setting = SETTINGS.get(name)
+        if setting is not None and (why := setting.problem(name, value)) is not None:
+            found.append(why)
+    return found
+
+
+def markdown() -> str:
+    """The table as docs/cluster.md shows it (`python3 enroot/ddpack_settings.py markdown` writes it)."""
+    rows = ["| setting | default | accepts | what it is |", "|---|---|---|---|"]
+    for name, setting in SETTINGS.items():
+        if setting.own:
+            continue
+        accepts = "a JSON list of strings, or words" if setting.words else f"`{setting.pattern}`" if setting.pattern else "any text"
+        default = f"`{setting.default}`" if setting.default else ""
+        rows.append(f"| `{name}` | {default} | {accepts.replace('|', chr(92) + '|')} | {setting.meaning} |")
+    return "\n".join(rows) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    if argv == ["markdown"]:
+        print(markdown(), end="")
+        return 0
+    if argv != ["check"]:
+        print("usage: ddpack_settings.py check|markdown", file=sys.stderr)
+        return 2
+    found = problems(os.environ)
+    for line in found:
+        print(f"ddpack: error: {line}", file=sys.stderr)
+    return 2 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
