@@ -20,7 +20,7 @@ import pytest
 
 from testbed.env import ROOT
 from testbed.slurm_cluster import NODE_DISKS, clear_staged_images, node_stage_dir, stage_dir
-from testbed.slurm_jobs import as_user, env
+from testbed.slurm_jobs import as_user, env, wait_for_exit
 from testbed.users import User, attacker, victim
 
 pytestmark = [pytest.mark.pyxis, pytest.mark.usefixtures("pyxis_stack")]
@@ -55,12 +55,13 @@ def stage_job(folder: Path, user: User, image: Path, **settings: str) -> str:
     runs = as_user(user, {**env(), "DDPACK_HOME": str(ROOT / "enroot"), "DDPACK_STAGE": "sbcast"})
     runs["env"].update(settings)  # type: ignore[attr-defined]
     out = subprocess.run(
-        ["sbatch", "--wait", "--parsable", "--job-name=stage", str(script), str(image)],
-        cwd=folder, capture_output=True, text=True, timeout=300, **runs,  # type: ignore[arg-type]
+        ["sbatch", "--parsable", "--job-name=stage", str(script), str(image)],
+        cwd=folder, capture_output=True, text=True, timeout=120, **runs,  # type: ignore[arg-type]
     )  # fmt: skip
+    assert out.returncode == 0, out.stderr
     job = out.stdout.strip().split(";")[0]
     log = folder / "logs" / f"stage-{job}.out"
-    assert out.returncode == 0, f"{out.stderr}\n{log.read_text() if log.exists() else ''}"
+    assert wait_for_exit(job, timeout=300) == 0, log.read_text() if log.exists() else ""
     return log.read_text()
 
 
