@@ -197,7 +197,7 @@ def submit_and_preempt(
 ) -> tuple[str, Path]:
     """Submit a template and signal USR1 mid-run, as `--signal=USR1@90` would; returns (job, log). The job is held
     at step 20 of its first start until every rank has the signal, so it cannot end before it."""
-    gate = hold_training(tmp_path, 20, settings.get("DDPACK_MOUNTS"), "--dataset-size 16384 --epochs 2 --log-every 1")
+    gate = hold_training(tmp_path, 20, settings.get("DDPACK_MOUNTS"), "--dataset-size 4096 --epochs 2 --log-every 1")  # 58 steps
     job, _, log = submit(tmp_path, name, sbatch_args, template, **gate.settings, DDPACK_TRAIN_ARGS=gate.train_args, **settings)
     world = int(settings.get("DDPACK_NPROC", "1")) * world_of(job)
     key = gate.held(log, world)

@@ -22,7 +22,7 @@ DDPACK = str(Path(sys.executable).parent / "ddpack")  # what `make venv` (and pi
 # The job is held at step 20 of its first start (testbed/held_task.py) while the test reads it, starts a second job on
 # its run folder and signals it: it cannot end before the test is done with it, however fast the host trains. The
 # watchdog is off: a held step is the test's doing, not a hang.
-TRAIN = "--dataset-size 16384 --epochs 2 --log-every 1 --snapshot-every 20 --hang-timeout 0"
+TRAIN = "--dataset-size 4096 --epochs 2 --log-every 1 --snapshot-every 20 --hang-timeout 0"  # 58 steps, 4 ranks
 
 
 def ddpack(*args: str, path: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -77,7 +77,7 @@ def test_a_run_from_submit_through_a_preemption_to_completion_then_resubmitted_a
     log = Path(run_dir) / run_folder.LOGS / run_folder.job_log(job)
     start = gate.held(log, 4)  # all four ranks wait at step 21 until the test opens the gate
     training = status_of(run_dir)
-    assert training["state"] == "RUNNING" and training["step"] == 20 and training["total_steps"] == 232 and training["eta_s"] is not None
+    assert training["state"] == "RUNNING" and training["step"] == 20 and training["total_steps"] == 58 and training["eta_s"] is not None
     assert len(training["segments"]) == 1
 
     failing = tmp_path / "squeue-down"
@@ -113,7 +113,7 @@ def test_a_run_from_submit_through_a_preemption_to_completion_then_resubmitted_a
     preempted, finished = followed.index("ddpack: preempted (exit 138)"), followed.rindex("checksums agree across 4 ranks")
     assert preempted < finished < followed.index(f"ddpack logs: job {job} COMPLETED")
     done = status_of(run_dir)
-    assert (done["state"], done["step"], len(done["segments"])) == ("COMPLETED", 232, 2), done
+    assert (done["state"], done["step"], len(done["segments"])) == ("COMPLETED", 58, 2), done
     first, last = done["segments"]
     assert first["began"] < first["ended"] <= last["began"] < last["ended"], done["segments"]  # dated from the records
     metrics = Path(run_dir) / "metrics.jsonl"
