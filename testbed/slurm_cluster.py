@@ -8,9 +8,10 @@ world-writable, as a node's /tmp is): jobs submitted through testbed.slurm_jobs 
 user's there (DDPACK_STAGE_DIR=NODE_TMP/ddpack-images-<uid>, as the templates' default is /tmp/ddpack-images-<uid>),
 so an image staged to "every node's local disk" lands once per node here too, and a test can plant files on one
 node as another user would in that node's /tmp.
-Partition `gpu` holds all three too, and every node announces two GPUs (GRES gpu:2, a count with no device files):
-these nodes have none, as a GPU partition's nodes whose GPUs a job cannot use, so a GPU job's request, script and
-record are real here, and so is its refusal on nodes without the GPUs it was promised.
+Partition `gpu` holds all three too, and every node announces two GPUs (GRES gpu:2, whose device files are stand-ins:
+Slurm 22.05 drops a gpu GRES without files): these nodes have no GPU, as a GPU partition's nodes whose GPUs a job
+cannot use, so a GPU job's request, script and record are real here, and so is its refusal on nodes without the
+GPUs it was promised.
 Idempotent: a running cluster is reused, and restarted when its configuration changed. Needs root; writes
 /etc/slurm/slurm.conf and gres.conf only when they are absent or ours.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -79,8 +81,11 @@ PartitionName=debug Nodes=ddnode[1-2] Default=YES MaxTime=INFINITE State=UP Over
 PartitionName=big Nodes=ddnode[1-3] MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 PartitionName=gpu Nodes=ddnode[1-3] MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 """
+# Slurm 22.05 drops a gpu GRES with no device file ("Removing file-less GPU"), so each node's GPUs are stand-in
+# character devices (copies of /dev/null) that no NVIDIA driver or torch takes for a GPU: /dev/nvidia* stays empty.
+FAKE_GPUS = [Path(f"/dev/ddpack-test-gpu{index}") for index in range(GPUS_PER_NODE)]
 GRES = f"""{MARKER}
-NodeName=ddnode[1-3] Name=gpu Count={GPUS_PER_NODE}
+Name=gpu File=/dev/ddpack-test-gpu[0-{GPUS_PER_NODE - 1}]
 """
 
 
@@ -191,6 +196,9 @@ def ensure_cluster(timeout_s: float = 60) -> None:
     changed = [conf for conf, text in ((CONF, SLURM_CONF), (GRES_CONF, GRES)) if not conf.exists() or conf.read_text() != text]
     for conf, text in ((CONF, SLURM_CONF), (GRES_CONF, GRES)):
         conf.write_text(text)
+    for device in FAKE_GPUS:
+        if not device.exists():
+            os.mknod(device, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
     if changed:
         _stop_daemons()  # slurmctld and each slurmd read their configuration only when they start
     NODE_ENROOT.write_text(NODE_ENROOT_TEXT)
@@ -209,6 +217,8 @@ def ensure_cluster(timeout_s: float = 60) -> None:
         subprocess.run(["slurmctld"], check=True)
     for node in NODES:
         _start_slurmd(node)
+    if changed:  # nodes an earlier configuration drained (slurmctld keeps their state) come back under this one
+        subprocess.run(["scontrol", "update", f"nodename={','.join(NODES)}", "state=resume"], capture_output=True)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if _idle_nodes() >= len(NODES):
