@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from types import FrameType
@@ -31,6 +32,13 @@ from train.config import Config
 from train.tasks import Task, regression
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+
+def say(line: str) -> None:
+    """One line in one write: the ranks of a node share the step's output, and Python's print writes the line and
+    its newline apart when unbuffered (torchrun's workers), so two ranks' lines could run together."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 class Hold:
@@ -75,15 +83,15 @@ class Hold:
 
         for sig in STOP_SIGNALS:
             signal.signal(sig, heard)
-        print(f"held_task: rank {rank} held at batch {self.at} of start {self.key} until {self.this_start} exists", flush=True)
+        say(f"held_task: rank {rank} held at batch {self.at} of start {self.key} until {self.this_start} exists")
         told, deadline = 0, time.monotonic() + self.max_wait_s
         try:
             while not self.is_open():
                 for name in arrived[told:]:
-                    print(f"held_task: rank {rank} got {name} while held in start {self.key}", flush=True)
+                    say(f"held_task: rank {rank} got {name} while held in start {self.key}")
                 told = len(arrived)
                 if time.monotonic() > deadline:  # a test that failed before opening the gate: the job ends by itself
-                    print(f"held_task: rank {rank} gave up waiting after {self.max_wait_s:g} s (HOLD_MAX_S); training on", flush=True)
+                    say(f"held_task: rank {rank} gave up waiting after {self.max_wait_s:g} s (HOLD_MAX_S); training on")
                     break
                 time.sleep(0.05)
         finally:

@@ -132,9 +132,10 @@ def submit(
     return job, tmp_path / "runs" / f"{name}-{job}" / "metrics.jsonl", tmp_path / "logs" / f"{name}-{job}.out"
 
 
-# A program of the user's has its lines labelled by srun ("R: ", the per-task template): the held task's lines too.
-HELD_LINE = re.compile(r"^(?:\s*\d+: )?held_task: rank (\d+) held at batch \d+ of start (\S+) until ", re.MULTILINE)
-SIGNALLED_LINE = re.compile(r"^(?:\s*\d+: )?held_task: rank (\d+) got (\S+) while held in start (\S+)$", re.MULTILINE)
+# Found anywhere in a line: srun labels a program's lines with their rank ("R: ", the per-task template), and another
+# process's output may share a line with them.
+HELD_LINE = re.compile(r"held_task: rank (\d+) held at batch \d+ of start (\S+?) until ")
+SIGNALLED_LINE = re.compile(r"held_task: rank (\d+) got (SIG[A-Z0-9]+) while held in start (\d+\.\d+)")
 # The held task's trainer flags: with its batches fetched in the training process, batch N is step N of a start.
 HELD_TRAIN_ARGS = "--task held_task:regression_held --num-workers 0"
 

@@ -59,3 +59,15 @@ def test_a_gate_never_opened_gives_up_after_hold_max_s_and_the_run_ends_by_itsel
     assert out.returncode == 0, out.stdout + out.stderr
     assert "held_task: rank 0 gave up waiting after 1 s (HOLD_MAX_S); training on" in out.stdout
     assert "checksums agree across 1 ranks" in out.stdout
+
+
+def test_every_ranks_line_is_found_when_two_ran_together_or_srun_labelled_them(tmp_path: Path) -> None:
+    """Seen under torchrun: two workers' lines ran into one (print wrote each line and its newline apart); under the
+    per-task template srun labels a program's lines with their rank."""
+    held = "held_task: rank {r} held at batch 20 of start 0.1 until /fsx/gate-0.1 exists"
+    log = tmp_path / "job.out"
+    log.write_text(held.format(r=3) + held.format(r=2) + "\n" + f" 1: {held.format(r=1)}\n" + f"10: {held.format(r=0)}\n")
+    gate = Gate(tmp_path, {}, "")
+    assert gate.held(log, 4, timeout=1) == "0.1"
+    log.write_text(log.read_text() + "".join(f"{r}: held_task: rank {r} got SIGUSR1 while held in start 0.1\n" for r in range(4)))
+    gate.signalled(log, "0.1", 4, timeout=1)
