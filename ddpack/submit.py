@@ -82,15 +82,20 @@ class SubmitSettings:
 
 
 @functools.cache
-def settings_table() -> Any:
-    """enroot/ddpack_settings.py as a module: the one table of the job's settings, which the templates check too."""
+def job_side_module(name: str) -> Any:
+    """enroot/NAME.py (a job helper run with the nodes' system Python) as a module: its own definitions, not a copy."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("ddpack_settings", ROOT / "enroot" / "ddpack_settings.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "enroot" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    sys.modules.setdefault("ddpack_settings", module)  # its dataclasses look their module up there
+    sys.modules.setdefault(name, module)  # dataclasses look their module up there
     spec.loader.exec_module(module)  # type: ignore[union-attr]
     return module
+
+
+def settings_table() -> Any:
+    """enroot/ddpack_settings.py: the one table of the job's settings, which the templates check too."""
+    return job_side_module("ddpack_settings")
 
 
 def setting_problems(settings: SubmitSettings) -> list[str]:
@@ -566,15 +571,9 @@ def record_job(run_dir: Path, job_id: str, how: str) -> None:
         raise HostError(f"job {job_id} is queued, but recording it in {run_dir}/run.json failed ({exc}); scancel {job_id} or add it by hand", code=1) from None
 
 
-@functools.cache
 def node_helper() -> Any:
-    """enroot/ddpack_node.py as a module: the job helper's own definitions (the staging key), not a copy."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("ddpack_node", ROOT / "enroot" / "ddpack_node.py")
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
+    """enroot/ddpack_node.py: the job helper's own definitions (the staging key, the folder rules)."""
+    return job_side_module("ddpack_node")
 
 
 def image_key(sqsh: Path) -> str:

@@ -80,8 +80,7 @@ def wait_for_exit(job: str, timeout: float = 900) -> int:
     after 2, 10, 42, 74, ... seconds: a job of 12 s cost the test 42.)"""
     deadline = time.monotonic() + timeout
     while True:
-        out = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True, text=True).stdout
-        fields = dict(item.split("=", 1) for item in out.split() if "=" in item)
+        fields = job_fields(job)
         if fields.get("JobState") in FINAL_STATES:
             return int(fields.get("ExitCode", "1:0").split(":")[0])
         assert time.monotonic() < deadline, f"job {job} did not end within {timeout:.0f} s: {fields.get('JobState')}"
@@ -91,10 +90,15 @@ def wait_for_exit(job: str, timeout: float = 900) -> int:
 FINAL_STATES = slurm_cli.FINAL
 
 
-def job_state(job: str) -> tuple[str, str, int]:
-    """(JobState, Reason, Restarts) from scontrol, which keeps a finished job for MinJobAge seconds."""
+def job_fields(job: str) -> dict[str, str]:
+    """scontrol's fields of a job (kept for MinJobAge seconds after it ends); {} once Slurm has forgotten it."""
     out = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True, text=True).stdout
-    fields = dict(item.split("=", 1) for item in out.split() if "=" in item)
+    return dict(item.split("=", 1) for item in out.split() if "=" in item)
+
+
+def job_state(job: str) -> tuple[str, str, int]:
+    """(JobState, Reason, Restarts) from scontrol."""
+    fields = job_fields(job)
     return fields.get("JobState", ""), fields.get("Reason", ""), int(fields.get("Restarts", "0"))
 
 
@@ -210,9 +214,7 @@ def submit_and_preempt(
 
 def world_of(job: str) -> int:
     """The tasks of a job, from scontrol (NumTasks)."""
-    out = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True, text=True).stdout
-    fields = dict(item.split("=", 1) for item in out.split() if "=" in item)
-    return int(fields.get("NumTasks", "1"))
+    return int(job_fields(job).get("NumTasks", "1"))
 
 
 def preempt_and_resume(
