@@ -1,12 +1,14 @@
 """`ddpack`: one command from your project to a running job and back (docs/commands.md).
 
-    ddpack submit   [APP_DIR] --nodes N [...] [--dry-run] [--json] [-- COMMAND...]
+    ddpack submit   [APP_DIR] [--file run.toml] --nodes N [...] [--dry-run] [--json] [-- COMMAND...]
     ddpack status   [RUN|JOB_ID] [--json] [--watch]
     ddpack logs     [RUN|JOB_ID] [-f] [--rank R] [--json]
     ddpack cancel   [RUN|JOB_ID] [--json]
     ddpack ls       [--runs DIR] [--json]
-    ddpack resubmit RUN|JOB_ID [--json]
+    ddpack resubmit RUN|JOB_ID [--time T] [--nodes N] [--partition P] [--json]
     ddpack report   RUN|JOB_ID [--png] [--json]
+    ddpack compare  RUN|JOB_ID RUN|JOB_ID... [--json] [--html PATH]
+    ddpack completion bash|zsh
 
 Host side only: Slurm's own commands (sbatch, squeue, sacct where there is accounting, scancel) and the run folder.
 Bad input is one line and exit 2. --json prints one object (ls: a list of them) with status --json's names: run_dir,
@@ -24,7 +26,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ddpack.errors import run_verb
+from ddpack.errors import HostError, run_verb
+
+TEMPLATE_CHOICES = ("per-task", "torchrun")
 
 
 def _whole(text: str) -> int:
@@ -50,20 +54,18 @@ def parser() -> argparse.ArgumentParser:
     json_help = "print one JSON object (status --json's names: run_dir, job_id, state, ...)"
 
     sub = verbs.add_parser("submit", help="build, convert and submit a project (only what changed), recording what ran")
-    sub.add_argument("app_dir", nargs="?", default=".", type=Path, help="the project folder (default: here)")
-    sub.add_argument("--nodes", type=_whole, required=True, help="nodes that train")
-    sub.add_argument("--tasks-per-node", type=_whole, default=None, help="ranks per node (default: one per GPU with --gpus-per-node, else 1)")
-    sub.add_argument("--spares", type=_whole, default=0, help="spare nodes held for a restart in place")
-    sub.add_argument(
-        "--gpus-per-node", type=_whole, default=0, help="GPUs a node: builds the project on the CUDA image (Dockerfile.gpu), one rank per GPU"
-    )
-    sub.add_argument("--efa", action="store_true", help="with --gpus-per-node: the CUDA image with AWS's EFA installer (p4d, p5)")
+    # Every option the run file can hold defaults to None here: a flag given wins over the file, the file over the default.
+    sub.add_argument("app_dir", nargs="?", default=None, type=Path, help="the project folder (default: the run file's, else here)")
+    sub.add_argument("--file", type=Path, help="a run file (TOML) holding these options; flags given here win over it")
+    sub.add_argument("--nodes", type=_whole, help="nodes that train (required, here or in the run file)")
+    sub.add_argument("--tasks-per-node", type=_whole, help="ranks per node (default: one per GPU with --gpus-per-node, else 1)")
+    sub.add_argument("--spares", type=_whole, help="spare nodes held for a restart in place (default 0)")
+    sub.add_argument("--gpus-per-node", type=_whole, help="GPUs a node: builds the project on the CUDA image (Dockerfile.gpu), one rank per GPU")
+    sub.add_argument("--efa", action="store_true", default=None, help="with --gpus-per-node: the CUDA image with AWS's EFA installer (p4d, p5)")
     sub.add_argument("--partition")
     sub.add_argument("--time", dest="time_limit", help="Slurm's time limit, e.g. 4:00:00")
-    sub.add_argument("--template", default="per-task", choices=("per-task", "torchrun"))
-    sub.add_argument(
-        "--mounts", default=os.environ.get("DDPACK_MOUNTS") or "/fsx:/fsx", help="pyxis' --container-mounts (default /fsx:/fsx)"
-    )
+    sub.add_argument("--template", choices=TEMPLATE_CHOICES, help="per-task (default): one Slurm task a rank; torchrun: one a node")
+    sub.add_argument("--mounts", help="pyxis' --container-mounts (default: DDPACK_MOUNTS, else /fsx:/fsx)")
     sub.add_argument("--runs", type=Path, default=None, help=runs_help)
     sub.add_argument("--images", type=Path, default=None, help="the shared images folder (default: DDPACK_IMAGES, else /fsx/images)")
     sub.add_argument("--sqsh", type=Path, help="a squashfs made already (make sqsh): nothing is built or converted")
@@ -74,7 +76,15 @@ def parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="NAME[=VALUE]",
-        help="a setting for the job (repeatable; NAME alone: its value from this environment)",
+        help="a variable for the job, written in its script and run.json (repeatable; NAME alone: its value from this shell); "
+        "nothing else of this shell but PATH, HOME, USER, LOGNAME, LANG, LC_ALL and TZ reaches the job",
+    )
+    sub.add_argument(
+        "--secret",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a variable whose value (from this shell) Slurm hands to the job: in no file, script, record or log (repeatable)",
     )
     sub.add_argument("--dry-run", action="store_true", help="print the job script and run the checks; build, write and queue nothing")
     sub.add_argument("--json", action="store_true", help="print one JSON object (job_id, run_dir, ...)")
@@ -102,6 +112,17 @@ def parser() -> argparse.ArgumentParser:
         sub.add_argument("--runs", type=Path, default=None, help=runs_help)
         sub.add_argument("--json", action="store_true", help=json_help)
     verbs.choices["report"].add_argument("--png", action="store_true")
+    again = verbs.choices["resubmit"]
+    again.add_argument("--time", dest="time_limit", help="a new time limit for this job (after a TIMEOUT: a longer one)")
+    again.add_argument("--nodes", type=_whole, help="nodes that train in this job (the run's spares come on top)")
+    again.add_argument("--partition", help="the partition for this job")
+    sub = verbs.add_parser("compare", help="what differed between runs (image, code, settings, command, environment) and how each ended")
+    sub.add_argument("run", nargs="+", help="two run folders or job ids, or more")
+    sub.add_argument("--runs", type=Path, default=None, help=runs_help)
+    sub.add_argument("--json", action="store_true", help="print one object: runs (each with its outcome), differ, same")
+    sub.add_argument("--html", type=Path, default=Path("compare.html"), help="the page overlaying their curves (default ./compare.html)")
+    sub = verbs.add_parser("completion", help="print the shell completion script (bash: source <(ddpack completion bash))")
+    sub.add_argument("shell", choices=("bash", "zsh"))
     return top
 
 
@@ -115,9 +136,14 @@ def main(argv: list[str] | None = None) -> int:
     from ddpack import runs as run_ops
 
     def body() -> int:
-        runs = (opts.runs if getattr(opts, "runs", None) else run_ops.default_runs()).resolve()
+        if opts.verb == "completion":
+            from ddpack.completion import script
+
+            print(script(parser(), opts.shell), end="")
+            return 0
         if opts.verb == "submit":
-            return submit(opts, runs)
+            return submit(opts)
+        runs = (opts.runs if getattr(opts, "runs", None) else run_ops.default_runs()).resolve()
         if opts.verb == "status":
             return status(opts, runs)
         if opts.verb == "ls":
@@ -131,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if opts.verb == "report":
             return report(opts, runs)
+        if opts.verb == "compare":
+            return compare(opts, runs)
         run_dir = run_ops.resolve_run(opts.run, runs)
         if opts.verb == "logs":
             return logs(opts, run_dir)
@@ -138,49 +166,69 @@ def main(argv: list[str] | None = None) -> int:
             job = run_ops.cancel(run_dir)
             say = f"cancel: job {job} of {run_dir} cancelled (scancel); ddpack status {run_dir} shows CANCELLED once Slurm has ended it"
             return answer(opts, run_dir, say, job_id=job)
-        if opts.verb == "resubmit":
-            job = run_ops.resubmit(run_dir)
-        return answer(opts, run_dir, f"resubmit: job {job} continues {run_dir} with the same image and job script", job_id=job)
+        changes = {"time_limit": opts.time_limit, "nodes": opts.nodes, "partition": opts.partition}
+        job = run_ops.resubmit(run_dir, changes)
+        changed = ", ".join(f"--{key.removesuffix('_limit')} {value}" for key, value in changes.items() if value is not None)
+        say = f"resubmit: job {job} continues {run_dir} with the same image and job script{f' ({changed})' if changed else ''}"
+        return answer(opts, run_dir, say, job_id=job)
 
     return run_verb(opts.verb, body)
 
 
-def submit(opts: argparse.Namespace, runs: Path) -> int:
+def submit(opts: argparse.Namespace) -> int:
+    """The flags over the run file (--file) over the defaults, then ddpack.submit."""
+    from ddpack import runs as run_ops
+    from ddpack.run_file import read_run_file
     from ddpack.submit import SubmitSettings, as_json
     from ddpack.submit import submit as do_submit
 
-    command = tuple(opts.command)
-    tasks = opts.tasks_per_node if opts.tasks_per_node is not None else (opts.gpus_per_node or 1)
-    if opts.tasks_per_node is not None and opts.gpus_per_node and opts.tasks_per_node != opts.gpus_per_node:
+    run_file = read_run_file(opts.file) if opts.file else None
+    given = run_file.values if run_file else {}
+
+    def pick(attr: str, key: str | None = None, default: Any = None) -> Any:
+        flag = getattr(opts, attr)
+        return flag if flag is not None else given.get(key or attr, default)
+
+    nodes = pick("nodes")
+    if nodes is None:
+        raise HostError("how many nodes? --nodes N (or nodes = N in a run file, --file run.toml)", code=2)
+    gpus = pick("gpus_per_node", default=0)
+    tasks = pick("tasks_per_node")
+    if tasks is not None and gpus and tasks != gpus:
         print(
-            f"ddpack submit: warning: --tasks-per-node {tasks} with --gpus-per-node {opts.gpus_per_node}: {tasks} ranks a node share "
-            f"{opts.gpus_per_node} GPUs, where one rank per GPU is the rule (leave --tasks-per-node out for it)",
+            f"ddpack submit: warning: --tasks-per-node {tasks} with --gpus-per-node {gpus}: {tasks} ranks a node share "
+            f"{gpus} GPUs, where one rank per GPU is the rule (leave --tasks-per-node out for it)",
             file=sys.stderr,
         )
+    env = {**run_file.passed_env(os.environ), **given.get("env", {})} if run_file else {}
+    runs = pick("runs") or run_ops.default_runs()
+    images = pick("images") or Path(os.environ.get("DDPACK_IMAGES") or "/fsx/images")
     settings = SubmitSettings(
-        app_dir=opts.app_dir.resolve(),
-        nodes=opts.nodes,
-        tasks_per_node=tasks,
-        spares=opts.spares,
-        gpus_per_node=opts.gpus_per_node,
-        efa=opts.efa,
-        partition=opts.partition,
-        time_limit=opts.time_limit,
-        template=opts.template,
-        mounts=opts.mounts,
-        runs=runs,
-        images=(opts.images or Path(os.environ.get("DDPACK_IMAGES") or "/fsx/images")).resolve(),
-        env=dict(opts.env),
-        command=command,
-        sqsh=opts.sqsh,
-        name=opts.name,
+        app_dir=(opts.app_dir or given.get("app_dir") or Path(".")).resolve(),
+        nodes=nodes,
+        tasks_per_node=tasks if tasks is not None else (gpus or 1),
+        spares=pick("spares", default=0),
+        gpus_per_node=gpus,
+        efa=pick("efa", default=False),
+        partition=pick("partition"),
+        time_limit=pick("time_limit", "time"),
+        template=pick("template", default="per-task"),
+        mounts=pick("mounts") or os.environ.get("DDPACK_MOUNTS") or "/fsx:/fsx",
+        runs=Path(runs).resolve(),
+        images=Path(images).resolve(),
+        env={**env, **dict(opts.env)},
+        command=tuple(opts.command or given.get("command", ())),
+        sqsh=pick("sqsh"),
+        name=pick("name"),
+        secrets=tuple(dict.fromkeys([*given.get("secrets", []), *opts.secret])),
     )
+    kept = run_file.record() if run_file else None
     if opts.json:  # stdout holds the one JSON object: what the build and conversion print (their tools too) goes to stderr
         with stdout_to_stderr():
-            result = do_submit(settings, dry_run=opts.dry_run, say=print)
+            result = do_submit(settings, dry_run=opts.dry_run, say=print, run_file=kept)
         print(as_json(result))
         return 0
-    result = do_submit(settings, dry_run=opts.dry_run, say=print)
+    result = do_submit(settings, dry_run=opts.dry_run, say=print, run_file=kept)
     if result.job_id:
         print("next:\n" + "\n".join(f"  {line}" for line in result.next_commands()))
     return 0
@@ -231,9 +279,21 @@ def report(opts: argparse.Namespace, runs: Path) -> int:
     return 0
 
 
+def compare(opts: argparse.Namespace, runs: Path) -> int:
+    from ddpack import compare as comparing
+    from ddpack.runs import resolve_run
+
+    comparison, metrics = comparing.compare([resolve_run(run, runs) for run in opts.run])
+    page = comparing.write_page(comparison, metrics, opts.html.resolve())
+    if opts.json:
+        print(json.dumps({**comparison.to_json(), "html": str(page)}, indent=2))
+    else:
+        print(comparing.render(comparison, page))
+    return 0
+
+
 def logs(opts: argparse.Namespace, run_dir: Path) -> int:
     from ddpack import runs as run_ops
-    from ddpack.errors import HostError
 
     if opts.json:
         if opts.follow:

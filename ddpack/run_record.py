@@ -33,6 +33,7 @@ class Job:
     attempt: int  # 1 for the submission, then one more per resubmit
     submitted: float
     how: str  # "submit" or "resubmit"
+    changes: dict[str, Any] = field(default_factory=dict)  # a resubmit's new --time, --nodes or --partition
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +53,8 @@ class RunRecord:
     versions: dict[str, str]
     jobs: list[Job] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)  # cancels, with time and job
+    environment: dict[str, Any] = field(default_factory=dict)  # script, login_shell (values), secrets (names only)
+    run_file: dict[str, Any] | None = None  # the run file's path, digest and text (ddpack submit --file)
     format: int = FORMAT
 
     @classmethod
@@ -133,11 +136,11 @@ def _locked(run_dir: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def append_job(run_dir: Path, job_id: str, how: str) -> Job:
+def append_job(run_dir: Path, job_id: str, how: str, changes: dict[str, Any] | None = None) -> Job:
     """Add a submitted job to the record, re-read under the lock so a concurrent append is kept."""
     with _locked(run_dir):
         record = read_record(run_dir)
-        job = Job(job_id=job_id, attempt=len(record.jobs) + 1, submitted=time.time(), how=how)
+        job = Job(job_id=job_id, attempt=len(record.jobs) + 1, submitted=time.time(), how=how, changes=changes or {})
         data = asdict(record)
         data["jobs"].append(asdict(job))
         write_json_atomic(record_path(run_dir), data)

@@ -14,7 +14,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from ddpack import slurm_cli
 from ddpack.errors import HostError
@@ -162,12 +162,16 @@ def cancel(run_dir: Path) -> str:
     return job.job_id
 
 
-def resubmit(run_dir: Path) -> str:
+def resubmit(run_dir: Path, changes: dict[str, Any] | None = None) -> str:
     """A new job that continues the run folder with the same job script and the same image; refused in one line
-    when that image is gone or changed, the script was edited, or a job of the run still lives."""
-    from ddpack.submit import image_key, record_job
+    when that image is gone or changed, the script was edited, a job of the run still lives, or a secret it was given
+    is not in this shell. `changes` (time_limit, nodes, partition) override the script's #SBATCH lines for this job
+    only, and are kept with the job in run.json: after a TIMEOUT, a longer --time continues the run."""
+    from ddpack.submit import LOGIN_ENV, image_key, record_job
 
+    changes = {key: value for key, value in (changes or {}).items() if value is not None}
     record = read_record(run_dir)
+    options = resubmit_options(changes, int(record.settings.get("spares") or 0))
     sqsh = Path(record.sqsh["path"])
     if not sqsh.is_file():
         raise HostError(f"the image this run ran, {sqsh}, is gone; submit again (ddpack submit) to build and convert it", code=2)
@@ -184,6 +188,13 @@ def resubmit(run_dir: Path) -> str:
             raise HostError(f"{problem}; not resubmitting it", code=2)
     if hashlib.sha256(script.read_bytes()).hexdigest() != record.script_sha256:
         raise HostError(f"{script} was edited since it was submitted; submit again rather than resubmit a changed job", code=2)
+    secrets = list(record.environment.get("secrets", []))
+    missing = [name for name in secrets if not os.environ.get(name)]
+    if missing:
+        raise HostError(
+            f"this run's secret {', '.join(missing)} is not set in this shell; export it and resubmit (its value goes to Slurm, never to a file)",
+            code=2,
+        )
     job = record.last_job
     if job is not None:
         queue = slurm_cli.queue_state(job.job_id)
@@ -191,6 +202,28 @@ def resubmit(run_dir: Path) -> str:
             raise HostError(f"cannot tell whether job {job.job_id} of this run is over: {queue.failed}; try again", code=2)
         if queue.listed and queue.state not in slurm_cli.FINAL:
             raise HostError(f"job {job.job_id} of this run is still {queue.state}; ddpack cancel it first, or wait for it", code=2)
-    job_id = slurm_cli.sbatch(script, run_dir)
-    record_job(run_dir, job_id, "resubmit")
+    # A record from before the environment was recorded sent the whole shell; one that has it sends what it names.
+    export = (*LOGIN_ENV, *secrets) if record.environment else None
+    job_id = slurm_cli.sbatch(script, run_dir, export=export, options=options)
+    record_job(run_dir, job_id, "resubmit", changes)
     return job_id
+
+
+def resubmit_options(changes: dict[str, Any], spares: int) -> tuple[str, ...]:
+    """sbatch's options for a resubmit's changes, each checked: one line and exit 2 for a bad one."""
+    from ddpack.submit import SLURM_TIME
+
+    options = []
+    if "time_limit" in changes:
+        if not SLURM_TIME.fullmatch(str(changes["time_limit"])):
+            raise HostError(f"--time {changes['time_limit']}: not a Slurm time (minutes, H:MM:SS, D-HH, D-HH:MM:SS)", code=2)
+        options.append(f"--time={changes['time_limit']}")
+    if "nodes" in changes:
+        if int(changes["nodes"]) < 1:
+            raise HostError(f"--nodes {changes['nodes']}: a job needs at least 1 node", code=2)
+        options.append(f"--nodes={int(changes['nodes']) + spares}")  # the run's spares come on top, as at submit
+    if "partition" in changes:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", str(changes["partition"])):
+            raise HostError(f"--partition {changes['partition']!r}: not a partition's name", code=2)
+        options.append(f"--partition={changes['partition']}")
+    return tuple(options)

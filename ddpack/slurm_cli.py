@@ -138,9 +138,12 @@ def job_exit_code(job_id: str) -> int | None:
     return int(found.group(1)) if found and not answer.failed else None
 
 
-def sbatch(script: Path, cwd: Path) -> str:
-    """Submit `script`; its job id. A refusal is one line naming sbatch's own reason."""
-    answer = ask(["sbatch", "--parsable", str(script)], timeout=120, cwd=cwd)
+def sbatch(script: Path, cwd: Path, *, export: tuple[str, ...] | None = None, options: tuple[str, ...] = ()) -> str:
+    """Submit `script`; its job id. `export`: the only variables the job takes from this process's environment
+    (sbatch --export=NAME,...: Slurm keeps their values with the job, and a requeue gets them again), None for all of
+    them; `options` override the script's own #SBATCH lines. A refusal is one line naming sbatch's own reason."""
+    exporting = [f"--export={','.join(export) if export else 'NIL'}"] if export is not None else []
+    answer = ask(["sbatch", "--parsable", *exporting, *options, str(script)], timeout=120, cwd=cwd)
     if answer.failed:
         raise HostError(f"sbatch refused the job: {answer.failed}", code=2)
     job = answer.stdout.strip().split(";")[0]

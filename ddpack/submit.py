@@ -47,6 +47,11 @@ HELPERS = ("ddpack-job.sh", "ddpack_node.py", "ddpack_settings.py")
 OWN_SETTINGS = ("DDPACK_SQSH", "DDPACK_RUN_DIR", "DDPACK_HOME", "DDPACK_MOUNTS", "DDPACK_COMMAND", "DDPACK_SPARE_NODES", "DDPACK_NPROC")
 SLURM_TIME = re.compile(r"\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|\d+-\d+:\d{1,2}:\d{1,2}|UNLIMITED|INFINITE")
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# What the job takes from the submitting shell besides --secret's names (sbatch --export): the login basics and
+# nothing else. NCCL_*, FI_*, CUDA_* and the rest of a login shell reach the job only when named (--env NAME).
+LOGIN_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "TZ")
+
+
 @dataclass(frozen=True, kw_only=True)
 class SubmitSettings:
     """What one `ddpack submit` asks for, by keyword (the flags, resolved)."""
@@ -67,6 +72,12 @@ class SubmitSettings:
     command: tuple[str, ...] = ()
     sqsh: Path | None = None  # a squashfs made already: nothing is built or converted
     name: str | None = None
+    secrets: tuple[str, ...] = ()  # names only: Slurm hands their values from this shell to the job (sbatch --export)
+
+    @property
+    def exported_names(self) -> tuple[str, ...]:
+        """The names sbatch --export takes from this shell: the login basics and the secrets."""
+        return (*LOGIN_ENV, *self.secrets)
 
     @property
     def variant(self) -> str:
@@ -131,6 +142,13 @@ def setting_problems(settings: SubmitSettings) -> list[str]:
             problems.append(f"--env {name}: set by ddpack itself ({table[name].meaning}), not by you")
         elif (why := table[name].problem(name, value)) is not None:
             problems.append(f"--env {why}")
+    for name in settings.secrets:
+        if not ENV_NAME.fullmatch(name) or name.startswith(("DDPACK_", "SLURM_")) or name in LOGIN_ENV:
+            problems.append(f"--secret {name}: not a variable name of your own (DDPACK_*, SLURM_* and {', '.join(LOGIN_ENV)} are not secrets)")
+        elif name in settings.env:
+            problems.append(f"--secret {name} is also an --env setting, whose value is written in the job script; give it once, as --secret")
+        elif not os.environ.get(name):
+            problems.append(f"--secret {name}: {name} is not set in this environment; export it here first (its value goes to no file)")
     if settings.name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", settings.name):
         problems.append(f"--name {settings.name!r}: letters, digits, '.', '_' and '-' only (it names the job and the run folder)")
     return problems
@@ -288,6 +306,7 @@ def render_script(settings: SubmitSettings, run_dir: Path, sqsh: Path) -> str:
     settings_block = [
         "# ddpack submit: this run's settings (run.json records them). None is inherited from the submitting shell.",
         "for ddpack_var in $(compgen -e | grep '^DDPACK_'); do unset \"${ddpack_var}\"; done",
+        "unset SLURM_EXPORT_ENV  # sbatch --export named what the job takes from the shell; every step gets all of this script's",
         *(f"export {name}={shlex.quote(value)}" for name, value in exported(settings, run_dir, sqsh).items()),
     ]
     return "\n".join([comments[0], *sbatch_lines(settings, run_dir), *comments[1:], marker.rstrip("\n"), *settings_block, ""]) + body
@@ -476,18 +495,18 @@ class Submitted:
         return [f"ddpack status {self.run_dir} --watch", f"ddpack logs {self.run_dir} -f", f"ddpack cancel {self.run_dir}"]
 
 
-def submit(settings: SubmitSettings, *, dry_run: bool = False, say: Any = print) -> Submitted:
+def submit(settings: SubmitSettings, *, dry_run: bool = False, say: Any = print, run_file: dict[str, Any] | None = None) -> Submitted:
     raise_problems(setting_problems(settings))
     # What submit writes (the run folder, run.json, the squashfs) and the job log sbatch opens are as private as the
     # job's own files (the templates' DDPACK_UMASK); the caller's umask is its own again afterwards.
     previous = os.umask(int(settings.env.get("DDPACK_UMASK", "077"), 8))
     try:
-        return _submit(settings, dry_run=dry_run, say=say)
+        return _submit(settings, dry_run=dry_run, say=say, run_file=run_file)
     finally:
         os.umask(previous)
 
 
-def _submit(settings: SubmitSettings, *, dry_run: bool, say: Any) -> Submitted:
+def _submit(settings: SubmitSettings, *, dry_run: bool, say: Any, run_file: dict[str, Any] | None) -> Submitted:
     # Every check that needs no image runs before anything is built: a typo costs seconds, not a build.
     planned_dir = (settings.runs / f"{settings.job_name}-<time>").resolve()
     planned_sqsh = settings.sqsh.resolve() if settings.sqsh is not None else settings.images / f"{settings.job_name.lower()}-<image id>.sqsh"
@@ -547,9 +566,11 @@ def _submit(settings: SubmitSettings, *, dry_run: bool, say: Any) -> Submitted:
         script=str(script_path.relative_to(run_dir)),
         script_sha256=hashlib.sha256(script.encode()).hexdigest(),
         versions=slurm_cli.versions(),
+        environment=job_environment(settings, run_dir, sqsh),
+        run_file=run_file,
     )
     write_record(record)
-    job_id = slurm_cli.sbatch(script_path, run_dir)
+    job_id = slurm_cli.sbatch(script_path, run_dir, export=settings.exported_names)
     record_job(run_dir, job_id, "submit")
     say(f"submit: job {job_id} queued; run folder {run_dir} (run.json records the image, code, command and settings)")
     return Submitted(
@@ -563,10 +584,20 @@ def _submit(settings: SubmitSettings, *, dry_run: bool, say: Any) -> Submitted:
     )
 
 
-def record_job(run_dir: Path, job_id: str, how: str) -> None:
+def job_environment(settings: SubmitSettings, run_dir: Path, sqsh: Path) -> dict[str, Any]:
+    """The environment the job gets, for run.json: the job script's settings, the login basics from this shell with
+    their values, and the secrets by name only."""
+    return {
+        "script": exported(settings, run_dir, sqsh),
+        "login_shell": {name: os.environ[name] for name in LOGIN_ENV if name in os.environ},
+        "secrets": list(settings.secrets),
+    }
+
+
+def record_job(run_dir: Path, job_id: str, how: str, changes: dict[str, Any] | None = None) -> None:
     """The queued job into run.json; a failure here is one line that names the job, which is queued all the same."""
     try:
-        append_job(run_dir, job_id, how)
+        append_job(run_dir, job_id, how, changes)
     except (OSError, HostError) as exc:
         raise HostError(f"job {job_id} is queued, but recording it in {run_dir}/run.json failed ({exc}); scancel {job_id} or add it by hand", code=1) from None
 

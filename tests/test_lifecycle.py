@@ -27,6 +27,10 @@ from train import run_folder
 
 @pytest.fixture
 def slurm(tmp_path, monkeypatch) -> Path:
+    return fake_slurm(tmp_path, monkeypatch)
+
+
+def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A folder of fake Slurm commands first on PATH; each one logs its arguments to calls.log."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -352,7 +356,7 @@ def settings(tmp_path: Path, **changes) -> SubmitSettings:
 
 
 def test_submit_writes_the_record_before_sbatch_and_appends_the_job(tmp_path, slurm) -> None:
-    record_first = 'test -f "$(dirname "$(dirname "$2")")/run.json" && echo 73 || { echo "no run.json yet" >&2; exit 1; }'
+    record_first = 'test -f "$(dirname "$(dirname "${@: -1}")")/run.json" && echo 73 || { echo "no run.json yet" >&2; exit 1; }'
     fake(slurm, "sbatch", f'[ "$1" = --test-only ] && exit 0; {record_first}')
     result = submit(settings(tmp_path, command=("python", "ddp.py", "4", "2"), env={"DDPACK_STAGE": "sbcast"}), say=lambda _: None)
     record = read_record(Path(result.run_dir))

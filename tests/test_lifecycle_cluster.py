@@ -25,8 +25,8 @@ DDPACK = str(Path(sys.executable).parent / "ddpack")  # what `make venv` (and pi
 TRAIN = "--dataset-size 4096 --epochs 2 --log-every 1 --snapshot-every 20 --hang-timeout 0"  # 58 steps, 4 ranks
 
 
-def ddpack(*args: str, path: str | None = None) -> subprocess.CompletedProcess[str]:
-    job_env = env(OMP_NUM_THREADS="1")
+def ddpack(*args: str, path: str | None = None, shell: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    job_env = env(OMP_NUM_THREADS="1", **(shell or {}))
     if path:
         job_env["PATH"] = f"{path}:{job_env['PATH']}"
     return subprocess.run([DDPACK, *args], env=job_env, capture_output=True, text=True, timeout=600)
@@ -174,24 +174,40 @@ def test_a_gpu_job_is_built_on_the_cuda_image_asked_for_and_refused_in_one_line_
     assert status_of(str(run_dir))["state"] == "FAILED"
 
 
-def test_a_command_reaches_every_rank_word_for_word(shared: Path, sqsh: Path) -> None:
-    """`ddpack submit P -- CMD` with words that hold a space, a quote, a backslash, and nothing at all: every rank's
-    program gets exactly those arguments (the command travels as a JSON list, never split on spaces), and its lines
-    carry srun's rank label, which `ddpack logs --rank` reads."""
+def test_a_run_files_command_reaches_every_rank_word_for_word_with_only_the_environment_it_names(shared: Path, sqsh: Path) -> None:
+    """`ddpack submit --file run.toml`, the command with words that hold a space, a quote, a backslash and nothing at
+    all: every rank's program gets exactly those arguments (a JSON list, never split on spaces), and its lines carry
+    srun's rank label, which `ddpack logs --rank` reads. The submitting shell holds a secret and a login shell's
+    FI_* and NCCL_*: the ranks get the secret (through Slurm, by name) and NCCL_DEBUG (named in the file), not
+    FI_PROVIDER, and no file of the run folder holds the secret's value."""
+    import hashlib
+
     work = shared / "argv"
     work.mkdir()
     words = ["--name", "two words", "--note", "it's", "--path", "a\\b", "--empty", ""]
-    probe = "import json, os, sys; print('argv', os.environ['RANK'], json.dumps(sys.argv[1:]))"
-    submitted = ddpack(
-        "submit", str(work), "--nodes", "2", "--sqsh", str(sqsh), "--runs", str(work / "runs"), "--mounts", f"{shared}:/fsx", "--json",
-        "--", "python", "-c", probe, *words,
-    )  # fmt: skip
+    probe = (
+        "import hashlib, json, os, sys; print('argv', os.environ['RANK'], json.dumps(sys.argv[1:])); "
+        "print('env', os.environ['RANK'], hashlib.sha256(os.environ.get('HF_TOKEN', '').encode()).hexdigest(), "
+        "os.environ.get('FI_PROVIDER', '-'), os.environ.get('NCCL_DEBUG', '-'))"
+    )
+    secret = "hf_" + hashlib.sha256(str(work).encode()).hexdigest()[:24]
+    (work / "run.toml").write_text(
+        f'nodes = 2\nsqsh = "{sqsh}"\nruns = "runs"\nmounts = "{shared}:/fsx"\n'
+        f'command = {json.dumps(["python", "-c", probe, *words])}\npass_env = ["NCCL_DEBUG"]\nsecrets = ["HF_TOKEN"]\n'
+    )
+    shell = {"HF_TOKEN": secret, "FI_PROVIDER": "efa", "NCCL_DEBUG": "WARN"}
+    submitted = ddpack("submit", "--file", str(work / "run.toml"), "--json", shell=shell)
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
     result = json.loads(submitted.stdout)
-    log = Path(result["run_dir"]) / run_folder.LOGS / run_folder.job_log(result["job_id"])
+    run_dir = Path(result["run_dir"])
+    log = run_dir / run_folder.LOGS / run_folder.job_log(result["job_id"])
     assert wait_for_end(result["job_id"], log, timeout=300) == ("COMPLETED", 0), log.read_text()
     said = dict(re.findall(r"^ ?\d+: argv (\d) (.*)$", log.read_text(), re.M))
     assert {rank: json.loads(text) for rank, text in said.items()} == {"0": words, "1": words}, log.read_text()
+    got = re.findall(r"^ ?\d+: env (\d) (\S+) (\S+) (\S+)$", log.read_text(), re.M)
+    assert sorted(got) == [(rank, hashlib.sha256(secret.encode()).hexdigest(), "-", "WARN") for rank in "01"], log.read_text()
+    leaks = [p for p in run_dir.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+    assert leaks == [], leaks
     for rank in (0, 1):
         lines = ddpack("logs", result["job_id"], "--runs", str(work / "runs"), "--rank", str(rank)).stdout.splitlines()
         assert [line for line in lines if " argv " in line] == [f"{rank}: argv {rank} {json.dumps(words)}"]

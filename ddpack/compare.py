@@ -1,0 +1,203 @@
+"""`ddpack compare RUN RUN... [--json] [--html PATH]`: what differed between runs, and how each ended.
+
+What ran comes from each run's record (run.json): the image, the code (commit, uncommitted diff, the files' digest),
+every setting, the command, the environment the job got (secrets by name) and the run file. Only what differs is
+shown, one row a field, one column a run. How each ended comes from `ddpack status` (state, step of the total) and
+the run's metrics (final loss, median samples/s and MFU, wall time over its segments, restarts). The HTML page
+overlays the runs' loss and throughput curves, drawn as the report draws one run's.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+from ddpack.errors import HostError
+from ddpack.private_files import write_atomically
+from ddpack.run_record import read_record
+from ddpack.run_records import Run, read_run
+
+# Fields of the record that name this run rather than what it ran: the same run twice always differs in them.
+OWN = ("settings.run_dir", "settings.runs", "environment.script.DDPACK_RUN_DIR", "environment.script.DDPACK_HOME", "environment.login_shell")
+
+
+def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts as dotted keys; lists as JSON text (a command compares as a whole)."""
+    if isinstance(value, dict):
+        flat: dict[str, Any] = {}
+        for key, inner in value.items():
+            flat.update(flatten(inner, f"{prefix}.{key}" if prefix else str(key)))
+        return flat
+    return {prefix: json.dumps(value) if isinstance(value, list) else value}
+
+
+def what_ran(run_dir: Path) -> dict[str, Any]:
+    """The record's facts of what ran, flattened, less what only names the run."""
+    record = read_record(run_dir)
+    facts = {
+        "image": {key: record.image.get(key) for key in ("ref", "image_id", "variant")},
+        "code": {key: record.code.get(key) for key in ("digest", "git_commit", "git_dirty", "diff_sha256", "vcs")},
+        "command": record.command,
+        "settings": {key: value for key, value in record.settings.items() if key != "exported"},
+        "environment": record.environment,
+        "run_file": (record.run_file or {}).get("sha256"),
+    }
+    return {key: value for key, value in flatten(facts).items() if not key.startswith(OWN)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Outcome:
+    state: str
+    step: int | None
+    total_steps: int | None
+    final_loss: float | None
+    samples_per_s: float | None  # median over the run's progress records
+    mfu: float | None  # median
+    wall_s: float | None  # the sum of its segments' spans: time spent training, not queued
+    restarts: int
+
+
+def outcome(run_dir: Path) -> tuple[Outcome, Run | None]:
+    from ddpack.status import run_status
+
+    now = run_status(run_dir)
+    try:
+        run: Run | None = read_run(run_dir)
+    except HostError:  # no metrics yet (queued), or a program that writes none
+        run = None
+    progress = run.progress if run else []
+    losses = [r["loss"] for r in progress if r.get("loss") is not None]
+    rates = [r["samples_per_s"] for r in progress if r.get("samples_per_s") is not None]
+    mfus = [r["mfu"] for r in progress if r.get("mfu") is not None]
+    spans = [s.ended - s.began for s in run.segments if s.began is not None and s.ended is not None] if run else []
+    return (
+        Outcome(
+            state=now.state,
+            step=now.step,
+            total_steps=now.total_steps,
+            final_loss=losses[-1] if losses else None,
+            samples_per_s=median(rates) if rates else None,
+            mfu=median(mfus) if mfus else None,
+            wall_s=sum(spans) if spans else None,
+            restarts=max(0, len(now.segments) - 1),
+        ),
+        run,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Comparison:
+    runs: list[str]  # run folders
+    names: list[str]  # each run's column heading: its job id, else its folder's name
+    differ: dict[str, list[Any]]  # field -> each run's value, only where they differ
+    same: int  # how many fields are the same in every run
+    outcomes: list[Outcome]
+
+    def to_json(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return {"runs": [{"run_dir": run, "name": name, **asdict(out)} for run, name, out in zip(self.runs, self.names, self.outcomes, strict=True)],
+                "differ": self.differ, "same": self.same}  # fmt: skip
+
+
+def compare(run_dirs: list[Path]) -> tuple[Comparison, list[Run | None]]:
+    if len(run_dirs) < 2:
+        raise HostError("compare needs two runs or more (run folders or job ids)", code=2)
+    facts = [what_ran(run_dir) for run_dir in run_dirs]
+    keys = sorted({key for fact in facts for key in fact})
+    differ = {key: [fact.get(key) for fact in facts] for key in keys if len({json.dumps(f.get(key), sort_keys=True) for f in facts}) > 1}
+    ended = [outcome(run_dir) for run_dir in run_dirs]
+    names = []
+    for run_dir in run_dirs:
+        job = read_record(run_dir).last_job
+        names.append(job.job_id if job else run_dir.name)
+    comparison = Comparison(
+        runs=[str(run_dir) for run_dir in run_dirs], names=names, differ=differ, same=len(keys) - len(differ), outcomes=[o for o, _ in ended]
+    )
+    return comparison, [run for _, run in ended]
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
+def outcome_rows(comparison: Comparison) -> list[tuple[str, list[str]]]:
+    out = comparison.outcomes
+    return [
+        ("state", [o.state for o in out]),
+        ("step", [f"{_cell(o.step)} of {_cell(o.total_steps)}" for o in out]),
+        ("final loss", [_cell(o.final_loss) for o in out]),
+        ("samples/s (median)", [f"{o.samples_per_s:,.0f}" if o.samples_per_s is not None else "-" for o in out]),
+        ("MFU (median)", [f"{o.mfu * 100:.1f} %" if o.mfu is not None else "-" for o in out]),
+        ("wall time", [_duration(o.wall_s) for o in out]),
+        ("restarts", [str(o.restarts) for o in out]),
+    ]
+
+
+def render(comparison: Comparison, page: Path | None) -> str:
+    """The two tables as text: what differed (or that nothing did), then how each run ended."""
+    rows = [("", comparison.names)]
+    if comparison.differ:
+        rows += [(key, [_cell(v) for v in values]) for key, values in comparison.differ.items()]
+    rows += [("---", ["" for _ in comparison.names]), *outcome_rows(comparison)]
+    width = max(len(key) for key, _ in rows)
+    columns = [max(len(row[1][i]) for row in rows) for i in range(len(comparison.names))]
+    lines = [f"{key:<{width}}  " + "  ".join(f"{v:<{columns[i]}}" for i, v in enumerate(values)) for key, values in rows]
+    lines = [line.rstrip() if not line.startswith("---") else "-" * len(lines[0]) for line in lines]
+    said = f"{len(comparison.differ)} field(s) differ, {comparison.same} the same" if comparison.differ else f"what ran is the same ({comparison.same} fields)"
+    return "\n".join([*lines, said, *([f"compare: wrote {page}"] if page else [])])
+
+
+def write_page(comparison: Comparison, runs: list[Run | None], path: Path) -> Path:
+    """One self-contained HTML page: the tables, then the runs' loss and throughput overlaid (one colour a run)."""
+    from ddpack.report import STYLE, _pyplot, _table, png
+
+    plt = _pyplot()
+    colours = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:gray", "tab:olive", "tab:cyan"]
+    fig, (loss_ax, rate_ax) = plt.subplots(2, 1, figsize=(10, 8))
+    for index, (name, run) in enumerate(zip(comparison.names, runs, strict=True)):
+        if run is None:
+            continue
+        colour = colours[index % len(colours)]
+        losses = [(r["global_step"], r["loss"]) for r in run.progress if r.get("loss") is not None]
+        if losses:
+            loss_ax.plot(*zip(*losses, strict=True), color=colour, label=name)
+        for number, segment in enumerate(run.segments):  # no line across a requeue's gap
+            rated = [r for r in segment.progress if r.get("samples_per_s") is not None]
+            rate_ax.plot([r["time"] - run.t0 for r in rated], [r["samples_per_s"] for r in rated], color=colour, marker=".",
+                         label=name if number == 0 else None)  # fmt: skip
+    loss_ax.set(xlabel="global step", ylabel="loss", title="Loss")
+    rate_ax.set(xlabel="seconds since each run's first start", ylabel="samples/s (all ranks)", title="Throughput")
+    rate_ax.set_ylim(bottom=0)
+    for ax in (loss_ax, rate_ax):
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    image = base64.b64encode(png(plt, fig)).decode()
+    differ = [[key, *[_cell(v) for v in values]] for key, values in comparison.differ.items()]
+    page = (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>ddpack compare</title><style>{STYLE}</style></head><body>"
+        f"<h1>ddpack compare: {html.escape(', '.join(comparison.names))}</h1>"
+        + _table(["run", "folder"], zip(comparison.names, comparison.runs, strict=True))
+        + "<h2>What differed</h2>"
+        + (_table(["field", *comparison.names], differ) if differ else "<p>Nothing: the same image, code, settings and command.</p>")
+        + "<h2>How each ended</h2>"
+        + _table(["", *comparison.names], [[key, *values] for key, values in outcome_rows(comparison)])
+        + f'<img alt="loss and throughput" src="data:image/png;base64,{image}"></body></html>'
+    )
+    write_atomically(path, page, mode=0o644)
+    return path
