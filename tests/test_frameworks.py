@@ -241,21 +241,48 @@ def test_lightning_without_the_adapter_never_deadlocks_past_the_grace_and_is_req
     assert out.count("entrypoint: SIGUSR1 received; the program has 15 s to stop (DDPACK_STOP_GRACE)") == 2
 
 
+# The README's loop run as written, its steps counted by testbed/held_task.py's Hold around ddpack_run's step_done:
+# HOLD_AT's step waits for the test's gate, so the test signals a loop that is still running, however fast the host.
+HELD_LOOP = """import runpy
+import ddpack_run
+from testbed.held_task import Hold
+
+hold, step_done = Hold.from_environment(), ddpack_run.Run.step_done
+
+
+def held_step_done(self, *args, **kwargs):
+    hold.tick()
+    return step_done(self, *args, **kwargs)
+
+
+ddpack_run.Run.step_done = held_step_done
+runpy.run_path("myloop.py", run_name="__main__")
+"""
+
+
 @pytest.mark.dist
 def test_the_readmes_own_loop_stops_on_one_ranks_signal_resumes_and_finishes(tmp_path: Path) -> None:
     """The README's myloop.py as written: SIGUSR1 to rank 1 stops both at one step (138) after rank 0 saved;
-    the second start continues from that step and both finish on the same parameters."""
+    the second start continues from that step and both finish on the same parameters. Its 2,000 steps take
+    seconds, so both ranks are held at step 5 while the signal reaches rank 1 (an idle CI machine once finished
+    the loop before the test's signal)."""
     run = tmp_path / "run"
     run.mkdir()
     (run / "myloop.py").write_text(python_block("# myloop.py"))
-    env = {"DDPACK_METRICS_FILE": str(run / "metrics.jsonl"), "DDPACK_FORENSICS_DIR": str(run / "forensics")}
-    first = start_slurm_step(subdir(tmp_path, "first"), [2], ["--", sys.executable, "myloop.py"], cwd=run, rank_env={0: env, 1: env})
-    wait_for(lambda: progressed(run, 2), 60, "the loop to report progress")
+    (run / "held_loop.py").write_text(HELD_LOOP)
+    gate = run / "gate"
+    env = {"DDPACK_METRICS_FILE": str(run / "metrics.jsonl"), "DDPACK_FORENSICS_DIR": str(run / "forensics"), "HOLD_AT": "5",
+           "HOLD_UNTIL": str(gate)}  # fmt: skip
+    loop = ["--", sys.executable, "held_loop.py"]
+    first = start_slurm_step(subdir(tmp_path, "first"), [2], loop, cwd=run, rank_env={0: env, 1: env})
+    wait_for(lambda: all(" held at batch 5 " in first.output(rank) for rank in (0, 1)), 60, "both ranks held at step 5")
     first.send(signal.SIGUSR1, [1])
+    wait_for(lambda: "got SIGUSR1 while held" in first.output(1), 60, "the signal to reach rank 1")
+    gate.touch()
     assert first.wait(60) == [138, 138], first.output()
     stopped = {end.global_step for end in first.ends()}
-    assert len(stopped) == 1 and (run / "loop.pt").is_file()
-    second = start_slurm_step(subdir(tmp_path, "second"), [2], ["--", sys.executable, "myloop.py"], cwd=run, rank_env={0: env, 1: env})
+    assert len(stopped) == 1 and 5 <= min(stopped) < 2000 and (run / "loop.pt").is_file()
+    second = start_slurm_step(subdir(tmp_path, "second"), [2], loop, cwd=run, rank_env={0: env, 1: env})
     assert second.wait(120) == [0, 0], second.output()
     ends = second.ends()
     assert [end.global_step for end in ends] == [2000, 2000] and ends[0].checksum == ends[1].checksum, ends
