@@ -14,6 +14,7 @@ PYTEST_ARGS   ?=
 BENCH_START_ARGS ?=
 BENCH_GOODPUT_ARGS ?=
 BENCH_LIFECYCLE_ARGS ?=
+BENCH_EXPERIMENTS_ARGS ?=
 # make report: the run folder (holding metrics.jsonl) and options (--png: also one summary image).
 RUN           ?=
 REPORT_ARGS   ?=
@@ -66,7 +67,7 @@ APP_OPTS = $(if $(APP),--app '$(APP)' --app-cmd "$$APP_CMD" --bundle-tag $(IMAGE
 AWS_ENV := AWS_REGION='$(AWS_REGION)' DDPACK_REGISTRY='$(DDPACK_REGISTRY)'
 IMAGE_ENV := BASE_IMAGE='$(BASE_IMAGE)' WHEELHOUSE='$(WHEELHOUSE)' CA_BUNDLE='$(CA_BUNDLE)' TORCH_VERSION='$(TORCH_VERSION)'
 
-.PHONY: help venv test test-quick lint bench bench-images bench-sqsh bench-start bench-goodput bench-lifecycle bench-gpu clean engine base image image-gpu smoke push push-gpu enroot-credentials sqsh sqsh-gpu report
+.PHONY: help venv test test-quick lint bench bench-images bench-sqsh bench-start bench-goodput bench-lifecycle bench-experiments bench-gpu clean engine base image image-gpu smoke push push-gpu enroot-credentials sqsh sqsh-gpu report
 
 help: ## list targets and variables
 	@echo "ddpack - build, ship and launch PyTorch DDP in containers on Slurm"
@@ -85,6 +86,7 @@ help: ## list targets and variables
 	@echo "  PYTHON=$(PYTHON) VENV=$(VENV) TORCH_VERSION=$(TORCH_VERSION) PIP_TORCH_OPTS=$(PIP_TORCH_OPTS)"
 	@echo "  PYTEST_ARGS=$(PYTEST_ARGS) BENCH_START_ARGS=$(BENCH_START_ARGS) (--baseline-image IMG, --journaled-data DIR, --rounds N)"
 	@echo "  BENCH_GOODPUT_ARGS=$(BENCH_GOODPUT_ARGS) (--rounds N, --fsx-mbps MB/s)"
+	@echo "  BENCH_EXPERIMENTS_ARGS=$(BENCH_EXPERIMENTS_ARGS) (--rounds N, --runs N: run folders for ls)"
 	@echo "  BENCH_SQSH_ARGS=$(BENCH_SQSH_ARGS) (--against IMG [--only-against]: what IMAGE:TAG costs over IMG)"
 	@echo "  BENCH_GPU_ARGS=$(BENCH_GPU_ARGS) (--steps N, --seconds S, --dry-run-on-cpu)"
 	@echo "  RUN=$(RUN) REPORT_ARGS=$(REPORT_ARGS) (make report: the run folder holding metrics.jsonl; --png: also one summary image)"
@@ -146,6 +148,9 @@ bench-goodput: sqsh ## print sbatch -> first step and failure -> training again 
 
 bench-lifecycle: venv ## print ddpack submit with nothing changed vs plain sbatch, and ddpack status on 100,000 progress records vs tail (Slurm, Docker)
 	$(VPY) bench/bench_lifecycle.py $(BENCH_LIFECYCLE_ARGS)
+
+bench-experiments: venv ## print a 100-point sweep's own cost beyond one submit, and ddpack ls on 1,000 runs (fake Slurm: ddpack's own work)
+	$(VPY) bench/bench_experiments.py $(BENCH_EXPERIMENTS_ARGS)
 
 push: engine ## push IMAGE:TAG to ECR (boto3 + docker SDK; AWS_REGION, ECR_REPOSITORY, PUSH_ARGS)
 	$(AWS_ENV) $(VPY) -m ddpack.push --image $(CPU_REF) --repository $(ECR_REPOSITORY) --tag $(TAG) $(PUSH_ARGS)

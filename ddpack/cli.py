@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpack.errors import HostError, run_verb
+from ddpack.sweep import is_sweep
 
 TEMPLATE_CHOICES = ("per-task", "torchrun")
 
@@ -86,6 +87,14 @@ def parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="a variable whose value (from this shell) Slurm hands to the job: in no file, script, record or log (repeatable)",
     )
+    sub.add_argument(
+        "--sweep",
+        action="append",
+        default=[],
+        metavar="NAME=V1,V2,...",
+        help="run the command once per value, {NAME} in its words replaced (repeatable: the cross product), as one job array",
+    )
+    sub.add_argument("--sweep-parallel", type=_whole, help="at most this many of the sweep's points at once (the array's %%)")
     sub.add_argument("--dry-run", action="store_true", help="print the job script and run the checks; build, write and queue nothing")
     sub.add_argument("--json", action="store_true", help="print one JSON object (job_id, run_dir, ...)")
     sub.epilog = "-- COMMAND...: your program, run by every rank (default: the image's own command)"
@@ -160,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         if opts.verb == "compare":
             return compare(opts, runs)
         run_dir = run_ops.resolve_run(opts.run, runs)
+        if is_sweep(run_dir):
+            return sweep_verb(opts, run_dir)
         if opts.verb == "logs":
             return logs(opts, run_dir)
         if opts.verb == "cancel":
@@ -181,6 +192,7 @@ def submit(opts: argparse.Namespace) -> int:
     from ddpack.run_file import read_run_file
     from ddpack.submit import SubmitSettings, as_json
     from ddpack.submit import submit as do_submit
+    from ddpack.sweep import sweep_values
 
     run_file = read_run_file(opts.file) if opts.file else None
     given = run_file.values if run_file else {}
@@ -221,6 +233,8 @@ def submit(opts: argparse.Namespace) -> int:
         sqsh=pick("sqsh"),
         name=pick("name"),
         secrets=tuple(dict.fromkeys([*given.get("secrets", []), *opts.secret])),
+        sweep=sweep_values(opts.sweep, given.get("sweep", {})),
+        sweep_parallel=pick("sweep_parallel"),
     )
     kept = run_file.record() if run_file else None
     if opts.json:  # stdout holds the one JSON object: what the build and conversion print (their tools too) goes to stderr
@@ -254,6 +268,8 @@ def status(opts: argparse.Namespace, runs: Path) -> int:
     from ddpack.status import render, run_status, watch
 
     run_dir = resolve_run(opts.run, runs)
+    if is_sweep(run_dir):
+        return sweep_verb(opts, run_dir)
     if opts.watch:
         final = watch(run_dir, interval_s=opts.interval, tty=sys.stdout.isatty(), out=sys.stdout, as_json=opts.json)
         return EXIT_FOR_STATE.get(final.state, 1)
@@ -276,6 +292,38 @@ def report(opts: argparse.Namespace, runs: Path) -> int:
         print(json.dumps({**known, "files": written}, indent=2))
     else:
         print("\n".join(f"report: wrote {p}" for p in written))
+    return 0
+
+
+def sweep_verb(opts: argparse.Namespace, folder: Path) -> int:
+    """status, logs and cancel of a sweep as a whole; a point is a run of its own for every verb."""
+    from ddpack import runs as run_ops
+    from ddpack import sweep
+
+    one = f"name one point: {folder}/INDEX, or its job id (<array>_INDEX)"
+    if opts.verb not in ("status", "logs", "cancel") or getattr(opts, "watch", False) or getattr(opts, "follow", False):
+        raise HostError(f"{folder} is a sweep; {opts.verb}{' --watch' if getattr(opts, 'watch', False) else ''}"
+                        f"{' -f' if getattr(opts, 'follow', False) else ''} takes one of its runs: {one}", code=2)  # fmt: skip
+    if opts.verb == "status":
+        now = sweep.sweep_status(folder)
+        print(json.dumps(now, indent=2) if opts.json else sweep.render_sweep(now))
+        return 0
+    if opts.verb == "cancel":
+        job = sweep.cancel_sweep(folder)
+        now = sweep.sweep_status(folder)
+        facts_now = {key: now[key] for key in ("run_dir", "name", "job_id", "state")}
+        said = f"cancel: job array {job} of {folder} cancelled (scancel): every point still waiting or running"
+        print(json.dumps(facts_now, indent=2) if opts.json else said)
+        return 0
+    data = sweep.read_sweep(folder)
+    if opts.json:
+        print(json.dumps({"run_dir": str(folder), "job_id": data.get("job_id"), "points": [
+            {"index": i, "values": data["points"][i], **facts(point), "jobs": run_ops.log_lines(point, opts.rank)}
+            for i, point in enumerate(sweep.point_dirs(folder))]}, indent=2))  # fmt: skip
+        return 0
+    for index, point in enumerate(sweep.point_dirs(folder)):
+        print(f"== point {index} ({sweep.point_label(data['points'][index])}): {point}")
+        run_ops.print_logs(point, opts.rank, out=sys.stdout)
     return 0
 
 

@@ -8,9 +8,13 @@
     command = ["python", "train.py", "--lr", "3e-4"]
     pass_env = ["NCCL_DEBUG"]        # variables the job takes from this shell, value recorded (as --env NAME)
     secrets = ["WANDB_API_KEY"]      # from this shell, handed to the job by Slurm, written to no file (as --secret)
+    sweep_parallel = 4               # at most 4 points at once (as --sweep-parallel)
 
     [env]                            # settings for the job (as --env NAME=VALUE)
     OMP_NUM_THREADS = "4"
+
+    [sweep]                          # one job array of the cross product, {lr} in the command's words (as --sweep)
+    lr = ["1e-3", "3e-4"]
 
 A flag given on the command line wins over the file's value. A bad key or value is one line naming the file, the line
 and the key, exit 2. The file's text is kept in the run's record (run.json) with the rest of what ran.
@@ -48,9 +52,10 @@ SCALARS: dict[str, tuple[type, str]] = {
     "images": (str, "a folder, relative to the run file"),
     "sqsh": (str, "a squashfs file, relative to the run file"),
     "name": (str, "a name"),
+    "sweep_parallel": (int, "a whole number"),
 }
 LISTS = ("command", "pass_env", "secrets")  # lists of strings
-TABLES = ("env",)  # NAME = "value"
+TABLES = ("env", "sweep")  # env: NAME = "value"; sweep: NAME = [values]
 PATHS = ("app_dir", "runs", "images", "sqsh")
 
 
@@ -90,6 +95,20 @@ def line_of(text: str, key: str, table: str | None = None) -> int:
     return 1
 
 
+def table_values(path: Path, text: str, key: str, table: dict[str, Any]) -> dict[str, Any]:
+    """[env]'s strings, or [sweep]'s lists of values (a TOML number becomes Python's text of it, 3e-4 -> 0.0003: quote
+    a value to keep it as written)."""
+    for name, value in table.items():
+        where = f"{path}:{line_of(text, name, key)}: {key}.{name} = {value!r}"
+        if key == "env" and not isinstance(value, str):
+            raise HostError(f'{where}: expected a string ("{value}")', code=2)
+        if key == "sweep" and (not isinstance(value, list) or not value or not all(type(v) in (str, int, float) for v in value)):
+            raise HostError(f'{where}: expected a list of values, such as ["1e-3", "3e-4"]', code=2)
+    if key == "sweep":
+        return {name: [v if isinstance(v, str) else repr(v) for v in value] for name, value in table.items()}
+    return dict(table)
+
+
 def read_run_file(path: Path) -> RunFile:
     """The run file at `path`, checked key by key: one HostError (exit 2) naming the file, line and key when wrong."""
     try:
@@ -116,10 +135,7 @@ def read_run_file(path: Path) -> RunFile:
         elif key in TABLES:
             if not isinstance(value, dict):
                 raise HostError(f'{where}: expected a table of NAME = "value" ([{key}] with one line each)', code=2)
-            for name, setting in value.items():
-                if not isinstance(setting, str):
-                    raise HostError(f'{path}:{line_of(text, name, key)}: {key}.{name} = {setting!r}: expected a string ("{setting}")', code=2)
-            values[key] = dict(value)
+            values[key] = table_values(path, text, key, value)
         else:
             known = ", ".join([*SCALARS, *LISTS, *TABLES])
             raise HostError(f"{where}: not a run file key (a typo?); the keys are {known}", code=2)

@@ -55,6 +55,7 @@ class RunRecord:
     events: list[dict[str, Any]] = field(default_factory=list)  # cancels, with time and job
     environment: dict[str, Any] = field(default_factory=dict)  # script, login_shell (values), secrets (names only)
     run_file: dict[str, Any] | None = None  # the run file's path, digest and text (ddpack submit --file)
+    sweep: dict[str, Any] | None = None  # a sweep's point: the sweep's folder, this point's index and values
     format: int = FORMAT
 
     @classmethod

@@ -44,19 +44,29 @@ def default_runs() -> Path:
 
 
 def resolve_run(run: str | None, runs: Path) -> Path:
-    """The run folder `run` names: a folder, a job id of a run under `runs`, or (None) the newest run there."""
+    """The run folder `run` names: a run folder or a sweep's, a job id of a run under `runs` (a sweep's point is
+    `<array>_<index>`, the whole sweep the array's id), or (None) the newest run or sweep there."""
+    from ddpack.sweep import is_sweep, list_sweeps, read_sweep
+
     if run is None:
-        found = list_runs(runs)
-        if not found:
+        newest = [*((record.created, folder) for folder, record in list_runs(runs) if record.sweep is None),
+                  *((data.get("created", 0), folder) for folder, data in list_sweeps(runs))]  # fmt: skip
+        if not newest:
             raise HostError(f"no runs under {runs}: submit one (ddpack submit), or name its folder (--runs DIR, or DDPACK_RUNS)", code=2)
-        return found[-1][0]
+        return max(newest, key=lambda item: item[0])[1]
     path = Path(run)
     if path.is_dir():
-        read_record(path)  # a one-line error when it is not a run folder
+        if is_sweep(path):
+            read_sweep(path)  # a one-line error when it is not the user's own
+        else:
+            read_record(path)  # a one-line error when it is not a run folder
         return path.resolve()
-    if run.isdigit():
+    if re.fullmatch(r"\d+(_\d+)?", run):
         for folder, record in reversed(list_runs(runs)):
             if any(job.job_id == run for job in record.jobs):
+                return folder
+        for folder, data in list_sweeps(runs):
+            if str(data.get("job_id")) == run:
                 return folder
         raise HostError(f"job {run} belongs to no run under {runs}; name the run folder, or give --runs", code=2)
     raise HostError(f"{run} is neither a run folder nor a job id", code=2)
@@ -204,7 +214,11 @@ def resubmit(run_dir: Path, changes: dict[str, Any] | None = None) -> str:
             raise HostError(f"job {job.job_id} of this run is still {queue.state}; ddpack cancel it first, or wait for it", code=2)
     # A record from before the environment was recorded sent the whole shell; one that has it sends what it names.
     export = (*LOGIN_ENV, *secrets) if record.environment else None
+    if record.sweep:  # a sweep's point: its element of the sweep's array script, which picks its folder and command
+        options = (f"--array={record.sweep['index']}", *options)
     job_id = slurm_cli.sbatch(script, run_dir, export=export, options=options)
+    if record.sweep:
+        job_id = f"{job_id}_{record.sweep['index']}"
     record_job(run_dir, job_id, "resubmit", changes)
     return job_id
 

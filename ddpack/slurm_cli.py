@@ -95,7 +95,7 @@ class QueueAnswer:
 
 
 def queue_state(job_id: str) -> QueueAnswer:
-    answer = ask(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T|%r|%N"])
+    answer = ask(["squeue", "-h", "-r", "-t", "all", "-j", job_id, "-o", "%T|%r|%N"])  # -r: a sweep's waiting point alone
     if answer.failed:
         if "Invalid job id" in answer.stderr:
             return QueueAnswer(listed=False)
@@ -111,7 +111,8 @@ def queue_states(job_ids: list[str]) -> dict[str, str] | None:
     """{job id: state} for the jobs squeue still lists, in one call; None when squeue failed."""
     if not job_ids:
         return {}
-    answer = ask(["squeue", "-h", "-t", "all", "-j", ",".join(job_ids), "-o", "%A|%T"])
+    # %i with -r: a job's id, and each of a sweep's array elements as <array>_<index>, even those still waiting
+    answer = ask(["squeue", "-h", "-r", "-t", "all", "-j", ",".join(job_ids), "-o", "%i|%T"])
     if answer.failed and "Invalid job id" not in answer.stderr:
         return None
     states = {}
@@ -120,6 +121,22 @@ def queue_states(job_ids: list[str]) -> dict[str, str] | None:
         if job.strip():
             states[job.strip()] = state.strip()
     return states
+
+
+def accounting_states(job_ids: list[str]) -> dict[str, tuple[str, str]]:
+    """{job id: (state, exit code)} from one sacct call for many jobs (ddpack ls); empty where there is no accounting."""
+    if not job_ids:
+        return {}
+    answer = ask(["sacct", "-n", "-X", "-P", "-j", ",".join(job_ids), "-o", "JobID,State,ExitCode"])
+    if answer.failed:
+        return {}
+    found = {}
+    for line in answer.stdout.splitlines():
+        job, _, rest = line.partition("|")
+        state, _, code = rest.partition("|")
+        if job.strip() and state.split():
+            found[job.strip()] = (state.split()[0], code)
+    return found
 
 
 def accounting_state(job_id: str) -> tuple[str, str] | None:

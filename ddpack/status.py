@@ -229,13 +229,24 @@ def with_cancel_times(segments: list[Segment], events: list[LogEvent]) -> list[S
 # --------------------------------------------------------------------------- the state
 
 
-def state_of(job_id: str | None, record: RunRecord, records: Records, events: list[LogEvent]) -> tuple[str, str, str]:
+@dataclass(frozen=True)
+class Asked:
+    """What Slurm already said of many runs' jobs in one call each (ddpack ls): squeue's answer for this job, and
+    sacct's answers for all (empty where the cluster keeps no accounting), so a run's state needs no call of its own."""
+
+    queue: slurm_cli.QueueAnswer
+    accounting: dict[str, tuple[str, str]]
+
+
+def state_of(
+    job_id: str | None, record: RunRecord, records: Records, events: list[LogEvent], asked: Asked | None = None
+) -> tuple[str, str, str]:
     """(state, who said so, a note) for the run's newest job."""
     if job_id is None:
         return "UNKNOWN", "run folder", "no job was submitted for this run"
     ran_before = any(e.kind == "banner" and e.job_id == job_id for e in events)
     decisions = [e.text for e in events if e.kind == "decision" and e.job_id == job_id]
-    queue = slurm_cli.queue_state(job_id)
+    queue = asked.queue if asked else slurm_cli.queue_state(job_id)
     note = ""
     if queue.listed:
         state, ours = queue.state, slurm_cli.ddpack_state(queue.state)
@@ -246,7 +257,7 @@ def state_of(job_id: str | None, record: RunRecord, records: Records, events: li
         return state, "squeue", queue.reason if state == "PENDING" else ""
     if queue.failed:
         note = f"{queue.failed}; state from the run folder"
-    accounted = slurm_cli.accounting_state(job_id)
+    accounted = asked.accounting.get(job_id) if asked else slurm_cli.accounting_state(job_id)
     if accounted and accounted[0]:
         return slurm_cli.ddpack_state(accounted[0]), "sacct", note
     for event in reversed(record.events):
@@ -270,12 +281,12 @@ def state_of(job_id: str | None, record: RunRecord, records: Records, events: li
     return "FAILED", "run folder", "Slurm no longer lists the job and the run folder has no end record"
 
 
-def run_status(run_dir: Path) -> Status:
+def run_status(run_dir: Path, asked: Asked | None = None) -> Status:
     record = read_record(run_dir)
     records = read_records(run_dir / run_folder.METRICS)
     events = log_events(job_logs(run_dir, record), [job.job_id for job in record.jobs])
     job = record.last_job
-    state, state_from, note = state_of(job.job_id if job else None, record, records, events)
+    state, state_from, note = state_of(job.job_id if job else None, record, records, events, asked)
     segments = segments_of(records, events)
     last = records.progress[-1] if records.progress else None
     total = records.starts[-1].get("total_steps") if records.starts else None
@@ -394,9 +405,15 @@ def watch(run_dir: Path, *, interval_s: float, tty: bool, out: Any, as_json: boo
 
 
 def list_runs(runs: Path) -> list[tuple[Path, RunRecord]]:
-    """The run folders `ddpack submit` made under `runs`, oldest first."""
+    """The run folders `ddpack submit` made under `runs` (a sweep's points too, in its folder), oldest first."""
+    from ddpack.sweep import SWEEP_RECORD
+
     found = []
-    for path in runs.glob(f"*/{run_folder.RUN_RECORD}") if runs.is_dir() else []:
+    records = []
+    if runs.is_dir():
+        points = (path for path in runs.glob(f"*/*/{run_folder.RUN_RECORD}") if (path.parent.parent / SWEEP_RECORD).is_file())
+        records = [*runs.glob(f"*/{run_folder.RUN_RECORD}"), *points]
+    for path in records:
         try:
             found.append((path.parent, read_record(path.parent)))
         except Exception:  # another user's folder, or a damaged record: one run less in the list, never one acted on
@@ -406,24 +423,49 @@ def list_runs(runs: Path) -> list[tuple[Path, RunRecord]]:
 
 def list_rows(runs: Path) -> list[dict[str, Any]]:
     """One row per run (status --json's names): run_dir, name, job_id, state, step, total_steps. One squeue call for
-    all of them."""
+    all of them. A sweep is a row of its own (with `points`), before its points' rows (with `sweep`, its folder, and
+    `values`)."""
+    from ddpack.sweep import read_sweep, sweep_state
+
     found = list_runs(runs)
-    listed = slurm_cli.queue_states([r.last_job.job_id for _, r in found if r.last_job]) or {}
-    rows = []
+    answered = slurm_cli.queue_states([r.last_job.job_id for _, r in found if r.last_job])
+    listed = answered or {}
+    # Jobs squeue no longer lists: one sacct call for all of them, and neither asked again run by run.
+    gone = [r.last_job.job_id for _, r in found if r.last_job and r.last_job.job_id not in listed] if answered is not None else []
+    accounting = slurm_cli.accounting_states(gone)
+    rows: list[dict[str, Any]] = []
+    sweeps: dict[str, dict[str, Any]] = {}
     for run_dir, record in found:
         job = record.last_job
         state = slurm_cli.ddpack_state(listed[job.job_id]) if job and job.job_id in listed else None
-        if not state or state in ENDED or state == "PENDING":
+        if job and job.job_id in gone:
+            state = run_status(run_dir, Asked(slurm_cli.QueueAnswer(listed=False), accounting)).state
+        elif not state or state in ENDED or state == "PENDING":
             state = run_status(run_dir).state  # the careful answer, where squeue alone does not settle it
         records = read_records(run_dir / run_folder.METRICS)
-        rows.append({
+        row = {
             "run_dir": str(run_dir),
             "name": record.name,
             "job_id": job.job_id if job else None,
             "state": state,
             "step": records.progress[-1].get("global_step") if records.progress else None,
             "total_steps": records.starts[-1].get("total_steps") if records.starts else None,
-        })  # fmt: skip
+        }
+        if record.sweep:
+            folder = record.sweep["dir"]
+            if folder not in sweeps:
+                try:
+                    data = read_sweep(Path(folder))
+                except Exception:  # a sweep record not the user's own: its points are listed, it is not
+                    data = None
+                if data is not None:
+                    sweeps[folder] = {"run_dir": folder, "name": data["name"], "job_id": data.get("job_id"), "state": None,
+                                      "step": None, "total_steps": None, "points": len(data["points"])}  # fmt: skip
+                    rows.append(sweeps[folder])
+            row.update(sweep=folder, values=record.sweep["values"])
+        rows.append(row)
+    for folder, row in sweeps.items():
+        row["state"] = sweep_state([point["state"] for point in rows if point.get("sweep") == folder])
     return rows
 
 
@@ -432,5 +474,8 @@ def render_list(runs: Path) -> list[str]:
     lines = []
     for row in list_rows(runs):
         progress = f"step {row['step']}/{row['total_steps'] or '?'}" if row["step"] is not None else "-"
-        lines.append(f"{Path(row['run_dir']).name:40} job {row['job_id'] or '-':>8}  {row['state']:10} {progress}")
+        if "points" in row:
+            progress = f"a sweep of {row['points']} points"
+        name = f"  {Path(row['run_dir']).name} " + " ".join(f"{k}={v}" for k, v in row["values"].items()) if "sweep" in row else Path(row["run_dir"]).name
+        lines.append(f"{name:40} job {row['job_id'] or '-':>8}  {row['state']:10} {progress}")
     return lines

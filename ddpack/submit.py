@@ -31,13 +31,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ddpack import slurm_cli
 from ddpack.errors import HostError
-from ddpack.run_record import RunRecord, append_job, write_record
+from ddpack.run_record import RunRecord, append_job, write_json_atomic, write_record
+from ddpack.sweep import SWEEP_RECORD, point_label, sweep_command, sweep_points, sweep_problems
 from train import run_folder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,6 +74,8 @@ class SubmitSettings:
     sqsh: Path | None = None  # a squashfs made already: nothing is built or converted
     name: str | None = None
     secrets: tuple[str, ...] = ()  # names only: Slurm hands their values from this shell to the job (sbatch --export)
+    sweep: dict[str, list[str]] = field(default_factory=dict)  # NAME -> values: one job array of their cross product
+    sweep_parallel: int | None = None  # at most this many of the sweep's points at once (the array's %)
 
     @property
     def exported_names(self) -> tuple[str, ...]:
@@ -149,6 +152,12 @@ def setting_problems(settings: SubmitSettings) -> list[str]:
             problems.append(f"--secret {name} is also an --env setting, whose value is written in the job script; give it once, as --secret")
         elif not os.environ.get(name):
             problems.append(f"--secret {name}: {name} is not set in this environment; export it here first (its value goes to no file)")
+    if settings.sweep:
+        problems.extend(sweep_problems(settings.command, settings.sweep))
+        if settings.sweep_parallel is not None and settings.sweep_parallel < 1:
+            problems.append(f"--sweep-parallel {settings.sweep_parallel}: at least 1 point at a time")
+    elif settings.sweep_parallel is not None:
+        problems.append("--sweep-parallel limits a sweep's points at once: it needs --sweep NAME=V1,V2,...")
     if settings.name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", settings.name):
         problems.append(f"--name {settings.name!r}: letters, digits, '.', '_' and '-' only (it names the job and the run folder)")
     return problems
@@ -262,7 +271,11 @@ def ensure_squashfs(image: ImageChoice, images: Path, app_name: str) -> tuple[Pa
 
 
 def sbatch_lines(settings: SubmitSettings, run_dir: Path) -> list[str]:
+    """The job's #SBATCH options; a sweep's array writes each point's log in that point's run folder (`%a`)."""
     per_node = 1 if settings.template == "torchrun" else settings.tasks_per_node
+    count = len(sweep_points(settings.sweep)) if settings.sweep else 0
+    limit = f"%{settings.sweep_parallel}" if settings.sweep_parallel else ""
+    log = run_dir / "%a" / run_folder.LOGS / run_folder.job_log("%A_%a") if count else run_dir / run_folder.LOGS / run_folder.job_log("%j")
     lines = [
         f"--job-name={settings.job_name}",
         f"--nodes={settings.nodes + settings.spares}",
@@ -270,8 +283,9 @@ def sbatch_lines(settings: SubmitSettings, run_dir: Path) -> list[str]:
         *([f"--gpus-per-node={settings.gpus_per_node}"] if settings.gpus_per_node else []),
         *([f"--partition={settings.partition}"] if settings.partition else []),
         *([f"--time={settings.time_limit}"] if settings.time_limit else []),
+        *([f"--array=0-{count - 1}{limit}"] if count else []),
         "--exclusive",
-        f"--output={run_dir / run_folder.LOGS / run_folder.job_log('%j')}",
+        f"--output={log}",
         "--open-mode=append",
         "--signal=USR1@90",
         "--requeue",
@@ -281,19 +295,37 @@ def sbatch_lines(settings: SubmitSettings, run_dir: Path) -> list[str]:
 
 
 def exported(settings: SubmitSettings, run_dir: Path, sqsh: Path) -> dict[str, str]:
+    """The settings the job script exports; a sweep's script sets DDPACK_RUN_DIR and DDPACK_COMMAND a point
+    (sweep_block), its settings otherwise the same for every point."""
     values = {
         "DDPACK_HOME": str(run_dir / run_folder.JOB),
         "DDPACK_RUN_DIR": str(run_dir),
         "DDPACK_SQSH": str(sqsh),
         "DDPACK_MOUNTS": settings.mounts,
     }
-    if settings.command:  # a JSON list: every word reaches every rank's exec exactly as given (ddpack_words)
+    if settings.sweep:
+        del values["DDPACK_RUN_DIR"]
+    elif settings.command:  # a JSON list: every word reaches every rank's exec exactly as given (ddpack_words)
         values["DDPACK_COMMAND"] = json.dumps(list(settings.command))
     if settings.spares:
         values["DDPACK_SPARE_NODES"] = str(settings.spares)
     if settings.template == "torchrun":
         values["DDPACK_NPROC"] = str(settings.tasks_per_node)
     return {**values, **settings.env}
+
+
+def sweep_block(settings: SubmitSettings, sweep_dir: Path) -> list[str]:
+    """A sweep's script: each array task picks its point's run folder and command (a JSON list, as DDPACK_COMMAND is)."""
+    every = sweep_points(settings.sweep)
+    return [
+        f"# A sweep of {len(every)} points, one a task of the array: the point's run folder and command.",
+        f'ddpack_point=${{SLURM_ARRAY_TASK_ID:?"this script is a sweep of {len(every)} points: sbatch --array=0-{len(every) - 1} it"}}',
+        "ddpack_commands=(",
+        *(f"    {shlex.quote(json.dumps(sweep_command(settings.command, point)))}  # {point_label(point)}" for point in every),
+        ")",
+        f"export DDPACK_RUN_DIR={shlex.quote(str(sweep_dir))}/${{ddpack_point}}",
+        'export DDPACK_COMMAND="${ddpack_commands[ddpack_point]}"',
+    ]
 
 
 def render_script(settings: SubmitSettings, run_dir: Path, sqsh: Path) -> str:
@@ -308,6 +340,7 @@ def render_script(settings: SubmitSettings, run_dir: Path, sqsh: Path) -> str:
         "for ddpack_var in $(compgen -e | grep '^DDPACK_'); do unset \"${ddpack_var}\"; done",
         "unset SLURM_EXPORT_ENV  # sbatch --export named what the job takes from the shell; every step gets all of this script's",
         *(f"export {name}={shlex.quote(value)}" for name, value in exported(settings, run_dir, sqsh).items()),
+        *(sweep_block(settings, run_dir) if settings.sweep else []),
     ]
     return "\n".join([comments[0], *sbatch_lines(settings, run_dir), *comments[1:], marker.rstrip("\n"), *settings_block, ""]) + body
 
@@ -539,6 +572,9 @@ def _submit(settings: SubmitSettings, *, dry_run: bool, say: Any, run_file: dict
                 sqsh, converted = ensure_squashfs(image, settings.images, settings.job_name)
                 say(f"submit: squashfs {sqsh} ({'converted now' if converted else 'already holds it: not copied'})")
     if dry_run:
+        if settings.sweep:
+            count, at_once = len(sweep_points(settings.sweep)), settings.sweep_parallel
+            say(f"submit: a sweep of {count} points, one job array{f' (at most {at_once} at once)' if at_once else ''}, one run folder a point")
         print(render_script(settings, planned_dir, sqsh), end="")
         raise_problems(problems)
         say("submit: dry run: every check passed (sbatch --test-only too); nothing was queued")
@@ -548,28 +584,18 @@ def _submit(settings: SubmitSettings, *, dry_run: bool, say: Any, run_file: dict
     run_dir = new_run_dir(settings.runs, settings.job_name).resolve()
     script = render_script(settings, run_dir, sqsh)
     script_path = write_job(run_dir, script)
-    info = sqsh.stat()
-    record = RunRecord(
-        name=run_dir.name,
-        run_dir=str(run_dir),
-        created=time.time(),
-        user=getpass.getuser(),
-        host=socket.gethostname(),
+    made = RecordParts(
         image=asdict(image) if image else {"ref": None, "image_id": None, "note": "--sqsh: made outside ddpack submit"},
-        sqsh={"path": str(sqsh), "key": image_key(sqsh), "size": info.st_size, "mtime_ns": info.st_mtime_ns},
+        sqsh=sqsh,
         code=code_record(settings.app_dir, run_dir) if settings.sqsh is None else {"app_dir": None, "note": "--sqsh given"},
-        command=list(settings.command),
-        settings={
-            **{k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(settings).items()},
-            "exported": exported(settings, run_dir, sqsh),
-        },
-        script=str(script_path.relative_to(run_dir)),
+        script_path=script_path,
         script_sha256=hashlib.sha256(script.encode()).hexdigest(),
         versions=slurm_cli.versions(),
-        environment=job_environment(settings, run_dir, sqsh),
         run_file=run_file,
     )
-    write_record(record)
+    if settings.sweep:
+        return submit_sweep(settings, run_dir, made, say=say, image=image, converted=converted)
+    write_record(made.record(settings, run_dir, run_dir.name))
     job_id = slurm_cli.sbatch(script_path, run_dir, export=settings.exported_names)
     record_job(run_dir, job_id, "submit")
     say(f"submit: job {job_id} queued; run folder {run_dir} (run.json records the image, code, command and settings)")
@@ -584,11 +610,84 @@ def _submit(settings: SubmitSettings, *, dry_run: bool, say: Any, run_file: dict
     )
 
 
-def job_environment(settings: SubmitSettings, run_dir: Path, sqsh: Path) -> dict[str, Any]:
+@dataclass(frozen=True, kw_only=True)
+class RecordParts:
+    """What every run.json of one submission shares (a sweep's points too): the image, squashfs, code, script."""
+
+    image: dict[str, Any]
+    sqsh: Path
+    code: dict[str, Any]
+    script_path: Path
+    script_sha256: str
+    versions: dict[str, str]
+    run_file: dict[str, Any] | None
+
+    def record(self, settings: SubmitSettings, run_dir: Path, name: str, sweep: dict[str, Any] | None = None) -> RunRecord:
+        info = self.sqsh.stat()
+        script_env = {**exported(settings, run_dir, self.sqsh), "DDPACK_HOME": str(self.script_path.parent)}
+        return RunRecord(
+            name=name,
+            run_dir=str(run_dir),
+            created=time.time(),
+            user=getpass.getuser(),
+            host=socket.gethostname(),
+            image=self.image,
+            sqsh={"path": str(self.sqsh), "key": image_key(self.sqsh), "size": info.st_size, "mtime_ns": info.st_mtime_ns},
+            code=self.code,
+            command=list(settings.command),
+            settings={
+                **{k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(settings).items()},
+                "exported": script_env,
+            },
+            script=os.path.relpath(self.script_path, run_dir),
+            script_sha256=self.script_sha256,
+            versions=self.versions,
+            environment=job_environment(settings, script_env),
+            run_file=self.run_file,
+            sweep=sweep,
+        )
+
+
+def submit_sweep(settings: SubmitSettings, sweep_dir: Path, made: RecordParts, *, say: Any, image: Any, converted: bool) -> Submitted:
+    """One job array for the sweep's points: a run folder a point (its own run.json: its command and values), then
+    sweep.json naming them all and the array's job id, which each point records as `<array>_<index>`."""
+    every = sweep_points(settings.sweep)
+    points = []
+    for index, point in enumerate(every):
+        point_dir = sweep_dir / str(index)
+        (point_dir / run_folder.LOGS).mkdir(parents=True)
+        alone = replace(settings, command=tuple(sweep_command(settings.command, point)), sweep={}, sweep_parallel=None)
+        where = {"dir": str(sweep_dir), "index": index, "values": point, "points": len(every)}
+        write_record(made.record(alone, point_dir, f"{sweep_dir.name}/{index}", sweep=where))
+        points.append(point)
+    record = {
+        "format": 1, "name": sweep_dir.name, "created": time.time(), "values": settings.sweep, "points": points,
+        "parallel": settings.sweep_parallel, "script": os.path.relpath(made.script_path, sweep_dir), "job_id": None,
+        "run_file": made.run_file,
+    }  # fmt: skip
+    write_json_atomic(sweep_dir / SWEEP_RECORD, record)
+    job_id = slurm_cli.sbatch(made.script_path, sweep_dir, export=settings.exported_names)
+    for index in range(len(every)):
+        record_job(sweep_dir / str(index), f"{job_id}_{index}", "submit")
+    write_json_atomic(sweep_dir / SWEEP_RECORD, {**record, "job_id": job_id})
+    at_once = f", at most {settings.sweep_parallel} at once" if settings.sweep_parallel else ""
+    say(f"submit: job array {job_id} queued: {len(every)} points{at_once}; sweep folder {sweep_dir} (a run folder a point: 0/ to {len(every) - 1}/)")
+    return Submitted(
+        job_id=job_id,
+        run_dir=str(sweep_dir),
+        sqsh=str(made.sqsh),
+        image=image.ref if image else None,
+        built=bool(image and image.built),
+        converted=converted,
+        script=str(made.script_path),
+    )
+
+
+def job_environment(settings: SubmitSettings, script_env: dict[str, str]) -> dict[str, Any]:
     """The environment the job gets, for run.json: the job script's settings, the login basics from this shell with
     their values, and the secrets by name only."""
     return {
-        "script": exported(settings, run_dir, sqsh),
+        "script": script_env,
         "login_shell": {name: os.environ[name] for name in LOGIN_ENV if name in os.environ},
         "secrets": list(settings.secrets),
     }

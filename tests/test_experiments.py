@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -247,3 +248,125 @@ def test_compare_shows_only_what_differed_and_how_each_run_ended_with_a_page_of_
     assert "2 field(s) differ" in out and "settings.nodes" in out and "restarts" in out and f"compare: wrote {page}" in out
     assert cli.main(["compare", str(first)]) == 2
     assert "compare needs two runs or more" in capfd.readouterr().err
+
+
+# --------------------------------------------------------------------------- sweeps
+
+
+def sweep_args(tmp_path: Path) -> list[str]:
+    good = settings(tmp_path)
+    return ["submit", str(tmp_path), "--nodes", "1", "--runs", str(good.runs), "--sqsh", str(good.sqsh), "--mounts", good.mounts]
+
+
+def test_a_sweep_is_one_job_array_with_a_run_folder_a_point(tmp_path, slurm, capfd) -> None:
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
+    assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1e-3,3e-4", "--sweep", "seed=0,1", "--sweep-parallel", "2", "--json",
+                     "--", "python", "train.py", "--lr", "{lr}", "--seed={seed}", "--note", "{other} stays"]) == 0  # fmt: skip
+    sweep_dir = Path(submitted(capfd)["run_dir"])
+    (sbatch,) = queued(slurm)
+    assert sbatch.endswith(f"{sweep_dir}/job/ddpack.sbatch") and len(calls(slurm, "sbatch")) == 2  # --test-only, then the one array
+    data = json.loads((sweep_dir / "sweep.json").read_text())
+    assert data["job_id"] == "90" and data["values"] == {"lr": ["1e-3", "3e-4"], "seed": ["0", "1"]}
+    assert data["points"] == [{"lr": "1e-3", "seed": "0"}, {"lr": "1e-3", "seed": "1"}, {"lr": "3e-4", "seed": "0"}, {"lr": "3e-4", "seed": "1"}]
+    for index, point in enumerate(data["points"]):
+        record = read_record(sweep_dir / str(index))
+        assert record.command == ["python", "train.py", "--lr", point["lr"], f"--seed={point['seed']}", "--note", "{other} stays"]
+        assert record.sweep == {"dir": str(sweep_dir), "index": index, "values": point, "points": 4}
+        assert [job.job_id for job in record.jobs] == [f"90_{index}"] and (sweep_dir / str(index) / "logs").is_dir()
+        assert (sweep_dir / str(index) / record.script).resolve() == sweep_dir / "job" / "ddpack.sbatch"
+    script = (sweep_dir / "job" / "ddpack.sbatch").read_text()
+    assert "#SBATCH --array=0-3%2" in script and f"#SBATCH --output={sweep_dir}/%a/logs/slurm-%A_%a.out" in script
+    # The script's own settings block, run by bash as array task 2: that point's folder and command.
+    block = script[script.index("# ddpack submit: this run's settings") : script.index('export DDPACK_COMMAND="${ddpack_commands[ddpack_point]}"')]
+    probe = block + 'export DDPACK_COMMAND="${ddpack_commands[ddpack_point]}"\nprintf "%s\\n%s\\n" "$DDPACK_RUN_DIR" "$DDPACK_COMMAND"\n'
+    out = subprocess.run(["bash", "-c", probe], env={**os.environ, "SLURM_ARRAY_TASK_ID": "2"}, capture_output=True, text=True, check=True)
+    run_dir, command = out.stdout.splitlines()
+    assert (run_dir, json.loads(command)) == (str(sweep_dir / "2"), read_record(sweep_dir / "2").command)
+    alone = subprocess.run(["bash", "-c", probe], env={k: v for k, v in os.environ.items() if k != "SLURM_ARRAY_TASK_ID"}, capture_output=True, text=True)
+    assert alone.returncode != 0 and "this script is a sweep of 4 points: sbatch --array=0-3 it" in alone.stderr
+
+
+@pytest.mark.parametrize(
+    ("extra", "line"),
+    [
+        (["--sweep", "lr=1e-3,3e-4", "--", "python", "train.py"], "--sweep lr: the command after -- never uses {lr}"),
+        (["--sweep", "lr=1e-3,,3e-4", "--", "python", "{lr}"], "--sweep lr: an empty value"),
+        (["--sweep", "lr=1,2,1", "--", "python", "{lr}"], "--sweep lr: a value given twice (1)"),
+        (["--sweep", "lr", "--", "python", "{lr}"], "--sweep lr: expected NAME=V1,V2,..."),
+        (["--sweep-parallel", "2", "--", "python", "x"], "--sweep-parallel limits a sweep's points at once: it needs --sweep"),
+        (["--sweep", "a=" + ",".join(map(str, range(40))), "--sweep", "b=" + ",".join(map(str, range(40))), "--", "p", "{a}{b}"],
+         "the sweep has 1600 points; one job array holds at most 1000"),
+    ],
+)
+def test_a_sweep_that_cannot_run_as_meant_is_one_line_and_exit_2(tmp_path, slurm, capfd, extra: list[str], line: str) -> None:
+    assert cli.main([*sweep_args(tmp_path), "--dry-run", *extra]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and line in err[0], err
+    assert queued(slurm) == []
+
+
+def test_a_run_files_sweep_table_is_a_sweep_and_a_flag_replaces_its_values(tmp_path, slurm, capfd) -> None:
+    good = settings(tmp_path)
+    path = run_file(tmp_path, f'nodes = 1\nruns = "{good.runs}"\nsqsh = "{good.sqsh}"\nmounts = "{good.mounts}"\n'
+                              'command = ["python", "t.py", "--lr", "{lr}", "--seed", "{seed}"]\n\n[sweep]\nlr = ["1e-3", 3e-4]\nseed = [0, 1]\n')  # fmt: skip
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 91')
+    assert cli.main(["submit", "--file", str(path), "--sweep", "seed=7", "--json"]) == 0
+    data = json.loads((Path(submitted(capfd)["run_dir"]) / "sweep.json").read_text())
+    assert data["points"] == [{"lr": "1e-3", "seed": "7"}, {"lr": "0.0003", "seed": "7"}]
+    bad = run_file(tmp_path, 'nodes = 1\ncommand = ["{lr}"]\n[sweep]\nlr = "1e-3"\n')
+    assert cli.main(["submit", "--file", str(bad), "--dry-run"]) == 2
+    assert "run.toml:4: sweep.lr = '1e-3': expected a list of values" in capfd.readouterr().err
+
+
+def test_status_ls_logs_and_cancel_take_a_sweep_as_a_whole_and_each_point_alone(tmp_path, slurm, capfd) -> None:
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
+    assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1e-3,3e-4,1e-4", "--json", "--", "python", "t.py", "{lr}"]) == 0
+    sweep_dir = Path(submitted(capfd)["run_dir"])
+    runs = str(sweep_dir.parent)
+    states = {"90_0": "COMPLETED", "90_1": "RUNNING", "90_2": "PENDING"}
+    one = " ".join(f'*"-j {job} "*) echo "{state}||ddnode1" ;;' for job, state in states.items())  # squeue -j ID -o %T|%r|%N
+    every = "; ".join(f'echo "{job}|{state}"' for job, state in states.items())  # squeue -j ID,ID... -o %i|%T
+    fake(slurm, "squeue", f'case "$*" in *%i*) {every} ;; {one} esac')
+    (sweep_dir / "1" / "logs" / "slurm-90_1.out").write_text("0: hello from point 1\n")
+    assert cli.main(["status", "90", "--runs", runs, "--json"]) == 0
+    whole = json.loads(capfd.readouterr().out)
+    assert (whole["run_dir"], whole["job_id"], whole["state"]) == (str(sweep_dir), "90", "RUNNING")
+    assert [(p["index"], p["values"], p["job_id"]) for p in whole["points"]] == [(0, {"lr": "1e-3"}, "90_0"), (1, {"lr": "3e-4"}, "90_1"),
+                                                                                 (2, {"lr": "1e-4"}, "90_2")]  # fmt: skip
+    assert cli.main(["status", str(sweep_dir)]) == 0
+    text = capfd.readouterr().out
+    assert f"sweep {sweep_dir.name}: job array 90, 3 points" in text and "lr=3e-4" in text
+    assert cli.main(["status", "90_1", "--runs", runs, "--json"]) == 0
+    assert json.loads(capfd.readouterr().out)["run_dir"] == str(sweep_dir / "1")
+    assert cli.main(["ls", "--runs", runs, "--json"]) == 0
+    rows = json.loads(capfd.readouterr().out)
+    assert [(Path(r["run_dir"]).name, r["job_id"], r.get("points"), r.get("values")) for r in rows] == [
+        (sweep_dir.name, "90", 3, None), ("0", "90_0", None, {"lr": "1e-3"}), ("1", "90_1", None, {"lr": "3e-4"}), ("2", "90_2", None, {"lr": "1e-4"})]
+    assert cli.main(["logs", str(sweep_dir)]) == 0
+    assert "== point 1 (lr=3e-4)" in (out := capfd.readouterr().out) and "0: hello from point 1" in out
+    assert cli.main(["logs", str(sweep_dir), "-f"]) == 2
+    assert "is a sweep; logs -f takes one of its runs" in capfd.readouterr().err
+    assert cli.main(["cancel", str(sweep_dir)]) == 0
+    assert calls(slurm, "scancel") == ["scancel 90"]
+    assert [e["job_id"] for e in read_record(sweep_dir / "1").events] == ["90_1"]  # the ended point's record says nothing
+    assert read_record(sweep_dir / "0").events == []
+
+
+def test_resubmit_of_a_point_is_its_element_of_the_sweeps_array(tmp_path, slurm, capfd) -> None:
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
+    assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1,2", "--json", "--", "python", "t.py", "{lr}"]) == 0
+    sweep_dir = Path(submitted(capfd)["run_dir"])
+    fake(slurm, "squeue", "exit 0")
+    fake(slurm, "sbatch", "echo 95")
+    assert cli.main(["resubmit", str(sweep_dir / "1"), "--time", "30", "--json"]) == 0
+    assert json.loads(capfd.readouterr().out)["job_id"] == "95_1"
+    assert calls(slurm, "sbatch")[-1].startswith("sbatch --parsable --export=") and " --array=1 --time=30 " in calls(slurm, "sbatch")[-1]
+    assert [job.job_id for job in read_record(sweep_dir / "1").jobs] == ["90_1", "95_1"]
+
+
+def test_the_experiments_bench_runs_and_prints_its_figures(tmp_path) -> None:
+    """bench/bench_experiments.py, small (one round, 20 runs): it runs, and prints the figures it is for."""
+    bench = Path(__file__).resolve().parents[1] / "bench" / "bench_experiments.py"
+    out = subprocess.run([sys.executable, str(bench), "--rounds", "1", "--runs", "20"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "the sweep's own work beyond one submit:" in out.stdout and "ls, squeue lists none" in out.stdout, out.stdout

@@ -52,6 +52,12 @@ def fake(bin_dir: Path, name: str, body: str) -> None:
     path.chmod(0o755)
 
 
+def squeue_says(bin_dir: Path, state: str, nodes: str = "ddnode[1-2]", job: str = "41") -> None:
+    """An squeue that lists job `job` in `state`, in whichever form it is asked: one job (%T|%r|%N, status) or many
+    (%i|%T, ls's one call for every run)."""
+    fake(bin_dir, "squeue", f'case "$*" in *%i*) echo "{job}|{state}" ;; *) echo "{state}|None|{nodes}" ;; esac')
+
+
 def calls(bin_dir: Path, name: str) -> list[str]:
     log = bin_dir / "calls.log"
     return [line for line in (log.read_text().splitlines() if log.exists() else []) if line.startswith(name + " ")]
@@ -460,7 +466,7 @@ def test_the_readmes_submit_line_runs_as_written(tmp_path, slurm, monkeypatch, c
 
 def test_every_verb_takes_json_with_status_names_and_a_job_id(tmp_path, slurm, capsys) -> None:
     """cancel, resubmit, logs, report and ls answer in JSON with status --json's names; each takes a job id."""
-    fake(slurm, "squeue", "echo 'RUNNING|None|ddnode[1-2]'")
+    squeue_says(slurm, "RUNNING")
     run_dir = make_run(tmp_path, records=REQUEUED_RUN, logs={"41": REQUEUED_LOG})
     runs = str(tmp_path / "runs")
 
@@ -498,7 +504,7 @@ def test_status_watch_exits_as_logs_follow_does(tmp_path, slurm, monkeypatch, ca
 
 def test_preempted_is_an_end_in_every_verb(tmp_path, slurm, capsys) -> None:
     """A job Slurm preempted and did not requeue (PreemptMode=CANCEL) has ended: status, ls, cancel and resubmit agree."""
-    fake(slurm, "squeue", "echo 'PREEMPTED|None|ddnode[1-2]'")
+    squeue_says(slurm, "PREEMPTED")
     run_dir = make_run(tmp_path, records=REQUEUED_RUN, logs={"41": REQUEUED_LOG})
     got = status.run_status(run_dir)
     assert (got.state, got.ended, got.eta_s) == ("PREEMPTED", True, None)

@@ -211,3 +211,27 @@ def test_a_run_files_command_reaches_every_rank_word_for_word_with_only_the_envi
     for rank in (0, 1):
         lines = ddpack("logs", result["job_id"], "--runs", str(work / "runs"), "--rank", str(rank)).stdout.splitlines()
         assert [line for line in lines if " argv " in line] == [f"{rank}: argv {rank} {json.dumps(words)}"]
+
+
+def test_a_sweep_is_one_job_array_whose_points_each_run_their_own_command(shared: Path, sqsh: Path) -> None:
+    """`ddpack submit --sweep lr=1e-3,3e-4 -- ... --lr {lr}` for real: one job array (both points at once on the
+    test cluster's nodes), each point's rank gets its own value, writes its log in its own run folder, and `status`
+    and `ls` read the sweep as a whole."""
+    work = shared / "sweep"
+    work.mkdir()
+    probe = "import os, sys; print('point', os.environ['SLURM_ARRAY_TASK_ID'], ' '.join(sys.argv[1:]))"
+    submitted = ddpack(
+        "submit", str(work), "--nodes", "1", "--sqsh", str(sqsh), "--runs", str(work / "runs"), "--mounts", f"{shared}:/fsx",
+        "--sweep", "lr=1e-3,3e-4", "--sweep-parallel", "2", "--json", "--", "python", "-c", probe, "--lr", "{lr}",
+    )  # fmt: skip
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    result = json.loads(submitted.stdout)
+    sweep_dir, array = Path(result["run_dir"]), result["job_id"]
+    for index, value in enumerate(("1e-3", "3e-4")):
+        log = sweep_dir / str(index) / run_folder.LOGS / run_folder.job_log(f"{array}_{index}")
+        assert wait_for_end(f"{array}_{index}", log, timeout=300) == ("COMPLETED", 0), log.read_text() if log.exists() else log
+        assert re.search(rf"^ ?0: point {index} --lr {value}$", log.read_text(), re.M), log.read_text()
+    whole = json.loads(ddpack("status", array, "--runs", str(work / "runs"), "--json").stdout)
+    assert (whole["state"], whole["counts"], [p["values"]["lr"] for p in whole["points"]]) == ("COMPLETED", {"COMPLETED": 2}, ["1e-3", "3e-4"])
+    rows = json.loads(ddpack("ls", "--runs", str(work / "runs"), "--json").stdout)
+    assert [(r["job_id"], r["state"]) for r in rows] == [(array, "COMPLETED"), (f"{array}_0", "COMPLETED"), (f"{array}_1", "COMPLETED")]

@@ -1,0 +1,144 @@
+"""What experiments cost in ddpack's own work, beside their floors, side by side (A B A B ..., medians).
+
+- A sweep of 100 points against one run: `ddpack submit --sweep` (100 run folders and records, one job array) and a
+  plain `ddpack submit` of the same project, both with `--sqsh` (no image to build: the build is the same one for
+  both). The difference is what the sweep costs beyond its one build; the target is at most 3 s. Also beside it:
+  100 plain submits, what a sweep without arrays would cost (measured on 10, times 10).
+- `ddpack ls` on 1,000 runs, each with its record, a few progress records and a log; the target is at most 1 s.
+  Two cases: squeue lists every job (RUNNING), and squeue lists none (all ended and purged: each run's state is then
+  read from its folder, the careful path). The floor is reading every run.json (`cat */run.json`).
+
+Slurm's commands are stand-ins that answer at once (what is timed is ddpack, not a controller), so it needs no
+cluster. Run: make bench-experiments (BENCH_EXPERIMENTS_ARGS="--rounds 5").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+DDPACK = str(Path(sys.executable).parent / "ddpack")
+FAKES = {
+    "sbatch": '[ "$1" = --test-only ] && exit 0; echo 4242',
+    "srun": "echo '      --container-image=[USER@][REGISTRY#]IMAGE[:TAG]|PATH'",
+    "sinfo": 'case "$*" in *--version*) echo "slurm-wlm 22.05.8" ;; *) echo "debug*|64|idle|(null)" ;; esac',
+    "sacct": "exit 1",
+    "scontrol": "exit 1",
+    "enroot": "echo 3.4.1",
+}
+
+
+def fake_slurm(folder: Path, squeue: str) -> dict[str, str]:
+    bin_dir = folder / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    for name, body in {**FAKES, "squeue": squeue}.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+
+def timed(argv: list[str], env: dict[str, str]) -> float:
+    started = time.perf_counter()
+    out = subprocess.run(argv, capture_output=True, text=True, env=env)
+    seconds = time.perf_counter() - started
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    return seconds
+
+
+def sweep_rounds(work: Path, rounds: int) -> dict[str, list[float]]:
+    env = fake_slurm(work, "exit 0")
+    sqsh = work / "images" / "x.sqsh"
+    sqsh.parent.mkdir()
+    sqsh.write_bytes(b"hsqs" + b"\0" * 4096)
+    (work / "project").mkdir()
+    base = [DDPACK, "submit", str(work / "project"), "--nodes", "2", "--runs", str(work / "runs"), "--sqsh", str(sqsh),
+            "--mounts", f"{work}:/fsx", "--json", "--"]  # fmt: skip
+    values = ",".join(f"{i}e-4" for i in range(1, 11))
+    sweep = [*base[:-1], "--sweep", f"lr={values}", "--sweep", f"seed={','.join(map(str, range(10)))}", "--",
+             "python", "train.py", "--lr", "{lr}", "--seed", "{seed}"]  # fmt: skip
+    single = [*base, "python", "train.py", "--lr", "1e-4", "--seed", "0"]
+    times: dict[str, list[float]] = {"sweep of 100": [], "one submit": [], "10 submits": []}
+    for _ in range(rounds):
+        times["sweep of 100"].append(timed(sweep, env))
+        times["one submit"].append(timed(single, env))
+        started = time.perf_counter()
+        for _ in range(10):
+            timed(single, env)
+        times["10 submits"].append(time.perf_counter() - started)
+    return times
+
+
+def many_runs(work: Path, count: int) -> Path:
+    """`count` run folders as submit leaves them after a short run: run.json, metrics (start, 3 progress, end), a log."""
+    from ddpack.run_record import Job, RunRecord, write_record
+
+    runs = work / "runs"
+    for index in range(count):
+        run_dir = runs / f"run-{index:04d}"
+        (run_dir / "logs").mkdir(parents=True)
+        job = str(10000 + index)
+        write_record(
+            RunRecord(
+                name=run_dir.name, run_dir=str(run_dir), created=1e9 + index, user="me", host="login", image={"ref": "x"}, sqsh={},
+                code={}, command=["python", "train.py"], settings={"nodes": 2}, script="job/ddpack.sbatch", script_sha256="",
+                versions={}, jobs=[Job(job_id=job, attempt=1, submitted=1e9 + index, how="submit")],
+            )
+        )  # fmt: skip
+        records = [{"time": 1e9 + index, "kind": "start", "global_step": 0, "total_steps": 30, "hosts": ["n1", "n2"]}]
+        records += [{"time": 1e9 + index + s, "kind": "progress", "global_step": s * 10, "loss": 1.0 / s} for s in (1, 2, 3)]
+        records.append({"time": 1e9 + index + 4, "kind": "end", "outcome": "done", "exit_code": 0, "global_step": 30})
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        (run_dir / "logs" / f"slurm-{job}.out").write_text(f"ddpack: job {job} on n[1-2]\n[rank 0/4] step 30\n")
+    return runs
+
+
+def ls_rounds(work: Path, count: int, rounds: int) -> dict[str, list[float]]:
+    runs = many_runs(work, count)
+    listed = "\n".join(f"{10000 + i}|RUNNING" for i in range(count))
+    (work / "listed.txt").write_text(listed + "\n")
+    running = fake_slurm(work / "running", f'case "$*" in *%i*) cat {work / "listed.txt"} ;; *) echo "RUNNING||n1" ;; esac')
+    ended = fake_slurm(work / "ended", "echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1")
+    times: dict[str, list[float]] = {"ls, squeue lists all": [], "ls, squeue lists none": [], "floor: cat every run.json": []}
+    for _ in range(rounds):
+        times["ls, squeue lists all"].append(timed([DDPACK, "ls", "--runs", str(runs), "--json"], running))
+        times["ls, squeue lists none"].append(timed([DDPACK, "ls", "--runs", str(runs), "--json"], ended))
+        times["floor: cat every run.json"].append(timed(["bash", "-c", f"cat {runs}/*/run.json > /dev/null"], running))
+    return times
+
+
+def report(title: str, times: dict[str, list[float]]) -> None:
+    print(title)
+    for name, values in times.items():
+        print(f"  {name:28} median {statistics.median(values):7.3f} s   (runs: {', '.join(f'{v:.3f}' for v in values)})")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--runs", type=int, default=1000, help="run folders for ls")
+    opts = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-experiments-") as folder:
+        work = Path(folder)
+        (work / "sweep").mkdir()
+        sweep = sweep_rounds(work / "sweep", opts.rounds)
+        report("ddpack submit, a sweep of 100 points vs one run (--sqsh: no build; fake Slurm answering at once):", sweep)
+        extra = statistics.median(sweep["sweep of 100"]) - statistics.median(sweep["one submit"])
+        print(f"  the sweep's own work beyond one submit: {extra:.2f} s (target <= 3 s); 100 plain submits would take "
+              f"{statistics.median(sweep['10 submits']) * 10:.1f} s")  # fmt: skip
+        (work / "ls").mkdir()
+        listing = ls_rounds(work / "ls", opts.runs, opts.rounds)
+        report(f"ddpack ls --json on {opts.runs} runs (target <= 1 s):", listing)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
