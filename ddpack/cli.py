@@ -330,8 +330,10 @@ def sweep_verb(opts: argparse.Namespace, folder: Path) -> int:
 def compare(opts: argparse.Namespace, runs: Path) -> int:
     from ddpack import compare as comparing
     from ddpack.runs import resolve_run
+    from ddpack.sweep import point_dirs
 
-    comparison, metrics = comparing.compare([resolve_run(run, runs) for run in opts.run])
+    folders = [resolve_run(run, runs) for run in opts.run]
+    comparison, metrics = comparing.compare([point for folder in folders for point in (point_dirs(folder) if is_sweep(folder) else [folder])])
     page = comparing.write_page(comparison, metrics, opts.html.resolve())
     if opts.json:
         print(json.dumps({**comparison.to_json(), "html": str(page)}, indent=2))

@@ -1,7 +1,8 @@
 """`ddpack compare RUN RUN... [--json] [--html PATH]`: what differed between runs, and how each ended.
 
 What ran comes from each run's record (run.json): the image, the code (commit, uncommitted diff, the files' digest),
-every setting, the command, the environment the job got (secrets by name) and the run file. Only what differs is
+every setting, the command, the environment the job got (secrets by name), the run file and a sweep point's values
+(a sweep's folder stands for all its points). Only what differs is
 shown, one row a field, one column a run. How each ended comes from `ddpack status` (state, step of the total) and
 the run's metrics (final loss, median samples/s and MFU, wall time over its segments, restarts). The HTML page
 overlays the runs' loss and throughput curves, drawn as the report draws one run's.
@@ -46,6 +47,7 @@ def what_ran(run_dir: Path) -> dict[str, Any]:
         "settings": {key: value for key, value in record.settings.items() if key != "exported"},
         "environment": record.environment,
         "run_file": (record.run_file or {}).get("sha256"),
+        "sweep": (record.sweep or {}).get("values"),
     }
     return {key: value for key, value in flatten(facts).items() if not key.startswith(OWN)}
 
@@ -107,7 +109,7 @@ class Comparison:
 
 def compare(run_dirs: list[Path]) -> tuple[Comparison, list[Run | None]]:
     if len(run_dirs) < 2:
-        raise HostError("compare needs two runs or more (run folders or job ids)", code=2)
+        raise HostError("compare needs two runs or more (run folders or job ids), or a sweep (its points)", code=2)
     facts = [what_ran(run_dir) for run_dir in run_dirs]
     keys = sorted({key for fact in facts for key in fact})
     differ = {key: [fact.get(key) for fact in facts] for key in keys if len({json.dumps(f.get(key), sort_keys=True) for f in facts}) > 1}

@@ -370,3 +370,14 @@ def test_the_experiments_bench_runs_and_prints_its_figures(tmp_path) -> None:
     out = subprocess.run([sys.executable, str(bench), "--rounds", "1", "--runs", "20"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "the sweep's own work beyond one submit:" in out.stdout and "ls, squeue lists none" in out.stdout, out.stdout
+
+
+def test_compare_of_a_sweep_is_its_points_side_by_side(tmp_path, slurm, capfd) -> None:
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
+    assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1e-3,3e-4", "--json", "--", "python", "t.py", "{lr}"]) == 0
+    sweep_dir = submitted(capfd)["run_dir"]
+    fake(slurm, "squeue", "exit 0")
+    assert cli.main(["compare", sweep_dir, "--json", "--html", str(tmp_path / "c.html")]) == 0
+    result = json.loads(capfd.readouterr().out)
+    assert [run["name"] for run in result["runs"]] == ["90_0", "90_1"]
+    assert result["differ"]["sweep.lr"] == ["1e-3", "3e-4"] and result["differ"]["command"] == ['["python", "t.py", "1e-3"]', '["python", "t.py", "3e-4"]']
