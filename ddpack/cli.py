@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:  # submit's program: everything after --, never read as ddpack's own arguments
         command, argv = argv[argv.index("--") + 1 :], argv[: argv.index("--")]
     opts = parser().parse_args(argv)
-    opts.command = command
+    opts.command, opts.given = command, argv
     from ddpack import runs as run_ops
 
     def body() -> int:
@@ -190,11 +190,12 @@ def submit(opts: argparse.Namespace) -> int:
     """The flags over the run file (--file) over the defaults, then ddpack.submit."""
     from ddpack import runs as run_ops
     from ddpack.run_file import read_run_file
-    from ddpack.submit import SubmitSettings, as_json
+    from ddpack.submit import SubmitSettings, as_json, raise_problems, setting_problems
     from ddpack.submit import submit as do_submit
     from ddpack.sweep import sweep_values
 
     run_file = read_run_file(opts.file) if opts.file else None
+    argv_flags = {word.split("=")[0] for word in opts.given if word.startswith("--")}
     given = run_file.values if run_file else {}
 
     def pick(attr: str, key: str | None = None, default: Any = None) -> Any:
@@ -236,6 +237,8 @@ def submit(opts: argparse.Namespace) -> int:
         sweep=sweep_values(opts.sweep, given.get("sweep", {})),
         sweep_parallel=pick("sweep_parallel"),
     )
+    if run_file is not None:  # a value from the file that the checks refuse is named by its line there
+        raise_problems([run_file.where(problem, argv_flags) for problem in setting_problems(settings)])
     kept = run_file.record() if run_file else None
     if opts.json:  # stdout holds the one JSON object: what the build and conversion print (their tools too) goes to stderr
         with stdout_to_stderr():

@@ -66,6 +66,7 @@ class RunFile:
     path: Path
     text: str
     values: dict[str, Any] = field(default_factory=dict)
+    written: tuple[str, ...] = ()  # the keys as the file writes them (tasks-per-node or tasks_per_node)
 
     def passed_env(self, environ: Mapping[str, str]) -> dict[str, str]:
         """pass_env's names with their values from `environ` (this shell), as --env NAME takes them: recorded."""
@@ -74,6 +75,21 @@ class RunFile:
             where = f"{self.path}:{line_of(self.text, 'pass_env')}: pass_env"
             raise HostError(f"{where}: {', '.join(missing)} is not set in this shell; export it, or leave it out of pass_env", code=2)
         return {name: environ[name] for name in self.values.get("pass_env", [])}
+
+    def where(self, problem: str, flags_given: set[str]) -> str:
+        """A check's line about `--flag VALUE`, where the value came from this file rather than the command line:
+        the file and the line that set it, first."""
+        flag = problem.split()[0] if problem.startswith("--") else ""
+        if not flag or flag in flags_given:
+            return problem
+        key = {"--time": "time", "--env": "env", "--secret": "secrets", "--sweep": "sweep"}.get(flag, flag[2:].replace("-", "_"))
+        written = next((k for k in self.written if k.replace("-", "_") == key), None)
+        if written is None:
+            return problem
+        if key in TABLES:  # --env NAME=VALUE, --sweep NAME: the entry's own line in its table
+            name = re.split(r"[=:\s]", problem.split()[1], maxsplit=1)[0]
+            return f"{self.path}:{line_of(self.text, name, key)}: {problem}"
+        return f"{self.path}:{line_of(self.text, written)}: {problem}"
 
     def record(self) -> dict[str, Any]:
         """What run.json keeps of it: where it was, its digest and its whole text (names of secrets, never values)."""
@@ -140,4 +156,4 @@ def read_run_file(path: Path) -> RunFile:
             known = ", ".join([*SCALARS, *LISTS, *TABLES])
             raise HostError(f"{where}: not a run file key (a typo?); the keys are {known}", code=2)
     values.setdefault("app_dir", folder)
-    return RunFile(path=path.resolve(), text=text, values=values)
+    return RunFile(path=path.resolve(), text=text, values=values, written=tuple(data))

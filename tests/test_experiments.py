@@ -88,6 +88,10 @@ def test_a_run_file_holds_the_flags_the_flags_win_and_the_file_is_kept_in_the_re
         ("nodes = 2\ncommand = [\n", "run.toml: not TOML:"),
         ('nodes = 2\npass_env = ["DDPACK_TEST_UNSET_VAR"]\n', "run.toml:2: pass_env: DDPACK_TEST_UNSET_VAR is not set in this shell"),
         ("tasks_per_node = 2\n", "how many nodes? --nodes N (or nodes = N in a run file"),
+        ('nodes = 2\ntime = "soon"\n', "run.toml:2: --time soon: not a Slurm time"),
+        ('nodes = 2\ntemplate = "mpi"\n', "run.toml:2: --template mpi: expected one of per-task, torchrun"),
+        ('nodes = 2\n[env]\nA = "1"\nDDPACK_STAGE = "sbcats"\n', "run.toml:4: --env DDPACK_STAGE=sbcats: expected auto, sbcast, off"),
+        ('nodes = 2\ncommand = ["x"]\n[sweep]\nlr = ["1", "2"]\n', "run.toml:4: --sweep lr: the command after -- never uses {lr}"),
     ],
 )
 def test_a_bad_run_file_is_one_line_with_the_key_and_its_line_exit_2_and_nothing_queued(tmp_path, slurm, capfd, body: str, line: str) -> None:
