@@ -158,10 +158,12 @@ def log_events(logs: list[Path], job_ids: list[str]) -> list[LogEvent]:
                     events.append(LogEvent("decision", job_id, found.group(1)))
                 elif banner := BANNER.match(line):
                     when = parse_time(banner.group(4), "%Y-%m-%dT%H:%M:%S%z")
-                    events.append(LogEvent("banner", banner.group(1), f"restart {banner.group(2)}", when))
+                    # A log is one job's (a requeue appends to it): its lines are that job's, whatever id they print
+                    # (a sweep's point prints its own numeric SLURM_JOB_ID; ddpack knows it as <array>_<index>).
+                    events.append(LogEvent("banner", job_id, f"restart {banner.group(2)}", when))
             elif "*** JOB" in line and (cancel := CANCELLED_LINE.search(line)) and cancel.group(3) != " DUE TO JOB REQUEUE":
                 when = parse_time(cancel.group(2), "%Y-%m-%dT%H:%M:%S")
-                events.append(LogEvent("cancel", cancel.group(1), "TIMEOUT" if cancel.group(3) else "CANCELLED", when))
+                events.append(LogEvent("cancel", job_id, "TIMEOUT" if cancel.group(3) else "CANCELLED", when))
     return events
 
 

@@ -385,3 +385,19 @@ def test_compare_of_a_sweep_is_its_points_side_by_side(tmp_path, slurm, capfd) -
     result = json.loads(capfd.readouterr().out)
     assert [run["name"] for run in result["runs"]] == ["90_0", "90_1"]
     assert result["differ"]["sweep.lr"] == ["1e-3", "3e-4"] and result["differ"]["command"] == ['["python", "t.py", "1e-3"]', '["python", "t.py", "3e-4"]']
+
+
+def test_a_points_own_log_settles_its_state_once_slurm_has_forgotten_it(tmp_path, slurm, capfd) -> None:
+    """A point's log prints its numeric SLURM_JOB_ID (125), ddpack knows it as 90_1: the log's lines are its job's."""
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
+    assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1,2", "--json", "--", "python", "t.py", "{lr}"]) == 0
+    sweep_dir = Path(submitted(capfd)["run_dir"])
+    fake(slurm, "squeue", "exit 0")  # MinJobAge later: Slurm lists neither point
+    banner = "ddpack: job {id} (restart 0) on ddnode1, run dir {dir} (new run), at 2026-11-26T10:00:00+0000\n"
+    (sweep_dir / "0" / "logs" / "slurm-90_0.out").write_text(banner.format(id=124, dir=sweep_dir / "0") + "ddpack: the step completed (exit 0)\n")
+    (sweep_dir / "1" / "logs" / "slurm-90_1.out").write_text(
+        banner.format(id=125, dir=sweep_dir / "1") + "slurmstepd: error: *** JOB 125 ON ddnode1 CANCELLED AT 2026-11-26T10:05:00 DUE TO TIME LIMIT ***\n"
+    )
+    assert cli.main(["status", str(sweep_dir), "--json"]) == 0
+    points = json.loads(capfd.readouterr().out)["points"]
+    assert [(p["state"], p["segments"][0]["began"] is not None) for p in points] == [("COMPLETED", True), ("TIMEOUT", True)]
