@@ -326,7 +326,7 @@ def sweep_verb(opts: argparse.Namespace, folder: Path) -> int:
         return 0
     for index, point in enumerate(sweep.point_dirs(folder)):
         print(f"== point {index} ({sweep.point_label(data['points'][index])}): {point}")
-        run_ops.print_logs(point, opts.rank, out=sys.stdout)
+        run_ops.print_logs(point, opts.rank)
     return 0
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from ddpack.errors import HostError
 from ddpack.private_files import write_atomically
+from train import run_folder
 from train.run_folder import RUN_RECORD
 
 FORMAT = 1
@@ -34,6 +35,12 @@ class Job:
     submitted: float
     how: str  # "submit" or "resubmit"
     changes: dict[str, Any] = field(default_factory=dict)  # a resubmit's new --time, --nodes or --partition
+    log: str | None = None  # where Slurm writes its output, when not the run folder's logs/slurm-<job>.out (a template job)
+
+    def log_path(self, run_dir: Path) -> Path:
+        """The job's log: Slurm's --output, which `ddpack submit` points into the run folder, or the one a job started
+        by hand with a template named in its record."""
+        return Path(self.log) if self.log else run_dir / run_folder.LOGS / run_folder.job_log(self.job_id)
 
 
 @dataclass(frozen=True, kw_only=True)

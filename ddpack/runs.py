@@ -21,7 +21,6 @@ from ddpack.errors import HostError
 from ddpack.run_record import append_event, own_file_problem, read_record
 from ddpack.slurm_cli import ENDED, EXIT_FOR_STATE
 from ddpack.status import list_runs, run_status
-from train import run_folder
 
 POLL_STATE_S = 2.0  # how often `logs -f` asks Slurm for the job's state (the log itself is read every poll)
 
@@ -62,13 +61,16 @@ def resolve_run(run: str | None, runs: Path) -> Path:
             read_record(path)  # a one-line error when it is not a run folder
         return path.resolve()
     if re.fullmatch(r"\d+(_\d+)?", run):
-        for folder, record in reversed(list_runs(runs)):
-            if any(job.job_id == run for job in record.jobs):
-                return folder
-        for folder, data in list_sweeps(runs):
-            if str(data.get("job_id")) == run:
-                return folder
-        raise HostError(f"job {run} belongs to no run under {runs}; name the run folder, or give --runs", code=2)
+        # The runs folder, then ./runs: where a job started by hand with a template keeps its run (runs/<name>-<job>
+        # in the folder it was submitted from), so `ddpack status JOB` typed there finds it.
+        for where in dict.fromkeys([runs, (Path.cwd() / "runs").resolve()]):
+            for folder, record in reversed(list_runs(where)):
+                if any(job.job_id == run for job in record.jobs):
+                    return folder
+            for folder, data in list_sweeps(where):
+                if str(data.get("job_id")) == run:
+                    return folder
+        raise HostError(f"job {run} belongs to no run under {runs} or ./runs; name the run folder, or give --runs", code=2)
     raise HostError(f"{run} is neither a run folder nor a job id", code=2)
 
 
@@ -98,18 +100,20 @@ def log_lines(run_dir: Path, rank: int | None) -> list[dict[str, object]]:
     """Each job's whole lines (rank `rank`'s alone, when given), in submission order: what `logs --json` prints."""
     jobs = []
     for job in read_record(run_dir).jobs:
-        log = run_dir / run_folder.LOGS / run_folder.job_log(job.job_id)
+        log = job.log_path(run_dir)
         lines = [line.rstrip("\n") for line in whole_lines(log)[0] if rank_filter(line, rank)]
         jobs.append({"job_id": job.job_id, "attempt": job.attempt, "how": job.how, "log": str(log), "lines": lines})
     return jobs
 
 
-def print_logs(run_dir: Path, rank: int | None, out: TextIO = sys.stdout) -> dict[str, int]:
-    """Every job's log in submission order; {log: bytes shown}, where a follow goes on from."""
+def print_logs(run_dir: Path, rank: int | None, out: TextIO | None = None) -> dict[str, int]:
+    """Every job's log in submission order (to `out`, else this moment's stdout); {log: bytes shown}, where a follow
+    goes on from."""
+    out = out or sys.stdout
     record = read_record(run_dir)
     shown = {}
     for job in record.jobs:
-        log = run_dir / run_folder.LOGS / run_folder.job_log(job.job_id)
+        log = job.log_path(run_dir)
         if len(record.jobs) > 1:
             out.write(f"==> job {job.job_id} (attempt {job.attempt}, {job.how}) <==\n")
         lines, size = whole_lines(log)
@@ -119,16 +123,17 @@ def print_logs(run_dir: Path, rank: int | None, out: TextIO = sys.stdout) -> dic
     return shown
 
 
-def follow(run_dir: Path, rank: int | None, out: TextIO = sys.stdout, poll_s: float = 0.5, settle_s: float | None = None) -> int:
+def follow(run_dir: Path, rank: int | None, out: TextIO | None = None, poll_s: float = 0.5, settle_s: float | None = None) -> int:
     """Show the logs, then follow the newest job's until the job has ended (an ended state that held `settle_s`,
     slurm_cli.SETTLE_S: across its requeues); returns 0 when it COMPLETED, else the state's exit status (EXIT_FOR_STATE)."""
     settle_s = slurm_cli.SETTLE_S if settle_s is None else settle_s
+    out = out or sys.stdout
     shown = print_logs(run_dir, rank, out)
     record = read_record(run_dir)
     job = record.last_job
     if job is None:
         raise HostError(f"{run_dir} has no job to follow", code=2)
-    log = run_dir / run_folder.LOGS / run_folder.job_log(job.job_id)
+    log = job.log_path(run_dir)
     offset, ended_since, next_check, state = shown.get(str(log), 0), None, 0.0, ""
     while True:
         if log.exists() and log.stat().st_size > offset:
@@ -181,6 +186,12 @@ def resubmit(run_dir: Path, changes: dict[str, Any] | None = None) -> str:
 
     changes = {key: value for key, value in (changes or {}).items() if value is not None}
     record = read_record(run_dir)
+    if record.settings.get("made_by") == "template":
+        raise HostError(
+            f"{run_dir} is a run started by hand with a template, whose settings ddpack did not keep; continue it as it was "
+            f"started, with sbatch --export=ALL,DDPACK_RUN_DIR={run_dir} and the template",
+            code=2,
+        )
     options = resubmit_options(changes, int(record.settings.get("spares") or 0))
     sqsh = Path(record.sqsh["path"])
     if not sqsh.is_file():

@@ -126,7 +126,7 @@ def read_records(metrics: Path) -> Records:
 
 
 def job_logs(run_dir: Path, record: RunRecord) -> list[Path]:
-    return [run_dir / run_folder.LOGS / run_folder.job_log(job.job_id) for job in record.jobs]
+    return [job.log_path(run_dir) for job in record.jobs]
 
 
 @dataclass(frozen=True)

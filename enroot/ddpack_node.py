@@ -12,7 +12,9 @@ node (`srun ... python3 -c "$code" VERB ...`) or on the batch host:
     install                  on each node: check what sbcast wrote (ours, a plain file, the whole size) and rename it
                              into place as KEY.sqsh, then the same cleanup as prepare
     lock RUN_DIR             on the batch host: take the run folder for this job, or refuse naming the live job that
-                             holds it; unlock RUN_DIR gives it back when the job leaves it for good
+                             holds it; unlock RUN_DIR gives it back when the job leaves it for good. A job started by
+                             hand with a template leaves the folder a run.json naming it (with its log), so `ddpack
+                             status/logs/cancel JOB` know it as they know a run `ddpack submit` made
 
 Why Python and not more shell: these are decisions about files another user may have planted (owner, mode, links,
 odd names) and about `squeue`'s answer (a failure is not "no jobs"); os.lstat, O_NOFOLLOW and a list of names
@@ -446,7 +448,72 @@ def lock(args: argparse.Namespace) -> int:
                     f"wait for it to end, scancel {holder}, or give this job another DDPACK_RUN_DIR"
                 )
         write_private(path, me)
+    try:
+        record_hand_made(run_dir, args.job, dict(os.environ))
+    except (OSError, Refused) as why:  # the run goes on; only ddpack's view of it is missing
+        warn(f"could not write {run_dir / RUN_RECORD} for `ddpack status/logs/cancel {args.job}`: {one_line(why)}")
     return 0
+
+
+RUN_RECORD = "run.json"  # ddpack/run_record.py's file and format (its RunRecord and Job fields, format 1)
+RECORD_FORMAT = 1
+SECRET_SETTINGS = ("DDPACK_JOB_TOKEN",)  # never written to a record
+
+
+def scontrol_fields(job: str, names: tuple[str, ...]) -> dict[str, str]:
+    """Fields of `scontrol show job JOB` (one per line in its output: Command=, StdOut=, ...); empty when it fails."""
+    try:
+        out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=SQUEUE_TIMEOUT_S).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    found = {}
+    for line in out.splitlines():
+        name, sep, value = line.strip().partition("=")
+        if sep and name in names and name not in found:
+            found[name] = value
+    return found
+
+
+def record_hand_made(run_dir: Path, job: str, environ: dict[str, str]) -> None:
+    """A run.json for a job started by hand with a template (sbatch enroot/...): the job, its log (Slurm's StdOut)
+    and script, its settings and command, so `ddpack status`, `logs` and `cancel` know it. A run `ddpack submit` made
+    is left alone (it lists its jobs itself); a hand-made run a later job continues (DDPACK_RUN_DIR) gets that job
+    appended. Written as ddpack writes it: under the record's flock, through a private name and a rename."""
+    path = run_dir / RUN_RECORD
+    with guard(run_dir / f".{RUN_RECORD}.lock"):
+        try:
+            data = json.loads(read_nofollow(path, limit=None))
+        except FileNotFoundError:
+            data = None
+        except (OSError, ValueError):
+            return  # a record ddpack cannot read is left as it is: `ddpack status` names the problem
+        fields = scontrol_fields(job, ("Command", "StdOut"))
+        now = time.time()
+        entry = {"job_id": job, "attempt": 1, "submitted": now, "how": "template", "changes": {}, "log": fields.get("StdOut") or None}
+        if data is not None:
+            jobs = data.get("jobs") or []
+            if not jobs or jobs[0].get("how") != "template" or any(j.get("job_id") == job for j in jobs):
+                return
+            data["jobs"] = [*jobs, {**entry, "attempt": len(jobs) + 1}]
+        else:
+            script = Path(fields.get("Command") or "")
+            try:
+                digest = hashlib.sha256(script.read_bytes()).hexdigest() if script.is_absolute() else ""
+            except OSError:
+                digest = ""
+            settings = {k: v for k, v in environ.items() if k.startswith("DDPACK_") and k not in SECRET_SETTINGS}
+            try:
+                command = json.loads(environ.get("DDPACK_COMMAND") or "[]")
+            except ValueError:
+                command = []
+            data = {
+                "format": RECORD_FORMAT, "name": run_dir.name, "run_dir": str(run_dir), "created": now, "user": user_name(),
+                "host": socket.gethostname(), "image": {"ref": None, "image_id": None, "note": "a job started by hand with a template"},
+                "sqsh": {"path": environ.get("DDPACK_SQSH")}, "code": {}, "command": command if isinstance(command, list) else [],
+                "settings": {"made_by": "template", "exported": settings}, "script": os.path.relpath(script, run_dir) if digest else "",
+                "script_sha256": digest, "versions": {}, "jobs": [entry], "events": [], "environment": {}, "run_file": None, "sweep": None,
+            }  # fmt: skip
+        write_private(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def own_run_folder(run_dir: Path) -> None:
@@ -524,10 +591,10 @@ def user_name() -> str:
         return str(os.getuid())
 
 
-def read_nofollow(path: Path) -> str:
+def read_nofollow(path: Path, limit: int | None = 4096) -> str:
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     with os.fdopen(fd) as handle:
-        return handle.read(4096)
+        return handle.read(limit) if limit is not None else handle.read()
 
 
 def image_ok(args: argparse.Namespace) -> int:

@@ -401,3 +401,47 @@ def test_a_points_own_log_settles_its_state_once_slurm_has_forgotten_it(tmp_path
     assert cli.main(["status", str(sweep_dir), "--json"]) == 0
     points = json.loads(capfd.readouterr().out)["points"]
     assert [(p["state"], p["segments"][0]["began"] is not None) for p in points] == [("COMPLETED", True), ("TIMEOUT", True)]
+
+
+# --------------------------------------------------------------------------- jobs started by hand with a template
+
+
+def test_a_job_started_by_hand_with_a_template_is_known_to_status_logs_and_cancel(tmp_path, slurm, monkeypatch, capfd) -> None:
+    """The template's lock step (enroot/ddpack_node.py, as the job runs it) leaves runs/<name>-<job>/run.json naming the
+    job, its log (Slurm's StdOut, in the submission folder's logs/) and script; `ddpack status/logs/cancel JOB` typed in
+    the submission folder find it. A later job continuing it is appended; a run `ddpack submit` made is left alone."""
+    from ddpack.submit import node_helper
+
+    node = node_helper()
+    submitted_from = tmp_path / "project"
+    (submitted_from / "logs").mkdir(parents=True)
+    script = submitted_from / "pyxis-per-task.sbatch"
+    script.write_text("#!/bin/bash\n")
+    log = submitted_from / "logs" / "ddpack-77.out"
+    log.write_text("ddpack: job 77 (restart 0) on ddnode[1-2], run dir x (new run), at 2026-11-26T10:00:00+0000\n0: hello\n")
+    fake(slurm, "scontrol", f'echo "   Command={script}"; echo "   StdOut={log}"')
+    run_dir = submitted_from / "runs" / "ddpack-77"
+    run_dir.mkdir(parents=True, mode=0o700)
+    environ = {"DDPACK_SQSH": "/fsx/images/x.sqsh", "DDPACK_COMMAND": '["python", "ddp.py"]', "DDPACK_JOB_TOKEN": "s3cr3t"}
+    node.record_hand_made(run_dir, "77", environ)
+    record = read_record(run_dir)
+    assert [(j.job_id, j.how, j.log) for j in record.jobs] == [("77", "template", str(log))] and record.command == ["python", "ddp.py"]
+    assert "s3cr3t" not in (run_dir / "run.json").read_text() and record.settings["exported"]["DDPACK_SQSH"] == "/fsx/images/x.sqsh"
+    monkeypatch.chdir(submitted_from)
+    squeue_running = 'case "$*" in *%i*) echo "77|RUNNING" ;; *) echo "RUNNING|None|ddnode[1-2]" ;; esac'
+    fake(slurm, "squeue", squeue_running)
+    assert cli.main(["status", "77", "--json"]) == 0
+    assert (now := json.loads(capfd.readouterr().out))["run_dir"] == str(run_dir) and now["state"] == "RUNNING"
+    assert cli.main(["logs", "77"]) == 0 and "0: hello" in capfd.readouterr().out
+    assert cli.main(["resubmit", "77"]) == 2 and "started by hand with a template" in capfd.readouterr().err
+    assert cli.main(["cancel", "77"]) == 0 and calls(slurm, "scancel") == ["scancel 77"]
+    node.record_hand_made(run_dir, "78", environ)  # sbatch --export=ALL,DDPACK_RUN_DIR=... continues it
+    node.record_hand_made(run_dir, "78", environ)  # its requeue: the same job, not again
+    assert [(j.job_id, j.attempt) for j in read_record(run_dir).jobs] == [("77", 1), ("78", 2)]
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
+    made = settings(tmp_path)
+    assert cli.main(["submit", str(tmp_path), "--nodes", "1", "--runs", str(made.runs), "--sqsh", str(made.sqsh), "--mounts", made.mounts, "--json"]) == 0
+    ours = Path(submitted(capfd)["run_dir"])
+    before = (ours / "run.json").read_text()
+    node.record_hand_made(ours, "91", environ)  # the job of a submit: its record is submit's
+    assert (ours / "run.json").read_text() == before

@@ -165,6 +165,13 @@ def test_pyxis_templates_run_the_preflight_in_the_image_then_the_users_task_in_t
     # Unpacked once per node by the preflight step, reused by training, removed afterwards.
     assert unpacks(job) == 2 and reuses(job) == 2
     assert not list(Path("/tmp/enroot/data").glob(f"*/*/pyxis_ddpack-{job}"))
+    # Started by hand, and still known to ddpack from the folder it was submitted in (the run.json the job left).
+    ddpack = str(Path(sys.executable).parent / "ddpack")
+    status = subprocess.run([ddpack, "status", job, "--json"], cwd=folder, capture_output=True, text=True, env=env())
+    assert status.returncode == 0, status.stderr
+    assert (json.loads(status.stdout)["run_dir"], json.loads(status.stdout)["state"]) == (str(run_dir), "COMPLETED")
+    logs = subprocess.run([ddpack, "logs", job], cwd=folder, capture_output=True, text=True, env=env())
+    assert logs.returncode == 0 and "checksums agree across 4 ranks" in logs.stdout, logs.stderr
 
 
 def test_the_preflight_template_alone_in_the_default_pyxis_shape(sqsh: Path, shared: Path) -> None:
