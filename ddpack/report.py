@@ -24,7 +24,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from ddpack.credentials import write_atomically
+from ddpack.private_files import write_atomically
 from ddpack.errors import HostError, run_verb
 from ddpack.run_records import Run, read_run
 from train import run_folder
