@@ -24,8 +24,8 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from ddpack.private_files import write_atomically
 from ddpack.errors import HostError, run_verb
+from ddpack.private_files import write_atomically
 from ddpack.run_records import Run, read_run
 from train import run_folder
 from train.metrics import format_share
