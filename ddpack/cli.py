@@ -54,7 +54,8 @@ def parser() -> argparse.ArgumentParser:
     runs_help = "the runs folder (default: DDPACK_RUNS, else /fsx/<user>/ddpack-runs)"
     json_help = "print one JSON object (status --json's names: run_dir, job_id, state, ...)"
 
-    sub = verbs.add_parser("submit", help="build, convert and submit a project (only what changed), recording what ran")
+    # No abbreviated flags: a flag is named in full, so a run file's value is never blamed for a flag typed as --tim.
+    sub = verbs.add_parser("submit", help="build, convert and submit a project (only what changed), recording what ran", allow_abbrev=False)
     # Every option the run file can hold defaults to None here: a flag given wins over the file, the file over the default.
     sub.add_argument("app_dir", nargs="?", default=None, type=Path, help="the project folder (default: the run file's, else here)")
     sub.add_argument("--file", type=Path, help="a run file (TOML) holding these options; flags given here win over it")
@@ -312,10 +313,10 @@ def sweep_verb(opts: argparse.Namespace, folder: Path) -> int:
         print(json.dumps(now, indent=2) if opts.json else sweep.render_sweep(now))
         return 0
     if opts.verb == "cancel":
-        job = sweep.cancel_sweep(folder)
+        jobs = sweep.cancel_sweep(folder)
         now = sweep.sweep_status(folder)
-        facts_now = {key: now[key] for key in ("run_dir", "name", "job_id", "state")}
-        said = f"cancel: job array {job} of {folder} cancelled (scancel): every point still waiting or running"
+        facts_now = {**{key: now[key] for key in ("run_dir", "name", "job_id", "state")}, "cancelled": jobs}
+        said = f"cancel: {', '.join(jobs)} of the sweep {folder} cancelled (scancel): every point still waiting or running"
         print(json.dumps(facts_now, indent=2) if opts.json else said)
         return 0
     data = sweep.read_sweep(folder)

@@ -201,5 +201,5 @@ def write_page(comparison: Comparison, runs: list[Run | None], path: Path) -> Pa
         + _table(["", *comparison.names], [[key, *values] for key, values in outcome_rows(comparison)])
         + f'<img alt="loss and throughput" src="data:image/png;base64,{image}"></body></html>'
     )
-    write_atomically(path, page, mode=0o644)
+    write_atomically(path, page, mode=0o600)  # it shows settings and --env values: the user's alone, as run.json is
     return path

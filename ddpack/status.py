@@ -423,6 +423,23 @@ def list_runs(runs: Path) -> list[tuple[Path, RunRecord]]:
     return sorted(found, key=lambda item: item[1].created)
 
 
+def asked_for(jobs: list[Any]) -> Any:
+    """One squeue call for all of `jobs` (runs' newest Job records) and one sacct call for those squeue no longer
+    lists; a function from a job to what was said of it (an Asked), or None where squeue failed (ask again, job by job)."""
+    ids = [job.job_id for job in jobs if job]
+    listed = slurm_cli.queue_states(ids)
+    accounting = slurm_cli.accounting_states([job for job in ids if job not in listed]) if listed is not None else {}
+
+    def asked(job: Any) -> Asked | None:
+        if listed is None or job is None:
+            return None
+        if job.job_id in listed:
+            return Asked(slurm_cli.QueueAnswer(listed=True, state=listed[job.job_id]), accounting)
+        return Asked(slurm_cli.QueueAnswer(listed=False), accounting)
+
+    return asked
+
+
 def list_rows(runs: Path) -> list[dict[str, Any]]:
     """One row per run (status --json's names): run_dir, name, job_id, state, step, total_steps. One squeue call for
     all of them. A sweep is a row of its own (with `points`), before its points' rows (with `sweep`, its folder, and
@@ -430,20 +447,12 @@ def list_rows(runs: Path) -> list[dict[str, Any]]:
     from ddpack.sweep import read_sweep, sweep_state
 
     found = list_runs(runs)
-    answered = slurm_cli.queue_states([r.last_job.job_id for _, r in found if r.last_job])
-    listed = answered or {}
-    # Jobs squeue no longer lists: one sacct call for all of them, and neither asked again run by run.
-    gone = [r.last_job.job_id for _, r in found if r.last_job and r.last_job.job_id not in listed] if answered is not None else []
-    accounting = slurm_cli.accounting_states(gone)
+    asked = asked_for([record.last_job for _, record in found])  # one squeue and one sacct for every run, not one each
     rows: list[dict[str, Any]] = []
     sweeps: dict[str, dict[str, Any]] = {}
     for run_dir, record in found:
         job = record.last_job
-        state = slurm_cli.ddpack_state(listed[job.job_id]) if job and job.job_id in listed else None
-        if job and job.job_id in gone:
-            state = run_status(run_dir, Asked(slurm_cli.QueueAnswer(listed=False), accounting)).state
-        elif not state or state in ENDED or state == "PENDING":
-            state = run_status(run_dir).state  # the careful answer, where squeue alone does not settle it
+        state = run_status(run_dir, asked(job)).state
         records = read_records(run_dir / run_folder.METRICS)
         row = {
             "run_dir": str(run_dir),

@@ -38,7 +38,7 @@ from typing import Any
 from ddpack import slurm_cli
 from ddpack.errors import HostError
 from ddpack.run_record import RunRecord, append_job, write_json_atomic, write_record
-from ddpack.sweep import SWEEP_RECORD, point_label, sweep_command, sweep_points, sweep_problems
+from ddpack.sweep import SWEEP_RECORD, sweep_command, sweep_points, sweep_problems
 from train import run_folder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -146,7 +146,8 @@ def setting_problems(settings: SubmitSettings) -> list[str]:
         elif (why := table[name].problem(name, value)) is not None:
             problems.append(f"--env {why}")
     for name in settings.secrets:
-        if not ENV_NAME.fullmatch(name) or name.startswith(("DDPACK_", "SLURM_")) or name in LOGIN_ENV:
+        # ALL, NONE and NIL mean something else to sbatch --export (ALL: the whole shell): never a secret's name.
+        if not ENV_NAME.fullmatch(name) or name.startswith(("DDPACK_", "SLURM_")) or name in LOGIN_ENV or name.upper() in ("ALL", "NONE", "NIL"):
             problems.append(f"--secret {name}: not a variable name of your own (DDPACK_*, SLURM_* and {', '.join(LOGIN_ENV)} are not secrets)")
         elif name in settings.env:
             problems.append(f"--secret {name} is also an --env setting, whose value is written in the job script; give it once, as --secret")
@@ -321,7 +322,8 @@ def sweep_block(settings: SubmitSettings, sweep_dir: Path) -> list[str]:
         f"# A sweep of {len(every)} points, one a task of the array: the point's run folder and command.",
         f'ddpack_point=${{SLURM_ARRAY_TASK_ID:?"this script is a sweep of {len(every)} points: sbatch --array=0-{len(every) - 1} it"}}',
         "ddpack_commands=(",
-        *(f"    {shlex.quote(json.dumps(sweep_command(settings.command, point)))}  # {point_label(point)}" for point in every),
+        # Each command a JSON list in single quotes; the comment is the point as JSON (no newline can end it early).
+        *(f"    {shlex.quote(json.dumps(sweep_command(settings.command, point)))}  # {json.dumps(point)}" for point in every),
         ")",
         f"export DDPACK_RUN_DIR={shlex.quote(str(sweep_dir))}/${{ddpack_point}}",
         'export DDPACK_COMMAND="${ddpack_commands[ddpack_point]}"',

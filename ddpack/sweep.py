@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -23,12 +24,14 @@ from ddpack.errors import HostError
 
 SWEEP_RECORD = "sweep.json"
 MAX_POINTS = 1000  # Slurm's default MaxArraySize is 1001 (indices 0-1000)
+NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # a newline or other control character: no command word needs one
 
 
 def parse_flag(text: str) -> tuple[str, list[str]]:
     """NAME=V1,V2,... (one --sweep flag)."""
     name, sep, values = text.partition("=")
-    if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) or not values:
+    if not sep or not NAME.fullmatch(name) or not values:
         raise HostError(f"--sweep {text}: expected NAME=V1,V2,... (a name of letters, digits and _, then its values)", code=2)
     return name, values.split(",")
 
@@ -46,6 +49,11 @@ def sweep_problems(command: tuple[str, ...], values: dict[str, list[str]]) -> li
     """Each reason the sweep cannot run, one line each."""
     found = []
     for name, given in values.items():
+        if not NAME.fullmatch(name):
+            found.append(f"--sweep {name!r}: a sweep's name is letters, digits and _ (it stands for {{NAME}} in the command)")
+            continue
+        if any(CONTROL.search(value) for value in given):
+            found.append(f"--sweep {name}: a value holds a newline or another control character; write each value on one line")
         if not all(given):
             found.append(f"--sweep {name}: an empty value (two commas, or one at an end)")
         elif len(set(given)) != len(given):
@@ -53,7 +61,7 @@ def sweep_problems(command: tuple[str, ...], values: dict[str, list[str]]) -> li
         if not any(f"{{{name}}}" in word for word in command):
             where = "the command after --" if command else "the command (none given: -- COMMAND, or command in the run file)"
             found.append(f"--sweep {name}: {where} never uses {{{name}}}, so every point would run the same thing")
-    count = len(sweep_points(values))
+    count = math.prod(len(given) for given in values.values())  # counted before any point is made
     if count > MAX_POINTS:
         found.append(f"the sweep has {count} points; one job array holds at most {MAX_POINTS} (Slurm's MaxArraySize): sweep fewer values")
     return found
@@ -132,12 +140,15 @@ def sweep_status(folder: Path) -> dict[str, Any]:
     """The sweep as a whole (status --json's names: run_dir, name, job_id, state) and each point's status."""
     from dataclasses import asdict
 
-    from ddpack.status import run_status
+    from ddpack.run_record import read_record
+    from ddpack.status import asked_for, run_status
 
     data = read_sweep(folder)
+    folders = point_dirs(folder)
+    asked = asked_for([read_record(point_dir).last_job for point_dir in folders])
     points = []
-    for index, point_dir in enumerate(point_dirs(folder)):
-        now = asdict(run_status(point_dir))
+    for index, point_dir in enumerate(folders):
+        now = asdict(run_status(point_dir, asked(read_record(point_dir).last_job)))
         points.append({"index": index, "values": data["points"][index], **now})
     states = [point["state"] for point in points]
     counts = {state: states.count(state) for state in dict.fromkeys(states)}
@@ -158,20 +169,20 @@ def render_sweep(status: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def cancel_sweep(folder: Path) -> str:
-    """scancel the sweep's whole array (its points that still wait or run); each point's record says so."""
+def cancel_sweep(folder: Path) -> list[str]:
+    """scancel every point still waiting or running, by its newest job (the array's element, or a resubmit's own),
+    in one call; each point's record says so once Slurm took it."""
     from ddpack import slurm_cli
     from ddpack.run_record import append_event
-    from ddpack.slurm_cli import ENDED
 
     status = sweep_status(folder)
-    job = status["job_id"]
-    if job is None:
-        raise HostError(f"{folder} has no job array to cancel", code=2)
-    live = [point for point in status["points"] if point["state"] not in ENDED]
+    live = [point for point in status["points"] if point["state"] not in slurm_cli.ENDED and point["job_id"]]
     if not live:
-        raise HostError(f"every point of job array {job} has ended; nothing to cancel", code=2)
-    slurm_cli.scancel(str(job))
+        raise HostError(f"every point of the sweep {folder} has ended; nothing to cancel", code=2)
+    jobs = [str(point["job_id"]) for point in live]
+    answer = slurm_cli.ask(["scancel", *jobs])
+    if answer.failed:
+        raise HostError(f"scancel {' '.join(jobs)}: {answer.failed}", code=1)
     for point in live:
         append_event(Path(point["run_dir"]), {"kind": "cancel", "job_id": point["job_id"]})
-    return str(job)
+    return jobs

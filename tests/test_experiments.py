@@ -135,6 +135,7 @@ def test_the_job_gets_the_login_basics_what_is_named_and_secrets_only_through_sl
         (["--secret", "NOT_SET_HERE_XYZ"], "--secret NOT_SET_HERE_XYZ: NOT_SET_HERE_XYZ is not set in this environment"),
         (["--secret", "HF_TOKEN", "--env", "HF_TOKEN=x"], "--secret HF_TOKEN is also an --env setting"),
         (["--secret", "PATH"], "--secret PATH: not a variable name of your own"),
+        (["--secret", "all"], "--secret all: not a variable name of your own"),  # sbatch --export=...,ALL: the whole shell
     ],
 )
 def test_a_secret_that_cannot_be_kept_secret_is_refused_in_one_line(tmp_path, slurm, monkeypatch, capfd, args, line) -> None:
@@ -246,6 +247,7 @@ def test_compare_shows_only_what_differed_and_how_each_run_ended_with_a_page_of_
     assert (ends["52"]["state"], ends["52"]["step"], ends["52"]["restarts"]) == ("COMPLETED", 60, 1)
     assert ends["52"]["samples_per_s"] == 2000.0 and ends["41"]["wall_s"] == 3
     text = page.read_text()
+    assert os.stat(page).st_mode & 0o077 == 0  # settings and --env values: the user's alone
     assert text.count("data:image/png;base64,") == 1 and "settings.nodes" in text and "--lr" in text
     assert cli.main(["compare", str(first), str(second), "--html", str(page)]) == 0
     out = capfd.readouterr().out
@@ -300,6 +302,9 @@ def test_a_sweep_is_one_job_array_with_a_run_folder_a_point(tmp_path, slurm, cap
         (["--sweep-parallel", "2", "--", "python", "x"], "--sweep-parallel limits a sweep's points at once: it needs --sweep"),
         (["--sweep", "a=" + ",".join(map(str, range(40))), "--sweep", "b=" + ",".join(map(str, range(40))), "--", "p", "{a}{b}"],
          "the sweep has 1600 points; one job array holds at most 1000"),
+        ([*(f"--sweep=n{i}={','.join(map(str, range(10)))}" for i in range(9)), "--", "p", *(f"{{n{i}}}" for i in range(9))],
+         "the sweep has 1000000000 points"),  # counted, never made
+        (["--sweep", "tag=a\n$(touch /tmp/ddpack-pwned)", "--", "p", "{tag}"], "--sweep tag: a value holds a newline"),
     ],
 )
 def test_a_sweep_that_cannot_run_as_meant_is_one_line_and_exit_2(tmp_path, slurm, capfd, extra: list[str], line: str) -> None:
@@ -317,6 +322,9 @@ def test_a_run_files_sweep_table_is_a_sweep_and_a_flag_replaces_its_values(tmp_p
     assert cli.main(["submit", "--file", str(path), "--sweep", "seed=7", "--json"]) == 0
     data = json.loads((Path(submitted(capfd)["run_dir"]) / "sweep.json").read_text())
     assert data["points"] == [{"lr": "1e-3", "seed": "7"}, {"lr": "0.0003", "seed": "7"}]
+    named = run_file(tmp_path, 'nodes = 1\ncommand = ["{lr}"]\n[sweep]\n"x\\n$(id)" = ["1"]\n')
+    assert cli.main(["submit", "--file", str(named), "--dry-run"]) == 2
+    assert "a sweep's name is letters, digits and _" in capfd.readouterr().err
     bad = run_file(tmp_path, 'nodes = 1\ncommand = ["{lr}"]\n[sweep]\nlr = "1e-3"\n')
     assert cli.main(["submit", "--file", str(bad), "--dry-run"]) == 2
     assert "run.toml:4: sweep.lr = '1e-3': expected a list of values" in capfd.readouterr().err
@@ -351,7 +359,7 @@ def test_status_ls_logs_and_cancel_take_a_sweep_as_a_whole_and_each_point_alone(
     assert cli.main(["logs", str(sweep_dir), "-f"]) == 2
     assert "is a sweep; logs -f takes one of its runs" in capfd.readouterr().err
     assert cli.main(["cancel", str(sweep_dir)]) == 0
-    assert calls(slurm, "scancel") == ["scancel 90"]
+    assert calls(slurm, "scancel") == ["scancel 90_1 90_2"]  # the points still waiting or running, by their newest jobs
     assert [e["job_id"] for e in read_record(sweep_dir / "1").events] == ["90_1"]  # the ended point's record says nothing
     assert read_record(sweep_dir / "0").events == []
 
