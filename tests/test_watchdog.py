@@ -231,3 +231,26 @@ def test_an_exception_inside_a_tick_is_one_line_and_the_watchdog_goes_on(tmp_pat
     assert [line for line in lines if "check failed" in line] == [
         "watchdog: a check failed (RuntimeError: a bug in one tick); it goes on, later failures without a line"
     ]
+
+
+def test_stop_returns_only_once_no_store_call_is_in_flight(tmp_path: Path) -> None:
+    """A finished rank tears down its process group (rank 0 hosts the store) and exits right after stop(): a check
+    still talking to the store then ended it in std::terminate. stop() waits for the check, then closes the store."""
+    import threading
+
+    entered, release = threading.Event(), threading.Event()
+
+    class SlowStore(DictStore):
+        def check(self, keys: list[str]) -> bool:
+            entered.set()
+            release.wait(5)
+            return super().check(keys)
+
+    exits: list[int] = []
+    dog = watchdog(0, stalled(7, "sync"), SlowStore(), tmp_path, exits)
+    dog.start()
+    assert entered.wait(10)  # a check is in the store now
+    threading.Timer(0.3, release.set).start()
+    dog.stop()
+    assert not dog._thread.is_alive() and dog.store.gone and dog.store._store is None
+    assert exits == []

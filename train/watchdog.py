@@ -247,6 +247,12 @@ class GuardedStore:
     def signed(self) -> bool:
         return self._secret is not None
 
+    def close(self) -> None:
+        """No call from here on, the helper thread done with its last (unless one missed its deadline and is stuck:
+        then it is left, as before), and the client dropped in the caller's thread, before the process group goes."""
+        self._pool.shutdown(wait=not self.gone)
+        self.gone, self._store = True, None
+
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         if self.gone:
             return None
@@ -419,7 +425,13 @@ class Watchdog:
         self._thread.start()
 
     def stop(self) -> None:
+        """No more checks, and none in flight when this returns: the program goes on to tear down its process group,
+        whose rank 0 hosts the store, and to exit. A store request of this thread's still open then ended a finished
+        rank in std::terminate (exit 134, "terminate called without an active exception"; once in CI)."""
         self._stopped.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(self.tick + self.store.deadline_s + 1.0)  # a check's store calls each end by their deadline
+        self.store.close()
         remove_stacks_dir()
 
     def yield_to_a_declared_hang(self) -> None:
