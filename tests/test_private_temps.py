@@ -46,11 +46,15 @@ from train.forensics import register_worker_stack_dump
 from train.watchdog import Progress, Watchdog
 
 
-class Store:
+class Store:  # the calls the watchdog makes of its GuardedStore
     gone = False
+    deadline_s = 2.0
 
     def __init__(self):
         self.data = {{}}
+
+    def close(self):
+        self.gone = True
 
     def set(self, key, value):
         self.data[key] = value
