@@ -135,13 +135,50 @@ class LogEvent:
     job_id: str
     text: str
     when: float | None = None  # a banner's time (the template's) or a cancel's (Slurm's, in the cluster's local time)
+    verdict: str = ""  # a decision's: completed, end, requeue or restart (decisions.jsonl's step-end records)
 
     @property
     def starts_segment(self) -> bool:
         """A decision after which training starts again (a requeue, a restart in place)."""
-        if self.kind != "decision":
-            return False
-        return "restarting it in this allocation" in self.text or ("requeueing job" in self.text and "not requeueing" not in self.text)
+        return self.kind == "decision" and self.verdict in ("requeue", "restart")
+
+
+def recorded_events(run_dir: Path, record: RunRecord) -> list[LogEvent] | None:
+    """The job's starts and decisions from the records it wrote (decisions.jsonl: enroot/ddpack_node.py's `record`),
+    with Slurm's own cancel lines from the logs; None for a run folder without them (a job of an older ddpack: its
+    log's sentences are read instead)."""
+    path = run_dir / run_folder.DECISIONS
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    ids = {job.job_id for job in record.jobs}
+    events = []
+    for line in lines:
+        try:
+            entry = json.loads(line)
+            kind, when = entry["kind"], float(entry["time"])
+        except (ValueError, KeyError, TypeError):
+            continue  # a torn last line
+        job = str(entry.get("job")) if str(entry.get("job")) in ids else str(entry.get("slurm_job"))
+        if kind == "start":
+            events.append(LogEvent("banner", job, f"restart {entry.get('restart', 0)}", when))
+        elif kind == "step-end":
+            events.append(LogEvent("decision", job, str(entry.get("text") or entry.get("verdict")), when, str(entry.get("verdict") or "")))
+    cancels = [event for event in log_events(job_logs(run_dir, record), [job.job_id for job in record.jobs]) if event.kind == "cancel"]
+    timed = sorted([*events, *(c for c in cancels if c.when is not None)], key=lambda event: event.when or 0.0)
+    return timed + [c for c in cancels if c.when is None]
+
+
+def verdict_of(sentence: str) -> str:
+    """A decision sentence's verdict, for a log written before the job recorded its decisions."""
+    if sentence.startswith("the step completed"):
+        return "completed"
+    if "not requeueing" in sentence:
+        return "end"
+    if "restarting it in this allocation" in sentence:
+        return "restart"
+    return "requeue" if "requeueing job" in sentence else "end"
 
 
 def log_events(logs: list[Path], job_ids: list[str]) -> list[LogEvent]:
@@ -155,7 +192,7 @@ def log_events(logs: list[Path], job_ids: list[str]) -> list[LogEvent]:
         for line in text.splitlines():
             if line.startswith("ddpack: "):
                 if found := DECISION.match(line):
-                    events.append(LogEvent("decision", job_id, found.group(1)))
+                    events.append(LogEvent("decision", job_id, found.group(1), verdict=verdict_of(found.group(1))))
                 elif banner := BANNER.match(line):
                     when = parse_time(banner.group(4), "%Y-%m-%dT%H:%M:%S%z")
                     # A log is one job's (a requeue appends to it): its lines are that job's, whatever id they print
@@ -204,7 +241,7 @@ def segments_of(records: Records, events: list[LogEvent]) -> list[Segment]:
     segments = []
     why = "submitted"
     for event in events:
-        if event.kind == "banner" or "restarting it in this allocation" in event.text:
+        if event.kind == "banner" or event.verdict == "restart":
             began = event.when if event.kind == "banner" else None
             segments.append(Segment(number=len(segments) + 1, began=began, why=why if event.kind == "banner" else event.text))
             why = "started again (a resubmit)"
@@ -247,7 +284,8 @@ def state_of(
     if job_id is None:
         return "UNKNOWN", "run folder", "no job was submitted for this run"
     ran_before = any(e.kind == "banner" and e.job_id == job_id for e in events)
-    decisions = [e.text for e in events if e.kind == "decision" and e.job_id == job_id]
+    decisions = [e for e in events if e.kind == "decision" and e.job_id == job_id]
+    said = "job records" if any(e.verdict and e.when is not None for e in decisions) else "job log"
     queue = asked.queue if asked else slurm_cli.queue_state(job_id)
     note = ""
     if queue.listed:
@@ -272,10 +310,10 @@ def state_of(
     end = next((e for i, e in reversed(records.ends) if i == last_segment), None)
     if end is not None and end.get("outcome") == "done":
         return "COMPLETED", "end record", note
-    if decisions and decisions[-1].startswith("the step completed"):
-        return "COMPLETED", "job log", note
-    if decisions and "not requeueing" in decisions[-1]:
-        return "FAILED", "job log", note or decisions[-1]
+    if decisions and decisions[-1].verdict == "completed":
+        return "COMPLETED", said, note
+    if decisions and decisions[-1].verdict == "end":
+        return "FAILED", said, note or decisions[-1].text
     if queue.failed:  # the job may be between a stop and its requeue: only a verdict above settles it
         return "UNKNOWN", "run folder", note
     if end is not None:
@@ -286,7 +324,9 @@ def state_of(
 def run_status(run_dir: Path, asked: Asked | None = None) -> Status:
     record = read_record(run_dir)
     records = read_records(run_dir / run_folder.METRICS)
-    events = log_events(job_logs(run_dir, record), [job.job_id for job in record.jobs])
+    events = recorded_events(run_dir, record)
+    if events is None:
+        events = log_events(job_logs(run_dir, record), [job.job_id for job in record.jobs])
     job = record.last_job
     state, state_from, note = state_of(job.job_id if job else None, record, records, events, asked)
     segments = segments_of(records, events)

@@ -83,6 +83,7 @@ ddpack_setup() {
     export DDPACK_JOB_TOKEN
     # The time closes the line: `ddpack status` dates the segment this start begins, for a program that writes no records.
     echo "ddpack: job ${SLURM_JOB_ID} (restart ${SLURM_RESTART_COUNT:-0}) on ${SLURM_JOB_NODELIST}, run dir ${DDPACK_RUN_DIR} (${ddpack_run_origin}), at $(date +%Y-%m-%dT%H:%M:%S%z)"
+    ddpack_record start nodes="${SLURM_JOB_NODELIST}" origin="${ddpack_run_origin}"
 }
 
 # What the job writes is its user's alone: run folders, snapshots (weights and optimizer state), metrics,
@@ -109,6 +110,21 @@ ddpack_python=$(command -v /usr/bin/python3 || command -v python3 || echo python
 ddpack_node() {
     [ -n "${ddpack_node_py}" ] || ddpack_die "cannot read ddpack_node.py beside ddpack-job.sh; set DDPACK_HOME to ddpack's enroot/ folder"
     "${ddpack_python}" -I -S -c "${ddpack_node_py}" "$@"
+}
+
+# ddpack_record KIND NAME=VALUE...: one decision of the job as a record in the run folder (decisions.jsonl: a start,
+# the placement, the staging choice and why, the step's end and what follows), which `ddpack status` reads; the
+# line printed beside it is for people. A record that cannot be written costs a warning, never the job.
+ddpack_record() {
+    [ -n "${DDPACK_RUN_DIR:-}" ] && [ -n "${ddpack_node_py}" ] || return 0
+    ddpack_node record "${DDPACK_RUN_DIR}" "$@" || true
+}
+
+# ddpack_decide VERDICT REASON EXIT SENTENCE: the step's end decided (completed, end, requeue or restart), said
+# and recorded.
+ddpack_decide() {
+    echo "ddpack: $4"
+    ddpack_record step-end verdict="$1" reason="$2" exit="$3" text="$4"
 }
 
 # Each task of a one-task-per-GPU step gets its share of the node's CPUs. srun (Slurm 22.05 and later)
@@ -237,8 +253,10 @@ ddpack_preflight() {
     if [ "${rc}" -ne 0 ]; then
         ddpack_remove_container
         echo "ddpack: preflight failed (exit ${rc}); not training. The 'preflight: FAIL' lines above name each problem; the report is ${DDPACK_RUN_DIR}/preflight.json"
+        ddpack_record preflight result=failed exit="${rc}" report="${DDPACK_RUN_DIR}/preflight.json"
         exit "${rc}"
     fi
+    ddpack_record preflight result=passed exit=0 report="${DDPACK_RUN_DIR}/preflight.json"
     if [ "${DDPACK_PREFLIGHT}" = only ]; then
         echo "ddpack: preflight passed; report ${DDPACK_RUN_DIR}/preflight.json"
         exit 0
@@ -366,10 +384,12 @@ ddpack_prepare_nodes() {
     fi
     if [ "${mode}" = off ]; then
         echo "ddpack: image: every node reads ${sqsh} (${why})"
+        ddpack_record staging choice=shared why="${why}" sqsh="${sqsh}"
         return 0
     fi
     if [ -z "${lacking}" ]; then
         echo "ddpack: image: all ${count} nodes hold ${dir}/${key}.sqsh already; the shared filesystem is not read"
+        ddpack_record staging choice=held why="every node holds this image's copy (key ${key})" sqsh="${sqsh}"
         ddpack_image=${dir}/${key}.sqsh
         return 0
     fi
@@ -407,7 +427,7 @@ ddpack_stage_image() {
     size=$(stat -c %s "${sqsh}")
     incoming=.incoming-${SLURM_JOB_ID}-$(od -An -tx1 -N8 /dev/urandom | tr -d ' \n')
     handoff=$(mktemp -d "${DDPACK_RUN_DIR}/.ddpack-stage-${SLURM_JOB_ID}.XXXXXX") || {
-        echo "ddpack: staging the image failed: cannot make a folder in ${DDPACK_RUN_DIR}; this start reads ${sqsh} on every node"
+        ddpack_staging_failed "staging the image failed: cannot make a folder in ${DDPACK_RUN_DIR}; this start reads ${sqsh} on every node"
         return 1
     }
     started=$(date +%s%N)
@@ -421,7 +441,7 @@ ddpack_stage_image() {
     local holder=$! waited=0
     while [ "$(find "${handoff}" -type f | wc -l)" -lt "${count}" ]; do
         if ! kill -0 "${holder}" 2>/dev/null || [ "${waited}" -ge 600 ]; then
-            echo "ddpack: staging the image failed: could not make a private folder to receive it on ${lacking} ($(grep -v '^srun' "${handoff}.err" | grep . | head -n1)); this start reads ${sqsh} on every node"
+            ddpack_staging_failed "staging the image failed: could not make a private folder to receive it on ${lacking} ($(grep -v '^srun' "${handoff}.err" | grep . | head -n1)); this start reads ${sqsh} on every node"
             kill "${holder}" 2>/dev/null; wait "${holder}" 2>/dev/null
             rm -rf -- "${handoff}" "${handoff}.err"
             return 1
@@ -437,7 +457,7 @@ ddpack_stage_image() {
     wait "${holder}" 2>/dev/null
     rm -rf -- "${handoff}" "${handoff}.err"
     if [ "${rc}" -ne 0 ]; then
-        echo "ddpack: staging the image failed: sbcast to ${lacking}: $(echo "${errors}" | grep -v '^$' | tail -n1); this start reads ${sqsh} on every node"
+        ddpack_staging_failed "staging the image failed: sbcast to ${lacking}: $(echo "${errors}" | grep -v '^$' | tail -n1); this start reads ${sqsh} on every node"
         # What it left behind goes with the receiving folders (ddpack_node.py install removes its own).
         srun --nodes="${count}" --ntasks="${count}" --ntasks-per-node=1 --nodelist="${lacking}" "${ddpack_python}" -I -S -c "${ddpack_node_py}" install \
             --dir "${dir}" --job "${SLURM_JOB_ID}" --key "${key}" --size "${size}" --keep "${keep}" --incoming "${incoming}" >/dev/null 2>&1
@@ -448,13 +468,20 @@ ddpack_stage_image() {
         --dir "${dir}" --job "${SLURM_JOB_ID}" --key "${key}" --size "${size}" --keep "${keep}" --incoming "${incoming}" 2>&1)
     rc=$?
     if [ "${rc}" -ne 0 ]; then
-        echo "ddpack: staging the image failed on $(echo "${errors}" | grep -v '^ddpack: removed' | grep -v '^$' | head -n1); this start reads ${sqsh} on every node"
+        ddpack_staging_failed "staging the image failed on $(echo "${errors}" | grep -v '^ddpack: removed' | grep -v '^$' | head -n1); this start reads ${sqsh} on every node"
         return 1
     fi
     echo "${errors}" | grep '^ddpack: removed' || true
     local ms=$((($(date +%s%N) - started) / 1000000))
     echo "ddpack: image: sent ${sqsh} ($((size / 1048576)) MiB) once, by sbcast, to ${lacking} as ${dir}/${key}.sqsh in $((ms / 1000)).$(printf '%03d' $((ms % 1000))) s"
+    ddpack_record staging choice=sent why="sbcast to the nodes lacking it" nodes="${lacking}" sqsh="${sqsh}" seconds="$((ms / 1000)).$(printf '%03d' $((ms % 1000)))"
     return 0
+}
+
+# A staging that failed: one line, and the record of this start reading the shared file instead.
+ddpack_staging_failed() {
+    echo "ddpack: $1"
+    ddpack_record staging choice=shared why="$1"
 }
 
 # --------------------------------------------------------------------------- training, restarted in place
@@ -474,6 +501,7 @@ ddpack_train() {
     if [ "${spares}" -gt 0 ]; then
         ddpack_place || ddpack_die "DDPACK_SPARE_NODES=${spares}: ${ddpack_short}"
         echo "ddpack: training on ${ddpack_last_nodes}; spare: $(ddpack_spares_now)"
+        ddpack_record placement nodes="${ddpack_last_nodes}" spares="$(ddpack_spares_now)"
     fi
     while :; do
         "${ddpack_step[@]}" ${ddpack_placement[@]+"${ddpack_placement[@]}"} "$@"
@@ -547,28 +575,28 @@ ddpack_after_step() {
     ddpack_report_hint
     case "${rc}" in
     0)
-        echo "ddpack: the step completed (exit 0)"   # the run's end, for ddpack status once Slurm has forgotten the job
+        ddpack_decide completed done "${rc}" "the step completed (exit 0)"   # the run's end, for ddpack status once Slurm has forgotten the job
         return 0
         ;;
     2)
-        echo "ddpack: the step ended on bad input (exit 2); not requeueing: fix what its error line names and resubmit"
+        ddpack_decide end bad-input "${rc}" "the step ended on bad input (exit 2); not requeueing: fix what its error line names and resubmit"
         return 0
         ;;
     138 | 143) kind=preempted ;;
     *) kind=failed ;;
     esac
-    local lost what="failed (exit ${rc})"
+    local lost what="failed (exit ${rc})" reason=${kind}
     lost=$(ddpack_lost_nodes)
     if [ -n "${lost}" ]; then
         # Slurm SIGTERMs the tasks of a step that lost a node (143): a failure of the node, not a preemption.
-        kind=failed what="ended (exit ${rc}) when the job lost ${lost}"
+        kind=failed what="ended (exit ${rc}) when the job lost ${lost}" reason=lost-node
     fi
     if [ "${kind}" = preempted ]; then
         if [ "${restarts}" -ge "${max}" ]; then
-            echo "ddpack: preempted (exit ${rc}) after ${restarts} restarts, the cap DDPACK_MAX_RESTARTS=${max}; not requeueing ($(ddpack_continue_hint) to continue)"
+            ddpack_decide end preempted "${rc}" "preempted (exit ${rc}) after ${restarts} restarts, the cap DDPACK_MAX_RESTARTS=${max}; not requeueing ($(ddpack_continue_hint) to continue)"
             return 0
         fi
-        echo "ddpack: preempted (exit ${rc}); requeueing job ${SLURM_JOB_ID} (restart $((restarts + 1)) of at most ${max})"
+        ddpack_decide requeue preempted "${rc}" "preempted (exit ${rc}); requeueing job ${SLURM_JOB_ID} (restart $((restarts + 1)) of at most ${max})"
         ddpack_next=requeue
         return 0
     fi
@@ -576,10 +604,10 @@ ddpack_after_step() {
     case "${failed}" in '' | *[!0-9]*) failed=0 ;; esac
     local forensics=${DDPACK_RUN_DIR}/forensics
     if [ -z "${lost}" ] && { [ "${rc}" -eq 124 ] || [ "${forensics}/summary.json" -nt "${DDPACK_RUN_DIR}/${ddpack_start_marker}" ]; }; then
-        what="ended as hung (exit ${rc}; evidence in ${forensics})"
+        what="ended as hung (exit ${rc}; evidence in ${forensics})" reason=hung
     fi
     if [ "${failed}" -ge "${max_failed}" ] || [ "${restarts}" -ge "${max}" ]; then
-        echo "ddpack: the step ${what} after ${failed} failure restarts, the cap DDPACK_MAX_FAILURE_RESTARTS=${max_failed}; not requeueing ($(ddpack_continue_hint) to continue from its last snapshot)"
+        ddpack_decide end "${reason}" "${rc}" "the step ${what} after ${failed} failure restarts, the cap DDPACK_MAX_FAILURE_RESTARTS=${max_failed}; not requeueing ($(ddpack_continue_hint) to continue from its last snapshot)"
         return 0
     fi
     echo "$((failed + 1))" >"${failures_file}.tmp" && mv "${failures_file}.tmp" "${failures_file}"
@@ -592,13 +620,14 @@ ddpack_after_step() {
     case "${DDPACK_RESTART_IN_PLACE:-1}" in
     0) ddpack_short="DDPACK_RESTART_IN_PLACE=0" ;;
     1) if ddpack_place; then
-        echo "ddpack: the step ${what}; restarting it in this allocation on ${ddpack_last_nodes}${without} from its last snapshot (${count})"
+        ddpack_record placement nodes="${ddpack_last_nodes}" spares="$(ddpack_spares_now)" without="${named}"
+        ddpack_decide restart "${reason}" "${rc}" "the step ${what}; restarting it in this allocation on ${ddpack_last_nodes}${without} from its last snapshot (${count})"
         ddpack_next=restart
         return 0
     fi ;;
     *) ddpack_die "DDPACK_RESTART_IN_PLACE=${DDPACK_RESTART_IN_PLACE} is not 1 (restart a failed step in this allocation) or 0 (requeue)" ;;
     esac
-    echo "ddpack: the step ${what}; ${ddpack_short}: requeueing job ${SLURM_JOB_ID} to resume from its last snapshot (${count})"
+    ddpack_decide requeue "${reason}" "${rc}" "the step ${what}; ${ddpack_short}: requeueing job ${SLURM_JOB_ID} to resume from its last snapshot (${count})"
     ddpack_nodes_to_keep_out
     ddpack_next=requeue
 }
@@ -692,6 +721,7 @@ ddpack_requeue() {
     [ -n "${nodes}" ] || return 0
     if scontrol update "JobId=${SLURM_JOB_ID}" "ExcNodeList=${nodes}"; then
         echo "ddpack: keeping ${nodes} (named unresponsive by the hang's forensics) out of the restart"
+        ddpack_record keep-out nodes="${nodes}" kept=yes
     else
         echo "ddpack: could not keep ${nodes} out of the restart (scontrol update refused); it may land there again"
     fi

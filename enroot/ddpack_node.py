@@ -4,6 +4,9 @@ Run by enroot/ddpack-job.sh with the host's python3 (standard library only), as 
 node (`srun ... python3 -c "$code" VERB ...`) or on the batch host:
 
     key SQSH                 the staging key of a squashfs: its content's (make sqsh's record) or its file's version
+    record RUN_DIR KIND K=V  one decision of the job (a start, the placement, the staging choice, the step's end and
+                             what follows) appended to RUN_DIR/decisions.jsonl as one JSON record: what `ddpack status`
+                             reads, where the job's log says the same in a sentence for people
     image-ok SQSH            refuse a squashfs other users could replace (writable by them, or in a folder they can)
     prepare                  on each node: remove containers of this user's jobs that are over, check the staging
                              folder (created private when missing), lease the job's key, drop copies no live job
@@ -516,6 +519,41 @@ def record_hand_made(run_dir: Path, job: str, environ: dict[str, str]) -> None:
         write_private(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
+DECISIONS = "decisions.jsonl"  # ddpack/status.py reads it (DECISIONS there)
+DECISION_KINDS = ("start", "placement", "staging", "preflight", "step-end", "keep-out")
+VERDICTS = ("completed", "end", "requeue", "restart")  # a step-end's: what follows the step
+
+
+def record(args: argparse.Namespace) -> int:
+    """Append one decision record: time, kind, the job as ddpack knows it (a sweep's point as <array>_<index>) and as
+    Slurm numbers it, the requeue count, and the fields given. One write of one line, to a file of this user's only
+    (O_NOFOLLOW: never through a planted link); a failure is one warning line, never the job's end."""
+    fields: dict[str, object] = {}
+    for pair in args.fields:
+        name, sep, value = pair.partition("=")
+        if not sep or not re.fullmatch(r"[a-z_]+", name):
+            warn(f"record {args.kind}: {pair!r} is not NAME=VALUE; left out")
+            continue
+        fields[name] = value
+    if args.kind == "step-end" and fields.get("verdict") not in VERDICTS:
+        warn(f"record step-end: verdict {fields.get('verdict')!r} is not one of {', '.join(VERDICTS)}")
+    env = os.environ
+    array = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
+    entry = {
+        "time": time.time(), "kind": args.kind, "job": f"{array[0]}_{array[1]}" if all(array) else env.get("SLURM_JOB_ID"),
+        "slurm_job": env.get("SLURM_JOB_ID"), "restart": int(env.get("SLURM_RESTART_COUNT") or 0), **fields,
+    }  # fmt: skip
+    try:
+        fd = os.open(Path(args.run_dir) / DECISIONS, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            os.write(fd, (json.dumps(entry, sort_keys=True) + "\n").encode())
+        finally:
+            os.close(fd)
+    except OSError as why:
+        warn(f"could not record the job's {args.kind} in {Path(args.run_dir) / DECISIONS}: {one_line(why)}")
+    return 0
+
+
 def own_run_folder(run_dir: Path) -> None:
     """The run folder, made when missing (with its parents, under the job's umask), used only when it is this user's,
     not a link, and nobody else can write it or swap it (every folder above it root's or ours, sticky where others
@@ -664,6 +702,11 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_argument("run_dir")
         sub.add_argument("--job", required=True)
         sub.set_defaults(run=run)
+    sub = verbs.add_parser("record")
+    sub.add_argument("run_dir")
+    sub.add_argument("kind", choices=DECISION_KINDS)
+    sub.add_argument("fields", nargs="*")
+    sub.set_defaults(run=record)
     verbs.add_parser("key").add_argument("sqsh")
     verbs.choices["key"].set_defaults(run=key)
     verbs.add_parser("image-ok").add_argument("sqsh")

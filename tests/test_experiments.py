@@ -453,3 +453,53 @@ def test_a_job_started_by_hand_with_a_template_is_known_to_status_logs_and_cance
     before = (ours / "run.json").read_text()
     node.record_hand_made(ours, "91", environ)  # the job of a submit: its record is submit's
     assert (ours / "run.json").read_text() == before
+
+
+# --------------------------------------------------------------------------- the job's decisions as records (issue 48)
+
+
+def test_the_job_records_each_decision_beside_its_sentence(tmp_path) -> None:
+    """ddpack-job.sh's ddpack_decide says the sentence for people and appends the record ddpack status reads (one JSON
+    line, by enroot/ddpack_node.py); a sweep's point is recorded as ddpack knows it, <array>_<index>."""
+    from train import run_folder
+
+    helper = Path(__file__).resolve().parents[1] / "enroot" / "ddpack-job.sh"
+    script = (f'. "{helper}"; ddpack_record start nodes="ddnode[1-2]" origin="new run"; '
+              'ddpack_decide requeue preempted 138 "preempted (exit 138); requeueing job 125 (restart 1 of at most 10)"')  # fmt: skip
+    env = {**os.environ, "DDPACK_RUN_DIR": str(tmp_path), "SLURM_JOB_ID": "125", "SLURM_ARRAY_JOB_ID": "90", "SLURM_ARRAY_TASK_ID": "1"}
+    out = subprocess.run(["bash", "-uc", script], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0 and out.stdout == "ddpack: preempted (exit 138); requeueing job 125 (restart 1 of at most 10)\n", out.stderr
+    start, decision = (json.loads(line) for line in (tmp_path / run_folder.DECISIONS).read_text().splitlines())
+    assert (start["kind"], start["job"], start["slurm_job"], start["nodes"]) == ("start", "90_1", "125", "ddnode[1-2]")
+    assert (decision["kind"], decision["verdict"], decision["reason"], decision["exit"]) == ("step-end", "requeue", "preempted", "138")
+    assert os.stat(tmp_path / run_folder.DECISIONS).st_mode & 0o077 == 0
+    from ddpack.submit import node_helper
+
+    assert node_helper().DECISIONS == run_folder.DECISIONS and node_helper().RUN_RECORD == run_folder.RUN_RECORD
+
+
+def test_status_reads_the_jobs_records_not_its_sentences(tmp_path, slurm) -> None:
+    """A log whose sentences say nothing ddpack knows (reworded, translated): the records alone give the segments, why
+    each began, and the end once Slurm has forgotten the job."""
+    from test_lifecycle import end, progress, start
+
+    from ddpack.status import run_status
+    from train import run_folder
+
+    run_dir = make_run(tmp_path, records=[start(100, 0), progress(101, 10), end(102, 10, "stopped", 138), start(130, 10, 1), progress(131, 20)],
+                       logs={"41": "ddpack: job 41 hat begonnen\n[rank 0/4] step 10\nddpack: unterbrochen\nddpack: job 41 wieder da\n"})  # fmt: skip
+    records = [
+        {"time": 99.0, "kind": "start", "job": "41", "slurm_job": "41", "restart": 0},
+        {"time": 103.0, "kind": "step-end", "job": "41", "slurm_job": "41", "restart": 0, "verdict": "requeue", "reason": "preempted",
+         "exit": "138", "text": "preempted (exit 138); requeueing job 41 (restart 1 of at most 10)"},
+        {"time": 129.0, "kind": "start", "job": "41", "slurm_job": "41", "restart": 1},
+    ]
+    (run_dir / run_folder.DECISIONS).write_text("".join(json.dumps(r) + "\n" for r in records))
+    fake(slurm, "squeue", "exit 0")  # Slurm has forgotten the job
+    now = run_status(run_dir)
+    assert [(s.number, s.why) for s in now.segments] == [(1, "submitted"), (2, "preempted (exit 138); requeueing job 41 (restart 1 of at most 10)")]
+    assert now.state == "FAILED"  # no end record, no verdict that ends it: Slurm forgot a job still to finish
+    with (run_dir / run_folder.DECISIONS).open("a") as handle:
+        handle.write(json.dumps({"time": 140.0, "kind": "step-end", "job": "41", "restart": 1, "verdict": "completed", "reason": "done",
+                                 "exit": "0", "text": "reworded: all done"}) + "\n")  # fmt: skip
+    assert (run_status(run_dir).state, run_status(run_dir).state_from) == ("COMPLETED", "job records")

@@ -116,6 +116,13 @@ def test_a_run_from_submit_through_a_preemption_to_completion_then_resubmitted_a
     assert (done["state"], done["step"], len(done["segments"])) == ("COMPLETED", 58, 2), done
     first, last = done["segments"]
     assert first["began"] < first["ended"] <= last["began"] < last["ended"], done["segments"]  # dated from the records
+    # The job recorded its decisions (decisions.jsonl), which status read: two starts, the staging, the preemption's
+    # requeue and the completion, each as the job knows itself.
+    decided = [json.loads(line) for line in (Path(run_dir) / "decisions.jsonl").read_text().splitlines()]
+    assert [(d["kind"], d.get("verdict"), d["restart"]) for d in decided if d["kind"] in ("start", "step-end")] == [
+        ("start", None, 0), ("step-end", "requeue", 0), ("start", None, 1), ("step-end", "completed", 1)], decided
+    assert {d["job"] for d in decided} == {job} and [d["choice"] for d in decided if d["kind"] == "staging"], decided
+    assert done["state_from"] in ("squeue", "job records")
     metrics = Path(run_dir) / "metrics.jsonl"
     private = [Path(run_dir), metrics, *Path(run_dir).glob("logs/*"), *Path(run_dir).glob("snapshots/*")]
     assert len(private) > 3 and all(not path.lstat().st_mode & 0o077 for path in private)  # DDPACK_UMASK=077: the user's alone

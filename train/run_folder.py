@@ -10,6 +10,9 @@
         unresponsive-nodes           nodes whose ranks stopped answering, one a line (kept out of a retry)
       report.html                  make report's page
       run.json                     `ddpack submit`'s record: image, code, command, settings, versions, each job
+                                   (a job started by hand with a template writes one naming itself and its log)
+      decisions.jsonl              the job's decisions, a record each: start, placement, staging, preflight, the
+                                   step's end and what follows (enroot/ddpack_node.py record), which ddpack status reads
       job/                         the job script as submitted and the helpers it sources (ddpack submit)
       logs/slurm-<job id>.out      each job's log, requeues appended (ddpack submit's --output)
 
@@ -29,6 +32,7 @@ UNRESPONSIVE_NODES = "unresponsive-nodes"
 REPORT = "report.html"
 REPORT_IMAGE = "report.png"
 RUN_RECORD = "run.json"
+DECISIONS = "decisions.jsonl"
 JOB = "job"
 JOB_SCRIPT = "ddpack.sbatch"
 LOGS = "logs"
