@@ -125,10 +125,6 @@ def read_records(metrics: Path) -> Records:
     return records
 
 
-def job_logs(run_dir: Path, record: RunRecord) -> list[Path]:
-    return [job.log_path(run_dir) for job in record.jobs]
-
-
 @dataclass(frozen=True)
 class LogEvent:
     kind: str  # "banner" (a start of the job's script), "decision" (the template's verdict), "cancel"
@@ -143,17 +139,17 @@ class LogEvent:
         return self.kind == "decision" and self.verdict in ("requeue", "restart")
 
 
-def recorded_events(run_dir: Path, record: RunRecord) -> list[LogEvent] | None:
-    """The job's starts and decisions from the records it wrote (decisions.jsonl: enroot/ddpack_node.py's `record`),
-    with Slurm's own cancel lines from the logs; None for a run folder without them (a job of an older ddpack: its
-    log's sentences are read instead)."""
-    path = run_dir / run_folder.DECISIONS
+def job_events(run_dir: Path, record: RunRecord) -> list[LogEvent]:
+    """Each job's starts and decisions, job by job in submission order: from the records it wrote (decisions.jsonl,
+    enroot/ddpack_node.py's `record`), else (a job of an older ddpack, or one whose records could not be written)
+    from its log's sentences. Slurm's own cancel lines come from the log, placed after the starts that preceded them
+    there (the log's order: Slurm's times are the cluster's local time, the records' are not)."""
+    recorded: dict[str, list[LogEvent]] = {}
     try:
-        lines = path.read_text(errors="replace").splitlines()
+        lines = (run_dir / run_folder.DECISIONS).read_text(errors="replace").splitlines()
     except OSError:
-        return None
+        lines = []
     ids = {job.job_id for job in record.jobs}
-    events = []
     for line in lines:
         try:
             entry = json.loads(line)
@@ -162,12 +158,30 @@ def recorded_events(run_dir: Path, record: RunRecord) -> list[LogEvent] | None:
             continue  # a torn last line
         job = str(entry.get("job")) if str(entry.get("job")) in ids else str(entry.get("slurm_job"))
         if kind == "start":
-            events.append(LogEvent("banner", job, f"restart {entry.get('restart', 0)}", when))
+            recorded.setdefault(job, []).append(LogEvent("banner", job, f"restart {entry.get('restart', 0)}", when))
         elif kind == "step-end":
-            events.append(LogEvent("decision", job, str(entry.get("text") or entry.get("verdict")), when, str(entry.get("verdict") or "")))
-    cancels = [event for event in log_events(job_logs(run_dir, record), [job.job_id for job in record.jobs]) if event.kind == "cancel"]
-    timed = sorted([*events, *(c for c in cancels if c.when is not None)], key=lambda event: event.when or 0.0)
-    return timed + [c for c in cancels if c.when is None]
+            text, verdict = str(entry.get("text") or entry.get("verdict")), str(entry.get("verdict") or "")
+            recorded.setdefault(job, []).append(LogEvent("decision", job, text, when, verdict))
+    events: list[LogEvent] = []
+    for job in record.jobs:
+        logged = log_events([job.log_path(run_dir)], [job.job_id])
+        mine = recorded.get(job.job_id, [])
+        if not mine or sum(e.kind == "decision" for e in mine) < sum(e.kind == "decision" for e in logged):
+            events += logged  # its records are missing or short of what its log says: the log, as before
+            continue
+        cancels, starts = [], 0
+        for event in logged:
+            starts += event.kind == "banner"
+            if event.kind == "cancel":
+                cancels.append((starts, event))
+        seen = 0
+        for event in mine:
+            if event.kind == "banner":
+                events += [cancel for after, cancel in cancels if after == seen]
+                seen += 1
+            events.append(event)
+        events += [cancel for after, cancel in cancels if after >= seen]
+    return events
 
 
 def verdict_of(sentence: str) -> str:
@@ -324,9 +338,7 @@ def state_of(
 def run_status(run_dir: Path, asked: Asked | None = None) -> Status:
     record = read_record(run_dir)
     records = read_records(run_dir / run_folder.METRICS)
-    events = recorded_events(run_dir, record)
-    if events is None:
-        events = log_events(job_logs(run_dir, record), [job.job_id for job in record.jobs])
+    events = job_events(run_dir, record)
     job = record.last_job
     state, state_from, note = state_of(job.job_id if job else None, record, records, events, asked)
     segments = segments_of(records, events)

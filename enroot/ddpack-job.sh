@@ -51,6 +51,7 @@ ddpack_start_marker=.ddpack-this-start
 
 ddpack_die() {
     echo "ddpack: error: $*" >&2
+    ddpack_record step-end verdict=end reason=bad-input exit=2 text="error: $*"
     exit 2
 }
 
@@ -75,6 +76,7 @@ ddpack_setup() {
     # Made here when missing, then used only when it is this user's (not a link, nobody else can write or swap it),
     # and only by this job while it lives: another live job that names it is refused, naming the holder.
     ddpack_node lock "${DDPACK_RUN_DIR}" --job "${SLURM_JOB_ID}" || exit 2
+    ddpack_recording=1   # the run folder is this job's now: its decisions are recorded there
     : >"${DDPACK_RUN_DIR}/${ddpack_start_marker}"   # forensics newer than this were written during this start
     # The hang watchdog's keys in the rendezvous store carry this secret, which only this start's ranks know (made
     # here, never sent through slurmctld; srun hands it to each task): another user who reaches the store's port
@@ -115,8 +117,9 @@ ddpack_node() {
 # ddpack_record KIND NAME=VALUE...: one decision of the job as a record in the run folder (decisions.jsonl: a start,
 # the placement, the staging choice and why, the step's end and what follows), which `ddpack status` reads; the
 # line printed beside it is for people. A record that cannot be written costs a warning, never the job.
+ddpack_recording=""
 ddpack_record() {
-    [ -n "${DDPACK_RUN_DIR:-}" ] && [ -n "${ddpack_node_py}" ] || return 0
+    [ -n "${ddpack_recording}" ] && [ -n "${ddpack_node_py}" ] || return 0
     ddpack_node record "${DDPACK_RUN_DIR}" "$@" || true
 }
 
@@ -706,23 +709,29 @@ ddpack_nodes_to_keep_out() {
     case "${total}" in '' | *[!0-9]*) total=0 ;; esac
     if [ "$((total - $(tr ',' '\n' <<<"${nodes}" | grep -c .)))" -lt "${SLURM_JOB_NUM_NODES:-1}" ]; then
         echo "ddpack: not keeping out ${nodes} (named unresponsive): partition ${SLURM_JOB_PARTITION:-?} has ${total} nodes and the job needs ${SLURM_JOB_NUM_NODES:-1}"
+        ddpack_record keep-out nodes="${nodes}" kept=no why="partition ${SLURM_JOB_PARTITION:-?} has ${total} nodes and the job needs ${SLURM_JOB_NUM_NODES:-1}"
         return 0
     fi
     ddpack_keep_out=${nodes}
 }
 
 # Requeue this job, then keep NODES (if any) out of its next start. Slurm refuses ExcNodeList for a running job,
-# and a requeue SIGTERMs this script and kills it KillWait seconds later (30 by default): the trap keeps it
-# alive for the one update that follows.
+# and a requeue SIGTERMs this script and kills it KillWait seconds later (30 by default): TERM is ignored from here
+# (by this script and the commands it runs, which inherit that), which keeps it alive for the one update and its
+# record that follow.
 ddpack_requeue() {
     local nodes=${1:-}
-    trap ':' TERM
-    scontrol requeue "${SLURM_JOB_ID}" || return 0
+    trap '' TERM
+    if ! scontrol requeue "${SLURM_JOB_ID}"; then
+        ddpack_decide end requeue-refused "" "scontrol requeue ${SLURM_JOB_ID} was refused (its line above says why); the job ends here: $(ddpack_continue_hint) to continue"
+        return 0
+    fi
     [ -n "${nodes}" ] || return 0
     if scontrol update "JobId=${SLURM_JOB_ID}" "ExcNodeList=${nodes}"; then
         echo "ddpack: keeping ${nodes} (named unresponsive by the hang's forensics) out of the restart"
         ddpack_record keep-out nodes="${nodes}" kept=yes
     else
         echo "ddpack: could not keep ${nodes} out of the restart (scontrol update refused); it may land there again"
+        ddpack_record keep-out nodes="${nodes}" kept=no why="scontrol update refused"
     fi
 }

@@ -522,6 +522,7 @@ def record_hand_made(run_dir: Path, job: str, environ: dict[str, str]) -> None:
 DECISIONS = "decisions.jsonl"  # ddpack/status.py reads it (DECISIONS there)
 DECISION_KINDS = ("start", "placement", "staging", "preflight", "step-end", "keep-out")
 VERDICTS = ("completed", "end", "requeue", "restart")  # a step-end's: what follows the step
+RESERVED = ("time", "kind", "job", "slurm_job", "restart")  # every record's own fields, which no caller sets
 
 
 def record(args: argparse.Namespace) -> int:
@@ -531,8 +532,8 @@ def record(args: argparse.Namespace) -> int:
     fields: dict[str, object] = {}
     for pair in args.fields:
         name, sep, value = pair.partition("=")
-        if not sep or not re.fullmatch(r"[a-z_]+", name):
-            warn(f"record {args.kind}: {pair!r} is not NAME=VALUE; left out")
+        if not sep or not re.fullmatch(r"[a-z_]+", name) or name in RESERVED:
+            warn(f"record {args.kind}: {pair!r} is not NAME=VALUE of a field of its own; left out")
             continue
         fields[name] = value
     if args.kind == "step-end" and fields.get("verdict") not in VERDICTS:

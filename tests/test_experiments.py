@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -464,13 +465,15 @@ def test_the_job_records_each_decision_beside_its_sentence(tmp_path) -> None:
     from train import run_folder
 
     helper = Path(__file__).resolve().parents[1] / "enroot" / "ddpack-job.sh"
-    script = (f'. "{helper}"; ddpack_record start nodes="ddnode[1-2]" origin="new run"; '
+    script = (f'. "{helper}"; ddpack_record start nodes=x; ddpack_recording=1; '  # recorded once the run folder is the job's (its lock)
+              'ddpack_record start nodes="ddnode[1-2]" origin="new run" kind=forged time=0; '
               'ddpack_decide requeue preempted 138 "preempted (exit 138); requeueing job 125 (restart 1 of at most 10)"')  # fmt: skip
     env = {**os.environ, "DDPACK_RUN_DIR": str(tmp_path), "SLURM_JOB_ID": "125", "SLURM_ARRAY_JOB_ID": "90", "SLURM_ARRAY_TASK_ID": "1"}
     out = subprocess.run(["bash", "-uc", script], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0 and out.stdout == "ddpack: preempted (exit 138); requeueing job 125 (restart 1 of at most 10)\n", out.stderr
     start, decision = (json.loads(line) for line in (tmp_path / run_folder.DECISIONS).read_text().splitlines())
     assert (start["kind"], start["job"], start["slurm_job"], start["nodes"]) == ("start", "90_1", "125", "ddnode[1-2]")
+    assert start["time"] > 1e9 and "is not NAME=VALUE of a field of its own" in out.stderr  # kind=, time=: the record's own
     assert (decision["kind"], decision["verdict"], decision["reason"], decision["exit"]) == ("step-end", "requeue", "preempted", "138")
     assert os.stat(tmp_path / run_folder.DECISIONS).st_mode & 0o077 == 0
     from ddpack.submit import node_helper
@@ -503,3 +506,29 @@ def test_status_reads_the_jobs_records_not_its_sentences(tmp_path, slurm) -> Non
         handle.write(json.dumps({"time": 140.0, "kind": "step-end", "job": "41", "restart": 1, "verdict": "completed", "reason": "done",
                                  "exit": "0", "text": "reworded: all done"}) + "\n")  # fmt: skip
     assert (run_status(run_dir).state, run_status(run_dir).state_from) == ("COMPLETED", "job records")
+
+
+def test_each_job_is_read_from_its_records_else_its_log_and_slurms_cancel_stays_where_the_log_has_it(tmp_path, slurm, monkeypatch) -> None:
+    """A run an older ddpack started (its job's log only) continued by a job that records its decisions: both jobs'
+    segments count. Slurm's cancel line (the cluster's local time) is placed by the log's order, not by a clock: read
+    in any time zone, the second job's time limit ends the run as TIMEOUT."""
+    from test_lifecycle import progress, start
+
+    from ddpack.status import run_status
+    from train import run_folder
+
+    run_dir = make_run(tmp_path, jobs=("41", "57"), records=[start(100, 0), progress(101, 10), start(200, 10, 0), progress(201, 20)],
+                       logs={"41": "ddpack: job 41 (restart 0) on n1, run dir x (new run), at 1970-01-01T00:01:40+0000\n"
+                                    "ddpack: the step failed (exit 1); restarting it in this allocation on n1 from its last snapshot (1)\n",
+                             "57": "ddpack: job 57 (restart 0) on n1, run dir x (continuing), at 1970-01-01T00:03:20+0000\n"
+                                    "slurmstepd: error: *** JOB 57 ON n1 CANCELLED AT 1970-01-01T05:10:00 DUE TO TIME LIMIT ***\n"})  # fmt: skip
+    (run_dir / run_folder.DECISIONS).write_text(json.dumps({"time": 199.0, "kind": "start", "job": "57", "slurm_job": "57", "restart": 0}) + "\n")
+    fake(slurm, "squeue", "exit 0")
+    for zone in ("UTC", "Asia/Tokyo", "America/New_York"):
+        monkeypatch.setenv("TZ", zone)
+        time.tzset()
+        now = run_status(run_dir)
+        assert now.state == "TIMEOUT", (zone, now)
+        assert [s.why.split(";")[0] for s in now.segments][:2] == ["submitted", "the step failed (exit 1)"], now.segments
+    monkeypatch.delenv("TZ")
+    time.tzset()
