@@ -28,7 +28,9 @@ container, beside `train/`; torch is imported when the process group is.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib.util
+import json
 import math
 import os
 import signal
@@ -273,6 +275,9 @@ class Run:
         self.log(end.line())
         self.metrics.write("end", **end.fields())
         self.metrics.close()
+        if path := os.environ.get("DDPACK_END_FILE"):  # the launcher's (entrypoint/supervise.py): how this rank ended
+            with contextlib.suppress(OSError):
+                Path(path).write_text(json.dumps(end.fields()))
 
     def _end(self, outcome: str, exit_code: int, **extra: Any) -> None:
         if self._watchdog is not None:

@@ -635,9 +635,14 @@ ddpack_after_step() {
     ddpack_next=requeue
 }
 
-# How to continue this run in a new job: `ddpack resubmit` for a run `ddpack submit` made, else the setting.
+# How to continue this run in a new job: `ddpack resubmit` for a run `ddpack submit` made, else the setting (a job
+# started by hand leaves a run.json too, which says it was made by a template: ddpack cannot resubmit that one).
 ddpack_continue_hint() {
-    if [ -f "${DDPACK_RUN_DIR}/run.json" ]; then echo "ddpack resubmit ${DDPACK_RUN_DIR}"; else echo "resubmit with DDPACK_RUN_DIR=${DDPACK_RUN_DIR}"; fi
+    if [ -f "${DDPACK_RUN_DIR}/run.json" ] && ! grep -q '"made_by": "template"' "${DDPACK_RUN_DIR}/run.json"; then
+        echo "ddpack resubmit ${DDPACK_RUN_DIR}"
+    else
+        echo "resubmit with DDPACK_RUN_DIR=${DDPACK_RUN_DIR}"
+    fi
 }
 
 # The nodes of HOSTLIST that sinfo says are down, drained, failing or not responding (a trailing *), one a line.

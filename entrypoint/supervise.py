@@ -23,16 +23,23 @@ What this parent does:
   also land in the run folder's forensics (DDPACK_FORENSICS_DIR/rank-R.txt, as the hang watchdog names them).
 - The exit status: the child's own, except that after a stop signal any ending but done-before-we-pushed (0),
   bad input (2) and a hang (124) is 128+N, so the step is requeued as preempted however the program ended.
+- A program that recorded its end (ddpack_run's Run.done/exit_stopped/failed write it to DDPACK_END_FILE, a file
+  in a private folder of this parent's) and then died of SIGABRT on its own, in torch's C++ teardown at exit
+  (gloo's and TCPStore's threads: "terminate called without an active exception"), ends as it recorded: a
+  finished run is not turned into a failure that the templates retry.
 
 Standard library only: this is the launcher's world.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -47,6 +54,7 @@ ABORT_WAIT_S = 5.0  # for faulthandler to write the stacks before SIGKILL
 KEPT_CODES = (0, 2, 124)  # done, bad input, a hang the watchdog ended: not a preemption, whatever signal came
 STDERR_KEPT = 1 << 20  # the last MiB of the child's stderr: where faulthandler's dump of every thread lands
 ABORT_MARK = b"Fatal Python error: Aborted"
+END_FILE_VAR = "DDPACK_END_FILE"  # where ddpack_run writes the program's end record (ddpack_run._record_end)
 
 
 def stop_grace(environ: Mapping[str, str]) -> float:
@@ -134,8 +142,14 @@ def supervise(argv: Sequence[str], env: Mapping[str, str], grace_s: float) -> in
     """Run `argv` as this rank's program and return the status the step should end with."""
     stops: list[signal.Signals] = []
     previous = {sig: signal.signal(sig, lambda signum, frame: stops.append(signal.Signals(signum))) for sig in STOP_SIGNALS}
-    child_env = {**env, "PYTHONFAULTHANDLER": env.get("PYTHONFAULTHANDLER") or "1"}
-    child = subprocess.Popen(list(argv), env=child_env, preexec_fn=_ignore_usr1, stderr=subprocess.PIPE)
+    ends = tempfile.mkdtemp(prefix="ddpack-end-")  # private (0700): the child's end record, read after it exits
+    end_file = Path(ends) / "end.json"
+    child_env = {**env, "PYTHONFAULTHANDLER": env.get("PYTHONFAULTHANDLER") or "1", END_FILE_VAR: str(end_file)}
+    try:
+        child = subprocess.Popen(list(argv), env=child_env, preexec_fn=_ignore_usr1, stderr=subprocess.PIPE)
+    except BaseException:
+        shutil.rmtree(ends, ignore_errors=True)
+        raise
     assert child.stderr is not None
     tail = StderrTail(os.dup(child.stderr.fileno()))
     child.stderr.close()
@@ -184,4 +198,24 @@ def supervise(argv: Sequence[str], env: Mapping[str, str], grace_s: float) -> in
         why = f"did not stop within {allowed:g} s of {stop.name}; every thread's stack at SIGABRT (faulthandler)"
         if (saved := save_stacks(stacks, env, why)) is not None:
             print(f"entrypoint: the stacks are in {saved}", file=sys.stderr, flush=True)
+    recorded = recorded_end(end_file)
+    shutil.rmtree(ends, ignore_errors=True)
+    if not aborted and returncode in (-int(signal.SIGABRT), 128 + int(signal.SIGABRT)) and recorded is not None:
+        outcome, code = recorded
+        print(
+            f"entrypoint: the program recorded its end ({outcome}, exit {code}), then aborted on its way out (SIGABRT: "
+            f"torch's teardown at exit); the step ends {code}, as it recorded",
+            file=sys.stderr,
+            flush=True,
+        )
+        returncode = code
     return exit_status(returncode, stop, pushed)
+
+
+def recorded_end(path: Path) -> tuple[str, int] | None:
+    """(outcome, exit code) of the end record the program wrote at DDPACK_END_FILE, None when it wrote none."""
+    try:
+        record = json.loads(path.read_text())
+        return str(record["outcome"]), int(record["exit_code"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -316,3 +316,26 @@ def test_lightning_and_hugging_face_see_the_ranks_the_launcher_resolved(tmp_path
     for ranks in seen:
         assert ranks["hf"] == ranks["env"] and ranks["lightning"] == ranks["env"], ranks
         assert ranks["lightning_environment"] == environment, ranks
+
+
+ABORTS_AFTER_ITS_END = """import os, sys
+import ddpack_run
+run = ddpack_run.Run(start_step=0, total_steps=1, hang_timeout=0)
+run.step_done(samples=1)
+run.{how}
+os.abort()  # what torch's C++ teardown at exit did to a finished rank: "terminate called without an active exception"
+"""
+
+
+@pytest.mark.parametrize(("how", "expected"), [("done()", 0), ("failed('boom', 3)", 3)])
+def test_a_program_that_recorded_its_end_then_aborted_on_its_way_out_ends_as_it_recorded(tmp_path: Path, how: str, expected: int) -> None:
+    """The supervisor hands the program DDPACK_END_FILE; ddpack_run writes its end there; an abort after it (not one
+    the supervisor sent) ends the step with the recorded status. A program that recorded nothing keeps its 134."""
+    from entrypoint.supervise import supervise
+
+    env = clean_env(DDPACK_METRICS_FILE=str(tmp_path / "metrics.jsonl"))
+    program = tmp_path / "program.py"
+    program.write_text(ABORTS_AFTER_ITS_END.format(how=how))
+    assert supervise([sys.executable, str(program)], env, grace_s=10) == expected
+    program.write_text("import os\nos.abort()\n")
+    assert supervise([sys.executable, str(program)], env, grace_s=10) == 134
