@@ -88,6 +88,7 @@ SETTINGS: dict[str, Setting] = {
     # Set by ddpack itself.
     "DDPACK_HOME": Setting(None, "", "the folder of the job's helpers (ddpack submit: the run folder's job/)", own=True),
     "DDPACK_JOB_TOKEN": Setting(None, "", "this start's secret for the watchdog's store (made by the template)", own=True),
+    "DDPACK_END_FILE": Setting(None, "", "where a program of yours records how it ended (the launcher's, per rank)", own=True),
     "DDPACK_SNAPSHOT_DIR": Setting(None, "", "the run folder's snapshots/ (the template's)", own=True),
     "DDPACK_METRICS_FILE": Setting(None, "", "the run folder's metrics.jsonl (the template's)", own=True),
     "DDPACK_FORENSICS_DIR": Setting(None, "", "the run folder's forensics/ (the template's)", own=True),
