@@ -7,7 +7,6 @@ what was not just made before it is trusted. Standard library only.
 from __future__ import annotations
 
 import os
-import stat
 import tempfile
 from pathlib import Path
 
@@ -29,10 +28,10 @@ def write_atomically(path: Path, content: str | bytes, mode: int = 0o600) -> Non
         raise
 
 
-def is_own_file(path: Path) -> bool:
-    """A regular file (not a link) of this user: one another user of a shared folder cannot have planted."""
-    try:
-        info = os.lstat(path)
-    except OSError:
-        return False
-    return stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid()
+def not_yours_alone(path: Path, want: str = "file") -> str | None:
+    """Why `path` is not this user's alone (a plain file with one name, or a folder with `want="folder"`; not a link,
+    this user's, nobody else can write it), or None when it is: what anything read back from a shared folder passes
+    first. The job's own check (enroot/ddpack_node.py), so that host and job hold one rule."""
+    from ddpack.job_side import node_helper
+
+    return node_helper().not_yours_alone(path, want)

@@ -13,7 +13,6 @@ import contextlib
 import fcntl
 import json
 import os
-import stat
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -21,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpack.errors import HostError
-from ddpack.private_files import write_atomically
+from ddpack.private_files import not_yours_alone, write_atomically
 from train import run_folder
 from train.run_folder import RUN_RECORD
 
@@ -83,15 +82,12 @@ def record_path(run_dir: Path) -> Path:
     return run_dir / RUN_RECORD
 
 
-def own_file_problem(path: Path) -> str | None:
-    """Why `path` is not a plain file or folder of this user's that nobody else can write (a run folder sits in a
-    shared runs folder, where another user can make folders and plant records), or None."""
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return None
-    if stat.S_ISLNK(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o022:
-        return f"{path} is not yours alone (a link, another user's, or writable by others)"
+def not_a_run_of_yours(*items: Path) -> str | None:
+    """Why the run folder or a file of it (given, when they exist) is not this user's alone, or None: a run folder sits
+    in a shared runs folder, where another user can make folders and plant records."""
+    for item in items:
+        if os.path.lexists(item) and (problem := not_yours_alone(item, "folder" if item.is_dir() else "file")) is not None:
+            return f"{item} {problem}"
     return None
 
 
@@ -99,9 +95,8 @@ def read_record(run_dir: Path) -> RunRecord:
     """The run's record, read only from a run folder and a run.json of this user's that nobody else can write: a
     record another user planted could name this user's jobs (cancel) or a script of theirs (resubmit)."""
     path = record_path(run_dir)
-    for item in (run_dir, path):
-        if (problem := own_file_problem(item)) is not None:
-            raise HostError(f"{problem}; it is not a run of yours", code=2)
+    if (problem := not_a_run_of_yours(run_dir, path)) is not None:
+        raise HostError(f"{problem}; it is not a run of yours", code=2)
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:

@@ -18,7 +18,7 @@ from typing import Any, TextIO
 
 from ddpack import slurm_cli
 from ddpack.errors import HostError
-from ddpack.run_record import append_event, own_file_problem, read_record
+from ddpack.run_record import append_event, not_a_run_of_yours, read_record
 from ddpack.slurm_cli import ENDED, EXIT_FOR_STATE
 from ddpack.status import list_runs, run_status
 
@@ -204,9 +204,8 @@ def resubmit(run_dir: Path, changes: dict[str, Any] | None = None) -> str:
             code=2,
         )
     script = run_dir / record.script
-    for item in (script.parent, script):
-        if (problem := own_file_problem(item)) is not None:
-            raise HostError(f"{problem}; not resubmitting it", code=2)
+    if (problem := not_a_run_of_yours(script.parent, script)) is not None:
+        raise HostError(f"{problem}; not resubmitting it", code=2)
     if hashlib.sha256(script.read_bytes()).hexdigest() != record.script_sha256:
         raise HostError(f"{script} was edited since it was submitted; submit again rather than resubmit a changed job", code=2)
     secrets = list(record.environment.get("secrets", []))

@@ -53,7 +53,7 @@ from ddpack.enroot_tree import (
     squash_options,
 )
 from ddpack.errors import HostError, run_verb
-from ddpack.private_files import is_own_file, write_atomically
+from ddpack.private_files import not_yours_alone, write_atomically
 
 # Chosen from measurements (`make bench-sqsh`, `make bench-start`): uncompressed (HyperPod's enroot.conf
 # setting) converts fastest, unpacks as fast as lz4 and starts a 2-node step fastest here; lz4 and zstd
@@ -331,7 +331,7 @@ def _record(output: Path, image_id: str, options: str) -> dict:
 
 def holds(output: Path, image_id: str, options: str) -> bool:
     """The output is the file a previous conversion of this image with these options wrote (unchanged since)."""
-    if not (is_own_file(output) and is_own_file(record_path(output))):
+    if not_yours_alone(output) is not None or not_yours_alone(record_path(output)) is not None:
         return False
     try:
         recorded = json.loads(record_path(output).read_text())
@@ -389,6 +389,9 @@ def convert(image: str, output: Path, converter: str = "auto", force: bool = Fal
         with tempfile.TemporaryDirectory(prefix="ddpack-sqsh-") as workspace:
             RUNNERS[converter](client, image, attrs["Config"], options, tmp_out, Path(workspace))
         names = validate_squashfs(tmp_out)
+        # Readable as the converter's umask made it, writable by this user alone: the job refuses an image others can
+        # replace (enroot/ddpack_node.py image-ok), and a reuse trusts only a file of this user's alone.
+        os.chmod(tmp_out, os.stat(tmp_out).st_mode & 0o7755)
         record_path(output).unlink(missing_ok=True)
         os.replace(tmp_out, output)
         write_record(output, image, attrs["Id"], options)

@@ -17,7 +17,6 @@ it again.
 
 from __future__ import annotations
 
-import functools
 import getpass
 import hashlib
 import json
@@ -26,7 +25,6 @@ import re
 import shlex
 import shutil
 import socket
-import stat
 import subprocess
 import sys
 import tempfile
@@ -37,6 +35,8 @@ from typing import Any
 
 from ddpack import slurm_cli
 from ddpack.errors import HostError
+from ddpack.job_side import node_helper, settings_table
+from ddpack.private_files import not_yours_alone
 from ddpack.run_record import RunRecord, append_job, write_json_atomic, write_record
 from ddpack.sweep import SWEEP_RECORD, sweep_command, sweep_points, sweep_problems
 from train import run_folder
@@ -93,23 +93,6 @@ class SubmitSettings:
 
 
 # --------------------------------------------------------------------------- settings
-
-
-@functools.cache
-def job_side_module(name: str) -> Any:
-    """enroot/NAME.py (a job helper run with the nodes' system Python) as a module: its own definitions, not a copy."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, ROOT / "enroot" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    sys.modules.setdefault(name, module)  # dataclasses look their module up there
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
-
-
-def settings_table() -> Any:
-    """enroot/ddpack_settings.py: the one table of the job's settings, which the templates check too."""
-    return job_side_module("ddpack_settings")
 
 
 def setting_problems(settings: SubmitSettings) -> list[str]:
@@ -230,20 +213,11 @@ def ensure_image(app_dir: Path, *, build: bool = True, variant: str = "cpu", efa
     return ImageChoice(ref=ref, image_id=image_id, built=True, **chosen)
 
 
-def trusted_file(path: Path) -> bool:
-    """A plain file of this user's, with one name, that nobody else can write: reusable from a shared folder."""
-    try:
-        info = os.lstat(path)
-    except OSError:
-        return False
-    return stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid() and not info.st_mode & 0o022 and info.st_nlink == 1
-
-
 def squashfs_name(images: Path, app_name: str, image_id: str) -> Path:
     """The content-addressed name in the shared images folder; a name another user holds (or a file that is not
     plainly ours) is never reused or replaced: this user's own name beside it instead."""
     path = images / f"{app_name.lower()}-{image_id.split(':')[-1][:16]}.sqsh"
-    if not os.path.lexists(path) or trusted_file(path):
+    if not os.path.lexists(path) or not_yours_alone(path) is None:
         return path
     return path.with_name(f"{path.stem}-u{os.geteuid()}.sqsh")
 
@@ -252,7 +226,7 @@ def squashfs_holds(path: Path, image: ImageChoice) -> bool:
     """Whether `path` is this user's own squashfs of `image`, made with today's options: reused, not converted again."""
     from ddpack.sqsh import DEFAULT_SQUASH_OPTIONS, holds, squash_options
 
-    return trusted_file(path) and holds(path, image.image_id, squash_options(DEFAULT_SQUASH_OPTIONS)[0])
+    return not_yours_alone(path) is None and holds(path, image.image_id, squash_options(DEFAULT_SQUASH_OPTIONS)[0])
 
 
 def ensure_squashfs(image: ImageChoice, images: Path, app_name: str) -> tuple[Path, bool]:
@@ -701,11 +675,6 @@ def record_job(run_dir: Path, job_id: str, how: str, changes: dict[str, Any] | N
         append_job(run_dir, job_id, how, changes)
     except (OSError, HostError) as exc:
         raise HostError(f"job {job_id} is queued, but recording it in {run_dir}/run.json failed ({exc}); scancel {job_id} or add it by hand", code=1) from None
-
-
-def node_helper() -> Any:
-    """enroot/ddpack_node.py: the job helper's own definitions (the staging key, the folder rules)."""
-    return job_side_module("ddpack_node")
 
 
 def image_key(sqsh: Path) -> str:

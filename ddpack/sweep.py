@@ -88,12 +88,11 @@ def is_sweep(folder: Path) -> bool:
 
 def read_sweep(folder: Path) -> dict[str, Any]:
     """sweep.json, read only from a folder of this user's alone (as a run's record is)."""
-    from ddpack.run_record import own_file_problem
+    from ddpack.run_record import not_a_run_of_yours
 
     path = folder / SWEEP_RECORD
-    for item in (folder, path):
-        if (problem := own_file_problem(item)) is not None:
-            raise HostError(f"{problem}; it is not a sweep of yours", code=2)
+    if (problem := not_a_run_of_yours(folder, path)) is not None:
+        raise HostError(f"{problem}; it is not a sweep of yours", code=2)
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as exc:

@@ -145,15 +145,9 @@ def private_folder(path: Path, setting: str, mountinfo: str = "/proc/self/mounti
         raise Refused(f"{setting}={path} is on a {fstype} filesystem that other nodes share; name a folder on the node's local disk")
     with contextlib.suppress(FileExistsError):
         os.mkdir(path, 0o700)
+    if (problem := not_yours_alone(path, "folder")) is not None:
+        raise Refused(f"{setting}={path} {problem}; it is not used")
     info = os.lstat(path)
-    if stat.S_ISLNK(info.st_mode):
-        raise Refused(f"{setting}={path} is a symbolic link (another user may have planted it); remove it or name another folder")
-    if not stat.S_ISDIR(info.st_mode):
-        raise Refused(f"{setting}={path} is not a folder")
-    if info.st_uid != os.getuid():
-        raise Refused(f"{setting}={path} belongs to uid {info.st_uid}, not to you (uid {os.getuid()}); it is not used")
-    if info.st_mode & 0o022:
-        raise Refused(f"{setting}={path} is writable by other users (mode {stat.S_IMODE(info.st_mode):o}); it is not used")
     if stat.S_IMODE(info.st_mode) & 0o077:
         os.chmod(path, 0o700)
     return path
@@ -173,17 +167,33 @@ def check_stage_contents(folder: Path) -> None:
 
 def trusted_copy(path: Path, size: int) -> bool:
     """`path` is a plain file of ours (not a link, one name, nobody else can write it) of exactly `size` bytes."""
+    return not_yours_alone(path) is None and os.lstat(path).st_size == size
+
+
+def not_yours_alone(path: Path, want: str = "file") -> str | None:
+    """Why `path` is not this user's alone, or None when it is: a plain file with one name (`want="file"`) or a folder
+    (`"folder"`), not a link (another user may have planted it), this user's, and nobody else can write it. The one
+    "my own file" check of ddpack, the job's and the host's (ddpack/private_files.py loads it from here): anything read
+    back from a shared folder (a run folder, its records, a staged image, a squashfs to reuse) passes it first."""
     try:
         info = os.lstat(path)
     except FileNotFoundError:
-        return False
-    return (
-        stat.S_ISREG(info.st_mode)
-        and info.st_uid == os.getuid()
-        and not info.st_mode & 0o022
-        and info.st_nlink == 1
-        and info.st_size == size
-    )
+        return "does not exist"
+    except OSError as why:
+        return f"cannot be read ({why.strerror or why})"
+    if stat.S_ISLNK(info.st_mode):
+        return "is a symbolic link (another user may have planted it)"
+    if want == "folder" and not stat.S_ISDIR(info.st_mode):
+        return "is not a folder"
+    if want == "file" and not stat.S_ISREG(info.st_mode):
+        return "is not a plain file"
+    if info.st_uid != os.geteuid():
+        return f"belongs to uid {info.st_uid}, not to you (uid {os.geteuid()})"
+    if info.st_mode & 0o022:
+        return f"is writable by other users (mode {stat.S_IMODE(info.st_mode):o})"
+    if want == "file" and info.st_nlink != 1:
+        return f"has {info.st_nlink} names (hard links): a write through another one would change it"
+    return None
 
 
 # --------------------------------------------------------------------------- leases and the cleanup
@@ -564,13 +574,8 @@ def own_run_folder(run_dir: Path) -> None:
         raise Refused("is not an absolute path")
     with contextlib.suppress(FileExistsError):
         run_dir.mkdir(parents=True)
-    info = os.lstat(run_dir)
-    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
-        raise Refused("is a symbolic link or not a folder; name a folder of your own")
-    if info.st_uid != os.getuid():
-        raise Refused(f"belongs to uid {info.st_uid}, not to you (uid {os.getuid()}); give this job a run folder of your own")
-    if info.st_mode & 0o022:
-        raise Refused(f"is writable by other users (mode {stat.S_IMODE(info.st_mode):o}); chmod go-w it, or give this job another run folder")
+    if (problem := not_yours_alone(run_dir, "folder")) is not None:
+        raise Refused(f"{problem}; give this job a run folder of your own")
     check_ancestors(run_dir)
 
 

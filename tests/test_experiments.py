@@ -419,7 +419,7 @@ def test_a_job_started_by_hand_with_a_template_is_known_to_status_logs_and_cance
     """The template's lock step (enroot/ddpack_node.py, as the job runs it) leaves runs/<name>-<job>/run.json naming the
     job, its log (Slurm's StdOut, in the submission folder's logs/) and script; `ddpack status/logs/cancel JOB` typed in
     the submission folder find it. A later job continuing it is appended; a run `ddpack submit` made is left alone."""
-    from ddpack.submit import node_helper
+    from ddpack.job_side import node_helper
 
     node = node_helper()
     submitted_from = tmp_path / "project"
@@ -476,7 +476,7 @@ def test_the_job_records_each_decision_beside_its_sentence(tmp_path) -> None:
     assert start["time"] > 1e9 and "is not NAME=VALUE of a field of its own" in out.stderr  # kind=, time=: the record's own
     assert (decision["kind"], decision["verdict"], decision["reason"], decision["exit"]) == ("step-end", "requeue", "preempted", "138")
     assert os.stat(tmp_path / run_folder.DECISIONS).st_mode & 0o077 == 0
-    from ddpack.submit import node_helper
+    from ddpack.job_side import node_helper
 
     assert node_helper().DECISIONS == run_folder.DECISIONS and node_helper().RUN_RECORD == run_folder.RUN_RECORD
 

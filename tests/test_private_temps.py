@@ -399,6 +399,7 @@ def test_make_sqsh_as_root_never_writes_through_a_link_planted_in_a_shared_outpu
         assert (images / "x.sqsh").read_bytes().startswith(b"hsqs") and not (images / "x.sqsh").is_symlink()
         assert json.loads((images / "x.sqsh.ddpack.json").read_text())["image"] == "ddpack:1"
         assert (images / "x.sqsh.ddpack.json").stat().st_mode & 0o777 == 0o644  # users' jobs read it
+        assert not (images / "x.sqsh").stat().st_mode & 0o022  # whatever the converter's umask: the job refuses one others can write
 
 
 def test_a_planted_squashfs_and_matching_record_are_not_taken_for_this_users(users, node_tmp: Path, fake_engine: list[Path]) -> None:
@@ -419,6 +420,38 @@ def test_a_planted_squashfs_and_matching_record_are_not_taken_for_this_users(use
     assert not sqsh.holds(output, image_id, options)
     sqsh.convert("ddpack:1", output, "mksquashfs")
     assert output.read_bytes().startswith(b"hsqs") and output.stat().st_uid == os.geteuid()
+
+
+def test_one_yours_alone_check_for_host_and_job(users, node_tmp: Path) -> None:
+    """ddpack's one "my own file" check (enroot/ddpack_node.py, which the host loads): each way a file or folder in a
+    shared folder can be another user's to change is one reason, and the host's door to it is that same function."""
+    from ddpack.job_side import node_helper
+    from ddpack.private_files import not_yours_alone
+
+    _, mallory = users
+    check = node_helper().not_yours_alone
+    mine = node_tmp / "mine"
+    mine.write_text("x")
+    mine.chmod(0o644)
+    folder = node_tmp / "folder"
+    folder.mkdir(mode=0o755)
+    (node_tmp / "link").symlink_to(mine)
+    os.link(mine, node_tmp / "second-name")
+    (node_tmp / "theirs").write_text("x")
+    theirs = owned(node_tmp / "theirs", mallory, 0o644)
+    group = node_tmp / "group"
+    group.write_text("x")
+    group.chmod(0o664)
+    assert check(folder, "folder") is None
+    assert check(mine) == "has 2 names (hard links): a write through another one would change it"
+    (node_tmp / "second-name").unlink()
+    assert check(mine) is None and not_yours_alone(mine) is None
+    assert check(node_tmp / "link") == "is a symbolic link (another user may have planted it)"
+    assert check(theirs) == f"belongs to uid {mallory.uid}, not to you (uid {os.geteuid()})"
+    assert check(group) == "is writable by other users (mode 664)"
+    assert check(folder) == "is not a plain file" and check(mine, "folder") == "is not a folder"
+    assert check(node_tmp / "missing") == "does not exist"
+    assert not_yours_alone(theirs) == check(theirs)
 
 
 # ---------------------------------------------------------------- the registry the ECR token goes to

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ddpack.submit import SubmitSettings, setting_problems, settings_table
+from ddpack.job_side import settings_table
+from ddpack.submit import SubmitSettings, setting_problems
 from testbed.env import ROOT
 
 TABLE = settings_table().SETTINGS
