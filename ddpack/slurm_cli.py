@@ -14,40 +14,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ddpack.errors import HostError
+from ddpack.job_side import node_helper
 
 TIMEOUT_S = 30
 
-# Slurm's job states (squeue's and sacct's, without sacct's "by UID" suffix) as every ddpack verb reads them: the one
-# table of them. PREEMPTED is a job Slurm ended to make room (PreemptMode=CANCEL, after its grace time): it has left
-# its nodes for good, like a cancel, and `ddpack resubmit` continues its run; a preemption that requeues shows as
-# REQUEUED. States not listed (newer Slurms add some) are shown as Slurm names them and read as live.
-JOB_STATES = {
-    "PENDING": "PENDING",
-    "CONFIGURING": "RUNNING",
-    "RUNNING": "RUNNING",
-    "COMPLETING": "RUNNING",
-    "RESIZING": "RUNNING",
-    "SIGNALING": "RUNNING",
-    "STAGE_OUT": "RUNNING",
-    "SUSPENDED": "RUNNING",
-    "STOPPED": "RUNNING",
-    "REQUEUED": "REQUEUED",
-    "REQUEUE_FED": "REQUEUED",
-    "REQUEUE_HOLD": "REQUEUED",
-    "SPECIAL_EXIT": "REQUEUED",
-    "COMPLETED": "COMPLETED",
-    "FAILED": "FAILED",
-    "NODE_FAIL": "FAILED",
-    "OUT_OF_MEMORY": "FAILED",
-    "BOOT_FAIL": "FAILED",
-    "CANCELLED": "CANCELLED",
-    "TIMEOUT": "TIMEOUT",
-    "DEADLINE": "TIMEOUT",
-    "PREEMPTED": "PREEMPTED",
-}
+# Slurm's job states as every ddpack verb reads them: the one table of them, the job helper's (enroot/ddpack_node.py,
+# whose cleanup asks which jobs are over), loaded from there.
+JOB_STATES: dict[str, str] = node_helper().JOB_STATES
 # ddpack's states in which a run's job has ended for good, and the exit status `logs -f` and `status --watch` end with.
-EXIT_FOR_STATE = {"COMPLETED": 0, "FAILED": 1, "CANCELLED": 3, "TIMEOUT": 4, "PREEMPTED": 5}
-ENDED = tuple(EXIT_FOR_STATE)
+ENDED: tuple[str, ...] = node_helper().ENDED
+EXIT_FOR_STATE = {"COMPLETED": 0, "FAILED": 1, "CANCELLED": 3, "TIMEOUT": 4, "PREEMPTED": 5}  # one for each of ENDED
+# The states a run's job waits or trains in, the liveliest first (a sweep is as lively as its liveliest point).
+LIVE = ("RUNNING", "REQUEUED", "PENDING")
 SETTLE_S = 10.0  # an ended state must hold this long before a verb believes it: a requeue passes through one
 # Slurm's states in which a job has left its nodes for good (squeue -t all keeps them for MinJobAge seconds).
 FINAL = tuple(state for state, ours in JOB_STATES.items() if ours in ENDED)

@@ -24,7 +24,6 @@ from ddpack.run_record import RunRecord, read_record
 from train import run_folder
 from train.metrics import format_duration
 
-ENDED = slurm_cli.ENDED
 # Slurm's own line when it ends a job's script: scancel, the time limit, or a requeue (which is no ending at all).
 CANCELLED_LINE = re.compile(r"\*\*\* JOB (\d+) ON \S+ CANCELLED AT (\S+)( DUE TO TIME LIMIT| DUE TO JOB REQUEUE)?")
 BANNER = re.compile(r"^ddpack: job (\d+) \(restart (\d+)\) on (\S+), run dir .*?(?:, at (\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d{4}))?$")
@@ -74,7 +73,7 @@ class Status:
 
     @property
     def ended(self) -> bool:
-        return self.state in ENDED
+        return self.state in slurm_cli.ENDED
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -360,7 +359,7 @@ def run_status(run_dir: Path, asked: Asked | None = None) -> Status:
         total_steps=total,
         loss=(last or {}).get("loss"),
         samples_per_s=(last or {}).get("samples_per_s"),
-        eta_s=None if state in ENDED or end is not None or len(segments) > len(records.starts) else eta(records, total),
+        eta_s=None if state in slurm_cli.ENDED or end is not None or len(segments) > len(records.starts) else eta(records, total),
         slowest_rank=slowest,
         slowest_step_s=rank_steps[slowest] if slowest is not None else None,
         progress_records=records.progress_count,

@@ -124,9 +124,9 @@ def list_sweeps(runs: Path) -> list[tuple[Path, dict[str, Any]]]:
 def sweep_state(states: list[str]) -> str:
     """The sweep's state from its points': RUNNING while any runs, PENDING while any waits (and none runs),
     COMPLETED when all did, else the first other end (FAILED, TIMEOUT, CANCELLED, ...)."""
-    from ddpack.slurm_cli import ENDED
+    from ddpack.slurm_cli import ENDED, LIVE
 
-    for live in ("RUNNING", "REQUEUED", "PENDING"):
+    for live in LIVE:
         if live in states:
             return live
     unsettled = [state for state in states if state not in ENDED]

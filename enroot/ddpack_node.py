@@ -84,8 +84,38 @@ def live_jobs(uid: int | None = None) -> set[str] | None:
     return {word for word in out.stdout.split() if JOB_ID.fullmatch(word)}
 
 
+# Slurm's job states (squeue's and sacct's, without sacct's "by UID" suffix) as ddpack names them: the one table of
+# them, the host's too (ddpack/slurm_cli.py loads it). PREEMPTED is a job Slurm ended to make room (PreemptMode=CANCEL,
+# after its grace time): it has left its nodes for good, like a cancel, and `ddpack resubmit` continues its run; a
+# preemption that requeues shows as REQUEUED. States not listed (newer Slurms add some) are shown as Slurm names them
+# and read as live.
+JOB_STATES = {
+    "PENDING": "PENDING",
+    "CONFIGURING": "RUNNING",
+    "RUNNING": "RUNNING",
+    "COMPLETING": "RUNNING",
+    "RESIZING": "RUNNING",
+    "SIGNALING": "RUNNING",
+    "STAGE_OUT": "RUNNING",
+    "SUSPENDED": "RUNNING",
+    "STOPPED": "RUNNING",
+    "REQUEUED": "REQUEUED",
+    "REQUEUE_FED": "REQUEUED",
+    "REQUEUE_HOLD": "REQUEUED",
+    "SPECIAL_EXIT": "REQUEUED",
+    "COMPLETED": "COMPLETED",
+    "FAILED": "FAILED",
+    "NODE_FAIL": "FAILED",
+    "OUT_OF_MEMORY": "FAILED",
+    "BOOT_FAIL": "FAILED",
+    "CANCELLED": "CANCELLED",
+    "TIMEOUT": "TIMEOUT",
+    "DEADLINE": "TIMEOUT",
+    "PREEMPTED": "PREEMPTED",
+}
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED")  # ddpack's states of a job that ended for good
 # States in which squeue still lists a job (for MinJobAge) that has left its nodes for good.
-OVER = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
+OVER = {state for state, ours in JOB_STATES.items() if ours in ENDED}
 
 
 def job_state(job: str) -> str | None:

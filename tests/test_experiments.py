@@ -481,6 +481,18 @@ def test_the_job_records_each_decision_beside_its_sentence(tmp_path) -> None:
     assert node_helper().DECISIONS == run_folder.DECISIONS and node_helper().RUN_RECORD == run_folder.RUN_RECORD
 
 
+def test_one_job_state_table_for_the_jobs_cleanup_and_every_verb() -> None:
+    """The job helper's table is the host's: the states its cleanup takes as over are the ones the verbs take as ended,
+    and each ended state has its exit status."""
+    from ddpack import slurm_cli
+    from ddpack.job_side import node_helper
+
+    assert slurm_cli.JOB_STATES is node_helper().JOB_STATES
+    assert set(slurm_cli.FINAL) == node_helper().OVER and set(slurm_cli.EXIT_FOR_STATE) == set(slurm_cli.ENDED)
+    assert slurm_cli.ddpack_state("NODE_FAIL") == "FAILED" and slurm_cli.ddpack_state("CANCELLED by 1001") == "CANCELLED"
+    assert not set(slurm_cli.LIVE) & set(slurm_cli.ENDED) and set(slurm_cli.LIVE) <= set(slurm_cli.JOB_STATES.values())
+
+
 def test_status_reads_the_jobs_records_not_its_sentences(tmp_path, slurm) -> None:
     """A log whose sentences say nothing ddpack knows (reworded, translated): the records alone give the segments, why
     each began, and the end once Slurm has forgotten the job."""
