@@ -79,7 +79,7 @@ def sweep_rounds(work: Path, rounds: int) -> dict[str, list[float]]:
 
 def many_runs(work: Path, count: int) -> Path:
     """`count` run folders as submit leaves them after a short run: run.json, metrics (start, 3 progress, end), a log."""
-    from ddpack.run_record import Job, RunRecord, write_record
+    from ddpack.jobs.run_record import Job, RunRecord, write_record
 
     runs = work / "runs"
     for index in range(count):

@@ -1,6 +1,6 @@
 """Goodput at scale: a job's start (sbatch -> first training step) and its recovery (failure -> training again)
 through enroot/pyxis-per-task.sbatch on the test cluster, today's path side by side with ddpack's, then the model
-(ddpack/goodput_model.py) at 2 to 1,024 nodes fed with the per-node figures measured here.
+(ddpack/jobs/goodput_model.py) at 2 to 1,024 nodes fed with the per-node figures measured here.
 
 Start, interleaved rounds (A B C, A B C, ...), medians:
 - shared (today): DDPACK_STAGE=off: every node reads the squashfs from the shared folder and unpacks it;
@@ -17,7 +17,7 @@ Recovery, one job each, rank 3 SIGKILLed once training runs (the survivors' coll
 This machine is one host: its "shared folder" is local disk, so staging costs here what it saves on a cluster
 (one more copy), and the two nodes' unpacks share two cores. The unpack runs on ext4 without a journal (this VM's
 root), ~10x slower right after a removal (bench_start.py says why). The model takes the per-node rates from here
-and the shared filesystem's throughput as assumed (ddpack/goodput_model.py). Needs root, the test cluster with pyxis
+and the shared filesystem's throughput as assumed (ddpack/jobs/goodput_model.py). Needs root, the test cluster with pyxis
 (testbed/slurm_cluster.py) and a squashfs (make sqsh; `make bench-goodput` makes one).
 """
 
@@ -40,7 +40,7 @@ sys.path[:0] = [str(ROOT), str(BENCH)]
 
 from recovery_timing import ImplausibleRecovery, Recovery, follow, log_length, read_metrics  # noqa: E402
 
-from ddpack.goodput_model import Site, table  # noqa: E402
+from ddpack.jobs.goodput_model import Site, table  # noqa: E402
 from testbed.slurm_cluster import clear_staged_images  # noqa: E402
 from testbed.slurm_jobs import job_state, signal_tasks, submit, wait_for_end, wait_for_progress  # noqa: E402
 
@@ -193,7 +193,7 @@ def main() -> int:
         fsx_mbps=opts.fsx_mbps, size_mb=size_mb, sbcast_mbps=sbcast, unpack_mbps=unpack,
         requeue=backs["requeue (today)"], in_place=backs["in place"],
     )  # fmt: skip
-    print(f"\nmodel (ddpack/goodput_model.py), per-node figures measured here: {site}")
+    print(f"\nmodel (ddpack/jobs/goodput_model.py), per-node figures measured here: {site}")
     print(table(site))
     return 0
 

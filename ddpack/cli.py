@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpack.errors import HostError, run_verb
-from ddpack.sweep import is_sweep
+from ddpack.jobs.sweep import is_sweep
 
 TEMPLATE_CHOICES = ("per-task", "torchrun")
 
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         command, argv = argv[argv.index("--") + 1 :], argv[: argv.index("--")]
     opts = parser().parse_args(argv)
     opts.command, opts.given = command, argv
-    from ddpack import runs as run_ops
+    from ddpack.jobs import runs as run_ops
 
     def body() -> int:
         if opts.verb == "completion":
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         if opts.verb == "status":
             return status(opts, runs)
         if opts.verb == "ls":
-            from ddpack.status import list_rows, render_list
+            from ddpack.jobs.status import list_rows, render_list
 
             if opts.json:
                 print(json.dumps(list_rows(runs), indent=2))
@@ -188,12 +188,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def submit(opts: argparse.Namespace) -> int:
-    """The flags over the run file (--file) over the defaults, then ddpack.submit."""
-    from ddpack import runs as run_ops
-    from ddpack.run_file import read_run_file
-    from ddpack.submit import SubmitSettings, as_json, raise_problems, setting_problems
-    from ddpack.submit import submit as do_submit
-    from ddpack.sweep import sweep_values
+    """The flags over the run file (--file) over the defaults, then ddpack.jobs.submit."""
+    from ddpack.jobs import runs as run_ops
+    from ddpack.jobs.run_file import read_run_file
+    from ddpack.jobs.submit import SubmitSettings, as_json, raise_problems, setting_problems
+    from ddpack.jobs.submit import submit as do_submit
+    from ddpack.jobs.sweep import sweep_values
 
     run_file = read_run_file(opts.file) if opts.file else None
     argv_flags = {word.split("=")[0] for word in opts.given if word.startswith("--")}
@@ -267,9 +267,9 @@ def stdout_to_stderr() -> Iterator[None]:
 
 
 def status(opts: argparse.Namespace, runs: Path) -> int:
-    from ddpack.runs import resolve_run
-    from ddpack.slurm_cli import EXIT_FOR_STATE
-    from ddpack.status import render, run_status, watch
+    from ddpack.jobs.runs import resolve_run
+    from ddpack.jobs.slurm_cli import EXIT_FOR_STATE
+    from ddpack.jobs.status import render, run_status, watch
 
     run_dir = resolve_run(opts.run, runs)
     if is_sweep(run_dir):
@@ -284,8 +284,8 @@ def status(opts: argparse.Namespace, runs: Path) -> int:
 
 def report(opts: argparse.Namespace, runs: Path) -> int:
     """A run folder of any template's (or its metrics file), or a run of ddpack submit's named by a job id."""
-    from ddpack.report import write_report
-    from ddpack.runs import resolve_run
+    from ddpack.jobs.report import write_report
+    from ddpack.jobs.runs import resolve_run
     from train.run_folder import RUN_RECORD
 
     path = Path(opts.run)
@@ -301,8 +301,8 @@ def report(opts: argparse.Namespace, runs: Path) -> int:
 
 def sweep_verb(opts: argparse.Namespace, folder: Path) -> int:
     """status, logs and cancel of a sweep as a whole; a point is a run of its own for every verb."""
-    from ddpack import runs as run_ops
-    from ddpack import sweep
+    from ddpack.jobs import runs as run_ops
+    from ddpack.jobs import sweep
 
     one = f"name one point: {folder}/INDEX, or its job id (<array>_INDEX)"
     if opts.verb not in ("status", "logs", "cancel") or getattr(opts, "watch", False) or getattr(opts, "follow", False):
@@ -332,9 +332,9 @@ def sweep_verb(opts: argparse.Namespace, folder: Path) -> int:
 
 
 def compare(opts: argparse.Namespace, runs: Path) -> int:
-    from ddpack import compare as comparing
-    from ddpack.runs import resolve_run
-    from ddpack.sweep import point_dirs
+    from ddpack.jobs import compare as comparing
+    from ddpack.jobs.runs import resolve_run
+    from ddpack.jobs.sweep import point_dirs
 
     folders = [resolve_run(run, runs) for run in opts.run]
     comparison, metrics = comparing.compare([point for folder in folders for point in (point_dirs(folder) if is_sweep(folder) else [folder])])
@@ -347,7 +347,7 @@ def compare(opts: argparse.Namespace, runs: Path) -> int:
 
 
 def logs(opts: argparse.Namespace, run_dir: Path) -> int:
-    from ddpack import runs as run_ops
+    from ddpack.jobs import runs as run_ops
 
     if opts.json:
         if opts.follow:
@@ -362,7 +362,7 @@ def logs(opts: argparse.Namespace, run_dir: Path) -> int:
 
 def facts(run_dir: Path) -> dict[str, Any]:
     """The names every verb's --json shares with status --json: run_dir, job_id, attempt, state."""
-    from ddpack.status import run_status
+    from ddpack.jobs.status import run_status
 
     now = run_status(run_dir)
     return {"run_dir": now.run_dir, "job_id": now.job_id, "attempt": now.attempt, "state": now.state}

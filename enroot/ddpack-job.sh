@@ -312,7 +312,7 @@ ddpack_job_nodelist() {
 #           others can write it, it lies on a shared filesystem or holds anything but ddpack's staged names. A copy
 #           there is used only when it is a plain file of yours of the image's size (docs/security.md).
 #   auto    (the default) the nodes' copies when every node holds the image already (nothing read at all); else
-#           sbcast when the model (ddpack/goodput_model.py) says the nodes would wait less: N nodes unpacking from
+#           sbcast when the model (ddpack/jobs/goodput_model.py) says the nodes would wait less: N nodes unpacking from
 #           the shared filesystem at once each get DDPACK_FSX_MBPS / N of it, so they wait size / min(unpack, fsx/N);
 #           sbcast then unpack waits size / sbcast + size / unpack. Sbcast wins when N x sbcast x unpack >
 #           fsx x (sbcast + unpack): from 5 nodes with the defaults (1200, 1000 and DDPACK_UNPACK_MBPS=400 MB/s)
@@ -400,7 +400,7 @@ ddpack_prepare_nodes() {
     return 0
 }
 
-# sbcast or off for NODES nodes: the model's choice (ddpack/goodput_model.py, without the tree's few blocks) at
+# sbcast or off for NODES nodes: the model's choice (ddpack/jobs/goodput_model.py, without the tree's few blocks) at
 # FSX, SBCAST and UNPACK MB/s: N unpacks from the shared filesystem at once wait size / min(unpack, fsx / N);
 # sbcast then an unpack from local disk, size / sbcast + size / unpack.
 ddpack_stage_by_model() {

@@ -85,7 +85,7 @@ def live_jobs(uid: int | None = None) -> set[str] | None:
 
 
 # Slurm's job states (squeue's and sacct's, without sacct's "by UID" suffix) as ddpack names them: the one table of
-# them, the host's too (ddpack/slurm_cli.py loads it). PREEMPTED is a job Slurm ended to make room (PreemptMode=CANCEL,
+# them, the host's too (ddpack/jobs/slurm_cli.py loads it). PREEMPTED is a job Slurm ended to make room (PreemptMode=CANCEL,
 # after its grace time): it has left its nodes for good, like a cancel, and `ddpack resubmit` continues its run; a
 # preemption that requeues shows as REQUEUED. States not listed (newer Slurms add some) are shown as Slurm names them
 # and read as live.
@@ -498,7 +498,7 @@ def lock(args: argparse.Namespace) -> int:
     return 0
 
 
-RUN_RECORD = "run.json"  # ddpack/run_record.py's file and format (its RunRecord and Job fields, format 1)
+RUN_RECORD = "run.json"  # ddpack/jobs/run_record.py's file and format (its RunRecord and Job fields, format 1)
 RECORD_FORMAT = 1
 SECRET_SETTINGS = ("DDPACK_JOB_TOKEN",)  # never written to a record
 
@@ -559,7 +559,7 @@ def record_hand_made(run_dir: Path, job: str, environ: dict[str, str]) -> None:
         write_private(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-DECISIONS = "decisions.jsonl"  # ddpack/status.py reads it (DECISIONS there)
+DECISIONS = "decisions.jsonl"  # ddpack/jobs/status.py reads it (DECISIONS there)
 DECISION_KINDS = ("start", "placement", "staging", "preflight", "step-end", "keep-out")
 VERDICTS = ("completed", "end", "requeue", "restart")  # a step-end's: what follows the step
 RESERVED = ("time", "kind", "job", "slurm_job", "restart")  # every record's own fields, which no caller sets

@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddpack import slurm_cli
-from ddpack.submit import container_path
+from ddpack.jobs import slurm_cli
+from ddpack.jobs.submit import container_path
 from testbed.env import ROOT, clean_env
 from testbed.slurm_cluster import stage_dir
 from testbed.users import User

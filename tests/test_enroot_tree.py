@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ddpack import enroot_tree
-from ddpack.enroot_tree import bash_quote, fixed_mode, folders_enroot_creates, metadata_files, squash_options
+from ddpack.build import enroot_tree
+from ddpack.build.enroot_tree import bash_quote, fixed_mode, folders_enroot_creates, metadata_files, squash_options
 
 ENROOT_LIB = Path("/usr/lib/enroot")
 WORDS = [

@@ -17,8 +17,8 @@ import pytest
 from test_lifecycle import calls, fake, fake_slurm, make_run, queued, settings
 
 from ddpack import cli
-from ddpack.run_record import read_record
-from ddpack.submit import LOGIN_ENV
+from ddpack.jobs.run_record import read_record
+from ddpack.jobs.submit import LOGIN_ENV
 
 
 @pytest.fixture
@@ -228,7 +228,7 @@ def test_compare_shows_only_what_differed_and_how_each_run_ended_with_a_page_of_
 
     from test_lifecycle import REQUEUED_RUN, end, progress, start
 
-    from ddpack.run_record import write_record
+    from ddpack.jobs.run_record import write_record
 
     fake(slurm, "squeue", "exit 0")  # neither job is listed: the run folders say how they ended
     done = [start(100, 0), progress(101, 10), progress(102, 20), end(103, 20, "done", 0)]
@@ -484,8 +484,8 @@ def test_the_job_records_each_decision_beside_its_sentence(tmp_path) -> None:
 def test_one_job_state_table_for_the_jobs_cleanup_and_every_verb() -> None:
     """The job helper's table is the host's: the states its cleanup takes as over are the ones the verbs take as ended,
     and each ended state has its exit status."""
-    from ddpack import slurm_cli
     from ddpack.job_side import node_helper
+    from ddpack.jobs import slurm_cli
 
     assert slurm_cli.JOB_STATES is node_helper().JOB_STATES
     assert set(slurm_cli.FINAL) == node_helper().OVER and set(slurm_cli.EXIT_FOR_STATE) == set(slurm_cli.ENDED)
@@ -498,7 +498,7 @@ def test_status_reads_the_jobs_records_not_its_sentences(tmp_path, slurm) -> Non
     each began, and the end once Slurm has forgotten the job."""
     from test_lifecycle import end, progress, start
 
-    from ddpack.status import run_status
+    from ddpack.jobs.status import run_status
     from train import run_folder
 
     run_dir = make_run(tmp_path, records=[start(100, 0), progress(101, 10), end(102, 10, "stopped", 138), start(130, 10, 1), progress(131, 20)],
@@ -526,7 +526,7 @@ def test_each_job_is_read_from_its_records_else_its_log_and_slurms_cancel_stays_
     in any time zone, the second job's time limit ends the run as TIMEOUT."""
     from test_lifecycle import progress, start
 
-    from ddpack.status import run_status
+    from ddpack.jobs.status import run_status
     from train import run_folder
 
     run_dir = make_run(tmp_path, jobs=("41", "57"), records=[start(100, 0), progress(101, 10), start(200, 10, 0), progress(201, 20)],

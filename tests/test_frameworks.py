@@ -197,7 +197,7 @@ def preempted_resumed_and_reported(tmp_path: Path, project: str) -> None:
     progress = [r for r in records(run) if r["kind"] == "progress"]
     assert all(len(r["rank_step_s"]) == 2 for r in progress) and any(r.get("samples_per_s") for r in progress)
 
-    report = subprocess.run([sys.executable, "-m", "ddpack.report", str(run)], env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    report = subprocess.run([sys.executable, "-m", "ddpack.jobs.report", str(run)], env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert report.returncode == 0, report.stderr
     page = (run / "report.html").read_text()
     assert "<tr><td>segments</td><td>2</td></tr>" in page and "<td>stopped</td>" in page and "<td>done</td>" in page

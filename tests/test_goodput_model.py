@@ -1,4 +1,4 @@
-"""The start-time model (ddpack/goodput_model.py) and the template's choice that follows it."""
+"""The start-time model (ddpack/jobs/goodput_model.py) and the template's choice that follows it."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from ddpack.goodput_model import Site, auto_stages, ddpack, main, read_and_unpack_shared, stage_by_sbcast, today, tree_depth
+from ddpack.jobs.goodput_model import Site, auto_stages, ddpack, main, read_and_unpack_shared, stage_by_sbcast, today, tree_depth
 from testbed.env import ROOT
 
 HELPER = ROOT / "enroot" / "ddpack-job.sh"

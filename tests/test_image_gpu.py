@@ -55,7 +55,7 @@ def test_submit_builds_a_gpu_jobs_project_on_the_cuda_image_with_its_torch_held(
     submits this project as a GPU job (tests/test_lifecycle_cluster.py), which then converts it rather than building
     it again. An image of these inputs left on the engine by an earlier session is removed first, so the build is
     this test's own (CI once found one and read it as "not built")."""
-    from ddpack.submit import ensure_image
+    from ddpack.jobs.submit import ensure_image
     from testbed.readme_examples import write_cpu_ddp
 
     client, image = gpu_image

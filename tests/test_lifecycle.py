@@ -17,11 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from ddpack import cli, status
+from ddpack import cli
 from ddpack.errors import HostError
-from ddpack.run_record import Job, RunRecord, read_record, write_record
-from ddpack.runs import follow, print_logs, resolve_run, resubmit
-from ddpack.submit import SubmitSettings, image_key, render_script, setting_problems, submit
+from ddpack.jobs import status
+from ddpack.jobs.run_record import Job, RunRecord, read_record, write_record
+from ddpack.jobs.runs import follow, print_logs, resolve_run, resubmit
+from ddpack.jobs.submit import SubmitSettings, image_key, render_script, setting_problems, submit
 from train import run_folder
 
 
@@ -257,7 +258,7 @@ def test_logs_show_every_job_in_order_and_one_ranks_lines(tmp_path, slurm) -> No
 def test_logs_follow_a_job_across_its_requeue_and_exit_with_its_state(tmp_path, slurm, monkeypatch) -> None:
     """The log grows through a requeue (squeue: RUNNING, then PENDING, then RUNNING again, then COMPLETED); follow
     prints what is appended and exits 0 only once COMPLETED has held (a requeue passes through an ended state)."""
-    import ddpack.runs
+    import ddpack.jobs.runs
 
     answers = slurm / "answers"
     answers.write_text("RUNNING\nCANCELLED\nPENDING\nRUNNING\nCOMPLETED\n")
@@ -277,7 +278,7 @@ def test_logs_follow_a_job_across_its_requeue_and_exit_with_its_state(tmp_path, 
     thread = threading.Thread(target=grow)
     thread.start()
     out = io.StringIO()
-    monkeypatch.setattr(ddpack.runs, "POLL_STATE_S", 0.2)
+    monkeypatch.setattr(ddpack.jobs.runs, "POLL_STATE_S", 0.2)
     code = follow(run_dir, None, out, poll_s=0.05, settle_s=0.5)
     thread.join()
     assert code == 0, out.getvalue()
@@ -493,9 +494,9 @@ def test_every_verb_takes_json_with_status_names_and_a_job_id(tmp_path, slurm, c
 
 @pytest.mark.parametrize(("squeue", "code"), [("COMPLETED", 0), ("FAILED", 1), ("CANCELLED", 3), ("TIMEOUT", 4), ("PREEMPTED", 5)])
 def test_status_watch_exits_as_logs_follow_does(tmp_path, slurm, monkeypatch, capsys, squeue: str, code: int) -> None:
-    import ddpack.slurm_cli
+    import ddpack.jobs.slurm_cli
 
-    monkeypatch.setattr(ddpack.slurm_cli, "SETTLE_S", 0.0)
+    monkeypatch.setattr(ddpack.jobs.slurm_cli, "SETTLE_S", 0.0)
     fake(slurm, "squeue", f"echo '{squeue}|None|'")
     run_dir = make_run(tmp_path, records=REQUEUED_RUN, logs={"41": REQUEUED_LOG})
     assert cli.main(["status", str(run_dir), "--watch", "--interval", "0.01"]) == code
@@ -553,7 +554,7 @@ def test_the_partition_check_counts_only_nodes_that_can_run_the_job(tmp_path, sl
 def test_the_runs_folder_is_the_users_own_on_the_shared_filesystem_and_named_when_empty(tmp_path, slurm, monkeypatch, capsys) -> None:
     import pwd
 
-    from ddpack.runs import default_runs
+    from ddpack.jobs.runs import default_runs
 
     monkeypatch.delenv("DDPACK_RUNS", raising=False)
     monkeypatch.chdir(tmp_path)
@@ -566,8 +567,8 @@ def test_the_runs_folder_is_the_users_own_on_the_shared_filesystem_and_named_whe
 def test_a_project_not_under_git_is_recorded_so_with_its_files_digest(tmp_path) -> None:
     import subprocess
 
-    from ddpack.app import read_app
-    from ddpack.submit import code_record
+    from ddpack.build.app import read_app
+    from ddpack.jobs.submit import code_record
     from testbed.readme_examples import write_cpu_ddp
 
     project = write_cpu_ddp(tmp_path / "cpu-ddp")
@@ -599,19 +600,19 @@ def test_a_missing_host_package_is_one_line_saying_what_to_install(tmp_path) -> 
 
 def test_a_dry_run_of_a_project_whose_squashfs_is_not_made_yet_says_what_it_would_do_and_passes(tmp_path, slurm, monkeypatch, capsys) -> None:
     """The image is built (or not), its squashfs not yet converted: the dry run says so and runs every other check."""
-    import ddpack.submit
-    from ddpack.submit import ImageChoice
+    import ddpack.jobs.submit
+    from ddpack.jobs.submit import ImageChoice
 
     good = settings(tmp_path)
     argv = ["submit", "--nodes", "2", "--dry-run", "--runs", str(good.runs), "--images", str(good.images), "--mounts", good.mounts,
             "--name", "cpu-ddp", str(tmp_path)]  # fmt: skip
     built = ImageChoice(ref="cpu-ddp:7b3b-8f80", image_id="sha256:" + "ab" * 32, bundle="ddpack:src-1", built=False)
-    monkeypatch.setattr(ddpack.submit, "ensure_image", lambda app_dir, **how: built)
+    monkeypatch.setattr(ddpack.jobs.submit, "ensure_image", lambda app_dir, **how: built)
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert f"squashfs {good.images}/cpu-ddp-abababababababab.sqsh (would convert the image to it)" in out
     assert "dry run: every check passed" in out and "export DDPACK_SQSH=" in out
-    monkeypatch.setattr(ddpack.submit, "ensure_image", lambda app_dir, **how: None)
+    monkeypatch.setattr(ddpack.jobs.submit, "ensure_image", lambda app_dir, **how: None)
     assert cli.main(argv) == 0
     assert "would build" in capsys.readouterr().out
 
@@ -619,11 +620,11 @@ def test_a_dry_run_of_a_project_whose_squashfs_is_not_made_yet_says_what_it_woul
 def test_slurms_own_refusal_of_the_script_comes_before_any_build(tmp_path, slurm, monkeypatch, capsys) -> None:
     """sbatch --test-only with the exact script, before the image: a partition's limits, a GRES it lacks, a time
     limit over its maximum cost seconds, not a build."""
-    import ddpack.submit
+    import ddpack.jobs.submit
 
     refusal = "sbatch: error: Batch job submission failed: Requested node configuration is not available"
     fake(slurm, "sbatch", f'[ "$1" = --test-only ] && {{ echo "{refusal}" >&2; exit 1; }}; echo 9')
-    monkeypatch.setattr(ddpack.submit, "ensure_image", lambda *a, **k: pytest.fail("built before the checks"))
+    monkeypatch.setattr(ddpack.jobs.submit, "ensure_image", lambda *a, **k: pytest.fail("built before the checks"))
     good = settings(tmp_path)
     argv = ["submit", "--nodes", "2", "--time", "30-00:00:00", "--runs", str(good.runs), "--images", str(good.images), "--mounts", good.mounts,
             str(tmp_path)]  # fmt: skip
@@ -636,10 +637,10 @@ def test_slurms_own_refusal_of_the_script_comes_before_any_build(tmp_path, slurm
 def test_a_gpu_job_asks_for_the_cuda_image_and_one_rank_per_gpu(tmp_path, slurm, monkeypatch, capsys) -> None:
     """--gpus-per-node N: the project on the CUDA image (with EFA's installer when asked), N ranks a node unless told
     otherwise (then one warning line), Slurm's --gpus-per-node, and a partition whose nodes have the GPUs."""
-    import ddpack.submit
+    import ddpack.jobs.submit
 
     asked = []
-    monkeypatch.setattr(ddpack.submit, "ensure_image", lambda app_dir, **how: asked.append(how))
+    monkeypatch.setattr(ddpack.jobs.submit, "ensure_image", lambda app_dir, **how: asked.append(how))
     good = settings(tmp_path)
     base = ["submit", "--nodes", "2", "--dry-run", "--runs", str(good.runs), "--images", str(good.images), "--mounts", good.mounts]
     assert cli.main([*base, "--partition", "gpu", "--gpus-per-node", "2", "--efa", str(tmp_path)]) == 0

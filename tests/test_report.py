@@ -118,7 +118,7 @@ def test_a_segments_start_record_is_written_before_the_first_record_with_what_is
 
 
 def run_report(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ddpack.report", *args], env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "ddpack.jobs.report", *args], env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
 def write_metrics(folder: Path, lines: list[str]) -> Path:

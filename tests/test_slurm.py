@@ -92,7 +92,7 @@ def test_baremetal_template(tmp_path: Path) -> None:
     assert hint in log
     start = next(json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"start"' in line)
     assert start["hosts"] == ["ddnode1", "ddnode1", "ddnode2", "ddnode2"] and start["flops_per_sample"] > 0
-    made = subprocess.run([sys.executable, "-m", "ddpack.report", str(run_dir)], capture_output=True, text=True, timeout=120)
+    made = subprocess.run([sys.executable, "-m", "ddpack.jobs.report", str(run_dir)], capture_output=True, text=True, timeout=120)
     assert made.returncode == 0, made.stderr
     assert "<td>4 on ddnode1, ddnode2</td>" in (run_dir / "report.html").read_text()
 

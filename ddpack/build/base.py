@@ -13,7 +13,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from ddpack.engine import docker_client, ensure_debian_packages
+from ddpack.build.engine import docker_client, ensure_debian_packages
 from ddpack.errors import HostError, run_verb
 
 LOCAL_BASE = "ddpack-base:bookworm-py311"
@@ -48,7 +48,7 @@ def build_base(tag: str = LOCAL_BASE, suite: str = "bookworm", mirror: str | Non
             src=str(tarball),
             repository=repository,
             tag=version,
-            changes=["ENV LANG=C.UTF-8", 'CMD ["python3"]', f'LABEL io.ddpack.base="debootstrap {suite}"'],
+            changes=["ENV LANG=C.UTF-8", 'CMD ["python3"]', f'LABEL io.ddpack.build.base="debootstrap {suite}"'],
         )
     image = client.images.get(tag)
     print(f"base: {tag} {image.short_id} {image.attrs['Size'] / 2**20:.0f} MiB")
@@ -56,7 +56,7 @@ def build_base(tag: str = LOCAL_BASE, suite: str = "bookworm", mirror: str | Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ddpack.base", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m ddpack.build.base", description=__doc__)
     parser.add_argument("--tag", default=LOCAL_BASE, help="image name to create")
     parser.add_argument("--suite", default="bookworm", help="Debian release (bookworm has Python 3.11, matching cp311 torch wheels)")
     parser.add_argument("--mirror", default=os.environ.get("DEBIAN_MIRROR") or None, help="Debian mirror URL (default: debootstrap's)")

@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from ddpack import slurm_cli
 from ddpack.errors import HostError
-from ddpack.run_record import append_event, not_a_run_of_yours, read_record
-from ddpack.slurm_cli import ENDED, EXIT_FOR_STATE
-from ddpack.status import list_runs, run_status
+from ddpack.jobs import slurm_cli
+from ddpack.jobs.run_record import append_event, not_a_run_of_yours, read_record
+from ddpack.jobs.slurm_cli import ENDED, EXIT_FOR_STATE
+from ddpack.jobs.status import list_runs, run_status
 
 POLL_STATE_S = 2.0  # how often `logs -f` asks Slurm for the job's state (the log itself is read every poll)
 
@@ -45,7 +45,7 @@ def default_runs() -> Path:
 def resolve_run(run: str | None, runs: Path) -> Path:
     """The run folder `run` names: a run folder or a sweep's, a job id of a run under `runs` (a sweep's point is
     `<array>_<index>`, the whole sweep the array's id), or (None) the newest run or sweep there."""
-    from ddpack.sweep import is_sweep, list_sweeps, read_sweep
+    from ddpack.jobs.sweep import is_sweep, list_sweeps, read_sweep
 
     if run is None:
         newest = [*((record.created, folder) for folder, record in list_runs(runs) if record.sweep is None),
@@ -182,7 +182,7 @@ def resubmit(run_dir: Path, changes: dict[str, Any] | None = None) -> str:
     when that image is gone or changed, the script was edited, a job of the run still lives, or a secret it was given
     is not in this shell. `changes` (time_limit, nodes, partition) override the script's #SBATCH lines for this job
     only, and are kept with the job in run.json: after a TIMEOUT, a longer --time continues the run."""
-    from ddpack.submit import LOGIN_ENV, image_key, record_job
+    from ddpack.jobs.submit import LOGIN_ENV, image_key, record_job
 
     changes = {key: value for key, value in (changes or {}).items() if value is not None}
     record = read_record(run_dir)
@@ -235,7 +235,7 @@ def resubmit(run_dir: Path, changes: dict[str, Any] | None = None) -> str:
 
 def resubmit_options(changes: dict[str, Any], spares: int) -> tuple[str, ...]:
     """sbatch's options for a resubmit's changes, each checked: one line and exit 2 for a bad one."""
-    from ddpack.submit import SLURM_TIME
+    from ddpack.jobs.submit import SLURM_TIME
 
     options = []
     if "time_limit" in changes:

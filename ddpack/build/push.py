@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import requests
 from docker.errors import APIError, ImageNotFound
 
-from ddpack.ecr import (
+from ddpack.build.ecr import (
     RegistryCredential,
     RepositorySettings,
     account_id,
@@ -28,7 +28,7 @@ from ddpack.ecr import (
     validate_repository,
     validate_tag,
 )
-from ddpack.engine import docker_client
+from ddpack.build.engine import docker_client
 from ddpack.errors import HostError, run_verb
 
 PERMANENT = (
@@ -236,7 +236,7 @@ def next_steps(result: PushResult, host: str, repository: str, tag: str, region:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m ddpack.push", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m ddpack.build.push", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--image", required=True, help="local image to push, e.g. ddpack:1a2b3c4")
     parser.add_argument("--repository", required=True, help="ECR repository name (created when missing)")

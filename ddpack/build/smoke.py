@@ -27,9 +27,9 @@ from docker.client import DockerClient
 from docker.errors import ImageNotFound, NotFound
 from docker.models.containers import Container
 
-from ddpack.engine import docker_client
+from ddpack.build.engine import docker_client
 from ddpack.errors import HostError, run_verb
-from ddpack.report import write_report
+from ddpack.jobs.report import write_report
 from train import run_folder
 from train.outcome import read_ends
 from train.preflight.verdict import read_verdict
@@ -76,12 +76,12 @@ def _member_env(variant: str, node: int, master: str) -> tuple[dict[str, str], l
 
 
 def app_command(client: DockerClient, image: str) -> str:
-    """The project command an image runs by default (its io.ddpack.app.command label), "" for none."""
+    """The project command an image runs by default (its io.ddpack.build.app.command label), "" for none."""
     try:
         labels = client.images.get(image).attrs["Config"].get("Labels") or {}
     except ImageNotFound:
         raise HostError(f"image {image} not found; build it first: make image", code=2) from None
-    return labels.get("io.ddpack.app.command", "")
+    return labels.get("io.ddpack.build.app.command", "")
 
 
 def run_smoke(image: str, variant: str, timeout_s: float, trainer_args: tuple[str, ...] = TRAINER_ARGS) -> bool:
@@ -146,7 +146,7 @@ def _run_phase(
                 network=network,
                 environment={**env, "OMP_NUM_THREADS": "1"},
                 detach=True,
-                labels={"io.ddpack.smoke": name},
+                labels={"io.ddpack.build.smoke": name},
                 shm_size=SHM_SIZE,
                 volumes={str(run_dir.absolute()): {"bind": RUN_MOUNT, "mode": "rw"}},
             )
@@ -231,7 +231,7 @@ def _show_failures(variant: str, members: list[Member], timeout_s: float) -> Non
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m ddpack.smoke", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m ddpack.build.smoke", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--image", required=True, help="the CPU image to run, e.g. ddpack:1a2b3c4 (or a project's, from make image APP=DIR)")
     parser.add_argument("--variant", choices=("pair", "torchrun", "all"), default="all")

@@ -88,7 +88,7 @@ def is_sweep(folder: Path) -> bool:
 
 def read_sweep(folder: Path) -> dict[str, Any]:
     """sweep.json, read only from a folder of this user's alone (as a run's record is)."""
-    from ddpack.run_record import not_a_run_of_yours
+    from ddpack.jobs.run_record import not_a_run_of_yours
 
     path = folder / SWEEP_RECORD
     if (problem := not_a_run_of_yours(folder, path)) is not None:
@@ -124,7 +124,7 @@ def list_sweeps(runs: Path) -> list[tuple[Path, dict[str, Any]]]:
 def sweep_state(states: list[str]) -> str:
     """The sweep's state from its points': RUNNING while any runs, PENDING while any waits (and none runs),
     COMPLETED when all did, else the first other end (FAILED, TIMEOUT, CANCELLED, ...)."""
-    from ddpack.slurm_cli import ENDED, LIVE
+    from ddpack.jobs.slurm_cli import ENDED, LIVE
 
     for live in LIVE:
         if live in states:
@@ -139,8 +139,8 @@ def sweep_status(folder: Path) -> dict[str, Any]:
     """The sweep as a whole (status --json's names: run_dir, name, job_id, state) and each point's status."""
     from dataclasses import asdict
 
-    from ddpack.run_record import read_record
-    from ddpack.status import asked_for, run_status
+    from ddpack.jobs.run_record import read_record
+    from ddpack.jobs.status import asked_for, run_status
 
     data = read_sweep(folder)
     folders = point_dirs(folder)
@@ -171,8 +171,8 @@ def render_sweep(status: dict[str, Any]) -> str:
 def cancel_sweep(folder: Path) -> list[str]:
     """scancel every point still waiting or running, by its newest job (the array's element, or a resubmit's own),
     in one call; each point's record says so once Slurm took it."""
-    from ddpack import slurm_cli
-    from ddpack.run_record import append_event
+    from ddpack.jobs import slurm_cli
+    from ddpack.jobs.run_record import append_event
 
     status = sweep_status(folder)
     live = [point for point in status["points"] if point["state"] not in slurm_cli.ENDED and point["job_id"]]

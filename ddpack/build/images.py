@@ -3,12 +3,12 @@
 The build context is staged under build/context: the bundle's code, the Dockerfiles and hard links
 (or copies) of the wheelhouse's wheels, which the Dockerfile bind-mounts so they never land in a
 layer. A CA bundle for the package index goes in as a BuildKit secret, likewise never stored. Where
-the wheelhouse and the CA bundle come from is decided in one place, `ddpack.build_inputs`; a
+the wheelhouse and the CA bundle come from is decided in one place, `ddpack.build.build_inputs`; a
 `--dry-run` prints what a build would use. The base defaults to python:3.11-slim-bookworm and falls
-back to a base built from Debian's archive (`ddpack.base`) when that cannot be pulled.
+back to a base built from Debian's archive (`ddpack.build.base`) when that cannot be pulled.
 
 With `--app DIR` (`make image APP=DIR`) the bundle's image is built as `--bundle-tag`, then a user's project
-goes on top of it as `--tag` (docker/app.Dockerfile, `ddpack.app`): its requirements in one layer with torch
+goes on top of it as `--tag` (docker/app.Dockerfile, `ddpack.build.app`): its requirements in one layer with torch
 held fixed, its code in the last. The project is read and checked before anything is built.
 """
 
@@ -27,14 +27,14 @@ from typing import Any
 
 from docker.errors import APIError, ContainerError, ImageNotFound
 
-from ddpack.app import App, check_torch_requirements, describe, read_app, stage_app
-from ddpack.app import build_args as app_build_args
-from ddpack.base import LOCAL_BASE, build_base
-from ddpack.build_inputs import BuildInputs, check_wheels_run_on, read_pip_settings, resolve_build_inputs
-from ddpack.engine import buildkit_cli, docker_client
+from ddpack.build.app import App, check_torch_requirements, describe, read_app, stage_app
+from ddpack.build.app import build_args as app_build_args
+from ddpack.build.base import LOCAL_BASE, build_base
+from ddpack.build.build_inputs import BuildInputs, check_wheels_run_on, read_pip_settings, resolve_build_inputs
+from ddpack.build.engine import buildkit_cli, docker_client
 from ddpack.errors import HostError, run_verb
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_BASE = "python:3.11-slim-bookworm"
 DEFAULT_TORCH_VERSION = "2.13.0"
 CONTEXT_ITEMS = ("pyproject.toml", "Dockerfile", "Dockerfile.gpu", "entrypoint", "train", "ddpack_run", "docker")
@@ -138,7 +138,7 @@ class ImageBuild:
 
 
 def plan_build(*, variant: str, tag: str, environ: Mapping[str, str] = os.environ, **settings: Any) -> ImageBuild:
-    """An ImageBuild whose wheelhouse and CA bundle follow the one rule (`ddpack.build_inputs`)."""
+    """An ImageBuild whose wheelhouse and CA bundle follow the one rule (`ddpack.build.build_inputs`)."""
     if variant not in VARIANTS:
         raise HostError(f"variant {variant!r} is not one of {', '.join(VARIANTS)}", code=2)
     torch_version = environ.get("TORCH_VERSION") or DEFAULT_TORCH_VERSION
@@ -240,7 +240,7 @@ def build_app_image(build: ImageBuild) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m ddpack.images", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m ddpack.build.images", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--variant", choices=sorted(VARIANTS), default="cpu")
     parser.add_argument("--tag", required=True, help="image reference to create, e.g. ddpack:1a2b3c4")

@@ -1,6 +1,6 @@
 """`make sqsh`: an Enroot squashfs of an image, for `srun --container-image=/fsx/.../x.sqsh` (pyxis).
 
-The tree is the one `enroot import dockerd://IMAGE` gives (rules in `ddpack.enroot_tree`). Converters:
+The tree is the one `enroot import dockerd://IMAGE` gives (rules in `ddpack.build.enroot_tree`). Converters:
 
 - `layers` (auto's first choice): mounts the created container's own overlay2 layers read-only and runs
   one `mksquashfs` over them, with enroot's exclusions, permission fixes and metadata files given as
@@ -42,8 +42,8 @@ from pathlib import Path
 
 from docker.errors import ImageNotFound
 
-from ddpack.engine import docker_client
-from ddpack.enroot_tree import (
+from ddpack.build.engine import docker_client
+from ddpack.build.enroot_tree import (
     HYPERPOD_SQUASH_OPTIONS,
     METADATA_FILES,
     excluded,
@@ -410,7 +410,7 @@ def convert(image: str, output: Path, converter: str = "auto", force: bool = Fal
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m ddpack.sqsh", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m ddpack.build.sqsh", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--image", required=True, help="local image, e.g. ddpack:1a2b3c4")
     parser.add_argument("--output", required=True, type=Path, help="the .sqsh file to write (replaced atomically)")

@@ -1,6 +1,6 @@
 """`make report RUN=DIR`: one self-contained HTML page (and with --png one summary image) of a run.
 
-It draws what the trainer leaves in the run folder (the templates' runs/<job>-<id>), as ddpack.run_records
+It draws what the trainer leaves in the run folder (the templates' runs/<job>-<id>), as ddpack.jobs.run_records
 reads it: `metrics.jsonl` (one segment per start) and `preflight.json` when the job ran a preflight. It
 draws loss and eval curves; throughput and MFU over time; every rank's step time as a heatmap, where a
 straggler is a bright row; the segments on a timeline with their snapshots and how each ended; the
@@ -25,8 +25,8 @@ from statistics import median
 from typing import Any
 
 from ddpack.errors import HostError, run_verb
+from ddpack.jobs.run_records import Run, read_run
 from ddpack.private_files import write_atomically
-from ddpack.run_records import Run, read_run
 from train import run_folder
 from train.metrics import format_share
 
@@ -308,7 +308,7 @@ def write_report(run_dir: Path, with_png: bool = False) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ddpack.report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m ddpack.jobs.report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run", type=Path, metavar="RUN", help="the run folder (holding metrics.jsonl), or the metrics file itself")
     parser.add_argument("--png", action="store_true", help="also write RUN/report.png, one summary image")
     opts = parser.parse_args(argv)

@@ -19,8 +19,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from ddpack import slurm_cli
-from ddpack.run_record import RunRecord, read_record
+from ddpack.jobs import slurm_cli
+from ddpack.jobs.run_record import RunRecord, read_record
 from train import run_folder
 from train.metrics import format_duration
 
@@ -459,7 +459,7 @@ def watch(run_dir: Path, *, interval_s: float, tty: bool, out: Any, as_json: boo
 
 def list_runs(runs: Path) -> list[tuple[Path, RunRecord]]:
     """The run folders `ddpack submit` made under `runs` (a sweep's points too, in its folder), oldest first."""
-    from ddpack.sweep import SWEEP_RECORD
+    from ddpack.jobs.sweep import SWEEP_RECORD
 
     found = []
     records = []
@@ -495,7 +495,7 @@ def list_rows(runs: Path) -> list[dict[str, Any]]:
     """One row per run (status --json's names): run_dir, name, job_id, state, step, total_steps. One squeue call for
     all of them. A sweep is a row of its own (with `points`), before its points' rows (with `sweep`, its folder, and
     `values`)."""
-    from ddpack.sweep import read_sweep, sweep_state
+    from ddpack.jobs.sweep import read_sweep, sweep_state
 
     found = list_runs(runs)
     asked = asked_for([record.last_job for _, record in found])  # one squeue and one sacct for every run, not one each

@@ -5,7 +5,7 @@ container the first step unpacked). ddpack's start is the path DDPACK_STAGE=auto
 shared file where few nodes read it at once, one read sent by sbcast down a tree to every node's local disk where
 many would; beside it sbcast forced (DDPACK_STAGE=sbcast) and the image already on every node.
 
-`python -m ddpack.goodput_model` prints the table for your site's figures (`--help`); `make bench-goodput`
+`python -m ddpack.jobs.goodput_model` prints the table for your site's figures (`--help`); `make bench-goodput`
 feeds it the per-node ones it measures on the test cluster. Assumptions, each a parameter:
 - the shared filesystem serves `fsx_mbps` in all (FSx for Lustre: throughput per TiB times the TiB; 1,200 MB/s is
   a 1.2 TiB PERSISTENT-1000 file system), shared by every node reading at once, each node at most `node_mbps`
@@ -126,7 +126,7 @@ def _duration(seconds: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ddpack.goodput_model", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m ddpack.jobs.goodput_model", description=__doc__.splitlines()[0])
     defaults = Site()
     for f in fields(Site):
         parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(getattr(defaults, f.name)), default=getattr(defaults, f.name))

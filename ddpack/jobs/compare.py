@@ -19,9 +19,9 @@ from statistics import median
 from typing import Any
 
 from ddpack.errors import HostError
+from ddpack.jobs.run_record import read_record
+from ddpack.jobs.run_records import Run, read_run
 from ddpack.private_files import write_atomically
-from ddpack.run_record import read_record
-from ddpack.run_records import Run, read_run
 
 # Fields of the record that name this run rather than what it ran: the same run twice always differs in them.
 OWN = ("settings.run_dir", "settings.runs", "environment.script.DDPACK_RUN_DIR", "environment.script.DDPACK_HOME", "environment.login_shell")
@@ -65,7 +65,7 @@ class Outcome:
 
 
 def outcome(run_dir: Path) -> tuple[Outcome, Run | None]:
-    from ddpack.status import run_status
+    from ddpack.jobs.status import run_status
 
     now = run_status(run_dir)
     try:
@@ -167,7 +167,7 @@ def render(comparison: Comparison, page: Path | None) -> str:
 
 def write_page(comparison: Comparison, runs: list[Run | None], path: Path) -> Path:
     """One self-contained HTML page: the tables, then the runs' loss and throughput overlaid (one colour a run)."""
-    from ddpack.report import STYLE, _pyplot, _table, png
+    from ddpack.jobs.report import STYLE, _pyplot, _table, png
 
     plt = _pyplot()
     colours = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:gray", "tab:olive", "tab:cyan"]
