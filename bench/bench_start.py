@@ -147,7 +147,7 @@ def main() -> None:
         print(f"start    enroot data on {filesystem(data.parent)}", flush=True)
         os.environ["ENROOT_SQUASH_OPTIONS"] = HYPERPOD_SQUASH_OPTIONS  # every file, enroot's imports included
         files = {"enroot import (HyperPod options)": convert(opts.image, folder / "enroot.sqsh", "enroot", force=True)}
-        files[f"make sqsh ({DEFAULT_SQUASH_OPTIONS})"] = convert(opts.image, folder / "ddpack.build.sqsh", force=True)
+        files[f"make sqsh ({DEFAULT_SQUASH_OPTIONS})"] = convert(opts.image, folder / "ddpack.sqsh", force=True)
         if opts.baseline_image:
             files[f"enroot import of {opts.baseline_image}"] = convert(opts.baseline_image, folder / "baseline.sqsh", "enroot", force=True)
         results: dict[str, dict[str, list[float]]] = {label: {} for label in files}

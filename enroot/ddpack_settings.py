@@ -48,7 +48,7 @@ class Setting:
 
 SETTINGS: dict[str, Setting] = {
     # What runs, and where.
-    "DDPACK_SQSH": Setting(None, "/fsx/images/ddpack.build.sqsh", "the squashfs pyxis runs (a path on the shared filesystem)"),
+    "DDPACK_SQSH": Setting(None, "/fsx/images/ddpack.sqsh", "the squashfs pyxis runs (a path on the shared filesystem)"),
     "DDPACK_IMAGE": Setting(None, "", "docker-hostnet.sbatch: the Docker image every node runs"),
     "DDPACK_RUN_DIR": Setting(None, "", "the run folder to continue (default: a new runs/<name>-<job> in the submission folder)"),
     "DDPACK_PROJECT_DIR": Setting(None, "", "where --task modules are found (default: the submission folder)"),

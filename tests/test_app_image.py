@@ -79,7 +79,7 @@ def test_the_readme_command_builds_smokes_and_converts_the_project(client: docke
         assert out.count("[rank 0] trained to epoch 4") >= 2 and f"[rank {world - 1}] trained to epoch 4" in out
     assert "preflight: 4 ranks on 2 hosts" in out  # torchrun 2x2: both containers' ranks in one check
     assert readme_project.sqsh.is_file() and readme_project.sqsh.name == f"{readme_project.image.replace(':', '+')}.sqsh"
-    assert not client.containers.list(all=True, filters={"label": "io.ddpack.build.smoke"})
+    assert not client.containers.list(all=True, filters={"label": "io.ddpack.smoke"})
     assert not [n for n in client.networks.list() if n.name.startswith("ddpack-smoke-")]
 
 
@@ -98,8 +98,8 @@ def test_torch_is_the_images_own_and_the_project_is_recorded(client: docker.Dock
     assert (version, path, nvidia) == ("2.13.0+cpu", "/opt/ddpack/venv/lib/python3.11/site-packages/torch/__init__.py", [])
     assert app == f"cpu-ddp@{digest}" and cwd == "/opt/app"
     labels = image.attrs["Config"]["Labels"]
-    assert labels["io.ddpack.build.app.name"] == "cpu-ddp" and labels["io.ddpack.build.app.digest"] == digest
-    assert labels["io.ddpack.build.app.revision"] == "none" and labels["io.ddpack.build.app.command"] == "python ddp.py 4 2"
+    assert labels["io.ddpack.app.name"] == "cpu-ddp" and labels["io.ddpack.app.digest"] == digest
+    assert labels["io.ddpack.app.revision"] == "none" and labels["io.ddpack.app.command"] == "python ddp.py 4 2"
     assert "DDPACK_APP_CMD=python ddp.py 4 2" in image.attrs["Config"]["Env"]
     # Any uid reads the code (pyxis runs tasks as the submitting user), from any working directory.
     out = client.containers.run(readme_project.image, ["sh", "-c", "cd /tmp && entrypoint --print-plan"], user="4242:4242", remove=True, entrypoint=[])

@@ -216,7 +216,7 @@ def test_smoke_pair_variant_passes_and_cleans_up(client: docker.DockerClient, im
     assert progress and all(len(r["rank_step_s"]) == 2 and r["mfu"] > 0 for r in progress)
     assert next(r for r in records if r["kind"] == "start")["peak_source"].startswith("preflight:")
     assert (run / "report.html").stat().st_size > 10_000
-    assert not client.containers.list(all=True, filters={"label": "io.ddpack.build.smoke"})
+    assert not client.containers.list(all=True, filters={"label": "io.ddpack.smoke"})
     assert not [n for n in client.networks.list() if n.name.startswith("ddpack-smoke-")]
 
 
@@ -225,7 +225,7 @@ def test_smoke_failure_shows_the_failing_rank_and_still_cleans_up(client: docker
     captured = capsys.readouterr()
     assert "c0 failed (exit 2" in captured.err and "train: error: --task 'no_such_mod:make'" in captured.err
     assert "smoke[pair]: no run report (the run wrote no metrics: it ended before its first step)" in captured.out
-    assert not client.containers.list(all=True, filters={"label": "io.ddpack.build.smoke"})
+    assert not client.containers.list(all=True, filters={"label": "io.ddpack.smoke"})
 
 
 def test_smoke_stops_before_training_when_the_preflight_fails(client: docker.DockerClient, image: str, capsys) -> None:
@@ -234,7 +234,7 @@ def test_smoke_stops_before_training_when_the_preflight_fails(client: docker.Doc
     assert "preflight: FAIL storage: cannot write to the snapshot folder /etc/passwd/snapshots (Not a directory" in captured.out
     assert "smoke[pair]: FAIL (the preflight failed; training not started)" in captured.out
     assert "start: rank" not in captured.out
-    assert not client.containers.list(all=True, filters={"label": "io.ddpack.build.smoke"})
+    assert not client.containers.list(all=True, filters={"label": "io.ddpack.smoke"})
 
 
 def test_smoke_of_a_missing_image_is_one_line(client: docker.DockerClient) -> None:

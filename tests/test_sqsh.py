@@ -55,7 +55,7 @@ def sqsh(tmp_path_factory) -> Path:
     engine_or_skip()
     need("mksquashfs", "squashfs-tools")
     build("cpu", TEST_TAG)
-    return convert(TEST_TAG, tmp_path_factory.mktemp("sqsh") / "ddpack.build.sqsh")
+    return convert(TEST_TAG, tmp_path_factory.mktemp("sqsh") / "ddpack.sqsh")
 
 
 @pytest.fixture(scope="module")

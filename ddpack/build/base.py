@@ -48,7 +48,7 @@ def build_base(tag: str = LOCAL_BASE, suite: str = "bookworm", mirror: str | Non
             src=str(tarball),
             repository=repository,
             tag=version,
-            changes=["ENV LANG=C.UTF-8", 'CMD ["python3"]', f'LABEL io.ddpack.build.base="debootstrap {suite}"'],
+            changes=["ENV LANG=C.UTF-8", 'CMD ["python3"]', f'LABEL io.ddpack.base="debootstrap {suite}"'],
         )
     image = client.images.get(tag)
     print(f"base: {tag} {image.short_id} {image.attrs['Size'] / 2**20:.0f} MiB")

@@ -76,12 +76,12 @@ def _member_env(variant: str, node: int, master: str) -> tuple[dict[str, str], l
 
 
 def app_command(client: DockerClient, image: str) -> str:
-    """The project command an image runs by default (its io.ddpack.build.app.command label), "" for none."""
+    """The project command an image runs by default (its io.ddpack.app.command label), "" for none."""
     try:
         labels = client.images.get(image).attrs["Config"].get("Labels") or {}
     except ImageNotFound:
         raise HostError(f"image {image} not found; build it first: make image", code=2) from None
-    return labels.get("io.ddpack.build.app.command", "")
+    return labels.get("io.ddpack.app.command", "")
 
 
 def run_smoke(image: str, variant: str, timeout_s: float, trainer_args: tuple[str, ...] = TRAINER_ARGS) -> bool:
@@ -146,7 +146,7 @@ def _run_phase(
                 network=network,
                 environment={**env, "OMP_NUM_THREADS": "1"},
                 detach=True,
-                labels={"io.ddpack.build.smoke": name},
+                labels={"io.ddpack.smoke": name},
                 shm_size=SHM_SIZE,
                 volumes={str(run_dir.absolute()): {"bind": RUN_MOUNT, "mode": "rw"}},
             )
