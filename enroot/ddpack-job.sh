@@ -30,7 +30,7 @@
 #                              the job passes as --container-name, so pyxis unpacks the image once per node per job
 #   ddpack_prepare_nodes SQSH  pyxis templates, one step on every node of the job: remove containers that ended jobs
 #                              left behind, and set ddpack_image, what --container-image names: SQSH itself, or its
-#                              copy on each node's local disk (DDPACK_STAGE, see ddpack_stage_image)
+#                              copy on each node's local disk (DDPACK_STAGE: ddpack_node.py stage)
 #   ddpack_remove_container    remove the job's container from every node (pyxis keeps named containers
 #                              after the job unless its plugstack.conf sets container_scope=job)
 #   ddpack_train CMD...        the training step: the template's ddpack_step (srun and its options), then CMD, on
@@ -106,7 +106,8 @@ ddpack_private_files() {
 # folder's lock), run with this host's python3. Its text is read once, where this helper is sourced, and handed
 # to python3 -c: a node that runs it needs no path to the checkout.
 # The system's python3 in isolated mode (-I -S: no PYTHON* variables, no user or site packages; it starts in ~20 ms).
-ddpack_node_py=$(cat "$(dirname "${BASH_SOURCE[0]}")/ddpack_node.py" 2>/dev/null)
+ddpack_node_file=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/ddpack_node.py   # the batch host's own verbs (stage) run it by name
+ddpack_node_py=$(cat "${ddpack_node_file}" 2>/dev/null)
 ddpack_settings_py=$(cat "$(dirname "${BASH_SOURCE[0]}")/ddpack_settings.py" 2>/dev/null)
 ddpack_python=$(command -v /usr/bin/python3 || command -v python3 || echo python3)
 ddpack_node() {
@@ -301,190 +302,18 @@ ddpack_job_nodelist() {
 
 # --------------------------------------------------------------------------- the image on the nodes
 #
-# DDPACK_STAGE decides how the nodes get the squashfs:
+# DDPACK_STAGE decides how the nodes get the squashfs (ddpack_node.py's Staging makes the choice and carries it out):
 #   off     every node reads DDPACK_SQSH from the shared filesystem (pyxis 0.19's own way): N reads of the image
-#   sbcast  one read: Slurm's sbcast sends it down a tree (fan-out DDPACK_STAGE_FANOUT, at most 8) to the
-#           nodes' local disk, DDPACK_STAGE_DIR/<key>.sqsh, where <key> names the image's content; a node that
-#           already holds that key (an earlier job's copy) is skipped. DDPACK_STAGE_KEEP (2) keys stay per node,
-#           and any key a live job of yours has chosen (ddpack_node.py's leases).
-#           DDPACK_STAGE_DIR (default /tmp/ddpack-images-<your uid>) is yours alone: made 0700 when missing; refused
-#           (this start reads the shared file, one line says why) when another user made it first, it is a link,
-#           others can write it, it lies on a shared filesystem or holds anything but ddpack's staged names. A copy
-#           there is used only when it is a plain file of yours of the image's size (docs/security.md).
-#   auto    (the default) the nodes' copies when every node holds the image already (nothing read at all); else
-#           sbcast when the model (ddpack/jobs/goodput_model.py) says the nodes would wait less: N nodes unpacking from
-#           the shared filesystem at once each get DDPACK_FSX_MBPS / N of it, so they wait size / min(unpack, fsx/N);
-#           sbcast then unpack waits size / sbcast + size / unpack. Sbcast wins when N x sbcast x unpack >
-#           fsx x (sbcast + unpack): from 5 nodes with the defaults (1200, 1000 and DDPACK_UNPACK_MBPS=400 MB/s)
-# The GPUs a node this job asked Slurm for (its TresPerNode: --gpus-per-node, --gres=gpu:N; several types add up), 0
-# for none. Asked of Slurm, not read from SLURM_GPUS_* variables, which a job submitted from inside a GPU allocation
-# inherits.
-ddpack_gpus_promised() {
-    local tres entry count total=0
-    local -a entries=()
-    tres=$(scontrol show job -o "${SLURM_JOB_ID}" 2>/dev/null | grep -o 'TresPerNode=[^ ]*' | head -n1)
-    IFS=, read -r -a entries <<<"${tres#TresPerNode=}"
-    for entry in ${entries[@]+"${entries[@]}"}; do
-        case "${entry}" in
-        gres[:/]gpu | gres[:/]gpu:*)
-            count=${entry##*:}
-            case "${count}" in '' | *[!0-9]*) count=1 ;; esac
-            total=$((total + count))
-            ;;
-        esac
-    done
-    echo "${total}"
-}
-
+#   sbcast  one read: Slurm's sbcast sends it down a tree (fan-out DDPACK_STAGE_FANOUT, at most 8) to the nodes' local
+#           disk, DDPACK_STAGE_DIR/<key>.sqsh, where <key> names the image's content; a node that already holds that key
+#           (an earlier job's copy) is skipped. DDPACK_STAGE_KEEP (2) keys stay per node, and any key a live job of yours
+#           has chosen. DDPACK_STAGE_DIR (default /tmp/ddpack-images-<your uid>) is yours alone (docs/security.md).
+#   auto    (the default) the nodes' copies when every node holds the image already (nothing read at all); else sbcast
+#           when the model (ddpack/jobs/goodput_model.py) says the nodes would wait less: from 5 nodes with the defaults
+#           (DDPACK_FSX_MBPS=1200, DDPACK_SBCAST_MBPS=1000, DDPACK_UNPACK_MBPS=400)
+# A GPU job (--gpus-per-node, --gres=gpu:N) checks first that every node has the GPUs it was promised.
 ddpack_prepare_nodes() {
-    local sqsh=$1 mode=${DDPACK_STAGE:-auto} dir=${DDPACK_STAGE_DIR:-/tmp/ddpack-images-$(id -u)} keep=${DDPACK_STAGE_KEEP:-2}
-    local fsx=${DDPACK_FSX_MBPS:-1200} bcast=${DDPACK_SBCAST_MBPS:-1000} unpack=${DDPACK_UNPACK_MBPS:-400} fanout=${DDPACK_STAGE_FANOUT:-8}
-    local nodes count key="" size=0 answers rc lacking refused why="DDPACK_STAGE=off"
-    case "${mode}" in auto | sbcast | off) ;; *) ddpack_die "DDPACK_STAGE=${mode} is not auto, sbcast or off" ;; esac
-    for setting in "DDPACK_STAGE_KEEP=${keep}" "DDPACK_FSX_MBPS=${fsx}" "DDPACK_SBCAST_MBPS=${bcast}" "DDPACK_UNPACK_MBPS=${unpack}" \
-        "DDPACK_STAGE_FANOUT=${fanout}"; do
-        case "${setting#*=}" in '' | *[!0-9]* | 0) ddpack_die "${setting} is not a whole number above 0" ;; esac
-    done
-    [ "${fanout}" -le 8 ] || ddpack_die "DDPACK_STAGE_FANOUT=${fanout} is above sbcast's limit of 8"
-    case "${dir}" in /*) ;; *) ddpack_die "DDPACK_STAGE_DIR=${dir} is not an absolute path on the nodes' local disk" ;; esac
-    ddpack_image=${sqsh}
-    case "${sqsh}" in /*) ddpack_node image-ok "${sqsh}" || exit 2 ;; esac   # nobody else can swap what the job runs
-    nodes=$(ddpack_job_nodelist)
-    count=$(scontrol show hostnames "${nodes}" | wc -l)
-    case "${sqsh}" in
-    /*) ;;
-    *) mode=off why="not a file: pyxis imports it on every node" ;;
-    esac
-    local modelled
-    modelled=$(ddpack_stage_by_model "${count}" "${fsx}" "${bcast}" "${unpack}")
-    if [ "${mode}" != off ]; then
-        key=$(ddpack_image_key "${sqsh}") && size=$(stat -c %s "${sqsh}") || { mode=off key="" why="cannot read ${sqsh}"; }
-    fi
-    # One step on every node (ddpack_node.py prepare): containers of this user's jobs that are over (scancelled, timed
-    # out, killed with their script) go, and each node checks its staging folder, leases the key for this job and
-    # answers whether it holds a copy it can trust (has / lacks), or why it will not stage (refuse).
-    # A GPU job (--gpus-per-node, --gres=gpu:N) checks that every node has the GPUs it was promised, first.
-    local gpus
-    gpus=$(ddpack_gpus_promised)
-    answers=$(srun --nodes="${count}" --ntasks="${count}" --ntasks-per-node=1 --nodelist="${nodes}" \
-        "${ddpack_python}" -I -S -c "${ddpack_node_py}" prepare --dir "${dir}" --job "${SLURM_JOB_ID}" --key "${key}" --size "${size}" \
-        --keep "${keep}" --gpus "${gpus}")
-    rc=$?
-    local short none
-    none=$(echo "${answers}" | sed -n 's/^nogpu \(\S*\) 0 /\1 0 /p' | sort -V | head -n1)
-    [ -z "${none}" ] || ddpack_die "this job was promised ${gpus} GPU(s) a node, but ${none%% *} has ${none#* } here, so the image would train on the CPU or fail; submit GPU jobs to a partition whose nodes have their GPUs, or drop --gpus-per-node to train on CPUs (not requeued)"
-    short=$(echo "${answers}" | sed -n 's/^nogpu //p' | sort -V)
-    [ -z "${short}" ] || echo "ddpack: warning: fewer GPU devices than the ${gpus} promised a node (MIG slices share one device; else a GPU is missing): $(echo "${short}" | paste -sd ';' -)"
-    refused=$(echo "${answers}" | sed -n 's/^refuse //p')
-    if [ "${mode}" != off ] && [ -n "${refused}" ]; then
-        mode=off why="staging refused on ${refused%%$'\n'*}"
-    elif [ "${mode}" != off ] && { [ "${rc}" -ne 0 ] || [ "$(echo "${answers}" | grep -c '^\(has\|lacks\) ')" -ne "${count}" ]; }; then
-        mode=off why="staging failed: not every node answered whether it holds the image (exit ${rc})"
-    fi
-    lacking=$(echo "${answers}" | sed -n 's/^lacks //p' | sort -V)
-    if [ "${mode}" = auto ] && [ -n "${lacking}" ]; then
-        mode=${modelled} why="DDPACK_STAGE=auto: for ${count} node(s) the model has the shared filesystem ahead of sbcast"
-    fi
-    if [ "${mode}" = off ]; then
-        echo "ddpack: image: every node reads ${sqsh} (${why})"
-        ddpack_record staging choice=shared why="${why}" sqsh="${sqsh}"
-        return 0
-    fi
-    if [ -z "${lacking}" ]; then
-        echo "ddpack: image: all ${count} nodes hold ${dir}/${key}.sqsh already; the shared filesystem is not read"
-        ddpack_record staging choice=held why="every node holds this image's copy (key ${key})" sqsh="${sqsh}"
-        ddpack_image=${dir}/${key}.sqsh
-        return 0
-    fi
-    ddpack_stage_image "${sqsh}" "${dir}" "${key}" "${keep}" "${fanout}" "$(echo "${lacking}" | paste -sd,)" && ddpack_image=${dir}/${key}.sqsh
-    return 0
-}
-
-# sbcast or off for NODES nodes: the model's choice (ddpack/jobs/goodput_model.py, without the tree's few blocks) at
-# FSX, SBCAST and UNPACK MB/s: N unpacks from the shared filesystem at once wait size / min(unpack, fsx / N);
-# sbcast then an unpack from local disk, size / sbcast + size / unpack.
-ddpack_stage_by_model() {
-    local nodes=$1 fsx=$2 bcast=$3 unpack=$4
-    if [ "$((nodes * bcast * unpack))" -gt "$((fsx * (bcast + unpack)))" ] && [ "$((nodes * unpack))" -gt "${fsx}" ]; then
-        echo sbcast
-    else
-        echo off
-    fi
-}
-
-# A name for the image (ddpack_node.py key): its content's, from make sqsh's record beside it (the Docker image's id
-# and the squash options) while the record describes the file as it is; else the file's version (size, modification
-# time, inode, path: no read of the file; a copy made again, with cp, is a new name and is sent again).
-ddpack_image_key() {
-    ddpack_node key "$1"
-}
-
-# sbcast SQSH to the LACKING nodes (comma-separated) into DIR as KEY.sqsh: a step that holds those nodes (sbcast
-# sends to a step's nodes) and makes on each a new private folder for it (ddpack_node.py receive: sbcast never
-# writes through a name another user could have planted), the copy, then each node checks it (ours, a plain file,
-# the whole size) and renames it into place (ddpack_node.py install). On a failure one line names the node and why,
-# and this start reads the shared file instead (returns 1).
-ddpack_stage_image() {
-    local sqsh=$1 dir=$2 key=$3 keep=$4 fanout=$5 lacking=$6 count handoff step="" started rc size incoming
-    count=$(scontrol show hostnames "${lacking}" | wc -l)
-    size=$(stat -c %s "${sqsh}")
-    incoming=.incoming-${SLURM_JOB_ID}-$(od -An -tx1 -N8 /dev/urandom | tr -d ' \n')
-    handoff=$(mktemp -d "${DDPACK_RUN_DIR}/.ddpack-stage-${SLURM_JOB_ID}.XXXXXX") || {
-        ddpack_staging_failed "staging the image failed: cannot make a folder in ${DDPACK_RUN_DIR}; this start reads ${sqsh} on every node"
-        return 1
-    }
-    started=$(date +%s%N)
-    # shellcheck disable=SC2016
-    # The step that holds the lacking nodes is cancelled once sbcast is done: srun's lines about that go to a file,
-    # and only a node's own refusal (receive's line) is shown.
-    srun --quiet --nodes="${count}" --ntasks="${count}" --ntasks-per-node=1 --nodelist="${lacking}" bash -c '
-        "$5" -I -S -c "$1" receive --dir "$2" --job "${SLURM_JOB_ID}" --incoming "$3" || exit 1
-        echo "${SLURM_STEP_ID}" >"$4/${SLURMD_NODENAME}"
-        exec sleep 3600' _ "${ddpack_node_py}" "${dir}" "${incoming}" "${handoff}" "${ddpack_python}" 2>"${handoff}.err" &
-    local holder=$! waited=0
-    while [ "$(find "${handoff}" -type f | wc -l)" -lt "${count}" ]; do
-        if ! kill -0 "${holder}" 2>/dev/null || [ "${waited}" -ge 600 ]; then
-            ddpack_staging_failed "staging the image failed: could not make a private folder to receive it on ${lacking} ($(grep -v '^srun' "${handoff}.err" | grep . | head -n1)); this start reads ${sqsh} on every node"
-            kill "${holder}" 2>/dev/null; wait "${holder}" 2>/dev/null
-            rm -rf -- "${handoff}" "${handoff}.err"
-            return 1
-        fi
-        sleep 0.2
-        waited=$((waited + 1))
-    done
-    step=$(cat "$(find "${handoff}" -type f | head -n1)")
-    local errors
-    errors=$(sbcast --fanout="${fanout}" --jobid="${SLURM_JOB_ID}.${step}" "${sqsh}" "${dir}/${incoming}/${key}.sqsh" 2>&1)
-    rc=$?
-    scancel --quiet "${SLURM_JOB_ID}.${step}" 2>/dev/null
-    wait "${holder}" 2>/dev/null
-    rm -rf -- "${handoff}" "${handoff}.err"
-    if [ "${rc}" -ne 0 ]; then
-        ddpack_staging_failed "staging the image failed: sbcast to ${lacking}: $(echo "${errors}" | grep -v '^$' | tail -n1); this start reads ${sqsh} on every node"
-        # What it left behind goes with the receiving folders (ddpack_node.py install removes its own).
-        srun --nodes="${count}" --ntasks="${count}" --ntasks-per-node=1 --nodelist="${lacking}" "${ddpack_python}" -I -S -c "${ddpack_node_py}" install \
-            --dir "${dir}" --job "${SLURM_JOB_ID}" --key "${key}" --size "${size}" --keep "${keep}" --incoming "${incoming}" >/dev/null 2>&1
-        return 1
-    fi
-    # Each node: the whole file, ours, renamed into place; then copies no live job of this user leases beyond the newest KEEP go.
-    errors=$(srun --nodes="${count}" --ntasks="${count}" --ntasks-per-node=1 --nodelist="${lacking}" "${ddpack_python}" -I -S -c "${ddpack_node_py}" install \
-        --dir "${dir}" --job "${SLURM_JOB_ID}" --key "${key}" --size "${size}" --keep "${keep}" --incoming "${incoming}" 2>&1)
-    rc=$?
-    if [ "${rc}" -ne 0 ]; then
-        ddpack_staging_failed "staging the image failed on $(echo "${errors}" | grep -v '^ddpack: removed' | grep -v '^$' | head -n1); this start reads ${sqsh} on every node"
-        return 1
-    fi
-    echo "${errors}" | grep '^ddpack: removed' || true
-    local ms=$((($(date +%s%N) - started) / 1000000))
-    echo "ddpack: image: sent ${sqsh} ($((size / 1048576)) MiB) once, by sbcast, to ${lacking} as ${dir}/${key}.sqsh in $((ms / 1000)).$(printf '%03d' $((ms % 1000))) s"
-    ddpack_record staging choice=sent why="sbcast to the nodes lacking it" nodes="${lacking}" sqsh="${sqsh}" seconds="$((ms / 1000)).$(printf '%03d' $((ms % 1000)))"
-    return 0
-}
-
-# A staging that failed: one line, and the record of this start reading the shared file instead.
-ddpack_staging_failed() {
-    echo "ddpack: $1"
-    ddpack_record staging choice=shared why="$1"
+    ddpack_image=$("${ddpack_python}" -I -S "${ddpack_node_file}" stage "$1") || exit $?
 }
 
 # --------------------------------------------------------------------------- training, restarted in place

@@ -41,10 +41,12 @@ import json
 import os
 import pwd
 import re
+import shutil
 import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -504,7 +506,8 @@ SECRET_SETTINGS = ("DDPACK_JOB_TOKEN",)  # never written to a record
 
 
 def scontrol_fields(job: str, names: tuple[str, ...]) -> dict[str, str]:
-    """Fields of `scontrol show job JOB` (one per line in its output: Command=, StdOut=, ...); empty when it fails."""
+    """Fields of `scontrol show job JOB`; empty when it fails. A field alone on its line (Command=, StdOut=) is read whole,
+    spaces and all; one among others (TresPerNode=, NodeList= in some versions) is read as one word."""
     try:
         out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=SQUEUE_TIMEOUT_S).stdout
     except (OSError, subprocess.TimeoutExpired):
@@ -514,6 +517,11 @@ def scontrol_fields(job: str, names: tuple[str, ...]) -> dict[str, str]:
         name, sep, value = line.strip().partition("=")
         if sep and name in names and name not in found:
             found[name] = value
+            continue
+        for word in line.split():
+            name, sep, value = word.partition("=")
+            if sep and name in names and name not in found:
+                found[name] = value
     return found
 
 
@@ -566,9 +574,7 @@ RESERVED = ("time", "kind", "job", "slurm_job", "restart")  # every record's own
 
 
 def record(args: argparse.Namespace) -> int:
-    """Append one decision record: time, kind, the job as ddpack knows it (a sweep's point as <array>_<index>) and as
-    Slurm numbers it, the requeue count, and the fields given. One write of one line, to a file of this user's only
-    (O_NOFOLLOW: never through a planted link); a failure is one warning line, never the job's end."""
+    """The verb: one decision record from NAME=VALUE words (ddpack-job.sh's ddpack_record)."""
     fields: dict[str, object] = {}
     for pair in args.fields:
         name, sep, value = pair.partition("=")
@@ -576,23 +582,31 @@ def record(args: argparse.Namespace) -> int:
             warn(f"record {args.kind}: {pair!r} is not NAME=VALUE of a field of its own; left out")
             continue
         fields[name] = value
-    if args.kind == "step-end" and fields.get("verdict") not in VERDICTS:
+    write_record(Path(args.run_dir), args.kind, fields)
+    return 0
+
+
+def write_record(run_dir: Path, kind: str, fields: dict[str, object]) -> None:
+    """Append one decision record: time, kind, the job as ddpack knows it (a sweep's point as <array>_<index>) and as
+    Slurm numbers it, the requeue count, and the fields given. One write of one line, to a file of this user's only
+    (O_NOFOLLOW: never through a planted link); a failure is one warning line, never the job's end."""
+    if kind == "step-end" and fields.get("verdict") not in VERDICTS:
         warn(f"record step-end: verdict {fields.get('verdict')!r} is not one of {', '.join(VERDICTS)}")
     env = os.environ
     array = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
     entry = {
-        "time": time.time(), "kind": args.kind, "job": f"{array[0]}_{array[1]}" if all(array) else env.get("SLURM_JOB_ID"),
-        "slurm_job": env.get("SLURM_JOB_ID"), "restart": int(env.get("SLURM_RESTART_COUNT") or 0), **fields,
+        "time": time.time(), "kind": kind, "job": f"{array[0]}_{array[1]}" if all(array) else env.get("SLURM_JOB_ID"),
+        "slurm_job": env.get("SLURM_JOB_ID"), "restart": int(env.get("SLURM_RESTART_COUNT") or 0),
+        **{name: value for name, value in fields.items() if name not in RESERVED},
     }  # fmt: skip
     try:
-        fd = os.open(Path(args.run_dir) / DECISIONS, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        fd = os.open(run_dir / DECISIONS, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
             os.write(fd, (json.dumps(entry, sort_keys=True) + "\n").encode())
         finally:
             os.close(fd)
     except OSError as why:
-        warn(f"could not record the job's {args.kind} in {Path(args.run_dir) / DECISIONS}: {one_line(why)}")
-    return 0
+        warn(f"could not record the job's {kind} in {run_dir / DECISIONS}: {one_line(why)}")
 
 
 def own_run_folder(run_dir: Path) -> None:
@@ -695,11 +709,240 @@ def key(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- the image on the nodes: the choice
+
+
+def settings_table():  # type: ignore[no-untyped-def]
+    """ddpack_settings.py beside this file: the one table of the job's settings (on the batch host, which has the file)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ddpack_settings", Path(__file__).with_name("ddpack_settings.py"))
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules.setdefault("ddpack_settings", module)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def stage_by_model(nodes: int, fsx: int, bcast: int, unpack: int) -> str:
+    """sbcast or off for `nodes` nodes: the model's choice (ddpack/jobs/goodput_model.py, without the tree's few blocks) at
+    FSX, SBCAST and UNPACK MB/s: N unpacks from the shared filesystem at once wait size / min(unpack, fsx / N); sbcast
+    then an unpack from local disk, size / sbcast + size / unpack."""
+    return "sbcast" if nodes * bcast * unpack > fsx * (bcast + unpack) and nodes * unpack > fsx else "off"
+
+
+def hostnames(hostlist: str) -> list[str]:
+    """Slurm's hostlist (ddnode[1-3],gpu1) as names, as `scontrol show hostnames` expands it."""
+    if not hostlist:
+        return []
+    out = subprocess.run(["scontrol", "show", "hostnames", hostlist], capture_output=True, text=True, timeout=SQUEUE_TIMEOUT_S)
+    return out.stdout.split()
+
+
+def natural(name: str) -> list[object]:
+    """`sort -V`'s order for node names: node2 before node10."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def job_nodelist(job: str) -> str:
+    """The job's nodes as Slurm lists them now (a hostlist): a --no-kill job that lost a node no longer holds it, while
+    SLURM_JOB_NODELIST still names it."""
+    listed = scontrol_fields(job, ("NodeList",)).get("NodeList", "")
+    return listed if listed not in ("", "(null)") else os.environ.get("SLURM_JOB_NODELIST", "")
+
+
+def gpus_promised(job: str) -> int:
+    """The GPUs a node this job asked Slurm for (its TresPerNode: --gpus-per-node, --gres=gpu:N; several types add up),
+    0 for none. Asked of Slurm, not read from SLURM_GPUS_* variables, which a job submitted from inside a GPU allocation
+    inherits."""
+    total = 0
+    for entry in scontrol_fields(job, ("TresPerNode",)).get("TresPerNode", "").split(","):
+        if re.fullmatch(r"gres[:/]gpu(:.*)?", entry):
+            count = entry.rsplit(":", 1)[-1]
+            total += int(count) if count.isdigit() else 1
+    return total
+
+
+class Staging:
+    """DDPACK_STAGE's choice for this start, made and carried out on the batch host (ddpack-job.sh's
+    ddpack_prepare_nodes): the image's path each node's pyxis imports. One line says the choice and why, and it is
+    recorded (decisions.jsonl); a staging that fails is never the job's end: the nodes read the shared file instead."""
+
+    def __init__(self, sqsh: str, run_dir: Path, job: str, helper: str) -> None:
+        env = os.environ
+        self.sqsh, self.run_dir, self.job, self.helper = sqsh, run_dir, job, helper
+        names = ("DDPACK_STAGE", "DDPACK_STAGE_DIR", "DDPACK_STAGE_KEEP", "DDPACK_FSX_MBPS", "DDPACK_SBCAST_MBPS", "DDPACK_UNPACK_MBPS",
+                 "DDPACK_STAGE_FANOUT")  # fmt: skip
+        for why in settings_table().problems({name: env[name] for name in names if name in env}):
+            job_error(run_dir, why)  # ddpack_setup checked them all already: this is for a script that skipped it
+        self.mode = env.get("DDPACK_STAGE") or "auto"
+        self.dir = env.get("DDPACK_STAGE_DIR") or f"/tmp/ddpack-images-{os.getuid()}"
+        self.keep, self.fsx, self.bcast, self.unpack, self.fanout = (
+            int(env.get(name) or default) for name, default in
+            (("DDPACK_STAGE_KEEP", 2), ("DDPACK_FSX_MBPS", 1200), ("DDPACK_SBCAST_MBPS", 1000), ("DDPACK_UNPACK_MBPS", 400), ("DDPACK_STAGE_FANOUT", 8))
+        )  # fmt: skip
+
+    def choose(self) -> str:
+        """The path --container-image names: the shared file, or each node's local copy (sent now, or held already)."""
+        mode, why, key, size = self.mode, "DDPACK_STAGE=off", "", 0
+        if self.sqsh.startswith("/"):
+            image_ok(argparse.Namespace(sqsh=self.sqsh))  # nobody else can swap what the job runs
+        else:
+            mode, why = "off", "not a file: pyxis imports it on every node"
+        nodes = job_nodelist(self.job)
+        count = len(hostnames(nodes))
+        if mode != "off":
+            try:
+                key, size = image_key(Path(self.sqsh)), os.stat(self.sqsh).st_size
+            except OSError:
+                mode, why = "off", f"cannot read {self.sqsh}"
+        # One step on every node (prepare): containers of this user's jobs that are over (scancelled, timed out, killed
+        # with their script) go, and each node checks its staging folder, leases the key for this job and answers
+        # whether it holds a copy it can trust (has / lacks), or why it will not stage (refuse). A GPU job checks that
+        # every node has the GPUs it was promised, first.
+        gpus = gpus_promised(self.job)
+        answers, rc = self.on_nodes(nodes, count, "prepare", "--key", key, "--size", str(size), "--gpus", str(gpus))
+        lines = answers.splitlines()
+        short = sorted((line.split(" ", 1)[1] for line in lines if line.startswith("nogpu ")), key=natural)
+        none = [entry for entry in short if entry.split()[1] == "0"]
+        if none:
+            node, has = none[0].split(" ", 1)
+            job_error(
+                self.run_dir,
+                f"this job was promised {gpus} GPU(s) a node, but {node} has {has} here, so the image would train on the CPU "
+                "or fail; submit GPU jobs to a partition whose nodes have their GPUs, or drop --gpus-per-node to train on CPUs (not requeued)",
+            )
+        if short:
+            say(f"warning: fewer GPU devices than the {gpus} promised a node (MIG slices share one device; else a GPU is missing): {';'.join(short)}")
+        refused = [line.removeprefix("refuse ") for line in lines if line.startswith("refuse ")]
+        answered = [line for line in lines if line.startswith(("has ", "lacks "))]
+        if mode != "off" and refused:
+            mode, why = "off", f"staging refused on {refused[0]}"
+        elif mode != "off" and (rc != 0 or len(answered) != count):
+            mode, why = "off", f"staging failed: not every node answered whether it holds the image (exit {rc})"
+        lacking = sorted((line.split()[1] for line in answered if line.startswith("lacks ")), key=natural)
+        if mode == "auto" and lacking:
+            mode = stage_by_model(count, self.fsx, self.bcast, self.unpack)
+            why = f"DDPACK_STAGE=auto: for {count} node(s) the model has the shared filesystem ahead of sbcast"
+        if mode == "off":
+            return self.shared(why)
+        copy = f"{self.dir}/{key}.sqsh"
+        if not lacking:
+            say(f"image: all {count} nodes hold {copy} already; the shared filesystem is not read")
+            write_record(self.run_dir, "staging", {"choice": "held", "why": f"every node holds this image's copy (key {key})", "sqsh": self.sqsh})
+            return copy
+        return copy if self.send(key, size, ",".join(lacking)) else self.sqsh
+
+    def shared(self, why: str) -> str:
+        say(f"image: every node reads {self.sqsh} ({why})")
+        write_record(self.run_dir, "staging", {"choice": "shared", "why": why, "sqsh": self.sqsh})
+        return self.sqsh
+
+    def on_nodes(self, nodes: str, count: int, verb: str, *args: str) -> tuple[str, int]:
+        """One task of this helper on each of `nodes`: (what they printed, srun's status); their warnings pass through."""
+        command = [
+            "srun", f"--nodes={count}", f"--ntasks={count}", "--ntasks-per-node=1", f"--nodelist={nodes}", sys.executable, "-I", "-S",
+            "-c", self.helper, verb, "--dir", self.dir, "--job", self.job, "--keep", str(self.keep), *args,
+        ]  # fmt: skip
+        out = subprocess.run(command, stdout=subprocess.PIPE, text=True)
+        return out.stdout, out.returncode
+
+    def send(self, key: str, size: int, lacking: str) -> bool:
+        """sbcast the image to the `lacking` nodes into DIR as KEY.sqsh: a step that holds those nodes (sbcast sends to a
+        step's nodes) and makes on each a new private folder for it (receive: sbcast never writes through a name another
+        user could have planted), the copy, then each node checks it (ours, a plain file, the whole size) and renames it
+        into place (install). On a failure one line names the node and why, and this start reads the shared file."""
+        count = len(hostnames(lacking))
+        incoming = f".incoming-{self.job}-{os.urandom(8).hex()}"
+        started = time.monotonic()
+        try:
+            handoff = Path(tempfile.mkdtemp(prefix=f".ddpack-stage-{self.job}.", dir=self.run_dir))
+        except OSError:
+            return self.failed(f"staging the image failed: cannot make a folder in {self.run_dir}; this start reads {self.sqsh} on every node")
+        errors_file = Path(f"{handoff}.err")
+        script = (
+            '"$5" -I -S -c "$1" receive --dir "$2" --job "${SLURM_JOB_ID}" --incoming "$3" || exit 1\n'
+            'echo "${SLURM_STEP_ID}" >"$4/${SLURMD_NODENAME}"\nexec sleep 3600'
+        )
+        with open(errors_file, "w") as errors:  # srun's lines about the step's cancel; only a node's refusal is shown
+            holder = subprocess.Popen(
+                ["srun", "--quiet", f"--nodes={count}", f"--ntasks={count}", "--ntasks-per-node=1", f"--nodelist={lacking}",
+                 "bash", "-c", script, "_", self.helper, self.dir, incoming, str(handoff), sys.executable],
+                stderr=errors,
+            )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 120
+            while len(list(handoff.iterdir())) < count:
+                if holder.poll() is not None or time.monotonic() > deadline:
+                    said = [line for line in errors_file.read_text().splitlines() if line.strip() and not line.startswith("srun")]
+                    return self.failed(
+                        f"staging the image failed: could not make a private folder to receive it on {lacking} "
+                        f"({said[0] if said else 'no message'}); this start reads {self.sqsh} on every node"
+                    )
+                time.sleep(0.2)
+            step = next(handoff.iterdir()).read_text().strip()
+            sent = subprocess.run(
+                ["sbcast", f"--fanout={self.fanout}", f"--jobid={self.job}.{step}", self.sqsh, f"{self.dir}/{incoming}/{key}.sqsh"],
+                capture_output=True, text=True,
+            )  # fmt: skip
+            subprocess.run(["scancel", "--quiet", f"{self.job}.{step}"], capture_output=True)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                holder.terminate()
+            holder.wait()
+            shutil.rmtree(handoff, ignore_errors=True)
+            errors_file.unlink(missing_ok=True)
+        install = ("--key", key, "--size", str(size), "--incoming", incoming)
+        if sent.returncode != 0:
+            self.on_nodes(lacking, count, "install", *install)  # what sbcast left goes with the receiving folders
+            return self.failed(
+                f"staging the image failed: sbcast to {lacking}: {last_line(sent.stdout + sent.stderr)}; this start reads {self.sqsh} on every node"
+            )
+        command = [
+            "srun", f"--nodes={count}", f"--ntasks={count}", "--ntasks-per-node=1", f"--nodelist={lacking}", sys.executable, "-I", "-S",
+            "-c", self.helper, "install", "--dir", self.dir, "--job", self.job, "--keep", str(self.keep), *install,
+        ]  # fmt: skip
+        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        said = [line for line in done.stdout.splitlines() if line.strip()]
+        removed = [line for line in said if line.startswith("ddpack: removed")]
+        if done.returncode != 0:
+            first = next((line for line in said if line not in removed), "no message")
+            return self.failed(f"staging the image failed on {first}; this start reads {self.sqsh} on every node")
+        for line in removed:
+            print(line, file=sys.stderr, flush=True)
+        seconds = f"{time.monotonic() - started:.3f}"
+        say(f"image: sent {self.sqsh} ({size // 1048576} MiB) once, by sbcast, to {lacking} as {self.dir}/{key}.sqsh in {seconds} s")
+        sent_record = {"choice": "sent", "why": "sbcast to the nodes lacking it", "nodes": lacking, "sqsh": self.sqsh, "seconds": seconds}
+        write_record(self.run_dir, "staging", sent_record)
+        return True
+
+    def failed(self, why: str) -> bool:
+        """A staging that failed: one line, and the record of this start reading the shared file instead."""
+        say(why)
+        write_record(self.run_dir, "staging", {"choice": "shared", "why": why})
+        return False
+
+
+def stage(args: argparse.Namespace) -> int:
+    """The verb: print the path each node's pyxis imports (stdout's one line); the choice is said on stderr."""
+    helper = Path(__file__).read_text()
+    print(Staging(args.sqsh, Path(os.environ["DDPACK_RUN_DIR"]), os.environ["SLURM_JOB_ID"], helper).choose())
+    return 0
+
+
 # --------------------------------------------------------------------------- plumbing
 
 
 def warn(text: str) -> None:
     print(f"ddpack: {text}", file=sys.stderr, flush=True)
+
+
+say = warn  # a line of the job's log for people (stderr: stdout carries a verb's answer)
+
+
+def job_error(run_dir: Path, text: str) -> None:
+    """Bad input found by the job: one line, recorded as the job's end (ddpack-job.sh's ddpack_die), exit 2."""
+    write_record(run_dir, "step-end", {"verdict": "end", "reason": "bad-input", "exit": "2", "text": f"error: {text}"})
+    die(text)
 
 
 def die(text: str) -> None:
@@ -721,16 +964,16 @@ def one_line(why: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ddpack_node.py", description=__doc__.splitlines()[0])
     verbs = parser.add_subparsers(dest="verb", required=True)
-    stage = argparse.ArgumentParser(add_help=False)
-    stage.add_argument("--dir", required=True)
-    stage.add_argument("--job", required=True)
-    stage.add_argument("--key", default="")
-    stage.add_argument("--size", type=int, default=0)
-    stage.add_argument("--keep", type=int, default=2)
-    verbs.add_parser("prepare", parents=[stage]).set_defaults(run=prepare)
+    folder_args = argparse.ArgumentParser(add_help=False)
+    folder_args.add_argument("--dir", required=True)
+    folder_args.add_argument("--job", required=True)
+    folder_args.add_argument("--key", default="")
+    folder_args.add_argument("--size", type=int, default=0)
+    folder_args.add_argument("--keep", type=int, default=2)
+    verbs.add_parser("prepare", parents=[folder_args]).set_defaults(run=prepare)
     verbs.choices["prepare"].add_argument("--gpus", type=int, default=0, help="the GPUs Slurm promised the job on each node")
     for name, run in (("receive", receive), ("install", install)):
-        sub = verbs.add_parser(name, parents=[stage])
+        sub = verbs.add_parser(name, parents=[folder_args])
         sub.add_argument("--incoming", required=True, type=incoming_name)
         sub.set_defaults(run=run)
     for name, run in (("lock", lock), ("unlock", unlock)):
@@ -745,6 +988,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.set_defaults(run=record)
     verbs.add_parser("key").add_argument("sqsh")
     verbs.choices["key"].set_defaults(run=key)
+    verbs.add_parser("stage", help="on the batch host: choose and carry out DDPACK_STAGE; print the image's path").add_argument("sqsh")
+    verbs.choices["stage"].set_defaults(run=stage)
     verbs.add_parser("image-ok").add_argument("sqsh")
     verbs.choices["image-ok"].set_defaults(run=image_ok)
     args = parser.parse_args(argv)

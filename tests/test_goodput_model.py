@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 
+from ddpack.job_side import node_helper
 from ddpack.jobs.goodput_model import Site, auto_stages, ddpack, main, read_and_unpack_shared, stage_by_sbcast, today, tree_depth
-from testbed.env import ROOT
-
-HELPER = ROOT / "enroot" / "ddpack-job.sh"
 
 
 def test_the_issue_arithmetic_128_nodes_reading_a_5_4_gb_image_from_a_1_2_gb_per_s_filesystem() -> None:
@@ -49,8 +45,7 @@ def test_the_templates_auto_staging_follows_the_model(rates: tuple[int, int, int
     path is the template's own choice."""
     fsx, bcast, unpack = rates
     site = Site(fsx_mbps=fsx, sbcast_mbps=bcast, unpack_mbps=unpack)
-    script = f'. "{HELPER}"; for n in $(seq 1 256); do ddpack_stage_by_model "$n" {fsx} {bcast} {unpack}; done'
-    chosen = subprocess.run(["bash", "-uc", script], capture_output=True, text=True, check=True, timeout=60).stdout.split()
+    chosen = [node_helper().stage_by_model(n, fsx, bcast, unpack) for n in range(1, 257)]
     for nodes, choice in enumerate(chosen, 1):
         shared = read_and_unpack_shared(5400, nodes, site)
         staged = 5400 / min(bcast, fsx) + 5400 / unpack

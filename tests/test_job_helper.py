@@ -309,7 +309,7 @@ def test_the_helper_spells_the_run_folders_names_as_train_run_folder_defines_the
 
 
 def image_key(sqsh: Path) -> str:
-    out = subprocess.run(["bash", "-uc", f'. "{HELPER}"; ddpack_image_key "$1"', "helper", str(sqsh)], capture_output=True, text=True, timeout=30)
+    out = subprocess.run(["python3", "-I", "-S", str(ROOT / "enroot" / "ddpack_node.py"), "key", str(sqsh)], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 
@@ -346,3 +346,84 @@ def test_a_step_slurm_ended_because_its_job_lost_a_node_is_a_failure_not_a_preem
     ), out.stdout
     alone, calls, _ = after_step(tmp_path / "alone", 143, job_nodes="ddnode1", SLURM_JOB_NODELIST="ddnode1,ddnode2")
     assert alone.stdout.startswith("ddpack: the step ended (exit 143) when the job lost ddnode2; 1 healthy node(s) left") and "requeue 77" in calls
+
+
+def staging(tmp_path: Path, answers: str, *, tres: str = "", settings: dict[str, str] | None = None):
+    """`ddpack_prepare_nodes SQSH` (ddpack_node.py stage) with scontrol and srun stubbed: the nodes answer `answers`
+    (prepare's lines) for a job on ddnode1 and ddnode2. Returns the run, what it printed, and its decision records."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(parents=True, mode=0o700)
+    images = tmp_path / "images"
+    images.mkdir(mode=0o755)
+    sqsh = images / "x.sqsh"
+    sqsh.write_bytes(b"squashfs bytes")
+    sqsh.chmod(0o644)
+    stubs = {
+        "scontrol": f'case "$1 $2" in\n"show job") echo "   NodeList=ddnode[1-2]"; echo "   {tres}" ;;\n'
+        '"show hostnames") case "$3" in "ddnode[1-2]") echo ddnode1; echo ddnode2 ;; *) echo "$3" | tr , "\\n" ;; esac ;;\nesac',
+        "srun": f'echo "srun $*" >> "{tmp_path}/calls.txt"\nprintf "%s" "{answers}"',
+    }
+    for tool, body in stubs.items():
+        (tmp_path / tool).write_text(f"#!/bin/sh\n{body}\n")
+        (tmp_path / tool).chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "DDPACK_RUN_DIR": str(run_dir), "SLURM_JOB_ID": "77", **(settings or {})}
+    script = f'. "{HELPER}"; ddpack_recording=1; ddpack_prepare_nodes "$1"; echo "image=$ddpack_image"'
+    out = subprocess.run(["bash", "-uc", script, "_", str(sqsh)], env=env, capture_output=True, text=True, timeout=60)
+    decisions = run_dir / "decisions.jsonl"
+    records = [json.loads(line) for line in decisions.read_text().splitlines()] if decisions.exists() else []
+    return sqsh, out, records
+
+
+def test_the_staging_choice_is_the_jobs_one_program_and_its_record(tmp_path: Path) -> None:
+    """DDPACK_STAGE=auto for two nodes that lack the image: the model keeps the shared file (sbcast wins from five nodes
+    with the default rates); both holding it: their copies; a node that refuses or does not answer: the shared file,
+    with why. The path is the one answer; the choice is said once and recorded."""
+    uid = os.getuid()
+    cases = [
+        ("lacks ddnode2\nlacks ddnode1\n", "shared", "DDPACK_STAGE=auto: for 2 node(s) the model has the shared filesystem ahead of sbcast"),
+        ("has ddnode1\nhas ddnode2\n", "held", ""),
+        ("has ddnode1\nrefuse ddnode2 DDPACK_STAGE_DIR=/tmp/x is a link\n", "shared", "staging refused on ddnode2 DDPACK_STAGE_DIR=/tmp/x is a link"),
+        ("has ddnode1\n", "shared", "staging failed: not every node answered whether it holds the image (exit 0)"),
+    ]
+    for i, (answers, choice, why) in enumerate(cases):
+        sqsh, out, records = staging(tmp_path / str(i), answers)
+        assert out.returncode == 0, out.stderr
+        key = image_key(sqsh)
+        image = f"/tmp/ddpack-images-{uid}/{key}.sqsh" if choice == "held" else str(sqsh)
+        assert out.stdout == f"image={image}\n"
+        held = f"ddpack: image: all 2 nodes hold {image} already; the shared filesystem is not read"
+        said = held if choice == "held" else f"ddpack: image: every node reads {sqsh} ({why})"
+        assert out.stderr == said + "\n"
+        assert [(r["kind"], r["choice"]) for r in records] == [("staging", choice)] and records[0]["job"] == "77"
+        calls = (tmp_path / str(i) / "calls.txt").read_text()
+        assert calls.startswith("srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --nodelist=ddnode[1-2] ")
+        assert f" prepare --dir /tmp/ddpack-images-{uid} --job 77 " in calls
+        assert f"--key {key} --size 14 --gpus 0" in calls
+
+
+def test_a_gpu_job_on_a_node_without_its_gpus_ends_in_one_line_before_staging(tmp_path: Path) -> None:
+    answers = "nogpu ddnode2 0 GPU device(s) (/dev/nvidia0...), no NVIDIA driver\nlacks ddnode1\n"
+    _, out, records = staging(tmp_path, answers, tres="TresPerNode=gres:gpu:2")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == (
+        "ddpack: error: this job was promised 2 GPU(s) a node, but ddnode2 has 0 GPU device(s) (/dev/nvidia0...), no NVIDIA driver "
+        "here, so the image would train on the CPU or fail; submit GPU jobs to a partition whose nodes have their GPUs, or drop "
+        "--gpus-per-node to train on CPUs (not requeued)\n"
+    )
+    assert [(r["kind"], r["verdict"], r["reason"], r["exit"]) for r in records] == [("step-end", "end", "bad-input", "2")]
+    assert " --gpus 2" in (tmp_path / "calls.txt").read_text()
+
+
+@pytest.mark.parametrize(
+    ("settings", "line"),
+    [
+        ({"DDPACK_STAGE": "always"}, "DDPACK_STAGE=always: expected auto, sbcast, off"),
+        ({"DDPACK_STAGE_FANOUT": "9"}, "DDPACK_STAGE_FANOUT=9: expected [1-8]"),
+        ({"DDPACK_STAGE_KEEP": "0"}, "DDPACK_STAGE_KEEP=0: expected [1-9]\\d*"),
+        ({"DDPACK_STAGE_DIR": "images"}, "DDPACK_STAGE_DIR=images: expected /.*"),
+    ],
+)
+def test_a_bad_staging_setting_is_one_line_before_any_node_is_asked(tmp_path: Path, settings: dict[str, str], line: str) -> None:
+    _, out, records = staging(tmp_path, "has ddnode1\nhas ddnode2\n", settings=settings)
+    assert out.returncode == 2 and out.stderr == f"ddpack: error: {line}\n" and not (tmp_path / "calls.txt").exists()
+    assert [r["reason"] for r in records] == ["bad-input"]
