@@ -34,13 +34,9 @@
 #   ddpack_remove_container    remove the job's container from every node (pyxis keeps named containers
 #                              after the job unless its plugstack.conf sets container_scope=job)
 #   ddpack_train CMD...        the training step: the template's ddpack_step (srun and its options), then CMD, on
-#                              the job's training nodes; a failure restarts it in this allocation while it can
-#                              (ddpack_after_step), then the job ends or goes back to the queue (ddpack_leave).
-#                              Exits the script with the last step's status
-#   ddpack_after_step RC       decide, from the training step's exit status, to end, restart here or requeue
-#                              (sets ddpack_next; see the function); one line says which and why
-#   ddpack_leave               remove the container; requeue when ddpack_after_step decided so, else give the run
-#                              folder's lock back
+#                              the job's training nodes, restarted in this allocation while it can, then the job ends
+#                              or goes back to the queue: ddpack_node.py train decides (this script execs it)
+#   ddpack_leave               remove the container and give the run folder back (a script that trains no step)
 #
 # Run directories: one run, one folder. A new submission gets runs/<job name>-<job id> in the submission
 # folder; a requeue keeps its job id and so continues its own folder; to continue an earlier run in a new
@@ -122,13 +118,6 @@ ddpack_recording=""
 ddpack_record() {
     [ -n "${ddpack_recording}" ] && [ -n "${ddpack_node_py}" ] || return 0
     ddpack_node record "${DDPACK_RUN_DIR}" "$@" || true
-}
-
-# ddpack_decide VERDICT REASON EXIT SENTENCE: the step's end decided (completed, end, requeue or restart), said
-# and recorded.
-ddpack_decide() {
-    echo "ddpack: $4"
-    ddpack_record step-end verdict="$1" reason="$2" exit="$3" text="$4"
 }
 
 # Each task of a one-task-per-GPU step gets its share of the node's CPUs. srun (Slurm 22.05 and later)
@@ -280,24 +269,8 @@ ddpack_name_container() {
 }
 
 ddpack_remove_container() {
-    [ -n "${ddpack_container_name}" ] || return 0
-    # One task per node, with the node's own enroot (the one pyxis runs). Under container_scope=job pyxis
-    # calls it pyxis_<job>_<name> and removes it itself, so a missing pyxis_<name> is not an error. The nodes
-    # are the job's as Slurm lists them now: a node it lost is gone from the list.
-    local nodes
-    nodes=$(ddpack_job_nodelist)
-    srun --ntasks-per-node=1 --nodes="$(scontrol show hostnames "${nodes}" | wc -l)" --ntasks="$(scontrol show hostnames "${nodes}" | wc -l)" \
-        --nodelist="${nodes}" bash -c 'enroot remove -f "pyxis_$1" >/dev/null 2>&1 || true' _ "${ddpack_container_name}"
+    [ -z "${ddpack_container_name}" ] || ddpack_node remove-container "${ddpack_container_name}"
     ddpack_container_name=""
-}
-
-# The job's nodes as Slurm lists them now (a hostlist): a --no-kill job that lost a node no longer holds it,
-# while SLURM_JOB_NODELIST still names it.
-ddpack_job_nodelist() {
-    local listed
-    listed=$(scontrol show job "${SLURM_JOB_ID}" 2>/dev/null | sed -n 's/^ *NodeList=//p' | head -n1)
-    case "${listed}" in '' | '(null)') listed=${SLURM_JOB_NODELIST:-} ;; esac
-    echo "${listed}"
 }
 
 # --------------------------------------------------------------------------- the image on the nodes
@@ -318,254 +291,15 @@ ddpack_prepare_nodes() {
 
 # --------------------------------------------------------------------------- training, restarted in place
 #
-# DDPACK_SPARE_NODES=K: the job's last K nodes are spares (ask sbatch for --nodes=<training nodes + K>);
-# training runs on the others, and a restart swaps a spare in for a node that failed.
-
-ddpack_bad_nodes=""   # comma-separated: nodes a hang's forensics named, over the whole job
-ddpack_last_nodes=""  # the nodes the last training step ran on
-ddpack_next=""        # ddpack_after_step's decision: end, restart or requeue
-
+# ddpack_node.py's Training decides (its docstring has the rules): the step's exit status ends the job, restarts the step
+# in this allocation (a spare node swapped in for a bad one: DDPACK_SPARE_NODES=K with sbatch --nodes=N+K), or requeues
+# the job, keeping out the nodes a hang's forensics named. This script becomes that program: it runs the steps.
 ddpack_train() {
-    local rc spares=${DDPACK_SPARE_NODES:-0}
-    case "${spares}" in '' | *[!0-9]*) ddpack_die "DDPACK_SPARE_NODES=${spares} is not a whole number of nodes" ;; esac
-    case "${DDPACK_RESTART_IN_PLACE:-1}" in 0 | 1) ;; *) ddpack_die "DDPACK_RESTART_IN_PLACE=${DDPACK_RESTART_IN_PLACE} is not 1 (restart a failed step in this allocation) or 0 (requeue)" ;; esac
-    ddpack_placement=()
-    if [ "${spares}" -gt 0 ]; then
-        ddpack_place || ddpack_die "DDPACK_SPARE_NODES=${spares}: ${ddpack_short}"
-        echo "ddpack: training on ${ddpack_last_nodes}; spare: $(ddpack_spares_now)"
-        ddpack_record placement nodes="${ddpack_last_nodes}" spares="$(ddpack_spares_now)"
-    fi
-    while :; do
-        "${ddpack_step[@]}" ${ddpack_placement[@]+"${ddpack_placement[@]}"} "$@"
-        rc=$?
-        ddpack_after_step "${rc}"
-        [ "${ddpack_next}" = restart ] || break
-        : >"${DDPACK_RUN_DIR}/${ddpack_start_marker}"   # forensics newer than this belong to the restart
-    done
-    ddpack_leave
-    exit "${rc}"
+    exec "${ddpack_python}" -I -S "${ddpack_node_file}" train --container "${ddpack_container_name}" "${#ddpack_step[@]}" "${ddpack_step[@]}" "$@"
 }
 
-# The allocation's nodes that are not the ones training uses now.
-ddpack_spares_now() {
-    local node spare=()
-    for node in $(scontrol show hostnames "$(ddpack_job_nodelist)"); do
-        case ",${ddpack_last_nodes}," in *",${node},"*) ;; *) spare+=("${node}") ;; esac
-    done
-    if [ "${#spare[@]}" -eq 0 ]; then echo none; else (IFS=,; echo "${spare[*]}"); fi
-}
-
-# ddpack_placement: the srun options that put a training step on the job's healthy nodes, the ones the last
-# step used first, spares after; returns 1 (ddpack_short says why) when fewer are healthy than training needs.
-# Healthy: still in the job (Slurm drops a node it lost from a --no-kill job), not down, drained or failing in
-# sinfo, not named unresponsive by a hang's forensics during this job.
-ddpack_place() {
-    local spares=${DDPACK_SPARE_NODES:-0} need listed node per_node healthy=() first=() rest=()
-    need=$((${SLURM_JOB_NUM_NODES:-1} - spares))
-    [ "${need}" -ge 1 ] || ddpack_die "DDPACK_SPARE_NODES=${spares} leaves no node to train on: the job has ${SLURM_JOB_NUM_NODES:-1}; ask sbatch for --nodes=<training nodes + spares>"
-    per_node=${SLURM_NTASKS_PER_NODE:-}
-    per_node=${per_node%%(*}
-    case "${per_node}" in '' | *[!0-9]*) ddpack_die "a restart in this allocation needs --ntasks-per-node (SLURM_NTASKS_PER_NODE=${SLURM_NTASKS_PER_NODE:-}); the templates set it" ;; esac
-    listed=$(ddpack_job_nodelist)
-    local -A bad=()
-    local -a named_bad
-    IFS=, read -r -a named_bad <<<"${ddpack_bad_nodes}"
-    for node in ${named_bad[@]+"${named_bad[@]}"}; do bad[${node}]=1; done
-    for node in $(ddpack_unhealthy_nodes "${listed}"); do bad[${node}]=1; done
-    for node in $(scontrol show hostnames "${listed}"); do
-        [ -n "${bad[${node}]+x}" ] && continue
-        case ",${ddpack_last_nodes}," in *",${node},"*) first+=("${node}") ;; *) rest+=("${node}") ;; esac
-    done
-    healthy=(${first[@]+"${first[@]}"} ${rest[@]+"${rest[@]}"})
-    if [ "${#healthy[@]}" -lt "${need}" ]; then
-        ddpack_short="${#healthy[@]} healthy node(s) left in the allocation and training needs ${need}"
-        return 1
-    fi
-    ddpack_last_nodes=$(IFS=,; echo "${healthy[*]:0:${need}}")
-    ddpack_placement=(--nodes="${need}" --ntasks="$((need * per_node))" --nodelist="${ddpack_last_nodes}")
-}
-
-# The step's exit status decides, whatever ran (the bundled trainer, your DDPACK_COMMAND, the image's own):
-#   0 done; 2 bad input (never retried: the error line says what to fix);
-#   128+10 / 128+15 (138, 143) stopped on SIGUSR1/SIGTERM: preempted (or the time limit's warning): back to the
-#   queue, requeued up to DDPACK_MAX_RESTARTS (10);
-#   anything else (124 a hang the watchdog ended, 137 a SIGKILL such as the OOM killer's or srun's for a rank
-#   still frozen DDPACK_STEP_WAIT seconds after the others ended, 1 a crash or a lost peer or node): a failure,
-#   retried up to DDPACK_MAX_FAILURE_RESTARTS times (default 1) per run folder. A retry restarts the step in
-#   this allocation when enough healthy nodes remain (a spare swapped in for a bad node; DDPACK_RESTART_IN_PLACE=0
-#   turns that off), else requeues the job,
-#   keeping out the nodes the hang's forensics named unresponsive where the partition has others to spare. A
-#   hang is told by its exit 124 or by forensics written during this start (the frozen rank's 137 is the step's
-#   status then).
-# Sets ddpack_next: end, restart or requeue (ddpack_leave requeues, keeping out ddpack_keep_out).
-ddpack_after_step() {
-    local rc=$1 restarts=${SLURM_RESTART_COUNT:-0} max=${DDPACK_MAX_RESTARTS:-10} max_failed=${DDPACK_MAX_FAILURE_RESTARTS:-1}
-    local failures_file=${DDPACK_RUN_DIR}/.ddpack-failure-restarts failed=0 kind named
-    ddpack_next=end ddpack_keep_out=""
-    case "${max}" in '' | *[!0-9]*) ddpack_die "DDPACK_MAX_RESTARTS=${max} is not a whole number" ;; esac
-    case "${max_failed}" in '' | *[!0-9]*) ddpack_die "DDPACK_MAX_FAILURE_RESTARTS=${max_failed} is not a whole number" ;; esac
-    ddpack_report_hint
-    case "${rc}" in
-    0)
-        ddpack_decide completed done "${rc}" "the step completed (exit 0)"   # the run's end, for ddpack status once Slurm has forgotten the job
-        return 0
-        ;;
-    2)
-        ddpack_decide end bad-input "${rc}" "the step ended on bad input (exit 2); not requeueing: fix what its error line names and resubmit"
-        return 0
-        ;;
-    138 | 143) kind=preempted ;;
-    *) kind=failed ;;
-    esac
-    local lost what="failed (exit ${rc})" reason=${kind}
-    lost=$(ddpack_lost_nodes)
-    if [ -n "${lost}" ]; then
-        # Slurm SIGTERMs the tasks of a step that lost a node (143): a failure of the node, not a preemption.
-        kind=failed what="ended (exit ${rc}) when the job lost ${lost}" reason=lost-node
-    fi
-    if [ "${kind}" = preempted ]; then
-        if [ "${restarts}" -ge "${max}" ]; then
-            ddpack_decide end preempted "${rc}" "preempted (exit ${rc}) after ${restarts} restarts, the cap DDPACK_MAX_RESTARTS=${max}; not requeueing ($(ddpack_continue_hint) to continue)"
-            return 0
-        fi
-        ddpack_decide requeue preempted "${rc}" "preempted (exit ${rc}); requeueing job ${SLURM_JOB_ID} (restart $((restarts + 1)) of at most ${max})"
-        ddpack_next=requeue
-        return 0
-    fi
-    [ -f "${failures_file}" ] && failed=$(cat "${failures_file}")
-    case "${failed}" in '' | *[!0-9]*) failed=0 ;; esac
-    local forensics=${DDPACK_RUN_DIR}/forensics
-    if [ -z "${lost}" ] && { [ "${rc}" -eq 124 ] || [ "${forensics}/summary.json" -nt "${DDPACK_RUN_DIR}/${ddpack_start_marker}" ]; }; then
-        what="ended as hung (exit ${rc}; evidence in ${forensics})" reason=hung
-    fi
-    if [ "${failed}" -ge "${max_failed}" ] || [ "${restarts}" -ge "${max}" ]; then
-        ddpack_decide end "${reason}" "${rc}" "the step ${what} after ${failed} failure restarts, the cap DDPACK_MAX_FAILURE_RESTARTS=${max_failed}; not requeueing ($(ddpack_continue_hint) to continue from its last snapshot)"
-        return 0
-    fi
-    echo "$((failed + 1))" >"${failures_file}.tmp" && mv "${failures_file}.tmp" "${failures_file}"
-    local count="failure restart $((failed + 1)) of at most ${max_failed}" without=""
-    named=$(ddpack_nodes_named_this_start)
-    if [ -n "${named}" ]; then
-        ddpack_bad_nodes=${ddpack_bad_nodes:+${ddpack_bad_nodes},}${named}
-        without=", without ${named} (named unresponsive)"
-    fi
-    case "${DDPACK_RESTART_IN_PLACE:-1}" in
-    0) ddpack_short="DDPACK_RESTART_IN_PLACE=0" ;;
-    1) if ddpack_place; then
-        ddpack_record placement nodes="${ddpack_last_nodes}" spares="$(ddpack_spares_now)" without="${named}"
-        ddpack_decide restart "${reason}" "${rc}" "the step ${what}; restarting it in this allocation on ${ddpack_last_nodes}${without} from its last snapshot (${count})"
-        ddpack_next=restart
-        return 0
-    fi ;;
-    *) ddpack_die "DDPACK_RESTART_IN_PLACE=${DDPACK_RESTART_IN_PLACE} is not 1 (restart a failed step in this allocation) or 0 (requeue)" ;;
-    esac
-    ddpack_decide requeue "${reason}" "${rc}" "the step ${what}; ${ddpack_short}: requeueing job ${SLURM_JOB_ID} to resume from its last snapshot (${count})"
-    ddpack_nodes_to_keep_out
-    ddpack_next=requeue
-}
-
-# How to continue this run in a new job: `ddpack resubmit` for a run `ddpack submit` made, else the setting (a job
-# started by hand leaves a run.json too, which says it was made by a template: ddpack cannot resubmit that one).
-ddpack_continue_hint() {
-    if [ -f "${DDPACK_RUN_DIR}/run.json" ] && ! grep -q '"made_by": "template"' "${DDPACK_RUN_DIR}/run.json"; then
-        echo "ddpack resubmit ${DDPACK_RUN_DIR}"
-    else
-        echo "resubmit with DDPACK_RUN_DIR=${DDPACK_RUN_DIR}"
-    fi
-}
-
-# The nodes of HOSTLIST that sinfo says are down, drained, failing or not responding (a trailing *), one a line.
-ddpack_unhealthy_nodes() {
-    local node state
-    while read -r node state; do
-        case "${state}" in down* | drain* | drng* | fail* | *'*') echo "${node}" ;; esac
-    done < <(sinfo -h -N -n "$1" -o "%N %t" 2>/dev/null)
-}
-
-# The nodes the last training step ran on that the job lost (Slurm dropped them from this --no-kill job) or that
-# sinfo says are down, drained or failing, comma-separated.
-ddpack_lost_nodes() {
-    local ran=${ddpack_last_nodes} listed node lost=()
-    [ -n "${ran}" ] || ran=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null | paste -sd,)
-    [ -n "${ran}" ] || return 0
-    listed=$(ddpack_job_nodelist)
-    local -A now=() bad=()
-    for node in $(scontrol show hostnames "${listed}" 2>/dev/null); do now[${node}]=1; done
-    for node in $(ddpack_unhealthy_nodes "${ran}"); do bad[${node}]=1; done
-    local -a ran_nodes
-    IFS=, read -r -a ran_nodes <<<"${ran}"
-    for node in ${ran_nodes[@]+"${ran_nodes[@]}"}; do
-        if [ -z "${now[${node}]+x}" ] || [ -n "${bad[${node}]+x}" ]; then lost+=("${node}"); fi
-    done
-    [ "${#lost[@]}" -eq 0 ] || (IFS=,; echo "${lost[*]}")
-}
-
-# After the last step of this start: the job's container leaves the nodes, then the requeue ddpack_after_step decided.
+# The job's container leaves every node, and the run folder is free for another job (a script that trains no step).
 ddpack_leave() {
-    ddpack_remove_container
-    if [ "${ddpack_next}" != requeue ]; then
-        ddpack_node unlock "${DDPACK_RUN_DIR}" --job "${SLURM_JOB_ID}"   # the run folder is free for another job
-        return 0
-    fi
-    ddpack_requeue "${ddpack_keep_out}"
-}
-
-# The nodes a hang's forensics named unresponsive during this start, comma-separated (none: empty). Only names of
-# this job's nodes count: the file is written from what ranks said through the rendezvous store, and a name that is
-# not one of ours must never reach ExcNodeList.
-ddpack_nodes_named_this_start() {
-    local named=${DDPACK_RUN_DIR}/forensics/unresponsive-nodes node ours=()
-    [ -s "${named}" ] && [ "${named}" -nt "${DDPACK_RUN_DIR}/${ddpack_start_marker}" ] || return 0
-    local -A job_nodes=()
-    for node in $(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null) $(scontrol show hostnames "$(ddpack_job_nodelist)" 2>/dev/null); do
-        job_nodes[${node}]=1
-    done
-    while IFS= read -r node; do
-        [ -n "${node}" ] && [ -n "${job_nodes[${node}]+x}" ] && ours+=("${node}")
-    done <"${named}"
-    [ "${#ours[@]}" -eq 0 ] || (IFS=,; echo "${ours[*]}")
-}
-
-# Where the run's charts come from, once a step has left metrics (a user's own program may write none).
-ddpack_report_hint() {
-    [ -s "${DDPACK_RUN_DIR}/metrics.jsonl" ] || return 0
-    echo "ddpack: metrics in ${DDPACK_RUN_DIR}/metrics.jsonl; for the run report (${DDPACK_RUN_DIR}/report.html) run, in the ddpack checkout: make report RUN=${DDPACK_RUN_DIR}"
-}
-
-# Set ddpack_keep_out to the nodes a hang's forensics named unresponsive during this start, comma-separated,
-# when the partition has enough other nodes for the job (else it would never start again, and a line says so).
-ddpack_nodes_to_keep_out() {
-    local nodes total
-    ddpack_keep_out=""
-    nodes=${ddpack_bad_nodes}
-    [ -n "${nodes}" ] || return 0
-    total=$(sinfo -h -p "${SLURM_JOB_PARTITION:-}" -o %D 2>/dev/null | head -n1)
-    case "${total}" in '' | *[!0-9]*) total=0 ;; esac
-    if [ "$((total - $(tr ',' '\n' <<<"${nodes}" | grep -c .)))" -lt "${SLURM_JOB_NUM_NODES:-1}" ]; then
-        echo "ddpack: not keeping out ${nodes} (named unresponsive): partition ${SLURM_JOB_PARTITION:-?} has ${total} nodes and the job needs ${SLURM_JOB_NUM_NODES:-1}"
-        ddpack_record keep-out nodes="${nodes}" kept=no why="partition ${SLURM_JOB_PARTITION:-?} has ${total} nodes and the job needs ${SLURM_JOB_NUM_NODES:-1}"
-        return 0
-    fi
-    ddpack_keep_out=${nodes}
-}
-
-# Requeue this job, then keep NODES (if any) out of its next start. Slurm refuses ExcNodeList for a running job,
-# and a requeue SIGTERMs this script and kills it KillWait seconds later (30 by default): TERM is ignored from here
-# (by this script and the commands it runs, which inherit that), which keeps it alive for the one update and its
-# record that follow.
-ddpack_requeue() {
-    local nodes=${1:-}
-    trap '' TERM
-    if ! scontrol requeue "${SLURM_JOB_ID}"; then
-        ddpack_decide end requeue-refused "" "scontrol requeue ${SLURM_JOB_ID} was refused (its line above says why); the job ends here: $(ddpack_continue_hint) to continue"
-        return 0
-    fi
-    [ -n "${nodes}" ] || return 0
-    if scontrol update "JobId=${SLURM_JOB_ID}" "ExcNodeList=${nodes}"; then
-        echo "ddpack: keeping ${nodes} (named unresponsive by the hang's forensics) out of the restart"
-        ddpack_record keep-out nodes="${nodes}" kept=yes
-    else
-        echo "ddpack: could not keep ${nodes} out of the restart (scontrol update refused); it may land there again"
-        ddpack_record keep-out nodes="${nodes}" kept=no why="scontrol update refused"
-    fi
+    "${ddpack_python}" -I -S "${ddpack_node_file}" leave --container "${ddpack_container_name}"
+    ddpack_container_name=""
 }

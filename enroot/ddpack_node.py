@@ -42,6 +42,7 @@ import os
 import pwd
 import re
 import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -925,8 +926,310 @@ class Staging:
 def stage(args: argparse.Namespace) -> int:
     """The verb: print the path each node's pyxis imports (stdout's one line); the choice is said on stderr."""
     helper = Path(__file__).read_text()
-    print(Staging(args.sqsh, Path(os.environ["DDPACK_RUN_DIR"]), os.environ["SLURM_JOB_ID"], helper).choose())
+    with contextlib.redirect_stdout(sys.stderr):
+        image = Staging(args.sqsh, Path(os.environ["DDPACK_RUN_DIR"]), os.environ["SLURM_JOB_ID"], helper).choose()
+    print(image)
     return 0
+
+
+# --------------------------------------------------------------------------- training, restarted in place
+
+MARKER = ".ddpack-this-start"  # touched at each start: forensics newer than it were written during this start
+FAILURE_RESTARTS = ".ddpack-failure-restarts"  # the run folder's count of restarts after a failure, over its jobs
+# train/run_folder.py's names (a test holds them to it)
+FORENSICS, METRICS, SUMMARY, UNRESPONSIVE_NODES, REPORT = "forensics", "metrics.jsonl", "summary.json", "unresponsive-nodes", "report.html"
+
+
+def unhealthy_nodes(hostlist: str) -> list[str]:
+    """The nodes of `hostlist` that sinfo says are down, drained, failing or not responding (a trailing *)."""
+    out = subprocess.run(["sinfo", "-h", "-N", "-n", hostlist, "-o", "%N %t"], capture_output=True, text=True)
+    found = []
+    for line in out.stdout.splitlines():
+        node, _, state = line.partition(" ")
+        if state.startswith(("down", "drain", "drng", "fail")) or state.endswith("*"):
+            found.append(node)
+    return found
+
+
+def newer(path: Path, than: Path) -> bool:
+    """`test PATH -nt THAN`: PATH exists and was changed after THAN (or THAN is missing)."""
+    try:
+        mtime = path.stat().st_mtime_ns
+    except OSError:
+        return False
+    try:
+        return mtime > than.stat().st_mtime_ns
+    except OSError:
+        return True
+
+
+def remove_container(job: str, name: str) -> None:
+    """Remove the job's container from every node it holds now (pyxis keeps named containers after the job unless its
+    plugstack.conf sets container_scope=job, when pyxis calls it pyxis_<job>_<name> and removes it itself, so a missing
+    pyxis_<name> is not an error). One task per node, with the node's own enroot (the one pyxis runs)."""
+    nodes = job_nodelist(job)
+    count = str(len(hostnames(nodes)))
+    subprocess.run(
+        ["srun", "--ntasks-per-node=1", f"--nodes={count}", f"--ntasks={count}", f"--nodelist={nodes}",
+         "bash", "-c", 'enroot remove -f "pyxis_$1" >/dev/null 2>&1 || true', "_", name],
+    )  # fmt: skip
+
+
+class Training:
+    """The training step, restarted in this allocation while it can, then the job's end or its requeue (ddpack-job.sh's
+    ddpack_train). The step's exit status decides, whatever ran (the bundled trainer, your DDPACK_COMMAND, the image's
+    own):
+
+    - 0 done; 2 bad input (never retried: the error line says what to fix);
+    - 128+10 / 128+15 (138, 143) stopped on SIGUSR1/SIGTERM: preempted (or the time limit's warning): back to the queue,
+      requeued up to DDPACK_MAX_RESTARTS (10);
+    - anything else (124 a hang the watchdog ended, 137 a SIGKILL such as the OOM killer's or srun's for a rank still
+      frozen DDPACK_STEP_WAIT seconds after the others ended, 1 a crash or a lost peer or node): a failure, retried up to
+      DDPACK_MAX_FAILURE_RESTARTS times (1) per run folder. A retry restarts the step in this allocation when enough
+      healthy nodes remain (a spare swapped in for a bad node; DDPACK_RESTART_IN_PLACE=0 turns that off), else requeues
+      the job, keeping out the nodes a hang's forensics named unresponsive where the partition has others to spare. A
+      hang is told by its exit 124 or by forensics written during this start (the frozen rank's 137 is the step's
+      status then). A step Slurm ended because the job lost a node (143) is a failure of the node, not a preemption.
+
+    DDPACK_SPARE_NODES=K: the job's last K nodes are spares; training runs on the others, and a restart swaps a spare
+    in for a node that failed. Each decision is one line for people and a record for `ddpack status`."""
+
+    def __init__(self, step: list[str], command: list[str], container: str = "") -> None:
+        env = os.environ
+        self.step, self.command, self.container = step, command, container
+        self.job, self.run_dir = env["SLURM_JOB_ID"], Path(env["DDPACK_RUN_DIR"])
+        names = ("DDPACK_SPARE_NODES", "DDPACK_RESTART_IN_PLACE", "DDPACK_MAX_RESTARTS", "DDPACK_MAX_FAILURE_RESTARTS")
+        for why in settings_table().problems({name: env[name] for name in names if name in env}):
+            job_error(self.run_dir, why)  # ddpack_setup checked them all already: this is for a script that skipped it
+        self.spares = int(env.get("DDPACK_SPARE_NODES") or 0)
+        self.in_place = (env.get("DDPACK_RESTART_IN_PLACE") or "1") == "1"
+        self.max_restarts = int(env.get("DDPACK_MAX_RESTARTS") or 10)
+        self.max_failed = int(env.get("DDPACK_MAX_FAILURE_RESTARTS") or 1)
+        self.restarts = int(env.get("SLURM_RESTART_COUNT") or 0)
+        self.bad_nodes: list[str] = []  # nodes a hang's forensics named, over the whole job
+        self.last_nodes: list[str] = []  # the nodes the last training step ran on
+        self.placement: list[str] = []  # srun's options that put the step on them (none: the whole allocation)
+        self.short = ""  # why no placement was found
+        self.keep_out: list[str] = []
+
+    def run(self) -> int:
+        """Train until the job ends here or goes back to the queue; the last step's status."""
+        if self.spares > 0:
+            if not self.place():
+                job_error(self.run_dir, f"DDPACK_SPARE_NODES={self.spares}: {self.short}")
+            say(f"training on {','.join(self.last_nodes)}; spare: {self.spares_now()}")
+            write_record(self.run_dir, "placement", {"nodes": ",".join(self.last_nodes), "spares": self.spares_now()})
+        while True:
+            sys.stdout.flush()
+            code = subprocess.run([*self.step, *self.placement, *self.command]).returncode
+            rc = 128 - code if code < 0 else code  # a step killed by a signal: its status as the shell gives it
+            after = self.after_step(rc)
+            if after != "restart":
+                break
+            (self.run_dir / MARKER).open("w").close()  # forensics newer than this belong to the restart
+        self.leave(after)
+        return rc
+
+    def place(self) -> bool:
+        """Set the srun options that put a training step on the job's healthy nodes, the ones the last step used first,
+        spares after; False (self.short says why) when fewer are healthy than training needs. Healthy: still in the job
+        (Slurm drops a node it lost from a --no-kill job), not down, drained or failing in sinfo, not named unresponsive
+        by a hang's forensics during this job."""
+        env = os.environ
+        total = int(env.get("SLURM_JOB_NUM_NODES") or 1)
+        need = total - self.spares
+        if need < 1:
+            job_error(
+                self.run_dir,
+                f"DDPACK_SPARE_NODES={self.spares} leaves no node to train on: the job has {total}; ask sbatch for --nodes=<training nodes + spares>",
+            )
+        per_node = (env.get("SLURM_NTASKS_PER_NODE") or "").split("(")[0]
+        if not per_node.isdigit():
+            job_error(
+                self.run_dir,
+                f"a restart in this allocation needs --ntasks-per-node (SLURM_NTASKS_PER_NODE={env.get('SLURM_NTASKS_PER_NODE', '')}); the templates set it",
+            )
+        listed = job_nodelist(self.job)
+        bad = {*self.bad_nodes, *unhealthy_nodes(listed)}
+        names = [node for node in hostnames(listed) if node not in bad]
+        healthy = [node for node in names if node in self.last_nodes] + [node for node in names if node not in self.last_nodes]
+        if len(healthy) < need:
+            self.short = f"{len(healthy)} healthy node(s) left in the allocation and training needs {need}"
+            return False
+        self.last_nodes = healthy[:need]
+        self.placement = [f"--nodes={need}", f"--ntasks={need * int(per_node)}", f"--nodelist={','.join(self.last_nodes)}"]
+        return True
+
+    def spares_now(self) -> str:
+        """The allocation's nodes that are not the ones training uses now."""
+        spare = [node for node in hostnames(job_nodelist(self.job)) if node not in self.last_nodes]
+        return ",".join(spare) or "none"
+
+    def after_step(self, rc: int) -> str:
+        """end, restart or requeue, from the step's exit status; one line says which and why."""
+        self.report_hint()
+        if rc == 0:
+            return self.decide("end", "completed", "done", rc, "the step completed (exit 0)")
+        if rc == 2:
+            said = "the step ended on bad input (exit 2); not requeueing: fix what its error line names and resubmit"
+            return self.decide("end", "end", "bad-input", rc, said)
+        kind = "preempted" if rc in (138, 143) else "failed"
+        what, reason = f"failed (exit {rc})", kind
+        lost = self.lost_nodes()
+        if lost:
+            kind, what, reason = "failed", f"ended (exit {rc}) when the job lost {','.join(lost)}", "lost-node"
+        if kind == "preempted":
+            if self.restarts >= self.max_restarts:
+                return self.decide(
+                    "end", "end", "preempted", rc,
+                    f"preempted (exit {rc}) after {self.restarts} restarts, the cap DDPACK_MAX_RESTARTS={self.max_restarts}; "
+                    f"not requeueing ({self.continue_hint()} to continue)",
+                )  # fmt: skip
+            return self.decide(
+                "requeue", "requeue", "preempted", rc,
+                f"preempted (exit {rc}); requeueing job {self.job} (restart {self.restarts + 1} of at most {self.max_restarts})",
+            )  # fmt: skip
+        counted = self.run_dir / FAILURE_RESTARTS
+        try:
+            failed = int(counted.read_text().strip())
+        except (OSError, ValueError):
+            failed = 0
+        forensics = self.run_dir / FORENSICS
+        if not lost and (rc == 124 or newer(forensics / SUMMARY, self.run_dir / MARKER)):
+            what, reason = f"ended as hung (exit {rc}; evidence in {forensics})", "hung"
+        if failed >= self.max_failed or self.restarts >= self.max_restarts:
+            return self.decide(
+                "end", "end", reason, rc,
+                f"the step {what} after {failed} failure restarts, the cap DDPACK_MAX_FAILURE_RESTARTS={self.max_failed}; "
+                f"not requeueing ({self.continue_hint()} to continue from its last snapshot)",
+            )  # fmt: skip
+        write_private(counted, f"{failed + 1}\n")
+        count = f"failure restart {failed + 1} of at most {self.max_failed}"
+        named = self.named_this_start()
+        without = f", without {','.join(named)} (named unresponsive)" if named else ""
+        self.bad_nodes += [node for node in named if node not in self.bad_nodes]
+        if not self.in_place:
+            self.short = "DDPACK_RESTART_IN_PLACE=0"
+        elif self.place():
+            placed = {"nodes": ",".join(self.last_nodes), "spares": self.spares_now(), "without": ",".join(named)}
+            write_record(self.run_dir, "placement", placed)
+            return self.decide(
+                "restart", "restart", reason, rc,
+                f"the step {what}; restarting it in this allocation on {','.join(self.last_nodes)}{without} from its last snapshot ({count})",
+            )  # fmt: skip
+        after = self.decide(
+            "requeue", "requeue", reason, rc,
+            f"the step {what}; {self.short}: requeueing job {self.job} to resume from its last snapshot ({count})",
+        )  # fmt: skip
+        self.nodes_to_keep_out()
+        return after
+
+    def decide(self, after: str, verdict: str, reason: str, rc: int | str, sentence: str) -> str:
+        """The step's end decided: said, recorded (the run's end, for `ddpack status` once Slurm has forgotten the job)."""
+        say(sentence)
+        write_record(self.run_dir, "step-end", {"verdict": verdict, "reason": reason, "exit": str(rc), "text": sentence})
+        return after
+
+    def lost_nodes(self) -> list[str]:
+        """The nodes the last step ran on that the job lost (Slurm dropped them from this --no-kill job) or that sinfo
+        says are down, drained or failing."""
+        ran = self.last_nodes or hostnames(os.environ.get("SLURM_JOB_NODELIST", ""))
+        if not ran:
+            return []
+        now = set(hostnames(job_nodelist(self.job)))
+        bad = set(unhealthy_nodes(",".join(ran)))
+        return [node for node in ran if node not in now or node in bad]
+
+    def named_this_start(self) -> list[str]:
+        """The nodes a hang's forensics named unresponsive during this start. Only names of this job's nodes count: the
+        file is written from what ranks said through the rendezvous store, and a name that is not one of ours must never
+        reach ExcNodeList."""
+        named = self.run_dir / FORENSICS / UNRESPONSIVE_NODES
+        if not (named.is_file() and named.stat().st_size and newer(named, self.run_dir / MARKER)):
+            return []
+        ours = {*hostnames(os.environ.get("SLURM_JOB_NODELIST", "")), *hostnames(job_nodelist(self.job))}
+        found: list[str] = []
+        for line in named.read_text(errors="replace").splitlines():
+            if line in ours and line not in found:
+                found.append(line)
+        return found
+
+    def nodes_to_keep_out(self) -> None:
+        """Keep the nodes a hang's forensics named out of the requeued job when the partition has enough others for it
+        (else it would never start again, and a line says so)."""
+        if not self.bad_nodes:
+            return
+        env = os.environ
+        partition, needs = env.get("SLURM_JOB_PARTITION", ""), int(env.get("SLURM_JOB_NUM_NODES") or 1)
+        out = subprocess.run(["sinfo", "-h", "-p", partition, "-o", "%D"], capture_output=True, text=True).stdout.split()
+        total = int(out[0]) if out and out[0].isdigit() else 0
+        nodes = ",".join(self.bad_nodes)
+        if total - len(self.bad_nodes) < needs:
+            why = f"partition {partition or '?'} has {total} nodes and the job needs {needs}"
+            say(f"not keeping out {nodes} (named unresponsive): {why}")
+            write_record(self.run_dir, "keep-out", {"nodes": nodes, "kept": "no", "why": why})
+            return
+        self.keep_out = list(self.bad_nodes)
+
+    def leave(self, after: str) -> None:
+        """After the last step of this start: the job's container leaves the nodes, then the requeue decided, or the run
+        folder is free for another job."""
+        if self.container:
+            remove_container(self.job, self.container)
+        if after == "requeue":
+            self.requeue()
+        else:
+            unlock(argparse.Namespace(run_dir=str(self.run_dir), job=self.job))
+
+    def requeue(self) -> None:
+        """Requeue this job, then keep the named nodes out of its next start. Slurm refuses ExcNodeList for a running
+        job, and a requeue SIGTERMs this script and kills it KillWait seconds later (30 by default): TERM is ignored from
+        here (by this program and the commands it runs, which inherit that), which keeps it alive for the one update and
+        its record that follow."""
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        sys.stdout.flush()
+        if subprocess.run(["scontrol", "requeue", self.job]).returncode != 0:
+            self.decide(
+                "end", "end", "requeue-refused", "",
+                f"scontrol requeue {self.job} was refused (its line above says why); the job ends here: {self.continue_hint()} to continue",
+            )  # fmt: skip
+            return
+        if not self.keep_out:
+            return
+        nodes = ",".join(self.keep_out)
+        if subprocess.run(["scontrol", "update", f"JobId={self.job}", f"ExcNodeList={nodes}"]).returncode == 0:
+            say(f"keeping {nodes} (named unresponsive by the hang's forensics) out of the restart")
+            write_record(self.run_dir, "keep-out", {"nodes": nodes, "kept": "yes"})
+        else:
+            say(f"could not keep {nodes} out of the restart (scontrol update refused); it may land there again")
+            write_record(self.run_dir, "keep-out", {"nodes": nodes, "kept": "no", "why": "scontrol update refused"})
+
+    def continue_hint(self) -> str:
+        """How to continue this run in a new job: `ddpack resubmit` for a run `ddpack submit` made, else the setting (a
+        job started by hand leaves a run.json too, which says a template made it: ddpack cannot resubmit that one)."""
+        try:
+            made_by = json.loads(read_nofollow(self.run_dir / RUN_RECORD, limit=None)).get("settings", {}).get("made_by")
+        except (OSError, ValueError, AttributeError):
+            return f"resubmit with DDPACK_RUN_DIR={self.run_dir}"
+        return f"resubmit with DDPACK_RUN_DIR={self.run_dir}" if made_by == "template" else f"ddpack resubmit {self.run_dir}"
+
+    def report_hint(self) -> None:
+        """Where the run's charts come from, once a step has left metrics (a program of your own may write none)."""
+        metrics = self.run_dir / METRICS
+        if metrics.is_file() and metrics.stat().st_size:
+            say(f"metrics in {metrics}; for the run report ({self.run_dir / REPORT}) run, in the ddpack checkout: make report RUN={self.run_dir}")
+
+
+def train(argv: list[str]) -> int:
+    """The verb: `train [--container NAME] N STEP(N words)... COMMAND...`; the step's srun and its options come first,
+    the placement goes between them and the command. Ends with the last step's status."""
+    container = ""
+    if argv[:1] == ["--container"]:
+        container, argv = argv[1], argv[2:]
+    if not argv or not argv[0].isdigit():
+        die("train: expected [--container NAME] N STEP... COMMAND..., N the step's words")
+    count = int(argv[0])
+    return Training(argv[1 : 1 + count], argv[1 + count :], container).run()
 
 
 # --------------------------------------------------------------------------- plumbing
@@ -936,7 +1239,9 @@ def warn(text: str) -> None:
     print(f"ddpack: {text}", file=sys.stderr, flush=True)
 
 
-say = warn  # a line of the job's log for people (stderr: stdout carries a verb's answer)
+def say(text: str) -> None:
+    """A line of the job's log for people (stdout, as the shell's echo; a verb with an answer says its lines on stderr)."""
+    print(f"ddpack: {text}", flush=True)
 
 
 def job_error(run_dir: Path, text: str) -> None:
@@ -962,6 +1267,17 @@ def one_line(why: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train"]:
+        return train(argv[1:])
+    if argv[:1] == ["remove-container"] and len(argv) == 2:
+        remove_container(os.environ["SLURM_JOB_ID"], argv[1])
+        return 0
+    if argv[:1] == ["leave"]:  # leave [--container NAME]: remove the job's container, give the run folder back
+        job = os.environ["SLURM_JOB_ID"]
+        if argv[1:2] == ["--container"] and argv[2:3] != [""]:
+            remove_container(job, argv[2])
+        return unlock(argparse.Namespace(run_dir=os.environ["DDPACK_RUN_DIR"], job=job))
     parser = argparse.ArgumentParser(prog="ddpack_node.py", description=__doc__.splitlines()[0])
     verbs = parser.add_subparsers(dest="verb", required=True)
     folder_args = argparse.ArgumentParser(add_help=False)

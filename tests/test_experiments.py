@@ -460,22 +460,29 @@ def test_a_job_started_by_hand_with_a_template_is_known_to_status_logs_and_cance
 
 
 def test_the_job_records_each_decision_beside_its_sentence(tmp_path) -> None:
-    """ddpack-job.sh's ddpack_decide says the sentence for people and appends the record ddpack status reads (one JSON
-    line, by enroot/ddpack_node.py); a sweep's point is recorded as ddpack knows it, <array>_<index>."""
+    """The job's program says each decision in a sentence for people and appends the record ddpack status reads (one
+    JSON line, enroot/ddpack_node.py); a sweep's point is recorded as ddpack knows it, <array>_<index>."""
     from train import run_folder
 
     helper = Path(__file__).resolve().parents[1] / "enroot" / "ddpack-job.sh"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\n")  # a requeue Slurm accepts; no nodes listed
+    (bin_dir / "scontrol").chmod(0o755)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
     script = (f'. "{helper}"; ddpack_record start nodes=x; ddpack_recording=1; '  # recorded once the run folder is the job's (its lock)
               'ddpack_record start nodes="ddnode[1-2]" origin="new run" kind=forged time=0; '
-              'ddpack_decide requeue preempted 138 "preempted (exit 138); requeueing job 125 (restart 1 of at most 10)"')  # fmt: skip
-    env = {**os.environ, "DDPACK_RUN_DIR": str(tmp_path), "SLURM_JOB_ID": "125", "SLURM_ARRAY_JOB_ID": "90", "SLURM_ARRAY_TASK_ID": "1"}
+              'ddpack_step=(sh -c "exit 138" _); ddpack_train x')  # fmt: skip
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "DDPACK_RUN_DIR": str(run_dir), "SLURM_JOB_ID": "125"}
+    env |= {"SLURM_ARRAY_JOB_ID": "90", "SLURM_ARRAY_TASK_ID": "1"}
     out = subprocess.run(["bash", "-uc", script], capture_output=True, text=True, env=env, timeout=60)
-    assert out.returncode == 0 and out.stdout == "ddpack: preempted (exit 138); requeueing job 125 (restart 1 of at most 10)\n", out.stderr
-    start, decision = (json.loads(line) for line in (tmp_path / run_folder.DECISIONS).read_text().splitlines())
+    assert out.returncode == 138 and out.stdout == "ddpack: preempted (exit 138); requeueing job 125 (restart 1 of at most 10)\n", out.stderr
+    start, decision = (json.loads(line) for line in (run_dir / run_folder.DECISIONS).read_text().splitlines())
     assert (start["kind"], start["job"], start["slurm_job"], start["nodes"]) == ("start", "90_1", "125", "ddnode[1-2]")
     assert start["time"] > 1e9 and "is not NAME=VALUE of a field of its own" in out.stderr  # kind=, time=: the record's own
     assert (decision["kind"], decision["verdict"], decision["reason"], decision["exit"]) == ("step-end", "requeue", "preempted", "138")
-    assert os.stat(tmp_path / run_folder.DECISIONS).st_mode & 0o077 == 0
+    assert os.stat(run_dir / run_folder.DECISIONS).st_mode & 0o077 == 0
     from ddpack.job_side import node_helper
 
     assert node_helper().DECISIONS == run_folder.DECISIONS and node_helper().RUN_RECORD == run_folder.RUN_RECORD

@@ -122,11 +122,13 @@ def after_step(
     partition_nodes: int = 3,
     job_nodes: str = "ddnode1,ddnode2",
     down: str = "",
+    then: int = 0,
     **settings: str,
 ):
-    """`ddpack_after_step RC; ddpack_leave` with scontrol and sinfo stubbed (their calls recorded in calls.txt),
-    after a start that ddpack_setup marked; forensics written during it, or before it (an earlier start's).
-    `job_nodes`: the job's nodes as Slurm lists them now; `down`: those sinfo reports down."""
+    """`ddpack_train x` (ddpack_node.py train) with a step that exits RC, then `then` when it is started again, and
+    scontrol and sinfo stubbed (their calls recorded in calls.txt), after a start that ddpack_setup marked; forensics
+    written during it, or before it (an earlier start's). `job_nodes`: the job's nodes as Slurm lists them now; `down`:
+    those sinfo reports down. Returns what it printed, the calls, the run folder and each step's options."""
     run_dir = tmp_path / "run"
     (run_dir / "forensics").mkdir(parents=True)
     if failures is not None:
@@ -144,26 +146,33 @@ def after_step(
             when = earlier if forensics_before_this_start else start + 5
             os.utime(run_dir / "forensics" / name, (when, when))
     calls = tmp_path / "calls.txt"
+    steps = tmp_path / "steps.txt"
+    # Before the first step Slurm lists the job's nodes as it started (SLURM_JOB_NODELIST, else `job_nodes`), all of them
+    # up; once it ran, `job_nodes`, with `down` down: what happened to them during the step.
+    first = settings.get("SLURM_JOB_NODELIST", job_nodes)
     scontrol = f"""case "$1 $2" in
-"show job") echo "   NodeList={job_nodes}" ;;
+"show job") if [ -f "{steps}" ]; then echo "   NodeList={job_nodes}"; else echo "   NodeList={first}"; fi ;;
 "show hostnames") echo "$3" | tr , '\\n' ;;
 esac"""
     states = " ".join(f"{n}:{'down*' if n in down.split(',') else 'alloc'}" for n in job_nodes.split(","))
     sinfo = f"""case "$*" in
 *" -p "*) echo {partition_nodes} ;;
-*" -N "*) for s in {states}; do echo "${{s%%:*}} ${{s#*:}}"; done ;;
+*" -N "*) if [ -f "{steps}" ]; then for s in {states}; do echo "${{s%%:*}} ${{s#*:}}"; done; fi ;;
 esac"""
     for tool, out in (("scontrol", scontrol), ("sinfo", sinfo)):
         (tmp_path / tool).write_text(f'#!/bin/sh\necho "{tool} $*" >> "{calls}"\n{out}\n')
         (tmp_path / tool).chmod(0o755)
+    (tmp_path / "step").write_text(f'#!/bin/sh\necho "$*" >> "{steps}"\n[ "$(wc -l < "{steps}")" -eq 1 ] && exit {rc}\nexit {then}\n')
+    (tmp_path / "step").chmod(0o755)
     env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "DDPACK_RUN_DIR": str(run_dir), "SLURM_JOB_ID": "77", "SLURM_JOB_NUM_NODES": "2"}
     env |= {"SLURM_JOB_PARTITION": "debug", "SLURM_NTASKS_PER_NODE": "2", **settings}
-    script = f'. "{HELPER}"; ddpack_after_step {rc}; ddpack_leave; echo "next=$ddpack_next placement=${{ddpack_placement[*]:-}}" >&2'
+    script = f'. "{HELPER}"; ddpack_step=(step); ddpack_train x'
     out = subprocess.run(["bash", "-uc", script], env=env, capture_output=True, text=True, timeout=30)
-    return out, calls.read_text() if calls.exists() else "", run_dir
+    return out, calls.read_text() if calls.exists() else "", run_dir, steps.read_text().splitlines() if steps.exists() else []
 
 
 IN_PLACE = "restarting it in this allocation on ddnode1,ddnode2 from its last snapshot (failure restart 1 of at most 1)"
+DONE = "ddpack: the step completed (exit 0)\n"  # the restarted step's end
 
 
 @pytest.mark.parametrize(
@@ -187,24 +196,25 @@ IN_PLACE = "restarting it in this allocation on ddnode1,ddnode2 from its last sn
 def test_the_exit_status_alone_decides_the_next_start_for_any_command(tmp_path: Path, rc: int, settings: dict[str, str], line: str, next_: str) -> None:
     """A user's own script that exits 138 after SIGUSR1 is requeued like the trainer; a crash restarts in this
     allocation, once; bad input never restarts."""
-    out, calls, run_dir = after_step(tmp_path, rc, **settings)
-    assert out.returncode == 0 and out.stderr.startswith(f"next={next_} "), out.stderr
-    assert out.stdout.startswith(line) and out.stdout.count("\n") == (1 if line else 0), out.stdout
+    out, calls, run_dir, steps = after_step(tmp_path, rc, **settings)
+    assert out.returncode == (0 if next_ == "restart" else rc) and out.stderr == "", out.stderr
+    assert out.stdout.startswith(line) and out.stdout.count("\n") == (2 if next_ == "restart" else 1), out.stdout
     assert ("scontrol requeue 77" in calls) == (next_ == "requeue")
     assert (run_dir / ".ddpack-failure-restarts").exists() == (next_ != "end" and rc not in (138, 143))
+    assert len(steps) == (2 if next_ == "restart" else 1) and steps[0] == "x"
     if next_ == "restart":  # the same nodes, as Slurm lists them now
-        assert out.stderr == "next=restart placement=--nodes=2 --ntasks=4 --nodelist=ddnode1,ddnode2\n"
+        assert steps[1] == "--nodes=2 --ntasks=4 --nodelist=ddnode1,ddnode2 x" and out.stdout.endswith(DONE)
 
 
 def test_a_hang_that_names_a_node_the_job_cannot_spare_requeues_without_it_then_not_again(tmp_path: Path) -> None:
-    out, calls, run_dir = after_step(tmp_path, 124, unresponsive="ddnode2\n")
+    out, calls, run_dir, _ = after_step(tmp_path, 124, unresponsive="ddnode2\n")
     assert out.stdout.splitlines() == [
         f"ddpack: the step ended as hung (exit 124; evidence in {run_dir}/forensics); 1 healthy node(s) left in the allocation and training "
         "needs 2: requeueing job 77 to resume from its last snapshot (failure restart 1 of at most 1)",
         "ddpack: keeping ddnode2 (named unresponsive by the hang's forensics) out of the restart",
     ]
     assert calls.splitlines()[-3:] == ["sinfo -h -p debug -o %D", "scontrol requeue 77", "scontrol update JobId=77 ExcNodeList=ddnode2"]
-    again, calls, _ = after_step(tmp_path / "again", 124, failures=1)
+    again, calls, _, _ = after_step(tmp_path / "again", 124, failures=1)
     assert "after 1 failure restarts, the cap DDPACK_MAX_FAILURE_RESTARTS=1; not requeueing" in again.stdout and "requeue" not in calls
 
 
@@ -212,7 +222,7 @@ def test_only_the_jobs_own_nodes_named_by_forensics_reach_excnodelist(tmp_path: 
     """unresponsive-nodes is written from what ranks said through the rendezvous store: a name that is not one of the
     job's nodes (another user's injection, a glob) never reaches Slurm's ExcNodeList, and `*` is not expanded."""
     (tmp_path / "train.py").write_text("mine")
-    _, calls, _ = after_step(tmp_path, 124, unresponsive="ddnode2\n*\nlogin-node\nddnode2,login-node\n")
+    _, calls, _, _ = after_step(tmp_path, 124, unresponsive="ddnode2\n*\nlogin-node\nddnode2,login-node\n")
     assert "scontrol update JobId=77 ExcNodeList=ddnode2" in calls.splitlines(), calls
     assert "login-node" not in calls and "train.py" not in calls
 
@@ -228,21 +238,26 @@ def test_only_the_jobs_own_nodes_named_by_forensics_reach_excnodelist(tmp_path: 
 def test_a_spare_node_takes_the_place_of_a_bad_one_in_the_same_allocation(
     tmp_path: Path, job_nodes: str, down: str, unresponsive: str, chosen: str
 ) -> None:
-    out, calls, _ = after_step(
+    out, calls, _, steps = after_step(
         tmp_path, 1, job_nodes=job_nodes, down=down, unresponsive=unresponsive, SLURM_JOB_NUM_NODES="3", DDPACK_SPARE_NODES="1"
     )
-    assert f"restarting it in this allocation on {chosen}" in out.stdout and out.stdout.count("\n") == 1, out.stdout
-    assert out.stderr == f"next=restart placement=--nodes=2 --ntasks=4 --nodelist={chosen}\n" and "requeue" not in calls
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("ddpack: training on ") and f"restarting it in this allocation on {chosen}" in lines[1], out.stdout
+    assert out.stdout.endswith(DONE) and len(lines) == 3
+    assert steps[1] == f"--nodes=2 --ntasks=4 --nodelist={chosen} x" and "requeue" not in calls
 
 
 def test_too_few_healthy_nodes_go_back_to_the_queue(tmp_path: Path) -> None:
-    out, calls, _ = after_step(tmp_path, 1, job_nodes="ddnode1,ddnode2,ddnode3", down="ddnode1,ddnode2", SLURM_JOB_NUM_NODES="3", DDPACK_SPARE_NODES="1")
+    out, calls, _, steps = after_step(
+        tmp_path, 1, job_nodes="ddnode1,ddnode2,ddnode3", down="ddnode1,ddnode2", SLURM_JOB_NUM_NODES="3", DDPACK_SPARE_NODES="1"
+    )
+    assert out.stdout.startswith("ddpack: training on ddnode1,ddnode2; spare: ddnode3\n"), out.stdout
     assert "1 healthy node(s) left in the allocation and training needs 2: requeueing job 77" in out.stdout
-    assert out.stderr.startswith("next=requeue ") and "scontrol requeue 77" in calls
+    assert len(steps) == 1 and "scontrol requeue 77" in calls
 
 
 def test_a_node_the_job_cannot_do_without_is_not_kept_out(tmp_path: Path) -> None:
-    out, calls, _ = after_step(tmp_path, 124, unresponsive="ddnode2\n", partition_nodes=2)
+    out, calls, _, _ = after_step(tmp_path, 124, unresponsive="ddnode2\n", partition_nodes=2)
     assert out.stdout.splitlines()[1] == "ddpack: not keeping out ddnode2 (named unresponsive): partition debug has 2 nodes and the job needs 2"
     assert "ExcNodeList" not in calls and "scontrol requeue 77" in calls
 
@@ -250,23 +265,24 @@ def test_a_node_the_job_cannot_do_without_is_not_kept_out(tmp_path: Path) -> Non
 def test_a_frozen_rank_killed_by_srun_is_told_as_a_hang_by_this_starts_forensics(tmp_path: Path) -> None:
     """The others' watchdogs exit 124, srun kills the frozen rank DDPACK_STEP_WAIT later, and the step's
     status is that rank's 137: the forensics written during this start say it was a hang."""
-    out, calls, run_dir = after_step(tmp_path, 137, hang_summary=True, unresponsive="ddnode2\n")
+    out, calls, run_dir, _ = after_step(tmp_path, 137, hang_summary=True, unresponsive="ddnode2\n")
     assert out.stdout.startswith(f"ddpack: the step ended as hung (exit 137; evidence in {run_dir}/forensics); 1 healthy"), out.stdout
     assert "ExcNodeList=ddnode2" in calls
-    stale, calls, _ = after_step(tmp_path / "stale", 137, hang_summary=True, unresponsive="ddnode2\n", forensics_before_this_start=True)
-    assert stale.stdout == f"ddpack: the step failed (exit 137); {IN_PLACE}\n" and "ExcNodeList" not in calls, stale.stdout
+    stale, calls, _, _ = after_step(tmp_path / "stale", 137, hang_summary=True, unresponsive="ddnode2\n", forensics_before_this_start=True)
+    assert stale.stdout == f"ddpack: the step failed (exit 137); {IN_PLACE}\n{DONE}" and "ExcNodeList" not in calls, stale.stdout
 
 
 @pytest.mark.parametrize(
     ("settings", "line"),
     [
-        ({"DDPACK_SPARE_NODES": "one"}, "ddpack: error: DDPACK_SPARE_NODES=one is not a whole number of nodes"),
+        ({"DDPACK_SPARE_NODES": "one"}, "ddpack: error: DDPACK_SPARE_NODES=one: expected \\d+"),
         ({"DDPACK_SPARE_NODES": "2"}, "ddpack: error: DDPACK_SPARE_NODES=2 leaves no node to train on: the job has 2; ask sbatch for "),
-        ({"DDPACK_RESTART_IN_PLACE": "yes"}, "ddpack: error: DDPACK_RESTART_IN_PLACE=yes is not 1 (restart a failed step in this allocation) or 0"),
+        ({"DDPACK_RESTART_IN_PLACE": "yes"}, "ddpack: error: DDPACK_RESTART_IN_PLACE=yes: expected 0, 1"),
     ],
 )
 def test_bad_restart_settings_are_one_line_before_training_starts(tmp_path: Path, settings: dict[str, str], line: str) -> None:
     env = {"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "77", "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS_PER_NODE": "2", **settings}
+    env["DDPACK_RUN_DIR"] = str(tmp_path)
     script = f'. "{HELPER}"; ddpack_step=(echo STEP-RAN); ddpack_train x'
     out = subprocess.run(["bash", "-uc", script], env=env, capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and "STEP-RAN" not in out.stdout and out.stderr.startswith(line) and out.stderr.count("\n") == 1, out.stderr
@@ -294,16 +310,19 @@ def test_each_task_of_a_per_gpu_step_gets_its_share_of_the_nodes_cpus(env: dict[
 
 
 def test_the_helper_spells_the_run_folders_names_as_train_run_folder_defines_them() -> None:
-    """The run folder's layout is defined once (train/run_folder.py); the shell helper, which cannot import it,
-    must name every file and folder it reads or exports the same way. Its own dot-files are its business."""
+    """The run folder's layout is defined once (train/run_folder.py); the job's shell and its Python, which cannot
+    import it, must name every file and folder they read or export the same way. Their own dot-files are their business."""
+    from ddpack.job_side import node_helper
     from train import run_folder
 
     text = HELPER.read_text()
     spelled = set(re.findall(r"(?:\$\{DDPACK_RUN_DIR\}|\$\{forensics\}|\$1)/([A-Za-z0-9._-]+)(?:/([A-Za-z0-9._-]+))?", text))
     names = {part for pair in spelled for part in pair if part and not part.startswith((".", "$"))}
-    public = {run_folder.SNAPSHOTS, run_folder.METRICS, run_folder.PREFLIGHT, run_folder.FORENSICS, run_folder.SUMMARY}
-    public |= {run_folder.UNRESPONSIVE_NODES, run_folder.REPORT, run_folder.RUN_RECORD}
-    assert names == public, names ^ public
+    assert names == {run_folder.SNAPSHOTS, run_folder.METRICS, run_folder.PREFLIGHT, run_folder.FORENSICS}, names
+    node = node_helper()
+    python = (node.FORENSICS, node.METRICS, node.SUMMARY, node.UNRESPONSIVE_NODES, node.REPORT, node.RUN_RECORD, node.DECISIONS)
+    assert python == (run_folder.FORENSICS, run_folder.METRICS, run_folder.SUMMARY, run_folder.UNRESPONSIVE_NODES, run_folder.REPORT,
+                      run_folder.RUN_RECORD, run_folder.DECISIONS)  # fmt: skip
     out = step_command()
     assert out.stdout.splitlines()[-1] == f"/fsx/runs/a-1/{run_folder.SNAPSHOTS} /fsx/runs/a-1/{run_folder.METRICS} /fsx/runs/a-1/{run_folder.FORENSICS}"
 
@@ -339,12 +358,14 @@ def test_a_step_slurm_ended_because_its_job_lost_a_node_is_a_failure_not_a_preem
     """Slurm SIGTERMs the tasks of a step whose node went down (143): with a spare the step restarts in place;
     without one the job goes back to the queue as a failure (never counted against DDPACK_MAX_RESTARTS alone)."""
     lost = {"SLURM_JOB_NODELIST": "ddnode1,ddnode2,ddnode3", "SLURM_JOB_NUM_NODES": "3", "DDPACK_SPARE_NODES": "1"}
-    out, calls, _ = after_step(tmp_path, 143, job_nodes="ddnode1,ddnode3", **lost)
+    out, calls, _, steps = after_step(tmp_path, 143, job_nodes="ddnode1,ddnode3", **lost)
     assert out.stdout == (
+        "ddpack: training on ddnode1,ddnode2; spare: ddnode3\n"
         "ddpack: the step ended (exit 143) when the job lost ddnode2; restarting it in this allocation on ddnode1,ddnode3 "
-        "from its last snapshot (failure restart 1 of at most 1)\n"
+        f"from its last snapshot (failure restart 1 of at most 1)\n{DONE}"
     ), out.stdout
-    alone, calls, _ = after_step(tmp_path / "alone", 143, job_nodes="ddnode1", SLURM_JOB_NODELIST="ddnode1,ddnode2")
+    assert steps == ["--nodes=2 --ntasks=4 --nodelist=ddnode1,ddnode2 x", "--nodes=2 --ntasks=4 --nodelist=ddnode1,ddnode3 x"]
+    alone, calls, _, _ = after_step(tmp_path / "alone", 143, job_nodes="ddnode1", SLURM_JOB_NODELIST="ddnode1,ddnode2")
     assert alone.stdout.startswith("ddpack: the step ended (exit 143) when the job lost ddnode2; 1 healthy node(s) left") and "requeue 77" in calls
 
 
