@@ -1,8 +1,8 @@
 # ddpack-job.sh — what every ddpack Slurm template shares; sourced by enroot/*.sbatch (bash 4.2+).
 #
-#   ddpack_setup NAME          the umask (DDPACK_UMASK, 077), the run directory, locked for this job (a second live
-#                              job that names it is refused), the watchdog's secret (DDPACK_JOB_TOKEN) and the
-#                              banner line (sets DDPACK_RUN_DIR)
+#   ddpack_setup NAME          the umask (DDPACK_UMASK, 077), every setting checked, the run directory chosen and locked
+#                              for this job, the banner (ddpack_node.py setup: sets DDPACK_RUN_DIR), and the watchdog's
+#                              secret (DDPACK_JOB_TOKEN)
 #   ddpack_node VERB ARGS...   enroot/ddpack_node.py with the host's python3: staging, leases, the run folder's lock
 #   ddpack_container_path P    P as the container sees it through DDPACK_MOUNTS, or a one-line error
 #   ddpack_project_dir [container]
@@ -38,13 +38,6 @@
 #                              or goes back to the queue: ddpack_node.py train decides (this script execs it)
 #   ddpack_leave               remove the container and give the run folder back (a script that trains no step)
 #
-# Run directories: one run, one folder. A new submission gets runs/<job name>-<job id> in the submission
-# folder; a requeue keeps its job id and so continues its own folder; to continue an earlier run in a new
-# job, name its folder with DDPACK_RUN_DIR (the banner prints the line to use). Two jobs submitted from one
-# folder therefore never resume each other's snapshots.
-
-ddpack_start_marker=.ddpack-this-start
-
 ddpack_die() {
     echo "ddpack: error: $*" >&2
     ddpack_record step-end verdict=end reason=bad-input exit=2 text="error: $*"
@@ -52,63 +45,29 @@ ddpack_die() {
 }
 
 ddpack_setup() {
-    local name=$1
-    # Every DDPACK_* value against ddpack_settings.py's table (the one ddpack submit checks too), before the run
-    # folder is touched: one line each, exit 2. (A run folder from before the table has no copy of it.)
-    [ -z "${ddpack_settings_py}" ] || "${ddpack_python}" -I -S -c "${ddpack_settings_py}" check || exit 2
-    ddpack_private_files
-    if [ -n "${DDPACK_RUN_DIR:-}" ]; then
-        ddpack_run_origin="continuing ${DDPACK_RUN_DIR} (DDPACK_RUN_DIR)"
-        [ -e "${DDPACK_RUN_DIR}/${ddpack_start_marker}" ] || ddpack_run_origin="new run in ${DDPACK_RUN_DIR} (DDPACK_RUN_DIR); a requeue continues it"
-    else
-        DDPACK_RUN_DIR=${SLURM_SUBMIT_DIR}/runs/${name}-${SLURM_JOB_ID}
-        if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then
-            ddpack_run_origin="requeued: continuing its run from the last snapshot"
-        else
-            ddpack_run_origin="new run; a requeue continues it; to continue it in another job: sbatch --export=ALL,DDPACK_RUN_DIR=${DDPACK_RUN_DIR} ..."
-        fi
-    fi
+    # What the job writes is its user's alone: run folders, snapshots (weights and optimizer state), metrics, forensics,
+    # staged images. DDPACK_UMASK (077) is the umask of the script and so of every step (srun passes it to its tasks);
+    # 027 lets your group read, for a team that shares runs.
+    local mask=${DDPACK_UMASK:-077}
+    [[ "${mask}" =~ ^0?[0-7]{3}$ ]] && umask "${mask}"
+    DDPACK_RUN_DIR=$(ddpack_node setup "$1") || exit $?   # see ddpack_node.py setup
     export DDPACK_RUN_DIR
-    # Made here when missing, then used only when it is this user's (not a link, nobody else can write or swap it),
-    # and only by this job while it lives: another live job that names it is refused, naming the holder.
-    ddpack_node lock "${DDPACK_RUN_DIR}" --job "${SLURM_JOB_ID}" || exit 2
     ddpack_recording=1   # the run folder is this job's now: its decisions are recorded there
-    : >"${DDPACK_RUN_DIR}/${ddpack_start_marker}"   # forensics newer than this were written during this start
     # The hang watchdog's keys in the rendezvous store carry this secret, which only this start's ranks know (made
     # here, never sent through slurmctld; srun hands it to each task): another user who reaches the store's port
     # cannot name them.
     DDPACK_JOB_TOKEN=$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')
     export DDPACK_JOB_TOKEN
-    # The time closes the line: `ddpack status` dates the segment this start begins, for a program that writes no records.
-    echo "ddpack: job ${SLURM_JOB_ID} (restart ${SLURM_RESTART_COUNT:-0}) on ${SLURM_JOB_NODELIST}, run dir ${DDPACK_RUN_DIR} (${ddpack_run_origin}), at $(date +%Y-%m-%dT%H:%M:%S%z)"
-    ddpack_record start nodes="${SLURM_JOB_NODELIST}" origin="${ddpack_run_origin}"
 }
 
-# What the job writes is its user's alone: run folders, snapshots (weights and optimizer state), metrics,
-# forensics, staged images. DDPACK_UMASK (077) is the umask of the script and so of every step (srun passes it to
-# its tasks); 027 lets your group read, for a team that shares runs. The job's log was opened by Slurm before this
-# script ran, with the umask sbatch was called under: it is narrowed to the same mode here.
-ddpack_private_files() {
-    local mask=${DDPACK_UMASK:-077} log
-    [[ "${mask}" =~ ^0?[0-7]{3}$ ]] || ddpack_die "DDPACK_UMASK=${mask} is not an octal umask such as 077 (yours alone) or 027 (your group may read)"
-    umask "${mask}"
-    while IFS= read -r log; do
-        [ -f "${log}" ] && [ -O "${log}" ] && [ ! -L "${log}" ] && chmod "$(printf '%o' $((0666 & ~8#${mask})))" "${log}"
-    done < <(scontrol show job "${SLURM_JOB_ID}" 2>/dev/null | sed -n 's/^ *Std\(Out\|Err\)=//p' | sort -u)
-    return 0
-}
-
-# ddpack_node VERB ARGS...: enroot/ddpack_node.py (standard-library Python: the staging folder, leases, the run
-# folder's lock), run with this host's python3. Its text is read once, where this helper is sourced, and handed
-# to python3 -c: a node that runs it needs no path to the checkout.
-# The system's python3 in isolated mode (-I -S: no PYTHON* variables, no user or site packages; it starts in ~20 ms).
-ddpack_node_file=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/ddpack_node.py   # the batch host's own verbs (stage) run it by name
-ddpack_node_py=$(cat "${ddpack_node_file}" 2>/dev/null)
-ddpack_settings_py=$(cat "$(dirname "${BASH_SOURCE[0]}")/ddpack_settings.py" 2>/dev/null)
+# ddpack_node VERB ARGS...: enroot/ddpack_node.py, the job's one program (standard-library Python: every decision the
+# job makes), run with this host's system python3 in isolated mode (-I -S: no PYTHON* variables, no user or site
+# packages; it starts in ~20 ms). It hands its own text to the steps it runs on the nodes, which need no checkout.
+ddpack_node_file=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/ddpack_node.py
 ddpack_python=$(command -v /usr/bin/python3 || command -v python3 || echo python3)
 ddpack_node() {
-    [ -n "${ddpack_node_py}" ] || ddpack_die "cannot read ddpack_node.py beside ddpack-job.sh; set DDPACK_HOME to ddpack's enroot/ folder"
-    "${ddpack_python}" -I -S -c "${ddpack_node_py}" "$@"
+    [ -f "${ddpack_node_file}" ] || ddpack_die "cannot read ddpack_node.py beside ddpack-job.sh; set DDPACK_HOME to ddpack's enroot/ folder"
+    "${ddpack_python}" -I -S "${ddpack_node_file}" "$@"
 }
 
 # ddpack_record KIND NAME=VALUE...: one decision of the job as a record in the run folder (decisions.jsonl: a start,
@@ -116,7 +75,7 @@ ddpack_node() {
 # line printed beside it is for people. A record that cannot be written costs a warning, never the job.
 ddpack_recording=""
 ddpack_record() {
-    [ -n "${ddpack_recording}" ] && [ -n "${ddpack_node_py}" ] || return 0
+    [ -n "${ddpack_recording}" ] && [ -f "${ddpack_node_file}" ] || return 0
     ddpack_node record "${DDPACK_RUN_DIR}" "$@" || true
 }
 
@@ -196,36 +155,13 @@ ddpack_command() {
     fi
 }
 
-# ddpack_words ARRAY SETTING: the words of a command setting (DDPACK_COMMAND, DDPACK_TRAIN_ARGS, DDPACK_PREFLIGHT_ARGS,
-# DDPACK_LAUNCH_ARGS) into ARRAY. A value that starts with [ is a JSON list of strings, each word exactly as given
-# (spaces, quotes, backslashes, empty words: what `ddpack submit -- CMD` writes); any other value is split on
-# whitespace, the hand-made form.
-ddpack_words_py='
-import json, shlex, sys
-name, text = sys.argv[1:]
-try:
-    words = json.loads(text)
-except ValueError as why:
-    print(f"{name} starts with [ but is not a JSON list ({why}); write it as a JSON list of strings, or as words without a leading [")
-    sys.exit(2)
-if not isinstance(words, list) or not all(isinstance(word, str) for word in words):
-    print(f"{name} is JSON but not a list of strings; write each argument as a string")
-    sys.exit(2)
-print(" ".join(shlex.quote(word) for word in words))
-'
+# ddpack_words ARRAY SETTING: the words of a command setting into ARRAY (ddpack_node.py words: a JSON list of strings,
+# each word exactly as given, or words split on whitespace), each word quoted there and assigned here by name.
 ddpack_words() {
-    # No nameref (bash 4.3): the array's name is checked, then assigned by name.
     case "$1" in '' | [!a-zA-Z_]* | *[!a-zA-Z0-9_]*) ddpack_die "ddpack_words: '$1' is not an array name" ;; esac
-    local ddpack_words_setting=$2 ddpack_words_quoted
-    local ddpack_words_value=${!ddpack_words_setting:-}
-    case "${ddpack_words_value}" in
-    "["*)
-        ddpack_words_quoted=$("${ddpack_python}" -I -S -c "${ddpack_words_py}" "${ddpack_words_setting}" "${ddpack_words_value}") ||
-            ddpack_die "${ddpack_words_quoted}"
-        eval "$1=(${ddpack_words_quoted})"
-        ;;
-    *) read -r -a "$1" <<<"${ddpack_words_value}" ;;
-    esac
+    local ddpack_words_quoted
+    ddpack_words_quoted=$(ddpack_node words "$2") || exit 2
+    eval "$1=(${ddpack_words_quoted})"
 }
 
 ddpack_require_pyxis() {
@@ -286,7 +222,7 @@ ddpack_remove_container() {
 #           (DDPACK_FSX_MBPS=1200, DDPACK_SBCAST_MBPS=1000, DDPACK_UNPACK_MBPS=400)
 # A GPU job (--gpus-per-node, --gres=gpu:N) checks first that every node has the GPUs it was promised.
 ddpack_prepare_nodes() {
-    ddpack_image=$("${ddpack_python}" -I -S "${ddpack_node_file}" stage "$1") || exit $?
+    ddpack_image=$(ddpack_node stage "$1") || exit $?
 }
 
 # --------------------------------------------------------------------------- training, restarted in place
@@ -300,6 +236,6 @@ ddpack_train() {
 
 # The job's container leaves every node, and the run folder is free for another job (a script that trains no step).
 ddpack_leave() {
-    "${ddpack_python}" -I -S "${ddpack_node_file}" leave --container "${ddpack_container_name}"
+    ddpack_node leave --container "${ddpack_container_name}"
     ddpack_container_name=""
 }

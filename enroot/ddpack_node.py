@@ -41,6 +41,7 @@ import json
 import os
 import pwd
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -710,6 +711,77 @@ def key(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- the start: settings, run folder, banner
+
+
+def setup(name: str) -> int:
+    """The job's start (ddpack-job.sh's ddpack_setup, under the job's umask): every DDPACK_* value against the settings
+    table, before anything is touched (one line each, exit 2); the job's log narrowed to the umask's mode; the run
+    folder chosen, made and locked for this job; the start marked, said in the banner and recorded. The run folder is
+    the answer (stdout); the lines for people go to stderr.
+
+    Run folders: one run, one folder. A new submission gets runs/<job name>-<job id> in the submission folder; a requeue
+    keeps its job id and so continues its own folder; to continue an earlier run in a new job, name its folder with
+    DDPACK_RUN_DIR (the banner prints the line to use). Two jobs submitted from one folder never resume each other's
+    snapshots."""
+    env = os.environ
+    found = settings_table().problems(env)
+    for why in found:
+        print(f"ddpack: error: {why}", file=sys.stderr)
+    if found:
+        return 2
+    job, restart = env["SLURM_JOB_ID"], int(env.get("SLURM_RESTART_COUNT") or 0)
+    private_log(job)
+    if env.get("DDPACK_RUN_DIR"):
+        run_dir = Path(env["DDPACK_RUN_DIR"])
+        origin = f"continuing {run_dir} (DDPACK_RUN_DIR)"
+        if not (run_dir / MARKER).exists():
+            origin = f"new run in {run_dir} (DDPACK_RUN_DIR); a requeue continues it"
+    else:
+        run_dir = Path(env.get("SLURM_SUBMIT_DIR") or os.getcwd()) / "runs" / f"{name}-{job}"
+        origin = "requeued: continuing its run from the last snapshot"
+        if not restart:
+            origin = f"new run; a requeue continues it; to continue it in another job: sbatch --export=ALL,DDPACK_RUN_DIR={run_dir} ..."
+    # Made here when missing, then used only when it is this user's (not a link, nobody else can write or swap it), and
+    # only by this job while it lives: another live job that names it is refused, naming the holder.
+    with contextlib.redirect_stdout(sys.stderr):
+        lock(argparse.Namespace(run_dir=str(run_dir), job=job))
+    (run_dir / MARKER).open("w").close()  # forensics newer than this were written during this start
+    # The time closes the line: `ddpack status` dates the segment this start begins, for a program that writes no records.
+    nodes = env.get("SLURM_JOB_NODELIST", "")
+    print(f"ddpack: job {job} (restart {restart}) on {nodes}, run dir {run_dir} ({origin}), at {time.strftime('%Y-%m-%dT%H:%M:%S%z')}",
+          file=sys.stderr, flush=True)  # fmt: skip
+    write_record(run_dir, "start", {"nodes": nodes, "origin": origin})
+    print(run_dir)
+    return 0
+
+
+def private_log(job: str) -> None:
+    """The job's log, opened by Slurm before the script ran with the umask sbatch was called under, narrowed to the
+    job's own umask (DDPACK_UMASK: what the job writes is its user's alone, or its group's too)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    fields = scontrol_fields(job, ("StdOut", "StdErr"))
+    for log in {fields.get("StdOut"), fields.get("StdErr")} - {None, ""}:
+        with contextlib.suppress(OSError):  # another user's file cannot be changed (EPERM); a link is never followed
+            if stat.S_ISREG(os.lstat(log).st_mode):
+                os.chmod(log, 0o666 & ~mask)
+
+
+def words(name: str) -> int:
+    """The words of a command setting (DDPACK_COMMAND, DDPACK_TRAIN_ARGS, DDPACK_PREFLIGHT_ARGS, DDPACK_LAUNCH_ARGS),
+    shell-quoted for the template's array: a value that starts with [ is a JSON list of strings, each word exactly as
+    given (spaces, quotes, backslashes, empty words: what `ddpack submit -- CMD` writes); any other value is split on
+    whitespace, the hand-made form. A value that is neither is one line (the settings table's), exit 2."""
+    value = os.environ.get(name, "")
+    setting = settings_table().SETTINGS.get(name)
+    if setting is not None and (why := setting.problem(name, value)) is not None:
+        die(why)
+    found = json.loads(value) if value.startswith("[") else value.split()
+    print(" ".join(shlex.quote(word) for word in found))
+    return 0
+
+
 # --------------------------------------------------------------------------- the image on the nodes: the choice
 
 
@@ -1270,6 +1342,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["train"]:
         return train(argv[1:])
+    if argv[:1] == ["setup"] and len(argv) == 2:
+        return setup(argv[1])
+    if argv[:1] == ["words"] and len(argv) == 2:
+        return words(argv[1])
     if argv[:1] == ["remove-container"] and len(argv) == 2:
         remove_container(os.environ["SLURM_JOB_ID"], argv[1])
         return 0

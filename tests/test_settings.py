@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -35,11 +36,14 @@ def test_every_setting_the_job_side_reads_is_in_the_table_and_the_docs_name_the_
 
 
 def job_side_refuses(name: str, value: str) -> str:
-    """What the templates' first check (ddpack_setup) says of one setting: its one line, or "" when it passes."""
-    script = f'. "{HELPER}"; [ -z "$ddpack_settings_py" ] && exit 9; "$ddpack_python" -I -S -c "$ddpack_settings_py" check'
-    out = subprocess.run(["bash", "-c", script], env={"PATH": "/usr/bin:/bin", name: value}, capture_output=True, text=True, timeout=30)
-    assert out.returncode in (0, 2), out.stderr
-    return out.stderr.strip()
+    """What the templates' first check (ddpack_setup) says of one setting: its one line, or "" when it passes (and the
+    start goes on: its run folder made, in a folder of its own)."""
+    with tempfile.TemporaryDirectory() as submitted:
+        env = {"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "5", "SLURM_SUBMIT_DIR": submitted, name: value}
+        out = subprocess.run(["bash", "-c", f'. "{HELPER}"; ddpack_setup x'], env=env, capture_output=True, text=True, timeout=30)
+        assert out.returncode in (0, 2), out.stderr
+        assert (out.returncode == 0) == (Path(submitted) / "runs" / "x-5").is_dir()
+    return out.stderr.strip() if out.returncode else ""
 
 
 @pytest.mark.parametrize(
