@@ -769,16 +769,99 @@ def private_log(job: str) -> None:
 
 
 def words(name: str) -> int:
-    """The words of a command setting (DDPACK_COMMAND, DDPACK_TRAIN_ARGS, DDPACK_PREFLIGHT_ARGS, DDPACK_LAUNCH_ARGS),
-    shell-quoted for the template's array: a value that starts with [ is a JSON list of strings, each word exactly as
+    """The words of a command setting (DDPACK_TRAIN_ARGS, DDPACK_PREFLIGHT_ARGS, DDPACK_LAUNCH_ARGS), or with COMMAND
+    what the training step runs after the entrypoint: `--` and DDPACK_COMMAND's words (your own program), else
+    DDPACK_TRAIN_ARGS's (the bundled trainer's flags), else nothing (the image's own command or the bundled trainer).
+    Shell-quoted for the template's array: a value that starts with [ is a JSON list of strings, each word exactly as
     given (spaces, quotes, backslashes, empty words: what `ddpack submit -- CMD` writes); any other value is split on
     whitespace, the hand-made form. A value that is neither is one line (the settings table's), exit 2."""
-    value = os.environ.get(name, "")
+    env = os.environ
+    prefix: list[str] = []
+    if name == "COMMAND":
+        if env.get("DDPACK_COMMAND") and env.get("DDPACK_TRAIN_ARGS"):
+            job_error(
+                Path(env["DDPACK_RUN_DIR"]) if env.get("DDPACK_RUN_DIR") else None,
+                "DDPACK_COMMAND and DDPACK_TRAIN_ARGS are both set; DDPACK_TRAIN_ARGS is for the bundled trainer: "
+                "put your program's arguments in DDPACK_COMMAND",
+            )
+        name, prefix = ("DDPACK_COMMAND", ["--"]) if env.get("DDPACK_COMMAND") else ("DDPACK_TRAIN_ARGS", [])
+    value = env.get(name, "")
     setting = settings_table().SETTINGS.get(name)
     if setting is not None and (why := setting.problem(name, value)) is not None:
         die(why)
     found = json.loads(value) if value.startswith("[") else value.split()
-    print(" ".join(shlex.quote(word) for word in found))
+    print(" ".join(shlex.quote(word) for word in [*prefix, *found]))
+    return 0
+
+
+def container_path(path: str, mounts: str) -> str | None:
+    """`path` as the container sees it through `mounts` (pyxis' --container-mounts: comma-separated SRC[:DST[:FLAGS]],
+    DST defaulting to SRC; the longest SRC above it wins), or None when no mount holds it."""
+    best_src, best_dst = "", ""
+    for entry in filter(None, mounts.split(",")):
+        src, _, rest = entry.partition(":")
+        dst = rest.split(":")[0] or src
+        src, dst = src.rstrip("/"), dst.rstrip("/")
+        if f"{path}/".startswith(f"{src}/") and len(src) > len(best_src):
+            best_src, best_dst = src, dst
+    return best_dst + path[len(best_src) :] if best_src else None
+
+
+def container_path_verb(path: str) -> int:
+    """The verb: the path inside the container, or one line (recorded as the job's end once it has a run folder)."""
+    mounts = os.environ.get("DDPACK_MOUNTS", "")
+    inside = container_path(path, mounts)
+    if inside is None:
+        run_dir = os.environ.get("DDPACK_RUN_DIR")
+        job_error(
+            Path(run_dir) if run_dir else None,
+            f"{path} is not under any of DDPACK_MOUNTS={mounts} (host:container pairs), so the container cannot reach it; submit "
+            "from a folder on a mounted filesystem or add its mount to DDPACK_MOUNTS",
+        )
+    print(inside)
+    return 0
+
+
+def project_dir(where: str) -> int:
+    """Where the trainer imports `--task module:factory` from after its working directory: DDPACK_PROJECT_DIR as given,
+    else the submission folder; with `container`, as the container sees it (nothing, and one line, when no mount holds
+    it: the modules are then looked for in the run folder only)."""
+    env = os.environ
+    folder = env.get("DDPACK_PROJECT_DIR") or env.get("SLURM_SUBMIT_DIR", "")
+    if where == "container":
+        inside = container_path(folder, env.get("DDPACK_MOUNTS", ""))
+        if inside is None:
+            print(f"ddpack: {folder} is under none of DDPACK_MOUNTS={env.get('DDPACK_MOUNTS', '')}: --task modules are looked for in the run folder only",
+                  file=sys.stderr)  # fmt: skip
+        folder = inside or ""
+    print(folder)
+    return 0
+
+
+def preflight(argv: list[str]) -> int:
+    """The verb: `preflight [--container NAME] STEP...`. DDPACK_PREFLIGHT=1 runs the template's own srun line with
+    `entrypoint --preflight` as a step before training; a failed check ends the job with its code (the container
+    leaves the nodes). DDPACK_PREFLIGHT=only: the check alone (enroot/preflight.sbatch, which the shell ends after it)."""
+    container = ""
+    if argv[:1] == ["--container"]:
+        container, argv = argv[1], argv[2:]
+    env = os.environ
+    mode, run_dir, job = env.get("DDPACK_PREFLIGHT") or "0", Path(env["DDPACK_RUN_DIR"]), env["SLURM_JOB_ID"]
+    if mode == "0":
+        return 0
+    report = run_dir / "preflight.json"
+    say(f"preflight (DDPACK_PREFLIGHT={mode}): checking the job in its own image, plan and network first")
+    code = subprocess.run(argv).returncode
+    rc = 128 - code if code < 0 else code
+    if rc:
+        if container:
+            remove_container(job, container)
+        say(f"preflight failed (exit {rc}); not training. The 'preflight: FAIL' lines above name each problem; the report is {report}")
+        write_record(run_dir, "preflight", {"result": "failed", "exit": str(rc), "report": str(report)})
+        return rc
+    write_record(run_dir, "preflight", {"result": "passed", "exit": "0", "report": str(report)})
+    if mode == "only":
+        say(f"preflight passed; report {report}")
     return 0
 
 
@@ -838,7 +921,16 @@ def gpus_promised(job: str) -> int:
 class Staging:
     """DDPACK_STAGE's choice for this start, made and carried out on the batch host (ddpack-job.sh's
     ddpack_prepare_nodes): the image's path each node's pyxis imports. One line says the choice and why, and it is
-    recorded (decisions.jsonl); a staging that fails is never the job's end: the nodes read the shared file instead."""
+    recorded (decisions.jsonl); a staging that fails is never the job's end: the nodes read the shared file instead.
+
+    - off: every node reads DDPACK_SQSH from the shared filesystem (pyxis 0.19's own way): N reads of the image.
+    - sbcast: one read: Slurm's sbcast sends it down a tree (fan-out DDPACK_STAGE_FANOUT, at most 8) to the nodes' local
+      disk, DDPACK_STAGE_DIR/<key>.sqsh, where <key> names the image's content; a node that already holds that key (an
+      earlier job's copy) is skipped. DDPACK_STAGE_KEEP (2) keys stay per node, and any key a live job of yours has
+      chosen (the leases). DDPACK_STAGE_DIR (default /tmp/ddpack-images-<your uid>) is yours alone (docs/security.md).
+    - auto (the default): the nodes' copies when every node holds the image already (nothing read at all); else sbcast
+      when the model (stage_by_model) says the nodes would wait less: from 5 nodes with the defaults (DDPACK_FSX_MBPS=
+      1200, DDPACK_SBCAST_MBPS=1000, DDPACK_UNPACK_MBPS=400)."""
 
     def __init__(self, sqsh: str, run_dir: Path, job: str, helper: str) -> None:
         env = os.environ
@@ -1316,9 +1408,11 @@ def say(text: str) -> None:
     print(f"ddpack: {text}", flush=True)
 
 
-def job_error(run_dir: Path, text: str) -> None:
-    """Bad input found by the job: one line, recorded as the job's end (ddpack-job.sh's ddpack_die), exit 2."""
-    write_record(run_dir, "step-end", {"verdict": "end", "reason": "bad-input", "exit": "2", "text": f"error: {text}"})
+def job_error(run_dir: Path | None, text: str) -> None:
+    """Bad input found by the job: one line, recorded as the job's end once it has a run folder (ddpack-job.sh's
+    ddpack_die), exit 2."""
+    if run_dir is not None and run_dir.is_dir():
+        write_record(run_dir, "step-end", {"verdict": "end", "reason": "bad-input", "exit": "2", "text": f"error: {text}"})
     die(text)
 
 
@@ -1346,6 +1440,12 @@ def main(argv: list[str] | None = None) -> int:
         return setup(argv[1])
     if argv[:1] == ["words"] and len(argv) == 2:
         return words(argv[1])
+    if argv[:1] == ["container-path"] and len(argv) == 2:
+        return container_path_verb(argv[1])
+    if argv[:1] == ["project-dir"] and len(argv) <= 2:
+        return project_dir((argv[1:] or [""])[0])
+    if argv[:1] == ["preflight"]:
+        return preflight(argv[1:])
     if argv[:1] == ["remove-container"] and len(argv) == 2:
         remove_container(os.environ["SLURM_JOB_ID"], argv[1])
         return 0

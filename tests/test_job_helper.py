@@ -84,15 +84,18 @@ def test_the_training_step_runs_your_command_the_trainers_flags_or_the_images_ow
     assert out.stdout == f"{words}\n/fsx/runs/a-1/snapshots /fsx/runs/a-1/metrics.jsonl /fsx/runs/a-1/forensics\n"
 
 
-def test_the_step_wait_reaches_srun_and_a_bad_one_is_one_line() -> None:
-    """DDPACK_STEP_WAIT becomes SLURM_WAIT (srun --wait: how long a frozen rank may outlive the others)."""
+def test_the_step_wait_reaches_srun_and_a_bad_one_is_one_line(tmp_path: Path) -> None:
+    """DDPACK_STEP_WAIT becomes SLURM_WAIT (srun --wait: how long a frozen rank may outlive the others); a value the
+    settings table refuses ends the start before its run folder is made."""
     script = f'. "{HELPER}"; ddpack_command /fsx/runs/a-1; echo "$SLURM_WAIT"'
     waits = [
         subprocess.run(["bash", "-uc", script], env={"PATH": "/usr/bin:/bin", **env}, capture_output=True, text=True, timeout=30)
-        for env in ({}, {"DDPACK_STEP_WAIT": "30"}, {"DDPACK_STEP_WAIT": "2m"})
+        for env in ({}, {"DDPACK_STEP_WAIT": "30"})
     ]
-    assert [w.stdout for w in waits[:2]] == ["120\n", "30\n"]
-    assert waits[2].returncode == 2 and waits[2].stderr == "ddpack: error: DDPACK_STEP_WAIT=2m is not a whole number of seconds\n"
+    assert [w.stdout.splitlines()[-1] for w in waits] == ["120", "30"]
+    env = {"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "5", "SLURM_SUBMIT_DIR": str(tmp_path), "DDPACK_STEP_WAIT": "2m"}
+    bad = subprocess.run(["bash", "-c", f'. "{HELPER}"; ddpack_setup x'], env=env, capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and bad.stderr == "ddpack: error: DDPACK_STEP_WAIT=2m: expected \\d+\n" and not (tmp_path / "runs").exists()
 
 
 @pytest.mark.parametrize(
