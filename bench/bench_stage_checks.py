@@ -44,7 +44,7 @@ ddpack_leave
 def helper_at(revision: str, into: Path) -> Path:
     """enroot/ as it was at `revision`, in a folder of its own."""
     into.mkdir(parents=True)
-    for name in ("ddpack-job.sh", "ddpack_node.py"):
+    for name in ("ddpack-job.sh", "ddpack_node.py", "ddpack_settings.py"):
         shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{revision}:enroot/{name}"], capture_output=True)
         if shown.returncode == 0:
             (into / name).write_bytes(shown.stdout)
