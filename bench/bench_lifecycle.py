@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ddpack.jobs.run_records import read_run
+from ddpack.jobs.segments import read_run
 from testbed.env import clean_env
 from testbed.readme_examples import write_cpu_ddp
 from testbed.slurm_cluster import ensure_cluster

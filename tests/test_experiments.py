@@ -519,7 +519,7 @@ def test_status_reads_the_jobs_records_not_its_sentences(tmp_path, slurm) -> Non
     (run_dir / run_folder.DECISIONS).write_text("".join(json.dumps(r) + "\n" for r in records))
     fake(slurm, "squeue", "exit 0")  # Slurm has forgotten the job
     now = run_status(run_dir)
-    assert [(s.number, s.why) for s in now.segments] == [(1, "submitted"), (2, "preempted (exit 138); requeueing job 41 (restart 1 of at most 10)")]
+    assert [(s["number"], s["why"]) for s in now.segments] == [(1, "submitted"), (2, "preempted (exit 138); requeueing job 41 (restart 1 of at most 10)")]
     assert now.state == "FAILED"  # no end record, no verdict that ends it: Slurm forgot a job still to finish
     with (run_dir / run_folder.DECISIONS).open("a") as handle:
         handle.write(json.dumps({"time": 140.0, "kind": "step-end", "job": "41", "restart": 1, "verdict": "completed", "reason": "done",
@@ -548,6 +548,6 @@ def test_each_job_is_read_from_its_records_else_its_log_and_slurms_cancel_stays_
         time.tzset()
         now = run_status(run_dir)
         assert now.state == "TIMEOUT", (zone, now)
-        assert [s.why.split(";")[0] for s in now.segments][:2] == ["submitted", "the step failed (exit 1)"], now.segments
+        assert [s["why"].split(";")[0] for s in now.segments][:2] == ["submitted", "the step failed (exit 1)"], now.segments
     monkeypatch.delenv("TZ")
     time.tzset()

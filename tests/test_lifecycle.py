@@ -137,7 +137,7 @@ def test_a_running_requeued_job_shows_both_segments_the_step_of_the_total_an_eta
     assert (got.state, got.state_from, got.step, got.total_steps) == ("RUNNING", "squeue", 50, 232)
     assert got.eta_s == pytest.approx((232 - 50) * (133 - 131) / (50 - 30))  # no eta_s in the records: the segment's rate
     assert (got.slowest_rank, got.slowest_step_s) == (2, 0.031)
-    assert [(s.number, s.why, s.from_step, s.outcome) for s in got.segments] == [
+    assert [(s["number"], s["why"], s["from_step"], s["outcome"]) for s in got.segments] == [
         (1, "submitted", 0, "stopped"),
         (2, "preempted (exit 138); requeueing job 41 (restart 1 of at most 10)", 22, None),
     ]
@@ -220,7 +220,7 @@ def test_a_program_that_writes_no_records_still_has_a_state_its_segments_and_its
     run_dir = make_run(tmp_path, logs={"41": log})
     got = status.run_status(run_dir)
     assert got.state == "RUNNING" and got.step is None and got.eta_s is None
-    assert [s.why.split(";")[0] for s in got.segments] == ["submitted", "the step failed (exit 1)", "preempted (exit 138)"]
+    assert [s["why"].split(";")[0] for s in got.segments] == ["submitted", "the step failed (exit 1)", "preempted (exit 138)"]
     with (run_dir / run_folder.LOGS / run_folder.job_log("41")).open("a") as handle:
         handle.write("epoch 3\nddpack: the step completed (exit 0)\n")
     fake(slurm, "squeue", "exit 0")  # MinJobAge later, Slurm has forgotten it: the template's last line still says
@@ -528,7 +528,7 @@ def test_each_segment_shows_its_start_and_end_after_a_cancel_and_a_resubmit(tmp_
     )
     fake(slurm, "squeue", "echo 'RUNNING|None|ddnode[1-2]'")
     got = status.run_status(run_dir)
-    assert [(s.began, s.ended) for s in got.segments] == [(began, began + 300), (began + 600, None)]
+    assert [(s["began"], s["ended"]) for s in got.segments] == [(began, began + 300), (began + 600, None)]
     assert "segment  1 12:00:00-12:05:00" in status.render(got).replace(time.strftime("%H:%M:%S", time.localtime(began)), "12:00:00")
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from ddpack.errors import HostError
 from ddpack.jobs.run_record import read_record
-from ddpack.jobs.run_records import Run, read_run
+from ddpack.jobs.segments import Run, read_run
 from ddpack.private_files import write_atomically
 
 # Fields of the record that name this run rather than what it ran: the same run twice always differs in them.

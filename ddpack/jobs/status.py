@@ -14,13 +14,14 @@ from __future__ import annotations
 import json
 import re
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from ddpack.jobs import slurm_cli
 from ddpack.jobs.run_record import RunRecord, read_record
+from ddpack.jobs.segments import Segment
 from train import run_folder
 from train.metrics import format_duration
 
@@ -32,20 +33,6 @@ DECISION = re.compile(
     r"|the step .*(restarting it in this allocation|requeueing job|not requeueing).*)$"
 )
 KEEP_PROGRESS = 50  # the last progress records parsed: enough for a rate over the segment's recent steps
-
-
-@dataclass(frozen=True, kw_only=True)
-class Segment:
-    """One start of the run's training: the first, each requeue, each restart in place."""
-
-    number: int
-    began: float | None
-    why: str  # "submitted", or the template's decision that started it
-    ended: float | None = None  # its end record's time, or Slurm's when it cancelled the job (None: running, or unknown)
-    hosts: list[str] = field(default_factory=list)
-    from_step: int | None = None
-    slurm_restart: int | None = None
-    outcome: str | None = None  # the end record's, when the segment wrote one
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,7 +53,7 @@ class Status:
     slowest_step_s: float | None
     progress_records: int
     updated: float | None
-    segments: list[Segment]
+    segments: list[dict[str, Any]]  # each Segment's row (segments.Segment.row)
     outcome: dict[str, Any] | None
     image: str | None
     sqsh: str | None
@@ -237,26 +224,21 @@ def segments_of(records: Records, events: list[LogEvent]) -> list[Segment]:
     if records.starts:
         segments = [
             Segment(
-                number=i + 1,
-                began=start.get("time"),
+                start=start,
+                end=ends.get(i),
                 why="submitted" if i == 0 else (starting[i - 1] if i - 1 < len(starting) else "started again (a resubmit)"),
-                ended=ends[i].get("time") if i in ends else None,
-                hosts=sorted(set(start.get("hosts") or [])),
-                from_step=start.get("global_step"),
-                slurm_restart=start.get("slurm_restart_count"),
-                outcome=ends[i].get("outcome") if i in ends else None,
             )
             for i, start in enumerate(records.starts)
         ]
         if len(starting) >= len(records.starts):  # the template started training again; its first record is to come
-            segments.append(Segment(number=len(segments) + 1, began=None, why=f"{starting[-1]} (starting)"))
+            segments.append(Segment(why=f"{starting[-1]} (starting)"))
         return with_cancel_times(segments, events)
     segments = []
     why = "submitted"
     for event in events:
         if event.kind == "banner" or event.verdict == "restart":
             began = event.when if event.kind == "banner" else None
-            segments.append(Segment(number=len(segments) + 1, began=began, why=why if event.kind == "banner" else event.text))
+            segments.append(Segment(logged_at=began, why=why if event.kind == "banner" else event.text))
             why = "started again (a resubmit)"
         elif event.starts_segment:
             why = event.text
@@ -267,15 +249,13 @@ def with_cancel_times(segments: list[Segment], events: list[LogEvent]) -> list[S
     """A segment with no end of its own that Slurm cancelled (scancel, the time limit) ends at Slurm's time: the first
     cancel after it began and before the next segment did."""
     cancels = [e.when for e in events if e.kind == "cancel" and e.when is not None]
-    timed = []
     for i, segment in enumerate(segments):
         following = next((s.began for s in segments[i + 1 :] if s.began is not None), None)
-        if segment.ended is None and segment.began is not None:
+        if segment.end is None and segment.began is not None:
             inside = [t for t in cancels if t >= segment.began - 1 and (following is None or t <= following)]
             if inside:
-                segment = replace(segment, ended=inside[0])
-        timed.append(segment)
-    return timed
+                segment.cancelled_at = inside[0]
+    return segments
 
 
 # --------------------------------------------------------------------------- the state
@@ -364,7 +344,7 @@ def run_status(run_dir: Path, asked: Asked | None = None) -> Status:
         slowest_step_s=rank_steps[slowest] if slowest is not None else None,
         progress_records=records.progress_count,
         updated=(last or {}).get("time"),
-        segments=segments,
+        segments=[segment.row(number) for number, segment in enumerate(segments, 1)],
         outcome=end,
         image=record.image.get("ref"),
         sqsh=record.sqsh.get("path"),
@@ -412,11 +392,11 @@ def render(status: Status) -> str:
     else:
         lines.append("progress no progress records yet (still starting, or a program that writes none)")
     for segment in status.segments:
-        where = f" on {','.join(segment.hosts)}" if segment.hosts else ""
-        start = f" from step {segment.from_step}" if segment.from_step is not None else ""
-        ended = f" -> {segment.outcome}" if segment.outcome else ""
-        span = f"{_clock(segment.began)}-{_clock(segment.ended)}" if segment.ended else _clock(segment.began)
-        lines.append(f"segment  {segment.number} {span}{where}{start}: {segment.why}{ended}")
+        where = f" on {','.join(segment['hosts'])}" if segment["hosts"] else ""
+        start = f" from step {segment['from_step']}" if segment["from_step"] is not None else ""
+        ended = f" -> {segment['outcome']}" if segment["outcome"] else ""
+        span = f"{_clock(segment['began'])}-{_clock(segment['ended'])}" if segment["ended"] else _clock(segment["began"])
+        lines.append(f"segment  {segment['number']} {span}{where}{start}: {segment['why']}{ended}")
     if status.outcome and status.ended:
         lines.append(
             f"end      {status.outcome.get('outcome')} at step {status.outcome.get('global_step')} (exit {status.outcome.get('exit_code')})"

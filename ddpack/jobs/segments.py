@@ -21,18 +21,23 @@ from train import run_folder
 
 @dataclass
 class Segment:
-    """One start of the trainer (a first run, a resume after a stop, a restart after a failure)."""
+    """One start of training (a first run, a resume after a stop, a requeue, a restart in place): its records in the
+    metrics file and, where `ddpack status` knows them, why the job started it and when Slurm ended it. ddpack's one
+    segment: the report draws it, `ddpack status` and `ddpack compare` sum it up (`row`)."""
 
-    start: dict[str, Any] | None
+    start: dict[str, Any] | None = None
     progress: list[dict[str, Any]] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)
     snapshots: list[dict[str, Any]] = field(default_factory=list)
     end: dict[str, Any] | None = None
+    why: str = ""  # "submitted", or the job's decision that started it (status)
+    logged_at: float | None = None  # when the job's log dates this start, for a program that writes no records (status)
+    cancelled_at: float | None = None  # Slurm's cancel (scancel, the time limit), for one without an end record (status)
 
     @property
     def began(self) -> float | None:
         first = self.start or (self.progress[0] if self.progress else None)
-        return first["time"] if first else None
+        return first.get("time") if first else self.logged_at
 
     @property
     def ended(self) -> float | None:
@@ -42,6 +47,21 @@ class Segment:
     @property
     def outcome(self) -> str:
         return self.end["outcome"] if self.end else "no end record (killed, or still running)"
+
+    def row(self, number: int) -> dict[str, Any]:
+        """The segment as `ddpack status` shows it (and `--json` writes it): ended at its end record, else at Slurm's
+        cancel, else not yet (None: running, or unknown)."""
+        start = self.start or {}
+        return {
+            "number": number,
+            "began": self.began,
+            "why": self.why,
+            "ended": self.end.get("time") if self.end else self.cancelled_at,
+            "hosts": sorted(set(start.get("hosts") or [])),
+            "from_step": start.get("global_step"),
+            "slurm_restart": start.get("slurm_restart_count"),
+            "outcome": self.end.get("outcome") if self.end else None,
+        }
 
 
 @dataclass
