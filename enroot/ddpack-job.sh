@@ -20,7 +20,7 @@ ddpack_setup() {
     # 027 lets your group read, for a team that shares runs.
     local mask=${DDPACK_UMASK:-077}
     [[ "${mask}" =~ ^0?[0-7]{3}$ ]] && umask "${mask}"
-    DDPACK_RUN_DIR=$(ddpack_node setup "$1") || exit $?   # see ddpack_node.py setup
+    ddpack_ask DDPACK_RUN_DIR setup "$1"   # see ddpack_node.py setup
     export DDPACK_RUN_DIR
     ddpack_recording=1   # the run folder is this job's now: its decisions are recorded there
     # The hang watchdog's keys in the rendezvous store carry this secret, which only this start's ranks know (made
@@ -33,11 +33,19 @@ ddpack_setup() {
 # ddpack_node VERB ARGS...: enroot/ddpack_node.py, the job's one program (standard-library Python: every decision the
 # job makes), run with this host's system python3 in isolated mode (-I -S: no PYTHON* variables, no user or site
 # packages; it starts in ~20 ms). It hands its own text to the steps it runs on the nodes, which need no checkout.
-ddpack_node_file=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/ddpack_node.py
+ddpack_node_file=$(CDPATH='' cd -- "$(dirname "${BASH_SOURCE[0]}")" && pwd)/ddpack_node.py
 ddpack_python=$(command -v /usr/bin/python3 || command -v python3 || echo python3)
 ddpack_node() {
     [ -f "${ddpack_node_file}" ] || ddpack_die "cannot read ddpack_node.py beside ddpack-job.sh; set DDPACK_HOME to ddpack's enroot/ folder"
-    "${ddpack_python}" -I -S "${ddpack_node_file}" "$@"
+    ddpack_lc_ctype=${LC_CTYPE-"(unset)"} "${ddpack_python}" -I -S "${ddpack_node_file}" "$@"
+}
+
+# ddpack_ask VAR VERB ARGS...: VAR set to the verb's answer (on fd 3), its lines for people left in the job's log.
+ddpack_ask() {
+    local ddpack_ask_to=$1 ddpack_ask_answer
+    shift
+    { ddpack_ask_answer=$(ddpack_answer_fd=3 ddpack_node "$@" 3>&1 1>&4 4>&-); } 4>&1 || exit $?
+    printf -v "${ddpack_ask_to}" '%s' "${ddpack_ask_answer}"
 }
 
 # ddpack_record KIND NAME=VALUE...: one decision of the job as a record in the run folder (decisions.jsonl: a start,
@@ -78,7 +86,7 @@ ddpack_container_path() {
 # submission folder (or DDPACK_PROJECT_DIR as given), as the container sees it with `container`.
 ddpack_project_dir() {
     local dir
-    dir=$(ddpack_node project-dir "${1:-}") || exit $?
+    ddpack_ask dir project-dir "${1:-}"
     if [ -n "${dir}" ]; then export DDPACK_PROJECT_DIR=${dir}; else unset DDPACK_PROJECT_DIR; fi
 }
 
@@ -140,14 +148,15 @@ ddpack_remove_container() {
 # checked), then DDPACK_STAGE's choice (ddpack_node.py's Staging): ddpack_image is SQSH itself, or its copy on each
 # node's local disk, sent there once by sbcast.
 ddpack_prepare_nodes() {
-    ddpack_image=$(ddpack_node stage "$1") || exit $?
+    ddpack_ask ddpack_image stage "$1"
 }
 
 # ddpack_train CMD...: the training step (ddpack_step, then CMD) on the job's training nodes. This script becomes
 # ddpack_node.py train, which runs it, restarts it in this allocation while it can (a spare node swapped in for a bad
 # one), then ends the job or requeues it, keeping out the nodes a hang's forensics named (its Training has the rules).
+# Nothing after ddpack_train runs (an EXIT trap neither): the program outlives the requeue's SIGTERM only as itself.
 ddpack_train() {
-    exec "${ddpack_python}" -I -S "${ddpack_node_file}" train --container "${ddpack_container_name}" "${#ddpack_step[@]}" "${ddpack_step[@]}" "$@"
+    ddpack_lc_ctype=${LC_CTYPE-"(unset)"} exec "${ddpack_python}" -I -S "${ddpack_node_file}" train --container "${ddpack_container_name}" "${#ddpack_step[@]}" "${ddpack_step[@]}" "$@"
 }
 
 # The job's container leaves every node, and the run folder is free for another job (a script that trains no step).

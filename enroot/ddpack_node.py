@@ -744,15 +744,14 @@ def setup(name: str) -> int:
             origin = f"new run; a requeue continues it; to continue it in another job: sbatch --export=ALL,DDPACK_RUN_DIR={run_dir} ..."
     # Made here when missing, then used only when it is this user's (not a link, nobody else can write or swap it), and
     # only by this job while it lives: another live job that names it is refused, naming the holder.
-    with contextlib.redirect_stdout(sys.stderr):
+    with for_people():
         lock(argparse.Namespace(run_dir=str(run_dir), job=job))
-    (run_dir / MARKER).open("w").close()  # forensics newer than this were written during this start
-    # The time closes the line: `ddpack status` dates the segment this start begins, for a program that writes no records.
-    nodes = env.get("SLURM_JOB_NODELIST", "")
-    print(f"ddpack: job {job} (restart {restart}) on {nodes}, run dir {run_dir} ({origin}), at {time.strftime('%Y-%m-%dT%H:%M:%S%z')}",
-          file=sys.stderr, flush=True)  # fmt: skip
+        (run_dir / MARKER).open("w").close()  # forensics newer than this were written during this start
+        # The time closes the line: `ddpack status` dates the segment this start begins, for a program that writes no records.
+        nodes = env.get("SLURM_JOB_NODELIST", "")
+        say(f"job {job} (restart {restart}) on {nodes}, run dir {run_dir} ({origin}), at {time.strftime('%Y-%m-%dT%H:%M:%S%z')}")
     write_record(run_dir, "start", {"nodes": nodes, "origin": origin})
-    print(run_dir)
+    answer(str(run_dir))
     return 0
 
 
@@ -831,10 +830,10 @@ def project_dir(where: str) -> int:
     if where == "container":
         inside = container_path(folder, env.get("DDPACK_MOUNTS", ""))
         if inside is None:
-            print(f"ddpack: {folder} is under none of DDPACK_MOUNTS={env.get('DDPACK_MOUNTS', '')}: --task modules are looked for in the run folder only",
-                  file=sys.stderr)  # fmt: skip
+            with for_people():
+                say(f"{folder} is under none of DDPACK_MOUNTS={env.get('DDPACK_MOUNTS', '')}: --task modules are looked for in the run folder only")
         folder = inside or ""
-    print(folder)
+    answer(folder)
     return 0
 
 
@@ -846,12 +845,13 @@ def preflight(argv: list[str]) -> int:
     if argv[:1] == ["--container"]:
         container, argv = argv[1], argv[2:]
     env = os.environ
-    mode, run_dir, job = env.get("DDPACK_PREFLIGHT") or "0", Path(env["DDPACK_RUN_DIR"]), env["SLURM_JOB_ID"]
+    mode = env.get("DDPACK_PREFLIGHT") or "0"
     if mode == "0":
         return 0
+    run_dir, job = Path(env["DDPACK_RUN_DIR"]), env["SLURM_JOB_ID"]
     report = run_dir / "preflight.json"
     say(f"preflight (DDPACK_PREFLIGHT={mode}): checking the job in its own image, plan and network first")
-    code = subprocess.run(argv).returncode
+    code = command(argv).returncode
     rc = 128 - code if code < 0 else code
     if rc:
         if container:
@@ -872,10 +872,14 @@ def settings_table():  # type: ignore[no-untyped-def]
     """ddpack_settings.py beside this file: the one table of the job's settings (on the batch host, which has the file)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("ddpack_settings", Path(__file__).with_name("ddpack_settings.py"))
+    path = Path(__file__).with_name("ddpack_settings.py")
+    spec = importlib.util.spec_from_file_location("ddpack_settings", path)
     module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     sys.modules.setdefault("ddpack_settings", module)
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    try:
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+    except OSError as why:
+        die(f"cannot read {path} ({one_line(why)}): ddpack_node.py reads the settings table beside it; set DDPACK_HOME to ddpack's enroot/ folder")
     return module
 
 
@@ -886,11 +890,24 @@ def stage_by_model(nodes: int, fsx: int, bcast: int, unpack: int) -> str:
     return "sbcast" if nodes * bcast * unpack > fsx * (bcast + unpack) and nodes * unpack > fsx else "off"
 
 
+def command(argv: list[str], *, timeout: float | None = None, **options: object) -> subprocess.CompletedProcess:
+    """`argv` run as subprocess.run runs it; a command that is missing, cannot start (E2BIG) or outlives `timeout`
+    is a failed one (status 127, or 124 for the timeout, with empty output), as the shell would have it: the job's
+    decisions go on with what they know, they never end in a traceback."""
+    try:
+        return subprocess.run(argv, timeout=timeout, **options)  # type: ignore[call-overload]
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(argv, 124, "" if options.get("text") else b"", "")
+    except OSError as why:
+        warn(f"{argv[0]}: {one_line(why)}")
+        return subprocess.CompletedProcess(argv, 127, "" if options.get("text") else b"", "")
+
+
 def hostnames(hostlist: str) -> list[str]:
     """Slurm's hostlist (ddnode[1-3],gpu1) as names, as `scontrol show hostnames` expands it."""
     if not hostlist:
         return []
-    out = subprocess.run(["scontrol", "show", "hostnames", hostlist], capture_output=True, text=True, timeout=SQUEUE_TIMEOUT_S)
+    out = command(["scontrol", "show", "hostnames", hostlist], capture_output=True, text=True, timeout=SQUEUE_TIMEOUT_S)
     return out.stdout.split()
 
 
@@ -1004,11 +1021,11 @@ class Staging:
 
     def on_nodes(self, nodes: str, count: int, verb: str, *args: str) -> tuple[str, int]:
         """One task of this helper on each of `nodes`: (what they printed, srun's status); their warnings pass through."""
-        command = [
+        argv = [
             "srun", f"--nodes={count}", f"--ntasks={count}", "--ntasks-per-node=1", f"--nodelist={nodes}", sys.executable, "-I", "-S",
             "-c", self.helper, verb, "--dir", self.dir, "--job", self.job, "--keep", str(self.keep), *args,
         ]  # fmt: skip
-        out = subprocess.run(command, stdout=subprocess.PIPE, text=True)
+        out = command(argv, stdout=subprocess.PIPE, text=True)
         return out.stdout, out.returncode
 
     def send(self, key: str, size: int, lacking: str) -> bool:
@@ -1028,12 +1045,17 @@ class Staging:
             '"$5" -I -S -c "$1" receive --dir "$2" --job "${SLURM_JOB_ID}" --incoming "$3" || exit 1\n'
             'echo "${SLURM_STEP_ID}" >"$4/${SLURMD_NODENAME}"\nexec sleep 3600'
         )
-        with open(errors_file, "w") as errors:  # srun's lines about the step's cancel; only a node's refusal is shown
-            holder = subprocess.Popen(
-                ["srun", "--quiet", f"--nodes={count}", f"--ntasks={count}", "--ntasks-per-node=1", f"--nodelist={lacking}",
-                 "bash", "-c", script, "_", self.helper, self.dir, incoming, str(handoff), sys.executable],
-                stderr=errors,
-            )  # fmt: skip
+        try:
+            with open(errors_file, "w") as errors:  # srun's lines about the step's cancel; only a node's refusal is shown
+                holder = subprocess.Popen(
+                    ["srun", "--quiet", f"--nodes={count}", f"--ntasks={count}", "--ntasks-per-node=1", f"--nodelist={lacking}",
+                     "bash", "-c", script, "_", self.helper, self.dir, incoming, str(handoff), sys.executable],
+                    stdout=subprocess.DEVNULL, stderr=errors,
+                )  # fmt: skip
+        except OSError as why:
+            shutil.rmtree(handoff, ignore_errors=True)
+            errors_file.unlink(missing_ok=True)
+            return self.failed(f"staging the image failed: srun: {one_line(why)}; this start reads {self.sqsh} on every node")
         try:
             deadline = time.monotonic() + 120
             while len(list(handoff.iterdir())) < count:
@@ -1045,11 +1067,11 @@ class Staging:
                     )
                 time.sleep(0.2)
             step = next(handoff.iterdir()).read_text().strip()
-            sent = subprocess.run(
+            sent = command(
                 ["sbcast", f"--fanout={self.fanout}", f"--jobid={self.job}.{step}", self.sqsh, f"{self.dir}/{incoming}/{key}.sqsh"],
                 capture_output=True, text=True,
             )  # fmt: skip
-            subprocess.run(["scancel", "--quiet", f"{self.job}.{step}"], capture_output=True)
+            command(["scancel", "--quiet", f"{self.job}.{step}"], capture_output=True)
         finally:
             with contextlib.suppress(ProcessLookupError):
                 holder.terminate()
@@ -1057,16 +1079,17 @@ class Staging:
             shutil.rmtree(handoff, ignore_errors=True)
             errors_file.unlink(missing_ok=True)
         install = ("--key", key, "--size", str(size), "--incoming", incoming)
-        if sent.returncode != 0:
-            self.on_nodes(lacking, count, "install", *install)  # what sbcast left goes with the receiving folders
-            return self.failed(
-                f"staging the image failed: sbcast to {lacking}: {last_line(sent.stdout + sent.stderr)}; this start reads {self.sqsh} on every node"
-            )
-        command = [
+        argv = [
             "srun", f"--nodes={count}", f"--ntasks={count}", "--ntasks-per-node=1", f"--nodelist={lacking}", sys.executable, "-I", "-S",
             "-c", self.helper, "install", "--dir", self.dir, "--job", self.job, "--keep", str(self.keep), *install,
         ]  # fmt: skip
-        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if sent.returncode != 0:
+            failed = self.failed(
+                f"staging the image failed: sbcast to {lacking}: {last_line(sent.stdout + sent.stderr)}; this start reads {self.sqsh} on every node"
+            )
+            command(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # what sbcast left goes with the receiving folders
+            return failed
+        done = command(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         said = [line for line in done.stdout.splitlines() if line.strip()]
         removed = [line for line in said if line.startswith("ddpack: removed")]
         if done.returncode != 0:
@@ -1088,11 +1111,11 @@ class Staging:
 
 
 def stage(args: argparse.Namespace) -> int:
-    """The verb: print the path each node's pyxis imports (stdout's one line); the choice is said on stderr."""
+    """The verb: answer the path each node's pyxis imports; the choice is said for people."""
     helper = Path(__file__).read_text()
-    with contextlib.redirect_stdout(sys.stderr):
+    with for_people():
         image = Staging(args.sqsh, Path(os.environ["DDPACK_RUN_DIR"]), os.environ["SLURM_JOB_ID"], helper).choose()
-    print(image)
+    answer(image)
     return 0
 
 
@@ -1106,7 +1129,7 @@ FORENSICS, METRICS, SUMMARY, UNRESPONSIVE_NODES, REPORT = "forensics", "metrics.
 
 def unhealthy_nodes(hostlist: str) -> list[str]:
     """The nodes of `hostlist` that sinfo says are down, drained, failing or not responding (a trailing *)."""
-    out = subprocess.run(["sinfo", "-h", "-N", "-n", hostlist, "-o", "%N %t"], capture_output=True, text=True)
+    out = command(["sinfo", "-h", "-N", "-n", hostlist, "-o", "%N %t"], capture_output=True, text=True, timeout=SQUEUE_TIMEOUT_S)
     found = []
     for line in out.stdout.splitlines():
         node, _, state = line.partition(" ")
@@ -1133,7 +1156,7 @@ def remove_container(job: str, name: str) -> None:
     pyxis_<name> is not an error). One task per node, with the node's own enroot (the one pyxis runs)."""
     nodes = job_nodelist(job)
     count = str(len(hostnames(nodes)))
-    subprocess.run(
+    command(
         ["srun", "--ntasks-per-node=1", f"--nodes={count}", f"--ntasks={count}", f"--nodelist={nodes}",
          "bash", "-c", 'enroot remove -f "pyxis_$1" >/dev/null 2>&1 || true', "_", name],
     )  # fmt: skip
@@ -1185,12 +1208,13 @@ class Training:
             write_record(self.run_dir, "placement", {"nodes": ",".join(self.last_nodes), "spares": self.spares_now()})
         while True:
             sys.stdout.flush()
-            code = subprocess.run([*self.step, *self.placement, *self.command]).returncode
+            code = command([*self.step, *self.placement, *self.command]).returncode
             rc = 128 - code if code < 0 else code  # a step killed by a signal: its status as the shell gives it
             after = self.after_step(rc)
             if after != "restart":
                 break
-            (self.run_dir / MARKER).open("w").close()  # forensics newer than this belong to the restart
+            with contextlib.suppress(OSError):
+                (self.run_dir / MARKER).open("w").close()  # forensics newer than this belong to the restart
         self.leave(after)
         return rc
 
@@ -1267,7 +1291,10 @@ class Training:
                 f"the step {what} after {failed} failure restarts, the cap DDPACK_MAX_FAILURE_RESTARTS={self.max_failed}; "
                 f"not requeueing ({self.continue_hint()} to continue from its last snapshot)",
             )  # fmt: skip
-        write_private(counted, f"{failed + 1}\n")
+        try:
+            write_private(counted, f"{failed + 1}\n")
+        except OSError as why:  # a full run folder: the decision goes on, uncounted
+            warn(f"could not count this failure restart in {counted}: {one_line(why)}")
         count = f"failure restart {failed + 1} of at most {self.max_failed}"
         named = self.named_this_start()
         without = f", without {','.join(named)} (named unresponsive)" if named else ""
@@ -1325,7 +1352,7 @@ class Training:
             return
         env = os.environ
         partition, needs = env.get("SLURM_JOB_PARTITION", ""), int(env.get("SLURM_JOB_NUM_NODES") or 1)
-        out = subprocess.run(["sinfo", "-h", "-p", partition, "-o", "%D"], capture_output=True, text=True).stdout.split()
+        out = command(["sinfo", "-h", "-p", partition, "-o", "%D"], capture_output=True, text=True, timeout=SQUEUE_TIMEOUT_S).stdout.split()
         total = int(out[0]) if out and out[0].isdigit() else 0
         nodes = ",".join(self.bad_nodes)
         if total - len(self.bad_nodes) < needs:
@@ -1352,7 +1379,7 @@ class Training:
         its record that follow."""
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         sys.stdout.flush()
-        if subprocess.run(["scontrol", "requeue", self.job]).returncode != 0:
+        if command(["scontrol", "requeue", self.job]).returncode != 0:
             self.decide(
                 "end", "end", "requeue-refused", "",
                 f"scontrol requeue {self.job} was refused (its line above says why); the job ends here: {self.continue_hint()} to continue",
@@ -1361,7 +1388,7 @@ class Training:
         if not self.keep_out:
             return
         nodes = ",".join(self.keep_out)
-        if subprocess.run(["scontrol", "update", f"JobId={self.job}", f"ExcNodeList={nodes}"]).returncode == 0:
+        if command(["scontrol", "update", f"JobId={self.job}", f"ExcNodeList={nodes}"]).returncode == 0:
             say(f"keeping {nodes} (named unresponsive by the hang's forensics) out of the restart")
             write_record(self.run_dir, "keep-out", {"nodes": nodes, "kept": "yes"})
         else:
@@ -1400,12 +1427,42 @@ def train(argv: list[str]) -> int:
 
 
 def warn(text: str) -> None:
-    print(f"ddpack: {text}", file=sys.stderr, flush=True)
+    with contextlib.suppress(OSError):
+        print(f"ddpack: {text}", file=sys.stderr, flush=True)
+
+
+ANSWER_FD = os.environ.pop("ddpack_answer_fd", None)  # ddpack-job.sh's ddpack_ask: the fd a verb's answer goes to
+
+
+def answer(text: str) -> None:
+    """A verb's answer, which the shell captures: on the fd ddpack_ask opened for it (the verb's lines for people stay on
+    stdout, in the job's log with the rest), else on stdout (its lines for people then go to stderr: for_people)."""
+    if ANSWER_FD:
+        os.write(int(ANSWER_FD), f"{text}\n".encode())
+    else:
+        print(text, flush=True)
+
+
+def for_people() -> contextlib.AbstractContextManager:
+    """Where a verb with an answer says its lines for people: stdout when the answer has its own fd, else stderr."""
+    return contextlib.nullcontext() if ANSWER_FD else contextlib.redirect_stdout(sys.stderr)
+
+
+def restore_locale() -> None:
+    """Python coerces a C locale to C.UTF-8 and exports LC_CTYPE (PEP 538; -I cannot turn that off): the steps this
+    program starts get LC_CTYPE as the job's shell had it (ddpack-job.sh passes it as ddpack_lc_ctype)."""
+    was = os.environ.pop("ddpack_lc_ctype", None)
+    if was == "(unset)":
+        os.environ.pop("LC_CTYPE", None)
+    elif was is not None:
+        os.environ["LC_CTYPE"] = was
 
 
 def say(text: str) -> None:
-    """A line of the job's log for people (stdout, as the shell's echo; a verb with an answer says its lines on stderr)."""
-    print(f"ddpack: {text}", flush=True)
+    """A line of the job's log for people (stdout, as the shell's echo); a log that cannot be written (a full disk) costs
+    the line, never the decision it tells of."""
+    with contextlib.suppress(OSError):
+        print(f"ddpack: {text}", flush=True)
 
 
 def job_error(run_dir: Path | None, text: str) -> None:
@@ -1434,6 +1491,7 @@ def one_line(why: BaseException) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    restore_locale()
     if argv[:1] == ["train"]:
         return train(argv[1:])
     if argv[:1] == ["setup"] and len(argv) == 2:

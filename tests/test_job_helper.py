@@ -414,10 +414,9 @@ def test_the_staging_choice_is_the_jobs_one_program_and_its_record(tmp_path: Pat
         assert out.returncode == 0, out.stderr
         key = image_key(sqsh)
         image = f"/tmp/ddpack-images-{uid}/{key}.sqsh" if choice == "held" else str(sqsh)
-        assert out.stdout == f"image={image}\n"
         held = f"ddpack: image: all 2 nodes hold {image} already; the shared filesystem is not read"
         said = held if choice == "held" else f"ddpack: image: every node reads {sqsh} ({why})"
-        assert out.stderr == said + "\n"
+        assert out.stdout == f"{said}\nimage={image}\n" and out.stderr == ""  # the line in the job's log, the path in ddpack_image
         assert [(r["kind"], r["choice"]) for r in records] == [("staging", choice)] and records[0]["job"] == "77"
         calls = (tmp_path / str(i) / "calls.txt").read_text()
         assert calls.startswith("srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --nodelist=ddnode[1-2] ")
@@ -451,3 +450,33 @@ def test_a_bad_staging_setting_is_one_line_before_any_node_is_asked(tmp_path: Pa
     _, out, records = staging(tmp_path, "has ddnode1\nhas ddnode2\n", settings=settings)
     assert out.returncode == 2 and out.stderr == f"ddpack: error: {line}\n" and not (tmp_path / "calls.txt").exists()
     assert [r["reason"] for r in records] == ["bad-input"]
+
+
+@pytest.mark.parametrize("lc_ctype", [None, "en_US.UTF-8"])
+def test_the_steps_get_the_jobs_locale_not_pythons_coerced_one(tmp_path: Path, lc_ctype: str | None) -> None:
+    """Python exports LC_CTYPE=C.UTF-8 when it starts under the C locale (PEP 538, even with -I): the job's program hands
+    its steps LC_CTYPE as the job's shell had it, unset included (pyxis carries it into the container)."""
+    (tmp_path / "scontrol").write_text("#!/bin/sh\n")
+    (tmp_path / "scontrol").chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "DDPACK_RUN_DIR": str(tmp_path), "SLURM_JOB_ID": "77"}
+    if lc_ctype:
+        env["LC_CTYPE"] = lc_ctype
+    script = f'. "{HELPER}"; ddpack_step=(sh -c \'echo "lc=${{LC_CTYPE-unset}} $(env | grep -c ^ddpack_)"\' _); ddpack_train'
+    out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and out.stdout.splitlines()[0] == f"lc={lc_ctype or 'unset'} 0", out.stdout + out.stderr
+
+
+def test_a_missing_slurm_command_is_a_failed_one_not_a_traceback(tmp_path: Path) -> None:
+    """No srun on the PATH: the step fails as the shell would say it (127), the decision is made and said, and no
+    Python traceback reaches the job's log."""
+    env = {"PATH": "/usr/bin:/bin", "DDPACK_RUN_DIR": str(tmp_path), "SLURM_JOB_ID": "77", "DDPACK_MAX_FAILURE_RESTARTS": "0"}
+    script = f'. "{HELPER}"; ddpack_step=(srun-that-is-not-here); ddpack_train x'
+    out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 127 and "Traceback" not in out.stderr, out.stderr
+    assert out.stdout.startswith("ddpack: the step failed (exit 127) after 0 failure restarts"), out.stdout
+
+
+def test_the_program_the_nodes_get_fits_in_one_argument() -> None:
+    """Each node runs the job's program as `python3 -c TEXT` (it needs no checkout): Linux refuses one argument over
+    128 KiB (MAX_ARG_STRLEN), so the program must stay well under it, or move its node verbs to a file of their own."""
+    assert len((ROOT / "enroot" / "ddpack_node.py").read_bytes()) < 110 * 1024
