@@ -67,7 +67,7 @@ APP_OPTS = $(if $(APP),--app '$(APP)' --app-cmd "$$APP_CMD" --bundle-tag $(IMAGE
 AWS_ENV := AWS_REGION='$(AWS_REGION)' DDPACK_REGISTRY='$(DDPACK_REGISTRY)'
 IMAGE_ENV := BASE_IMAGE='$(BASE_IMAGE)' WHEELHOUSE='$(WHEELHOUSE)' CA_BUNDLE='$(CA_BUNDLE)' TORCH_VERSION='$(TORCH_VERSION)'
 
-.PHONY: help venv test test-quick lint bench bench-images bench-sqsh bench-start bench-goodput bench-lifecycle bench-experiments bench-gpu clean engine base image image-gpu smoke push push-gpu enroot-credentials sqsh sqsh-gpu report
+.PHONY: help venv test test-quick lint bench bench-images bench-sqsh bench-start bench-goodput bench-lifecycle bench-experiments bench-restart bench-gpu clean engine base image image-gpu smoke push push-gpu enroot-credentials sqsh sqsh-gpu report
 
 help: ## list targets and variables
 	@echo "ddpack - build, ship and launch PyTorch DDP in containers on Slurm"
@@ -151,6 +151,9 @@ bench-lifecycle: venv ## print ddpack submit with nothing changed vs plain sbatc
 
 bench-experiments: venv ## print a 100-point sweep's own cost beyond one submit, and ddpack ls on 1,000 runs (fake Slurm: ddpack's own work)
 	$(VPY) bench/bench_experiments.py $(BENCH_EXPERIMENTS_ARGS)
+
+bench-restart: venv ## print a killed rank's restart in place, the job program at fa34be6 against now, A B A B, and where the seconds go (root, Slurm)
+	$(VPY) bench/bench_restart.py $(BENCH_RESTART_ARGS)
 
 push: engine ## push IMAGE:TAG to ECR (boto3 + docker SDK; AWS_REGION, ECR_REPOSITORY, PUSH_ARGS)
 	$(AWS_ENV) $(VPY) -m ddpack.build.push --image $(CPU_REF) --repository $(ECR_REPOSITORY) --tag $(TAG) $(PUSH_ARGS)

@@ -1,0 +1,127 @@
+"""A killed rank trained again in place: the job program at a revision against the one now, side by side (issue 48,
+point 7), and where the seconds go.
+
+Each round runs, for each side in turn (A B A B ...), one job of the bundled trainer through that side's own
+enroot/baremetal.sbatch (its ddpack-job.sh and job program beside it, DDPACK_HOME): 4 ranks on 2 of the test cluster's
+nodes, --snapshot-every 10. Once it trains, rank 3 is SIGKILLed (the OOM killer) and the job is followed
+(recovery_timing.follow) until the restarted step trains:
+
+- detect: the failure -> the failing segment's end record (rank 0's collective failed: it knows);
+- decided: -> the job's decision in its log ("restarting it in this allocation"): the step has ended (srun waits for
+  the survivors, which end on the failed collective) and the job program has decided;
+- started: -> the restarted segment's start record: srun's new step, then the trainer's start (a process, `import
+  torch`, the rendezvous, the snapshot's load);
+- back: -> its first progress record (the first step too).
+
+Medians per side, and now/before. The floor of back - decided is a process start and `import torch` (timed here, on
+this host: the test nodes are its processes), the rendezvous and the snapshot's load.
+
+    python bench/bench_restart.py [--before fa34be6] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.recovery_timing import follow, log_length, read_metrics  # noqa: E402
+from testbed.slurm_jobs import env, signal_tasks, wait_for_progress  # noqa: E402
+
+TRAIN_ARGS = "--dataset-size 32768 --epochs 3 --log-every 1 --snapshot-every 10 --hang-timeout 30"
+NODES = ("ddnode1", "ddnode2", "ddnode3")
+
+
+def enroot_at(revision: str, into: Path) -> Path:
+    """enroot/ as it was at `revision` (templates, helper, job program), in a folder of its own."""
+    into.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", revision, "enroot"], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into / "enroot"
+
+
+def one_restart(enroot: Path, folder: Path) -> dict[str, float]:
+    """One job, one killed rank, the seconds after it (see the module's docstring)."""
+    (folder / "logs").mkdir(parents=True)
+    exports = f"ALL,DDPACK_TRAIN_ARGS={TRAIN_ARGS},DDPACK_STEP_WAIT=30,DDPACK_MAX_FAILURE_RESTARTS=1,DDPACK_HOME={enroot}"
+    job = subprocess.run(
+        ["sbatch", "--parsable", "--job-name=restart", f"--export={exports}", "--nodes=2", "--ntasks-per-node=2", str(enroot / "baremetal.sbatch")],
+        cwd=folder, capture_output=True, text=True, check=True, env=env(OMP_NUM_THREADS="1"),
+    ).stdout.strip()  # fmt: skip
+    metrics, log = folder / "runs" / f"restart-{job}" / "metrics.jsonl", folder / "logs" / f"restart-{job}.out"
+    try:
+        wait_for_progress(metrics, 30, log, "the job did not train", timeout=300)
+        skip, failed_at = log_length(log), time.time()
+        if not any(signal_tasks(job, node, signal.SIGKILL, rank=3) for node in NODES):
+            raise SystemExit(f"bench_restart: job {job} has no rank 3; see {log}")
+        recovery = follow(metrics, log, failed_at, skip, timeout=300)
+        starts = [r["time"] for r in read_metrics(metrics) if r["kind"] == "start" and r["time"] > failed_at]
+    finally:
+        subprocess.run(["scancel", job], capture_output=True)
+        while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip():
+            time.sleep(0.5)
+    return {
+        "detect": recovery.detect_s if recovery.detect_s is not None else float("nan"),
+        "decided": recovery.decided_s,
+        "started": starts[0] - failed_at if starts else float("nan"),
+        "back": recovery.back_s,
+    }
+
+
+def import_torch_s(python: str, rounds: int = 3) -> float:
+    """A process start and `import torch` on this host, the median of `rounds`: the largest part of a trainer's start."""
+    times = []
+    for _ in range(rounds):
+        started = time.monotonic()
+        subprocess.run([python, "-c", "import torch"], check=True)
+        times.append(time.monotonic() - started)
+    return statistics.median(times)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", default="fa34be6", help="the revision whose job program is side A")
+    parser.add_argument("--rounds", type=int, default=3)
+    opts = parser.parse_args()
+    if subprocess.run(["sinfo", "-h"], capture_output=True).returncode != 0:
+        print("bench_restart: no Slurm controller answers (sinfo); start the test cluster: .venv/bin/python testbed/slurm_cluster.py", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="ddpack-bench-restart-", dir="/tmp") as tmp:
+        work = Path(tmp)
+        work.chmod(0o755)
+        sides = {"before": enroot_at(opts.before, work / "before"), "now": enroot_at("HEAD", work / "now")}
+        rows: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
+        for round_ in range(opts.rounds):
+            for side, enroot in sides.items():
+                row = one_restart(enroot, work / f"{side}-{round_}")
+                rows[side].append(row)
+                print(f"round {round_ + 1} {side:<6} " + "  ".join(f"{k} {v:5.2f} s" for k, v in row.items()), flush=True)
+        floor = import_torch_s(str(Path(sys.executable)))
+    print(f"\na killed rank trained again in place ({opts.rounds} rounds, A B A B; medians; seconds after the SIGKILL)")
+    print(f"{'':<8} {'detect':>7} {'decided':>8} {'started':>8} {'back':>7}")
+    medians = {side: {k: statistics.median(r[k] for r in found) for k in found[0]} for side, found in rows.items()}
+    for side, found in medians.items():
+        print(f"{side:<8} " + " ".join(f"{found[k]:>7.2f}" if k == "detect" else f"{found[k]:>8.2f}" for k in ("detect", "decided", "started", "back")))
+    now, before = medians["now"], medians["before"]
+    print(f"now/before: decided {now['decided'] / before['decided']:.2f}x, back {now['back'] / before['back']:.2f}x")
+    print(
+        f"where now's {now['back']:.1f} s go: {now['detect']:.1f} s to detect, {now['decided'] - now['detect']:.1f} s for the step to end and "
+        f"the decision, {now['started'] - now['decided']:.1f} s for the new step and the trainer's start (floor here: a process and "
+        f"`import torch` take {floor:.1f} s), {now['back'] - now['started']:.1f} s to the first progress record"
+    )
+    print(json.dumps({"before": opts.before, "medians": medians, "import_torch_s": floor}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
