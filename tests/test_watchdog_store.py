@@ -89,7 +89,9 @@ def test_a_malformed_token_stops_ddpack_run_with_exit_2(monkeypatch: pytest.Monk
     assert err.count("\n") == 1 and err.startswith(f"ddpack_run: error: {JOB_TOKEN_VAR} (5 characters, not all hex)")
 
 
-PRINT_TOKEN = f"import os; print('token', os.environ.get('{JOB_TOKEN_VAR}'), os.environ.get('RANK'), flush=True)"
+# One write a line: two ranks share the pipe, and an unbuffered print writes each piece on its own ("tokentoken ..." in
+# a CI run, where the two ranks' pieces interleaved).
+PRINT_TOKEN = f"import os; os.write(1, f\"token {{os.environ.get('{JOB_TOKEN_VAR}')}} {{os.environ.get('RANK')}}\\n\".encode())"
 
 
 def test_the_launcher_hands_the_token_to_the_command() -> None:
