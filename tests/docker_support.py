@@ -66,7 +66,10 @@ def build_readme_project(folder: Path) -> ReadmeProject:
     line = readme_line("make image smoke sqsh APP=../cpu-ddp ")
     command = f"{line.replace('../cpu-ddp', str(folder))} VENV={sys.prefix}"
     out = subprocess.run(["bash", "-c", command], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=3600)
-    assert out.returncode == 0, f"{command} failed (exit {out.returncode}):\n{out.stdout[-6000:]}\n{out.stderr[-3000:]}"
+    said = [line for line in out.stdout.splitlines() if line.startswith(("smoke[", "images:", "sqsh:")) or "Error" in line or "error:" in line]
+    assert out.returncode == 0, (  # the verdicts and the first errors first: the tail alone can be one rank's C++ frames
+        f"{command} failed (exit {out.returncode}):\n" + "\n".join(said[:40]) + f"\n...\n{out.stdout[-4000:]}\n{out.stderr[-3000:]}"
+    )
     built = re.search(r"^images: building (\S+) on (\S+): app cpu-ddp ", out.stdout, re.M)
     assert built, out.stdout
     sqsh = ROOT / "build" / f"{built[1].replace(':', '+')}.sqsh"  # make sqsh's default SQSH
