@@ -13,10 +13,10 @@ nodes, --snapshot-every 10. Once it trains, rank 3 is SIGKILLed (the OOM killer)
   torch`, the rendezvous, the snapshot's load);
 - back: -> its first progress record (the first step too).
 
-Medians per side, and now/before. The floor of back - decided is a process start and `import torch` (timed here, on
-this host: the test nodes are its processes), the rendezvous and the snapshot's load.
+Medians per side, and now/before. The floor of started - decided is a step whose 4 tasks start Python and `import
+torch` (timed here: the test nodes share this host's cores), then the rendezvous and the snapshot's load.
 
-    python bench/bench_restart.py [--before fa34be6] [--rounds 3]
+    python bench/bench_restart.py [--before fa34be6] [--rounds 3] [--sqsh build/IMAGE.sqsh]
 """
 
 from __future__ import annotations
@@ -50,12 +50,17 @@ def enroot_at(revision: str, into: Path) -> Path:
     return into / "enroot"
 
 
-def one_restart(enroot: Path, folder: Path) -> dict[str, float]:
-    """One job, one killed rank, the seconds after it (see the module's docstring)."""
+def one_restart(enroot: Path, folder: Path, sqsh: Path | None) -> dict[str, float]:
+    """One job, one killed rank, the seconds after it (see the module's docstring); with `sqsh`, through
+    pyxis-per-task.sbatch in that image (the restarted step starts in the job's container, already unpacked)."""
     (folder / "logs").mkdir(parents=True)
     exports = f"ALL,DDPACK_TRAIN_ARGS={TRAIN_ARGS},DDPACK_STEP_WAIT=30,DDPACK_MAX_FAILURE_RESTARTS=1,DDPACK_HOME={enroot}"
+    template = "baremetal.sbatch"
+    if sqsh is not None:
+        exports += f",DDPACK_SQSH={sqsh},DDPACK_MOUNTS=/tmp:/tmp"
+        template = "pyxis-per-task.sbatch"
     job = subprocess.run(
-        ["sbatch", "--parsable", "--job-name=restart", f"--export={exports}", "--nodes=2", "--ntasks-per-node=2", str(enroot / "baremetal.sbatch")],
+        ["sbatch", "--parsable", "--job-name=restart", f"--export={exports}", "--nodes=2", "--ntasks-per-node=2", str(enroot / template)],
         cwd=folder, capture_output=True, text=True, check=True, env=env(OMP_NUM_THREADS="1"),
     ).stdout.strip()  # fmt: skip
     metrics, log = folder / "runs" / f"restart-{job}" / "metrics.jsonl", folder / "logs" / f"restart-{job}.out"
@@ -79,11 +84,12 @@ def one_restart(enroot: Path, folder: Path) -> dict[str, float]:
 
 
 def import_torch_s(python: str, rounds: int = 3) -> float:
-    """A process start and `import torch` on this host, the median of `rounds`: the largest part of a trainer's start."""
+    """A step of the same shape (srun, 2 nodes, 4 tasks) whose tasks only start Python and `import torch`, the median of
+    `rounds`: the floor of a trainer's start here (the test nodes share this host's cores)."""
     times = []
     for _ in range(rounds):
         started = time.monotonic()
-        subprocess.run([python, "-c", "import torch"], check=True)
+        subprocess.run(["srun", "--nodes=2", "--ntasks=4", python, "-c", "import torch"], check=True, capture_output=True)
         times.append(time.monotonic() - started)
     return statistics.median(times)
 
@@ -92,6 +98,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", default="fa34be6", help="the revision whose job program is side A")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--sqsh", type=Path, help="an image (make sqsh): the pyxis path, pyxis-per-task.sbatch, instead of bare metal")
     opts = parser.parse_args()
     if subprocess.run(["sinfo", "-h"], capture_output=True).returncode != 0:
         print("bench_restart: no Slurm controller answers (sinfo); start the test cluster: .venv/bin/python testbed/slurm_cluster.py", file=sys.stderr)
@@ -103,11 +110,12 @@ def main() -> int:
         rows: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
         for round_ in range(opts.rounds):
             for side, enroot in sides.items():
-                row = one_restart(enroot, work / f"{side}-{round_}")
+                row = one_restart(enroot, work / f"{side}-{round_}", opts.sqsh)
                 rows[side].append(row)
                 print(f"round {round_ + 1} {side:<6} " + "  ".join(f"{k} {v:5.2f} s" for k, v in row.items()), flush=True)
         floor = import_torch_s(str(Path(sys.executable)))
-    print(f"\na killed rank trained again in place ({opts.rounds} rounds, A B A B; medians; seconds after the SIGKILL)")
+    path = f"pyxis-per-task.sbatch, {opts.sqsh.name}" if opts.sqsh else "baremetal.sbatch"
+    print(f"\na killed rank trained again in place ({path}; {opts.rounds} rounds, A B A B; medians; seconds after the SIGKILL)")
     print(f"{'':<8} {'detect':>7} {'decided':>8} {'started':>8} {'back':>7}")
     medians = {side: {k: statistics.median(r[k] for r in found) for k in found[0]} for side, found in rows.items()}
     for side, found in medians.items():
@@ -116,8 +124,8 @@ def main() -> int:
     print(f"now/before: decided {now['decided'] / before['decided']:.2f}x, back {now['back'] / before['back']:.2f}x")
     print(
         f"where now's {now['back']:.1f} s go: {now['detect']:.1f} s to detect, {now['decided'] - now['detect']:.1f} s for the step to end and "
-        f"the decision, {now['started'] - now['decided']:.1f} s for the new step and the trainer's start (floor here: a process and "
-        f"`import torch` take {floor:.1f} s), {now['back'] - now['started']:.1f} s to the first progress record"
+        f"the decision, {now['started'] - now['decided']:.1f} s for the new step and the trainer's start (its floor here: a step of 4 "
+        f"tasks that only import torch takes {floor:.1f} s), {now['back'] - now['started']:.1f} s to the first progress record"
     )
     print(json.dumps({"before": opts.before, "medians": medians, "import_torch_s": floor}))
     return 0
