@@ -57,24 +57,11 @@ ddpack_record() {
     ddpack_node record "${DDPACK_RUN_DIR}" "$@" || true
 }
 
-# Each task of a one-task-per-GPU step gets its share of the node's CPUs. srun (Slurm 22.05 and later)
-# does not inherit the job's --cpus-per-task, and without one each task may be bound to a single CPU: 8
-# GPU ranks and their DataLoader workers on 8 cores of a 96-core node. srun reads SRUN_CPUS_PER_TASK:
-# the job's --cpus-per-task when it gave one, else the node's CPUs divided among its tasks. A value the
-# job set itself stands.
+# Each task of a one-task-per-GPU step gets its share of the node's CPUs (ddpack_node.py cpus-per-task says why).
 ddpack_cpus_per_task() {
-    [ -n "${SRUN_CPUS_PER_TASK:-}" ] && return 0
-    local cpus=${SLURM_CPUS_ON_NODE:-} tasks=${SLURM_NTASKS_PER_NODE:-} share
-    if [[ "${SLURM_CPUS_PER_TASK:-}" =~ ^[0-9]+$ ]]; then
-        share=${SLURM_CPUS_PER_TASK}
-    elif [[ "${cpus}" =~ ^[0-9]+$ && "${tasks}" =~ ^[0-9]+$ ]] && (( tasks > 0 )); then
-        share=$(( cpus / tasks ))
-    else
-        return 0
-    fi
-    (( share > 1 )) || return 0
-    export SRUN_CPUS_PER_TASK=${share}
-    echo "ddpack: each task gets ${share} CPUs (SRUN_CPUS_PER_TASK; set it to choose)"
+    local share
+    ddpack_ask share cpus-per-task
+    [ -z "${share}" ] || export SRUN_CPUS_PER_TASK=${share}
 }
 
 # P as the container sees it through DDPACK_MOUNTS, or a one-line error.

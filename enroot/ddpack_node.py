@@ -767,6 +767,27 @@ def private_log(job: str) -> None:
                 os.chmod(log, 0o666 & ~mask)
 
 
+def cpus_per_task() -> int:
+    """The verb: each task's share of its node's CPUs, for a one-task-per-GPU step (answered; nothing when srun's own
+    choice stands). srun (Slurm 22.05 and later) does not inherit the job's --cpus-per-task, and without one each task
+    may be bound to a single CPU: 8 GPU ranks and their DataLoader workers on 8 cores of a 96-core node. srun reads
+    SRUN_CPUS_PER_TASK: the job's --cpus-per-task when it gave one, else the node's CPUs divided among its tasks. A
+    value the job set itself stands."""
+    env = os.environ
+    cpus, tasks, given = env.get("SLURM_CPUS_ON_NODE", ""), env.get("SLURM_NTASKS_PER_NODE", ""), env.get("SLURM_CPUS_PER_TASK", "")
+    share = 0
+    if not env.get("SRUN_CPUS_PER_TASK"):
+        if given.isdigit():
+            share = int(given)
+        elif cpus.isdigit() and tasks.isdigit() and int(tasks) > 0:
+            share = int(cpus) // int(tasks)
+    if share > 1:
+        with for_people():
+            say(f"each task gets {share} CPUs (SRUN_CPUS_PER_TASK; set it to choose)")
+    answer(str(share) if share > 1 else "")
+    return 0
+
+
 def words(name: str) -> int:
     """The words of a command setting (DDPACK_TRAIN_ARGS, DDPACK_PREFLIGHT_ARGS, DDPACK_LAUNCH_ARGS), or with COMMAND
     what the training step runs after the entrypoint: `--` and DDPACK_COMMAND's words (your own program), else
@@ -1496,6 +1517,8 @@ def main(argv: list[str] | None = None) -> int:
         return train(argv[1:])
     if argv[:1] == ["setup"] and len(argv) == 2:
         return setup(argv[1])
+    if argv[:1] == ["cpus-per-task"]:
+        return cpus_per_task()
     if argv[:1] == ["words"] and len(argv) == 2:
         return words(argv[1])
     if argv[:1] == ["container-path"] and len(argv) == 2:
