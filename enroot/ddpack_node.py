@@ -777,9 +777,9 @@ def cpus_per_task() -> int:
     cpus, tasks, given = env.get("SLURM_CPUS_ON_NODE", ""), env.get("SLURM_NTASKS_PER_NODE", ""), env.get("SLURM_CPUS_PER_TASK", "")
     share = 0
     if not env.get("SRUN_CPUS_PER_TASK"):
-        if given.isdigit():
+        if re.fullmatch(r"[0-9]+", given):
             share = int(given)
-        elif cpus.isdigit() and tasks.isdigit() and int(tasks) > 0:
+        elif re.fullmatch(r"[0-9]+", cpus) and re.fullmatch(r"[0-9]+", tasks) and int(tasks) > 0:
             share = int(cpus) // int(tasks)
     if share > 1:
         with for_people():
@@ -924,17 +924,23 @@ def command(argv: list[str], *, timeout: float | None = None, **options: object)
         return subprocess.CompletedProcess(argv, 127, "" if options.get("text") else b"", "")
 
 
-def hostnames(hostlist: str) -> list[str]:
-    """Slurm's hostlist (ddnode[1-3],gpu1) as names, as `scontrol show hostnames` expands it."""
+def hostnames(hostlist: str) -> list[str] | None:
+    """Slurm's hostlist (ddnode[1-3],gpu1) as names, as `scontrol show hostnames` expands it; None when scontrol did
+    not answer (three tries a second apart): unknown, never "no nodes"."""
     if not hostlist:
         return []
-    out = command(["scontrol", "show", "hostnames", hostlist], capture_output=True, text=True, timeout=SQUEUE_TIMEOUT_S)
-    return out.stdout.split()
+    for attempt in range(3):
+        out = command(["scontrol", "show", "hostnames", hostlist], capture_output=True, text=True, timeout=SQUEUE_TIMEOUT_S)
+        if out.returncode == 0:
+            return out.stdout.split()
+        if attempt < 2:
+            time.sleep(1)
+    return None
 
 
 def natural(name: str) -> list[object]:
     """`sort -V`'s order for node names: node2 before node10."""
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+    return [int(part) if part.isascii() and part.isdigit() else part for part in re.split(r"([0-9]+)", name)]
 
 
 def job_nodelist(job: str) -> str:
@@ -952,7 +958,7 @@ def gpus_promised(job: str) -> int:
     for entry in scontrol_fields(job, ("TresPerNode",)).get("TresPerNode", "").split(","):
         if re.fullmatch(r"gres[:/]gpu(:.*)?", entry):
             count = entry.rsplit(":", 1)[-1]
-            total += int(count) if count.isdigit() else 1
+            total += int(count) if re.fullmatch(r"[0-9]+", count) else 1
     return total
 
 
@@ -992,7 +998,7 @@ class Staging:
         else:
             mode, why = "off", "not a file: pyxis imports it on every node"
         nodes = job_nodelist(self.job)
-        count = len(hostnames(nodes))
+        count = len(hostnames(nodes) or [])  # unknown: the prepare step cannot run, and the nodes read the shared file
         if mode != "off":
             try:
                 key, size = image_key(Path(self.sqsh)), os.stat(self.sqsh).st_size
@@ -1054,7 +1060,7 @@ class Staging:
         step's nodes) and makes on each a new private folder for it (receive: sbcast never writes through a name another
         user could have planted), the copy, then each node checks it (ours, a plain file, the whole size) and renames it
         into place (install). On a failure one line names the node and why, and this start reads the shared file."""
-        count = len(hostnames(lacking))
+        count = len(lacking.split(","))  # the lacking nodes' own names
         incoming = f".incoming-{self.job}-{os.urandom(8).hex()}"
         started = time.monotonic()
         try:
@@ -1117,7 +1123,7 @@ class Staging:
             first = next((line for line in said if line not in removed), "no message")
             return self.failed(f"staging the image failed on {first}; this start reads {self.sqsh} on every node")
         for line in removed:
-            print(line, file=sys.stderr, flush=True)
+            write_line(sys.stdout, line)
         seconds = f"{time.monotonic() - started:.3f}"
         say(f"image: sent {self.sqsh} ({size // 1048576} MiB) once, by sbcast, to {lacking} as {self.dir}/{key}.sqsh in {seconds} s")
         sent_record = {"choice": "sent", "why": "sbcast to the nodes lacking it", "nodes": lacking, "sqsh": self.sqsh, "seconds": seconds}
@@ -1176,7 +1182,7 @@ def remove_container(job: str, name: str) -> None:
     plugstack.conf sets container_scope=job, when pyxis calls it pyxis_<job>_<name> and removes it itself, so a missing
     pyxis_<name> is not an error). One task per node, with the node's own enroot (the one pyxis runs)."""
     nodes = job_nodelist(job)
-    count = str(len(hostnames(nodes)))
+    count = str(len(hostnames(nodes) or []))
     command(
         ["srun", "--ntasks-per-node=1", f"--nodes={count}", f"--ntasks={count}", f"--nodelist={nodes}",
          "bash", "-c", 'enroot remove -f "pyxis_$1" >/dev/null 2>&1 || true', "_", name],
@@ -1224,6 +1230,11 @@ class Training:
         """Train until the job ends here or goes back to the queue; the last step's status."""
         if self.spares > 0:
             if not self.place():
+                if self.short.startswith("Slurm did not"):  # not bad input: the job fails, and says why
+                    say(f"cannot place the training step: {self.short}")
+                    write_record(self.run_dir, "step-end", {"verdict": "end", "reason": "no-placement", "exit": "1", "text": self.short})
+                    self.leave("end")
+                    return 1
                 job_error(self.run_dir, f"DDPACK_SPARE_NODES={self.spares}: {self.short}")
             say(f"training on {','.join(self.last_nodes)}; spare: {self.spares_now()}")
             write_record(self.run_dir, "placement", {"nodes": ",".join(self.last_nodes), "spares": self.spares_now()})
@@ -1253,14 +1264,18 @@ class Training:
                 f"DDPACK_SPARE_NODES={self.spares} leaves no node to train on: the job has {total}; ask sbatch for --nodes=<training nodes + spares>",
             )
         per_node = (env.get("SLURM_NTASKS_PER_NODE") or "").split("(")[0]
-        if not per_node.isdigit():
+        if not re.fullmatch(r"[0-9]+", per_node):
             job_error(
                 self.run_dir,
                 f"a restart in this allocation needs --ntasks-per-node (SLURM_NTASKS_PER_NODE={env.get('SLURM_NTASKS_PER_NODE', '')}); the templates set it",
             )
         listed = job_nodelist(self.job)
         bad = {*self.bad_nodes, *unhealthy_nodes(listed)}
-        names = [node for node in hostnames(listed) if node not in bad]
+        listed_names = hostnames(listed)
+        if listed_names is None:
+            self.short = "Slurm did not list the job's nodes (scontrol show hostnames failed)"
+            return False
+        names = [node for node in listed_names if node not in bad]
         healthy = [node for node in names if node in self.last_nodes] + [node for node in names if node not in self.last_nodes]
         if len(healthy) < need:
             self.short = f"{len(healthy)} healthy node(s) left in the allocation and training needs {need}"
@@ -1271,7 +1286,7 @@ class Training:
 
     def spares_now(self) -> str:
         """The allocation's nodes that are not the ones training uses now."""
-        spare = [node for node in hostnames(job_nodelist(self.job)) if node not in self.last_nodes]
+        spare = [node for node in hostnames(job_nodelist(self.job)) or [] if node not in self.last_nodes]
         return ",".join(spare) or "none"
 
     def after_step(self, rc: int) -> str:
@@ -1345,10 +1360,11 @@ class Training:
     def lost_nodes(self) -> list[str]:
         """The nodes the last step ran on that the job lost (Slurm dropped them from this --no-kill job) or that sinfo
         says are down, drained or failing."""
-        ran = self.last_nodes or hostnames(os.environ.get("SLURM_JOB_NODELIST", ""))
+        ran = self.last_nodes or hostnames(os.environ.get("SLURM_JOB_NODELIST", "")) or []
         if not ran:
             return []
-        now = set(hostnames(job_nodelist(self.job)))
+        listed = hostnames(job_nodelist(self.job))
+        now = set(ran if listed is None else listed)  # unknown: only sinfo's word counts, never "all were lost"
         bad = set(unhealthy_nodes(",".join(ran)))
         return [node for node in ran if node not in now or node in bad]
 
@@ -1359,7 +1375,7 @@ class Training:
         named = self.run_dir / FORENSICS / UNRESPONSIVE_NODES
         if not (named.is_file() and named.stat().st_size and newer(named, self.run_dir / MARKER)):
             return []
-        ours = {*hostnames(os.environ.get("SLURM_JOB_NODELIST", "")), *hostnames(job_nodelist(self.job))}
+        ours = {*(hostnames(os.environ.get("SLURM_JOB_NODELIST", "")) or []), *(hostnames(job_nodelist(self.job)) or [])}
         found: list[str] = []
         for line in named.read_text(errors="replace").splitlines():
             if line in ours and line not in found:
@@ -1374,7 +1390,7 @@ class Training:
         env = os.environ
         partition, needs = env.get("SLURM_JOB_PARTITION", ""), int(env.get("SLURM_JOB_NUM_NODES") or 1)
         out = command(["sinfo", "-h", "-p", partition, "-o", "%D"], capture_output=True, text=True, timeout=SQUEUE_TIMEOUT_S).stdout.split()
-        total = int(out[0]) if out and out[0].isdigit() else 0
+        total = int(out[0]) if out and re.fullmatch(r"[0-9]+", out[0]) else 0
         nodes = ",".join(self.bad_nodes)
         if total - len(self.bad_nodes) < needs:
             why = f"partition {partition or '?'} has {total} nodes and the job needs {needs}"
@@ -1438,7 +1454,7 @@ def train(argv: list[str]) -> int:
     container = ""
     if argv[:1] == ["--container"]:
         container, argv = argv[1], argv[2:]
-    if not argv or not argv[0].isdigit():
+    if not argv or not re.fullmatch(r"[0-9]+", argv[0]):
         die("train: expected [--container NAME] N STEP... COMMAND..., N the step's words")
     count = int(argv[0])
     return Training(argv[1 : 1 + count], argv[1 + count :], container).run()
@@ -1447,9 +1463,16 @@ def train(argv: list[str]) -> int:
 # --------------------------------------------------------------------------- plumbing
 
 
+def write_line(stream: object, text: str) -> None:
+    """One line to `stream`'s file descriptor in one write, nothing left in Python's buffer (which would fail again at
+    exit and turn the status into 120 when the log's disk is full): a line that cannot be written is lost alone."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        stream.flush()  # type: ignore[attr-defined]
+        os.write(stream.fileno(), os.fsencode(text) + b"\n")  # type: ignore[attr-defined]
+
+
 def warn(text: str) -> None:
-    with contextlib.suppress(OSError):
-        print(f"ddpack: {text}", file=sys.stderr, flush=True)
+    write_line(sys.stderr, f"ddpack: {text}")
 
 
 ANSWER_FD = os.environ.pop("ddpack_answer_fd", None)  # ddpack-job.sh's ddpack_ask: the fd a verb's answer goes to
@@ -1459,7 +1482,7 @@ def answer(text: str) -> None:
     """A verb's answer, which the shell captures: on the fd ddpack_ask opened for it (the verb's lines for people stay on
     stdout, in the job's log with the rest), else on stdout (its lines for people then go to stderr: for_people)."""
     if ANSWER_FD:
-        os.write(int(ANSWER_FD), f"{text}\n".encode())
+        os.write(int(ANSWER_FD), os.fsencode(text) + b"\n")
     else:
         print(text, flush=True)
 
@@ -1482,8 +1505,7 @@ def restore_locale() -> None:
 def say(text: str) -> None:
     """A line of the job's log for people (stdout, as the shell's echo); a log that cannot be written (a full disk) costs
     the line, never the decision it tells of."""
-    with contextlib.suppress(OSError):
-        print(f"ddpack: {text}", flush=True)
+    write_line(sys.stdout, f"ddpack: {text}")
 
 
 def job_error(run_dir: Path | None, text: str) -> None:

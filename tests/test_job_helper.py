@@ -480,3 +480,34 @@ def test_the_program_the_nodes_get_fits_in_one_argument() -> None:
     """Each node runs the job's program as `python3 -c TEXT` (it needs no checkout): Linux refuses one argument over
     128 KiB (MAX_ARG_STRLEN), so the program must stay well under it, or move its node verbs to a file of their own."""
     assert len((ROOT / "enroot" / "ddpack_node.py").read_bytes()) < 110 * 1024
+
+
+def test_a_slurm_that_does_not_answer_is_never_read_as_lost_nodes(tmp_path: Path) -> None:
+    """scontrol show hostnames fails once the step has run (slurmctld busy): a preempted step is still a preemption,
+    requeued, not a failure of "every node lost" that would spend the run's failure restarts."""
+    steps = tmp_path / "steps.txt"
+    (tmp_path / "scontrol").write_text(
+        '#!/bin/sh\ncase "$1 $2" in\n"show job") echo "   NodeList=ddnode[1-3]" ;;\n'
+        f'"show hostnames") [ -f "{steps}" ] && exit 1; echo ddnode1; echo ddnode2; echo ddnode3 ;;\nesac\n'
+    )
+    (tmp_path / "sinfo").write_text("#!/bin/sh\n")
+    (tmp_path / "step").write_text(f'#!/bin/sh\necho "$*" >> "{steps}"\nexit 138\n')
+    for tool in ("scontrol", "sinfo", "step"):
+        (tmp_path / tool).chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "DDPACK_RUN_DIR": str(tmp_path), "SLURM_JOB_ID": "77", "SLURM_JOB_NUM_NODES": "3"}
+    env |= {"SLURM_NTASKS_PER_NODE": "2", "DDPACK_SPARE_NODES": "1"}
+    out = subprocess.run(["bash", "-c", f'. "{HELPER}"; ddpack_step=(step); ddpack_train x'], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 138 and "Traceback" not in out.stderr, out.stderr
+    assert out.stdout.splitlines()[-1] == "ddpack: preempted (exit 138); requeueing job 77 (restart 1 of at most 10)", out.stdout
+
+
+def test_a_full_log_costs_its_lines_not_the_steps_status(tmp_path: Path) -> None:
+    """The job's log on a full disk (stdout is /dev/full): the program's lines are lost, and the job still ends with the
+    step's own status, decided and recorded (Python's exit flush would otherwise make it 120)."""
+    (tmp_path / "scontrol").write_text("#!/bin/sh\n")
+    (tmp_path / "scontrol").chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "DDPACK_RUN_DIR": str(tmp_path), "SLURM_JOB_ID": "77"}
+    script = f'. "{HELPER}"; ddpack_step=(sh -c "exit 143" _); ddpack_train >/dev/full'
+    out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 143, out.stderr
+    assert json.loads((tmp_path / "decisions.jsonl").read_text().splitlines()[-1])["verdict"] == "requeue"
