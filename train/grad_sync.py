@@ -21,8 +21,10 @@ outstanding work with sched_yield (the core never idles, the gloo threads still 
 result in its bucket. DDP must be built with gradient_as_bucket_view=True (`attach` checks), so the
 gradients are views of the buckets and the results land in them with no copy; DDP's own
 end-of-backward bookkeeping then runs while the collectives are in flight instead of after them.
-On CUDA the collective runs on NCCL's stream and nothing waits on the host: DDP waits on the
-collective's future as usual.
+On CUDA the collective runs on NCCL's stream and nothing waits on the host: DDP's own built-in all-reduce
+hook (C++: one division and one all-reduce a bucket, no Python on the autograd thread) does the sync, and DDP
+waits on its future as usual; ddpack's Python hook there only packs --bf16-grads buckets. The step's choices
+by device are train/step_path.py's.
 
 Small buckets on CPU: gloo's ring all-reduce takes 2(N-1) message rounds between N ranks, an
 all-gather N-1, and for a small bucket each round costs thread wake-ups, not bytes. So a bucket whose
@@ -46,8 +48,9 @@ from torch import nn
 from torch.distributed import GradBucket
 from torch.nn.parallel import DistributedDataParallel
 
-from train.distributed import wait_polling, waits_by_polling
+from train.distributed import wait_polling
 from train.signals import PreemptionWatcher
+from train.step_path import StepPath
 from train.torch_compat import all_gather_into
 
 # On CPU, a bucket whose gathered copies (world size x its bytes) fit in this many bytes is exchanged
@@ -85,6 +88,47 @@ class _WithStopFlags(nn.Module):
         return self.run(*args, **kwargs), flags
 
 
+class _DoneEvent:
+    """Stands in for a CUDA event where the CUDA path runs without CUDA (StepPath.cuda_shaped on a CPU): a CPU
+    copy is done when it returns."""
+
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _LateRead:
+    """The stop flags' sum, read on the host a step late without waiting for the device: each step queues a copy
+    of the flags' gradient into one host buffer (pinned on CUDA, reused) and records one event after it; the next
+    step reads the buffer once the event has passed. In the steady state the GPU finished the step before last long
+    ago and `query()` says so, so the host does not wait; it waits (`synchronize`) only when it runs more than a
+    step ahead of the GPU, where waiting costs nothing. Every rank reads the same step, so all still agree."""
+
+    def __init__(self, like: torch.Tensor, cuda: bool) -> None:
+        self.host = torch.empty(like.shape, dtype=like.dtype, pin_memory=cuda)
+        self.event: Any = torch.cuda.Event() if cuda else _DoneEvent()
+        self.pending = False
+        self.waits = 0  # how often the host had to wait for the device (the GPU tier reads it)
+
+    def exchange(self, summed: torch.Tensor) -> list[float] | None:
+        """The previous step's counts (None at the first read), and this step's queued for the next."""
+        counts = None
+        if self.pending:
+            if not self.event.query():
+                self.waits += 1
+                self.event.synchronize()
+            counts = self.host.tolist()
+        self.host.copy_(summed, non_blocking=True)
+        self.event.record()
+        self.pending = True
+        return counts
+
+
 class GradientSync:
     """`wrap(module)` (before DDP is built), the hook (`attach(ddp_model)` registers it),
     `carry_flags(loss, flags)` (before each synced backward), `finish()` (after backward, before the
@@ -92,13 +136,15 @@ class GradientSync:
 
     `poll()` at a step boundary returns the stop signal the ranks agreed on, the same on every rank:
     the first of the watched signals that any rank had received when its gradients went into the
-    gradient sync. On CPU it reads the step just finished. On CUDA it reads the step before, whose copy
-    to the host was queued a step ago, so the host never waits for the device; every rank lags by
-    the same one step, so they still stop at the same boundary.
+    gradient sync. On the CPU path it reads the step just finished. On the CUDA path it reads the step
+    before, whose copy to the host was queued a step ago (_LateRead), so the host does not wait for the
+    device; every rank lags by the same one step, so they still stop at the same boundary. The flags'
+    gradient is zeroed with every other gradient, at the start of the next step (SyncedModel.zero_grads).
     """
 
-    def __init__(self, watcher: PreemptionWatcher, world_size: int, device: torch.device, compress: bool = False) -> None:
-        self.watcher, self.world_size, self.device, self.poll_wait = watcher, world_size, device, waits_by_polling(device)
+    def __init__(self, watcher: PreemptionWatcher, world_size: int, device: torch.device, compress: bool = False, path: StepPath | None = None) -> None:
+        self.path = path if path is not None else StepPath.for_device(device)
+        self.watcher, self.world_size, self.device, self.poll_wait = watcher, world_size, device, self.path.polled_sync
         # --bf16-grads: buckets travel as bfloat16 (half the bytes; the sum too is taken in bfloat16 by
         # an all-reduce, in the bucket's dtype by an exchange) and land back in the fp32 gradients.
         self.compress = compress
@@ -106,7 +152,7 @@ class GradientSync:
         self._marks: torch.Tensor | None = None  # this rank's marks, one per watched signal
         self._marked = False
         self._pending: list[_Pending] = []
-        self._in_flight: tuple[torch.Tensor, torch.cuda.Event] | None = None
+        self._late: _LateRead | None = None
 
     def wrap(self, module: nn.Module, forward: Callable[..., Any] | None = None, find_unused_parameters: bool = False) -> nn.Module:
         """The module to build DDP on: `module` plus the stop-flag parameter, in the dtype of the
@@ -124,7 +170,13 @@ class GradientSync:
             raise ValueError("GradientSync needs DistributedDataParallel(..., gradient_as_bucket_view=True): it writes results into the buckets")
         if self.flags is None or not any(p is self.flags for p in model.parameters()):
             raise ValueError("GradientSync needs DistributedDataParallel(sync.wrap(module), ...): the stop flags ride in DDP's buckets")
-        model.register_comm_hook(None, self.hook)
+        if self.world_size == 1 and not self.poll_wait:
+            model.register_comm_hook(None, self.alone)
+        elif self.poll_wait or self.compress:
+            model.register_comm_hook(None, self.hook)
+        else:
+            # DDP's C++ hook: divide the bucket by the world size, all-reduce it; the gradients are its views.
+            model._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
 
     def carry_flags(self, loss: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
         """`loss` + flags . marks: the same value, and a backward from it gives the flag parameter this
@@ -135,15 +187,22 @@ class GradientSync:
             self._marked = True
         return loss + torch.dot(flags, self._marks)
 
+    def alone(self, state: object, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """One rank on the CUDA path: a bucket is already its own sum, so no division and no collective (DDP's C++
+        hook would launch both, a bucket at a time, for nothing)."""
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
+
     def hook(self, state: object, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-        # Divide, then sum, as DDP's own reducer does; every bucket is reduced in place.
-        buffer = bucket.buffer().div_(self.world_size)
+        # Divide, then sum, as DDP's own reducer does; every bucket is reduced in place. One rank: nothing to divide.
+        buffer = bucket.buffer()
+        if self.world_size > 1:
+            buffer.div_(self.world_size)
         sent = buffer.to(torch.bfloat16) if self.compress else buffer
-        if not self.poll_wait:
+        if not self.poll_wait:  # the CUDA path comes here only to pack --bf16-grads (attach)
             future = dist.all_reduce(sent, async_op=True).get_future()
-            if self.compress:
-                return future.then(lambda fut: buffer.copy_(fut.value()[0]))
-            return future.then(lambda fut: fut.value()[0])
+            return future.then(lambda fut: buffer.copy_(fut.value()[0]))
         gathered = None
         if sent.numel() * sent.element_size() * self.world_size <= EXCHANGE_MAX_BYTES:
             gathered = sent.new_empty(self.world_size * sent.numel())
@@ -171,30 +230,36 @@ class GradientSync:
         summed = self.flags.grad if self.flags is not None else None  # every rank's marks, divided by the world size
         if summed is None:
             return None
-        if summed.device.type == "cuda":
-            ready, host = self._in_flight, torch.empty(summed.shape, dtype=summed.dtype, pin_memory=True)
-            host.copy_(summed, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._in_flight = (host, event)
-            summed.zero_()  # queued after the copy; gradients accumulate otherwise
-            if ready is None:
+        if self.path.late_stop_read:
+            if self._late is None:
+                self._late = _LateRead(summed, self.path.cuda)
+            counts = self._late.exchange(summed)
+            if counts is None:
                 return None
-            ready[1].synchronize()  # recorded a whole step ago: done long since
-            counts = ready[0].tolist()
         else:
             counts = summed.tolist()
-            summed.zero_()
         for sig, count in zip(self.watcher.signals, counts, strict=True):
             if count > 0:
                 return sig
         return None
 
 
+def _whole_storages(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One flat tensor over each distinct storage that `grads` view: DDP's buckets, when they are its bucket views."""
+    whole: dict[int, torch.Tensor] = {}
+    for grad in grads:
+        storage = grad.untyped_storage()
+        if storage.data_ptr() not in whole:
+            flat = torch.empty(0, dtype=grad.dtype, device=grad.device)
+            whole[storage.data_ptr()] = flat.set_(storage, 0, (storage.nbytes() // grad.element_size(),))
+    return list(whole.values())
+
+
 class SyncedModel:
     """The trainer's one front to DDP and the stop protocol: DDP over the user's module with the stop flags
     riding in its gradient sync (GradientSync). A step reads
 
+        synced.zero_grads()                        # last step's gradients gone (after its stop flags were read)
         outputs = synced(inputs)                   # no_sync() around the micro-batches that do not sync
         synced.backward(loss, syncs=True)          # the last micro-batch: this rank's stop marks ride along
         synced.finish()                            # the gradients are summed (before the optimizer)
@@ -211,20 +276,23 @@ class SyncedModel:
         compress: bool,
         compiled: Callable[..., Any] | None,
         find_unused_parameters: bool,
-        bucket_cap_mb: float | None,
+        path: StepPath | None = None,
     ) -> None:
-        self.sync = GradientSync(watcher, world_size, device, compress=compress)
+        path = path if path is not None else StepPath.for_device(device)
+        self.sync = GradientSync(watcher, world_size, device, compress=compress, path=path)
         # Gradients are views of DDP's buckets: the collectives reduce them in place, and backward
-        # accumulates into them in place (the trainer zeroes them, never sets them to None).
+        # accumulates into them in place (zero_grads zeroes them, never sets them to None).
         self.ddp = DistributedDataParallel(
             self.sync.wrap(module, forward=compiled, find_unused_parameters=find_unused_parameters),
             device_ids=[device] if device.type == "cuda" else None,
             gradient_as_bucket_view=True,
-            bucket_cap_mb=bucket_cap_mb,
+            bucket_cap_mb=path.bucket_cap_mb,
             find_unused_parameters=find_unused_parameters,
         )
         self.sync.attach(self.ddp)
         self._flags: torch.Tensor | None = None
+        self._synced = [p for p in self.ddp.parameters() if p.requires_grad]  # the trained parameters and the stop flags
+        self._buckets: list[torch.Tensor] | None = None  # DDP's buckets, each whole, once they are final
 
     @property
     def compress(self) -> bool:
@@ -239,6 +307,23 @@ class SyncedModel:
 
     def train(self) -> None:
         self.ddp.train()
+
+    def zero_grads(self) -> None:
+        """Zero every synced gradient, at the start of a step (the stop flags' gradient is read between steps).
+        The gradients are views of DDP's buckets from the first synced backward on, and DDP rebuilds its buckets
+        once, in the second step's forward, pointing the gradients at the new ones in that backward. From then on
+        the buckets are kept and zeroed whole, in one call (a GPT's 149 gradients are 14 buckets): torch's
+        `Optimizer.zero_grad` walks the parameters in Python. Before that, and where DDP never rebuilds (with
+        find_unused_parameters), the gradients are taken anew each step and zeroed one by one."""
+        buckets = self._buckets
+        if buckets is None:
+            grads = [p.grad for p in self._synced if p.grad is not None]
+            if getattr(self.ddp, "_has_rebuilt_buckets", False) and len(grads) == len(self._synced):
+                self._buckets = buckets = _whole_storages(grads)
+            else:
+                buckets = grads
+        if buckets:
+            torch._foreach_zero_(buckets)
 
     def backward(self, loss: torch.Tensor, *, syncs: bool) -> None:
         """Backward from `loss`; `syncs` for the micro-batch whose backward DDP syncs (the last of a step)."""

@@ -32,15 +32,9 @@ from train.perf import CPU_MEASURE_S, MfuMeter, RankTimes, SlowRanks, precision
 from train.preflight.compute import matmul_gflops
 from train.signals import PreemptionWatcher
 from train.snapshot import Snapshot, SnapshotStore, SnapshotWriter, Written
+from train.step_path import StepPath
 from train.tasks import Task
 from train.watchdog import Phase, Progress
-
-# On CPU every bucket, the first included, holds up to DDP's default 25 MiB. Left to its defaults DDP
-# caps the first bucket at 1 MiB so that NCCL can start on it while backward goes on; with gloo
-# on the CPU each collective costs thread wake-ups on cores that backward is using, and the bench's
-# heavy MLP (1.05 MiB of gradients) synced as two buckets took 5.14 ms a step against 4.99 as one
-# (5 interleaved rounds).
-CPU_BUCKET_CAP_MB = 25
 
 
 class Preempted(Exception):
@@ -122,8 +116,12 @@ class Trainer:
         metrics: MetricsFile,
         watcher: PreemptionWatcher,
         progress: Progress | None = None,
+        path: StepPath | None = None,
     ) -> None:
+        """`path`: the step's device-dependent branches; the device's own unless given (bench/bench_host.py runs
+        the CUDA path's on a CPU)."""
         self.config, self.task, self.ctx, self.log, self.metrics, self.watcher = config, task, ctx, log, metrics, watcher
+        self.path = path if path is not None else StepPath.for_device(ctx.device)
         # Where this rank is, for the hang watchdog (train.watchdog): a few attribute stores a step.
         self.progress = progress if progress is not None else Progress()
         self.module = prepare_module(task.model, config, ctx.device)
@@ -145,13 +143,13 @@ class Trainer:
             compress=config.bf16_grads,
             compiled=torch.compile(self.module) if config.compile else None,
             find_unused_parameters=config.find_unused_parameters,
-            bucket_cap_mb=CPU_BUCKET_CAP_MB if ctx.device.type == "cpu" else None,
+            path=self.path,
         )
         self.trained = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = self._make_optimizer()
         order = EpochOrder(len(task.train_data), world_size=ctx.world_size, rank=ctx.rank, batch_size=config.batch_size, seed=config.seed)
         workers = config.num_workers if config.num_workers is not None else default_num_workers(1 if ctx.cpus_bound else ctx.local_world_size)
-        self.batches = make_batches(task.train_data, order, ctx.device, num_workers=workers, seed=config.seed, rank=ctx.rank)
+        self.batches = make_batches(task.train_data, order, ctx.device, num_workers=workers, seed=config.seed, rank=ctx.rank, pinned=self.path.cuda)
         self.batches_per_epoch = order.batches_per_epoch
         self.steps_per_epoch = math.ceil(self.batches_per_epoch / config.grad_accum)
         total = config.epochs * self.steps_per_epoch
@@ -312,14 +310,17 @@ class Trainer:
         are clipped (--clip-grad-norm). Returns the mean loss, the samples seen, the norm before
         clipping (tensors that stay on the device: read later, at a progress line, no host sync) and the
         seconds spent waiting for the all-reduce.
-        Kept lean: at the seed workload's ~1 ms a step, each extra tensor op or Python call on this
-        path costs about half a percent. Gradients are zeroed in place, not set
-        to None: they are views of DDP's buckets, so backward accumulates straight into the buckets
-        instead of allocating new gradients that DDP copies in (~8% of the seed workload's step)."""
+        Kept lean: at the seed workload's ~1 ms a step, and on an eager GPT on a GPU, whose step the host's
+        launches set, each extra tensor op or Python call on this path shows in the step time (bench/bench_host.py
+        counts them). Gradients are zeroed in place at the step's start, in one call, not set to None: they are
+        views of DDP's buckets, so backward accumulates straight into the buckets instead of allocating new
+        gradients that DDP copies in (~8% of the seed workload's step); and the stop flags' gradient, in a
+        bucket too, is read between steps."""
         count = len(micro_batches)
         losses = []
         samples = 0
         progress = self.progress
+        self.model.zero_grads()
         for i, (inputs, targets) in enumerate(micro_batches):
             synced = i == count - 1
             with nullcontext() if synced else self.model.no_sync():
@@ -345,7 +346,6 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=False)
         return (losses[0] if count == 1 else torch.stack(losses).mean()), samples, grad_norm, waited
 
     # ------------------------------------------------------------------ the loop
