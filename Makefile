@@ -21,6 +21,8 @@ REPORT_ARGS   ?=
 # e.g. --against ddpack:nocc (an image built with BUILD_ARGS='--build-arg WITH_COMPILER=0'); --only-against
 BENCH_SQSH_ARGS ?=
 BENCH_GPU_ARGS ?=
+BENCH_HOST_ARGS ?=
+GPU_CHECK_ARGS ?=
 
 # Images: $(IMAGE):$(TAG) (CPU) and $(IMAGE):$(TAG)-gpu.
 IMAGE         ?= ddpack
@@ -67,7 +69,7 @@ APP_OPTS = $(if $(APP),--app '$(APP)' --app-cmd "$$APP_CMD" --bundle-tag $(IMAGE
 AWS_ENV := AWS_REGION='$(AWS_REGION)' DDPACK_REGISTRY='$(DDPACK_REGISTRY)'
 IMAGE_ENV := BASE_IMAGE='$(BASE_IMAGE)' WHEELHOUSE='$(WHEELHOUSE)' CA_BUNDLE='$(CA_BUNDLE)' TORCH_VERSION='$(TORCH_VERSION)'
 
-.PHONY: help venv test test-quick lint bench bench-images bench-sqsh bench-start bench-goodput bench-lifecycle bench-experiments bench-restart bench-gpu clean engine base image image-gpu smoke push push-gpu enroot-credentials sqsh sqsh-gpu report
+.PHONY: help venv test test-quick lint bench bench-images bench-sqsh bench-start bench-goodput bench-lifecycle bench-experiments bench-restart bench-gpu bench-host gpu-check clean engine base image image-gpu smoke push push-gpu enroot-credentials sqsh sqsh-gpu report
 
 help: ## list targets and variables
 	@echo "ddpack - build, ship and launch PyTorch DDP in containers on Slurm"
@@ -133,6 +135,14 @@ smoke: image ## two-container gloo DDP run (pair, then torchrun 2x2), each after
 
 bench-gpu: venv ## print the preflight's bf16 matmul vs a bare loop and the trainer's GPT (~92M, bf16) step vs a bare DDP loop, on one GPU
 	$(VPY) bench/bench_gpu.py $(BENCH_GPU_ARGS)
+
+bench-host: venv ## print the GPU step's host work on a CPU: the trainer's CUDA path vs a bare DDP loop, one core, A B A B (goal: <= 150 µs/step more)
+	$(VPY) bench/bench_host.py $(BENCH_HOST_ARGS)
+
+# On a lent GPU machine: torch and pytest are all it needs (no venv, Docker, Slurm or network); the figures and logs land in GPU_CHECK_DIR.
+GPU_CHECK_DIR ?= build/gpu-check
+gpu-check: ## on a GPU machine (torch + pytest alone): the GPU tier, bench_gpu eager/--compile/bare A B A B, a profile, a GPU-bound batch; into GPU_CHECK_DIR
+	$(PYTHON) bench/gpu_check.py --out '$(GPU_CHECK_DIR)' --commit '$(shell git rev-parse --short HEAD 2>/dev/null || echo unknown)' $(GPU_CHECK_ARGS)
 
 bench-images: engine ## print image size vs floor, cold and one-line-change build times, GPU image size
 	$(IMAGE_ENV) $(VPY) bench/bench_images.py --gpu
