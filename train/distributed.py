@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from train.gpu import gpus_expected, gpus_promised, why_no_cuda
+from train.torch_compat import flight_recorder_size_var
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,7 +99,7 @@ def init_distributed(backend: str, device: torch.device, timeout_s: float) -> Di
     if backend == "nccl":
         # torch's NCCL flight recorder: the last collectives of each rank, which a hang's forensics dump
         # (train.watchdog); a ring of 2000 entries costs a few MB of host memory.
-        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+        os.environ.setdefault(flight_recorder_size_var(), "2000")
     dist.init_process_group(
         backend=backend,
         rank=rank,

@@ -218,7 +218,7 @@ def thread_stacks() -> str:
 
 
 def _dump_nccl_trace(path: Path) -> str | None:
-    """torch's NCCL flight recorder (on with TORCH_NCCL_TRACE_BUFFER_SIZE, which init sets for nccl)."""
+    """torch's NCCL flight recorder (on with its buffer size, which init sets for nccl: train.torch_compat)."""
     try:
         from torch._C._distributed_c10d import _dump_nccl_trace  # type: ignore[attr-defined]
 

@@ -1,9 +1,11 @@
-"""The one place the trainer reaches torch APIs newer than the oldest torch it runs on (2.8), each with its fallback.
+"""The one place the trainer reaches torch spellings that differ across the torch it runs on (2.8 and newer), each
+with its fallback.
 
 Users' GPU images hold the torch their base came with (NGC, the Deep Learning AMIs, their own), often older than the
 one the bundle's images pin; a call that exists only in the newest torch ended every run there (`all_gather_single`
-on torch 2.11). A newer API is used where it exists, since it is where torch is going (2.13 warns on the older
-spelling), and the older one where it does not. NEWER_APIS lists them for the test that trains with each one hidden.
+on torch 2.11). A newer spelling is used where it exists, since it is where torch is going (2.13 warns on the older
+one), and the older one where it does not. NEWER_APIS lists the calls for the test that trains with each one hidden.
+TORCH_FLOOR is the oldest torch ddpack runs on: pyproject.toml and the docs say the same.
 """
 
 from __future__ import annotations
@@ -11,8 +13,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+TORCH_FLOOR = (2, 8)
+
 # (module, attribute): what this file falls back from when torch lacks it.
 NEWER_APIS = (("torch.distributed", "all_gather_single"),)
+
+
+def torch_version(version: str | None = None) -> tuple[int, int]:
+    """(major, minor) of `version` (default: the installed torch's), e.g. '2.11.0+cu130' -> (2, 11)."""
+    major, minor, *_ = (version or torch.__version__).split("+")[0].split(".")
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
 def all_gather_into(output: torch.Tensor, value: torch.Tensor, *, async_op: bool) -> dist.Work | None:
@@ -22,3 +32,10 @@ def all_gather_into(output: torch.Tensor, value: torch.Tensor, *, async_op: bool
     if gather is not None:
         return gather(output, value, async_op=async_op)
     return dist.all_gather_into_tensor(output, value, async_op=async_op)
+
+
+def flight_recorder_size_var(version: str | None = None) -> str:
+    """The variable that turns on NCCL's flight recorder (the last collectives of each rank, which a hang's forensics
+    dump): torch 2.9 renamed it to TORCH_FR_BUFFER_SIZE and 2.11 warns on the old TORCH_NCCL_TRACE_BUFFER_SIZE, which
+    torch 2.8 alone reads."""
+    return "TORCH_FR_BUFFER_SIZE" if torch_version(version) >= (2, 9) else "TORCH_NCCL_TRACE_BUFFER_SIZE"
