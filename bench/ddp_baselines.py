@@ -105,6 +105,7 @@ def floor(iterations: int, batch_size: int, task: str) -> None:
     with the gradient exchanged instead (one all-gather, rows summed), as the trainer syncs buckets
     of up to train.grad_sync.EXCHANGE_MAX_BYTES gathered."""
     from train.distributed import wait_polling
+    from train.torch_compat import all_gather_into
 
     config = parse_config(["--dataset-size", "2048"])
     made = heavy(config) if task == "heavy" else regression(config)
@@ -113,7 +114,7 @@ def floor(iterations: int, batch_size: int, task: str) -> None:
     gathered = torch.zeros(dist.get_world_size() * grad.numel())
 
     def exchange() -> None:
-        wait_polling(dist.all_gather_single(gathered, grad, async_op=True))
+        wait_polling(all_gather_into(gathered, grad, async_op=True))
         gathered.view(dist.get_world_size(), -1).sum(0)
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
