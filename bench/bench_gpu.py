@@ -221,14 +221,22 @@ def one_rank_env(**extra: str) -> dict[str, str]:
     }
 
 
+def run_side(argv: list[str], tiny: bool) -> str:
+    """Run one side in its own process (from bench/, where the task module is); its stdout, or one line and its
+    error's tail when it fails."""
+    done = subprocess.run(argv, env=one_rank_env(**tiny_env(tiny)), cwd=BENCH, capture_output=True, text=True, timeout=900, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"bench_gpu: {' '.join(argv[1:4])} ... failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return done.stdout
+
+
 def tiny_env(tiny: bool) -> dict[str, str]:
     return {"BENCH_GPT_TINY": "1", "CUDA_VISIBLE_DEVICES": ""} if tiny else {}
 
 
 def bare_step_s(steps: int, tiny: bool, batch: int) -> float:
     argv = [sys.executable, str(Path(__file__).resolve()), "--bare-loop", str(steps), "--batch", str(batch), *(["--dry-run-on-cpu"] if tiny else [])]
-    out = subprocess.run(argv, env=one_rank_env(**tiny_env(tiny)), capture_output=True, text=True, timeout=900, check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])["step_s"]
+    return json.loads(run_side(argv, tiny).strip().splitlines()[-1])["step_s"]
 
 
 def trainer_step_s(steps: int, tiny: bool, batch: int, compiled: bool = False) -> tuple[float, float | None]:
@@ -237,7 +245,7 @@ def trainer_step_s(steps: int, tiny: bool, batch: int, compiled: bool = False) -
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "metrics.jsonl"
         argv = [sys.executable, "-m", "train", *trainer_argv(steps, batch, compiled=compiled, metrics=metrics)]
-        subprocess.run(argv, env=one_rank_env(**tiny_env(tiny)), cwd=BENCH, capture_output=True, text=True, timeout=900, check=True)
+        run_side(argv, tiny)
         progress = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["kind"] == "progress"][1:]
     if not progress:
         raise SystemExit("bench_gpu: the trainer ran too few steps for a window after the first; raise --steps")
@@ -267,14 +275,14 @@ def gpt_rounds(steps: int, tiny: bool, rounds: int = ROUNDS, batch: int = BATCH,
 
 def profiles(steps: int, tiny: bool, batch: int, out: Path) -> None:
     """torch.profiler over PROFILE_STEPS steady steps of the trainer and of the bare loop: where the step goes."""
+    out = out.resolve()  # the sides run from bench/
     out.mkdir(parents=True, exist_ok=True)
     me = str(Path(__file__).resolve())
     flags = ["--batch", str(batch), *(["--dry-run-on-cpu"] if tiny else [])]
     for side, argv in (("trainer", [sys.executable, me, "--trainer-profile", str(steps), *flags]),
                        ("bare", [sys.executable, me, "--bare-loop", str(steps), *flags])):  # fmt: skip
         to = out / f"profile-{side}.json"
-        subprocess.run([*argv, "--profile-to", str(to)], env=one_rank_env(**tiny_env(tiny)), cwd=BENCH, capture_output=True, text=True,
-                       timeout=900, check=True)  # fmt: skip
+        run_side([*argv, "--profile-to", str(to)], tiny)
         figures = json.loads(to.read_text())
         (out / f"profile-{side}.txt").write_text(figures.pop("table"))
         print(f"profile, {side}, {figures['steps']} steady steps: {figures['wall_ms']:.2f} ms/step wall, GPU kernels {figures['gpu_kernels_ms']:.2f} "

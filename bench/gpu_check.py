@@ -27,6 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
+sys.path[:0] = [str(ROOT), str(BENCH)]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,6 +96,7 @@ def main() -> int:
     parser.add_argument("--commit", default="unknown", help="the commit measured (make passes git's)")
     args = parser.parse_args()
     began = time.monotonic()
+    args.out = args.out.resolve()  # the steps run from elsewhere
     args.out.mkdir(parents=True, exist_ok=True)
     who = identity(args.commit)
     (args.out / "identity.json").write_text(json.dumps(who, indent=1) + "\n")

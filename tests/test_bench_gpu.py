@@ -15,8 +15,8 @@ from testbed.env import ROOT, clean_env
 
 def test_the_gpu_bench_runs_on_the_cpu_and_prints_both_comparisons(tmp_path: Path) -> None:
     argv = [sys.executable, str(ROOT / "bench" / "bench_gpu.py"), "--dry-run-on-cpu", "--rounds", "1", "--steps", "10", "--no-compile",
-            "--gpu-bound-batch", "0", "--profile", str(tmp_path)]  # fmt: skip
-    out = subprocess.run(argv, env=clean_env(), capture_output=True, text=True, timeout=300)
+            "--gpu-bound-batch", "0", "--profile", "profiles"]  # fmt: skip
+    out = subprocess.run(argv, env=clean_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)  # a folder relative to here
     assert out.returncode == 0, out.stdout + out.stderr
     matmul = re.search(r"^matmul bf16 .* preflight/bare (\d+\.\d+) \(goal >= 0\.85\)$", out.stdout, re.M)
     gpt_line = r"^GPT ~92M bf16, .* trainer (\d+\.\d+) ms/step, bare DDP loop (\d+\.\d+) ms/step, trainer/bare (\d+\.\d+) \(goal <= 1\.03\)"
@@ -27,5 +27,5 @@ def test_the_gpu_bench_runs_on_the_cpu_and_prints_both_comparisons(tmp_path: Pat
     for side in ("trainer", "bare"):
         profiled = re.search(rf"^profile, {side}, (\d+) steady steps: (\d+\.\d+) ms/step wall", out.stdout, re.M)
         assert profiled and int(profiled.group(1)) == 7 and float(profiled.group(2)) > 0, out.stdout  # 10 steps, 3 of them warm-up
-        assert "aten::" in (tmp_path / f"profile-{side}.txt").read_text()
-        assert json.loads((tmp_path / f"profile-{side}.json").read_text())["host_ops_ms"] > 0
+        assert "aten::" in (tmp_path / "profiles" / f"profile-{side}.txt").read_text()
+        assert json.loads((tmp_path / "profiles" / f"profile-{side}.json").read_text())["host_ops_ms"] > 0
