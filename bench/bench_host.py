@@ -191,7 +191,7 @@ class BareLoop:
         self.step += 1
 
 
-def interleaved(steps: int) -> dict[str, Any]:
+def interleaved(steps: int, cuda_path: bool = True) -> dict[str, Any]:
     """train.Trainer on its CUDA path's branches, in this process, and after each of its steps one step of the bare
     loop (its time left out of the trainer's): A B A B at the finest grain, the same core, caches and allocator."""
     from testbed.gpt import next_token_loss
@@ -253,7 +253,7 @@ def interleaved(steps: int) -> dict[str, Any]:
     bare = BareLoop(steps)
     task = Task("bench-host", host_model(), host_tokens(BATCH * steps), next_token_loss, tokens_per_sample=HOST_SHAPE["block_size"])
     watcher = PreemptionWatcher()
-    path = StepPath.cuda_shaped(device)
+    path = StepPath.cuda_shaped(device) if cuda_path else StepPath.for_device(device)
     progress = TimedProgress(bare)
     with open(os.devnull, "w") as quiet:
         trainer = Trainer(config, task, ctx, RankLog(0, 1, quiet), MetricsFile(None), watcher, progress, path=path)
@@ -280,10 +280,10 @@ def interleaved(steps: int) -> dict[str, Any]:
     return result
 
 
-def side_main(steps: int) -> None:
+def side_main(steps: int, cuda_path: bool) -> None:
     one_core()
     buckets, scale = scale_buckets()
-    result = interleaved(steps)
+    result = interleaved(steps, cuda_path)
     result.update(gpu_buckets=buckets, bucket_scale=scale)
     print(json.dumps(result), flush=True)
 
@@ -291,12 +291,12 @@ def side_main(steps: int) -> None:
 # ---------------------------------------------------------------- A B A B
 
 
-def run_round(steps: int) -> dict[str, Any]:
+def run_round(steps: int, path: str) -> dict[str, Any]:
     from train.distributed import free_port
 
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{BENCH}", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}  # fmt: skip
-    argv = [sys.executable, str(Path(__file__).resolve()), "--round", "--steps", str(steps)]
+    argv = [sys.executable, str(Path(__file__).resolve()), "--round", "--steps", str(steps), "--path", path]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         raise SystemExit(f"bench_host: a round failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
@@ -307,19 +307,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=ROUNDS, choices=range(1, 101), metavar="N", help="A B rounds (medians)")
     parser.add_argument("--steps", type=int, default=STEPS, help=f"steps a side runs (the first {WARMUP} are warm-up)")
+    parser.add_argument("--path", choices=("cuda", "cpu"), default="cuda",
+                        help="the trainer's branches: the CUDA path's (default; what a GPU runs) or the CPU path's (what a CPU node runs)")
     parser.add_argument("--round", action="store_true", help=argparse.SUPPRESS)  # one round's own process
     args = parser.parse_args()
     if args.steps <= WARMUP + 10:
         parser.error(f"--steps must be above {WARMUP + 10}: the first {WARMUP} are warm-up")
     if args.round:
-        side_main(args.steps)
+        side_main(args.steps, args.path == "cuda")
         return 0
-    rounds = [run_round(args.steps) for _ in range(args.rounds)]
+    rounds = [run_round(args.steps, args.path) for _ in range(args.rounds)]
     seen = {side: [r[side] for r in rounds] for side in ("trainer", "bare")}
     first = rounds[0]
-    print(f"bench-host: torch {torch.__version__}, one core, one-rank gloo, GPT {HOST_SHAPE['layers']} layers (bench_gpu's op graph, "
-          f"widths {HOST_SHAPE['dim']}), batch {BATCH} x {HOST_SHAPE['block_size']} tokens, bf16 autocast, {args.steps} steps "
-          f"({WARMUP} warm-up), {args.rounds} rounds A B A B")  # fmt: skip
+    print(f"bench-host: the trainer's {args.path.upper()} path, torch {torch.__version__}, one core, one-rank gloo, "
+          f"GPT {HOST_SHAPE['layers']} layers (bench_gpu's op graph, widths {HOST_SHAPE['dim']}), batch {BATCH} x {HOST_SHAPE['block_size']} "
+          f"tokens, bf16 autocast, {args.steps} steps ({WARMUP} warm-up), {args.rounds} rounds A B A B")  # fmt: skip
     print(f"  buckets: trainer {first['trainer']['buckets']}, bare {first['bare']['buckets']}, the 92M GPT on a GPU {first['gpu_buckets']} "
           f"(stand-in: DDP's caps scaled by {first['bucket_scale']:.2e} in both processes)")  # fmt: skip
     for stand_in in first["trainer"]["stand_ins"]:
