@@ -27,6 +27,7 @@ from testbed.gpt import TinyGPT, next_token_loss
 from train.config import parse_config
 from train.distributed import DistContext, free_port, init_distributed
 from train.metrics import MetricsFile, RankLog
+from train.model import compile_module
 from train.signals import PreemptionWatcher
 from train.step_path import StepPath
 from train.tasks import Task
@@ -190,3 +191,15 @@ def test_the_cuda_paths_step_adds_no_per_parameter_work_and_no_device_wait(group
         # No read that would wait for a GPU beyond the bare loop's (fused AdamW reads each step count on a CPU).
         assert trainer.aten["aten::_local_scalar_dense"] <= bare.aten["aten::_local_scalar_dense"], (trainer.aten, bare.aten)
         assert trainer.aten["aten::div_"] == 0 and trainer.aten["aten::_foreach_zero_"] == 1, trainer.aten  # one rank: nothing to divide
+
+
+def test_compile_at_one_rank_keeps_the_graph_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dynamo's DDP optimizer splits a compiled graph at every bucket for an overlap one rank cannot use: off at one
+    rank (train.model.compile_module says what it cost), left as torch sets it with more."""
+    import torch._dynamo
+
+    monkeypatch.setattr(torch._dynamo.config, "optimize_ddp", True)
+    compile_module(torch.nn.Linear(2, 2), world_size=2)
+    assert torch._dynamo.config.optimize_ddp is True
+    compile_module(torch.nn.Linear(2, 2), world_size=1)
+    assert torch._dynamo.config.optimize_ddp is False

@@ -27,7 +27,7 @@ from train.distributed import DistContext, broadcast_buffers, broadcast_from_mai
 from train.gpu import set_tf32
 from train.grad_sync import SyncedModel
 from train.metrics import MetricsFile, RankLog, format_duration, format_share, start_fields
-from train.model import explain_setup_failure, prepare_module
+from train.model import compile_module, explain_setup_failure, prepare_module
 from train.perf import CPU_MEASURE_S, MfuMeter, RankTimes, SlowRanks, precision
 from train.preflight.compute import matmul_gflops
 from train.signals import PreemptionWatcher
@@ -141,7 +141,7 @@ class Trainer:
             world_size=ctx.world_size,
             device=ctx.device,
             compress=config.bf16_grads,
-            compiled=torch.compile(self.module) if config.compile else None,
+            compiled=compile_module(self.module, world_size=ctx.world_size) if config.compile else None,
             find_unused_parameters=config.find_unused_parameters,
             path=self.path,
         )
