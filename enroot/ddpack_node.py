@@ -243,14 +243,25 @@ def lease(folder: Path, job: str, key: str) -> None:
     write_private(leases / job, key + "\n")
 
 
-def write_private(path: Path, text: str) -> None:
-    """Write `text` to `path` through a new temporary name beside it, then rename: never through a link, never half."""
+def write_private(path: Path, text: str, *, durable: bool = False) -> None:
+    """Write `text` to `path` through a new temporary name beside it, then rename: never through a link, never half.
+    `durable`: the data and the rename are fsync'd first, so that a host that crashes cannot bring back an empty or an
+    older file (a count that caps restarts must not reset)."""
     tmp = path.with_name(f".{path.name}.{os.urandom(8).hex()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         with os.fdopen(fd, "w") as handle:
             handle.write(text)
+            if durable:
+                handle.flush()
+                os.fsync(handle.fileno())
         os.replace(tmp, path)
+        if durable:
+            folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(folder)
+            finally:
+                os.close(folder)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -1165,6 +1176,16 @@ def unhealthy_nodes(hostlist: str) -> list[str]:
     return found
 
 
+def read_count(path: Path) -> int:
+    """The number in `path`; 0 where there is none yet. A file that is there but cannot be read, or holds no number,
+    counts as 0 too: the count that follows must then be written, and a restart that cannot be is not made."""
+    try:
+        text = path.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return 0
+    return int(text) if re.fullmatch(r"[0-9]{1,9}", text) else 0
+
+
 def newer(path: Path, than: Path) -> bool:
     """`test PATH -nt THAN`: PATH exists and was changed after THAN (or THAN is missing)."""
     try:
@@ -1220,6 +1241,7 @@ class Training:
         self.max_restarts = int(env.get("DDPACK_MAX_RESTARTS") or 10)
         self.max_failed = int(env.get("DDPACK_MAX_FAILURE_RESTARTS") or 1)
         self.restarts = int(env.get("SLURM_RESTART_COUNT") or 0)
+        self.failed = 0  # failure restarts counted during this start: the cap holds if the run folder's count is lost
         self.bad_nodes: list[str] = []  # nodes a hang's forensics named, over the whole job
         self.last_nodes: list[str] = []  # the nodes the last training step ran on
         self.placement: list[str] = []  # srun's options that put the step on them (none: the whole allocation)
@@ -1314,10 +1336,7 @@ class Training:
                 f"preempted (exit {rc}); requeueing job {self.job} (restart {self.restarts + 1} of at most {self.max_restarts})",
             )  # fmt: skip
         counted = self.run_dir / FAILURE_RESTARTS
-        try:
-            failed = int(counted.read_text().strip())
-        except (OSError, ValueError):
-            failed = 0
+        failed = max(self.failed, read_count(counted))  # the file may have been lost or reset: memory counts too
         forensics = self.run_dir / FORENSICS
         if not lost and (rc == 124 or newer(forensics / SUMMARY, self.run_dir / MARKER)):
             what, reason = f"ended as hung (exit {rc}; evidence in {forensics})", "hung"
@@ -1328,9 +1347,14 @@ class Training:
                 f"not requeueing ({self.continue_hint()} to continue from its last snapshot)",
             )  # fmt: skip
         try:
-            write_private(counted, f"{failed + 1}\n")
-        except OSError as why:  # a full run folder: the decision goes on, uncounted
-            warn(f"could not count this failure restart in {counted}: {one_line(why)}")
+            write_private(counted, f"{failed + 1}\n", durable=True)
+        except OSError as why:  # full, over quota, read-only: a restart that cannot be counted could loop for ever
+            return self.decide(
+                "end", "end", "uncounted", rc,
+                f"the step {what}; not restarting it: the restart cannot be counted in {counted} ({one_line(why)}); "
+                f"make room there or fix its permissions, then {self.continue_hint()} to continue from its last snapshot",
+            )  # fmt: skip
+        self.failed = failed + 1
         count = f"failure restart {failed + 1} of at most {self.max_failed}"
         named = self.named_this_start()
         without = f", without {','.join(named)} (named unresponsive)" if named else ""

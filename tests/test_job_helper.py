@@ -126,12 +126,14 @@ def after_step(
     job_nodes: str = "ddnode1,ddnode2",
     down: str = "",
     then: int = 0,
+    step_also: str = "",
     **settings: str,
 ):
     """`ddpack_train x` (ddpack_node.py train) with a step that exits RC, then `then` when it is started again, and
     scontrol and sinfo stubbed (their calls recorded in calls.txt), after a start that ddpack_setup marked; forensics
     written during it, or before it (an earlier start's). `job_nodes`: the job's nodes as Slurm lists them now; `down`:
-    those sinfo reports down. Returns what it printed, the calls, the run folder and each step's options."""
+    those sinfo reports down; `step_also`: shell the step runs before it exits (it may print srun's lines, or change the
+    run folder). Returns what it printed, the calls, the run folder and each step's options."""
     run_dir = tmp_path / "run"
     (run_dir / "forensics").mkdir(parents=True)
     if failures is not None:
@@ -165,7 +167,7 @@ esac"""
     for tool, out in (("scontrol", scontrol), ("sinfo", sinfo)):
         (tmp_path / tool).write_text(f'#!/bin/sh\necho "{tool} $*" >> "{calls}"\n{out}\n')
         (tmp_path / tool).chmod(0o755)
-    (tmp_path / "step").write_text(f'#!/bin/sh\necho "$*" >> "{steps}"\n[ "$(wc -l < "{steps}")" -eq 1 ] && exit {rc}\nexit {then}\n')
+    (tmp_path / "step").write_text(f'#!/bin/sh\necho "$*" >> "{steps}"\n{step_also}\n[ "$(wc -l < "{steps}")" -eq 1 ] && exit {rc}\nexit {then}\n')
     (tmp_path / "step").chmod(0o755)
     env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "DDPACK_RUN_DIR": str(run_dir), "SLURM_JOB_ID": "77", "SLURM_JOB_NUM_NODES": "2"}
     env |= {"SLURM_JOB_PARTITION": "debug", "SLURM_NTASKS_PER_NODE": "2", **settings}
@@ -207,6 +209,29 @@ def test_the_exit_status_alone_decides_the_next_start_for_any_command(tmp_path: 
     assert len(steps) == (2 if next_ == "restart" else 1) and steps[0] == "x"
     if next_ == "restart":  # the same nodes, as Slurm lists them now
         assert steps[1] == "--nodes=2 --ntasks=4 --nodelist=ddnode1,ddnode2 x" and out.stdout.endswith(DONE)
+
+
+def test_a_failure_restart_that_cannot_be_counted_is_not_made(tmp_path: Path) -> None:
+    """The run folder's count cannot be written (a full, over-quota or read-only folder; here its path is a folder): a
+    step that fails every time runs once and the job ends, naming the file, instead of restarting in place uncounted
+    for ever (an in-place restart does not advance SLURM_RESTART_COUNT)."""
+    run_dir = tmp_path / "run"
+    out, calls, _, steps = after_step(tmp_path, 1, then=1, step_also=f'mkdir -p "{run_dir}/.ddpack-failure-restarts"', DDPACK_MAX_FAILURE_RESTARTS="3")
+    assert out.returncode == 1 and len(steps) == 1 and "requeue" not in calls, out.stdout
+    assert out.stdout.startswith(
+        f"ddpack: the step failed (exit 1); not restarting it: the restart cannot be counted in {run_dir}/.ddpack-failure-restarts ("
+    ), out.stdout
+    assert json.loads((run_dir / "decisions.jsonl").read_text().splitlines()[-1])["reason"] == "uncounted"
+
+
+def test_the_failure_cap_holds_when_the_run_folders_count_is_lost(tmp_path: Path) -> None:
+    """Each failed step takes the count back to nothing (a host that crashed before the write reached the disk): the
+    count kept in memory still caps the restarts in this allocation."""
+    out, _, run_dir, steps = after_step(
+        tmp_path, 1, then=1, step_also=f'rm -f "{tmp_path}/run/.ddpack-failure-restarts"', DDPACK_MAX_FAILURE_RESTARTS="2"
+    )
+    assert len(steps) == 3 and out.returncode == 1, out.stdout
+    assert out.stdout.splitlines()[-1].startswith("ddpack: the step failed (exit 1) after 2 failure restarts, the cap DDPACK_MAX_FAILURE_RESTARTS=2;")
 
 
 def test_a_hang_that_names_a_node_the_job_cannot_spare_requeues_without_it_then_not_again(tmp_path: Path) -> None:
