@@ -49,6 +49,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -1186,6 +1187,39 @@ def read_count(path: Path) -> int:
     return int(text) if re.fullmatch(r"[0-9]{1,9}", text) else 0
 
 
+# srun's line for tasks that ended badly, "srun: error: NODE: task 3: Exited with exit code 1" (or "tasks 0-1: Killed").
+# The first one names the node whose task crashed first; the ones after it are its peers, which lost it.
+TASK_ENDED = re.compile(rb"srun: error: ([A-Za-z0-9._-]+): tasks? [0-9,-]+: (.*)")
+NOT_A_CRASH = (b"Terminated", b"Exited with exit code 0")  # srun's own TERM for a stop; a task that ended well
+
+
+def run_step(argv: list[str]) -> tuple[int, str]:
+    """Run the training step (srun), its stderr passed through line by line as it comes; its status (as `command`
+    gives it) and the node srun named first for a task that crashed ("" for none)."""
+    try:
+        proc = subprocess.Popen(argv, stderr=subprocess.PIPE)
+    except OSError as why:
+        warn(f"{argv[0]}: {one_line(why)}")
+        return 127, ""
+    crashed: list[str] = []
+
+    def copy() -> None:
+        for line in proc.stderr:  # type: ignore[union-attr]
+            data = line
+            with contextlib.suppress(OSError):
+                while data:
+                    data = data[os.write(2, data) :]
+            found = TASK_ENDED.match(line)
+            if found and not crashed and not found.group(2).startswith(NOT_A_CRASH):
+                crashed.append(found.group(1).decode("ascii"))
+
+    reader = threading.Thread(target=copy, name="ddpack-step-stderr", daemon=True)
+    reader.start()
+    code = proc.wait()
+    reader.join(timeout=5)  # a process the step left behind may hold the pipe open: never wait on it for long
+    return code, (crashed[0] if crashed else "")
+
+
 def newer(path: Path, than: Path) -> bool:
     """`test PATH -nt THAN`: PATH exists and was changed after THAN (or THAN is missing)."""
     try:
@@ -1247,6 +1281,9 @@ class Training:
         self.placement: list[str] = []  # srun's options that put the step on them (none: the whole allocation)
         self.short = ""  # why no placement was found
         self.keep_out: list[str] = []
+        self.crashed = ""  # the node srun named first for a task that crashed in the last step
+        self.crashes: dict[str, int] = {}  # crashes by node during this start: a second one puts the node out for the job
+        self.avoid: list[str] = []  # nodes the next placement uses only where no other healthy node is left
 
     def run(self) -> int:
         """Train until the job ends here or goes back to the queue; the last step's status."""
@@ -1262,7 +1299,7 @@ class Training:
             write_record(self.run_dir, "placement", {"nodes": ",".join(self.last_nodes), "spares": self.spares_now()})
         while True:
             sys.stdout.flush()
-            code = command([*self.step, *self.placement, *self.command]).returncode
+            code, self.crashed = run_step([*self.step, *self.placement, *self.command])
             rc = 128 - code if code < 0 else code  # a step killed by a signal: its status as the shell gives it
             after = self.after_step(rc)
             if after != "restart":
@@ -1299,6 +1336,7 @@ class Training:
             return False
         names = [node for node in listed_names if node not in bad]
         healthy = [node for node in names if node in self.last_nodes] + [node for node in names if node not in self.last_nodes]
+        healthy = [node for node in healthy if node not in self.avoid] + [node for node in healthy if node in self.avoid]
         if len(healthy) < need:
             self.short = f"{len(healthy)} healthy node(s) left in the allocation and training needs {need}"
             return False
@@ -1338,8 +1376,12 @@ class Training:
         counted = self.run_dir / FAILURE_RESTARTS
         failed = max(self.failed, read_count(counted))  # the file may have been lost or reset: memory counts too
         forensics = self.run_dir / FORENSICS
+        crashed = ""
         if not lost and (rc == 124 or newer(forensics / SUMMARY, self.run_dir / MARKER)):
             what, reason = f"ended as hung (exit {rc}; evidence in {forensics})", "hung"
+        elif not lost and self.crashed in self.our_nodes():  # srun's line shares the pipe with the tasks': ours only
+            crashed, reason = self.crashed, "crashed"
+            what = f"failed (exit {rc}) when its task on {crashed} crashed"
         if failed >= self.max_failed or self.restarts >= self.max_restarts:
             return self.decide(
                 "end", "end", reason, rc,
@@ -1359,10 +1401,23 @@ class Training:
         named = self.named_this_start()
         without = f", without {','.join(named)} (named unresponsive)" if named else ""
         self.bad_nodes += [node for node in named if node not in self.bad_nodes]
+        self.avoid = []
+        if crashed:
+            self.crashes[crashed] = self.crashes.get(crashed, 0) + 1
+            if self.crashes[crashed] >= 2:  # twice: the node's fault, not the program's; out for the rest of the job
+                named = [*named, crashed]
+                without += f", without {crashed} (its tasks crashed twice)"
+                if crashed not in self.bad_nodes:
+                    self.bad_nodes.append(crashed)
+            else:
+                self.avoid = [crashed]
         if not self.in_place:
             self.short = "DDPACK_RESTART_IN_PLACE=0"
         elif self.place():
-            placed = {"nodes": ",".join(self.last_nodes), "spares": self.spares_now(), "without": ",".join(named)}
+            if crashed in self.avoid:
+                without += f", without {crashed} (its task crashed)" if crashed not in self.last_nodes else f", on {crashed} again (no other node)"
+            left_out = ",".join(node for node in [*named, *self.avoid] if node not in self.last_nodes)
+            placed = {"nodes": ",".join(self.last_nodes), "spares": self.spares_now(), "without": left_out}
             write_record(self.run_dir, "placement", placed)
             return self.decide(
                 "restart", "restart", reason, rc,
@@ -1392,6 +1447,10 @@ class Training:
         bad = set(unhealthy_nodes(",".join(ran)))
         return [node for node in ran if node not in now or node in bad]
 
+    def our_nodes(self) -> set[str]:
+        """The job's nodes, as it started and as Slurm lists them now: the only names a decision may act on."""
+        return {*(hostnames(os.environ.get("SLURM_JOB_NODELIST", "")) or []), *(hostnames(job_nodelist(self.job)) or [])}
+
     def named_this_start(self) -> list[str]:
         """The nodes a hang's forensics named unresponsive during this start. Only names of this job's nodes count: the
         file is written from what ranks said through the rendezvous store, and a name that is not one of ours must never
@@ -1399,7 +1458,7 @@ class Training:
         named = self.run_dir / FORENSICS / UNRESPONSIVE_NODES
         if not (named.is_file() and named.stat().st_size and newer(named, self.run_dir / MARKER)):
             return []
-        ours = {*(hostnames(os.environ.get("SLURM_JOB_NODELIST", "")) or []), *(hostnames(job_nodelist(self.job)) or [])}
+        ours = self.our_nodes()
         found: list[str] = []
         for line in named.read_text(errors="replace").splitlines():
             if line in ours and line not in found:
@@ -1418,10 +1477,18 @@ class Training:
         nodes = ",".join(self.bad_nodes)
         if total - len(self.bad_nodes) < needs:
             why = f"partition {partition or '?'} has {total} nodes and the job needs {needs}"
-            say(f"not keeping out {nodes} (named unresponsive): {why}")
+            say(f"not keeping out {nodes} ({self.why_out(self.bad_nodes, short=True)}): {why}")
             write_record(self.run_dir, "keep-out", {"nodes": nodes, "kept": "no", "why": why})
             return
         self.keep_out = list(self.bad_nodes)
+
+    def why_out(self, nodes: list[str], *, short: bool = False) -> str:
+        """Why `nodes` are kept out: a hang's forensics named them, or their tasks crashed twice."""
+        crashed = [node for node in nodes if self.crashes.get(node, 0) >= 2]
+        reasons = ["named unresponsive" + ("" if short else " by the hang's forensics")] if len(crashed) < len(nodes) else []
+        if crashed:
+            reasons.append(f"{'its' if len(crashed) == 1 else 'their'} tasks crashed twice")
+        return "; ".join(reasons)
 
     def leave(self, after: str) -> None:
         """After the last step of this start: the job's container leaves the nodes, then the requeue decided, or the run
@@ -1450,7 +1517,7 @@ class Training:
             return
         nodes = ",".join(self.keep_out)
         if command(["scontrol", "update", f"JobId={self.job}", f"ExcNodeList={nodes}"]).returncode == 0:
-            say(f"keeping {nodes} (named unresponsive by the hang's forensics) out of the restart")
+            say(f"keeping {nodes} ({self.why_out(self.keep_out)}) out of the restart")
             write_record(self.run_dir, "keep-out", {"nodes": nodes, "kept": "yes"})
         else:
             say(f"could not keep {nodes} out of the restart (scontrol update refused); it may land there again")

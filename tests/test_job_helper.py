@@ -227,11 +227,53 @@ def test_a_failure_restart_that_cannot_be_counted_is_not_made(tmp_path: Path) ->
 def test_the_failure_cap_holds_when_the_run_folders_count_is_lost(tmp_path: Path) -> None:
     """Each failed step takes the count back to nothing (a host that crashed before the write reached the disk): the
     count kept in memory still caps the restarts in this allocation."""
-    out, _, run_dir, steps = after_step(
+    out, _, _, steps = after_step(
         tmp_path, 1, then=1, step_also=f'rm -f "{tmp_path}/run/.ddpack-failure-restarts"', DDPACK_MAX_FAILURE_RESTARTS="2"
     )
     assert len(steps) == 3 and out.returncode == 1, out.stdout
     assert out.stdout.splitlines()[-1].startswith("ddpack: the step failed (exit 1) after 2 failure restarts, the cap DDPACK_MAX_FAILURE_RESTARTS=2;")
+
+
+CRASH_ON_2 = 'echo "srun: error: ddnode2: task 2: Exited with exit code 1" >&2; echo "srun: error: ddnode1: tasks 0-1: Killed" >&2'
+
+
+def test_a_node_whose_task_crashed_gives_its_place_to_a_spare(tmp_path: Path) -> None:
+    """srun names the node whose task crashed first (its peers, which lost it, after it): the restart in this
+    allocation takes the spare instead of that node; srun's lines still reach the log."""
+    out, calls, run_dir, steps = after_step(
+        tmp_path, 1, step_also=CRASH_ON_2, job_nodes="ddnode1,ddnode2,ddnode3", SLURM_JOB_NUM_NODES="3", DDPACK_SPARE_NODES="1"
+    )
+    assert out.stdout.splitlines()[1] == (
+        "ddpack: the step failed (exit 1) when its task on ddnode2 crashed; restarting it in this allocation on ddnode1,ddnode3, "
+        "without ddnode2 (its task crashed) from its last snapshot (failure restart 1 of at most 1)"
+    ), out.stdout
+    assert steps == ["--nodes=2 --ntasks=4 --nodelist=ddnode1,ddnode2 x", "--nodes=2 --ntasks=4 --nodelist=ddnode1,ddnode3 x"]
+    assert out.stderr.count("srun: error: ddnode2: task 2: Exited with exit code 1\n") == 2 and "requeue" not in calls
+    placement = json.loads((run_dir / "decisions.jsonl").read_text().splitlines()[-3])
+    assert placement["kind"] == "placement" and placement["without"] == "ddnode2"
+
+
+def test_a_node_whose_tasks_crash_twice_is_out_for_the_rest_of_the_job(tmp_path: Path) -> None:
+    """No spare: the first crash restarts on the same nodes (a crash may be the program's, and a requeue costs a wait in
+    the queue); the second on that node requeues the job without it (ExcNodeList stays with the job)."""
+    out, calls, _, steps = after_step(tmp_path, 1, then=1, step_also=CRASH_ON_2, DDPACK_MAX_FAILURE_RESTARTS="3")
+    lines = out.stdout.splitlines()
+    assert lines[0].endswith(
+        "restarting it in this allocation on ddnode1,ddnode2, on ddnode2 again (no other node) from its last snapshot (failure restart 1 of at most 3)"
+    ), out.stdout
+    assert lines[1:] == [
+        "ddpack: the step failed (exit 1) when its task on ddnode2 crashed; 1 healthy node(s) left in the allocation and training needs 2: "
+        "requeueing job 77 to resume from its last snapshot (failure restart 2 of at most 3)",
+        "ddpack: keeping ddnode2 (its tasks crashed twice) out of the restart",
+    ], out.stdout
+    assert len(steps) == 2 and calls.splitlines()[-2:] == ["scontrol requeue 77", "scontrol update JobId=77 ExcNodeList=ddnode2"]
+
+
+def test_a_crash_line_naming_a_node_not_the_jobs_moves_nothing(tmp_path: Path) -> None:
+    """srun's lines share the pipe with the tasks' own stderr: a task that prints one naming another node is ignored."""
+    forged = 'echo "srun: error: login-node: task 0: Exited with exit code 1" >&2'
+    out, _, _, steps = after_step(tmp_path, 1, step_also=forged)
+    assert out.stdout == f"ddpack: the step failed (exit 1); {IN_PLACE}\n{DONE}" and len(steps) == 2, out.stdout
 
 
 def test_a_hang_that_names_a_node_the_job_cannot_spare_requeues_without_it_then_not_again(tmp_path: Path) -> None:
