@@ -17,6 +17,7 @@ from train.affinity import cpu_list, parse_cpu_list, plan_slices
 from train.config import build_parser, parse_config
 from train.data import BatchKey, SeededBatches
 from train.distributed import DeviceError, choose_cuda_index
+from train.metrics import MetricsFile, MetricsWriteError
 from train.model import unused_parameter_names
 from train.outcome import RunEnd, checksums, read_ends
 from train.snapshot import Snapshot, SnapshotStore, SnapshotWriteError, SnapshotWriter, Written, list_snapshots, snapshot_name
@@ -212,6 +213,35 @@ def test_a_failed_background_write_is_raised_at_the_next_wait_and_leaves_the_las
         writer.wait()
     assert [p.name for p in list_snapshots(tmp_path)] == [snapshot_name(10)]
     assert writer.wait().global_step == 10  # reported once; the last durable snapshot stays known
+
+
+def test_a_metrics_file_on_a_full_disk_is_one_error_naming_it_and_the_next_record_is_tried_afresh(tmp_path: Path) -> None:
+    """/dev/full takes the open and refuses every write (ENOSPC), as a full run folder does; a record that could not be
+    written is not left in the buffer to fail again (or land twice) with the end record."""
+    metrics = MetricsFile("/dev/full")
+    with pytest.raises(MetricsWriteError, match=r"^the progress record could not be written to /dev/full: \[Errno 28\] No space left on device; make room"):
+        metrics.write("progress", global_step=1)
+    with pytest.raises(MetricsWriteError, match="the end record"):
+        metrics.write("end", outcome="failed")
+    metrics.close()
+    good = MetricsFile(str(tmp_path / "m.jsonl"))
+    good.write("progress", global_step=1)
+    good.close()
+    assert (tmp_path / "m.jsonl").read_text().count("\n") == 1
+
+
+def test_a_snapshots_record_that_cannot_be_written_is_raised_at_the_next_wait(tmp_path: Path) -> None:
+    store = GatedStore(tmp_path)
+    store.gate.set()
+
+    def on_written(_: Written) -> None:
+        raise MetricsWriteError("the snapshot record could not be written")
+
+    writer = SnapshotWriter(store, on_written)
+    writer.submit(_state(10), held_since=0.0)
+    with pytest.raises(MetricsWriteError, match="the snapshot record"):
+        writer.wait()
+    assert [p.name for p in list_snapshots(tmp_path)] == [snapshot_name(10)]
 
 
 def test_store_skips_corrupt_and_incomplete_and_never_deletes_them_but_clears_a_dead_writers_temp_file(tmp_path: Path) -> None:

@@ -201,7 +201,10 @@ class SnapshotWriter:
             self._error = SnapshotWriteError(f"{where}: {first_line(exc)}; make room or fix its permissions, or pass another --snapshot-dir, then resume")
             return
         self.last = Written(path=path, global_step=host.global_step, stall_s=stall_s, write_s=time.monotonic() - started)
-        self.on_written(self.last)
+        try:
+            self.on_written(self.last)
+        except Exception as exc:  # its record could not be written (a full run folder): raised at the next wait too
+            self._error = exc
 
     def _to_host(self, value: Any, key: tuple[Any, ...]) -> Any:
         """A copy whose tensors live in this writer's host buffers and whose containers are new, so
