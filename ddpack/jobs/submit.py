@@ -128,9 +128,14 @@ def setting_problems(settings: SubmitSettings) -> list[str]:
             problems.append(f"--env {name}: set by ddpack itself ({table[name].meaning}), not by you")
         elif (why := table[name].problem(name, value)) is not None:
             problems.append(f"--env {why}")
-    for name in settings.secrets:
+    for number, name in enumerate(settings.secrets, 1):
+        if not ENV_NAME.fullmatch(name):  # `--secret TOKEN=value`, `--secret $TOKEN`: the text may be the value itself
+            problems.append(
+                f"--secret (the {ordinal(number)}): not a variable name, and not shown here as it may hold the value; "
+                "export the value in this shell and give its NAME alone"
+            )
         # ALL, NONE and NIL mean something else to sbatch --export (ALL: the whole shell): never a secret's name.
-        if not ENV_NAME.fullmatch(name) or name.startswith(("DDPACK_", "SLURM_")) or name in LOGIN_ENV or name.upper() in ("ALL", "NONE", "NIL"):
+        elif name.startswith(("DDPACK_", "SLURM_")) or name in LOGIN_ENV or name.upper() in ("ALL", "NONE", "NIL"):
             problems.append(f"--secret {name}: not a variable name of your own (DDPACK_*, SLURM_* and {', '.join(LOGIN_ENV)} are not secrets)")
         elif name in settings.env:
             problems.append(f"--secret {name} is also an --env setting, whose value is written in the job script; give it once, as --secret")
@@ -159,6 +164,18 @@ class ImageChoice:
     ecr_digests: tuple[str, ...] = ()
     variant: str = "cpu"
     efa: bool = False
+
+
+def ordinal(number: int) -> str:
+    return f"{number}{'th' if 10 <= number % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(number % 10, 'th')}"
+
+
+def secrets_in_accounting() -> bool:
+    """Whether Slurm's accounting database keeps every job's environment (AccountingStoreFlags=job_env in `scontrol
+    show config`), where a --secret's value then lies too; False where scontrol does not answer."""
+    answer = slurm_cli.ask(["scontrol", "show", "config"], timeout=10)
+    found = re.search(r"^AccountingStoreFlags\s*=\s*(.*)$", answer.stdout, re.MULTILINE)
+    return not answer.failed and found is not None and "job_env" in found.group(1).split(",")
 
 
 def source_digest(*, variant: str = "cpu", efa: bool = False) -> str:
@@ -556,6 +573,11 @@ def _submit(settings: SubmitSettings, *, dry_run: bool, say: Any, run_file: dict
         say("submit: dry run: every check passed (sbatch --test-only too); nothing was queued")
         return Submitted(
             job_id=None, run_dir=str(planned_dir), sqsh=str(sqsh), image=image.ref if image else None, built=False, converted=False, script=""
+        )
+    if settings.secrets and secrets_in_accounting():
+        say(
+            f"submit: warning: this cluster stores each job's environment in its accounting database (AccountingStoreFlags=job_env), "
+            f"so the values of {', '.join(settings.secrets)} go there as well as to the controller's state (docs/security.md)"
         )
     run_dir = new_run_dir(settings.runs, settings.job_name).resolve()
     script = render_script(settings, run_dir, sqsh)

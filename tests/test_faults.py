@@ -1,0 +1,75 @@
+"""Faults on the submitting side (issue 54), against the fake Slurm commands of tests/test_lifecycle.py: an sbatch
+that does not answer, a secret given with its value, a cluster that keeps every job's environment in its accounting.
+docs/faults.md lists every fault, what ddpack does, and the test that shows it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_lifecycle import fake, fake_slurm, queued, settings
+
+from ddpack import cli
+from ddpack.errors import HostError
+from ddpack.jobs import slurm_cli
+from ddpack.jobs.run_record import read_record
+from ddpack.jobs.submit import submit
+
+SECRET = "tok-3f9a-not-for-logs"
+
+
+@pytest.fixture
+def slurm(tmp_path, monkeypatch) -> Path:
+    return fake_slurm(tmp_path, monkeypatch)
+
+
+def silent_sbatch(slurm: Path, monkeypatch, squeue: str) -> None:
+    """An sbatch that queues nothing it says: it notes the folder it ran in, then never answers (killed at the
+    timeout, 1 s here); `squeue` is what squeue then prints, with {where} for that folder."""
+    monkeypatch.setattr(slurm_cli, "SBATCH_TIMEOUT_S", 1)
+    fake(slurm, "sbatch", f'[ "$1" = --test-only ] && exit 0; echo "$PWD" > "{slurm}/where"; exec sleep 60')
+    listing = squeue.replace("{where}", f'$(cat "{slurm}/where")')
+    fake(slurm, "squeue", f'case "$*" in *%Z*) {listing} ;; esac')
+
+
+def test_an_sbatch_that_does_not_answer_is_found_in_squeue_by_its_run_folder_and_recorded(tmp_path, slurm, monkeypatch, capfd) -> None:
+    silent_sbatch(slurm, monkeypatch, 'echo "12|/fsx/someone/else"; echo "73|{where}"')
+    result = submit(settings(tmp_path), say=lambda _: None)
+    assert result.job_id == "73" and [job.job_id for job in read_record(Path(result.run_dir)).jobs] == ["73"]
+    assert capfd.readouterr().err == f"sbatch did not answer in 1 s, but squeue lists job 73 working in {result.run_dir}: it was queued\n"
+
+
+@pytest.mark.parametrize(
+    ("squeue", "line"),
+    [
+        ('echo "12|/fsx/someone/else"', "sbatch did not answer in 1 s and squeue lists no job working in "),
+        ("echo 'squeue: error: Socket timed out' >&2; exit 1", "sbatch did not answer in 1 s and squeue could not say whether it queued the job"),
+    ],
+)
+def test_an_sbatch_that_does_not_answer_and_is_not_found_says_what_to_look_for(tmp_path, slurm, monkeypatch, squeue: str, line: str) -> None:
+    silent_sbatch(slurm, monkeypatch, squeue)
+    with pytest.raises(HostError, match="^" + line) as raised:
+        submit(settings(tmp_path), say=lambda _: None)
+    assert raised.value.code == 1 and "squeue -u " in str(raised.value) and "refused" not in str(raised.value)
+
+
+@pytest.mark.parametrize("given", [f"HF_TOKEN={SECRET}", SECRET, f"{SECRET} "])
+def test_a_secret_given_with_its_value_is_refused_without_printing_it(tmp_path, slurm, monkeypatch, capfd, given: str) -> None:
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    good = settings(tmp_path)
+    argv = ["submit", str(tmp_path), "--nodes", "2", "--runs", str(good.runs), "--sqsh", str(good.sqsh), "--mounts", good.mounts]
+    assert cli.main([*argv, "--secret", "OTHER_NAME_XYZ", "--secret", given]) == 2
+    out, err = capfd.readouterr()
+    assert SECRET not in out + err and queued(slurm) == []
+    assert "--secret (the 2nd): not a variable name, and not shown here as it may hold the value" in err, err
+
+
+@pytest.mark.parametrize(("flags", "warned"), [("job_comment,job_env,job_script", True), ("job_comment,job_script", False)])
+def test_submit_warns_where_the_accounting_keeps_the_jobs_environment(tmp_path, slurm, monkeypatch, flags: str, warned: bool) -> None:
+    """A --secret's value lies in the controller's state, and in the accounting database where it stores job_env."""
+    fake(slurm, "scontrol", f'[ "$*" = "show config" ] && echo "AccountingStoreFlags    = {flags}"')
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    said: list[str] = []
+    submit(settings(tmp_path, secrets=("HF_TOKEN",)), say=said.append)
+    warning = [line for line in said if "AccountingStoreFlags=job_env" in line]
+    assert len(warning) == int(warned) and all("HF_TOKEN" in line and SECRET not in line for line in warning), said
