@@ -20,7 +20,16 @@ from train.distributed import DeviceError, choose_cuda_index
 from train.metrics import MetricsFile, MetricsWriteError
 from train.model import unused_parameter_names
 from train.outcome import RunEnd, checksums, read_ends
-from train.snapshot import Snapshot, SnapshotStore, SnapshotWriteError, SnapshotWriter, Written, list_snapshots, snapshot_name
+from train.snapshot import (
+    Snapshot,
+    SnapshotStore,
+    SnapshotsUnreadable,
+    SnapshotWriteError,
+    SnapshotWriter,
+    Written,
+    list_snapshots,
+    snapshot_name,
+)
 from train.tasks import TaskError, load_task
 
 REQUIRED_FLAGS = [
@@ -298,6 +307,26 @@ def test_a_train_module_in_the_working_directory_cannot_shadow_the_trainer(tmp_p
         assert out.returncode == 0, out.stdout + out.stderr
         assert "THE USER TRAIN RAN" not in out.stdout and "checksums agree across 1 ranks" in out.stdout
     assert "task mine " in out.stdout
+
+
+def test_snapshots_that_exist_but_cannot_be_read_stop_the_run_instead_of_training_from_step_0(tmp_path: Path) -> None:
+    """Every snapshot unreadable, or none where the metrics file records one (the folder briefly invisible): one line,
+    exit 2, and the files left as they were (training from 0 would rotate them away once they are readable again)."""
+    snap = tmp_path / "snap"
+    snap.mkdir()
+    (snap / snapshot_name(40)).write_bytes(b"torn")
+    out = run_train("--epochs", "1", "--snapshot-dir", str(snap))
+    assert out.returncode == 2 and f"none of the 1 snapshots in {snap} can be read (the newest: {snap / snapshot_name(40)} is unreadable" in out.stdout
+    assert "Traceback" not in out.stderr and [p.name for p in snap.iterdir()] == [snapshot_name(40)]
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text(
+        '{"time": 1, "kind": "snapshot", "global_step": 40, "path": "' + str(snap / snapshot_name(40)) + '"}\n{"time": 2, "kind": "progr\n'
+    )
+    (snap / snapshot_name(40)).unlink()
+    with pytest.raises(SnapshotsUnreadable, match=f"records the snapshot of step 40 .*, but {snap} holds none"):
+        SnapshotStore(snap).load_latest(metrics)
+    assert SnapshotStore(tmp_path / "elsewhere").load_latest(metrics)[0] is None  # another folder's record: a new run
+    assert SnapshotStore(snap).load_latest(tmp_path / "missing.jsonl")[0] is None
 
 
 def test_rerunning_a_finished_run_names_where_it_ended(tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ from train.metrics import MetricsFile, MetricsWriteError, RankLog
 from train.model import SetupError
 from train.outcome import RunEnd
 from train.signals import PreemptionWatcher
-from train.snapshot import SnapshotWriteError
+from train.snapshot import SnapshotsUnreadable, SnapshotWriteError
 from train.tasks import TaskError, load_task
 from train.trainer import ChecksumMismatch, Preempted, SnapshotMismatch, Trainer
 from train.watchdog import Progress, Watchdog, job_store, unsigned_store_note
@@ -136,6 +136,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"train: error: {exc}", file=sys.stderr, flush=True)
         end = ended("bad-input", 2, reason=str(exc))
         hard_exit = False
+    except SnapshotsUnreadable as exc:  # rank 0 alone; the others wait for the snapshot it would send
+        log(f"error: {exc}")
+        end = ended("bad-input", 2, reason=str(exc))
     except (SnapshotWriteError, MetricsWriteError) as exc:  # rank 0 alone; the others are in their next collective
         log(f"error: {exc}")
         end = ended("failed", 1, reason=str(exc))

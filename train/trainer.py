@@ -262,7 +262,7 @@ class Trainer:
         """Rank 0 picks the newest readable snapshot and sends it to every rank."""
         snapshot = None
         if self.store is not None:
-            snapshot, path, reports = self.store.load_latest()
+            snapshot, path, reports = self.store.load_latest(Path(self.config.metrics_file) if self.config.metrics_file else None)
             for report in reports:
                 self.log(report)
             if path is None:
