@@ -1220,6 +1220,31 @@ def run_step(argv: list[str]) -> tuple[int, str]:
     return code, (crashed[0] if crashed else "")
 
 
+PROGRESS_RECORD = b'"kind": "progress"'  # train/metrics.py's progress records, as json.dumps spells them
+
+
+def metrics_size(path: Path) -> int | None:
+    """The metrics file's size now; None where there is none (a program of your own may write none)."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None
+
+
+def made_progress(path: Path, since: int | None) -> str:
+    """Whether the step wrote a progress record (it finished steps) after byte `since` of the metrics file: "yes",
+    "no", or "" where there is no metrics file, before or after (nothing to tell from)."""
+    try:
+        with path.open("rb") as handle:
+            handle.seek(since or 0)
+            while chunk := handle.read(1 << 20):
+                if PROGRESS_RECORD in chunk:
+                    return "yes"
+    except OSError:
+        return "" if since is None else "no"
+    return "no"
+
+
 def newer(path: Path, than: Path) -> bool:
     """`test PATH -nt THAN`: PATH exists and was changed after THAN (or THAN is missing)."""
     try:
@@ -1282,6 +1307,7 @@ class Training:
         self.short = ""  # why no placement was found
         self.keep_out: list[str] = []
         self.crashed = ""  # the node srun named first for a task that crashed in the last step
+        self.progress = ""  # whether the last step wrote progress records: yes, no, "" (no metrics file)
         self.crashes: dict[str, int] = {}  # crashes by node during this start: a second one puts the node out for the job
         self.avoid: list[str] = []  # nodes the next placement uses only where no other healthy node is left
 
@@ -1299,7 +1325,9 @@ class Training:
             write_record(self.run_dir, "placement", {"nodes": ",".join(self.last_nodes), "spares": self.spares_now()})
         while True:
             sys.stdout.flush()
+            before = metrics_size(self.run_dir / METRICS)
             code, self.crashed = run_step([*self.step, *self.placement, *self.command])
+            self.progress = made_progress(self.run_dir / METRICS, before)
             rc = 128 - code if code < 0 else code  # a step killed by a signal: its status as the shell gives it
             after = self.after_step(rc)
             if after != "restart":
@@ -1369,6 +1397,12 @@ class Training:
                     f"preempted (exit {rc}) after {self.restarts} restarts, the cap DDPACK_MAX_RESTARTS={self.max_restarts}; "
                     f"not requeueing ({self.continue_hint()} to continue)",
                 )  # fmt: skip
+            if self.progress == "no" and self.restarts >= 1 and self.earlier_start_progress() == "no":
+                return self.decide(
+                    "end", "end", "no-progress", rc,
+                    f"preempted (exit {rc}) with no new step in {self.run_dir / METRICS}, as in the start before it: not requeueing "
+                    f"a program that stops before its first step at every start (its lines above say where); {self.continue_hint()} to try again",
+                )  # fmt: skip
             return self.decide(
                 "requeue", "requeue", "preempted", rc,
                 f"preempted (exit {rc}); requeueing job {self.job} (restart {self.restarts + 1} of at most {self.max_restarts})",
@@ -1433,8 +1467,25 @@ class Training:
     def decide(self, after: str, verdict: str, reason: str, rc: int | str, sentence: str) -> str:
         """The step's end decided: said, recorded (the run's end, for `ddpack status` once Slurm has forgotten the job)."""
         say(sentence)
-        write_record(self.run_dir, "step-end", {"verdict": verdict, "reason": reason, "exit": str(rc), "text": sentence})
+        fields = {"verdict": verdict, "reason": reason, "exit": str(rc), "text": sentence, "progress": self.progress}
+        write_record(self.run_dir, "step-end", fields)
         return after
+
+    def earlier_start_progress(self) -> str:
+        """The progress of the last step of the start before this one (SLURM_RESTART_COUNT one less), as its step-end
+        record has it: "yes", "no" or "" (unknown)."""
+        try:
+            lines = read_nofollow(self.run_dir / DECISIONS, limit=None).splitlines()
+        except OSError:
+            return ""
+        for line in reversed(lines):
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(entry, dict) and entry.get("kind") == "step-end" and entry.get("restart") == self.restarts - 1:
+                return str(entry.get("progress") or "")
+        return ""
 
     def lost_nodes(self) -> list[str]:
         """The nodes the last step ran on that the job lost (Slurm dropped them from this --no-kill job) or that sinfo

@@ -276,6 +276,30 @@ def test_a_crash_line_naming_a_node_not_the_jobs_moves_nothing(tmp_path: Path) -
     assert out.stdout == f"ddpack: the step failed (exit 1); {IN_PLACE}\n{DONE}" and len(steps) == 2, out.stdout
 
 
+@pytest.mark.parametrize(
+    ("before", "writes", "ends"),
+    [("no", "", True), ("yes", "", False), ("no", '{"time": 2, "kind": "progress", "global_step": 41}', False), ("", "", False)],
+)
+def test_a_program_that_stops_before_its_first_step_at_every_start_is_not_requeued_again(
+    tmp_path: Path, before: str, writes: str, ends: bool
+) -> None:
+    """Preempted (or stopped at the time limit's warning) with no progress record written during this start, after a
+    start before it that wrote none either: the job ends instead of going back to the queue up to 10 times."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"time": 1, "kind": "progress", "global_step": 40}\n')
+    earlier = {"kind": "step-end", "verdict": "requeue", "restart": 1, "progress": before}
+    (run_dir / "decisions.jsonl").write_text(json.dumps({**earlier, "restart": 0, "progress": "yes"}) + "\n" + json.dumps(earlier) + "\n")
+    out, calls, _, steps = after_step(tmp_path, 138, step_also=f"echo '{writes}' >> {run_dir}/metrics.jsonl" if writes else "", SLURM_RESTART_COUNT="2")
+    assert len(steps) == 1 and ("scontrol requeue 77" in calls) == (not ends), out.stdout
+    if ends:
+        assert out.stdout.splitlines()[-1].startswith(
+            f"ddpack: preempted (exit 138) with no new step in {run_dir}/metrics.jsonl, as in the start before it: not requeueing"
+        )
+    last = json.loads((run_dir / "decisions.jsonl").read_text().splitlines()[-1])
+    assert last["progress"] == ("yes" if writes else "no") and last["reason"] == ("no-progress" if ends else "preempted")
+
+
 def test_a_hang_that_names_a_node_the_job_cannot_spare_requeues_without_it_then_not_again(tmp_path: Path) -> None:
     out, calls, run_dir, _ = after_step(tmp_path, 124, unresponsive="ddnode2\n")
     assert out.stdout.splitlines() == [
