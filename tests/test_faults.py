@@ -73,3 +73,46 @@ def test_submit_warns_where_the_accounting_keeps_the_jobs_environment(tmp_path, 
     submit(settings(tmp_path, secrets=("HF_TOKEN",)), say=said.append)
     warning = [line for line in said if "AccountingStoreFlags=job_env" in line]
     assert len(warning) == int(warned) and all("HF_TOKEN" in line and SECRET not in line for line in warning), said
+
+
+def test_garbage_from_sinfo_is_one_line_not_a_traceback(tmp_path, slurm) -> None:
+    fake(slurm, "sinfo", 'case "$*" in *--version*) echo "slurm-wlm 22.05.8" ;; *) echo "debug*|lots|idle|(null)" ;; esac')
+    with pytest.raises(HostError) as raised:
+        submit(settings(tmp_path), say=lambda _: None)
+    assert "sinfo answered 'debug*|lots|idle|(null)', not PARTITION|NODES|STATE|GRES" in str(raised.value) and queued(slurm) == []
+
+
+def test_a_default_job_name_slurm_would_expand_is_refused(tmp_path, slurm) -> None:
+    """The job's name comes from the project folder (or the squashfs) unless --name gives it; `%u` in it would be
+    expanded by Slurm in the log path the name is part of."""
+    project = tmp_path / "my proj%u"
+    project.mkdir()
+    with pytest.raises(HostError, match=r"the job's name 'my proj%u' \(from the project folder's name\) is not only letters") as raised:
+        submit(settings(tmp_path, app_dir=project, sqsh=None, name=None), say=lambda _: None)
+    assert raised.value.code == 2 and queued(slurm) == []
+
+
+def test_submit_on_a_full_filesystem_is_one_line_and_leaves_no_run_folder_without_its_record(tmp_path, slurm, monkeypatch) -> None:
+    import ddpack.jobs.submit as submitting
+
+    def full(*_: object, **__: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(submitting.shutil, "copy2", full)  # the job's helpers are the first files written into it
+    good = settings(tmp_path)
+    with pytest.raises(HostError, match=f"^cannot write the run folder under {good.runs} \\(No space left on device\\); make room"):
+        submit(good, say=lambda _: None)
+    assert list(good.runs.iterdir()) == [] and queued(slurm) == []
+
+
+def test_a_resubmit_gives_the_new_job_its_failure_restarts_anew(tmp_path, slurm) -> None:
+    """The count caps one job's restart loop; a person who resubmits chose to go on."""
+    from test_lifecycle import make_run
+
+    from ddpack.jobs.runs import resubmit
+
+    fake(slurm, "squeue", "echo 'FAILED||'")
+    run_dir = make_run(tmp_path)
+    (run_dir / ".ddpack-failure-restarts").write_text("1\n")
+    assert resubmit(run_dir) == "101"
+    assert not (run_dir / ".ddpack-failure-restarts").exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -239,6 +240,16 @@ def test_a_metrics_file_on_a_full_disk_is_one_error_naming_it_and_the_next_recor
     assert (tmp_path / "m.jsonl").read_text().count("\n") == 1
 
 
+def test_a_start_appending_after_a_torn_line_begins_a_line_of_its_own(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"time": 1, "kind": "progress"}\n{"time": 2, "ki')  # the last start was killed mid-write
+    metrics = MetricsFile(str(path))
+    metrics.write("start", global_step=0)
+    metrics.close()
+    lines = path.read_text().splitlines()
+    assert lines[1] == '{"time": 2, "ki' and json.loads(lines[2])["kind"] == "start" and len(lines) == 3
+
+
 def test_a_snapshots_record_that_cannot_be_written_is_raised_at_the_next_wait(tmp_path: Path) -> None:
     store = GatedStore(tmp_path)
     store.gate.set()
@@ -327,6 +338,32 @@ def test_snapshots_that_exist_but_cannot_be_read_stop_the_run_instead_of_trainin
         SnapshotStore(snap).load_latest(metrics)
     assert SnapshotStore(tmp_path / "elsewhere").load_latest(metrics)[0] is None  # another folder's record: a new run
     assert SnapshotStore(snap).load_latest(tmp_path / "missing.jsonl")[0] is None
+
+
+CHANGING_TASK = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+from train.tasks import Task
+
+def make(config):
+    x = torch.randn(256, 3, generator=torch.Generator().manual_seed(0))
+    model = nn.Linear(3, 1) if WIDTH == 1 else nn.Sequential(nn.Linear(3, WIDTH), nn.Linear(WIDTH, 1))
+    return Task("mine", model, TensorDataset(x, x.sum(1, keepdim=True)), nn.MSELoss())
+"""
+
+
+def test_a_snapshot_of_a_model_that_changed_is_bad_input_not_a_failed_collective(tmp_path: Path) -> None:
+    """The project's model changed between two starts of one run (its code, not a flag): one line, exit 2, not
+    "a collective failed" (exit 1), which the job would restart for nothing."""
+    snap = str(tmp_path / "snap")
+    (tmp_path / "mytask.py").write_text("WIDTH = 1\n" + CHANGING_TASK)
+    args = ("--task", "mytask:make", "--epochs", "1", "--snapshot-dir", snap)
+    assert run_train(*args, cwd=tmp_path).returncode == 0
+    (tmp_path / "mytask.py").write_text("WIDTH = 4\n" + CHANGING_TASK)
+    again = run_train(*args, cwd=tmp_path)
+    assert again.returncode == 2 and "does not fit this model" in again.stderr + again.stdout, again.stderr
+    assert "a collective failed" not in again.stderr + again.stdout
 
 
 def test_rerunning_a_finished_run_names_where_it_ended(tmp_path: Path) -> None:

@@ -100,6 +100,19 @@ class TensorBoardScalars:
         self.writer.close()
 
 
+def torn_tail(path: Path) -> bool:
+    """Whether the file ends in the middle of a line (its writer was killed while writing it)."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            if handle.tell() == 0:
+                return False
+            handle.seek(-1, os.SEEK_END)
+            return handle.read(1) != b"\n"
+    except OSError:
+        return False
+
+
 class MetricsWriteError(Exception):
     """The metrics file could not be written (a full, over-quota or read-only run folder): the run ends as failed,
     every rank within seconds, instead of a traceback that leaves its peers waiting out the collective timeout."""
@@ -146,6 +159,8 @@ class MetricsFile:
             if self._handle is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 self._handle = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the run
+                if torn_tail(self.path):  # a run killed mid-write: its half line stays one line of its own
+                    line = "\n" + line
             self._handle.write(line)
             self._handle.flush()
         except OSError as exc:

@@ -211,6 +211,8 @@ def partition_nodes(partition: str | None, gpus: int = 0) -> tuple[str, int, int
     usable, other, name = 0, 0, ""
     for line in answer.stdout.splitlines():
         part, count, state, gres = [*line.split("|"), "", "", ""][:4]
+        if not (count.isascii() and count.isdigit()):
+            return f"sinfo answered {line[:80]!r}, not PARTITION|NODES|STATE|GRES (a wrapper or a newer Slurm?); check `sinfo -h -o '%P|%D|%T|%G'`"
         default = part.endswith("*")
         part = part.rstrip("*")
         if not ((partition and part == partition) or (not partition and default)):
@@ -219,9 +221,9 @@ def partition_nodes(partition: str | None, gpus: int = 0) -> tuple[str, int, int
         # A flag after the state: '*' not responding, '~' powered off (it powers up for a job), '#' powering up, ...
         base, flags = state.rstrip("*~#!%$@^-"), state[len(state.rstrip("*~#!%$@^-")) :]
         if base in USABLE_NODE_STATES and "*" not in flags and gres_gpus(gres) >= gpus:
-            usable += int(count or 0)
+            usable += int(count)
         else:
-            other += int(count or 0)
+            other += int(count)
     if not name:
         if partition:
             return f"partition {partition} does not exist (sinfo lists none by that name)"

@@ -149,6 +149,12 @@ def setting_problems(settings: SubmitSettings) -> list[str]:
         problems.append("--sweep-parallel limits a sweep's points at once: it needs --sweep NAME=V1,V2,...")
     if settings.name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", settings.name):
         problems.append(f"--name {settings.name!r}: letters, digits, '.', '_' and '-' only (it names the job and the run folder)")
+    elif settings.name is None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", settings.job_name):
+        # Slurm expands %u, %j, ... in the log path the name is part of, and a space or '/' breaks the run folder's name.
+        problems.append(
+            f"the job's name {settings.job_name!r} (from {'--sqsh' if settings.sqsh else 'the project folder'}'s name) is not only letters, "
+            "digits, '.', '_' and '-'; give --name"
+        )
     return problems
 
 
@@ -579,9 +585,16 @@ def _submit(settings: SubmitSettings, *, dry_run: bool, say: Any, run_file: dict
             f"submit: warning: this cluster stores each job's environment in its accounting database (AccountingStoreFlags=job_env), "
             f"so the values of {', '.join(settings.secrets)} go there as well as to the controller's state (docs/security.md)"
         )
-    run_dir = new_run_dir(settings.runs, settings.job_name).resolve()
-    script = render_script(settings, run_dir, sqsh)
-    script_path = write_job(run_dir, script)
+    run_dir = None
+    try:
+        run_dir = new_run_dir(settings.runs, settings.job_name).resolve()
+        script = render_script(settings, run_dir, sqsh)
+        script_path = write_job(run_dir, script)
+    except OSError as why:  # a full or read-only filesystem, a quota: no run folder is left without its run.json
+        if run_dir is not None:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        where = f"cannot write the run folder under {settings.runs} ({why.strerror or why})"
+        raise HostError(f"{where}; make room there or give --runs, then submit again", code=1) from None
     made = RecordParts(
         image=asdict(image) if image else {"ref": None, "image_id": None, "note": "--sqsh: made outside ddpack submit"},
         sqsh=sqsh,
@@ -593,7 +606,12 @@ def _submit(settings: SubmitSettings, *, dry_run: bool, say: Any, run_file: dict
     )
     if settings.sweep:
         return submit_sweep(settings, run_dir, made, say=say, image=image, converted=converted)
-    write_record(made.record(settings, run_dir, run_dir.name))
+    try:
+        write_record(made.record(settings, run_dir, run_dir.name))
+    except OSError as why:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        where = f"cannot write {run_dir / run_folder.RUN_RECORD} ({why.strerror or why})"
+        raise HostError(f"{where}; make room under {settings.runs} or give --runs, then submit again", code=1) from None
     job_id = slurm_cli.sbatch(script_path, run_dir, export=settings.exported_names)
     record_job(run_dir, job_id, "submit")
     say(f"submit: job {job_id} queued; run folder {run_dir} (run.json records the image, code, command and settings)")
