@@ -116,3 +116,23 @@ def test_a_resubmit_gives_the_new_job_its_failure_restarts_anew(tmp_path, slurm)
     (run_dir / ".ddpack-failure-restarts").write_text("1\n")
     assert resubmit(run_dir) == "101"
     assert not (run_dir / ".ddpack-failure-restarts").exists()
+
+
+def test_every_row_of_the_fault_table_names_tests_that_exist() -> None:
+    """docs/faults.md: each fault has a test, and each test it names is there (a file::name, or ::name in the file
+    the row named last)."""
+    import re
+
+    from testbed.env import ROOT
+
+    rows = [line for line in (ROOT / "docs" / "faults.md").read_text().splitlines() if line.startswith("| ") and not line.startswith("| fault")]
+    assert len(rows) >= 15
+    for row in rows:
+        cells = [cell.strip() for cell in row.strip("|").split(" | ")]
+        named = re.findall(r"`((?:tests/)?test_\w+\.py)?::(\w+)", cells[-1]) + [(f, "") for f in re.findall(r"`((?:tests/)?test_\w+\.py)`", cells[-1])]
+        assert named, row
+        current = ""
+        for file, name in named:
+            current = file or current
+            text = (ROOT / "tests" / Path(current).name).read_text()
+            assert not name or re.search(rf"^def {name}\(", text, re.MULTILINE), (current, name)
