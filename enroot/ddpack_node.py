@@ -1188,36 +1188,69 @@ def read_count(path: Path) -> int:
 
 
 # srun's line for tasks that ended badly, "srun: error: NODE: task 3: Exited with exit code 1" (or "tasks 0-1: Killed").
-# The first one names the node whose task crashed first; the ones after it are its peers, which lost it.
-TASK_ENDED = re.compile(rb"srun: error: ([A-Za-z0-9._-]+): tasks? [0-9,-]+: (.*)")
+TASK_ENDED = re.compile(rb"srun: error: ([A-Za-z0-9._-]+): tasks? ([0-9,-]+): (.*)")
 NOT_A_CRASH = (b"Terminated", b"Exited with exit code 0")  # srun's own TERM for a stop; a task that ended well
+END_MARK = b"ddpack-end "  # train/outcome.py's end record: {"rank", "host", "outcome", "reason", ...}
+LEFT_BY_A_PEER = "a collective failed"  # the trainer's reason for a rank whose peer died (train/__main__.py)
+
+
+def task_count(tasks: bytes) -> int:
+    """How many tasks srun's list names ("3", "0-1,4")."""
+    count = 0
+    for part in tasks.split(b","):
+        low, _, high = part.partition(b"-")
+        count += int(high) - int(low) + 1 if high else 1
+    return count
+
+
+def crashed_node(ended: list[tuple[str, int]], left: dict[str, int]) -> str:
+    """The node whose task crashed, from srun's lines (`ended`: node and task count, in srun's order) and the ranks'
+    end records (`left`: per host, the ranks that say a peer left them, which crashed nothing): the first node srun
+    names with more tasks that ended badly than ranks a peer left; else the first srun names ("" for none). A rank
+    that crashes is often not the first srun hears of: its peers may exit before its own teardown ends."""
+    for node, count in ended:
+        if count > left.get(node, 0):
+            return node
+    return ended[0][0] if ended else ""
 
 
 def run_step(argv: list[str]) -> tuple[int, str]:
-    """Run the training step (srun), its stderr passed through line by line as it comes; its status (as `command`
-    gives it) and the node srun named first for a task that crashed ("" for none)."""
+    """Run the training step (srun), its output and errors passed through line by line as they come; its status (as
+    `command` gives it) and the node whose task crashed ("" for none), read from srun's lines and the end records."""
     try:
-        proc = subprocess.Popen(argv, stderr=subprocess.PIPE)
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     except OSError as why:
         warn(f"{argv[0]}: {one_line(why)}")
         return 127, ""
-    crashed: list[str] = []
+    ended: list[tuple[str, int]] = []
+    left: dict[str, int] = {}
 
-    def copy() -> None:
-        for line in proc.stderr:  # type: ignore[union-attr]
+    def copy(stream: object, fd: int) -> None:
+        for line in stream:  # type: ignore[attr-defined]
             data = line
             with contextlib.suppress(OSError):
                 while data:
-                    data = data[os.write(2, data) :]
+                    data = data[os.write(fd, data) :]
             found = TASK_ENDED.match(line)
-            if found and not crashed and not found.group(2).startswith(NOT_A_CRASH):
-                crashed.append(found.group(1).decode("ascii"))
+            if found and not found.group(3).startswith(NOT_A_CRASH):
+                ended.append((found.group(1).decode("ascii"), task_count(found.group(2))))
+            at = line.find(END_MARK)
+            if at >= 0:
+                with contextlib.suppress(ValueError, AttributeError, TypeError):
+                    end = json.loads(line[at + len(END_MARK) :])
+                    if str(end.get("reason") or "").startswith(LEFT_BY_A_PEER):
+                        left[str(end["host"])] = left.get(str(end["host"]), 0) + 1
 
-    reader = threading.Thread(target=copy, name="ddpack-step-stderr", daemon=True)
-    reader.start()
+    readers = [
+        threading.Thread(target=copy, args=(stream, fd), name=f"ddpack-step-{fd}", daemon=True)
+        for stream, fd in ((proc.stdout, 1), (proc.stderr, 2))
+    ]
+    for reader in readers:
+        reader.start()
     code = proc.wait()
-    reader.join(timeout=5)  # a process the step left behind may hold the pipe open: never wait on it for long
-    return code, (crashed[0] if crashed else "")
+    for reader in readers:
+        reader.join(timeout=5)  # a process the step left behind may hold a pipe open: never wait on it for long
+    return code, crashed_node(ended, left)
 
 
 PROGRESS_RECORD = b'"kind": "progress"'  # train/metrics.py's progress records, as json.dumps spells them

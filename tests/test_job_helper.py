@@ -269,6 +269,19 @@ def test_a_node_whose_tasks_crash_twice_is_out_for_the_rest_of_the_job(tmp_path:
     assert len(steps) == 2 and calls.splitlines()[-2:] == ["scontrol requeue 77", "scontrol update JobId=77 ExcNodeList=ddnode2"]
 
 
+def test_the_node_whose_rank_crashed_is_told_from_its_peers_by_their_end_records(tmp_path: Path) -> None:
+    """The crashed rank's teardown may outlast its peer's reaction: srun names the peer's node first. The peer's end
+    record says a collective failed (a peer left it), so the node kept out is the other one."""
+    peer = '{"rank":1,"world_size":2,"host":"ddnode2","outcome":"failed","exit_code":1,"reason":"a collective failed (RuntimeError: x)"}'
+    lines = f"echo '[rank 1/2] ddpack-end {peer}'; " + 'echo "srun: error: ddnode2: task 1: Exited with exit code 1" >&2; '
+    lines += 'echo "srun: error: ddnode1: task 0: Exited with exit code 1" >&2'
+    out, _, _, steps = after_step(
+        tmp_path, 1, step_also=lines, job_nodes="ddnode1,ddnode2,ddnode3", SLURM_JOB_NUM_NODES="3", DDPACK_SPARE_NODES="1"
+    )
+    assert "the step failed (exit 1) when its task on ddnode1 crashed; restarting it in this allocation on ddnode2,ddnode3" in out.stdout
+    assert steps[1] == "--nodes=2 --ntasks=4 --nodelist=ddnode2,ddnode3 x" and f"ddpack-end {peer}" in out.stdout
+
+
 def test_a_crash_line_naming_a_node_not_the_jobs_moves_nothing(tmp_path: Path) -> None:
     """srun's lines share the pipe with the tasks' own stderr: a task that prints one naming another node is ignored."""
     forged = 'echo "srun: error: login-node: task 0: Exited with exit code 1" >&2'
