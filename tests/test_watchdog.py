@@ -226,22 +226,35 @@ def test_a_host_that_is_not_the_ranks_own_never_reaches_unresponsive_nodes(tmp_p
 
 @pytest.mark.parametrize("tamper", ["deleted", "replayed"])
 def test_a_deleted_or_replayed_heartbeat_is_no_evidence_of_a_stall(tmp_path: Path, tamper: str) -> None:
-    """Rank 1 is in a long eval (its heartbeat fresh); rank 0 waits in its next collective past the hang timeout.
+    """Rank 1 is in a long eval (its heartbeat kept fresh); rank 0 waits in its next collective past the hang timeout.
     Another user deletes rank 1's key, or puts back an older heartbeat rank 1 wrote: the freshest one read grows
     stale, but a key that no longer holds it says nothing of rank 1. No hang, no node named, one line."""
+    import threading
+
     store, exits, lines = CountedStore("t/hb/1"), [], []
     dog = logged_watchdog(0, stalled(7, "sync"), store, tmp_path, exits, lines)
     dog.know_hosts(["node0", "node1"])
-    older = json.dumps({**GOOD_BEAT, "phase": "eval", "sent": time.time() - 60}).encode()
-    store.data["t/hb/1"] = json.dumps({**GOOD_BEAT, "phase": "eval", "sent": time.time() - dog.stale_after + 3}).encode()  # stale in 3 s
+    alive = threading.Event()
+    alive.set()
+
+    def rank_1_in_eval() -> None:
+        while alive.is_set():
+            store.data["t/hb/1"] = json.dumps({**GOOD_BEAT, "phase": "eval", "sent": time.time()}).encode()
+            time.sleep(0.05)
+
+    beating = threading.Thread(target=rank_1_in_eval, daemon=True)
+    beating.start()
     dog.start()
-    assert wait_for(lambda: store.reads >= 1, 20)
+    assert wait_for(lambda: store.reads >= 2, 30)  # rank 0 past its timeout reads rank 1's fresh heartbeat
+    alive.clear()
+    beating.join()
     if tamper == "deleted":
         del store.data["t/hb/1"]
     else:
-        store.data["t/hb/1"] = older
+        store.data["t/hb/1"] = json.dumps({**GOOD_BEAT, "phase": "eval", "sent": time.time() - 60}).encode()
     reads = store.reads
-    assert wait_for(lambda: store.reads >= reads + 5 / dog.tick, 60)  # a read each tick, for 5 s: past the freshest one's staleness
+    # A read each tick (at least dog.tick apart): past the time the freshest one read goes stale, by two seconds.
+    assert wait_for(lambda: store.reads >= reads + (dog.stale_after + 2) / dog.tick, 120)
     assert exits == [] and not (tmp_path / "summary.json").exists() and not (tmp_path / "unresponsive-nodes").exists()
     assert [line for line in lines if "not counted as a stall" in line] == [
         "watchdog: rank 1's heartbeat in the rendezvous store was removed or replaced by another user's write; not counted as a stall "
