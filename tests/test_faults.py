@@ -23,18 +23,19 @@ def slurm(tmp_path, monkeypatch) -> Path:
     return fake_slurm(tmp_path, monkeypatch)
 
 
-def silent_sbatch(slurm: Path, monkeypatch, squeue: str) -> None:
-    """An sbatch that queues nothing it says: it notes the folder it ran in, then never answers (killed at the
-    timeout, 1 s here); `squeue` is what squeue then prints, with {where} for that folder."""
+def silent_sbatch(slurm: Path, monkeypatch, squeue: str, runs: Path) -> None:
+    """An sbatch that never answers (killed at the timeout, 1 s here); `squeue` is what squeue then prints, with
+    {where} for the run folder submit made under `runs` (the only one there)."""
     monkeypatch.setattr(slurm_cli, "SBATCH_TIMEOUT_S", 1)
-    fake(slurm, "sbatch", f'[ "$1" = --test-only ] && exit 0; echo "$PWD" > "{slurm}/where"; exec sleep 60')
-    listing = squeue.replace("{where}", f'$(cat "{slurm}/where")')
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; exec sleep 60')
+    listing = squeue.replace("{where}", f'$(cd "{runs}"/*/ && pwd)')
     fake(slurm, "squeue", f'case "$*" in *%Z*) {listing} ;; esac')
 
 
 def test_an_sbatch_that_does_not_answer_is_found_in_squeue_by_its_run_folder_and_recorded(tmp_path, slurm, monkeypatch, capfd) -> None:
-    silent_sbatch(slurm, monkeypatch, 'echo "12|/fsx/someone/else"; echo "73|{where}"')
-    result = submit(settings(tmp_path), say=lambda _: None)
+    good = settings(tmp_path)
+    silent_sbatch(slurm, monkeypatch, 'echo "12|/fsx/someone/else"; echo "73|{where}"', good.runs)
+    result = submit(good, say=lambda _: None)
     assert result.job_id == "73" and [job.job_id for job in read_record(Path(result.run_dir)).jobs] == ["73"]
     assert capfd.readouterr().err == f"sbatch did not answer in 1 s, but squeue lists job 73 working in {result.run_dir}: it was queued\n"
 
@@ -47,9 +48,10 @@ def test_an_sbatch_that_does_not_answer_is_found_in_squeue_by_its_run_folder_and
     ],
 )
 def test_an_sbatch_that_does_not_answer_and_is_not_found_says_what_to_look_for(tmp_path, slurm, monkeypatch, squeue: str, line: str) -> None:
-    silent_sbatch(slurm, monkeypatch, squeue)
+    good = settings(tmp_path)
+    silent_sbatch(slurm, monkeypatch, squeue, good.runs)
     with pytest.raises(HostError, match="^" + line) as raised:
-        submit(settings(tmp_path), say=lambda _: None)
+        submit(good, say=lambda _: None)
     assert raised.value.code == 1 and "squeue -u " in str(raised.value) and "refused" not in str(raised.value)
 
 
