@@ -1208,7 +1208,10 @@ def crashed_node(ended: list[tuple[str, int]], left: dict[str, int]) -> str:
     end records (`left`: per host, the ranks that say a peer left them, which crashed nothing): the first node srun
     names with more tasks that ended badly than ranks a peer left; else the first srun names ("" for none). A rank
     that crashes is often not the first srun hears of: its peers may exit before its own teardown ends."""
-    for node, count in ended:
+    counts: dict[str, int] = {}
+    for node, count in ended:  # srun may name one node's tasks on several lines (one killed, one exited)
+        counts[node] = counts.get(node, 0) + count
+    for node, count in counts.items():  # in the order srun first named them
         if count > left.get(node, 0):
             return node
     return ended[0][0] if ended else ""

@@ -282,6 +282,19 @@ def test_the_node_whose_rank_crashed_is_told_from_its_peers_by_their_end_records
     assert steps[1] == "--nodes=2 --ntasks=4 --nodelist=ddnode2,ddnode3 x" and f"ddpack-end {peer}" in out.stdout
 
 
+def test_a_node_with_one_crashed_rank_among_several_is_told_by_its_count(tmp_path: Path) -> None:
+    """Two ranks a node: rank 3 is killed on ddnode2, rank 2 beside it and ranks 0-1 on ddnode1 say a collective failed.
+    srun names ddnode1 first and ddnode2 on two lines; ddnode2 ended more tasks badly than it has ranks a peer left."""
+    def end(rank: int, host: str) -> str:
+        return f'{{"rank":{rank},"world_size":4,"host":"{host}","outcome":"failed","exit_code":1,"reason":"a collective failed (x)"}}'
+
+    lines = "; ".join(f"echo '[rank {r}/4] ddpack-end {end(r, h)}'" for r, h in ((0, "ddnode1"), (1, "ddnode1"), (2, "ddnode2")))
+    lines += '; echo "srun: error: ddnode1: tasks 0-1: Exited with exit code 1" >&2; echo "srun: error: ddnode2: task 2: Exited with exit code 1" >&2'
+    lines += '; echo "srun: error: ddnode2: task 3: Killed" >&2'
+    out, _, _, _ = after_step(tmp_path, 1, step_also=lines)
+    assert "the step failed (exit 1) when its task on ddnode2 crashed;" in out.stdout, out.stdout
+
+
 def test_a_crash_line_naming_a_node_not_the_jobs_moves_nothing(tmp_path: Path) -> None:
     """srun's lines share the pipe with the tasks' own stderr: a task that prints one naming another node is ignored."""
     forged = 'echo "srun: error: login-node: task 0: Exited with exit code 1" >&2'
