@@ -49,6 +49,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -243,14 +244,25 @@ def lease(folder: Path, job: str, key: str) -> None:
     write_private(leases / job, key + "\n")
 
 
-def write_private(path: Path, text: str) -> None:
-    """Write `text` to `path` through a new temporary name beside it, then rename: never through a link, never half."""
+def write_private(path: Path, text: str, *, durable: bool = False) -> None:
+    """Write `text` to `path` through a new temporary name beside it, then rename: never through a link, never half.
+    `durable`: the data and the rename are fsync'd first, so that a host that crashes cannot bring back an empty or an
+    older file (a count that caps restarts must not reset)."""
     tmp = path.with_name(f".{path.name}.{os.urandom(8).hex()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         with os.fdopen(fd, "w") as handle:
             handle.write(text)
+            if durable:
+                handle.flush()
+                os.fsync(handle.fileno())
         os.replace(tmp, path)
+        if durable:
+            folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(folder)
+            finally:
+                os.close(folder)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -1165,6 +1177,110 @@ def unhealthy_nodes(hostlist: str) -> list[str]:
     return found
 
 
+def read_count(path: Path) -> int:
+    """The number in `path`; 0 where there is none yet. A file that is there but cannot be read, or holds no number,
+    counts as 0 too: the count that follows must then be written, and a restart that cannot be is not made."""
+    try:
+        text = path.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return 0
+    return int(text) if re.fullmatch(r"[0-9]{1,9}", text) else 0
+
+
+# srun's line for tasks that ended badly, "srun: error: NODE: task 3: Exited with exit code 1" (or "tasks 0-1: Killed").
+TASK_ENDED = re.compile(rb"srun: error: ([A-Za-z0-9._-]+): tasks? ([0-9,-]+): (.*)")
+NOT_A_CRASH = (b"Terminated", b"Exited with exit code 0")  # srun's own TERM for a stop; a task that ended well
+END_MARK = b"ddpack-end "  # train/outcome.py's end record: {"rank", "host", "outcome", "reason", ...}
+LEFT_BY_A_PEER = "a collective failed"  # the trainer's reason for a rank whose peer died (train/__main__.py)
+
+
+def task_count(tasks: bytes) -> int:
+    """How many tasks srun's list names ("3", "0-1,4")."""
+    count = 0
+    for part in tasks.split(b","):
+        low, _, high = part.partition(b"-")
+        count += int(high) - int(low) + 1 if high else 1
+    return count
+
+
+def crashed_node(ended: list[tuple[str, int]], left: dict[str, int]) -> str:
+    """The node whose task crashed, from srun's lines (`ended`: node and task count, in srun's order) and the ranks'
+    end records (`left`: per host, the ranks that say a peer left them, which crashed nothing): the first node srun
+    names with more tasks that ended badly than ranks a peer left; else the first srun names ("" for none). A rank
+    that crashes is often not the first srun hears of: its peers may exit before its own teardown ends."""
+    counts: dict[str, int] = {}
+    for node, count in ended:  # srun may name one node's tasks on several lines (one killed, one exited)
+        counts[node] = counts.get(node, 0) + count
+    for node, count in counts.items():  # in the order srun first named them
+        if count > left.get(node, 0):
+            return node
+    return ended[0][0] if ended else ""
+
+
+def run_step(argv: list[str]) -> tuple[int, str]:
+    """Run the training step (srun), its output and errors passed through line by line as they come; its status (as
+    `command` gives it) and the node whose task crashed ("" for none), read from srun's lines and the end records."""
+    try:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    except OSError as why:
+        warn(f"{argv[0]}: {one_line(why)}")
+        return 127, ""
+    ended: list[tuple[str, int]] = []
+    left: dict[str, int] = {}
+
+    def copy(stream: object, fd: int) -> None:
+        for line in stream:  # type: ignore[attr-defined]
+            data = line
+            with contextlib.suppress(OSError):
+                while data:
+                    data = data[os.write(fd, data) :]
+            found = TASK_ENDED.match(line)
+            if found and not found.group(3).startswith(NOT_A_CRASH):
+                ended.append((found.group(1).decode("ascii"), task_count(found.group(2))))
+            at = line.find(END_MARK)
+            if at >= 0:
+                with contextlib.suppress(ValueError, AttributeError, TypeError):
+                    end = json.loads(line[at + len(END_MARK) :])
+                    if str(end.get("reason") or "").startswith(LEFT_BY_A_PEER):
+                        left[str(end["host"])] = left.get(str(end["host"]), 0) + 1
+
+    readers = [
+        threading.Thread(target=copy, args=(stream, fd), name=f"ddpack-step-{fd}", daemon=True)
+        for stream, fd in ((proc.stdout, 1), (proc.stderr, 2))
+    ]
+    for reader in readers:
+        reader.start()
+    code = proc.wait()
+    for reader in readers:
+        reader.join(timeout=5)  # a process the step left behind may hold a pipe open: never wait on it for long
+    return code, crashed_node(ended, left)
+
+
+PROGRESS_RECORD = b'"kind": "progress"'  # train/metrics.py's progress records, as json.dumps spells them
+
+
+def metrics_size(path: Path) -> int | None:
+    """The metrics file's size now; None where there is none (a program of your own may write none)."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None
+
+
+def made_progress(path: Path, since: int | None) -> str:
+    """Whether the step wrote a progress record (it finished steps) after byte `since` of the metrics file: "yes",
+    "no", or "" where there is no metrics file, before or after (nothing to tell from)."""
+    try:
+        with path.open("rb") as handle:
+            handle.seek(since or 0)
+            while chunk := handle.read(1 << 20):
+                if PROGRESS_RECORD in chunk:
+                    return "yes"
+    except OSError:
+        return "" if since is None else "no"
+    return "no"
+
+
 def newer(path: Path, than: Path) -> bool:
     """`test PATH -nt THAN`: PATH exists and was changed after THAN (or THAN is missing)."""
     try:
@@ -1220,11 +1336,16 @@ class Training:
         self.max_restarts = int(env.get("DDPACK_MAX_RESTARTS") or 10)
         self.max_failed = int(env.get("DDPACK_MAX_FAILURE_RESTARTS") or 1)
         self.restarts = int(env.get("SLURM_RESTART_COUNT") or 0)
+        self.failed = 0  # failure restarts counted during this start: the cap holds if the run folder's count is lost
         self.bad_nodes: list[str] = []  # nodes a hang's forensics named, over the whole job
         self.last_nodes: list[str] = []  # the nodes the last training step ran on
         self.placement: list[str] = []  # srun's options that put the step on them (none: the whole allocation)
         self.short = ""  # why no placement was found
         self.keep_out: list[str] = []
+        self.crashed = ""  # the node srun named first for a task that crashed in the last step
+        self.progress = ""  # whether the last step wrote progress records: yes, no, "" (no metrics file)
+        self.crashes: dict[str, int] = {}  # crashes by node during this start: a second one puts the node out for the job
+        self.avoid: list[str] = []  # nodes the next placement uses only where no other healthy node is left
 
     def run(self) -> int:
         """Train until the job ends here or goes back to the queue; the last step's status."""
@@ -1240,7 +1361,9 @@ class Training:
             write_record(self.run_dir, "placement", {"nodes": ",".join(self.last_nodes), "spares": self.spares_now()})
         while True:
             sys.stdout.flush()
-            code = command([*self.step, *self.placement, *self.command]).returncode
+            before = metrics_size(self.run_dir / METRICS)
+            code, self.crashed = run_step([*self.step, *self.placement, *self.command])
+            self.progress = made_progress(self.run_dir / METRICS, before)
             rc = 128 - code if code < 0 else code  # a step killed by a signal: its status as the shell gives it
             after = self.after_step(rc)
             if after != "restart":
@@ -1277,6 +1400,7 @@ class Training:
             return False
         names = [node for node in listed_names if node not in bad]
         healthy = [node for node in names if node in self.last_nodes] + [node for node in names if node not in self.last_nodes]
+        healthy = [node for node in healthy if node not in self.avoid] + [node for node in healthy if node in self.avoid]
         if len(healthy) < need:
             self.short = f"{len(healthy)} healthy node(s) left in the allocation and training needs {need}"
             return False
@@ -1309,18 +1433,25 @@ class Training:
                     f"preempted (exit {rc}) after {self.restarts} restarts, the cap DDPACK_MAX_RESTARTS={self.max_restarts}; "
                     f"not requeueing ({self.continue_hint()} to continue)",
                 )  # fmt: skip
+            if self.progress == "no" and self.restarts >= 1 and self.earlier_start_progress() == "no":
+                return self.decide(
+                    "end", "end", "no-progress", rc,
+                    f"preempted (exit {rc}) with no new step in {self.run_dir / METRICS}, as in the start before it: not requeueing "
+                    f"a program that stops before its first step at every start (its lines above say where); {self.continue_hint()} to try again",
+                )  # fmt: skip
             return self.decide(
                 "requeue", "requeue", "preempted", rc,
                 f"preempted (exit {rc}); requeueing job {self.job} (restart {self.restarts + 1} of at most {self.max_restarts})",
             )  # fmt: skip
         counted = self.run_dir / FAILURE_RESTARTS
-        try:
-            failed = int(counted.read_text().strip())
-        except (OSError, ValueError):
-            failed = 0
+        failed = max(self.failed, read_count(counted))  # the file may have been lost or reset: memory counts too
         forensics = self.run_dir / FORENSICS
+        crashed = ""
         if not lost and (rc == 124 or newer(forensics / SUMMARY, self.run_dir / MARKER)):
             what, reason = f"ended as hung (exit {rc}; evidence in {forensics})", "hung"
+        elif not lost and self.crashed in self.our_nodes():  # srun's line shares the pipe with the tasks': ours only
+            crashed, reason = self.crashed, "crashed"
+            what = f"failed (exit {rc}) when its task on {crashed} crashed"
         if failed >= self.max_failed or self.restarts >= self.max_restarts:
             return self.decide(
                 "end", "end", reason, rc,
@@ -1328,17 +1459,35 @@ class Training:
                 f"not requeueing ({self.continue_hint()} to continue from its last snapshot)",
             )  # fmt: skip
         try:
-            write_private(counted, f"{failed + 1}\n")
-        except OSError as why:  # a full run folder: the decision goes on, uncounted
-            warn(f"could not count this failure restart in {counted}: {one_line(why)}")
+            write_private(counted, f"{failed + 1}\n", durable=True)
+        except OSError as why:  # full, over quota, read-only: a restart that cannot be counted could loop for ever
+            return self.decide(
+                "end", "end", "uncounted", rc,
+                f"the step {what}; not restarting it: the restart cannot be counted in {counted} ({one_line(why)}); "
+                f"make room there or fix its permissions, then {self.continue_hint()} to continue from its last snapshot",
+            )  # fmt: skip
+        self.failed = failed + 1
         count = f"failure restart {failed + 1} of at most {self.max_failed}"
         named = self.named_this_start()
         without = f", without {','.join(named)} (named unresponsive)" if named else ""
         self.bad_nodes += [node for node in named if node not in self.bad_nodes]
+        self.avoid = []
+        if crashed:
+            self.crashes[crashed] = self.crashes.get(crashed, 0) + 1
+            if self.crashes[crashed] >= 2:  # twice: the node's fault, not the program's; out for the rest of the job
+                named = [*named, crashed]
+                without += f", without {crashed} (its tasks crashed twice)"
+                if crashed not in self.bad_nodes:
+                    self.bad_nodes.append(crashed)
+            else:
+                self.avoid = [crashed]
         if not self.in_place:
             self.short = "DDPACK_RESTART_IN_PLACE=0"
         elif self.place():
-            placed = {"nodes": ",".join(self.last_nodes), "spares": self.spares_now(), "without": ",".join(named)}
+            if crashed in self.avoid:
+                without += f", without {crashed} (its task crashed)" if crashed not in self.last_nodes else f", on {crashed} again (no other node)"
+            left_out = ",".join(node for node in [*named, *self.avoid] if node not in self.last_nodes)
+            placed = {"nodes": ",".join(self.last_nodes), "spares": self.spares_now(), "without": left_out}
             write_record(self.run_dir, "placement", placed)
             return self.decide(
                 "restart", "restart", reason, rc,
@@ -1354,8 +1503,25 @@ class Training:
     def decide(self, after: str, verdict: str, reason: str, rc: int | str, sentence: str) -> str:
         """The step's end decided: said, recorded (the run's end, for `ddpack status` once Slurm has forgotten the job)."""
         say(sentence)
-        write_record(self.run_dir, "step-end", {"verdict": verdict, "reason": reason, "exit": str(rc), "text": sentence})
+        fields = {"verdict": verdict, "reason": reason, "exit": str(rc), "text": sentence, "progress": self.progress}
+        write_record(self.run_dir, "step-end", fields)
         return after
+
+    def earlier_start_progress(self) -> str:
+        """The progress of the last step of the start before this one (SLURM_RESTART_COUNT one less), as its step-end
+        record has it: "yes", "no" or "" (unknown)."""
+        try:
+            lines = read_nofollow(self.run_dir / DECISIONS, limit=None).splitlines()
+        except OSError:
+            return ""
+        for line in reversed(lines):
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(entry, dict) and entry.get("kind") == "step-end" and entry.get("restart") == self.restarts - 1:
+                return str(entry.get("progress") or "")
+        return ""
 
     def lost_nodes(self) -> list[str]:
         """The nodes the last step ran on that the job lost (Slurm dropped them from this --no-kill job) or that sinfo
@@ -1368,6 +1534,10 @@ class Training:
         bad = set(unhealthy_nodes(",".join(ran)))
         return [node for node in ran if node not in now or node in bad]
 
+    def our_nodes(self) -> set[str]:
+        """The job's nodes, as it started and as Slurm lists them now: the only names a decision may act on."""
+        return {*(hostnames(os.environ.get("SLURM_JOB_NODELIST", "")) or []), *(hostnames(job_nodelist(self.job)) or [])}
+
     def named_this_start(self) -> list[str]:
         """The nodes a hang's forensics named unresponsive during this start. Only names of this job's nodes count: the
         file is written from what ranks said through the rendezvous store, and a name that is not one of ours must never
@@ -1375,7 +1545,7 @@ class Training:
         named = self.run_dir / FORENSICS / UNRESPONSIVE_NODES
         if not (named.is_file() and named.stat().st_size and newer(named, self.run_dir / MARKER)):
             return []
-        ours = {*(hostnames(os.environ.get("SLURM_JOB_NODELIST", "")) or []), *(hostnames(job_nodelist(self.job)) or [])}
+        ours = self.our_nodes()
         found: list[str] = []
         for line in named.read_text(errors="replace").splitlines():
             if line in ours and line not in found:
@@ -1394,10 +1564,18 @@ class Training:
         nodes = ",".join(self.bad_nodes)
         if total - len(self.bad_nodes) < needs:
             why = f"partition {partition or '?'} has {total} nodes and the job needs {needs}"
-            say(f"not keeping out {nodes} (named unresponsive): {why}")
+            say(f"not keeping out {nodes} ({self.why_out(self.bad_nodes, short=True)}): {why}")
             write_record(self.run_dir, "keep-out", {"nodes": nodes, "kept": "no", "why": why})
             return
         self.keep_out = list(self.bad_nodes)
+
+    def why_out(self, nodes: list[str], *, short: bool = False) -> str:
+        """Why `nodes` are kept out: a hang's forensics named them, or their tasks crashed twice."""
+        crashed = [node for node in nodes if self.crashes.get(node, 0) >= 2]
+        reasons = ["named unresponsive" + ("" if short else " by the hang's forensics")] if len(crashed) < len(nodes) else []
+        if crashed:
+            reasons.append(f"{'its' if len(crashed) == 1 else 'their'} tasks crashed twice")
+        return "; ".join(reasons)
 
     def leave(self, after: str) -> None:
         """After the last step of this start: the job's container leaves the nodes, then the requeue decided, or the run
@@ -1426,7 +1604,7 @@ class Training:
             return
         nodes = ",".join(self.keep_out)
         if command(["scontrol", "update", f"JobId={self.job}", f"ExcNodeList={nodes}"]).returncode == 0:
-            say(f"keeping {nodes} (named unresponsive by the hang's forensics) out of the restart")
+            say(f"keeping {nodes} ({self.why_out(self.keep_out)}) out of the restart")
             write_record(self.run_dir, "keep-out", {"nodes": nodes, "kept": "yes"})
         else:
             say(f"could not keep {nodes} out of the restart (scontrol update refused); it may land there again")

@@ -11,7 +11,7 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
-from ddpack.build.app import check_torch_requirements, read_app, stage_app
+from ddpack.build.app import check_torch_requirements, left_out_note, read_app, stage_app
 from ddpack.errors import HostError
 from entrypoint.cli import parse_args
 from entrypoint.plan import PlanError, from_app_dir, trainer_command
@@ -48,6 +48,31 @@ def test_what_stays_out_of_the_code_layer(tmp_path: Path) -> None:
     files = {f.as_posix() for f in read_app(project).files}
     # runs/ and logs/ only at the top: a package's own `runs` module folder goes in
     assert files == {"ddp.py", "requirements.txt", "pkg/model.py", "pkg/runs/keep.py"}
+
+
+def test_likely_secrets_beside_the_code_stay_out_of_the_image_unless_asked_for_by_name(tmp_path: Path) -> None:
+    """A git-ignored .env, keys, .netrc, .aws/ and .ssh/ are not code: left out of the code layer (and its digest) and
+    named in one line; a `!NAME` line in the project's .dockerignore ships one on purpose."""
+    project = write_cpu_ddp(tmp_path / "proj")
+    for name in (".env", ".env.local", "certs/server.pem", "tls.key", ".netrc", ".aws/credentials", ".ssh/id_ed25519", "pkg/ca.pem"):
+        (project / name).parent.mkdir(parents=True, exist_ok=True)
+        (project / name).write_text("SECRET=hunter2\n")
+    (project / "envs.py").write_text("NAMES = ()\n")  # a name like a secret's is not one
+    app = read_app(project)
+    assert {f.as_posix() for f in app.files} == {"ddp.py", "requirements.txt", "envs.py"}
+    assert [p.as_posix() for p in app.left_out] == [".aws", ".env", ".env.local", ".netrc", ".ssh", "certs/server.pem", "pkg/ca.pem", "tls.key"]
+    assert left_out_note(app) == (
+        "images: left out of the image as likely secrets: .aws/, .env, .env.local, .netrc, .ssh/, certs/server.pem, pkg/ca.pem, tls.key; "
+        f"to ship one on purpose, add a line !NAME (e.g. !.aws) to {project / '.dockerignore'}"
+    )
+    context = tmp_path / "context"
+    stage_app(app, context)
+    assert "hunter2" not in "".join(p.read_text() for p in (context / "app").rglob("*") if p.is_file())
+    (project / ".dockerignore").write_text("!certs/server.pem\n!.aws\n")
+    wanted = read_app(project)
+    assert {"certs/server.pem", ".aws/credentials"} <= {f.as_posix() for f in wanted.files} and ".env" not in {f.as_posix() for f in wanted.files}
+    assert [p.as_posix() for p in wanted.left_out] == [".env", ".env.local", ".netrc", ".ssh", "pkg/ca.pem", "tls.key"]
+    assert left_out_note(read_app(write_cpu_ddp(tmp_path / "clean"))) is None
 
 
 def test_the_digest_follows_code_and_requirements(tmp_path: Path) -> None:

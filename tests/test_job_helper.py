@@ -126,12 +126,14 @@ def after_step(
     job_nodes: str = "ddnode1,ddnode2",
     down: str = "",
     then: int = 0,
+    step_also: str = "",
     **settings: str,
 ):
     """`ddpack_train x` (ddpack_node.py train) with a step that exits RC, then `then` when it is started again, and
     scontrol and sinfo stubbed (their calls recorded in calls.txt), after a start that ddpack_setup marked; forensics
     written during it, or before it (an earlier start's). `job_nodes`: the job's nodes as Slurm lists them now; `down`:
-    those sinfo reports down. Returns what it printed, the calls, the run folder and each step's options."""
+    those sinfo reports down; `step_also`: shell the step runs before it exits (it may print srun's lines, or change the
+    run folder). Returns what it printed, the calls, the run folder and each step's options."""
     run_dir = tmp_path / "run"
     (run_dir / "forensics").mkdir(parents=True)
     if failures is not None:
@@ -165,7 +167,7 @@ esac"""
     for tool, out in (("scontrol", scontrol), ("sinfo", sinfo)):
         (tmp_path / tool).write_text(f'#!/bin/sh\necho "{tool} $*" >> "{calls}"\n{out}\n')
         (tmp_path / tool).chmod(0o755)
-    (tmp_path / "step").write_text(f'#!/bin/sh\necho "$*" >> "{steps}"\n[ "$(wc -l < "{steps}")" -eq 1 ] && exit {rc}\nexit {then}\n')
+    (tmp_path / "step").write_text(f'#!/bin/sh\necho "$*" >> "{steps}"\n{step_also}\n[ "$(wc -l < "{steps}")" -eq 1 ] && exit {rc}\nexit {then}\n')
     (tmp_path / "step").chmod(0o755)
     env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "DDPACK_RUN_DIR": str(run_dir), "SLURM_JOB_ID": "77", "SLURM_JOB_NUM_NODES": "2"}
     env |= {"SLURM_JOB_PARTITION": "debug", "SLURM_NTASKS_PER_NODE": "2", **settings}
@@ -207,6 +209,121 @@ def test_the_exit_status_alone_decides_the_next_start_for_any_command(tmp_path: 
     assert len(steps) == (2 if next_ == "restart" else 1) and steps[0] == "x"
     if next_ == "restart":  # the same nodes, as Slurm lists them now
         assert steps[1] == "--nodes=2 --ntasks=4 --nodelist=ddnode1,ddnode2 x" and out.stdout.endswith(DONE)
+
+
+def test_a_failure_restart_that_cannot_be_counted_is_not_made(tmp_path: Path) -> None:
+    """The run folder's count cannot be written (a full, over-quota or read-only folder; here its path is a folder): a
+    step that fails every time runs once and the job ends, naming the file, instead of restarting in place uncounted
+    for ever (an in-place restart does not advance SLURM_RESTART_COUNT)."""
+    run_dir = tmp_path / "run"
+    out, calls, _, steps = after_step(tmp_path, 1, then=1, step_also=f'mkdir -p "{run_dir}/.ddpack-failure-restarts"', DDPACK_MAX_FAILURE_RESTARTS="3")
+    assert out.returncode == 1 and len(steps) == 1 and "requeue" not in calls, out.stdout
+    assert out.stdout.startswith(
+        f"ddpack: the step failed (exit 1); not restarting it: the restart cannot be counted in {run_dir}/.ddpack-failure-restarts ("
+    ), out.stdout
+    assert json.loads((run_dir / "decisions.jsonl").read_text().splitlines()[-1])["reason"] == "uncounted"
+
+
+def test_the_failure_cap_holds_when_the_run_folders_count_is_lost(tmp_path: Path) -> None:
+    """Each failed step takes the count back to nothing (a host that crashed before the write reached the disk): the
+    count kept in memory still caps the restarts in this allocation."""
+    out, _, _, steps = after_step(
+        tmp_path, 1, then=1, step_also=f'rm -f "{tmp_path}/run/.ddpack-failure-restarts"', DDPACK_MAX_FAILURE_RESTARTS="2"
+    )
+    assert len(steps) == 3 and out.returncode == 1, out.stdout
+    assert out.stdout.splitlines()[-1].startswith("ddpack: the step failed (exit 1) after 2 failure restarts, the cap DDPACK_MAX_FAILURE_RESTARTS=2;")
+
+
+CRASH_ON_2 = 'echo "srun: error: ddnode2: task 2: Exited with exit code 1" >&2; echo "srun: error: ddnode1: tasks 0-1: Killed" >&2'
+
+
+def test_a_node_whose_task_crashed_gives_its_place_to_a_spare(tmp_path: Path) -> None:
+    """srun names the node whose task crashed first (its peers, which lost it, after it): the restart in this
+    allocation takes the spare instead of that node; srun's lines still reach the log."""
+    out, calls, run_dir, steps = after_step(
+        tmp_path, 1, step_also=CRASH_ON_2, job_nodes="ddnode1,ddnode2,ddnode3", SLURM_JOB_NUM_NODES="3", DDPACK_SPARE_NODES="1"
+    )
+    assert out.stdout.splitlines()[1] == (
+        "ddpack: the step failed (exit 1) when its task on ddnode2 crashed; restarting it in this allocation on ddnode1,ddnode3, "
+        "without ddnode2 (its task crashed) from its last snapshot (failure restart 1 of at most 1)"
+    ), out.stdout
+    assert steps == ["--nodes=2 --ntasks=4 --nodelist=ddnode1,ddnode2 x", "--nodes=2 --ntasks=4 --nodelist=ddnode1,ddnode3 x"]
+    assert out.stderr.count("srun: error: ddnode2: task 2: Exited with exit code 1\n") == 2 and "requeue" not in calls
+    placement = json.loads((run_dir / "decisions.jsonl").read_text().splitlines()[-3])
+    assert placement["kind"] == "placement" and placement["without"] == "ddnode2"
+
+
+def test_a_node_whose_tasks_crash_twice_is_out_for_the_rest_of_the_job(tmp_path: Path) -> None:
+    """No spare: the first crash restarts on the same nodes (a crash may be the program's, and a requeue costs a wait in
+    the queue); the second on that node requeues the job without it (ExcNodeList stays with the job)."""
+    out, calls, _, steps = after_step(tmp_path, 1, then=1, step_also=CRASH_ON_2, DDPACK_MAX_FAILURE_RESTARTS="3")
+    lines = out.stdout.splitlines()
+    assert lines[0].endswith(
+        "restarting it in this allocation on ddnode1,ddnode2, on ddnode2 again (no other node) from its last snapshot (failure restart 1 of at most 3)"
+    ), out.stdout
+    assert lines[1:] == [
+        "ddpack: the step failed (exit 1) when its task on ddnode2 crashed; 1 healthy node(s) left in the allocation and training needs 2: "
+        "requeueing job 77 to resume from its last snapshot (failure restart 2 of at most 3)",
+        "ddpack: keeping ddnode2 (its tasks crashed twice) out of the restart",
+    ], out.stdout
+    assert len(steps) == 2 and calls.splitlines()[-2:] == ["scontrol requeue 77", "scontrol update JobId=77 ExcNodeList=ddnode2"]
+
+
+def test_the_node_whose_rank_crashed_is_told_from_its_peers_by_their_end_records(tmp_path: Path) -> None:
+    """The crashed rank's teardown may outlast its peer's reaction: srun names the peer's node first. The peer's end
+    record says a collective failed (a peer left it), so the node kept out is the other one."""
+    peer = '{"rank":1,"world_size":2,"host":"ddnode2","outcome":"failed","exit_code":1,"reason":"a collective failed (RuntimeError: x)"}'
+    lines = f"echo '[rank 1/2] ddpack-end {peer}'; " + 'echo "srun: error: ddnode2: task 1: Exited with exit code 1" >&2; '
+    lines += 'echo "srun: error: ddnode1: task 0: Exited with exit code 1" >&2'
+    out, _, _, steps = after_step(
+        tmp_path, 1, step_also=lines, job_nodes="ddnode1,ddnode2,ddnode3", SLURM_JOB_NUM_NODES="3", DDPACK_SPARE_NODES="1"
+    )
+    assert "the step failed (exit 1) when its task on ddnode1 crashed; restarting it in this allocation on ddnode2,ddnode3" in out.stdout
+    assert steps[1] == "--nodes=2 --ntasks=4 --nodelist=ddnode2,ddnode3 x" and f"ddpack-end {peer}" in out.stdout
+
+
+def test_a_node_with_one_crashed_rank_among_several_is_told_by_its_count(tmp_path: Path) -> None:
+    """Two ranks a node: rank 3 is killed on ddnode2, rank 2 beside it and ranks 0-1 on ddnode1 say a collective failed.
+    srun names ddnode1 first and ddnode2 on two lines; ddnode2 ended more tasks badly than it has ranks a peer left."""
+    def end(rank: int, host: str) -> str:
+        return f'{{"rank":{rank},"world_size":4,"host":"{host}","outcome":"failed","exit_code":1,"reason":"a collective failed (x)"}}'
+
+    lines = "; ".join(f"echo '[rank {r}/4] ddpack-end {end(r, h)}'" for r, h in ((0, "ddnode1"), (1, "ddnode1"), (2, "ddnode2")))
+    lines += '; echo "srun: error: ddnode1: tasks 0-1: Exited with exit code 1" >&2; echo "srun: error: ddnode2: task 2: Exited with exit code 1" >&2'
+    lines += '; echo "srun: error: ddnode2: task 3: Killed" >&2'
+    out, _, _, _ = after_step(tmp_path, 1, step_also=lines)
+    assert "the step failed (exit 1) when its task on ddnode2 crashed;" in out.stdout, out.stdout
+
+
+def test_a_crash_line_naming_a_node_not_the_jobs_moves_nothing(tmp_path: Path) -> None:
+    """srun's lines share the pipe with the tasks' own stderr: a task that prints one naming another node is ignored."""
+    forged = 'echo "srun: error: login-node: task 0: Exited with exit code 1" >&2'
+    out, _, _, steps = after_step(tmp_path, 1, step_also=forged)
+    assert out.stdout == f"ddpack: the step failed (exit 1); {IN_PLACE}\n{DONE}" and len(steps) == 2, out.stdout
+
+
+@pytest.mark.parametrize(
+    ("before", "writes", "ends"),
+    [("no", "", True), ("yes", "", False), ("no", '{"time": 2, "kind": "progress", "global_step": 41}', False), ("", "", False)],
+)
+def test_a_program_that_stops_before_its_first_step_at_every_start_is_not_requeued_again(
+    tmp_path: Path, before: str, writes: str, ends: bool
+) -> None:
+    """Preempted (or stopped at the time limit's warning) with no progress record written during this start, after a
+    start before it that wrote none either: the job ends instead of going back to the queue up to 10 times."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"time": 1, "kind": "progress", "global_step": 40}\n')
+    earlier = {"kind": "step-end", "verdict": "requeue", "restart": 1, "progress": before}
+    (run_dir / "decisions.jsonl").write_text(json.dumps({**earlier, "restart": 0, "progress": "yes"}) + "\n" + json.dumps(earlier) + "\n")
+    out, calls, _, steps = after_step(tmp_path, 138, step_also=f"echo '{writes}' >> {run_dir}/metrics.jsonl" if writes else "", SLURM_RESTART_COUNT="2")
+    assert len(steps) == 1 and ("scontrol requeue 77" in calls) == (not ends), out.stdout
+    if ends:
+        assert out.stdout.splitlines()[-1].startswith(
+            f"ddpack: preempted (exit 138) with no new step in {run_dir}/metrics.jsonl, as in the start before it: not requeueing"
+        )
+    last = json.loads((run_dir / "decisions.jsonl").read_text().splitlines()[-1])
+    assert last["progress"] == ("yes" if writes else "no") and last["reason"] == ("no-progress" if ends else "preempted")
 
 
 def test_a_hang_that_names_a_node_the_job_cannot_spare_requeues_without_it_then_not_again(tmp_path: Path) -> None:

@@ -140,7 +140,6 @@ RECORDS = [
         ("no-folder", "is not a folder; give the run folder that holds metrics.jsonl"),
         ("no-metrics", "holds no metrics.jsonl"),
         ("empty", "has no records"),
-        ("damaged", "line 2 of"),
     ],
 )
 def test_bad_runs_are_one_line_and_exit_2_and_write_nothing(tmp_path: Path, layout: str, message: str) -> None:
@@ -149,8 +148,6 @@ def test_bad_runs_are_one_line_and_exit_2_and_write_nothing(tmp_path: Path, layo
         run.mkdir()
     elif layout == "empty":
         write_metrics(run, [])
-    elif layout == "damaged":
-        write_metrics(run, [RECORDS[0], RECORDS[1][:30], RECORDS[2]])
     result = run_report(str(run))
     assert result.returncode == 2, result
     assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
@@ -164,6 +161,15 @@ def test_a_torn_last_line_is_skipped_with_a_warning(tmp_path: Path) -> None:
     assert "warning: skipped" in result.stderr and "torn" in result.stderr
     assert (run / "report.html").stat().st_size > 10_000 and (run / "report.png").read_bytes()[:4] == b"\x89PNG"
     assert not [p for p in run.iterdir() if p.name.startswith(".")], "a temporary file was left behind"
+
+
+def test_a_torn_line_before_a_later_starts_records_is_skipped_not_the_whole_run(tmp_path: Path) -> None:
+    """A start killed mid-write, then a requeued start appending after its half line: the report skips that line."""
+    run = write_metrics(tmp_path / "run", [RECORDS[0], RECORDS[1][:30] + RECORDS[2], *RECORDS[2:]])
+    result = run_report(str(run))
+    assert result.returncode == 0, result.stderr
+    assert "warning: skipped line 2 of" in result.stderr and "torn" in result.stderr
+    assert (run / "report.html").stat().st_size > 10_000
 
 
 # ---------------------------------------------------------------- a real run, stopped, resumed, reported

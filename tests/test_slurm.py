@@ -201,8 +201,8 @@ def test_a_lost_node_killed_tasks_and_a_frozen_rank_each_come_back_and_resume_fr
     check(f"resuming from {before_loss}" in second, f"lost node: the requeued job did not resume from {before_loss}")
     killed, _, after_kill = second.partition("restarting it in this allocation")
     check(
-        re.search(r"ddpack: the step failed \(exit \d+\); restarting it in this allocation on ddnode1,ddnode2 from its last snapshot "
-                  r"\(failure restart 2 of at most 3\)", second),
+        re.search(r"ddpack: the step failed \(exit \d+\) when its task on ddnode2 crashed; restarting it in this allocation on ddnode1,ddnode2, "
+                  r"on ddnode2 again \(no other node\) from its last snapshot \(failure restart 2 of at most 3\)", second),
         "killed tasks: the template did not restart the failed step in place",
     )  # fmt: skip
     last_periodic = re.findall(r"snapshot saved: (\S+snapshot-(\d+)\.pt)", killed)[-1]

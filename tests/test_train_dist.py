@@ -144,6 +144,19 @@ def test_killed_peer_ends_the_survivor_within_the_timeout(tmp_path: Path) -> Non
     assert end.outcome == "failed" and end.exit_code == 1 and "a collective failed" in end.reason and end.global_step >= 5
 
 
+def test_a_full_run_folder_ends_every_rank_at_once_with_an_end_record(tmp_path: Path) -> None:
+    """The metrics file on a full disk (/dev/full refuses every write): rank 0 ends as failed with one line naming the
+    file, and its peer, left in the next collective, ends within seconds, not the collective timeout (300 s here)."""
+    args = [*LONG, "--snapshot-dir", "", "--metrics-file", "/dev/full", "--collective-timeout", "300"]
+    job = start_slurm_step(tmp_path, [2], args)
+    assert [job.procs[rank].wait(timeout=120) for rank in range(2)] == [1, 1], job.output()
+    out = job.output(0)
+    assert "error: the start record could not be written to /dev/full: [Errno 28] No space left on device" in out and "Traceback" not in out
+    end = job.ends(0)[-1]
+    assert end.outcome == "failed" and "/dev/full" in end.reason and job.ends(1)[-1].outcome == "failed"
+    assert "warning: the end record could not be written to /dev/full" in out
+
+
 def test_a_stopped_rank_is_named_by_the_hang_watchdog_which_ends_the_job_with_evidence(tmp_path: Path) -> None:
     """SIGSTOP (a frozen node): the stopped rank cannot write its own stacks; rank 0 notices that no rank
     finishes a step, writes its stacks and a summary naming the rank whose heartbeat went stale, and

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -17,9 +18,19 @@ from train.affinity import cpu_list, parse_cpu_list, plan_slices
 from train.config import build_parser, parse_config
 from train.data import BatchKey, SeededBatches
 from train.distributed import DeviceError, choose_cuda_index
+from train.metrics import MetricsFile, MetricsWriteError
 from train.model import unused_parameter_names
 from train.outcome import RunEnd, checksums, read_ends
-from train.snapshot import Snapshot, SnapshotStore, SnapshotWriteError, SnapshotWriter, Written, list_snapshots, snapshot_name
+from train.snapshot import (
+    Snapshot,
+    SnapshotStore,
+    SnapshotsUnreadable,
+    SnapshotWriteError,
+    SnapshotWriter,
+    Written,
+    list_snapshots,
+    snapshot_name,
+)
 from train.tasks import TaskError, load_task
 
 REQUIRED_FLAGS = [
@@ -214,6 +225,45 @@ def test_a_failed_background_write_is_raised_at_the_next_wait_and_leaves_the_las
     assert writer.wait().global_step == 10  # reported once; the last durable snapshot stays known
 
 
+def test_a_metrics_file_on_a_full_disk_is_one_error_naming_it_and_the_next_record_is_tried_afresh(tmp_path: Path) -> None:
+    """/dev/full takes the open and refuses every write (ENOSPC), as a full run folder does; a record that could not be
+    written is not left in the buffer to fail again (or land twice) with the end record."""
+    metrics = MetricsFile("/dev/full")
+    with pytest.raises(MetricsWriteError, match=r"^the progress record could not be written to /dev/full: \[Errno 28\] No space left on device; make room"):
+        metrics.write("progress", global_step=1)
+    with pytest.raises(MetricsWriteError, match="the end record"):
+        metrics.write("end", outcome="failed")
+    metrics.close()
+    good = MetricsFile(str(tmp_path / "m.jsonl"))
+    good.write("progress", global_step=1)
+    good.close()
+    assert (tmp_path / "m.jsonl").read_text().count("\n") == 1
+
+
+def test_a_start_appending_after_a_torn_line_begins_a_line_of_its_own(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"time": 1, "kind": "progress"}\n{"time": 2, "ki')  # the last start was killed mid-write
+    metrics = MetricsFile(str(path))
+    metrics.write("start", global_step=0)
+    metrics.close()
+    lines = path.read_text().splitlines()
+    assert lines[1] == '{"time": 2, "ki' and json.loads(lines[2])["kind"] == "start" and len(lines) == 3
+
+
+def test_a_snapshots_record_that_cannot_be_written_is_raised_at_the_next_wait(tmp_path: Path) -> None:
+    store = GatedStore(tmp_path)
+    store.gate.set()
+
+    def on_written(_: Written) -> None:
+        raise MetricsWriteError("the snapshot record could not be written")
+
+    writer = SnapshotWriter(store, on_written)
+    writer.submit(_state(10), held_since=0.0)
+    with pytest.raises(MetricsWriteError, match="the snapshot record"):
+        writer.wait()
+    assert [p.name for p in list_snapshots(tmp_path)] == [snapshot_name(10)]
+
+
 def test_store_skips_corrupt_and_incomplete_and_never_deletes_them_but_clears_a_dead_writers_temp_file(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path, keep=1)
     store.save(_state(10))
@@ -268,6 +318,52 @@ def test_a_train_module_in_the_working_directory_cannot_shadow_the_trainer(tmp_p
         assert out.returncode == 0, out.stdout + out.stderr
         assert "THE USER TRAIN RAN" not in out.stdout and "checksums agree across 1 ranks" in out.stdout
     assert "task mine " in out.stdout
+
+
+def test_snapshots_that_exist_but_cannot_be_read_stop_the_run_instead_of_training_from_step_0(tmp_path: Path) -> None:
+    """Every snapshot unreadable, or none where the metrics file records one (the folder briefly invisible): one line,
+    exit 2, and the files left as they were (training from 0 would rotate them away once they are readable again)."""
+    snap = tmp_path / "snap"
+    snap.mkdir()
+    (snap / snapshot_name(40)).write_bytes(b"torn")
+    out = run_train("--epochs", "1", "--snapshot-dir", str(snap))
+    assert out.returncode == 2 and f"none of the 1 snapshots in {snap} can be read (the newest: {snap / snapshot_name(40)} is unreadable" in out.stdout
+    assert "Traceback" not in out.stderr and [p.name for p in snap.iterdir()] == [snapshot_name(40)]
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text(
+        '{"time": 1, "kind": "snapshot", "global_step": 40, "path": "' + str(snap / snapshot_name(40)) + '"}\n{"time": 2, "kind": "progr\n'
+    )
+    (snap / snapshot_name(40)).unlink()
+    with pytest.raises(SnapshotsUnreadable, match=f"records the snapshot of step 40 .*, but {snap} holds none"):
+        SnapshotStore(snap).load_latest(metrics)
+    assert SnapshotStore(tmp_path / "elsewhere").load_latest(metrics)[0] is None  # another folder's record: a new run
+    assert SnapshotStore(snap).load_latest(tmp_path / "missing.jsonl")[0] is None
+
+
+CHANGING_TASK = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+from train.tasks import Task
+
+def make(config):
+    x = torch.randn(256, 3, generator=torch.Generator().manual_seed(0))
+    model = nn.Linear(3, 1) if WIDTH == 1 else nn.Sequential(nn.Linear(3, WIDTH), nn.Linear(WIDTH, 1))
+    return Task("mine", model, TensorDataset(x, x.sum(1, keepdim=True)), nn.MSELoss())
+"""
+
+
+def test_a_snapshot_of_a_model_that_changed_is_bad_input_not_a_failed_collective(tmp_path: Path) -> None:
+    """The project's model changed between two starts of one run (its code, not a flag): one line, exit 2, not
+    "a collective failed" (exit 1), which the job would restart for nothing."""
+    snap = str(tmp_path / "snap")
+    (tmp_path / "mytask.py").write_text("WIDTH = 1\n" + CHANGING_TASK)
+    args = ("--task", "mytask:make", "--epochs", "1", "--snapshot-dir", snap)
+    assert run_train(*args, cwd=tmp_path).returncode == 0
+    (tmp_path / "mytask.py").write_text("WIDTH = 4\n" + CHANGING_TASK)
+    again = run_train(*args, cwd=tmp_path)
+    assert again.returncode == 2 and "does not fit this model" in again.stderr + again.stdout, again.stderr
+    assert "a collective failed" not in again.stderr + again.stdout
 
 
 def test_rerunning_a_finished_run_names_where_it_ended(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from train.config import parse_config
-from train.watchdog import EXIT_HANG, BadValue, GuardedStore, Heartbeat, Progress, Watchdog, judge
+from train.watchdog import EXIT_HANG, MISSES_FOR_GONE, BadValue, GuardedStore, Heartbeat, Progress, Watchdog, judge
 
 
 def test_the_default_is_three_minutes_or_below_a_shorter_collective_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -195,20 +195,103 @@ def test_bad_values_in_the_store_are_ignored_with_one_line_and_the_watchdog_goes
     dog.stop()
 
 
+class CountedStore(DictStore):
+    """A DictStore that counts the reads of one key: a test waits for the watchdog's reads, not for the clock."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__()
+        self.key, self.reads = key, 0
+
+    def check(self, keys: list[str]) -> bool:
+        self.reads += self.key in keys
+        return super().check(keys)
+
+
 def test_a_host_that_is_not_the_ranks_own_never_reaches_unresponsive_nodes(tmp_path: Path) -> None:
-    """Rank 1 froze; a heartbeat naming another host under its key (written by anyone who reaches the store)
-    is refused against the hosts the ranks gathered through the process group: only node1 is kept out."""
-    store, exits, lines = DictStore(), [], []
+    """A heartbeat naming another host under rank 1's key (written by anyone who reaches the store) is refused
+    against the hosts the ranks gathered through the process group, and is no evidence that rank 1 stalled: no
+    hang while it is there. Once rank 1's own last heartbeat is what its key holds (it froze), only node1 is named."""
+    store, exits, lines = CountedStore("t/hb/1"), [], []
     dog = logged_watchdog(0, stalled(7, "sync"), store, tmp_path, exits, lines)
     dog.know_hosts(["node0", "node1"])
-    store.data["t/hb/1"] = json.dumps({**GOOD_BEAT, "phase": "eval", "sent": time.time()}).encode()
-    dog.start()
-    time.sleep(1.5)  # rank 0 stalls past its 1 s timeout while rank 1 is in eval, its heartbeat fresh: no hang
-    assert exits == []
     store.data["t/hb/1"] = json.dumps({**GOOD_BEAT, "host": "ddnode9", "sent": time.time() - 100}).encode()
+    dog.start()
+    assert wait_for(lambda: store.reads >= 5, 20)  # rank 0 is past its 1 s timeout at every one of these reads
+    assert exits == [] and not (tmp_path / "summary.json").exists()
+    assert any("the process group has it on 'node1'" in line for line in lines)
+    store.data["t/hb/1"] = json.dumps({**GOOD_BEAT, "sent": time.time() - 100}).encode()
     assert wait_for(lambda: exits == [EXIT_HANG], 20)
     assert (tmp_path / "unresponsive-nodes").read_text() == "node1\n"
-    assert any("the process group has it on 'node1'" in line for line in lines)
+
+
+@pytest.mark.parametrize("tamper", ["deleted", "replayed"])
+def test_a_deleted_or_replayed_heartbeat_is_no_evidence_of_a_stall(tmp_path: Path, tamper: str) -> None:
+    """Rank 1 is in a long eval (its heartbeat kept fresh); rank 0 waits in its next collective past the hang timeout.
+    Another user deletes rank 1's key, or puts back an older heartbeat rank 1 wrote: the freshest one read grows
+    stale, but a key that no longer holds it says nothing of rank 1. No hang, no node named, one line."""
+    import threading
+
+    store, exits, lines = CountedStore("t/hb/1"), [], []
+    dog = logged_watchdog(0, stalled(7, "sync"), store, tmp_path, exits, lines)
+    dog.know_hosts(["node0", "node1"])
+    alive = threading.Event()
+    alive.set()
+
+    def rank_1_in_eval() -> None:
+        while alive.is_set():
+            store.data["t/hb/1"] = json.dumps({**GOOD_BEAT, "phase": "eval", "sent": time.time()}).encode()
+            time.sleep(0.05)
+
+    beating = threading.Thread(target=rank_1_in_eval, daemon=True)
+    beating.start()
+    dog.start()
+    assert wait_for(lambda: store.reads >= 2, 30)  # rank 0 past its timeout reads rank 1's fresh heartbeat
+    alive.clear()
+    beating.join()
+    if tamper == "deleted":
+        del store.data["t/hb/1"]
+    else:
+        store.data["t/hb/1"] = json.dumps({**GOOD_BEAT, "phase": "eval", "sent": time.time() - 60}).encode()
+    reads = store.reads
+    # A read each tick (at least dog.tick apart): past the time the freshest one read goes stale, by two seconds.
+    assert wait_for(lambda: store.reads >= reads + (dog.stale_after + 2) / dog.tick, 120)
+    assert exits == [] and not (tmp_path / "summary.json").exists() and not (tmp_path / "unresponsive-nodes").exists()
+    assert [line for line in lines if "not counted as a stall" in line] == [
+        "watchdog: rank 1's heartbeat in the rendezvous store was removed or replaced by another user's write; not counted as a stall "
+        "(a real hang then ends at the collective timeout); later ones without a line"
+    ]
+    dog.stop()
+
+
+def test_one_store_call_that_misses_its_deadline_is_not_the_stores_end(tmp_path: Path) -> None:
+    """A busy store host answers one call late: that call has no answer, the next ones do, and the store is not
+    "gone" (which would end the job as hung at the next stall); MISSES_FOR_GONE calls in a row without one are."""
+    import threading
+
+    release = threading.Event()
+
+    class OnceSlow(DictStore):
+        slow = 1
+
+        def get(self, key: str) -> bytes:
+            if self.slow:
+                self.slow -= 1
+                release.wait(10)
+            return super().get(key)
+
+    store = OnceSlow()
+    store.set("t/k", "v")
+    guarded = GuardedStore(lambda: store, 0.3, prefix="t/")
+    assert guarded.get("k") is None and not guarded.gone and guarded.missed == 1
+    release.set()
+    assert guarded.get("k") == "v" and not guarded.gone and guarded.misses == 0
+    release.clear()
+    store.slow = MISSES_FOR_GONE
+    for _ in range(MISSES_FOR_GONE):
+        guarded.get("k")
+    assert guarded.gone
+    release.set()
+    guarded.close()
 
 
 def test_an_exception_inside_a_tick_is_one_line_and_the_watchdog_goes_on(tmp_path: Path) -> None:
@@ -224,7 +307,9 @@ def test_an_exception_inside_a_tick_is_one_line_and_the_watchdog_goes_on(tmp_pat
     progress, exits, lines = Flaky(), [], []
     progress.step_done(3)
     progress.enter("sync")
-    dog = logged_watchdog(0, progress, DictStore(), tmp_path, exits, lines)
+    store = DictStore()
+    store.data["t/hb/1"] = json.dumps({**GOOD_BEAT, "sent": time.time() - 100}).encode()  # rank 1 froze long ago
+    dog = logged_watchdog(0, progress, store, tmp_path, exits, lines)
     dog.start()
     progress.failures = 5  # the next five ticks raise
     assert wait_for(lambda: exits == [EXIT_HANG], 20), lines  # the hang after the failures is still found

@@ -258,7 +258,8 @@ def in_phase(phase: str, *, counted: bool) -> Progress:
 def test_another_user_cannot_end_the_job_or_name_a_node_through_the_store(server: dist.TCPStore, tmp_path: Path) -> None:
     """Rank 0 waits in its next all-reduce (past the 1 s hang timeout) while rank 1 runs a long eval: a job that
     must not be ended. The attacker writes for 4 s; then rank 1 freezes (its heartbeats stop) while the attacker
-    forges rank 1's heartbeat on its own host: the hang is real, and only node1 is named."""
+    deletes rank 1's key and forges rank 1's heartbeat on its own host: none of that is evidence, so no verdict and no
+    node named; once the key holds rank 1's own last heartbeat again, the hang is found and only node1 is named."""
     ranks = [Rank(0, in_phase("sync", counted=False), server.port, tmp_path), Rank(1, in_phase("eval", counted=True), server.port, tmp_path)]
     for rank in ranks:
         rank.dog.start()
@@ -274,13 +275,18 @@ def test_another_user_cannot_end_the_job_or_name_a_node_through_the_store(server
     assert all(rank.dog._thread.is_alive() for rank in ranks)
     assert [len(rank.warnings()) for rank in ranks] == [1, 1], [rank.lines for rank in ranks]
 
-    ranks[1].dog.stop()  # rank 1 freezes: its heartbeat goes stale after 5 s
-    mallory, _ = attack(server.port, 8.0, "ddmallory-box")
+    ranks[1].dog.stop()  # rank 1 freezes: its last heartbeat stays in the store, and goes stale after 5 s
+    key = ranks[1].dog.store.prefix + "hb/1"
+    last = server.get(key)
+    server.delete_key(key)  # the attacker's first move, made here before the beat can go stale: no race with its start
+    mallory, _ = attack(server.port, 4.0, "ddmallory-box")  # then it forges rank 1's heartbeat on its own host
+    mallory.communicate(timeout=60)
+    assert ranks[0].exits == [] and not (tmp_path / "unresponsive-nodes").exists()  # nothing it wrote was evidence
+    assert any("not counted as a stall" in line for line in ranks[0].lines), ranks[0].lines
+    server.set(key, last)  # rank 1's own last heartbeat back where it wrote it: the freeze is seen
     deadline = time.monotonic() + 30
     while not ranks[0].exits and time.monotonic() < deadline:
         time.sleep(0.1)
-    mallory.kill()
-    mallory.communicate()
     assert ranks[0].exits == [EXIT_HANG]
     assert (tmp_path / "unresponsive-nodes").read_text() == "node1\n"
     summary = json.loads((tmp_path / "summary.json").read_text())

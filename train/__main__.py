@@ -27,11 +27,11 @@ from train.distributed import (
     select_device,
     shutdown,
 )
-from train.metrics import MetricsFile, RankLog
+from train.metrics import MetricsFile, MetricsWriteError, RankLog
 from train.model import SetupError
 from train.outcome import RunEnd
 from train.signals import PreemptionWatcher
-from train.snapshot import SnapshotWriteError
+from train.snapshot import SnapshotsUnreadable, SnapshotWriteError
 from train.tasks import TaskError, load_task
 from train.trainer import ChecksumMismatch, Preempted, SnapshotMismatch, Trainer
 from train.watchdog import Progress, Watchdog, job_store, unsigned_store_note
@@ -73,7 +73,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         """The rank's last line, and rank 0's last metrics record (a run refused before it trained leaves no file)."""
         log(end.line())
         if end.outcome != "bad-input":
-            metrics.write("end", **end.fields())
+            try:
+                metrics.write("end", **end.fields())
+            except MetricsWriteError as exc:  # the disk that ended the run may still be full: the log line stands
+                log(f"warning: {exc}")
 
     progress = Progress()
     watchdog = None
@@ -133,7 +136,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"train: error: {exc}", file=sys.stderr, flush=True)
         end = ended("bad-input", 2, reason=str(exc))
         hard_exit = False
-    except SnapshotWriteError as exc:  # rank 0 alone; the others are in their next collective
+    except SnapshotsUnreadable as exc:  # rank 0 alone; the others wait for the snapshot it would send
+        log(f"error: {exc}")
+        end = ended("bad-input", 2, reason=str(exc))
+    except (SnapshotWriteError, MetricsWriteError) as exc:  # rank 0 alone; the others are in their next collective
         log(f"error: {exc}")
         end = ended("failed", 1, reason=str(exc))
     except ChecksumMismatch as exc:

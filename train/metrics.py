@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -99,6 +100,24 @@ class TensorBoardScalars:
         self.writer.close()
 
 
+def torn_tail(path: Path) -> bool:
+    """Whether the file ends in the middle of a line (its writer was killed while writing it)."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            if handle.tell() == 0:
+                return False
+            handle.seek(-1, os.SEEK_END)
+            return handle.read(1) != b"\n"
+    except OSError:
+        return False
+
+
+class MetricsWriteError(Exception):
+    """The metrics file could not be written (a full, over-quota or read-only run folder): the run ends as failed,
+    every rank within seconds, instead of a traceback that leaves its peers waiting out the collective timeout."""
+
+
 class MetricsFile:
     """Appends one JSON object a line; a no-op where no path is given (and on ranks other than 0).
     Opened at the first record, so a run refused at set-up (a bad setting for the model) leaves no file.
@@ -135,16 +154,33 @@ class MetricsFile:
             self._tensorboard.write(kind, fields)
         if self.path is None:
             return
-        if self._handle is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._handle = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the run
-        self._handle.write(json.dumps({"time": stamped, "kind": kind, **fields}) + "\n")
-        self._handle.flush()
+        line = json.dumps({"time": stamped, "kind": kind, **fields}) + "\n"
+        try:
+            if self._handle is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._handle = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the run
+                if torn_tail(self.path):  # a run killed mid-write: its half line stays one line of its own
+                    line = "\n" + line
+            self._handle.write(line)
+            self._handle.flush()
+        except OSError as exc:
+            # What did not reach the file is dropped from the buffer: the next write (the end record, where the disk
+            # has room again) must not fail on it, nor write half a line twice.
+            self._drop_handle()
+            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise MetricsWriteError(
+                f"the {kind} record could not be written to {self.path}: {why}; make room or fix its permissions, then resume"
+            ) from None
+
+    def _drop_handle(self) -> None:
+        if self._handle is not None:
+            handle, self._handle = self._handle, None
+            with contextlib.suppress(OSError):  # the buffered remainder cannot be written either: let it go
+                handle.close()
 
     def close(self) -> None:
         with self._lock:
-            if self._handle is not None:
-                self._handle.close()
+            self._drop_handle()
             if self._tensorboard is not None:
                 self._tensorboard.close()
             self._handle, self.path, self._tensorboard, self._tensorboard_dir = None, None, None, None

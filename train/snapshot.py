@@ -11,6 +11,7 @@ state is copied to host memory; serialising, writing, fsync and rename run on a 
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
 import threading
@@ -82,6 +83,34 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+class SnapshotsUnreadable(Exception):
+    """Snapshots that should be there cannot be read: every file in the folder is unreadable, or the metrics file
+    records one that the folder no longer holds (a filesystem not mounted for a moment). Training from step 0 would
+    then rotate the good ones away once they are back; the run stops with one line instead (exit 2: a person looks)."""
+
+
+def recorded_snapshot(metrics: Path, directory: Path) -> tuple[int, str] | None:
+    """(step, path) of the newest snapshot that the metrics file records as written in `directory`; None where it
+    records none (or cannot be read: a torn line is skipped, a missing file is a new run)."""
+    try:
+        lines = metrics.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    where, found = str(directory.absolute()), None
+    for line in lines:
+        if '"snapshot"' not in line:
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        path = record.get("path") if isinstance(record, dict) and record.get("kind") == "snapshot" else None
+        step = record.get("global_step") if isinstance(path, str) and str(Path(path).absolute().parent) == where else None
+        if isinstance(step, int) and (found is None or step >= found[0]):
+            found = (step, str(path))
+    return found
+
+
 @dataclass
 class SnapshotStore:
     """Rank 0's view of the snapshot directory across one run."""
@@ -90,9 +119,10 @@ class SnapshotStore:
     keep: int = 2
     unreadable: set[Path] = field(default_factory=set)
 
-    def load_latest(self) -> tuple[Snapshot | None, Path | None, list[str]]:
+    def load_latest(self, metrics: Path | None = None) -> tuple[Snapshot | None, Path | None, list[str]]:
         """(snapshot, path, reports): the newest snapshot that loads and has every field; reports say why
-        newer ones were skipped."""
+        newer ones were skipped. SnapshotsUnreadable where there are snapshots and none loads, or where none is
+        there and `metrics` (the run's metrics file) records one written here."""
         reports: list[str] = []
         for temp in self.directory.glob(".snapshot-*") if self.directory.is_dir() else []:
             if TEMP_RE.match(temp.name):  # one rank writes: a temp file at start is a dead writer's
@@ -107,6 +137,18 @@ class SnapshotStore:
                 self.unreadable.add(path)
                 continue
             return snapshot, path, reports
+        if self.unreadable:
+            newest = reports[-len(self.unreadable)].removeprefix("snapshot ").removesuffix("; skipping it (left in place)")
+            raise SnapshotsUnreadable(
+                f"none of the {len(self.unreadable)} snapshots in {self.directory} can be read (the newest: {newest}); training from "
+                "step 0 would rotate them away: fix or move them aside (to start over), then resume"
+            )
+        recorded = recorded_snapshot(metrics, self.directory) if metrics is not None else None
+        if recorded is not None:
+            raise SnapshotsUnreadable(
+                f"{metrics} records the snapshot of step {recorded[0]} ({recorded[1]}), but {self.directory} holds none "
+                "(a filesystem not mounted here, or the files moved?); make it visible and resume, or start a new run in a new run folder"
+            )
         return None, None, reports
 
     def save(self, snapshot: Snapshot) -> Path:
@@ -201,7 +243,10 @@ class SnapshotWriter:
             self._error = SnapshotWriteError(f"{where}: {first_line(exc)}; make room or fix its permissions, or pass another --snapshot-dir, then resume")
             return
         self.last = Written(path=path, global_step=host.global_step, stall_s=stall_s, write_s=time.monotonic() - started)
-        self.on_written(self.last)
+        try:
+            self.on_written(self.last)
+        except Exception as exc:  # its record could not be written (a full run folder): raised at the next wait too
+            self._error = exc
 
     def _to_host(self, value: Any, key: tuple[Any, ...]) -> Any:
         """A copy whose tensors live in this writer's host buffers and whose containers are new, so

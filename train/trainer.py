@@ -260,7 +260,7 @@ class Trainer:
         """Rank 0 picks the newest readable snapshot and sends it to every rank."""
         snapshot = None
         if self.store is not None:
-            snapshot, path, reports = self.store.load_latest()
+            snapshot, path, reports = self.store.load_latest(Path(self.config.metrics_file) if self.config.metrics_file else None)
             for report in reports:
                 self.log(report)
             if path is None:
@@ -274,8 +274,15 @@ class Trainer:
             self._load_state(snapshot)
 
     def _load_state(self, snapshot: Snapshot) -> None:
-        self.module.load_state_dict(snapshot.model)
-        self.optimizer.load_state_dict(snapshot.optimizer)
+        try:
+            self.module.load_state_dict(snapshot.model)
+            self.optimizer.load_state_dict(snapshot.optimizer)
+        except (RuntimeError, ValueError, KeyError) as exc:  # every rank has this snapshot: bad input, not a failed collective
+            raise SnapshotMismatch(
+                f"the snapshot at global step {snapshot.global_step} in {self.config.snapshot_dir} does not fit this model "
+                f"({first_line(exc)}): the model changed since it was written; start a new run with its own --snapshot-dir "
+                "(a new run folder), or restore the model that wrote it"
+            ) from None
         self.epoch, self.step_in_epoch, self.global_step = snapshot.epoch, snapshot.step_in_epoch, snapshot.global_step
         self.last_snapshot_step = self.global_step
         # A setting the snapshot predates (absent from its config) cannot differ.

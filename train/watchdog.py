@@ -227,9 +227,13 @@ def marker(text: str) -> bool:
     return True
 
 
+MISSES_FOR_GONE = 3  # store calls in a row that miss their deadline (or fail) before the store counts as gone
+
+
 class GuardedStore:
-    """The rendezvous store on a connection of its own, every call with a deadline; after one call
-    misses it the store counts as gone (the helper thread may stay blocked: it is a daemon).
+    """The rendezvous store on a connection of its own, every call with a deadline; after MISSES_FOR_GONE calls in a
+    row miss it (or fail) the store counts as gone: one slow answer from a busy store host is a call without an
+    answer, not the end of the store (a call still stuck keeps the helper thread: it is a daemon).
 
     With `token` (the job's secret), every value is written as `HMAC-SHA256(token, key + newline + value)` in
     hex, a space, then the value, and a value read back must carry the right one: the store answers any user
@@ -240,8 +244,13 @@ class GuardedStore:
     def __init__(self, connect: Callable[[], Any], deadline_s: float, prefix: str, token: str | None = None) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddpack-watchdog-store")
         self.deadline_s, self.prefix, self.gone = deadline_s, prefix, False
+        self.misses = 0  # calls in a row without an answer
+        self.missed = 0  # calls without an answer, ever: a reader tells "no answer" from "no value" by it
+        self._pending: concurrent.futures.Future[Any] | None = None
         self._secret = token.encode() if token is not None else None
         self._store = self._call(connect)
+        if self._store is None:
+            self.gone = True  # never connected: nothing to call again
 
     @property
     def signed(self) -> bool:
@@ -250,17 +259,23 @@ class GuardedStore:
     def close(self) -> None:
         """No call from here on, the helper thread done with its last (unless one missed its deadline and is stuck:
         then it is left, as before), and the client dropped in the caller's thread, before the process group goes."""
-        self._pool.shutdown(wait=not self.gone)
+        stuck = self._pending is not None and not self._pending.done()
+        self._pool.shutdown(wait=not (self.gone or stuck), cancel_futures=True)
         self.gone, self._store = True, None
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         if self.gone:
             return None
+        self._pending = self._pool.submit(fn, *args)
         try:
-            return self._pool.submit(fn, *args).result(timeout=self.deadline_s)
-        except Exception:  # a deadline missed or the connection refused: either way, no store from here on
-            self.gone = True
+            answer = self._pending.result(timeout=self.deadline_s)
+        except Exception:  # a deadline missed or the connection refused: no answer to this call
+            self._pending.cancel()  # one still queued behind a stuck call must not run late (an old heartbeat after a new one)
+            self.misses, self.missed = self.misses + 1, self.missed + 1
+            self.gone = self.misses >= MISSES_FOR_GONE
             return None
+        self.misses = 0
+        return answer
 
     def _signature(self, key: str, value: str) -> bytes:
         assert self._secret is not None
@@ -406,6 +421,7 @@ class Watchdog:
         self._ending = threading.Event()  # set once this watchdog has begun ending the rank
         self._thread = threading.Thread(target=self._run, name="ddpack-watchdog", daemon=True)
         self._latest: dict[int, Heartbeat] = {}  # the freshest heartbeat read from each peer
+        self.unknown: list[int] = []  # peers whose heartbeat the last read could not take as evidence (_beats)
         self._warned: set[str] = set()
         self.rank_hosts: Sequence[str] | None = None
         if rank_hosts is not None:
@@ -464,20 +480,32 @@ class Watchdog:
         self.store.set(f"hb/{self.rank}", json.dumps(asdict(self._heartbeat())))
 
     def _beats(self) -> dict[int, Heartbeat]:
-        """Every rank's latest heartbeat: this rank's own, and each peer's freshest yet. One older than a
-        heartbeat already read from that rank is a replay (its own clock only moves on), and a key gone
-        missing does not forget the rank: both keep the freshest, which goes stale if no newer one comes."""
+        """Every rank's latest heartbeat: this rank's own, and each peer's freshest yet, read now. Only a key that
+        still holds the rank's freshest heartbeat is evidence: a frozen rank leaves its last one in place. A key
+        gone missing, one that holds an older heartbeat than one already read (a replay: a rank's own clock only
+        moves on) or a value that is not the rank's, is what anyone who reaches the store can make, and a call
+        without an answer says nothing: such a rank is in `self.unknown` (no verdict while there is one) and out
+        of the heartbeats returned, so it is never named stale."""
         beats = {self.rank: self._heartbeat()}
+        self.unknown = []
         for r in range(self.world_size):
             if r == self.rank:
                 continue
             host = self.rank_hosts[r] if self.rank_hosts is not None else None
+            missed = self.store.missed
             beat = self._read(f"hb/{r}", lambda text, r=r, host=host: Heartbeat.from_json(text, rank=r, host=host))
             known = self._latest.get(r)
             if beat is not None and (known is None or beat.sent >= known.sent):
                 self._latest[r] = beat
-            if r in self._latest:
-                beats[r] = self._latest[r]
+                beats[r] = beat
+                continue
+            self.unknown.append(r)
+            if self.store.missed == missed and known is not None:
+                self._warn_once(
+                    "tampered",
+                    f"watchdog: rank {r}'s heartbeat in the rendezvous store was removed or replaced by another user's write; "
+                    "not counted as a stall (a real hang then ends at the collective timeout); later ones without a line",
+                )
         return beats
 
     def _read(self, key: str, parse: Callable[[str], T]) -> T | None:
@@ -524,6 +552,8 @@ class Watchdog:
             return "the rendezvous store stopped answering (its host may be stopped or lost)"
         now = time.time()
         beats = self._beats()
+        if self.unknown:  # a rank whose heartbeat cannot be read as its own: no evidence that it stalled
+            return None
         if all(b.stalled_by(now, self.stale_after) > self.timeout_s for b in beats.values()):
             self.store.set("hang", json.dumps({"rank": self.rank, "time": now}))
             return f"no rank finished a step for {self.timeout_s:g}s"

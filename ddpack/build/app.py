@@ -40,6 +40,13 @@ ALWAYS_EXCLUDED = (
     ".git", ".hg", ".svn", "__pycache__", "*.pyc", ".venv", "venv", ".mypy_cache", ".pytest_cache", ".ruff_cache",
     ".ipynb_checkpoints", ".tox", "*.egg-info", "/runs", "/logs", "/build", "/.dockerignore",
 )  # fmt: skip
+# Left out of the code layer unless the project asks for one on purpose (a `!NAME` line in its .dockerignore): files
+# that hold credentials by convention. An image is copied to the squashfs, the registry and every node, and a
+# git-ignored .env beside the code is not a file anyone meant to ship. A line at the build names what was left out.
+SECRET_PATTERNS = (
+    ".env", ".env.*", "*.pem", "*.key", "*.p12", "*.pfx", "*.jks", "*.keystore", ".netrc", ".pypirc", ".npmrc",
+    ".git-credentials", ".htpasswd", "id_rsa", "id_dsa", "id_ecdsa", "id_ed25519", ".aws", ".ssh", ".gnupg", ".docker", ".kube",
+)  # fmt: skip
 # What the app's requirements may not change: torch and the wheels a CUDA torch is built against.
 HELD_PACKAGES = ("torch", "triton", "nvidia-*")
 
@@ -57,6 +64,7 @@ class App:
     requirements: tuple[str, ...]  # lines pip reads, -r/-c includes inlined
     requirements_from: str  # "requirements.txt", "pyproject.toml" or "" (none)
     files: tuple[PurePosixPath, ...]  # the code layer, relative to `source`
+    left_out: tuple[PurePosixPath, ...] = ()  # likely secrets kept out of the code layer (SECRET_PATTERNS), folders once
     digest: str  # of the files and the requirements: what the preflight compares across ranks
     revision: str  # git commit (with -dirty when the folder has changes), or "" outside a repository
     command: tuple[str, ...]  # APP_CMD as words; () leaves the bundled trainer the default
@@ -133,16 +141,19 @@ def pyproject_dependencies(path: Path) -> list[str]:
     return list(deps)
 
 
-def _ignore_patterns(folder: Path) -> list[str]:
-    """ALWAYS_EXCLUDED and the project's .dockerignore, as glob patterns (no `!` exceptions)."""
-    patterns = list(ALWAYS_EXCLUDED)
+def _ignore_patterns(folder: Path) -> tuple[list[str], list[str]]:
+    """ALWAYS_EXCLUDED and the project's .dockerignore, as glob patterns; and its `!` lines, which put back only what
+    SECRET_PATTERNS leaves out (a secret shipped on purpose)."""
+    patterns, wanted = list(ALWAYS_EXCLUDED), []
     ignore = folder / ".dockerignore"
     if ignore.is_file():
         for raw in _read_text(ignore, ".dockerignore").splitlines():
             line = raw.strip()
-            if line and not line.startswith(("#", "!")):
+            if line.startswith("!") and line[1:].strip():
+                wanted.append(line[1:].strip().rstrip("/"))
+            elif line and not line.startswith("#"):
                 patterns.append(line.rstrip("/"))
-    return patterns
+    return patterns, wanted
 
 
 def _excluded(relative: PurePosixPath, patterns: list[str]) -> bool:
@@ -157,10 +168,11 @@ def _excluded(relative: PurePosixPath, patterns: list[str]) -> bool:
     return False
 
 
-def code_files(folder: Path) -> list[PurePosixPath]:
+def code_files(folder: Path, left_out: list[PurePosixPath] | None = None) -> list[PurePosixPath]:
     """Every regular file of the project that goes into the code layer, sorted; symlinks are followed
-    only when they stay inside the project."""
-    patterns = _ignore_patterns(folder)
+    only when they stay inside the project. Likely secrets (SECRET_PATTERNS) the project did not ask for by a `!`
+    line go to `left_out` instead (a folder once)."""
+    patterns, wanted = _ignore_patterns(folder)
     found: list[PurePosixPath] = []
     root = folder.resolve()
 
@@ -168,6 +180,10 @@ def code_files(folder: Path) -> list[PurePosixPath]:
         for entry in sorted(directory.iterdir()):
             relative = PurePosixPath(entry.relative_to(folder).as_posix())
             if _excluded(relative, patterns):
+                continue
+            if _excluded(relative, list(SECRET_PATTERNS)) and not _excluded(relative, wanted):
+                if left_out is not None:
+                    left_out.append(relative)
                 continue
             if entry.is_symlink() and not entry.resolve().is_relative_to(root):
                 continue
@@ -220,7 +236,8 @@ def read_app(folder: Path, command: str = "") -> App:
         requirements, source = read_requirements(folder / "requirements.txt", folder), "requirements.txt"
     elif (folder / "pyproject.toml").exists():
         requirements, source = pyproject_dependencies(folder / "pyproject.toml"), "pyproject.toml"
-    files = code_files(folder)
+    left_out: list[PurePosixPath] = []
+    files = code_files(folder, left_out)
     if not source and not any(f.suffix == ".py" for f in files):
         raise HostError(
             f"APP={folder} has neither a requirements file (requirements.txt, or dependencies in pyproject.toml) nor Python code; "
@@ -233,6 +250,7 @@ def read_app(folder: Path, command: str = "") -> App:
         requirements=tuple(requirements),
         requirements_from=source,
         files=tuple(files),
+        left_out=tuple(left_out),
         digest=digest_of(folder, files, requirements),
         revision=git_revision(folder),
         command=parse_command(command, folder) if command.strip() else (),
@@ -289,6 +307,18 @@ def build_args(app: App) -> dict[str, str]:
         "APP_DIGEST": app.digest,
         "APP_CMD": shlex.join(app.command),
     }
+
+
+def left_out_note(app: App) -> str | None:
+    """The build's one line on the likely secrets it left out of the image, and how to put one in on purpose."""
+    if not app.left_out:
+        return None
+    names = [f"{path}/" if (app.source / path).is_dir() else str(path) for path in app.left_out]
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    return (
+        f"images: left out of the image as likely secrets: {shown}; to ship one on purpose, add a line !NAME "
+        f"(e.g. !{names[0].rstrip('/')}) to {app.source / '.dockerignore'}"
+    )
 
 
 def describe(app: App) -> str:

@@ -27,7 +27,7 @@ from typing import Any
 
 from docker.errors import APIError, ContainerError, ImageNotFound
 
-from ddpack.build.app import App, check_torch_requirements, describe, read_app, stage_app
+from ddpack.build.app import App, check_torch_requirements, describe, left_out_note, read_app, stage_app
 from ddpack.build.app import build_args as app_build_args
 from ddpack.build.base import LOCAL_BASE, build_base
 from ddpack.build.build_inputs import BuildInputs, check_wheels_run_on, read_pip_settings, resolve_build_inputs
@@ -235,6 +235,8 @@ def build_app_image(build: ImageBuild) -> str:
         argv += ["--build-arg", f"{key}={value}"]
     argv += [*build.extra_args, str(context)]
     print(f"images: building {build.tag} on {build.bundle}: {describe(build.app)}", flush=True)
+    if (note := left_out_note(build.app)) is not None:
+        print(note, flush=True)
     return docker_build(argv, buildkit_cli().env, build.tag)
 
 

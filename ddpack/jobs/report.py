@@ -7,8 +7,8 @@ straggler is a bright row; the segments on a timeline with their snapshots and h
 preflight's all-reduce bus-bandwidth curve and its point-to-point and compute tables; the run's settings.
 Images are inline PNGs and the page links to nothing, so it opens in any browser, offline, as one file.
 
-Bad input is one line and exit 2: no folder, no metrics file, an empty one, or a damaged line before the
-last. A torn last line (a run killed mid-write) is skipped with a warning.
+Bad input is one line and exit 2: no folder, no metrics file, or one with no records. A torn line (a start
+killed mid-write, at the end or before a later start's records) is skipped with a warning.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ddpack.errors import HostError
+from ddpack.job_side import node_helper
 from ddpack.jobs import slurm_cli
 from ddpack.jobs.run_record import append_event, not_a_run_of_yours, read_record
 from ddpack.jobs.slurm_cli import ENDED, EXIT_FOR_STATE
@@ -226,6 +227,13 @@ def resubmit(run_dir: Path, changes: dict[str, Any] | None = None) -> str:
     export = (*LOGIN_ENV, *secrets) if record.environment else None
     if record.sweep:  # a sweep's point: its element of the sweep's array script, which picks its folder and command
         options = (f"--array={record.sweep['index']}", *options)
+    # A person chose to go on: the new job gets the failure restarts anew (the count caps one job's loop, not the run).
+    failure_restarts = run_dir / node_helper().FAILURE_RESTARTS
+    try:
+        failure_restarts.unlink(missing_ok=True)
+    except OSError as why:
+        why_not = f"cannot reset the failure restarts' count {failure_restarts} ({why.strerror})"
+        raise HostError(f"{why_not}; fix its folder's permissions and resubmit", code=1) from None
     job_id = slurm_cli.sbatch(script, run_dir, export=export, options=options)
     if record.sweep:
         job_id = f"{job_id}_{record.sweep['index']}"

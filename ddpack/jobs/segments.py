@@ -3,8 +3,8 @@
 `metrics.jsonl` is rank 0's JSON-lines file (`start` once a segment, `progress`, `eval`, `snapshot`, `end`;
 a requeued or restarted run appends another segment to the same file), `preflight.json` the preflight's
 record when the job ran one (train.run_folder names both). Bad input is a HostError with exit 2: no
-folder, no metrics file, an empty one, or a damaged line before the last. A torn last line (a run killed
-mid-write) is skipped with a warning.
+folder, no metrics file, or one with no records. A line that is not a record (torn: a start killed while
+writing it, wherever the next start appended) is skipped with a warning.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def metrics_path(run: Path) -> Path:
 
 
 def read_records(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
-    """Every record; a torn last line is skipped with a warning, a damaged line before it is an error."""
+    """Every record; a line that is not one (torn: a start killed while writing it) is skipped with a warning."""
     try:
         lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError as exc:
@@ -115,11 +115,9 @@ def read_records(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
             record = json.loads(line)
             if not isinstance(record, dict) or "kind" not in record or "time" not in record:
                 raise ValueError("not a metrics record")
-        except ValueError:
-            if number == len(lines):
-                warnings.append(f"skipped {path}'s last line {number}: torn (the run was killed while writing it)")
-                continue
-            raise HostError(f"line {number} of {path} is not a metrics record; the file is damaged: remove that line and run again", 2) from None
+        except ValueError:  # a start killed mid-write leaves half a line, the next start's records follow it
+            warnings.append(f"skipped line {number} of {path}: not a metrics record (torn: a start was killed while writing it)")
+            continue
         records.append(record)
     if not records:
         raise HostError(f"{path} has no records: the run wrote nothing yet (it stopped before its first step, or is still starting)", 2)

@@ -8,8 +8,11 @@ are what goes wrong otherwise). `sacct` is optional: many clusters (and the test
 
 from __future__ import annotations
 
+import getpass
+import os
 import re
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,12 +136,43 @@ def job_exit_code(job_id: str) -> int | None:
     return int(found.group(1)) if found and not answer.failed else None
 
 
+SBATCH_TIMEOUT_S = 120
+
+
+def queued_from(folder: Path) -> str:
+    """After an sbatch that did not answer (a busy controller may have queued the job all the same): the job that
+    squeue lists as working in `folder`, the run folder sbatch ran in, which tags the job; a line says it was found.
+    None found, or no answer from squeue, is one line that says what to look for before submitting again (a retry
+    could queue a second job)."""
+    user = os.environ.get("USER") or getpass.getuser()
+    look = f"squeue -u {user} -o '%A %Z'"
+    found = ask(["squeue", "-h", "-u", user, "-o", "%A|%Z"])
+    if found.failed:
+        raise HostError(
+            f"sbatch did not answer in {SBATCH_TIMEOUT_S} s and squeue could not say whether it queued the job ({found.failed}); "
+            f"before submitting again, look for a job working in {folder}: {look}",
+            code=1,
+        )
+    jobs = sorted({job for job, _, where in (line.partition("|") for line in found.stdout.splitlines()) if where == str(folder) and job.isdigit()}, key=int)
+    if not jobs:
+        raise HostError(
+            f"sbatch did not answer in {SBATCH_TIMEOUT_S} s and squeue lists no job working in {folder}: it was most likely not queued "
+            f"(a controller this slow may still queue it: {look} lists it then); submit again",
+            code=1,
+        )
+    print(f"sbatch did not answer in {SBATCH_TIMEOUT_S} s, but squeue lists job {jobs[-1]} working in {folder}: it was queued", file=sys.stderr, flush=True)
+    return jobs[-1]
+
+
 def sbatch(script: Path, cwd: Path, *, export: tuple[str, ...] | None = None, options: tuple[str, ...] = ()) -> str:
     """Submit `script`; its job id. `export`: the only variables the job takes from this process's environment
     (sbatch --export=NAME,...: Slurm keeps their values with the job, and a requeue gets them again), None for all of
-    them; `options` override the script's own #SBATCH lines. A refusal is one line naming sbatch's own reason."""
+    them; `options` override the script's own #SBATCH lines. A refusal is one line naming sbatch's own reason; no
+    answer is looked up in squeue by the folder it ran in (queued_from) before anything is said."""
     exporting = [f"--export={','.join(export) if export else 'NIL'}"] if export is not None else []
-    answer = ask(["sbatch", "--parsable", *exporting, *options, str(script)], timeout=120, cwd=cwd)
+    answer = ask(["sbatch", "--parsable", *exporting, *options, str(script)], timeout=SBATCH_TIMEOUT_S, cwd=cwd)
+    if answer.failed == f"sbatch did not answer in {SBATCH_TIMEOUT_S} s":
+        return queued_from(cwd)
     if answer.failed:
         raise HostError(f"sbatch refused the job: {answer.failed}", code=2)
     job = answer.stdout.strip().split(";")[0]
@@ -177,6 +211,8 @@ def partition_nodes(partition: str | None, gpus: int = 0) -> tuple[str, int, int
     usable, other, name = 0, 0, ""
     for line in answer.stdout.splitlines():
         part, count, state, gres = [*line.split("|"), "", "", ""][:4]
+        if not (count.isascii() and count.isdigit()):
+            return f"sinfo answered {line[:80]!r}, not PARTITION|NODES|STATE|GRES (a wrapper or a newer Slurm?); check `sinfo -h -o '%P|%D|%T|%G'`"
         default = part.endswith("*")
         part = part.rstrip("*")
         if not ((partition and part == partition) or (not partition and default)):
@@ -185,9 +221,9 @@ def partition_nodes(partition: str | None, gpus: int = 0) -> tuple[str, int, int
         # A flag after the state: '*' not responding, '~' powered off (it powers up for a job), '#' powering up, ...
         base, flags = state.rstrip("*~#!%$@^-"), state[len(state.rstrip("*~#!%$@^-")) :]
         if base in USABLE_NODE_STATES and "*" not in flags and gres_gpus(gres) >= gpus:
-            usable += int(count or 0)
+            usable += int(count)
         else:
-            other += int(count or 0)
+            other += int(count)
     if not name:
         if partition:
             return f"partition {partition} does not exist (sinfo lists none by that name)"

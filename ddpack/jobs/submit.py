@@ -128,9 +128,14 @@ def setting_problems(settings: SubmitSettings) -> list[str]:
             problems.append(f"--env {name}: set by ddpack itself ({table[name].meaning}), not by you")
         elif (why := table[name].problem(name, value)) is not None:
             problems.append(f"--env {why}")
-    for name in settings.secrets:
+    for number, name in enumerate(settings.secrets, 1):
+        if not ENV_NAME.fullmatch(name):  # `--secret TOKEN=value`, `--secret $TOKEN`: the text may be the value itself
+            problems.append(
+                f"--secret (the {ordinal(number)}): not a variable name, and not shown here as it may hold the value; "
+                "export the value in this shell and give its NAME alone"
+            )
         # ALL, NONE and NIL mean something else to sbatch --export (ALL: the whole shell): never a secret's name.
-        if not ENV_NAME.fullmatch(name) or name.startswith(("DDPACK_", "SLURM_")) or name in LOGIN_ENV or name.upper() in ("ALL", "NONE", "NIL"):
+        elif name.startswith(("DDPACK_", "SLURM_")) or name in LOGIN_ENV or name.upper() in ("ALL", "NONE", "NIL"):
             problems.append(f"--secret {name}: not a variable name of your own (DDPACK_*, SLURM_* and {', '.join(LOGIN_ENV)} are not secrets)")
         elif name in settings.env:
             problems.append(f"--secret {name} is also an --env setting, whose value is written in the job script; give it once, as --secret")
@@ -144,6 +149,12 @@ def setting_problems(settings: SubmitSettings) -> list[str]:
         problems.append("--sweep-parallel limits a sweep's points at once: it needs --sweep NAME=V1,V2,...")
     if settings.name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", settings.name):
         problems.append(f"--name {settings.name!r}: letters, digits, '.', '_' and '-' only (it names the job and the run folder)")
+    elif settings.name is None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", settings.job_name):
+        # Slurm expands %u, %j, ... in the log path the name is part of, and a space or '/' breaks the run folder's name.
+        problems.append(
+            f"the job's name {settings.job_name!r} (from {'--sqsh' if settings.sqsh else 'the project folder'}'s name) is not only letters, "
+            "digits, '.', '_' and '-'; give --name"
+        )
     return problems
 
 
@@ -159,6 +170,18 @@ class ImageChoice:
     ecr_digests: tuple[str, ...] = ()
     variant: str = "cpu"
     efa: bool = False
+
+
+def ordinal(number: int) -> str:
+    return f"{number}{'th' if 10 <= number % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(number % 10, 'th')}"
+
+
+def secrets_in_accounting() -> bool:
+    """Whether Slurm's accounting database keeps every job's environment (AccountingStoreFlags=job_env in `scontrol
+    show config`), where a --secret's value then lies too; False where scontrol does not answer."""
+    answer = slurm_cli.ask(["scontrol", "show", "config"], timeout=10)
+    found = re.search(r"^AccountingStoreFlags\s*=\s*(.*)$", answer.stdout, re.MULTILINE)
+    return not answer.failed and found is not None and "job_env" in found.group(1).split(",")
 
 
 def source_digest(*, variant: str = "cpu", efa: bool = False) -> str:
@@ -557,9 +580,21 @@ def _submit(settings: SubmitSettings, *, dry_run: bool, say: Any, run_file: dict
         return Submitted(
             job_id=None, run_dir=str(planned_dir), sqsh=str(sqsh), image=image.ref if image else None, built=False, converted=False, script=""
         )
-    run_dir = new_run_dir(settings.runs, settings.job_name).resolve()
-    script = render_script(settings, run_dir, sqsh)
-    script_path = write_job(run_dir, script)
+    if settings.secrets and secrets_in_accounting():
+        say(
+            f"submit: warning: this cluster stores each job's environment in its accounting database (AccountingStoreFlags=job_env), "
+            f"so the values of {', '.join(settings.secrets)} go there as well as to the controller's state (docs/security.md)"
+        )
+    run_dir = None
+    try:
+        run_dir = new_run_dir(settings.runs, settings.job_name).resolve()
+        script = render_script(settings, run_dir, sqsh)
+        script_path = write_job(run_dir, script)
+    except OSError as why:  # a full or read-only filesystem, a quota: no run folder is left without its run.json
+        if run_dir is not None:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        where = f"cannot write the run folder under {settings.runs} ({why.strerror or why})"
+        raise HostError(f"{where}; make room there or give --runs, then submit again", code=1) from None
     made = RecordParts(
         image=asdict(image) if image else {"ref": None, "image_id": None, "note": "--sqsh: made outside ddpack submit"},
         sqsh=sqsh,
@@ -571,7 +606,12 @@ def _submit(settings: SubmitSettings, *, dry_run: bool, say: Any, run_file: dict
     )
     if settings.sweep:
         return submit_sweep(settings, run_dir, made, say=say, image=image, converted=converted)
-    write_record(made.record(settings, run_dir, run_dir.name))
+    try:
+        write_record(made.record(settings, run_dir, run_dir.name))
+    except OSError as why:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        where = f"cannot write {run_dir / run_folder.RUN_RECORD} ({why.strerror or why})"
+        raise HostError(f"{where}; make room under {settings.runs} or give --runs, then submit again", code=1) from None
     job_id = slurm_cli.sbatch(script_path, run_dir, export=settings.exported_names)
     record_job(run_dir, job_id, "submit")
     say(f"submit: job {job_id} queued; run folder {run_dir} (run.json records the image, code, command and settings)")
