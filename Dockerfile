@@ -4,7 +4,7 @@ ARG BASE_IMAGE=python:3.11-slim-bookworm
 FROM ${BASE_IMAGE}
 ARG BASE_IMAGE
 
-# Given by make image: ddpack/build/images.py's DEFAULT_TORCH_VERSION (the one definition), or TORCH_VERSION.
+# Given by make image: ddpack/images/images.py's DEFAULT_TORCH_VERSION (the one definition), or TORCH_VERSION.
 ARG TORCH_VERSION
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG PIP_EXTRA_ARGS=""

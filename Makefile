@@ -4,9 +4,9 @@ SHELL := /bin/bash
 
 PYTHON        ?= python3
 VENV          ?= .venv
-# The images' torch (ddpack/build/images.py holds the one definition), for the host venv too.
+# The images' torch (ddpack/images/images.py holds the one definition), for the host venv too.
 ifeq ($(origin TORCH_VERSION),undefined)
-TORCH_VERSION := $(shell sed -n 's/^DEFAULT_TORCH_VERSION = "\(.*\)"$$/\1/p' ddpack/build/images.py)
+TORCH_VERSION := $(shell sed -n 's/^DEFAULT_TORCH_VERSION = "\(.*\)"$$/\1/p' ddpack/images/images.py)
 endif
 # Extra pip options for the host venv's torch, e.g. PIP_TORCH_OPTS='--index-url https://download.pytorch.org/whl/cpu'
 PIP_TORCH_OPTS ?=
@@ -33,7 +33,7 @@ TAG           := $(shell git describe --always --dirty 2>/dev/null || echo dev)
 endif
 # Empty: python:3.11-slim-bookworm, or a base built from Debian's archive when that cannot be pulled.
 BASE_IMAGE    ?=
-# A folder of wheels (torch...) to install from; empty: pip's find-links folders (ddpack/build/build_inputs.py).
+# A folder of wheels (torch...) to install from; empty: pip's find-links folders (ddpack/images/build_inputs.py).
 WHEELHOUSE    ?=
 # A CA bundle for TLS to the package index during builds (a BuildKit secret: never stored in the image);
 # empty: pip's cert (PIP_CERT or pip's config), else SSL_CERT_FILE.
@@ -119,19 +119,19 @@ bench: venv ## print trainer throughput, snapshot stall vs a synchronous write, 
 	$(VPY) bench/bench_recovery.py
 
 engine: venv ## make sure a Docker engine answers (starts Debian's dockerd when root)
-	@$(VPY) -m ddpack.build.engine --start
+	@$(VPY) -m ddpack.images.engine --start
 
 base: engine ## build the offline base image from Debian's archive (debootstrap)
-	$(VPY) -m ddpack.build.base
+	$(VPY) -m ddpack.images.base
 
 image: engine ## build the CPU image IMAGE:TAG (gloo); APP=DIR: your project on it, as APP_IMAGE:TAG
-	$(IMAGE_ENV) $(VPY) -m ddpack.build.images --variant cpu --tag $(CPU_REF) --version $(TAG) $(call APP_OPTS,) $(BUILD_ARGS)
+	$(IMAGE_ENV) $(VPY) -m ddpack.images.images --variant cpu --tag $(CPU_REF) --version $(TAG) $(call APP_OPTS,) $(BUILD_ARGS)
 
 image-gpu: engine ## build the CUDA image IMAGE:TAG-gpu (nccl); APP=DIR: your project on it
-	$(IMAGE_ENV) $(VPY) -m ddpack.build.images --variant gpu --tag $(GPU_REF) --version $(TAG) $(call APP_OPTS,-gpu) $(BUILD_ARGS)
+	$(IMAGE_ENV) $(VPY) -m ddpack.images.images --variant gpu --tag $(GPU_REF) --version $(TAG) $(call APP_OPTS,-gpu) $(BUILD_ARGS)
 
 smoke: image ## two-container gloo DDP run (pair, then torchrun 2x2), each after its preflight, with plain docker; APP=DIR: your program
-	$(VPY) -m ddpack.build.smoke --image $(CPU_REF)
+	$(VPY) -m ddpack.images.smoke --image $(CPU_REF)
 
 bench-gpu: venv ## print the preflight's bf16 matmul vs a bare loop and the trainer's GPT (~92M, bf16) step vs a bare DDP loop, on one GPU
 	$(VPY) bench/bench_gpu.py $(BENCH_GPU_ARGS)
@@ -166,21 +166,21 @@ bench-restart: venv ## print a killed rank's restart in place, the job program a
 	$(VPY) bench/bench_restart.py $(BENCH_RESTART_ARGS)
 
 push: engine ## push IMAGE:TAG to ECR (boto3 + docker SDK; AWS_REGION, ECR_REPOSITORY, PUSH_ARGS)
-	$(AWS_ENV) $(VPY) -m ddpack.build.push --image $(CPU_REF) --repository $(ECR_REPOSITORY) --tag $(TAG) $(PUSH_ARGS)
+	$(AWS_ENV) $(VPY) -m ddpack.images.push --image $(CPU_REF) --repository $(ECR_REPOSITORY) --tag $(TAG) $(PUSH_ARGS)
 
 push-gpu: engine ## push IMAGE:TAG-gpu to ECR
-	$(AWS_ENV) $(VPY) -m ddpack.build.push --image $(GPU_REF) --repository $(ECR_REPOSITORY) --tag $(TAG)-gpu $(PUSH_ARGS)
+	$(AWS_ENV) $(VPY) -m ddpack.images.push --image $(GPU_REF) --repository $(ECR_REPOSITORY) --tag $(TAG)-gpu $(PUSH_ARGS)
 
 enroot-credentials: venv ## write enroot's ECR credential line ($$ENROOT_CONFIG_PATH/.credentials, mode 600)
-	$(AWS_ENV) $(VPY) -m ddpack.build.credentials
+	$(AWS_ENV) $(VPY) -m ddpack.images.credentials
 
 sqsh: engine ## convert IMAGE:TAG to an Enroot squashfs at SQSH (atomic, validated)
 	@mkdir -p build
-	$(VPY) -m ddpack.build.sqsh --image $(CPU_REF) --output $(SQSH) --converter $(SQSH_CONVERTER) $(SQSH_ARGS)
+	$(VPY) -m ddpack.images.sqsh --image $(CPU_REF) --output $(SQSH) --converter $(SQSH_CONVERTER) $(SQSH_ARGS)
 
 sqsh-gpu: engine ## convert IMAGE:TAG-gpu to an Enroot squashfs at SQSH_GPU
 	@mkdir -p build
-	$(VPY) -m ddpack.build.sqsh --image $(GPU_REF) --output $(SQSH_GPU) --converter $(SQSH_CONVERTER) $(SQSH_ARGS)
+	$(VPY) -m ddpack.images.sqsh --image $(GPU_REF) --output $(SQSH_GPU) --converter $(SQSH_CONVERTER) $(SQSH_ARGS)
 
 report: venv ## write RUN/report.html (loss, throughput and MFU, per-rank step times, segments, preflight) from a run folder; REPORT_ARGS=--png
 	@[ -n "$(RUN)" ] || { echo "make report: error: RUN is not set; give the run folder, e.g. make report RUN=runs/ddp-1234" >&2; exit 2; }

@@ -19,9 +19,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ddpack.build.app import read_app  # noqa: E402
-from ddpack.build.engine import docker_client  # noqa: E402
-from ddpack.build.images import CONTEXT_ITEMS, build_app_image, build_image, plan_build  # noqa: E402
+from ddpack.images.app import read_app  # noqa: E402
+from ddpack.images.engine import docker_client  # noqa: E402
+from ddpack.images.images import CONTEXT_ITEMS, build_app_image, build_image, plan_build  # noqa: E402
 
 MIB = 2**20
 

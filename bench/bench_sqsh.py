@@ -29,9 +29,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ddpack.build.engine import docker_client  # noqa: E402
-from ddpack.build.enroot_tree import ENROOT_DEFAULT_SQUASH_OPTIONS, HYPERPOD_SQUASH_OPTIONS  # noqa: E402
-from ddpack.build.sqsh import DEFAULT_SQUASH_OPTIONS, convert, export_stream  # noqa: E402
+from ddpack.images.engine import docker_client  # noqa: E402
+from ddpack.images.enroot_tree import ENROOT_DEFAULT_SQUASH_OPTIONS, HYPERPOD_SQUASH_OPTIONS  # noqa: E402
+from ddpack.images.sqsh import DEFAULT_SQUASH_OPTIONS, convert, export_stream  # noqa: E402
 
 COMPRESSIONS = [HYPERPOD_SQUASH_OPTIONS, ENROOT_DEFAULT_SQUASH_OPTIONS, "-comp lz4", "-comp zstd -Xcompression-level 3"]
 

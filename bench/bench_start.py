@@ -39,8 +39,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench_sqsh import timed  # noqa: E402
 
-from ddpack.build.enroot_tree import HYPERPOD_SQUASH_OPTIONS  # noqa: E402
-from ddpack.build.sqsh import DEFAULT_SQUASH_OPTIONS, convert  # noqa: E402
+from ddpack.images.enroot_tree import HYPERPOD_SQUASH_OPTIONS  # noqa: E402
+from ddpack.images.sqsh import DEFAULT_SQUASH_OPTIONS, convert  # noqa: E402
 
 IMPORTS = "import torch, torch.distributed"
 

@@ -1,4 +1,4 @@
-# A user's project on top of a ddpack image: `make image APP=DIR` (ddpack/build/images.py stages the context).
+# A user's project on top of a ddpack image: `make image APP=DIR` (ddpack/images/images.py stages the context).
 # Two layers over the bundle: the project's requirements, with the image's torch held fixed, then its code
 # at /opt/app. A code change rebuilds only the last; a requirements change only the two.
 ARG BUNDLE_IMAGE=ddpack:dev

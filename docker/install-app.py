@@ -7,7 +7,7 @@ The packages a CUDA torch is made of (torch, triton, nvidia-*) are pinned to wha
 constraints file, so pip cannot swap the image's torch for another build (the classic accident: a package
 that depends on torch pulls the multi-GB CUDA build into the CPU image). When pip cannot satisfy the
 requirements without another torch, the build ends with one line, `ddpack-app: error: ...`, naming the
-requirement and the torch it wanted; `ddpack.build.images` shows that line as the build's error. Afterwards the
+requirement and the torch it wanted; `ddpack.images.images` shows that line as the build's error. Afterwards the
 held packages are compared with what they were, and torch is imported.
 
 Like install-runtime.sh: a CA bundle comes as the BuildKit secret pip_cert, wheels from /wheelhouse (a bind
@@ -39,7 +39,7 @@ def canonical(name: str) -> str:
 
 
 def held_versions(patterns: list[str]) -> dict[str, str]:
-    """The installed packages the patterns name (ddpack.build.app.HELD_PACKAGES: torch and the CUDA wheels it
+    """The installed packages the patterns name (ddpack.images.app.HELD_PACKAGES: torch and the CUDA wheels it
     was built against), as installed now."""
     found = {}
     for dist in metadata.distributions():

@@ -1,5 +1,5 @@
 """Shared pieces of the Docker tier: an engine or a clear skip (never a skip under CI), and the
-images built once per session the way users build them: `python -m ddpack.build.images` in a child process
+images built once per session the way users build them: `python -m ddpack.images.images` in a child process
 with only the environment to go on, as `make image` runs it."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from docker.errors import DockerException
 
 import docker
-from ddpack.build.images import plan_build
+from ddpack.images.images import plan_build
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_TAG = "ddpack:pytest"
@@ -40,7 +40,7 @@ def host_ca_bundle() -> Path | None:
 
 def build(variant: str, tag: str) -> None:
     """Build as a user does; no setting is filled in here, so a default the command drops fails the build."""
-    argv = [sys.executable, "-m", "ddpack.build.images", "--variant", variant, "--tag", tag, "--version", "pytest"]
+    argv = [sys.executable, "-m", "ddpack.images.images", "--variant", variant, "--tag", tag, "--version", "pytest"]
     result = subprocess.run(argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=3600)
     assert result.returncode == 0, f"{' '.join(argv)} failed (exit {result.returncode}); its log is above"
 

@@ -1,4 +1,4 @@
-"""A user's project in the image, without Docker: reading the project (`ddpack.build.app`), the build's bad
+"""A user's project in the image, without Docker: reading the project (`ddpack.images.app`), the build's bad
 input (one line, exit 2, before anything is built), explaining pip's torch conflicts (docker/install-app.py),
 and how `entrypoint` finds the project's command and scripts."""
 
@@ -11,8 +11,8 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
-from ddpack.build.app import check_torch_requirements, left_out_note, read_app, stage_app
 from ddpack.errors import HostError
+from ddpack.images.app import check_torch_requirements, left_out_note, read_app, stage_app
 from entrypoint.cli import parse_args
 from entrypoint.plan import PlanError, from_app_dir, trainer_command
 from testbed.env import ROOT, clean_env
@@ -123,7 +123,7 @@ def test_staging_puts_requirements_and_code_apart(tmp_path: Path) -> None:
 
 
 def images_cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    argv = [sys.executable, "-m", "ddpack.build.images", "--tag", "ddpack-badapp:never", *args]
+    argv = [sys.executable, "-m", "ddpack.images.images", "--tag", "ddpack-badapp:never", *args]
     return subprocess.run(argv, cwd=ROOT, env=clean_env(**env), capture_output=True, text=True, timeout=120)
 
 

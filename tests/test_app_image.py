@@ -18,9 +18,9 @@ import pytest
 from docker_support import ReadmeProject, engine_or_skip
 
 import docker
-from ddpack.build.app import read_app
-from ddpack.build.images import build_app_image, plan_build
 from ddpack.errors import HostError
+from ddpack.images.app import read_app
+from ddpack.images.images import build_app_image, plan_build
 
 pytestmark = pytest.mark.docker
 
@@ -63,7 +63,7 @@ def wheel(folder: Path, name: str, version: str, requires: tuple[str, ...] = ())
 def wheelhouse_with_torch(folder: Path) -> Path:
     """A wheel folder holding the host's torch wheel (the build's rule: WHEELHOUSE must hold torch)."""
     folder.mkdir()
-    from ddpack.build.images import plan_build as plan
+    from ddpack.images.images import plan_build as plan
 
     for torch_wheel in plan(variant="cpu", tag="unused").inputs.torch_wheels:
         os.link(torch_wheel.path, folder / torch_wheel.path.name)

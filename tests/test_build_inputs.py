@@ -1,4 +1,4 @@
-"""Where a build takes torch and its CA bundle from, tried the way users run it: `python -m ddpack.build.images`
+"""Where a build takes torch and its CA bundle from, tried the way users run it: `python -m ddpack.images.images`
 and `make image` in child processes with only the environment (and pip's settings) to go on."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ddpack.build.build_inputs import PipSettings, TorchWheel, check_wheels_run_on, parse_pip_config_list, resolve_build_inputs
 from ddpack.errors import HostError
+from ddpack.images.build_inputs import PipSettings, TorchWheel, check_wheels_run_on, parse_pip_config_list, resolve_build_inputs
 from testbed.env import ROOT, clean_env
 
 CPU_WHEEL = "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"
@@ -45,7 +45,7 @@ def user_env(tmp_path: Path, **settings: str) -> dict[str, str]:
 
 
 def images(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    argv = [sys.executable, "-m", "ddpack.build.images", "--tag", "ddpack:inputs", *args]
+    argv = [sys.executable, "-m", "ddpack.images.images", "--tag", "ddpack:inputs", *args]
     return subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
@@ -61,7 +61,7 @@ def make_image(env: dict[str, str], target: str = "image", *assignments: str) ->
     return subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
-# ---------------------------------------------------------------- python -m ddpack.build.images
+# ---------------------------------------------------------------- python -m ddpack.images.images
 
 
 def test_wheelhouse_and_ca_bundle_from_the_environment_reach_the_build(tmp_path: Path) -> None:

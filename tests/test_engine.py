@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ddpack.build.engine import APT_LOCKS, wait_for_apt_locks
 from ddpack.errors import HostError
+from ddpack.images.engine import APT_LOCKS, wait_for_apt_locks
 from testbed.env import ROOT, clean_env
 
 HOLD = (
@@ -57,14 +57,14 @@ def test_a_lock_released_in_time_lets_the_install_go_on(tmp_path: Path, capsys) 
 
 
 def start_engine_with(tmp_path: Path, apt_get: str, **env: str) -> subprocess.CompletedProcess[str]:
-    """`python -m ddpack.build.engine --start` where no engine answers, dockerd is not installed and
+    """`python -m ddpack.images.engine --start` where no engine answers, dockerd is not installed and
     `apt-get` is the script given (nothing is really installed)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "apt-get").write_text(f"#!/bin/sh\n{apt_get}\n")
     (bin_dir / "apt-get").chmod(0o755)
     env = clean_env(PATH=str(bin_dir), DOCKER_HOST="unix:///tmp/ddpack-no-such.sock", **env)
-    return subprocess.run([sys.executable, "-m", "ddpack.build.engine", "--start"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "ddpack.images.engine", "--start"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
 
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="installing the engine is a root-only path")

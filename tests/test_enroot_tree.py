@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ddpack.build import enroot_tree
-from ddpack.build.enroot_tree import bash_quote, fixed_mode, folders_enroot_creates, metadata_files, squash_options
+from ddpack.images import enroot_tree
+from ddpack.images.enroot_tree import bash_quote, fixed_mode, folders_enroot_creates, metadata_files, squash_options
 
 ENROOT_LIB = Path("/usr/lib/enroot")
 WORDS = [

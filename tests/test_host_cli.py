@@ -13,7 +13,7 @@ def host(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_no_engine_is_one_line_naming_the_socket_and_the_fix() -> None:
-    out = host("ddpack.build.engine", DOCKER_HOST="unix:///tmp/ddpack-no-such.sock")
+    out = host("ddpack.images.engine", DOCKER_HOST="unix:///tmp/ddpack-no-such.sock")
     assert out.returncode == 1
     assert out.stderr.count("\n") == 1
     assert out.stderr.startswith("ddpack engine: error: no Docker engine reachable at unix:///tmp/ddpack-no-such.sock")
@@ -21,5 +21,5 @@ def test_no_engine_is_one_line_naming_the_socket_and_the_fix() -> None:
 
 
 def test_unknown_variant_is_rejected() -> None:
-    out = host("ddpack.build.images", "--tag", "x:y", "--variant", "tpu")
+    out = host("ddpack.images.images", "--tag", "x:y", "--variant", "tpu")
     assert out.returncode == 2 and "invalid choice: 'tpu'" in out.stderr

@@ -12,8 +12,8 @@ import pytest
 from docker_support import TEST_TAG, build, engine_or_skip, host_ca_bundle
 
 import docker
-from ddpack.build.smoke import SHM_SIZE, run_smoke
 from ddpack.errors import HostError
+from ddpack.images.smoke import SHM_SIZE, run_smoke
 from testbed.readme_examples import write_mytask
 
 pytestmark = pytest.mark.docker

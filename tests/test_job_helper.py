@@ -456,8 +456,8 @@ def image_key(sqsh: Path) -> str:
 def test_a_staged_image_is_named_by_its_content(tmp_path: Path) -> None:
     """make sqsh's record (the image id and the squash options) names the file while it describes it; a file the
     record no longer describes, or one without a record, is named by its size, time and inode, without reading
-    it. The helper reads the record that ddpack.build.sqsh writes, by the same name."""
-    from ddpack.build.sqsh import record_path, write_record
+    it. The helper reads the record that ddpack.images.sqsh writes, by the same name."""
+    from ddpack.images.sqsh import record_path, write_record
 
     sqsh = tmp_path / "x.sqsh"
     sqsh.write_bytes(b"squashfs bytes")

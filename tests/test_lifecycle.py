@@ -567,7 +567,7 @@ def test_the_runs_folder_is_the_users_own_on_the_shared_filesystem_and_named_whe
 def test_a_project_not_under_git_is_recorded_so_with_its_files_digest(tmp_path) -> None:
     import subprocess
 
-    from ddpack.build.app import read_app
+    from ddpack.images.app import read_app
     from ddpack.jobs.submit import code_record
     from testbed.readme_examples import write_cpu_ddp
 

@@ -6,9 +6,9 @@ unprivileged victim where ownership matters: root would pass every check) and sh
 - train/forensics.py: a rank's DataLoader workers' stacks folder (was /tmp/ddpack-stacks-<rank pid>, used
   whoever made it: a planted link truncated a checkpoint, a planted name had SIGUSR2 sent to any pid, a foreign
   folder crashed the hang's evidence and a successful run's end);
-- ddpack/build/sqsh.py: `make sqsh`, run as root, wrote `.X.sqsh.tmp-<pid>` and the record's temp under predictable
+- ddpack/images/sqsh.py: `make sqsh`, run as root, wrote `.X.sqsh.tmp-<pid>` and the record's temp under predictable
   names and resolved a link at the output itself;
-- ddpack/build/ecr.py: the common variable REGISTRY silently redirected the ECR token; now only DDPACK_REGISTRY does,
+- ddpack/images/ecr.py: the common variable REGISTRY silently redirected the ECR token; now only DDPACK_REGISTRY does,
   and a non-ECR host is named on stderr before the token is sent or written.
 """
 
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from ddpack.build import credentials, push, sqsh
-from ddpack.build.ecr import REGISTRY_SETTING, RegistryCredential, registry_override_from
 from ddpack.errors import HostError
+from ddpack.images import credentials, push, sqsh
+from ddpack.images.ecr import REGISTRY_SETTING, RegistryCredential, registry_override_from
 from testbed.env import ROOT
 from testbed.users import User
 from train import forensics

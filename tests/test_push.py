@@ -21,10 +21,10 @@ import requests
 from docker_support import TEST_TAG, build, engine_or_skip
 
 import docker
-from ddpack.build.credentials import write_enroot_credentials
-from ddpack.build.ecr import ECR_HOST_RE, RepositorySettings
-from ddpack.build.push import classify, push_image
 from ddpack.errors import HostError
+from ddpack.images.credentials import write_enroot_credentials
+from ddpack.images.ecr import ECR_HOST_RE, RepositorySettings
+from ddpack.images.push import classify, push_image
 from testbed.env import ROOT, clean_env
 from train.distributed import free_port
 
@@ -255,7 +255,7 @@ def test_bad_input_is_one_line_exit_2(args: list[str], env: dict[str, str], need
     environ.pop("AWS_DEFAULT_REGION", None)
     environ.pop("AWS_PROFILE", None)
     environ["AWS_CONFIG_FILE"] = "/nonexistent"
-    out = subprocess.run([sys.executable, "-m", "ddpack.build.push", *args], env=environ, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "ddpack.images.push", *args], env=environ, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr
     assert out.stderr.count("\n") == 1 and needle in out.stderr
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from docker_support import TEST_TAG, build, engine_or_skip
 
-from ddpack.build.base import LOCAL_BASE
-from ddpack.build.sqsh import RUNNERS, convert, layers_unavailable, record_path
 from ddpack.errors import HostError
+from ddpack.images.base import LOCAL_BASE
+from ddpack.images.sqsh import RUNNERS, convert, layers_unavailable, record_path
 from testbed.env import ROOT, clean_env
 
 docker = pytest.mark.docker
@@ -186,7 +186,7 @@ def test_a_second_conversion_of_the_same_image_is_a_no_op(sqsh: Path, tmp_path: 
     target = tmp_path / "x.sqsh"
     shutil.copy2(sqsh, target)
     shutil.copy2(record_path(sqsh), record_path(target))
-    run = [sys.executable, "-m", "ddpack.build.sqsh", "--image", TEST_TAG, "--output", str(target)]
+    run = [sys.executable, "-m", "ddpack.images.sqsh", "--image", TEST_TAG, "--output", str(target)]
     out = subprocess.run(run, env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and out.stdout.count("\n") == 1 and "already holds ddpack:pytest" in out.stdout, out.stdout
     before = target.stat().st_mtime_ns
@@ -207,7 +207,7 @@ def test_a_second_conversion_of_the_same_image_is_a_no_op(sqsh: Path, tmp_path: 
     assert "sqsh: wrote" in out.stdout, out.stdout
     client = engine_or_skip()
     client.images.build(fileobj=io.BytesIO(f"FROM {TEST_TAG}\nLABEL other=1\n".encode()), tag="ddpack-sqsh-other:pytest", rm=True)
-    other = [sys.executable, "-m", "ddpack.build.sqsh", "--image", "ddpack-sqsh-other:pytest", "--output", str(target)]
+    other = [sys.executable, "-m", "ddpack.images.sqsh", "--image", "ddpack-sqsh-other:pytest", "--output", str(target)]
     out = subprocess.run(other, env=clean_env(ENROOT_SQUASH_OPTIONS="-comp lz4"), cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert "sqsh: wrote" in out.stdout and "# other 1" in cat(target, "etc/rc"), out.stdout
     assert json.loads(record_path(target).read_text())["image"] == "ddpack-sqsh-other:pytest"
@@ -216,12 +216,12 @@ def test_a_second_conversion_of_the_same_image_is_a_no_op(sqsh: Path, tmp_path: 
 @docker
 def test_enroots_own_import_of_the_bundle_gives_its_tree_with_the_options_printed(sqsh: Path, tmp_path: Path) -> None:
     """One enroot import of the bundle's image (the slow step here: enroot saves, unpacks and squashes the whole image),
-    through `ddpack.build.sqsh --converter enroot` with the options the default converter used: the line printed names
+    through `ddpack.images.sqsh --converter enroot` with the options the default converter used: the line printed names
     them, enroot used them (the superblock's compressor), and its tree and size are the default converter's."""
     need("enroot", "enroot (../shared/tools/install-enroot-pyxis.sh)")
     options = json.loads(record_path(sqsh).read_text())["squash_options"]
     output = tmp_path / "enroot.sqsh"
-    run = [sys.executable, "-m", "ddpack.build.sqsh", "--image", TEST_TAG, "--output", str(output), "--converter", "enroot"]
+    run = [sys.executable, "-m", "ddpack.images.sqsh", "--image", TEST_TAG, "--output", str(output), "--converter", "enroot"]
     out = subprocess.run(run, env=clean_env(ENROOT_SQUASH_OPTIONS=options), cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"(enroot; ENROOT_SQUASH_OPTIONS={options!r} from ENROOT_SQUASH_OPTIONS)" in out.stdout, out.stdout
@@ -257,7 +257,7 @@ def test_output_is_replaced_atomically_and_failures_leave_no_file(sqsh: Path, tm
 def test_bad_input_is_one_line_exit_2(args: list[str], needle: str) -> None:
     engine_or_skip()
     out = subprocess.run(
-        [sys.executable, "-m", "ddpack.build.sqsh", *args], env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "ddpack.images.sqsh", *args], env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and needle in out.stderr, out.stderr
 

@@ -187,7 +187,7 @@ def secrets_in_accounting() -> bool:
 def source_digest(*, variant: str = "cpu", efa: bool = False) -> str:
     """The bundle's build inputs (what images.stage_context copies, less the wheelhouse), its variant and torch's
     version: the bundle's image is built again only when this changes."""
-    from ddpack.build.images import CONTEXT_ITEMS, DEFAULT_TORCH_VERSION
+    from ddpack.images.images import CONTEXT_ITEMS, DEFAULT_TORCH_VERSION
 
     torch_version = os.environ.get("TORCH_VERSION") or DEFAULT_TORCH_VERSION
     digest = hashlib.sha256(f"{variant}{' efa' if efa else ''} {torch_version}".encode())
@@ -212,9 +212,9 @@ def ensure_image(app_dir: Path, *, build: bool = True, variant: str = "cpu", efa
     """The project's image on the bundle's `variant` (cpu, or gpu: the CUDA image, with AWS's EFA installer when `efa`):
     found by the digest of its inputs (the project's files and requirements, the bundle's sources), built only when no
     image has them. None in a dry run that would build."""
-    from ddpack.build.app import read_app
-    from ddpack.build.engine import docker_client
-    from ddpack.build.images import build_app_image, build_image, plan_build
+    from ddpack.images.app import read_app
+    from ddpack.images.engine import docker_client
+    from ddpack.images.images import build_app_image, build_image, plan_build
 
     app = read_app(app_dir)
     client = docker_client()
@@ -247,14 +247,14 @@ def squashfs_name(images: Path, app_name: str, image_id: str) -> Path:
 
 def squashfs_holds(path: Path, image: ImageChoice) -> bool:
     """Whether `path` is this user's own squashfs of `image`, made with today's options: reused, not converted again."""
-    from ddpack.build.sqsh import DEFAULT_SQUASH_OPTIONS, holds, squash_options
+    from ddpack.images.sqsh import DEFAULT_SQUASH_OPTIONS, holds, squash_options
 
     return not_yours_alone(path) is None and holds(path, image.image_id, squash_options(DEFAULT_SQUASH_OPTIONS)[0])
 
 
 def ensure_squashfs(image: ImageChoice, images: Path, app_name: str) -> tuple[Path, bool]:
     """(the squashfs, whether it was converted now): reused when it is ours and its record names this image."""
-    from ddpack.build.sqsh import convert
+    from ddpack.images.sqsh import convert
 
     if not images.is_dir():
         raise HostError(f"--images {images} is not a folder; create it on the shared filesystem (mkdir -p {images})", code=2)
@@ -465,7 +465,7 @@ def git(app_dir: Path, *args: str) -> str | None:
 def code_record(app_dir: Path, run_dir: Path | None) -> dict[str, Any]:
     """Which code: the project's digest (every file that went into the image), its git commit, and the uncommitted
     diff (kept in the run folder as code.diff, hashed here) and untracked files, which the image holds too."""
-    from ddpack.build.app import read_app
+    from ddpack.images.app import read_app
 
     app = read_app(app_dir)
     if (git(app_dir, "rev-parse", "--is-inside-work-tree") or "").strip() != "true":

@@ -1,6 +1,6 @@
 """Reaching a Docker engine (docker SDK) and a BuildKit-capable docker CLI; starting dockerd on Debian.
 
-`python -m ddpack.build.engine [--start]` checks the engine, and with --start (root, Debian) installs
+`python -m ddpack.images.engine [--start]` checks the engine, and with --start (root, Debian) installs
 docker.io if needed and starts dockerd in the background.
 """
 
@@ -191,7 +191,7 @@ def _last_line(path: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ddpack.build.engine", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m ddpack.images.engine", description=__doc__)
     parser.add_argument("--start", action="store_true", help="start dockerd if none is running (root, Debian)")
     opts = parser.parse_args(argv)
 

@@ -13,8 +13,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from ddpack.build.engine import docker_client, ensure_debian_packages
 from ddpack.errors import HostError, run_verb
+from ddpack.images.engine import docker_client, ensure_debian_packages
 
 LOCAL_BASE = "ddpack-base:bookworm-py311"
 PACKAGES = ("python3", "python3-venv", "python-is-python3", "ca-certificates")
@@ -56,7 +56,7 @@ def build_base(tag: str = LOCAL_BASE, suite: str = "bookworm", mirror: str | Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ddpack.build.base", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m ddpack.images.base", description=__doc__)
     parser.add_argument("--tag", default=LOCAL_BASE, help="image name to create")
     parser.add_argument("--suite", default="bookworm", help="Debian release (bookworm has Python 3.11, matching cp311 torch wheels)")
     parser.add_argument("--mirror", default=os.environ.get("DEBIAN_MIRROR") or None, help="Debian mirror URL (default: debootstrap's)")

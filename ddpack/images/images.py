@@ -3,12 +3,12 @@
 The build context is staged under build/context: the bundle's code, the Dockerfiles and hard links
 (or copies) of the wheelhouse's wheels, which the Dockerfile bind-mounts so they never land in a
 layer. A CA bundle for the package index goes in as a BuildKit secret, likewise never stored. Where
-the wheelhouse and the CA bundle come from is decided in one place, `ddpack.build.build_inputs`; a
+the wheelhouse and the CA bundle come from is decided in one place, `ddpack.images.build_inputs`; a
 `--dry-run` prints what a build would use. The base defaults to python:3.11-slim-bookworm and falls
-back to a base built from Debian's archive (`ddpack.build.base`) when that cannot be pulled.
+back to a base built from Debian's archive (`ddpack.images.base`) when that cannot be pulled.
 
 With `--app DIR` (`make image APP=DIR`) the bundle's image is built as `--bundle-tag`, then a user's project
-goes on top of it as `--tag` (docker/app.Dockerfile, `ddpack.build.app`): its requirements in one layer with torch
+goes on top of it as `--tag` (docker/app.Dockerfile, `ddpack.images.app`): its requirements in one layer with torch
 held fixed, its code in the last. The project is read and checked before anything is built.
 """
 
@@ -27,12 +27,12 @@ from typing import Any
 
 from docker.errors import APIError, ContainerError, ImageNotFound
 
-from ddpack.build.app import App, check_torch_requirements, describe, left_out_note, read_app, stage_app
-from ddpack.build.app import build_args as app_build_args
-from ddpack.build.base import LOCAL_BASE, build_base
-from ddpack.build.build_inputs import BuildInputs, check_wheels_run_on, read_pip_settings, resolve_build_inputs
-from ddpack.build.engine import buildkit_cli, docker_client
 from ddpack.errors import HostError, run_verb
+from ddpack.images.app import App, check_torch_requirements, describe, left_out_note, read_app, stage_app
+from ddpack.images.app import build_args as app_build_args
+from ddpack.images.base import LOCAL_BASE, build_base
+from ddpack.images.build_inputs import BuildInputs, check_wheels_run_on, read_pip_settings, resolve_build_inputs
+from ddpack.images.engine import buildkit_cli, docker_client
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_BASE = "python:3.11-slim-bookworm"
@@ -138,7 +138,7 @@ class ImageBuild:
 
 
 def plan_build(*, variant: str, tag: str, environ: Mapping[str, str] = os.environ, **settings: Any) -> ImageBuild:
-    """An ImageBuild whose wheelhouse and CA bundle follow the one rule (`ddpack.build.build_inputs`)."""
+    """An ImageBuild whose wheelhouse and CA bundle follow the one rule (`ddpack.images.build_inputs`)."""
     if variant not in VARIANTS:
         raise HostError(f"variant {variant!r} is not one of {', '.join(VARIANTS)}", code=2)
     torch_version = environ.get("TORCH_VERSION") or DEFAULT_TORCH_VERSION
@@ -242,7 +242,7 @@ def build_app_image(build: ImageBuild) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m ddpack.build.images", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m ddpack.images.images", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--variant", choices=sorted(VARIANTS), default="cpu")
     parser.add_argument("--tag", required=True, help="image reference to create, e.g. ddpack:1a2b3c4")

@@ -27,8 +27,8 @@ from docker.client import DockerClient
 from docker.errors import ImageNotFound, NotFound
 from docker.models.containers import Container
 
-from ddpack.build.engine import docker_client
 from ddpack.errors import HostError, run_verb
+from ddpack.images.engine import docker_client
 from ddpack.jobs.report import write_report
 from train import run_folder
 from train.outcome import read_ends
@@ -231,7 +231,7 @@ def _show_failures(variant: str, members: list[Member], timeout_s: float) -> Non
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m ddpack.build.smoke", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m ddpack.images.smoke", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--image", required=True, help="the CPU image to run, e.g. ddpack:1a2b3c4 (or a project's, from make image APP=DIR)")
     parser.add_argument("--variant", choices=("pair", "torchrun", "all"), default="all")

@@ -13,8 +13,8 @@ import argparse
 import os
 from pathlib import Path
 
-from ddpack.build.ecr import aws_session, registry_credential, registry_override_from
 from ddpack.errors import HostError, run_verb
+from ddpack.images.ecr import aws_session, registry_credential, registry_override_from
 from ddpack.private_files import write_atomically
 
 
@@ -44,7 +44,7 @@ def write_enroot_credentials(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m ddpack.build.credentials", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m ddpack.images.credentials", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--region", default=os.environ.get("AWS_REGION") or None)
     parser.add_argument(

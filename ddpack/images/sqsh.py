@@ -1,6 +1,6 @@
 """`make sqsh`: an Enroot squashfs of an image, for `srun --container-image=/fsx/.../x.sqsh` (pyxis).
 
-The tree is the one `enroot import dockerd://IMAGE` gives (rules in `ddpack.build.enroot_tree`). Converters:
+The tree is the one `enroot import dockerd://IMAGE` gives (rules in `ddpack.images.enroot_tree`). Converters:
 
 - `layers` (auto's first choice): mounts the created container's own overlay2 layers read-only and runs
   one `mksquashfs` over them, with enroot's exclusions, permission fixes and metadata files given as
@@ -42,8 +42,9 @@ from pathlib import Path
 
 from docker.errors import ImageNotFound
 
-from ddpack.build.engine import docker_client
-from ddpack.build.enroot_tree import (
+from ddpack.errors import HostError, run_verb
+from ddpack.images.engine import docker_client
+from ddpack.images.enroot_tree import (
     HYPERPOD_SQUASH_OPTIONS,
     METADATA_FILES,
     excluded,
@@ -52,7 +53,6 @@ from ddpack.build.enroot_tree import (
     metadata_files,
     squash_options,
 )
-from ddpack.errors import HostError, run_verb
 from ddpack.private_files import not_yours_alone, write_atomically
 
 # Chosen from measurements (`make bench-sqsh`, `make bench-start`): uncompressed (HyperPod's enroot.conf
@@ -410,7 +410,7 @@ def convert(image: str, output: Path, converter: str = "auto", force: bool = Fal
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m ddpack.build.sqsh", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m ddpack.images.sqsh", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--image", required=True, help="local image, e.g. ddpack:1a2b3c4")
     parser.add_argument("--output", required=True, type=Path, help="the .sqsh file to write (replaced atomically)")

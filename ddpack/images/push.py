@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import requests
 from docker.errors import APIError, ImageNotFound
 
-from ddpack.build.ecr import (
+from ddpack.errors import HostError, run_verb
+from ddpack.images.ecr import (
     RegistryCredential,
     RepositorySettings,
     account_id,
@@ -28,8 +29,7 @@ from ddpack.build.ecr import (
     validate_repository,
     validate_tag,
 )
-from ddpack.build.engine import docker_client
-from ddpack.errors import HostError, run_verb
+from ddpack.images.engine import docker_client
 
 PERMANENT = (
     "denied",
@@ -236,7 +236,7 @@ def next_steps(result: PushResult, host: str, repository: str, tag: str, region:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m ddpack.build.push", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m ddpack.images.push", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--image", required=True, help="local image to push, e.g. ddpack:1a2b3c4")
     parser.add_argument("--repository", required=True, help="ECR repository name (created when missing)")

@@ -4,7 +4,7 @@ WHEELHOUSE, else the local folders of pip's own `find-links` (PIP_FIND_LINKS or 
 that is where an air-gapped host keeps its torch wheel, and a build that ignored it would reach for
 an index the host cannot reach. CA_BUNDLE, else the bundle pip is told to trust (PIP_CERT or pip's
 `cert`), else SSL_CERT_FILE. The Makefile passes through only what the user set; `make image`,
-`python -m ddpack.build.images`, the tests and the benchmarks all resolve through `resolve_build_inputs`.
+`python -m ddpack.images.images`, the tests and the benchmarks all resolve through `resolve_build_inputs`.
 
 Resolution is pure (environment and pip's settings in, `BuildInputs` out); reading pip's settings is
 the one edge, in `read_pip_settings`.
