@@ -16,8 +16,9 @@ GPU (named in the output: a stand-in too).
 Each round is a fresh process that runs both, a step of each in turn (A B A B at the finest grain: one core, one
 allocator, the same caches); a side's figure is the median of the rounds' median steady step, in the process's CPU
 time (every thread's), which a busy shared machine inflates less than wall time.
-The last line: `bench-host: trainer T µs/step, bare B µs/step, overhead D µs/step (goal <= 150)`, then where each
-side's time goes (data, zero_grad, forward, backward, hook, sync, optimizer, poll, the rest).
+The last line: `bench-host: trainer T µs/step, bare B µs/step, overhead D µs/step (goal <= 150)`, then the trainer's
+time less the bare loop's by phase (data, zero_grad, forward, backward, hook, sync, optimizer, poll, the rest; a
+phase's own line above gives each side's).
 """
 
 from __future__ import annotations
@@ -335,7 +336,9 @@ def main() -> int:
     rounds_text = ", ".join(f"{tr['step_us']:.0f}/{ba['step_us']:.0f}" for tr, ba in zip(seen["trainer"], seen["bare"], strict=True))
     paired = statistics.median(r["paired_us"] for r in rounds)
     print(f"  each round (trainer/bare µs): {rounds_text}; the median of each step's difference, median over rounds: {paired:.0f} µs")
-    print(f"bench-host: trainer {t:.0f} µs/step, bare {b:.0f} µs/step, overhead {t - b:.0f} µs/step (goal <= {GOAL_US})")
+    split = ", ".join(f"{phase} {medians['trainer'][phase] - medians['bare'][phase]:+.0f}" for phase in PHASES)
+    print(f"bench-host: trainer {t:.0f} µs/step, bare {b:.0f} µs/step, overhead {t - b:.0f} µs/step (goal <= {GOAL_US}); "
+          f"trainer - bare by phase, µs: {split}")
     return 0
 
 

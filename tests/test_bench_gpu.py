@@ -29,3 +29,16 @@ def test_the_gpu_bench_runs_on_the_cpu_and_prints_both_comparisons(tmp_path: Pat
         assert profiled and int(profiled.group(1)) == 7 and float(profiled.group(2)) > 0, out.stdout  # 10 steps, 3 of them warm-up
         assert "aten::" in (tmp_path / "profiles" / f"profile-{side}.txt").read_text()
         assert json.loads((tmp_path / "profiles" / f"profile-{side}.json").read_text())["host_ops_ms"] > 0
+
+
+def test_the_host_bench_prints_the_trainer_against_the_bare_loop_with_its_phases() -> None:
+    """`make bench-host`'s own code, one short round: the last line's figures agree with each other."""
+    argv = [sys.executable, str(ROOT / "bench" / "bench_host.py"), "--rounds", "1", "--steps", "70"]
+    out = subprocess.run(argv, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    last = out.stdout.strip().splitlines()[-1]
+    figures = re.match(r"bench-host: trainer (\d+) µs/step, bare (\d+) µs/step, overhead (-?\d+) µs/step \(goal <= 150\); trainer - bare by phase", last)
+    assert figures, out.stdout
+    trainer, bare, overhead = (int(figures.group(i)) for i in (1, 2, 3))
+    assert trainer > 0 and bare > 0 and abs(trainer - bare - overhead) <= 1, last
+    assert "buckets: trainer 14, bare 14, the 92M GPT on a GPU 13" in out.stdout and "stand-in: its CUDA event" in out.stdout, out.stdout
