@@ -828,15 +828,18 @@ def words(name: str) -> int:
 
 def container_path(path: str, mounts: str) -> str | None:
     """`path` as the container sees it through `mounts` (pyxis' --container-mounts: comma-separated SRC[:DST[:FLAGS]],
-    DST defaulting to SRC; the longest SRC above it wins), or None when no mount holds it."""
-    best_src, best_dst = "", ""
+    DST defaulting to SRC; the longest SRC above it wins), or None when no mount holds it. The one definition: the
+    host's submit loads it (ddpack/job_side.py), so both sides agree, on a mount of `/` too (`/:/host`)."""
+    best: tuple[str, str] | None = None
     for entry in filter(None, mounts.split(",")):
         src, _, rest = entry.partition(":")
         dst = rest.split(":")[0] or src
-        src, dst = src.rstrip("/"), dst.rstrip("/")
-        if f"{path}/".startswith(f"{src}/") and len(src) > len(best_src):
-            best_src, best_dst = src, dst
-    return best_dst + path[len(best_src) :] if best_src else None
+        src, dst = src.rstrip("/"), dst.rstrip("/")  # "/" becomes "": a prefix of every absolute path
+        if f"{path}/".startswith(f"{src}/") and (best is None or len(src) > len(best[0])):
+            best = (src, dst)
+    if best is None:
+        return None
+    return (best[1] + path[len(best[0]) :]) or "/"
 
 
 def container_path_verb(path: str) -> int:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from ddpack.jobs import submit
 from testbed.env import ROOT
 
 HELPER = ROOT / "enroot" / "ddpack-job.sh"
@@ -29,11 +30,15 @@ def container_path(path: str, mounts: str) -> subprocess.CompletedProcess[str]:
         ("/shared/team/runs/a-1", "/data:/data,/shared:/mnt/shared:ro,/shared/team:/fsx", "/fsx/runs/a-1"),
         ("/shared/team", "/shared/team/:/fsx/", "/fsx"),
         ("/fsx/x", "/fsx", "/fsx/x"),
+        ("/fsx/runs/a", "/:/host", "/host/fsx/runs/a"),  # the whole host under one folder
+        ("/fsx/runs/a", "/:/host,/fsx:/data", "/data/runs/a"),
+        ("/fsx", "/fsx:/", "/"),
     ],
 )
 def test_run_dirs_are_mapped_through_the_mounts(path: str, mounts: str, inside: str) -> None:
     out = container_path(path, mounts)
     assert out.returncode == 0 and out.stdout == inside + "\n", out.stderr
+    assert submit.container_path(Path(path), mounts) == inside  # submit's check asks the same rule
 
 
 def test_a_run_dir_outside_every_mount_is_one_line() -> None:

@@ -348,16 +348,9 @@ def render_script(settings: SubmitSettings, run_dir: Path, sqsh: Path) -> str:
 
 
 def container_path(path: Path, mounts: str) -> str | None:
-    """`path` as the container sees it through pyxis' --container-mounts, None when no mount holds it."""
-    best: tuple[str, str] | None = None
-    for entry in mounts.split(","):
-        src, _, rest = entry.partition(":")
-        dst = rest.split(":")[0] or src
-        src, dst = src.rstrip("/") or "/", dst.rstrip("/") or "/"
-        inside = str(path) == src or str(path).startswith(src.rstrip("/") + "/")
-        if inside and (best is None or len(src) > len(best[0])):
-            best = (src, dst)
-    return None if best is None else best[1] + str(path)[len(best[0]) :]
+    """`path` as the container sees it through pyxis' --container-mounts, None when no mount holds it: the job's own
+    rule (enroot/ddpack_node.py), so that submit's check and the job's answer never disagree."""
+    return node_helper().container_path(str(path), mounts)
 
 
 def writable_folder(folder: Path) -> str | None:
