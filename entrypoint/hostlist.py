@@ -87,11 +87,6 @@ def expand_hostlist(hostlist: str) -> list[str]:
     return hosts
 
 
-def first_host(hostlist: str) -> str:
-    """The first host of a hostlist, the one Slurm's rank 0 runs on."""
-    return expand_hostlist(hostlist)[0]
-
-
 def expand_tasks_per_node(spec: str) -> list[int]:
     """Expand SLURM_*_TASKS_PER_NODE (`4(x2),2`) into one task count per node: [4, 4, 2]."""
     text = spec.strip()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hostlist as reference
 import pytest
 
-from entrypoint.hostlist import HostlistError, expand_hostlist, expand_tasks_per_node, first_host
+from entrypoint.hostlist import HostlistError, expand_hostlist, expand_tasks_per_node
 
 HOSTLISTS = [
     "node1",
@@ -29,7 +29,7 @@ def test_expansion_matches_python_hostlist(text: str) -> None:
 def test_zero_padding_and_order_are_kept() -> None:
     assert expand_hostlist("ip-10-4-[33-35,40],gpu[01-02]") == ["ip-10-4-33", "ip-10-4-34", "ip-10-4-35", "ip-10-4-40", "gpu01", "gpu02"]
     assert expand_hostlist("rack[1-2]-node[01-02]") == ["rack1-node01", "rack1-node02", "rack2-node01", "rack2-node02"]
-    assert first_host("gpu[008-011]") == "gpu008"
+    assert expand_hostlist("gpu[008-011]")[0] == "gpu008"
 
 
 @pytest.mark.parametrize("text", ["", "node[1-2", "node1-2]", "node[a-b]", "node[3-1]", "node[1-2],,x", "node[[1]]", "node[1-]", "no de"])

@@ -32,9 +32,7 @@ from packaging.version import Version
 from ddpack.errors import HostError
 from entrypoint.plan import python_script_index
 
-# Where the code goes in the image; /opt/app (and /opt/app/src, for a src layout) is on the venv's sys.path.
-APP_ROOT = PurePosixPath("/opt/app")
-# Never part of the code layer: version control, caches, virtual environments, and what ddpack's templates
+# Never part of the code layer (the project's code, at /opt/app in the image, docker/app.Dockerfile): version control, caches, virtual environments, and what ddpack's templates
 # and builds write into a submission folder (runs/ holds snapshots, logs/ the job logs).
 ALWAYS_EXCLUDED = (
     ".git", ".hg", ".svn", "__pycache__", "*.pyc", ".venv", "venv", ".mypy_cache", ".pytest_cache", ".ruff_cache",

@@ -140,7 +140,7 @@ def split_segments(records: Iterable[dict[str, Any]]) -> list[Segment]:
             segment.evals.append(record)
         elif kind == "snapshot":
             segment.snapshots.append(record)
-        elif kind in ("end", "final"):
+        elif kind == "end":
             segment.end = record
     return segments
 

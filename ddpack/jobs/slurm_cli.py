@@ -129,13 +129,6 @@ def accounting_state(job_id: str) -> tuple[str, str] | None:
     return state.split()[0] if state.split() else "", code
 
 
-def job_exit_code(job_id: str) -> int | None:
-    """The batch script's exit status from scontrol (kept for MinJobAge seconds), None when unknown."""
-    answer = ask(["scontrol", "-o", "show", "job", job_id])
-    found = re.search(r"\bExitCode=(\d+):(\d+)", answer.stdout)
-    return int(found.group(1)) if found and not answer.failed else None
-
-
 SBATCH_TIMEOUT_S = 120
 
 
