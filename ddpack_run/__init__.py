@@ -66,7 +66,7 @@ from train.metrics import MetricsFile, RankLog, start_fields  # noqa: E402 - aft
 from train.outcome import RunEnd  # noqa: E402
 from train.perf import RankTimes, SlowRanks  # noqa: E402
 from train.signals import PreemptionWatcher  # noqa: E402
-from train.watchdog import EXIT_HANG, PHASES, Phase, Progress, Watchdog, job_store, unsigned_store_note  # noqa: E402
+from train.watchdog import EXIT_HANG, PHASES, Phase, Progress, Watchdog, start_watchdog  # noqa: E402
 
 __all__ = ["EXIT_HANG", "Phase", "Run"]
 
@@ -219,23 +219,18 @@ class Run:
             framework=self.framework,
         )
         if self.hang_timeout and self.world_size > 1 and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
-            deadline = min(10.0, max(2.0, self.hang_timeout / 3))
-            store = job_store(os.environ, name="ddpack-run-watchdog", deadline_s=deadline)
-            if self.rank == 0 and (note := unsigned_store_note(os.environ)) is not None:
-                self.log(note)
-            self._watchdog = Watchdog(
+            self._watchdog = start_watchdog(
                 self.progress,
+                store_name="ddpack-run-watchdog",
                 rank=self.rank,
                 world_size=self.world_size,
                 host=self.host,
                 timeout_s=self.hang_timeout,
                 forensics_dir=self.forensics_dir,
                 log=self.log,
-                store=store,
                 rank_hosts=[str(h) for h in hosts],
                 on_end=self._record_end,
             )
-            self._watchdog.start()
 
     def _agree(self) -> None:
         """One all-reduce of every rank's slots: its stop signal (0: none) and its times over the window. From

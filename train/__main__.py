@@ -34,7 +34,7 @@ from train.signals import PreemptionWatcher
 from train.snapshot import SnapshotsUnreadable, SnapshotWriteError
 from train.tasks import TaskError, load_task
 from train.trainer import ChecksumMismatch, Preempted, SnapshotMismatch, Trainer
-from train.watchdog import Progress, Watchdog, job_store, unsigned_store_note
+from train.watchdog import Progress, start_watchdog
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -81,22 +81,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress = Progress()
     watchdog = None
     if config.hang_timeout:
-        deadline = min(10.0, max(2.0, config.hang_timeout / 3))
-        store = job_store(os.environ, name="ddpack-watchdog", deadline_s=deadline)
-        if ctx.is_main and (note := unsigned_store_note(os.environ)) is not None:
-            log(note)
-        watchdog = Watchdog(
+        watchdog = start_watchdog(
             progress,
+            store_name="ddpack-watchdog",
             rank=ctx.rank,
             world_size=ctx.world_size,
             host=ctx.host,
             timeout_s=config.hang_timeout,
             forensics_dir=Path(config.forensics_dir).absolute(),
             log=log,
-            store=store,
             on_end=record_end,
         )
-        watchdog.start()
     trainer: Trainer | None = None
     hard_exit = True  # leave without the closing barrier: a peer may be dead or waiting in a collective
 

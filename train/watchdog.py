@@ -637,3 +637,30 @@ class Watchdog:
                 if time.monotonic() > deadline + 5:
                     return {}
             time.sleep(min(self.tick, 0.5))
+
+
+def start_watchdog(
+    progress: Progress,
+    *,
+    store_name: str,
+    rank: int,
+    world_size: int,
+    host: str,
+    timeout_s: float,
+    forensics_dir: Path,
+    log: Callable[[str], None],
+    on_end: Callable[[RunEnd], None],
+    rank_hosts: Sequence[str] | None = None,
+) -> Watchdog:
+    """The one way a training process starts its watchdog (`python -m train` and ddpack_run alike): the job's store on a
+    connection of its own, each call's deadline a third of the hang timeout (2 to 10 s), rank 0's line when the store's
+    values go unsigned, and the thread started."""
+    store = job_store(os.environ, name=store_name, deadline_s=min(10.0, max(2.0, timeout_s / 3)))
+    if rank == 0 and (note := unsigned_store_note(os.environ)) is not None:
+        log(note)
+    watchdog = Watchdog(
+        progress, rank=rank, world_size=world_size, host=host, timeout_s=timeout_s, forensics_dir=forensics_dir, log=log, store=store,
+        rank_hosts=rank_hosts, on_end=on_end,
+    )  # fmt: skip
+    watchdog.start()
+    return watchdog
