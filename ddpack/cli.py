@@ -96,6 +96,19 @@ def parser() -> argparse.ArgumentParser:
         help="run the command once per value, {NAME} in its words replaced (repeatable: the cross product), as one job array",
     )
     sub.add_argument("--sweep-parallel", type=_whole, help="at most this many of the sweep's points at once (the array's %%)")
+    for flag, text in (("--account", "Slurm's account to charge"), ("--qos", "Slurm's quality of service"),
+                       ("--constraint", "node features the job needs (Slurm's --constraint, such as a100&ib)"),
+                       ("--reservation", "a Slurm reservation to run in")):  # fmt: skip
+        sub.add_argument(flag, help=text)
+    sub.add_argument(
+        "--sbatch-arg",
+        dest="sbatch_args",
+        action="append",
+        default=[],
+        metavar="OPTION",
+        help="any other sbatch option, as one word (--sbatch-arg=--mem=0; repeatable); those ddpack sets itself are refused",
+    )
+    sub.add_argument("--after", metavar="RUN[:ok|any|notok]", help="start once RUN (a run, sweep or job id) ended: ok (default), any way, or not ok")
     sub.add_argument("--dry-run", action="store_true", help="print the job script and run the checks; build, write and queue nothing")
     sub.add_argument("--json", action="store_true", help="print one JSON object (job_id, run_dir, ...)")
     sub.epilog = "-- COMMAND...: your program, run by every rank (default: the image's own command)"
@@ -141,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     command: list[str] = []
     if "--" in argv:  # submit's program: everything after --, never read as ddpack's own arguments
         command, argv = argv[argv.index("--") + 1 :], argv[: argv.index("--")]
+    while "--sbatch-arg" in argv[:-1]:  # --sbatch-arg --mem=0: a value that begins with a dash, which argparse takes for a flag
+        i = argv.index("--sbatch-arg")
+        argv[i : i + 2] = [f"--sbatch-arg={argv[i + 1]}"]
     opts = parser().parse_args(argv)
     opts.command, opts.given = command, argv
     from ddpack.jobs import runs as run_ops
@@ -237,6 +253,13 @@ def submit(opts: argparse.Namespace) -> int:
         secrets=tuple(dict.fromkeys([*given.get("secrets", []), *opts.secret])),
         sweep=sweep_values(opts.sweep, given.get("sweep", {})),
         sweep_parallel=pick("sweep_parallel"),
+        account=pick("account"),
+        qos=pick("qos"),
+        constraint=pick("constraint"),
+        reservation=pick("reservation"),
+        sbatch_args=tuple([*given.get("sbatch", []), *opts.sbatch_args]),
+        after=opts.after,
+        dependency=dependency(opts.after, Path(runs).resolve()) if opts.after else None,
     )
     if run_file is not None:  # a value from the file that the checks refuse is named by its line there
         raise_problems([run_file.where(problem, argv_flags) for problem in setting_problems(settings)])
@@ -250,6 +273,31 @@ def submit(opts: argparse.Namespace) -> int:
     if result.job_id:
         print("next:\n" + "\n".join(f"  {line}" for line in result.next_commands()))
     return 0
+
+
+AFTER = {"ok": "afterok", "any": "afterany", "notok": "afternotok"}
+
+
+def dependency(after: str, runs: Path) -> str:
+    """Slurm's --dependency for --after RUN[:ok|any|notok]: the run's newest job (a sweep: its array, every point)."""
+    from ddpack.jobs.run_record import read_record
+    from ddpack.jobs.runs import resolve_run
+    from ddpack.jobs.sweep import read_sweep
+
+    run, _, kind = after.rpartition(":") if after.rpartition(":")[2] in AFTER else (after, "", "ok")
+    if not run:
+        raise HostError(f"--after {after}: expected RUN[:ok|any|notok] (a run folder, a sweep or a job id)", code=2)
+    try:
+        folder = resolve_run(run, runs)
+    except HostError as why:
+        raise HostError(f"--after {after}: {why}", code=2) from None
+    if is_sweep(folder):
+        job = read_sweep(folder).get("job_id")
+    else:
+        job = (last.job_id if (last := read_record(folder).last_job) else None)
+    if not job:
+        raise HostError(f"--after {after}: {folder} has no job to wait for", code=2)
+    return f"{AFTER[kind]}:{job}"
 
 
 @contextlib.contextmanager

@@ -268,7 +268,7 @@ def sweep_args(tmp_path: Path) -> list[str]:
 def test_a_sweep_is_one_job_array_with_a_run_folder_a_point(tmp_path, slurm, capfd) -> None:
     fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
     assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1e-3,3e-4", "--sweep", "seed=0,1", "--sweep-parallel", "2", "--json",
-                     "--", "python", "train.py", "--lr", "{lr}", "--seed={seed}", "--note", "{other} stays"]) == 0  # fmt: skip
+                     "--", "python", "train.py", "--lr", "{lr}", "--seed={seed}", "--note", "{{other}} stays"]) == 0  # fmt: skip
     sweep_dir = Path(submitted(capfd)["run_dir"])
     (sbatch,) = queued(slurm)
     assert sbatch.endswith(f"{sweep_dir}/job/ddpack.sbatch") and len(calls(slurm, "sbatch")) == 2  # --test-only, then the one array
@@ -306,6 +306,11 @@ def test_a_sweep_is_one_job_array_with_a_run_folder_a_point(tmp_path, slurm, cap
         ([*(f"--sweep=n{i}={','.join(map(str, range(10)))}" for i in range(9)), "--", "p", *(f"{{n{i}}}" for i in range(9))],
          "the sweep has 1000000000 points"),  # counted, never made
         (["--sweep", "tag=a\n$(touch /tmp/ddpack-pwned)", "--", "p", "{tag}"], "--sweep tag: a value holds a newline"),
+        (["--sweep", "lr=1", "--sweep", "lr=2", "--", "p", "{lr}"], "--sweep lr is given twice"),  # never only the last
+        (["--sweep", "lr=1,2", "--", "p", "{lr}", "--seed={seed}"], "the command uses {seed}, which no --sweep gives"),
+        (["--sweep", "lr=1,2", "--env", "TAG={sed}", "--", "p", "{lr}"], "an --env value uses {sed}, which no --sweep gives"),
+        (["--sweep", "index=1,2", "--", "p", "{index}"], "--sweep index: {index} is the point's number already"),
+        (["--sweep", "st=sbcast,sbcats", "--env", "DDPACK_STAGE={st}", "--", "p"], "--env DDPACK_STAGE=sbcats: expected auto"),
     ],
 )
 def test_a_sweep_that_cannot_run_as_meant_is_one_line_and_exit_2(tmp_path, slurm, capfd, extra: list[str], line: str) -> None:
@@ -313,6 +318,39 @@ def test_a_sweep_that_cannot_run_as_meant_is_one_line_and_exit_2(tmp_path, slurm
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and line in err[0], err
     assert queued(slurm) == []
+
+
+def test_a_sweeps_values_are_put_in_once_may_hold_commas_and_reach_env_values_and_the_points_index(tmp_path, slurm, capfd) -> None:
+    """One pass: a value that reads {b} is not replaced again; \\, is a comma in a value; {{a}} is the text {a};
+    --env values take the point's values too, each point's job exporting its own (the script's array), recorded."""
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
+    assert cli.main([*sweep_args(tmp_path), "--sweep", "a=x\\,y,{b}", "--sweep", "b=1,2", "--env", "RUN_TAG=r{index}-{b}", "--env", "PLAIN=p",
+                     "--json", "--", "p", "{a}", "{{a}}", "--index={index}"]) == 0  # fmt: skip
+    sweep_dir = Path(submitted(capfd)["run_dir"])
+    assert json.loads((sweep_dir / "sweep.json").read_text())["values"] == {"a": ["x,y", "{b}"], "b": ["1", "2"]}
+    first, third = read_record(sweep_dir / "0"), read_record(sweep_dir / "2")
+    assert first.command == ["p", "x,y", "{a}", "--index=0"] and third.command == ["p", "{b}", "{a}", "--index=2"]
+    assert (first.settings["env"], third.settings["env"]) == ({"RUN_TAG": "r0-1", "PLAIN": "p"}, {"RUN_TAG": "r2-1", "PLAIN": "p"})
+    assert third.environment["script"]["RUN_TAG"] == "r2-1"
+    script = (sweep_dir / "job" / "ddpack.sbatch").read_text()
+    block = script[script.index("# ddpack submit: this run's settings") : script.index('export DDPACK_COMMAND="${ddpack_commands[ddpack_point]}"')]
+    probe = block + 'export DDPACK_COMMAND="${ddpack_commands[ddpack_point]}"\nprintf "%s|%s|%s\\n" "$RUN_TAG" "$PLAIN" "$DDPACK_COMMAND"\n'
+    out = subprocess.run(["bash", "-c", probe], env={**os.environ, "SLURM_ARRAY_TASK_ID": "3"}, capture_output=True, text=True, check=True)
+    tag, plain, command = out.stdout.strip().split("|")
+    assert (tag, plain, json.loads(command)) == ("r3-2", "p", ["p", "{b}", "{a}", "--index=3"])
+
+
+def test_a_run_files_path_expands_the_home_folder_or_is_refused(tmp_path, slurm, monkeypatch, capfd) -> None:
+    from ddpack.jobs.run_file import read_run_file
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    path = run_file(tmp_path, 'nodes = 1\nruns = "~/runs"\n')
+    assert read_run_file(path).values["runs"] == tmp_path / "home" / "runs"
+    bad = run_file(tmp_path, 'nodes = 1\nruns = "~nosuchuser-ddpack/runs"\n')
+    assert cli.main(["submit", "--file", str(bad), "--dry-run"]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "run.toml:2: runs = '~nosuchuser-ddpack/runs': ~nosuchuser-ddpack is no user's home here" in err[0], err
+    assert not list(tmp_path.rglob("~*"))
 
 
 def test_a_run_files_sweep_table_is_a_sweep_and_a_flag_replaces_its_values(tmp_path, slurm, capfd) -> None:
@@ -551,3 +589,60 @@ def test_each_job_is_read_from_its_records_else_its_log_and_slurms_cancel_stays_
         assert [s["why"].split(";")[0] for s in now.segments][:2] == ["submitted", "the step failed (exit 1)"], now.segments
     monkeypatch.delenv("TZ")
     time.tzset()
+
+
+# --------------------------------------------------------------------------- Slurm's own options (issue 57)
+
+
+def test_slurms_own_options_reach_the_script_the_record_and_sbatch_test_only(tmp_path, slurm, capfd) -> None:
+    """--account, --qos, --constraint, --reservation, --sbatch-arg (the run file's sbatch list too) and --after RUN[:kind]:
+    #SBATCH lines of the script sbatch --test-only checks and sbatch queues, kept in run.json."""
+    tested = tmp_path / "tested.sbatch"
+    fake(slurm, "sbatch", f'[ "$1" = --test-only ] && {{ cp "$2" "{tested}"; exit 0; }}; echo 73')
+    good = settings(tmp_path)
+    path = run_file(tmp_path, f'nodes = 1\nruns = "{good.runs}"\nsqsh = "{good.sqsh}"\nmounts = "{good.mounts}"\n'
+                              'account = "lab"\nsbatch = ["--mem=0"]\n')  # fmt: skip
+    assert cli.main(["submit", "--file", str(path), "--qos", "high", "--constraint", "a100&ib", "--reservation", "maint",
+                     "--sbatch-arg", "--comment=first run", "--json"]) == 0  # fmt: skip
+    first = Path(submitted(capfd)["run_dir"])
+    wanted = ["#SBATCH --account=lab", "#SBATCH --qos=high", "#SBATCH --constraint=a100&ib", "#SBATCH --reservation=maint",
+              "#SBATCH --mem=0", "#SBATCH --comment=first run"]  # fmt: skip
+    script = (first / "job" / "ddpack.sbatch").read_text()
+    assert all(line in script.splitlines() for line in wanted), script
+    assert all(line in tested.read_text().splitlines() for line in wanted)
+    record = read_record(first).settings
+    assert (record["account"], record["qos"], record["constraint"], record["reservation"]) == ("lab", "high", "a100&ib", "maint")
+    assert record["sbatch_args"] == ["--mem=0", "--comment=first run"]
+    fake(slurm, "sbatch", f'[ "$1" = --test-only ] && {{ cp "$2" "{tested}"; exit 0; }}; echo 74')
+    assert cli.main(["submit", "--file", str(path), "--after", f"{first}:any", "--json"]) == 0
+    second = Path(submitted(capfd)["run_dir"])
+    assert "#SBATCH --dependency=afterany:73" in tested.read_text().splitlines()
+    assert (read_record(second).settings["after"], read_record(second).settings["dependency"]) == (f"{first}:any", "afterany:73")
+    assert cli.main(["submit", "--file", str(path), "--after", "74", "--dry-run"]) == 0
+    assert "#SBATCH --dependency=afterok:74" in capfd.readouterr().out.splitlines()
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
+    assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1,2", "--json", "--", "p", "{lr}"]) == 0
+    sweep_dir = submitted(capfd)["run_dir"]
+    assert cli.main(["submit", "--file", str(path), "--after", f"{sweep_dir}:notok", "--dry-run"]) == 0
+    assert "#SBATCH --dependency=afternotok:90" in capfd.readouterr().out.splitlines()  # the array: every point
+
+
+@pytest.mark.parametrize(
+    ("extra", "line"),
+    [
+        (["--sbatch-arg", "--array=0-3"], "--sbatch-arg --array=0-3: ddpack sets --array itself; use a sweep's points (--sweep)"),
+        (["--sbatch-arg=-N3"], "--sbatch-arg -N3: ddpack sets -N itself; use --nodes, --spares and --tasks-per-node"),
+        (["--sbatch-arg", "--export=ALL"], "--sbatch-arg --export=ALL: ddpack sets --export itself; use --env and --secret"),
+        (["--sbatch-arg", "--dependency=afterok:1"], "ddpack sets --dependency itself; use --after RUN[:ok|any|notok]"),
+        (["--sbatch-arg", "--account=x"], "ddpack sets --account itself; use --account"),
+        (["--sbatch-arg", "mem=0"], "--sbatch-arg 'mem=0': an sbatch option"),
+        (["--account", "a b"], "--account 'a b': not a Slurm name"),
+        (["--after", "9999:ok"], "--after 9999:ok: job 9999 belongs to no run"),
+        (["--after", "9999:soon"], "--after 9999:soon: 9999:soon is neither a run folder nor a job id"),
+    ],
+)
+def test_a_slurm_option_ddpack_owns_or_cannot_be_is_refused_in_one_line(tmp_path, slurm, capfd, extra: list[str], line: str) -> None:
+    assert cli.main([*sweep_args(tmp_path), "--dry-run", *extra, "--", "p"]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and line in err[0], err
+    assert queued(slurm) == []

@@ -1,14 +1,18 @@
-"""Sweeps: `ddpack submit P --sweep lr=1e-3,3e-4 --sweep seed=0,1 -- python train.py --lr {lr} --seed {seed}`.
+r"""Sweeps: `ddpack submit P --sweep lr=1e-3,3e-4 --sweep seed=0,1 -- python train.py --lr {lr} --seed {seed}`.
 
 The values' cross product is the sweep's points, in the order given (the last name varies fastest). Each point's
-command is the command with `{NAME}` replaced by its value in every word (braces of any other name are left alone),
-and a sweep name that no word uses is an error: it would run the same thing twice.
+command and `--env` values are the submitted ones with `{NAME}` replaced by its value and `{index}` by the point's
+number, in one pass (a value that holds `{other}` is never replaced again); `{{NAME}}` is the text `{NAME}`. A
+`{NAME}` that no `--sweep` gives, a name given twice and a sweep name nothing uses are errors: each would run
+something other than what was meant. A value holds a comma as `\,` (or any text at all in a run file's `[sweep]`
+list).
 
 The sweep is one Slurm job array (`--array=0-N%LIMIT`) of one job script, on one image built and converted once. Its
 folder holds `sweep.json` (the names, values and points, and the array's job id), the job script and its helpers
 (`job/`), and one run folder a point (`0/`, `1/`, ...), each with its own `run.json` (its command, and the point's
 values under `sweep`) and logs: `status`, `logs`, `cancel`, `resubmit` and `compare` take a point as any run, and
-`status`, `logs`, `cancel` and `ls` take the sweep as a whole (its folder, or the array's job id).
+`status` (`--watch` too), `logs` (`-f` too, `--point I` for one), `cancel`, `resubmit --failed` and `ls` take the
+sweep as a whole (its folder, or the array's job id).
 """
 
 from __future__ import annotations
@@ -28,29 +32,65 @@ NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # a newline or other control character: no command word needs one
 
 
-def parse_flag(text: str) -> tuple[str, list[str]]:
-    """NAME=V1,V2,... (one --sweep flag)."""
-    name, sep, values = text.partition("=")
-    if not sep or not NAME.fullmatch(name) or not values:
-        raise HostError(f"--sweep {text}: expected NAME=V1,V2,... (a name of letters, digits and _, then its values)", code=2)
-    return name, values.split(",")
+INDEX = "index"  # {index}: the point's number, given by no --sweep
+# {NAME} (a value), or {{NAME}} (the text {NAME}): matched in one pass, so a value is never read again.
+PLACEHOLDER = re.compile(r"\{\{([A-Za-z_][A-Za-z0-9_]*)\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
-def sweep_values(flags: list[str], table: dict[str, list[str]]) -> dict[str, list[str]]:
-    """The run file's [sweep] table, then the flags (a flag's name replaces the file's)."""
-    values = dict(table)
-    for text in flags:
-        name, given = parse_flag(text)
-        values[name] = given
+def split_values(text: str) -> list[str]:
+    """V1,V2,... where `\\,` is a comma inside a value and `\\\\` a backslash; any other backslash stays as it is."""
+    values, current, chars = [], [], iter(text)
+    for char in chars:
+        if char == "\\":
+            following = next(chars, "")
+            current.append(following if following in (",", "\\") else char + following)
+        elif char == ",":
+            values.append("".join(current))
+            current = []
+        else:
+            current.append(char)
+    values.append("".join(current))
     return values
 
 
-def sweep_problems(command: tuple[str, ...], values: dict[str, list[str]]) -> list[str]:
+def parse_flag(text: str) -> tuple[str, list[str]]:
+    """NAME=V1,V2,... (one --sweep flag; `\\,` is a comma inside a value)."""
+    name, sep, values = text.partition("=")
+    if not sep or not NAME.fullmatch(name) or not values:
+        raise HostError(f"--sweep {text}: expected NAME=V1,V2,... (a name of letters, digits and _, then its values)", code=2)
+    return name, split_values(values)
+
+
+def sweep_values(flags: list[str], table: dict[str, list[str]]) -> dict[str, list[str]]:
+    """The run file's [sweep] table, then the flags (a flag's name replaces the file's; a name two flags give is an
+    error: only one of them could count)."""
+    values = dict(table)
+    given: set[str] = set()
+    for text in flags:
+        name, found = parse_flag(text)
+        if name in given:
+            raise HostError(f"--sweep {name} is given twice; give its values once: --sweep {name}=V1,V2,...", code=2)
+        given.add(name)
+        values[name] = found
+    return values
+
+
+def placeholders(words: list[str]) -> set[str]:
+    """The names `{NAME}` stands for in `words` (not those written `{{NAME}}`, which are text)."""
+    return {found.group(2) for word in words for found in PLACEHOLDER.finditer(word) if found.group(2)}
+
+
+def sweep_problems(command: tuple[str, ...], values: dict[str, list[str]], env: dict[str, str] | None = None) -> list[str]:
     """Each reason the sweep cannot run, one line each."""
     found = []
+    env_values = list((env or {}).values())
+    used = placeholders([*command, *env_values])
     for name, given in values.items():
         if not NAME.fullmatch(name):
             found.append(f"--sweep {name!r}: a sweep's name is letters, digits and _ (it stands for {{NAME}} in the command)")
+            continue
+        if name == INDEX:
+            found.append(f"--sweep {INDEX}: {{{INDEX}}} is the point's number already; give the sweep another name")
             continue
         if any(CONTROL.search(value) for value in given):
             found.append(f"--sweep {name}: a value holds a newline or another control character; write each value on one line")
@@ -58,9 +98,12 @@ def sweep_problems(command: tuple[str, ...], values: dict[str, list[str]]) -> li
             found.append(f"--sweep {name}: an empty value (two commas, or one at an end)")
         elif len(set(given)) != len(given):
             found.append(f"--sweep {name}: a value given twice ({', '.join(sorted({v for v in given if given.count(v) > 1}))})")
-        if not any(f"{{{name}}}" in word for word in command):
+        if name not in used:
             where = "the command after --" if command else "the command (none given: -- COMMAND, or command in the run file)"
-            found.append(f"--sweep {name}: {where} never uses {{{name}}}, so every point would run the same thing")
+            found.append(f"--sweep {name}: {where} never uses {{{name}}} (nor does an --env value), so every point would run the same thing")
+    for name in sorted(used - set(values) - {INDEX}):
+        where = "the command" if name in placeholders(list(command)) else "an --env value"
+        found.append(f"{where} uses {{{name}}}, which no --sweep gives: add --sweep {name}=V1,V2,..., or write {{{{{name}}}}} for the text {{{name}}}")
     count = math.prod(len(given) for given in values.values())  # counted before any point is made
     if count > MAX_POINTS:
         found.append(f"the sweep has {count} points; one job array holds at most {MAX_POINTS} (Slurm's MaxArraySize): sweep fewer values")
@@ -72,14 +115,27 @@ def sweep_points(values: dict[str, list[str]]) -> list[dict[str, str]]:
     return [dict(zip(names, combo, strict=True)) for combo in itertools.product(*(values[name] for name in names))]
 
 
-def sweep_command(command: tuple[str, ...], point: dict[str, str]) -> list[str]:
-    """The command with each `{NAME}` of the point replaced by its value, in every word."""
-    words = []
-    for word in command:
-        for name, value in point.items():
-            word = word.replace(f"{{{name}}}", value)
-        words.append(word)
-    return words
+def substitute(word: str, point: dict[str, str], index: int) -> str:
+    """`word` with each `{NAME}` of the point replaced by its value and `{index}` by `index`, in one pass; `{{NAME}}`
+    is the text `{NAME}`, and a name the point does not give stays as written (sweep_problems refuses it first)."""
+
+    def one(found: re.Match[str]) -> str:
+        if found.group(1):
+            return "{" + found.group(1) + "}"
+        name = found.group(2)
+        return str(index) if name == INDEX else point.get(name, found.group(0))
+
+    return PLACEHOLDER.sub(one, word)
+
+
+def sweep_command(command: tuple[str, ...], point: dict[str, str], index: int) -> list[str]:
+    """The command with each `{NAME}` of the point replaced by its value, in every word (one pass: substitute)."""
+    return [substitute(word, point, index) for word in command]
+
+
+def sweep_env(env: dict[str, str], point: dict[str, str], index: int) -> dict[str, str]:
+    """The --env values as this point's job gets them (substitute)."""
+    return {name: substitute(value, point, index) for name, value in env.items()}
 
 
 def is_sweep(folder: Path) -> bool:
