@@ -1,8 +1,8 @@
 """`ddpack`: one command from your project to a running job and back (docs/commands.md).
 
     ddpack submit   [APP_DIR] [--file run.toml] --nodes N [...] [--dry-run] [--json] [-- COMMAND...]
-    ddpack status   [RUN|JOB_ID] [--json] [--watch]
-    ddpack logs     [RUN|JOB_ID] [-f] [--rank R] [--json]
+    ddpack status   [RUN|SWEEP|JOB_ID] [--point I] [--json] [--watch]
+    ddpack logs     [RUN|SWEEP|JOB_ID] [--point I] [-f] [--rank R] [--json]
     ddpack cancel   [RUN|JOB_ID] [--json]
     ddpack ls       [--runs DIR] [--json]
     ddpack resubmit RUN|JOB_ID [--time T] [--nodes N] [--partition P] [--json]
@@ -122,6 +122,8 @@ def parser() -> argparse.ArgumentParser:
         sub.add_argument("run", nargs="?", help="a run folder or a job id (default: the newest run)")
         sub.add_argument("--runs", type=Path, default=None, help=runs_help)
         sub.add_argument("--json", action="store_true", help=json_help)
+    for name in ("status", "logs"):
+        verbs.choices[name].add_argument("--point", type=_whole, metavar="I", help="a sweep's point I alone (its folder SWEEP/I)")
     verbs.choices["status"].add_argument("--watch", action="store_true", help="refresh until the job ends; exit 0 when it COMPLETED")
     verbs.choices["status"].add_argument("--interval", type=float, default=2.0, help="--watch's refresh, seconds")
     verbs.choices["logs"].add_argument("-f", "--follow", action="store_true", help="follow until the job ends; exit 0 when it COMPLETED")
@@ -185,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             return report(opts, runs)
         if opts.verb == "compare":
             return compare(opts, runs)
-        run_dir = run_ops.resolve_run(opts.run, runs)
+        run_dir = point_of(run_ops.resolve_run(opts.run, runs), getattr(opts, "point", None))
         if is_sweep(run_dir):
             return sweep_verb(opts, run_dir)
         if opts.verb == "logs":
@@ -319,7 +321,7 @@ def status(opts: argparse.Namespace, runs: Path) -> int:
     from ddpack.jobs.slurm_cli import EXIT_FOR_STATE
     from ddpack.jobs.status import render, run_status, watch
 
-    run_dir = resolve_run(opts.run, runs)
+    run_dir = point_of(resolve_run(opts.run, runs), opts.point)
     if is_sweep(run_dir):
         return sweep_verb(opts, run_dir)
     if opts.watch:
@@ -328,6 +330,20 @@ def status(opts: argparse.Namespace, runs: Path) -> int:
     result = run_status(run_dir)
     print(result.to_json() if opts.json else render(result))
     return 0
+
+
+def point_of(folder: Path, point: int | None) -> Path:
+    """--point I: the sweep's point I (its run folder); without it, the folder itself."""
+    from ddpack.jobs.sweep import point_dirs
+
+    if point is None:
+        return folder
+    if not is_sweep(folder):
+        raise HostError(f"--point {point}: {folder} is a run, not a sweep; --point picks one of a sweep's points", code=2)
+    points = point_dirs(folder)
+    if not 0 <= point < len(points):
+        raise HostError(f"--point {point}: the sweep {folder} has points 0 to {len(points) - 1}", code=2)
+    return points[point]
 
 
 def report(opts: argparse.Namespace, runs: Path) -> int:
@@ -353,9 +369,12 @@ def sweep_verb(opts: argparse.Namespace, folder: Path) -> int:
     from ddpack.jobs import sweep
 
     one = f"name one point: {folder}/INDEX, or its job id (<array>_INDEX)"
-    if opts.verb not in ("status", "logs", "cancel") or getattr(opts, "watch", False) or getattr(opts, "follow", False):
-        raise HostError(f"{folder} is a sweep; {opts.verb}{' --watch' if getattr(opts, 'watch', False) else ''}"
-                        f"{' -f' if getattr(opts, 'follow', False) else ''} takes one of its runs: {one}", code=2)  # fmt: skip
+    if opts.verb not in ("status", "logs", "cancel"):
+        raise HostError(f"{folder} is a sweep; {opts.verb} takes one of its runs: {one}", code=2)
+    if opts.verb == "status" and opts.watch:
+        final = sweep.watch_sweep(folder, interval_s=opts.interval, tty=sys.stdout.isatty(), out=sys.stdout, as_json=opts.json)
+        print(sweep.ended_line(final), file=sys.stderr if opts.json else sys.stdout)
+        return sweep.sweep_exit(final)
     if opts.verb == "status":
         now = sweep.sweep_status(folder)
         print(json.dumps(now, indent=2) if opts.json else sweep.render_sweep(now))
@@ -367,6 +386,12 @@ def sweep_verb(opts: argparse.Namespace, folder: Path) -> int:
         said = f"cancel: {', '.join(jobs)} of the sweep {folder} cancelled (scancel): every point still waiting or running"
         print(json.dumps(facts_now, indent=2) if opts.json else said)
         return 0
+    if opts.follow:
+        if opts.json:
+            raise HostError("logs --json prints the logs once, as one object; follow them with logs -f (without --json)", code=2)
+        final = sweep.follow_sweep(folder, opts.rank, sys.stdout)
+        print(sweep.ended_line(final))
+        return sweep.sweep_exit(final)
     data = sweep.read_sweep(folder)
     if opts.json:
         print(json.dumps({"run_dir": str(folder), "job_id": data.get("job_id"), "points": [

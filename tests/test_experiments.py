@@ -395,12 +395,55 @@ def test_status_ls_logs_and_cancel_take_a_sweep_as_a_whole_and_each_point_alone(
         (sweep_dir.name, "90", 3, None), ("0", "90_0", None, {"lr": "1e-3"}), ("1", "90_1", None, {"lr": "3e-4"}), ("2", "90_2", None, {"lr": "1e-4"})]
     assert cli.main(["logs", str(sweep_dir)]) == 0
     assert "== point 1 (lr=3e-4)" in (out := capfd.readouterr().out) and "0: hello from point 1" in out
-    assert cli.main(["logs", str(sweep_dir), "-f"]) == 2
-    assert "is a sweep; logs -f takes one of its runs" in capfd.readouterr().err
     assert cli.main(["cancel", str(sweep_dir)]) == 0
     assert calls(slurm, "scancel") == ["scancel 90_1 90_2"]  # the points still waiting or running, by their newest jobs
     assert [e["job_id"] for e in read_record(sweep_dir / "1").events] == ["90_1"]  # the ended point's record says nothing
     assert read_record(sweep_dir / "0").events == []
+
+
+def test_every_command_submit_suggests_for_a_sweep_follows_it_to_its_end(tmp_path, slurm, monkeypatch, capfd) -> None:
+    """The `next:` lines run: `status SWEEP --watch` and `logs SWEEP -f` wait while a point runs (the fake squeue lists
+    it on its first call only), end by themselves once every point has ended, exit 0 only when all COMPLETED (else the
+    first unfinished point's state) and name the points that did not; `--point I` is that point alone."""
+    from ddpack.jobs import runs as run_ops
+    from ddpack.jobs import slurm_cli
+    from ddpack.jobs import sweep as sweeps
+
+    monkeypatch.setattr(slurm_cli, "SETTLE_S", 0.0)
+    monkeypatch.setattr(run_ops, "POLL_STATE_S", 0.0)
+    monkeypatch.setattr(sweeps, "FOLLOW_POLL_S", 0.0)
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
+    assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1,2,3", "--", "python", "t.py", "{lr}"]) == 0
+    out = capfd.readouterr().out
+    suggested = [line.split()[1:] for line in out[out.index("next:") :].splitlines()[1:]]
+    sweep_dir = Path(suggested[0][1])
+    assert [words[0] for words in suggested] == ["status", "logs", "cancel"] and suggested[0][2:] == ["--watch"] and suggested[1][2:] == ["-f"]
+    logs = [sweep_dir / str(i) / "logs" / f"slurm-90_{i}.out" for i in range(3)]
+    logs[0].write_text("ddpack: the step completed (exit 0)\n")
+    logs[1].write_text("slurmstepd: error: *** JOB 125 ON n1 CANCELLED AT 2026-11-26T10:05:00 DUE TO TIME LIMIT ***\n")
+    logs[2].write_text("0: starting\n")
+    ended = "ddpack: the step failed (exit 1); not requeueing: a setting's error\n"
+    counter = tmp_path / "squeue-calls"
+    # Point 2 runs until squeue's first answer has been read; then it writes its last lines and Slurm forgets it.
+    fake(slurm, "squeue", f'echo x >>{counter}; [ "$(wc -l <{counter})" -le 1 ] && {{ echo "90_2|RUNNING"; exit 0; }}; '
+                          f'grep -q step {logs[2]} || printf "0: step 1\\n%s\\n" {json.dumps(ended.strip())} >>{logs[2]}')  # fmt: skip
+    assert cli.main([*suggested[0], "--interval", "0"]) == 4  # TIMEOUT, point 1's: the first that did not complete
+    out = capfd.readouterr().out
+    assert "1 RUNNING" in out.splitlines()[0] and len(counter.read_text().splitlines()) >= 2
+    assert "2 of 3 points did not complete: 1 (lr=2) TIMEOUT, 2 (lr=3) FAILED" in out and "0 (lr=1)" not in out.splitlines()[-1]
+    assert f"ddpack resubmit {sweep_dir} --failed" in out
+    counter.unlink()
+    logs[2].write_text("0: starting\n")
+    assert cli.main(suggested[1]) == 4
+    out = capfd.readouterr().out
+    Path("/tmp/o57").write_text(out)
+    assert "== point 2 (lr=3)" in out and "0: starting" in out and "[2] 0: step 1\n" in out and f"[2] {ended}" in out
+    assert out.rstrip().endswith(f"ddpack resubmit {sweep_dir} --failed queues them again")
+    assert cli.main(["logs", str(sweep_dir), "-f", "--point", "0"]) == 0 and "the step completed" in capfd.readouterr().out
+    assert cli.main(["status", "90", "--runs", str(sweep_dir.parent), "--point", "1", "--json"]) == 0
+    assert json.loads(capfd.readouterr().out)["run_dir"] == str(sweep_dir / "1")
+    assert cli.main(["status", str(sweep_dir), "--point", "3"]) == 2 and "has points 0 to 2" in capfd.readouterr().err
+    assert cli.main(suggested[2]) == 2 and "every point of the sweep" in capfd.readouterr().err  # all ended: nothing to cancel
 
 
 def test_resubmit_of_a_point_is_its_element_of_the_sweeps_array(tmp_path, slurm, capfd) -> None:

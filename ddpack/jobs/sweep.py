@@ -241,3 +241,109 @@ def cancel_sweep(folder: Path) -> list[str]:
     for point in live:
         append_event(Path(point["run_dir"]), {"kind": "cancel", "job_id": point["job_id"]})
     return jobs
+
+
+# --------------------------------------------------------------------------- following a sweep to its end
+
+
+def not_completed(status: dict[str, Any]) -> list[dict[str, Any]]:
+    return [point for point in status["points"] if point["state"] != "COMPLETED"]
+
+
+def ended_line(status: dict[str, Any]) -> str:
+    """The last word on a sweep that has ended: all completed, or the points that did not, and how to run them again."""
+    missed = not_completed(status)
+    if not missed:
+        return f"sweep {status['name']}: all {len(status['points'])} points COMPLETED"
+    named = ", ".join(f"{p['index']} ({point_label(p['values'])}) {p['state']}" for p in missed)
+    return (f"sweep {status['name']}: {len(missed)} of {len(status['points'])} points did not complete: {named}; "
+            f"ddpack resubmit {status['run_dir']} --failed queues them again")  # fmt: skip
+
+
+def sweep_exit(status: dict[str, Any]) -> int:
+    """0 when every point COMPLETED, else the exit status of the first point's state that did not (EXIT_FOR_STATE)."""
+    from ddpack.jobs.slurm_cli import EXIT_FOR_STATE
+
+    missed = not_completed(status)
+    return EXIT_FOR_STATE.get(missed[0]["state"], 1) if missed else 0
+
+
+def one_line(status: dict[str, Any]) -> str:
+    import time
+
+    counts = ", ".join(f"{n} {state}" for state, n in status["counts"].items())
+    return f"{time.strftime('%H:%M:%S')} sweep {status['name']} job array {status['job_id']} {status['state']}: {counts}"
+
+
+def watch_sweep(folder: Path, *, interval_s: float, tty: bool, out: Any, as_json: bool = False, settle_s: float | None = None) -> dict[str, Any]:
+    """`status SWEEP --watch`: redraw (a terminal), one line a refresh (elsewhere; one JSON object with as_json) until
+    every point has ended, held for `settle_s` (a requeue passes through an ended state), as a run's watch does."""
+    import time
+
+    from ddpack.jobs import slurm_cli
+
+    settle_s = slurm_cli.SETTLE_S if settle_s is None else settle_s
+    ended_since = None
+    while True:
+        status = sweep_status(folder)
+        if as_json:
+            out.write(json.dumps(status) + "\n")
+        elif tty:
+            out.write("\x1b[H\x1b[2J" + render_sweep(status) + "\n")
+        else:
+            out.write(one_line(status) + "\n")
+        out.flush()
+        now = time.monotonic()
+        over = all(point["state"] in slurm_cli.ENDED for point in status["points"])
+        ended_since = (ended_since or now) if over else None
+        if ended_since is not None and now - ended_since >= settle_s:
+            return status
+        time.sleep(interval_s)
+
+
+FOLLOW_POLL_S = 0.5  # how often `logs SWEEP -f` reads the points' logs
+
+
+def follow_sweep(folder: Path, rank: int | None, out: Any, settle_s: float | None = None) -> dict[str, Any]:
+    """`logs SWEEP -f`: every point's log so far under its values, then each new whole line as `[I] line` (I the point),
+    following a point's newest job (a resubmit's too), until every point has ended (held `settle_s`); the last status."""
+    import time
+
+    from ddpack.jobs import runs as run_ops
+    from ddpack.jobs import slurm_cli
+    from ddpack.jobs.run_record import read_record
+
+    settle_s = slurm_cli.SETTLE_S if settle_s is None else settle_s
+    data = read_sweep(folder)
+    folders = point_dirs(folder)
+    offsets: dict[str, int] = {}
+    for index, point in enumerate(folders):
+        out.write(f"== point {index} ({point_label(data['points'][index])}): {point}\n")
+        offsets.update(run_ops.print_logs(point, rank, out))
+    ended_since, next_check, status, last_pass = None, 0.0, None, False
+    while True:
+        for index, point in enumerate(folders):
+            job = read_record(point).last_job
+            if job is None:
+                continue
+            log = job.log_path(point)
+            offset = offsets.get(str(log), 0)
+            if log.exists() and log.stat().st_size > offset:
+                with log.open("rb") as handle:
+                    handle.seek(offset)
+                    chunk = handle.read()
+                complete = chunk[: chunk.rfind(b"\n") + 1]
+                offsets[str(log)] = offset + len(complete)
+                out.writelines(f"[{index}] {line}" for line in complete.decode(errors="replace").splitlines(keepends=True)
+                               if run_ops.rank_filter(line, rank))  # fmt: skip
+                out.flush()
+        now = time.monotonic()
+        if now >= next_check:
+            status = sweep_status(folder)
+            next_check = now + run_ops.POLL_STATE_S
+            over = all(point["state"] in slurm_cli.ENDED for point in status["points"])
+            ended_since = (ended_since or now) if over else None
+        if last_pass and status is not None:
+            return status
+        last_pass = ended_since is not None and now - ended_since >= settle_s  # one more read: the lines of the very end
+        time.sleep(0 if last_pass else FOLLOW_POLL_S)
