@@ -6,6 +6,7 @@
     ddpack cancel   [RUN|JOB_ID] [--json]
     ddpack ls       [--runs DIR] [--json]
     ddpack resubmit RUN|JOB_ID [--time T] [--nodes N] [--partition P] [--json]
+    ddpack resubmit SWEEP --failed|--state S,... [--time T] [--nodes N] [--partition P] [--json]
     ddpack report   RUN|JOB_ID [--png] [--json]
     ddpack compare  RUN|JOB_ID RUN|JOB_ID... [--json] [--html PATH]
     ddpack completion bash|zsh
@@ -141,6 +142,8 @@ def parser() -> argparse.ArgumentParser:
     again.add_argument("--time", dest="time_limit", help="a new time limit for this job (after a TIMEOUT: a longer one)")
     again.add_argument("--nodes", type=_whole, help="nodes that train in this job (the run's spares come on top)")
     again.add_argument("--partition", help="the partition for this job")
+    again.add_argument("--failed", action="store_true", help="a sweep's FAILED and TIMEOUT points (NODE_FAIL, OUT_OF_MEMORY too), as one job array")
+    again.add_argument("--state", metavar="S,S,...", help="a sweep's points in these states instead (--state CANCELLED,TIMEOUT), as one job array")
     sub = verbs.add_parser("compare", help="what differed between runs (image, code, settings, command, environment) and how each ended")
     sub.add_argument("run", nargs="+", help="two run folders or job ids, or more")
     sub.add_argument("--runs", type=Path, default=None, help=runs_help)
@@ -196,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
             job = run_ops.cancel(run_dir)
             say = f"cancel: job {job} of {run_dir} cancelled (scancel); ddpack status {run_dir} shows CANCELLED once Slurm has ended it"
             return answer(opts, run_dir, say, job_id=job)
+        if opts.failed or opts.state:
+            raise HostError(f"--failed and --state pick a sweep's points; {run_dir} is one run (resubmit it without them)", code=2)
         changes = {"time_limit": opts.time_limit, "nodes": opts.nodes, "partition": opts.partition}
         job = run_ops.resubmit(run_dir, changes)
         changed = ", ".join(f"--{key.removesuffix('_limit')} {value}" for key, value in changes.items() if value is not None)
@@ -293,10 +298,8 @@ def dependency(after: str, runs: Path) -> str:
         folder = resolve_run(run, runs)
     except HostError as why:
         raise HostError(f"--after {after}: {why}", code=2) from None
-    if is_sweep(folder):
-        job = read_sweep(folder).get("job_id")
-    else:
-        job = (last.job_id if (last := read_record(folder).last_job) else None)
+    last = None if is_sweep(folder) else read_record(folder).last_job
+    job = read_sweep(folder).get("job_id") if is_sweep(folder) else (last.job_id if last else None)
     if not job:
         raise HostError(f"--after {after}: {folder} has no job to wait for", code=2)
     return f"{AFTER[kind]}:{job}"
@@ -369,6 +372,15 @@ def sweep_verb(opts: argparse.Namespace, folder: Path) -> int:
     from ddpack.jobs import sweep
 
     one = f"name one point: {folder}/INDEX, or its job id (<array>_INDEX)"
+    if opts.verb == "resubmit":
+        if not (opts.failed or opts.state):
+            raise HostError(f"{folder} is a sweep; resubmit --failed (or --state S,...) queues its failed points again, or {one}", code=2)
+        changes = {"time_limit": opts.time_limit, "nodes": opts.nodes, "partition": opts.partition}
+        job, picked = sweep.resubmit_points(folder, sweep.mend_states(opts.state), changes)
+        said = (f"resubmit: job array {job} queues points {', '.join(map(str, picked))} of the sweep {folder} again, each in its own run "
+                f"folder (the others untouched); ddpack status {folder} --watch follows them")  # fmt: skip
+        print(json.dumps({"run_dir": str(folder), "job_id": job, "points": picked}, indent=2) if opts.json else said)
+        return 0
     if opts.verb not in ("status", "logs", "cancel"):
         raise HostError(f"{folder} is a sweep; {opts.verb} takes one of its runs: {one}", code=2)
     if opts.verb == "status" and opts.watch:

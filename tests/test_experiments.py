@@ -446,6 +446,34 @@ def test_every_command_submit_suggests_for_a_sweep_follows_it_to_its_end(tmp_pat
     assert cli.main(suggested[2]) == 2 and "every point of the sweep" in capfd.readouterr().err  # all ended: nothing to cancel
 
 
+def test_resubmit_failed_queues_exactly_the_failed_points_again_as_one_array(tmp_path, slurm, capfd) -> None:
+    """FAILED (Slurm's NODE_FAIL too) and TIMEOUT points, one sbatch --array=I,J (the sweep's %limit kept), each point's
+    own folder continuing; the COMPLETED and CANCELLED points untouched; --state picks other states."""
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
+    assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1,2,3,4", "--sweep-parallel", "2", "--json", "--", "python", "t.py", "{lr}"]) == 0
+    sweep_dir = Path(submitted(capfd)["run_dir"])
+    (sweep_dir / "0" / "logs" / "slurm-90_0.out").write_text("ddpack: the step completed (exit 0)\n")
+    (sweep_dir / "1" / "logs" / "slurm-90_1.out").write_text("slurmstepd: error: *** JOB 125 ON n1 CANCELLED AT 2026-11-26T10:05:00 DUE TO TIME LIMIT ***\n")
+    fake(slurm, "squeue", 'case "$*" in *%i*) echo "90_2|NODE_FAIL"; echo "90_3|CANCELLED" ;; *"-j 90_2 "*) echo "NODE_FAIL||n1" ;; '
+                          '*"-j 90_3 "*) echo "CANCELLED||n1" ;; esac')  # fmt: skip
+    assert cli.main(["resubmit", str(sweep_dir)]) == 2 and "resubmit --failed (or --state S,...)" in capfd.readouterr().err
+    fake(slurm, "sbatch", "echo 95")
+    assert cli.main(["resubmit", str(sweep_dir), "--failed", "--time", "30"]) == 0
+    assert "resubmit: job array 95 queues points 1, 2 of the sweep" in capfd.readouterr().out
+    assert queued(slurm)[1:] == [f"sbatch --parsable --export={','.join(LOGIN_ENV)} --array=1,2%2 --time=30 {sweep_dir}/job/ddpack.sbatch"]
+    assert [[job.job_id for job in read_record(sweep_dir / str(i)).jobs] for i in range(4)] == [["90_0"], ["90_1", "95_1"], ["90_2", "95_2"], ["90_3"]]
+    assert json.loads((sweep_dir / "sweep.json").read_text())["resubmits"] == [{"job_id": "95", "points": [1, 2], "changes": {"time_limit": "30"}}]
+    fake(slurm, "sbatch", "echo 96")
+    fake(slurm, "squeue", 'case "$*" in *%i*) echo "90_3|CANCELLED" ;; *"-j 90_3 "*) echo "CANCELLED||n1" ;; esac')
+    assert cli.main(["resubmit", str(sweep_dir), "--state", "cancelled", "--json"]) == 0
+    assert json.loads(capfd.readouterr().out) == {"run_dir": str(sweep_dir), "job_id": "96", "points": [3]}
+    assert cli.main(["resubmit", str(sweep_dir), "--state", "RUNNING"]) == 2 and "--state RUNNING: expected states a point ends in" in capfd.readouterr().err
+    fake(slurm, "squeue", 'case "$*" in *%i*) echo "95_1|RUNNING"; echo "95_2|RUNNING"; echo "96_3|PENDING" ;; esac')
+    assert cli.main(["resubmit", str(sweep_dir), "--failed"]) == 2 and "no point of the sweep" in capfd.readouterr().err
+    assert cli.main(["resubmit", str(sweep_dir / "0"), "--failed"]) == 2 and "--failed and --state pick a sweep's points" in capfd.readouterr().err
+    assert len(queued(slurm)) == 3  # the sweep, --failed's array, --state's
+
+
 def test_resubmit_of_a_point_is_its_element_of_the_sweeps_array(tmp_path, slurm, capfd) -> None:
     fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
     assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1,2", "--json", "--", "python", "t.py", "{lr}"]) == 0

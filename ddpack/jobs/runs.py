@@ -182,17 +182,32 @@ def resubmit(run_dir: Path, changes: dict[str, Any] | None = None) -> str:
     when that image is gone or changed, the script was edited, a job of the run still lives, or a secret it was given
     is not in this shell. `changes` (time_limit, nodes, partition) override the script's #SBATCH lines for this job
     only, and are kept with the job in run.json: after a TIMEOUT, a longer --time continues the run."""
-    from ddpack.jobs.submit import LOGIN_ENV, image_key, record_job
+    from ddpack.jobs.submit import record_job
 
     changes = {key: value for key, value in (changes or {}).items() if value is not None}
     record = read_record(run_dir)
+    options = resubmit_options(changes, int(record.settings.get("spares") or 0))
+    script, export = resubmit_ready(run_dir, record)
+    if record.sweep:  # a sweep's point: its element of the sweep's array script, which picks its folder and command
+        options = (f"--array={record.sweep['index']}", *options)
+    job_id = slurm_cli.sbatch(script, run_dir, export=export, options=options)
+    if record.sweep:
+        job_id = f"{job_id}_{record.sweep['index']}"
+    record_job(run_dir, job_id, "resubmit", changes)
+    return job_id
+
+
+def resubmit_ready(run_dir: Path, record: Any) -> tuple[Path, tuple[str, ...] | None]:
+    """(the job script, the names sbatch --export hands the job) for a resubmit of the run, or one line (exit 2) why
+    not: its image gone or changed, its script edited, a job of it still alive, a secret it was given not in this shell."""
+    from ddpack.jobs.submit import LOGIN_ENV, image_key
+
     if record.settings.get("made_by") == "template":
         raise HostError(
             f"{run_dir} is a run started by hand with a template, whose settings ddpack did not keep; continue it as it was "
             f"started, with sbatch --export=ALL,DDPACK_RUN_DIR={run_dir} and the template",
             code=2,
         )
-    options = resubmit_options(changes, int(record.settings.get("spares") or 0))
     sqsh = Path(record.sqsh["path"])
     if not sqsh.is_file():
         raise HostError(f"the image this run ran, {sqsh}, is gone; submit again (ddpack submit) to build and convert it", code=2)
@@ -223,14 +238,7 @@ def resubmit(run_dir: Path, changes: dict[str, Any] | None = None) -> str:
         if queue.listed and queue.state not in slurm_cli.FINAL:
             raise HostError(f"job {job.job_id} of this run is still {queue.state}; ddpack cancel it first, or wait for it", code=2)
     # A record from before the environment was recorded sent the whole shell; one that has it sends what it names.
-    export = (*LOGIN_ENV, *secrets) if record.environment else None
-    if record.sweep:  # a sweep's point: its element of the sweep's array script, which picks its folder and command
-        options = (f"--array={record.sweep['index']}", *options)
-    job_id = slurm_cli.sbatch(script, run_dir, export=export, options=options)
-    if record.sweep:
-        job_id = f"{job_id}_{record.sweep['index']}"
-    record_job(run_dir, job_id, "resubmit", changes)
-    return job_id
+    return script, ((*LOGIN_ENV, *secrets) if record.environment else None)
 
 
 def resubmit_options(changes: dict[str, Any], spares: int) -> tuple[str, ...]:

@@ -153,7 +153,8 @@ def setting_problems(settings: SubmitSettings) -> list[str]:
         elif table[name].own:
             problems.append(f"--env {name}: set by ddpack itself ({table[name].meaning}), not by you")
         else:  # a sweep's value with {NAME} in it: each point's value is checked
-            every = [sweep_env({name: value}, point, i)[name] for i, point in enumerate(sweep_points(settings.sweep))] if per_point(settings, value) else [value]
+            points = enumerate(sweep_points(settings.sweep)) if per_point(settings, value) else ()
+            every = [sweep_env({name: value}, point, i)[name] for i, point in points] or [value]
             why = next((why for one in dict.fromkeys(every) if (why := table[name].problem(name, one)) is not None), None)
             if why is not None:
                 problems.append(f"--env {why}")
@@ -301,6 +302,12 @@ def per_point(settings: SubmitSettings, value: str) -> bool:
     return bool(settings.sweep) and bool(placeholders([value]))
 
 
+def slurm_options(settings: SubmitSettings) -> dict[str, str | None]:
+    """Slurm's own options the user gave by name (sbatch's spelling without its dashes)."""
+    return {"account": settings.account, "qos": settings.qos, "constraint": settings.constraint, "reservation": settings.reservation,
+            "dependency": settings.dependency}  # fmt: skip
+
+
 def sbatch_lines(settings: SubmitSettings, run_dir: Path) -> list[str]:
     """The job's #SBATCH options; a sweep's array writes each point's log in that point's run folder (`%a`)."""
     per_node = 1 if settings.template == "torchrun" else settings.tasks_per_node
@@ -315,8 +322,7 @@ def sbatch_lines(settings: SubmitSettings, run_dir: Path) -> list[str]:
         *([f"--partition={settings.partition}"] if settings.partition else []),
         *([f"--time={settings.time_limit}"] if settings.time_limit else []),
         *([f"--array=0-{count - 1}{limit}"] if count else []),
-        *(f"--{key}={value}" for key, value in (("account", settings.account), ("qos", settings.qos), ("constraint", settings.constraint),
-                                                ("reservation", settings.reservation), ("dependency", settings.dependency)) if value),  # fmt: skip
+        *(f"--{key}={value}" for key, value in slurm_options(settings).items() if value),
         "--exclusive",
         f"--output={log}",
         "--open-mode=append",

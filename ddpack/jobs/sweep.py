@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -347,3 +348,52 @@ def follow_sweep(folder: Path, rank: int | None, out: Any, settle_s: float | Non
             return status
         last_pass = ended_since is not None and now - ended_since >= settle_s  # one more read: the lines of the very end
         time.sleep(0 if last_pass else FOLLOW_POLL_S)
+
+
+# --------------------------------------------------------------------------- mending a sweep
+
+
+MEND_STATES = ("FAILED", "TIMEOUT")  # FAILED holds Slurm's NODE_FAIL, OUT_OF_MEMORY and BOOT_FAIL (slurm_cli.ddpack_state)
+
+
+def mend_states(given: str | None) -> tuple[str, ...]:
+    """--state S,S,... as ddpack names states (Slurm's NODE_FAIL is FAILED), each a state a point ends in; default
+    MEND_STATES."""
+    from ddpack.jobs import slurm_cli
+
+    if given is None:
+        return MEND_STATES
+    states = tuple(dict.fromkeys(slurm_cli.ddpack_state(word.strip().upper()) for word in given.split(",") if word.strip()))
+    wrong = [state for state in states if state not in slurm_cli.ENDED]
+    if not states or wrong:
+        raise HostError(f"--state {given}: expected states a point ends in, from {', '.join(slurm_cli.ENDED)} (comma-separated)", code=2)
+    return states
+
+
+def resubmit_points(folder: Path, states: tuple[str, ...], changes: dict[str, Any]) -> tuple[str, list[int]]:
+    """The points of the sweep whose state is one of `states`, queued again as one job array of the sweep's own
+    script (`sbatch --array=I,J,...`), each continuing in its own run folder; the others untouched. The array is in
+    sweep.json before any point's record is written; (its job id, the points)."""
+    from ddpack.jobs import slurm_cli
+    from ddpack.jobs.run_record import read_record, write_json_atomic
+    from ddpack.jobs.runs import resubmit_options, resubmit_ready
+    from ddpack.jobs.submit import record_job
+
+    status = sweep_status(folder)
+    picked = [point["index"] for point in status["points"] if point["state"] in states]
+    if not picked:
+        now = ", ".join(f"{n} {state}" for state, n in status["counts"].items())
+        raise HostError(f"no point of the sweep {folder} is {' or '.join(states)} (its points: {now}); nothing to resubmit", code=2)
+    changes = {key: value for key, value in changes.items() if value is not None}
+    records = {index: read_record(folder / str(index)) for index in picked}
+    ready = {index: resubmit_ready(folder / str(index), record) for index, record in records.items()}
+    script, export = ready[picked[0]]
+    limit = f"%{data['parallel']}" if (data := read_sweep(folder)).get("parallel") else ""
+    options = (f"--array={','.join(map(str, picked))}{limit}", *resubmit_options(changes, int(records[picked[0]].settings.get("spares") or 0)))
+    job_id = slurm_cli.sbatch(Path(os.path.normpath(script)), folder, export=export, options=options)
+    data = read_sweep(folder)  # again: as it is now
+    mended = [*data.get("resubmits", []), {"job_id": job_id, "points": picked, "changes": changes}]
+    write_json_atomic(folder / SWEEP_RECORD, {**data, "resubmits": mended})
+    for index in picked:
+        record_job(folder / str(index), f"{job_id}_{index}", "resubmit", changes)
+    return job_id, picked
