@@ -3,12 +3,14 @@
     ddpack submit   [APP_DIR] [--file run.toml] --nodes N [...] [--dry-run] [--json] [-- COMMAND...]
     ddpack status   [RUN|SWEEP|JOB_ID] [--point I] [--json] [--watch]
     ddpack logs     [RUN|SWEEP|JOB_ID] [--point I] [-f] [--rank R] [--json]
-    ddpack cancel   [RUN|JOB_ID] [--json]
+    ddpack cancel   RUN|SWEEP|JOB_ID [--json]
     ddpack ls       [--runs DIR] [--json]
     ddpack resubmit RUN|JOB_ID [--time T] [--nodes N] [--partition P] [--json]
     ddpack resubmit SWEEP --failed|--state S,... [--time T] [--nodes N] [--partition P] [--json]
     ddpack report   RUN|JOB_ID [--png] [--json]
     ddpack compare  RUN|JOB_ID RUN|JOB_ID... [--json] [--html PATH]
+    ddpack rm       RUN|SWEEP|JOB_ID [--json]
+    ddpack gc       --images [DIR] [--runs DIR] [--dry-run] [--json]
     ddpack completion bash|zsh
 
 Host side only: Slurm's own commands (sbatch, squeue, sacct where there is accounting, scancel) and the run folder.
@@ -120,7 +122,8 @@ def parser() -> argparse.ArgumentParser:
         ("cancel", "scancel a run's job"),
     ):
         sub = verbs.add_parser(name, help=text)
-        sub.add_argument("run", nargs="?", help="a run folder or a job id (default: the newest run)")
+        newest = "none: it names the newest run and cancels nothing" if name == "cancel" else "the newest run"
+        sub.add_argument("run", nargs="?", help=f"a run folder, a sweep's or a job id (default: {newest})")
         sub.add_argument("--runs", type=Path, default=None, help=runs_help)
         sub.add_argument("--json", action="store_true", help=json_help)
     for name in ("status", "logs"):
@@ -149,6 +152,16 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("--runs", type=Path, default=None, help=runs_help)
     sub.add_argument("--json", action="store_true", help="print one object: runs (each with its outcome), differ, same")
     sub.add_argument("--html", type=Path, default=Path("compare.html"), help="the page overlaying their curves (default ./compare.html)")
+    sub = verbs.add_parser("rm", help="delete a run's or a sweep's folder, once none of its jobs lives")
+    sub.add_argument("run", help="a run folder, a sweep's folder or a job id")
+    sub.add_argument("--runs", type=Path, default=None, help=runs_help)
+    sub.add_argument("--json", action="store_true", help="print one object: run_dir, jobs")
+    sub = verbs.add_parser("gc", help="remove your squashfs files in the images folder that no run of yours names")
+    sub.add_argument("--images", nargs="?", const=True, type=Path, required=True, metavar="DIR",
+                     help="the images folder (alone: DDPACK_IMAGES, else /fsx/images)")  # fmt: skip
+    sub.add_argument("--runs", type=Path, default=None, help=runs_help + ": the runs whose images are kept")
+    sub.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
+    sub.add_argument("--json", action="store_true", help="print one object: removed (or would_remove), bytes")
     sub = verbs.add_parser("completion", help="print the shell completion script (bash: source <(ddpack completion bash))")
     sub.add_argument("shell", choices=("bash", "zsh"))
     return top
@@ -190,6 +203,16 @@ def main(argv: list[str] | None = None) -> int:
             return report(opts, runs)
         if opts.verb == "compare":
             return compare(opts, runs)
+        if opts.verb == "gc":
+            return collect_images(opts, runs)
+        if opts.verb == "cancel" and opts.run is None:  # what cannot be undone is never done to a run not named
+            newest = run_ops.resolve_run(None, runs)
+            raise HostError(f"cancel names its run: the newest is {newest} (job {facts_of(newest)}); ddpack cancel {newest} cancels it", code=2)
+        if opts.verb == "rm":
+            run_dir = run_ops.resolve_run(opts.run, runs)
+            jobs = run_ops.remove(run_dir)
+            print(json.dumps({"run_dir": str(run_dir), "jobs": jobs}, indent=2) if opts.json else f"rm: removed {run_dir} (jobs {', '.join(jobs) or 'none'})")
+            return 0
         run_dir = point_of(run_ops.resolve_run(opts.run, runs), getattr(opts, "point", None))
         if is_sweep(run_dir):
             return sweep_verb(opts, run_dir)
@@ -332,6 +355,34 @@ def status(opts: argparse.Namespace, runs: Path) -> int:
         return EXIT_FOR_STATE.get(final.state, 1)
     result = run_status(run_dir)
     print(result.to_json() if opts.json else render(result))
+    return 0
+
+
+def facts_of(folder: Path) -> str:
+    """A run's or sweep's job id, for a sentence."""
+    from ddpack.jobs.run_record import read_record
+    from ddpack.jobs.sweep import read_sweep
+
+    job = read_sweep(folder).get("job_id") if is_sweep(folder) else (last.job_id if (last := read_record(folder).last_job) else None)
+    return str(job or "none")
+
+
+def collect_images(opts: argparse.Namespace, runs: Path) -> int:
+    """gc --images: your squashfs files that no run of yours names, removed (or listed, --dry-run)."""
+    from ddpack.jobs.image_gc import remove_images, unused_images
+
+    images = (Path(os.environ.get("DDPACK_IMAGES") or "/fsx/images") if opts.images is True else opts.images).resolve()
+    unused = unused_images(images, runs)
+    if not opts.dry_run:
+        remove_images(unused)
+    total = sum(item.size for item in unused)
+    if opts.json:
+        print(json.dumps({"images": str(images), "would_remove" if opts.dry_run else "removed": [str(i.path) for i in unused], "bytes": total}, indent=2))
+        return 0
+    verb = "would remove" if opts.dry_run else "removed"
+    for item in unused:
+        print(f"gc: {verb} {item.path} ({item.size / 2**20:,.1f} MiB)")
+    print(f"gc: {verb} {len(unused)} squashfs file(s) of yours, {total / 2**30:,.2f} GiB, that no run under {runs} names")
     return 0
 
 

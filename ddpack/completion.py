@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 FOLDER_FLAGS = ("--runs", "--images")
 FILE_FLAGS = ("--sqsh", "--file", "--html")
-RUN_VERBS = ("status", "logs", "cancel", "resubmit", "report", "compare")
+RUN_VERBS = ("status", "logs", "cancel", "resubmit", "report", "compare", "rm")
 
 
 @dataclass(frozen=True)

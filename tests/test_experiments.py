@@ -717,3 +717,76 @@ def test_a_slurm_option_ddpack_owns_or_cannot_be_is_refused_in_one_line(tmp_path
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and line in err[0], err
     assert queued(slurm) == []
+
+
+# --------------------------------------------------------------------------- care with what cannot be undone (issue 57)
+
+
+def test_cancel_without_a_run_names_the_newest_and_cancels_nothing_and_rm_refuses_a_live_job(tmp_path, slurm, capfd) -> None:
+    run_dir = make_run(tmp_path)
+    runs = str(run_dir.parent)
+    fake(slurm, "squeue", 'case "$*" in *%i*) echo "41|RUNNING" ;; *) echo "RUNNING||n1" ;; esac')
+    assert cli.main(["cancel", "--runs", runs]) == 2
+    assert f"cancel names its run: the newest is {run_dir} (job 41); ddpack cancel {run_dir} cancels it" in capfd.readouterr().err
+    assert cli.main(["rm", str(run_dir)]) == 2 and "has jobs that may still live: 41 (RUNNING)" in capfd.readouterr().err
+    assert calls(slurm, "scancel") == [] and run_dir.is_dir()
+    fake(slurm, "squeue", "echo 'sqeue: error: timed out' >&2; exit 1")  # Slurm did not answer: the job may live
+    assert cli.main(["rm", "41", "--runs", runs]) == 2 and run_dir.is_dir()
+    capfd.readouterr()
+    fake(slurm, "squeue", 'case "$*" in *%i*) echo "41|COMPLETED" ;; *) echo "COMPLETED||n1" ;; esac')
+    assert cli.main(["rm", "41", "--runs", runs]) == 0 and f"rm: removed {run_dir} (jobs 41)" in capfd.readouterr().out
+    assert not run_dir.exists()
+
+
+def test_a_sweeps_array_is_recorded_first_so_cancel_reaches_points_whose_records_failed(tmp_path, slurm, monkeypatch, capfd) -> None:
+    from ddpack.jobs import submit as submitting
+
+    def broken(run_dir, job_id, how, changes=None):  # the points' records cannot be written (a full disk, a quota)
+        raise HostError(f"job {job_id} is queued, but recording it failed", code=1)
+
+    from ddpack.errors import HostError
+
+    monkeypatch.setattr(submitting, "record_job", broken)
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
+    assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1,2", "--", "p", "{lr}"]) == 1
+    (sweep_dir,) = [p.parent for p in (tmp_path / "fsx" / "runs").glob("*/sweep.json")]
+    assert json.loads((sweep_dir / "sweep.json").read_text())["job_id"] == "90"
+    fake(slurm, "squeue", "exit 0")
+    assert cli.main(["cancel", "90", "--runs", str(sweep_dir.parent)]) == 0
+    assert calls(slurm, "scancel") == ["scancel 90_0 90_1"]
+
+
+def test_a_reused_job_id_names_the_newest_run_or_sweep_that_has_it(tmp_path, slurm, capfd) -> None:
+    from dataclasses import replace
+
+    from ddpack.jobs.run_record import write_record
+    from ddpack.jobs.runs import resolve_run
+
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 41')
+    assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1,2", "--json", "--", "p", "{lr}"]) == 0
+    sweep_dir = Path(submitted(capfd)["run_dir"])
+    runs = sweep_dir.parent
+    old = make_run(tmp_path / "fsx")  # a run of an earlier cluster whose job was 41 too, made before the sweep
+    assert old.parent == runs
+    write_record(replace(read_record(old), created=1.0))
+    assert resolve_run("41", runs) == sweep_dir
+    write_record(replace(read_record(old), created=4e9))  # now the run is the newer
+    assert resolve_run("41", runs) == old
+
+
+def test_gc_images_removes_only_your_squashfs_files_that_no_run_names(tmp_path, slurm, capfd) -> None:
+    run_dir = make_run(tmp_path)
+    images = tmp_path / "images"
+    kept = Path(read_record(run_dir).sqsh["path"])
+    stale = images / "old-0123456789abcdef.sqsh"
+    stale.write_bytes(b"hsqs" + b"\0" * 4096)
+    (images / "old-0123456789abcdef.sqsh.ddpack.json").write_text("{}")
+    shared = images / "theirs.sqsh"
+    shared.write_bytes(b"hsqs")
+    shared.chmod(0o666)  # others may write it: not a file of yours alone, never touched
+    (images / "notes.txt").write_text("x")
+    args = ["gc", "--images", str(images), "--runs", str(run_dir.parent)]
+    assert cli.main([*args, "--dry-run", "--json"]) == 0
+    assert json.loads(capfd.readouterr().out)["would_remove"] == [str(stale)] and stale.exists()
+    assert cli.main(args) == 0 and f"gc: removed {stale}" in capfd.readouterr().out
+    assert sorted(p.name for p in images.iterdir()) == sorted([kept.name, "theirs.sqsh", "notes.txt"])

@@ -64,12 +64,11 @@ def resolve_run(run: str | None, runs: Path) -> Path:
         # The runs folder, then ./runs: where a job started by hand with a template keeps its run (runs/<name>-<job>
         # in the folder it was submitted from), so `ddpack status JOB` typed there finds it.
         for where in dict.fromkeys([runs, (Path.cwd() / "runs").resolve()]):
-            for folder, record in reversed(list_runs(where)):
-                if any(job.job_id == run for job in record.jobs):
-                    return folder
-            for folder, data in list_sweeps(where):
-                if str(data.get("job_id")) == run:
-                    return folder
+            # Slurm reuses job ids (a new cluster, a reset): the newest run or sweep that has it, whichever it is.
+            having = [*((record.created, folder) for folder, record in list_runs(where) if any(job.job_id == run for job in record.jobs)),
+                      *((data.get("created", 0), folder) for folder, data in list_sweeps(where) if str(data.get("job_id")) == run)]  # fmt: skip
+            if having:
+                return max(having, key=lambda item: item[0])[1]
         raise HostError(f"job {run} belongs to no run under {runs} or ./runs; name the run folder, or give --runs", code=2)
     raise HostError(f"{run} is neither a run folder nor a job id", code=2)
 
@@ -259,3 +258,28 @@ def resubmit_options(changes: dict[str, Any], spares: int) -> tuple[str, ...]:
             raise HostError(f"--partition {changes['partition']!r}: not a partition's name", code=2)
         options.append(f"--partition={changes['partition']}")
     return tuple(options)
+
+
+# --------------------------------------------------------------------------- rm
+
+
+def remove(folder: Path) -> list[str]:
+    """Delete a run's or a sweep's folder, refused in one line while a job of it may still live (a state Slurm did not
+    settle counts as alive); the jobs it had, for the sentence."""
+    import shutil
+
+    from ddpack.jobs.status import run_status
+    from ddpack.jobs.sweep import is_sweep, point_dirs
+
+    runs = point_dirs(folder) if is_sweep(folder) else [folder]
+    alive = []
+    jobs = []
+    for run_dir in runs:
+        now = run_status(run_dir)
+        jobs += [job.job_id for job in read_record(run_dir).jobs]
+        if now.job_id and now.state not in ENDED:
+            alive.append(f"{now.job_id} ({now.state})")
+    if alive:
+        raise HostError(f"{folder} has jobs that may still live: {', '.join(alive)}; ddpack cancel {folder} first, or wait for them", code=2)
+    shutil.rmtree(folder)
+    return jobs

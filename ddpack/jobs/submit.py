@@ -719,9 +719,12 @@ def submit_sweep(settings: SubmitSettings, sweep_dir: Path, made: RecordParts, *
     }  # fmt: skip
     write_json_atomic(sweep_dir / SWEEP_RECORD, record)
     job_id = slurm_cli.sbatch(made.script_path, sweep_dir, export=settings.exported_names)
+    try:  # the array first: with it in sweep.json, cancel SWEEP reaches every point whatever fails after
+        write_json_atomic(sweep_dir / SWEEP_RECORD, {**record, "job_id": job_id})
+    except OSError as exc:
+        raise HostError(f"job array {job_id} is queued, but recording it in {sweep_dir}/{SWEEP_RECORD} failed ({exc}); scancel {job_id}", code=1) from None
     for index in range(len(every)):
         record_job(sweep_dir / str(index), f"{job_id}_{index}", "submit")
-    write_json_atomic(sweep_dir / SWEEP_RECORD, {**record, "job_id": job_id})
     at_once = f", at most {settings.sweep_parallel} at once" if settings.sweep_parallel else ""
     say(f"submit: job array {job_id} queued: {len(every)} points{at_once}; sweep folder {sweep_dir} (a run folder a point: 0/ to {len(every) - 1}/)")
     return Submitted(

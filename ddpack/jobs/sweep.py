@@ -233,9 +233,11 @@ def cancel_sweep(folder: Path) -> list[str]:
 
     status = sweep_status(folder)
     live = [point for point in status["points"] if point["state"] not in slurm_cli.ENDED and point["job_id"]]
-    if not live:
+    # A point whose record names no job (a submit stopped between the array and the points' records): its element.
+    unrecorded = [f"{status['job_id']}_{point['index']}" for point in status["points"] if not point["job_id"] and status["job_id"]]
+    if not live and not unrecorded:
         raise HostError(f"every point of the sweep {folder} has ended; nothing to cancel", code=2)
-    jobs = [str(point["job_id"]) for point in live]
+    jobs = [*(str(point["job_id"]) for point in live), *unrecorded]
     answer = slurm_cli.ask(["scancel", *jobs])
     if answer.failed:
         raise HostError(f"scancel {' '.join(jobs)}: {answer.failed}", code=1)
