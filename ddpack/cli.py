@@ -4,7 +4,8 @@
     ddpack status   [RUN|SWEEP|JOB_ID] [--point I] [--json] [--watch]
     ddpack logs     [RUN|SWEEP|JOB_ID] [--point I] [-f] [--rank R] [--json]
     ddpack cancel   RUN|SWEEP|JOB_ID [--json]
-    ddpack ls       [--runs DIR] [--json]
+    ddpack ls       [--runs DIR] [--state S,...] [--name GLOB] [--since WHEN] [--tag K=V] [--sort KEY] [--reverse] [--json]
+    ddpack tag      RUN|SWEEP [KEY=VALUE...] [--rm KEY] [--note TEXT]
     ddpack resubmit RUN|JOB_ID [--time T] [--nodes N] [--partition P] [--json]
     ddpack resubmit SWEEP --failed|--state S,... [--time T] [--nodes N] [--partition P] [--json]
     ddpack report   RUN|JOB_ID [--png] [--json]
@@ -112,6 +113,8 @@ def parser() -> argparse.ArgumentParser:
         help="any other sbatch option, as one word (--sbatch-arg=--mem=0; repeatable); those ddpack sets itself are refused",
     )
     sub.add_argument("--after", metavar="RUN[:ok|any|notok]", help="start once RUN (a run, sweep or job id) ended: ok (default), any way, or not ok")
+    sub.add_argument("--tag", action="append", default=[], metavar="KEY=VALUE", help="a tag for the run (repeatable); ls --tag finds it")
+    sub.add_argument("--note", help="a note for the run, kept in run.json (ddpack tag --note changes it)")
     sub.add_argument("--dry-run", action="store_true", help="print the job script and run the checks; build, write and queue nothing")
     sub.add_argument("--json", action="store_true", help="print one JSON object (job_id, run_dir, ...)")
     sub.epilog = "-- COMMAND...: your program, run by every rank (default: the image's own command)"
@@ -135,6 +138,20 @@ def parser() -> argparse.ArgumentParser:
     sub = verbs.add_parser("ls", help="every run with its state and progress")
     sub.add_argument("--runs", type=Path, default=None, help=runs_help)
     sub.add_argument("--json", action="store_true", help="print one JSON list of runs (status --json's names)")
+    sub.add_argument("--state", metavar="S,S,...", help="only runs in these states (COMPLETED,FAILED,...)")
+    sub.add_argument("--name", metavar="GLOB", help="only runs whose name matches (shell wildcards: 'lr-*')")
+    sub.add_argument("--since", metavar="WHEN", help="only runs submitted since: 30m, 6h, 2d, or a date 2026-11-26[THH:MM]")
+    sub.add_argument("--tag", action="append", default=[], metavar="KEY=VALUE", help="only runs with this tag (repeatable: all of them)")
+    sub.add_argument("--sort", choices=("created", "name", "state", "step", "loss"), default="created", help="order (default: created)")
+    sub.add_argument("--reverse", action="store_true", help="the other way round (newest first, highest first)")
+    sub.add_argument("--no-slurm", action="store_true", help="the run folders alone, no squeue or sacct (a live run's state: -)")
+    sub = verbs.add_parser("tag", help="set or remove a run's (or every point of a sweep's) tags and note")
+    sub.add_argument("run", help="a run folder, a sweep's or a job id")
+    sub.add_argument("tags", nargs="*", metavar="KEY=VALUE", help="tags to set")
+    sub.add_argument("--rm", action="append", default=[], metavar="KEY", help="a tag to remove (repeatable)")
+    sub.add_argument("--note", help="the run's note (an empty one removes it)")
+    sub.add_argument("--runs", type=Path, default=None, help=runs_help)
+    sub.add_argument("--json", action="store_true", help="print one object: run_dir, tags, note")
     for name, text in (("resubmit", "a new job continuing a run, with the same job script and image"), ("report", "the run's report.html")):
         sub = verbs.add_parser(name, help=text)
         sub.add_argument("run", help="a run folder or a job id")
@@ -191,14 +208,9 @@ def main(argv: list[str] | None = None) -> int:
         if opts.verb == "status":
             return status(opts, runs)
         if opts.verb == "ls":
-            from ddpack.jobs.status import list_rows, render_list
-
-            if opts.json:
-                print(json.dumps(list_rows(runs), indent=2))
-                return 0
-            lines = render_list(runs)
-            print("\n".join(lines) if lines else f"no runs under {runs}")
-            return 0
+            return listing(opts, runs)
+        if opts.verb == "tag":
+            return tag(opts, runs)
         if opts.verb == "report":
             return report(opts, runs)
         if opts.verb == "compare":
@@ -290,6 +302,8 @@ def submit(opts: argparse.Namespace) -> int:
         sbatch_args=tuple([*given.get("sbatch", []), *opts.sbatch_args]),
         after=opts.after,
         dependency=dependency(opts.after, Path(runs).resolve()) if opts.after else None,
+        tags={**given.get("tags", {}), **tag_pairs(opts.tag, "--tag")},
+        note=pick("note"),
     )
     if run_file is not None:  # a value from the file that the checks refuse is named by its line there
         raise_problems([run_file.where(problem, argv_flags) for problem in setting_problems(settings)])
@@ -355,6 +369,70 @@ def status(opts: argparse.Namespace, runs: Path) -> int:
         return EXIT_FOR_STATE.get(final.state, 1)
     result = run_status(run_dir)
     print(result.to_json() if opts.json else render(result))
+    return 0
+
+
+def tag_pairs(words: list[str], flag: str) -> dict[str, str]:
+    """KEY=VALUE words as a dict; a bad one is one line, exit 2."""
+    import re
+
+    pairs = {}
+    for word in words:
+        key, sep, value = word.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z0-9_.-]+", key) or re.search(r"[\x00-\x1f\x7f]", value):
+            raise HostError(f"{flag} {word!r}: expected KEY=VALUE (a key of letters, digits, '.', '_', '-'; a value on one line)", code=2)
+        pairs[key] = value
+    return pairs
+
+
+def since_time(text: str) -> float:
+    """--since: 30m, 6h, 2d (ago), or a date (2026-11-26, 2026-11-26T10:00) in this host's time zone."""
+    import re
+    import time
+    from datetime import datetime
+
+    if found := re.fullmatch(r"(\d+)([mhd])", text):
+        return time.time() - int(found.group(1)) * {"m": 60, "h": 3600, "d": 86400}[found.group(2)]
+    try:
+        return datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        raise HostError(f"--since {text}: expected 30m, 6h, 2d, or a date such as 2026-11-26 or 2026-11-26T10:00", code=2) from None
+
+
+def listing(opts: argparse.Namespace, runs: Path) -> int:
+    """ls: the runs, filtered and sorted, as lines or one JSON list."""
+    from ddpack.jobs.slurm_cli import ddpack_state
+    from ddpack.jobs.status import list_rows, pick_rows, render_list
+
+    states = tuple(ddpack_state(word.strip().upper()) for word in opts.state.split(",") if word.strip()) if opts.state else ()
+    rows = pick_rows(list_rows(runs, ask_slurm=not opts.no_slurm), states=states, name=opts.name,
+                     since=since_time(opts.since) if opts.since else None, tags=tag_pairs(opts.tag, "--tag"), sort=opts.sort,
+                     reverse=opts.reverse)  # fmt: skip
+    if opts.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    lines = render_list(rows)
+    print("\n".join(lines) if lines else f"no runs under {runs}{' that match' if opts.state or opts.name or opts.since or opts.tag else ''}")
+    return 0
+
+
+def tag(opts: argparse.Namespace, runs: Path) -> int:
+    """ddpack tag: a run's tags and note (a sweep's: sweep.json's and every point's)."""
+    from ddpack.jobs.run_record import update_tags
+    from ddpack.jobs.runs import resolve_run
+    from ddpack.jobs.sweep import point_dirs, tag_sweep
+
+    folder = resolve_run(opts.run, runs)
+    pairs = tag_pairs(opts.tags, "tag")
+    if not pairs and not opts.rm and opts.note is None:
+        raise HostError("tag: give KEY=VALUE tags, --rm KEY or --note TEXT", code=2)
+    now = {}
+    for run_dir in point_dirs(folder) if is_sweep(folder) else [folder]:
+        now = update_tags(run_dir, pairs, tuple(opts.rm), opts.note)
+    if is_sweep(folder):
+        now = tag_sweep(folder, pairs, tuple(opts.rm), opts.note)
+    said = " ".join(f"{k}={v}" for k, v in now.items()) or "none"
+    print(json.dumps({"run_dir": str(folder), "tags": now, "note": opts.note}, indent=2) if opts.json else f"tag: {folder}: tags {said}")
     return 0
 
 

@@ -492,6 +492,7 @@ def test_the_experiments_bench_runs_and_prints_its_figures(tmp_path) -> None:
     out = subprocess.run([sys.executable, str(bench), "--rounds", "1", "--runs", "20"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "the sweep's own work beyond one submit:" in out.stdout and "ls, squeue lists none" in out.stdout, out.stdout
+    assert "ls, cold (summaries written)" in out.stdout and "ls, warm" in out.stdout, out.stdout
 
 
 def test_compare_of_a_sweep_is_its_points_side_by_side(tmp_path, slurm, capfd) -> None:
@@ -790,3 +791,74 @@ def test_gc_images_removes_only_your_squashfs_files_that_no_run_names(tmp_path, 
     assert json.loads(capfd.readouterr().out)["would_remove"] == [str(stale)] and stale.exists()
     assert cli.main(args) == 0 and f"gc: removed {stale}" in capfd.readouterr().out
     assert sorted(p.name for p in images.iterdir()) == sorted([kept.name, "theirs.sqsh", "notes.txt"])
+
+
+# --------------------------------------------------------------------------- finding runs at scale (issue 57)
+
+
+def test_an_ended_runs_summary_answers_ls_so_its_metrics_and_logs_are_not_read_again(tmp_path, slurm, capfd) -> None:
+    from test_lifecycle import end, progress, start
+
+    from ddpack.jobs.run_record import append_job
+    from ddpack.jobs.status import SUMMARY
+    from train import run_folder
+
+    run_dir = make_run(tmp_path, records=[start(100, 0), progress(101, 10), end(102, 10, "done", 0)])
+    runs = str(run_dir.parent)
+    fake(slurm, "squeue", 'case "$*" in *%i*) echo "41|COMPLETED" ;; *) echo "COMPLETED||n1" ;; esac')
+    assert cli.main(["ls", "--runs", runs, "--json"]) == 0 and json.loads(capfd.readouterr().out)[0]["state"] == "COMPLETED"
+    assert not (run_dir / SUMMARY).exists()  # Slurm still lists the job: not yet settled for good
+    fake(slurm, "squeue", "exit 0")
+    assert cli.main(["ls", "--runs", runs, "--json"]) == 0
+    assert (json.loads(capfd.readouterr().out)[0]["state"], json.loads((run_dir / SUMMARY).read_text())["job_id"]) == ("COMPLETED", "41")
+    (run_dir / run_folder.METRICS).write_text("")  # were they read again, the run would read FAILED (no end record)
+    before = len(calls(slurm, "squeue"))
+    assert cli.main(["ls", "--runs", runs]) == 0 and "COMPLETED  step 10/" in capfd.readouterr().out
+    assert len(calls(slurm, "squeue")) == before  # no Slurm call for a settled run
+    append_job(run_dir, "57", "resubmit")  # a new job: the summary speaks of the old one
+    assert cli.main(["ls", "--runs", runs, "--json"]) == 0 and json.loads(capfd.readouterr().out)[0]["job_id"] == "57"
+    assert "-j 57 " in calls(slurm, "squeue")[-1] and json.loads((run_dir / SUMMARY).read_text())["job_id"] == "57"
+
+
+def test_ls_filters_and_sorts_and_tags_are_set_at_submit_and_afterwards(tmp_path, slurm, capfd) -> None:
+    counter = tmp_path / "jobs"
+    fake(slurm, "sbatch", f'[ "$1" = --test-only ] && exit 0; echo x >>{counter}; echo $((72 + $(wc -l <{counter})))')
+    made = {}
+    for name, tags in (("alpha", ["--tag", "lr=1", "--tag", "team=nlp"]), ("beta", ["--tag", "lr=2"]), ("gamma", [])):
+        assert cli.main([*sweep_args(tmp_path), "--name", name, *tags, "--note", f"{name} try", "--json", "--", "p"]) == 0
+        made[name] = submitted(capfd)["run_dir"]
+    runs = str(Path(made["alpha"]).parent)
+    assert read_record(Path(made["alpha"])).tags == {"lr": "1", "team": "nlp"} and read_record(Path(made["alpha"])).note == "alpha try"
+    assert "tags" not in read_record(Path(made["alpha"])).settings
+    fake(slurm, "squeue", 'case "$*" in *%i*) echo "73|RUNNING"; echo "74|PENDING"; echo "75|RUNNING" ;; esac')
+
+    def names(*args: str) -> list[str]:
+        assert cli.main(["ls", "--runs", runs, "--json", *args]) == 0
+        return [Path(row["run_dir"]).name.split("-")[0] for row in json.loads(capfd.readouterr().out)]
+
+    assert names() == ["alpha", "beta", "gamma"]
+    assert names("--state", "RUNNING") == ["alpha", "gamma"]
+    assert names("--tag", "lr=2") == ["beta"] and names("--tag", "lr=1", "--tag", "team=nlp") == ["alpha"]
+    assert names("--name", "b*") == ["beta"] and names("--sort", "name", "--reverse") == ["gamma", "beta", "alpha"]
+    assert names("--since", "1h") == ["alpha", "beta", "gamma"] and names("--since", "2099-01-01") == []
+    assert cli.main(["ls", "--runs", runs, "--since", "yesterday"]) == 2 and "--since yesterday: expected 30m" in capfd.readouterr().err
+    assert cli.main(["tag", made["gamma"], "lr=2", "--note", "rerun of beta"]) == 0 and "tags lr=2" in capfd.readouterr().out
+    assert cli.main(["tag", made["alpha"], "--rm", "team"]) == 0
+    capfd.readouterr()
+    assert names("--tag", "lr=2") == ["beta", "gamma"] and read_record(Path(made["gamma"])).note == "rerun of beta"
+    assert read_record(Path(made["alpha"])).tags == {"lr": "1"}
+    assert cli.main(["ls", "--runs", runs, "--tag", "lr=1"]) == 0 and "#lr=1" in capfd.readouterr().out
+    assert cli.main(["tag", made["beta"], "bad key=x"]) == 2 and "expected KEY=VALUE" in capfd.readouterr().err
+    assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=5,6", "--tag", "group=s", "--json", "--", "p", "{lr}"]) == 0
+    sweep_dir = submitted(capfd)["run_dir"]
+    assert cli.main(["ls", "--runs", runs, "--tag", "group=s", "--json"]) == 0
+    assert [row["run_dir"] for row in json.loads(capfd.readouterr().out)] == [sweep_dir, f"{sweep_dir}/0", f"{sweep_dir}/1"]
+    assert cli.main(["tag", sweep_dir, "best=yes"]) == 0
+    assert json.loads((Path(sweep_dir) / "sweep.json").read_text())["tags"] == {"group": "s", "best": "yes"}
+    assert read_record(Path(sweep_dir) / "1").tags == {"group": "s", "best": "yes"}
+
+
+def test_completion_lists_runs_without_asking_slurm(tmp_path, slurm) -> None:
+    run_dir = make_run(tmp_path)
+    assert complete(tmp_path, ["ddpack", "status", ""], env={"DDPACK_RUNS": str(run_dir.parent)}) == [str(run_dir), "41"]
+    assert calls(slurm, "squeue") == [] and calls(slurm, "sacct") == []

@@ -60,9 +60,10 @@ SCALARS: dict[str, tuple[type, str]] = {
     "qos": (str, "a Slurm QOS's name"),
     "constraint": (str, 'node features, such as "a100&ib"'),
     "reservation": (str, "a Slurm reservation's name"),
+    "note": (str, "a note for the run"),
 }
 LISTS = ("command", "pass_env", "secrets", "sbatch")  # lists of strings
-TABLES = ("env", "sweep")  # env: NAME = "value"; sweep: NAME = [values]
+TABLES = ("env", "sweep", "tags")  # env, tags: NAME = "value"; sweep: NAME = [values]
 PATHS = ("app_dir", "runs", "images", "sqsh")
 
 
@@ -89,7 +90,8 @@ class RunFile:
         flag = problem.split()[0] if problem.startswith("--") else ""
         if not flag or flag in flags_given:
             return problem
-        key = {"--time": "time", "--env": "env", "--secret": "secrets", "--sweep": "sweep", "--sbatch-arg": "sbatch"}.get(flag, flag[2:].replace("-", "_"))
+        keys = {"--time": "time", "--env": "env", "--secret": "secrets", "--sweep": "sweep", "--sbatch-arg": "sbatch", "--tag": "tags"}
+        key = keys.get(flag, flag[2:].replace("-", "_"))
         written = next((k for k in self.written if k.replace("-", "_") == key), None)
         if written is None:
             return problem
@@ -123,7 +125,7 @@ def table_values(path: Path, text: str, key: str, table: dict[str, Any]) -> dict
     a value to keep it as written)."""
     for name, value in table.items():
         where = f"{path}:{line_of(text, name, key)}: {key}.{name} = {value!r}"
-        if key == "env" and not isinstance(value, str):
+        if key in ("env", "tags") and not isinstance(value, str):
             raise HostError(f'{where}: expected a string ("{value}")', code=2)
         if key == "sweep" and (not isinstance(value, list) or not value or not all(type(v) in (str, int, float) for v in value)):
             raise HostError(f'{where}: expected a list of values, such as ["1e-3", "3e-4"]', code=2)

@@ -102,6 +102,8 @@ class SubmitSettings:
     sbatch_args: tuple[str, ...] = ()  # any other sbatch option (--sbatch-arg), none of those ddpack sets (OWNED_OPTIONS)
     after: str | None = None  # --after RUN[:ok|any|notok] as given, and Slurm's dependency it resolved to
     dependency: str | None = None  # afterok:<job>, afterany:<job>, afternotok:<job>
+    tags: dict[str, str] = field(default_factory=dict)  # --tag KEY=VALUE: run.json's tags (ls --tag finds them)
+    note: str | None = None  # --note: run.json's note
 
     @property
     def exported_names(self) -> tuple[str, ...]:
@@ -687,7 +689,7 @@ class RecordParts:
             code=self.code,
             command=list(settings.command),
             settings={
-                **{k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(settings).items()},
+                **{k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(settings).items() if k not in ("tags", "note")},
                 "exported": script_env,
             },
             script=os.path.relpath(self.script_path, run_dir),
@@ -696,6 +698,8 @@ class RecordParts:
             environment=job_environment(settings, script_env),
             run_file=self.run_file,
             sweep=sweep,
+            tags=dict(settings.tags),
+            note=settings.note,
         )
 
 
@@ -715,7 +719,7 @@ def submit_sweep(settings: SubmitSettings, sweep_dir: Path, made: RecordParts, *
     record = {
         "format": 1, "name": sweep_dir.name, "created": time.time(), "values": settings.sweep, "points": points,
         "parallel": settings.sweep_parallel, "script": os.path.relpath(made.script_path, sweep_dir), "job_id": None,
-        "run_file": made.run_file,
+        "run_file": made.run_file, "tags": dict(settings.tags), "note": settings.note,
     }  # fmt: skip
     write_json_atomic(sweep_dir / SWEEP_RECORD, record)
     job_id = slurm_cli.sbatch(made.script_path, sweep_dir, export=settings.exported_names)

@@ -399,3 +399,15 @@ def resubmit_points(folder: Path, states: tuple[str, ...], changes: dict[str, An
     for index in picked:
         record_job(folder / str(index), f"{job_id}_{index}", "resubmit", changes)
     return job_id, picked
+
+
+def tag_sweep(folder: Path, tags: dict[str, str], removed: tuple[str, ...], note: str | None) -> dict[str, str]:
+    """sweep.json's tags and note (its points' are the points' own records: ddpack tag sets both)."""
+    from ddpack.jobs.run_record import write_json_atomic
+
+    data = read_sweep(folder)
+    data["tags"] = {key: value for key, value in {**data.get("tags", {}), **tags}.items() if key not in removed}
+    if note is not None:
+        data["note"] = note or None
+    write_json_atomic(folder / SWEEP_RECORD, data)
+    return data["tags"]
