@@ -10,6 +10,7 @@
     ddpack resubmit SWEEP --failed|--state S,... [--time T] [--nodes N] [--partition P] [--json]
     ddpack report   RUN|JOB_ID [--png] [--json]
     ddpack compare  RUN|JOB_ID RUN|JOB_ID... [--json] [--html PATH]
+    ddpack compare  SWEEP [--sort KEY] [--reverse] [--json] [--html PATH]
     ddpack rm       RUN|SWEEP|JOB_ID [--json]
     ddpack gc       --images [DIR] [--runs DIR] [--dry-run] [--json]
     ddpack completion bash|zsh
@@ -168,7 +169,9 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("run", nargs="+", help="two run folders or job ids, or more")
     sub.add_argument("--runs", type=Path, default=None, help=runs_help)
     sub.add_argument("--json", action="store_true", help="print one object: runs (each with its outcome), differ, same")
-    sub.add_argument("--html", type=Path, default=Path("compare.html"), help="the page overlaying their curves (default ./compare.html)")
+    sub.add_argument("--html", type=Path, default=None, help="write the page overlaying their curves here (none unless asked)")
+    sub.add_argument("--sort", metavar="KEY", help="a sweep's points by a swept name or a column (train_loss, eval_loss, samples_per_s, ...)")
+    sub.add_argument("--reverse", action="store_true", help="with --sort: highest first")
     sub = verbs.add_parser("rm", help="delete a run's or a sweep's folder, once none of its jobs lives")
     sub.add_argument("run", help="a run folder, a sweep's folder or a job id")
     sub.add_argument("--runs", type=Path, default=None, help=runs_help)
@@ -551,10 +554,20 @@ def compare(opts: argparse.Namespace, runs: Path) -> int:
     from ddpack.jobs.sweep import point_dirs
 
     folders = [resolve_run(run, runs) for run in opts.run]
+    if len(folders) == 1 and is_sweep(folders[0]):  # a sweep alone: one row a point, its values as columns
+        names, rows, curves = comparing.sweep_table(folders[0])
+        curve_of = {row["index"]: curve for row, curve in zip(rows, curves, strict=True)}
+        rows = comparing.sort_rows(rows, opts.sort, names, opts.reverse) if opts.sort else rows
+        page = comparing.write_sweep_page(folders[0], names, rows, [curve_of[r["index"]] for r in rows], opts.html.resolve()) if opts.html else None
+        print(json.dumps({"run_dir": str(folders[0]), "names": names, "points": rows, "html": str(page) if page else None}, indent=2)
+              if opts.json else comparing.render_sweep_table(names, rows, page))  # fmt: skip
+        return 0
+    if opts.sort:
+        raise HostError("--sort orders a sweep's points: compare SWEEP --sort KEY (one sweep alone)", code=2)
     comparison, metrics = comparing.compare([point for folder in folders for point in (point_dirs(folder) if is_sweep(folder) else [folder])])
-    page = comparing.write_page(comparison, metrics, opts.html.resolve())
+    page = comparing.write_page(comparison, metrics, opts.html.resolve()) if opts.html else None
     if opts.json:
-        print(json.dumps({**comparison.to_json(), "html": str(page)}, indent=2))
+        print(json.dumps({**comparison.to_json(), "html": str(page) if page else None}, indent=2))
     else:
         print(comparing.render(comparison, page))
     return 0

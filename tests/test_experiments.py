@@ -244,7 +244,7 @@ def test_compare_shows_only_what_differed_and_how_each_run_ended_with_a_page_of_
     assert sorted(result["differ"]) == ["command", "settings.nodes"]  # the run's own folder is not a difference
     assert result["differ"]["settings.nodes"] == [2, 4] and result["same"] > 3
     ends = {run["name"]: run for run in result["runs"]}
-    assert (ends["41"]["state"], ends["41"]["step"], ends["41"]["restarts"], ends["41"]["final_loss"]) == ("COMPLETED", 20, 0, 1 / 21)
+    assert (ends["41"]["state"], ends["41"]["step"], ends["41"]["restarts"], ends["41"]["train_loss"]) == ("COMPLETED", 20, 0, 1 / 21)
     assert (ends["52"]["state"], ends["52"]["step"], ends["52"]["restarts"]) == ("COMPLETED", 60, 1)
     assert ends["52"]["samples_per_s"] == 2000.0 and ends["41"]["wall_s"] == 3
     text = page.read_text()
@@ -255,6 +255,9 @@ def test_compare_shows_only_what_differed_and_how_each_run_ended_with_a_page_of_
     assert "2 field(s) differ" in out and "settings.nodes" in out and "restarts" in out and f"compare: wrote {page}" in out
     assert cli.main(["compare", str(first)]) == 2
     assert "compare needs two runs or more" in capfd.readouterr().err
+    page.unlink()
+    assert cli.main(["compare", str(first), str(second)]) == 0 and "last train loss" in capfd.readouterr().out
+    assert not page.exists() and not Path("compare.html").exists()  # a page only where --html asks
 
 
 # --------------------------------------------------------------------------- sweeps
@@ -495,15 +498,33 @@ def test_the_experiments_bench_runs_and_prints_its_figures(tmp_path) -> None:
     assert "ls, cold (summaries written)" in out.stdout and "ls, warm" in out.stdout, out.stdout
 
 
-def test_compare_of_a_sweep_is_its_points_side_by_side(tmp_path, slurm, capfd) -> None:
+def test_compare_of_a_sweep_is_one_row_a_point_with_its_values_sortable(tmp_path, slurm, capfd) -> None:
+    from test_lifecycle import end, progress, start
+
+    from train import run_folder
+
     fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
-    assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1e-3,3e-4", "--json", "--", "python", "t.py", "{lr}"]) == 0
-    sweep_dir = submitted(capfd)["run_dir"]
+    assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1e-3,3e-4", "--sweep", "bs=8,16", "--json", "--", "python", "t.py", "{lr}", "{bs}"]) == 0
+    sweep_dir = Path(submitted(capfd)["run_dir"])
     fake(slurm, "squeue", "exit 0")
-    assert cli.main(["compare", sweep_dir, "--json", "--html", str(tmp_path / "c.html")]) == 0
+    for index, loss in enumerate((0.5, 0.2, 0.9, 0.1)):
+        records = [start(100, 0), {**progress(101, 10), "loss": loss, "samples_per_s": 100.0 * (index + 1)},
+                   {"time": 101.5, "kind": "eval", "global_step": 10, "eval_loss": loss + 1}, end(102, 10, "done", 0)]  # fmt: skip
+        (sweep_dir / str(index) / run_folder.METRICS).write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert cli.main(["compare", str(sweep_dir), "--json", "--sort", "eval_loss"]) == 0
     result = json.loads(capfd.readouterr().out)
-    assert [run["name"] for run in result["runs"]] == ["90_0", "90_1"]
-    assert result["differ"]["sweep.lr"] == ["1e-3", "3e-4"] and result["differ"]["command"] == ['["python", "t.py", "1e-3"]', '["python", "t.py", "3e-4"]']
+    assert result["names"] == ["lr", "bs"] and result["html"] is None
+    assert [(r["index"], r["lr"], r["bs"], r["state"], r["train_loss"], r["eval_loss"]) for r in result["points"]] == [
+        (3, "3e-4", "16", "COMPLETED", 0.1, 1.1), (1, "1e-3", "16", "COMPLETED", 0.2, 1.2), (0, "1e-3", "8", "COMPLETED", 0.5, 1.5),
+        (2, "3e-4", "8", "COMPLETED", 0.9, 1.9)]  # fmt: skip
+    page = tmp_path / "sweep.html"
+    assert cli.main(["compare", "90", "--runs", str(sweep_dir.parent), "--sort", "samples_per_s", "--reverse", "--html", str(page)]) == 0
+    lines = capfd.readouterr().out.splitlines()
+    assert lines[0].split()[:4] == ["point", "lr", "bs", "state"] and [line.split()[0] for line in lines[1:5]] == ["3", "2", "1", "0"]
+    assert lines[-1] == f"compare: wrote {page}" and page.read_text().count("data:image/png;base64,") == 1
+    assert cli.main(["compare", str(sweep_dir), "--sort", "speed"]) == 2 and "--sort speed: expected one of index, lr, bs" in capfd.readouterr().err
+    assert cli.main(["compare", str(sweep_dir), str(sweep_dir / "3"), "--json"]) == 0  # with another run: what differed
+    assert json.loads(capfd.readouterr().out)["differ"]["sweep.lr"] == ["1e-3", "1e-3", "3e-4", "3e-4", "3e-4"]
 
 
 def test_a_points_own_log_settles_its_state_once_slurm_has_forgotten_it(tmp_path, slurm, capfd) -> None:

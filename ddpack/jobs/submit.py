@@ -717,7 +717,7 @@ def submit_sweep(settings: SubmitSettings, sweep_dir: Path, made: RecordParts, *
         write_record(made.record(alone, point_dir, f"{sweep_dir.name}/{index}", sweep=where))
         points.append(point)
     record = {
-        "format": 1, "name": sweep_dir.name, "created": time.time(), "values": settings.sweep, "points": points,
+        "format": 1, "name": sweep_dir.name, "created": time.time(), "values": settings.sweep, "names": list(settings.sweep), "points": points,
         "parallel": settings.sweep_parallel, "script": os.path.relpath(made.script_path, sweep_dir), "job_id": None,
         "run_file": made.run_file, "tags": dict(settings.tags), "note": settings.note,
     }  # fmt: skip
