@@ -11,6 +11,7 @@
     ddpack report   RUN|JOB_ID [--png] [--json]
     ddpack compare  RUN|JOB_ID RUN|JOB_ID... [--json] [--html PATH]
     ddpack compare  SWEEP [--sort KEY] [--reverse] [--json] [--html PATH]
+    ddpack export   RUN|SWEEP... [--csv FILE] [--summary FILE] [--tensorboard DIR] [--json]
     ddpack rm       RUN|SWEEP|JOB_ID [--json]
     ddpack gc       --images [DIR] [--runs DIR] [--dry-run] [--json]
     ddpack completion bash|zsh
@@ -172,6 +173,13 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("--html", type=Path, default=None, help="write the page overlaying their curves here (none unless asked)")
     sub.add_argument("--sort", metavar="KEY", help="a sweep's points by a swept name or a column (train_loss, eval_loss, samples_per_s, ...)")
     sub.add_argument("--reverse", action="store_true", help="with --sort: highest first")
+    sub = verbs.add_parser("export", help="runs' records out of ddpack: CSV (a row a record, or a run), TensorBoard event files")
+    sub.add_argument("run", nargs="+", help="run folders, sweeps' (their points) or job ids")
+    sub.add_argument("--csv", type=Path, metavar="FILE", help="one row a metrics record, with each run's values and tags")
+    sub.add_argument("--summary", type=Path, metavar="FILE", help="one row a run: its values, tags and how it ended (CSV)")
+    sub.add_argument("--tensorboard", type=Path, metavar="DIR", help="one folder a run (named by its values) of TensorBoard event files")
+    sub.add_argument("--runs", type=Path, default=None, help=runs_help)
+    sub.add_argument("--json", action="store_true", help="print one object: runs, and each file or folder written")
     sub = verbs.add_parser("rm", help="delete a run's or a sweep's folder, once none of its jobs lives")
     sub.add_argument("run", help="a run folder, a sweep's folder or a job id")
     sub.add_argument("--runs", type=Path, default=None, help=runs_help)
@@ -220,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
             return compare(opts, runs)
         if opts.verb == "gc":
             return collect_images(opts, runs)
+        if opts.verb == "export":
+            return export(opts, runs)
         if opts.verb == "cancel" and opts.run is None:  # what cannot be undone is never done to a run not named
             newest = run_ops.resolve_run(None, runs)
             raise HostError(f"cancel names its run: the newest is {newest} (job {facts_of(newest)}); ddpack cancel {newest} cancels it", code=2)
@@ -446,6 +456,33 @@ def facts_of(folder: Path) -> str:
 
     job = read_sweep(folder).get("job_id") if is_sweep(folder) else (last.job_id if (last := read_record(folder).last_job) else None)
     return str(job or "none")
+
+
+def export(opts: argparse.Namespace, runs: Path) -> int:
+    """export: the runs' records as CSV (a row a record; --summary a row a run) and TensorBoard event files."""
+    from ddpack.jobs import export as exporting
+    from ddpack.jobs.runs import resolve_run
+
+    if not (opts.csv or opts.summary or opts.tensorboard):
+        raise HostError("export writes --csv FILE, --summary FILE or --tensorboard DIR: name one or more", code=2)
+    points = exporting.runs_of([resolve_run(run, runs) for run in opts.run])
+    said: dict[str, Any] = {"runs": [str(point) for point in points]}
+    if opts.csv:
+        said["csv"] = {"file": str(opts.csv.resolve()), "rows": exporting.export_csv(points, opts.csv.resolve())}
+    if opts.summary:
+        said["summary"] = {"file": str(opts.summary.resolve()), "rows": exporting.export_summary(points, opts.summary.resolve())}
+    if opts.tensorboard:
+        said["tensorboard"] = [str(folder) for folder in exporting.export_tensorboard(points, opts.tensorboard.resolve())]
+    if opts.json:
+        print(json.dumps(said, indent=2))
+        return 0
+    for key in ("csv", "summary"):
+        if key in said:
+            print(f"export: wrote {said[key]['file']} ({said[key]['rows']} rows, {'a record' if key == 'csv' else 'a run'} each)")
+    if "tensorboard" in said:
+        where = opts.tensorboard.resolve()
+        print(f"export: wrote {len(said['tensorboard'])} TensorBoard run folder(s) under {where}: tensorboard --logdir {where}")
+    return 0
 
 
 def collect_images(opts: argparse.Namespace, runs: Path) -> int:

@@ -14,9 +14,9 @@ import argparse
 import shlex
 from dataclasses import dataclass
 
-FOLDER_FLAGS = ("--runs", "--images")
-FILE_FLAGS = ("--sqsh", "--file", "--html")
-RUN_VERBS = ("status", "logs", "cancel", "resubmit", "report", "compare", "rm", "tag")
+FOLDER_FLAGS = ("--runs", "--images", "--tensorboard")
+FILE_FLAGS = ("--sqsh", "--file", "--html", "--csv", "--summary")
+RUN_VERBS = ("status", "logs", "cancel", "resubmit", "report", "compare", "rm", "tag", "export")
 
 
 @dataclass(frozen=True)

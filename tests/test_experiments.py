@@ -883,3 +883,43 @@ def test_completion_lists_runs_without_asking_slurm(tmp_path, slurm) -> None:
     run_dir = make_run(tmp_path)
     assert complete(tmp_path, ["ddpack", "status", ""], env={"DDPACK_RUNS": str(run_dir.parent)}) == [str(run_dir), "41"]
     assert calls(slurm, "squeue") == [] and calls(slurm, "sacct") == []
+
+
+# --------------------------------------------------------------------------- export (issue 57)
+
+
+def test_export_writes_a_row_a_record_a_row_a_run_and_a_tensorboard_folder_a_run(tmp_path, slurm, capfd) -> None:
+    import csv
+
+    from test_lifecycle import end, progress, start
+
+    from train import run_folder
+
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
+    assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1e-3,3e-4", "--tag", "team=nlp", "--json", "--", "p", "{lr}"]) == 0
+    sweep_dir = Path(submitted(capfd)["run_dir"])
+    fake(slurm, "squeue", "exit 0")
+    for index in (0, 1):
+        records = [start(100, 0), {**progress(101, 10), "lr": 0.5, "rank_step_s": [0.1, 0.2]}, progress(102, 20),
+                   {"time": 103.0, "kind": "eval", "epoch": 1, "global_step": 20, "eval_loss": 0.3 + index}, end(104, 20, "done", 0)]  # fmt: skip
+        (sweep_dir / str(index) / run_folder.METRICS).write_text("".join(json.dumps(r) + "\n" for r in records))
+    rows_csv, runs_csv, board = tmp_path / "out" / "records.csv", tmp_path / "out" / "runs.csv", tmp_path / "tb"
+    (tmp_path / "out").mkdir()
+    assert cli.main(["export", "90", "--runs", str(sweep_dir.parent), "--csv", str(rows_csv), "--summary", str(runs_csv),
+                     "--tensorboard", str(board)]) == 0  # fmt: skip
+    assert f"export: wrote {rows_csv} (10 rows, a record each)" in capfd.readouterr().out
+    rows = list(csv.DictReader(rows_csv.open()))
+    assert [(r["point"], r["value.lr"], r["tag.team"], r["kind"], r["global_step"]) for r in rows[:5]] == [
+        ("0", "1e-3", "nlp", kind, step) for kind, step in (("start", "0"), ("progress", "10"), ("progress", "20"), ("eval", "20"), ("end", "20"))]
+    assert rows[1]["lr"] == "0.5" and "rank_step_s" not in rows[0] and rows[8]["eval_loss"] == "1.3" and rows[8]["value.lr"] == "3e-4"
+    summary = list(csv.DictReader(runs_csv.open()))
+    assert [(r["value.lr"], r["state"], r["step"], r["eval_loss"]) for r in summary] == [("1e-3", "COMPLETED", "20", "0.3"), ("3e-4", "COMPLETED", "20", "1.3")]
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert sorted(p.name for p in board.iterdir()) == ["lr=1e-3", "lr=3e-4"]
+    events = EventAccumulator(str(board / "lr=3e-4"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(10, pytest.approx(1 / 11)), (20, pytest.approx(1 / 21))]
+    assert [(e.step, round(e.value, 4)) for e in events.Scalars("eval/eval_loss")] == [(20, 1.3)] and events.Scalars("train/lr")[0].value == 0.5
+    assert cli.main(["export", str(sweep_dir)]) == 2 and "export writes --csv FILE, --summary FILE or --tensorboard DIR" in capfd.readouterr().err
