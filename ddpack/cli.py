@@ -520,18 +520,25 @@ def point_of(folder: Path, point: int | None) -> Path:
 
 def report(opts: argparse.Namespace, runs: Path) -> int:
     """A run folder of any template's (or its metrics file), or a run of ddpack submit's named by a job id."""
+    from ddpack.jobs import ledger as ledgers
     from ddpack.jobs.report import write_report
     from ddpack.jobs.runs import resolve_run
     from train.run_folder import RUN_RECORD
 
     path = Path(opts.run)
     run_dir = path if path.exists() else resolve_run(opts.run, runs)
+    if is_sweep(run_dir):  # a sweep: its node-hour ledger (each point's report: ddpack report SWEEP/INDEX)
+        total = ledgers.sweep_ledger(run_dir)
+        print(json.dumps({"run_dir": str(run_dir), "ledger": total.to_json()}, indent=2) if opts.json else ledgers.render(total, f"the sweep {run_dir}"))
+        return 0
     written = [str(p) for p in write_report(run_dir, with_png=opts.png)]
+    ours = (run_dir / RUN_RECORD).is_file()
+    ledger = ledgers.run_ledger(run_dir) if ours else None
     if opts.json:
-        known = facts(run_dir) if (run_dir / RUN_RECORD).is_file() else {"run_dir": str(run_dir.resolve()), "job_id": None, "state": None}
-        print(json.dumps({**known, "files": written}, indent=2))
+        known = facts(run_dir) if ours else {"run_dir": str(run_dir.resolve()), "job_id": None, "state": None}
+        print(json.dumps({**known, "files": written, "ledger": ledger.to_json() if ledger else None}, indent=2))
     else:
-        print("\n".join(f"report: wrote {p}" for p in written))
+        print("\n".join([*(f"report: wrote {p}" for p in written), *([ledgers.render(ledger, f"the run {run_dir}")] if ledger else [])]))
     return 0
 
 
@@ -596,8 +603,11 @@ def compare(opts: argparse.Namespace, runs: Path) -> int:
         curve_of = {row["index"]: curve for row, curve in zip(rows, curves, strict=True)}
         rows = comparing.sort_rows(rows, opts.sort, names, opts.reverse) if opts.sort else rows
         page = comparing.write_sweep_page(folders[0], names, rows, [curve_of[r["index"]] for r in rows], opts.html.resolve()) if opts.html else None
-        print(json.dumps({"run_dir": str(folders[0]), "names": names, "points": rows, "html": str(page) if page else None}, indent=2)
-              if opts.json else comparing.render_sweep_table(names, rows, page))  # fmt: skip
+        from ddpack.jobs import ledger as ledgers
+
+        total = ledgers.sweep_ledger(folders[0])
+        print(json.dumps({"run_dir": str(folders[0]), "names": names, "points": rows, "ledger": total.to_json(), "html": str(page) if page else None},
+                         indent=2) if opts.json else comparing.render_sweep_table(names, rows, page) + "\n" + ledgers.render(total, "the sweep"))  # fmt: skip
         return 0
     if opts.sort:
         raise HostError("--sort orders a sweep's points: compare SWEEP --sort KEY (one sweep alone)", code=2)

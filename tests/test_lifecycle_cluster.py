@@ -228,9 +228,9 @@ def test_a_sweep_is_one_job_array_whose_points_each_run_their_own_command(shared
     and `compare` read the sweep as a whole."""
     work = shared / "sweep"
     work.mkdir()
-    (work / "fail-bad").write_text("")  # point 2 exits 2 (bad input: never retried) while this file is there
-    probe = (f"import os, sys; print('point', os.environ['SLURM_ARRAY_TASK_ID'], ' '.join(sys.argv[1:]), os.environ['TAG']); "
-             f"sys.exit(2 * os.path.exists('{work}/fail-' + sys.argv[-1]))")  # fmt: skip
+    (work / "fail-bad").write_text("")  # point 2 exits 2 (bad input: never retried) while /fsx/sweep/fail-bad is there
+    probe = ("import os, sys; print('point', os.environ['SLURM_ARRAY_TASK_ID'], ' '.join(sys.argv[1:]), os.environ['TAG']); "
+             "sys.exit(2 * os.path.exists('/fsx/sweep/fail-' + sys.argv[-1]))")  # fmt: skip
     submitted = ddpack(
         "submit", str(work), "--nodes", "1", "--sqsh", str(sqsh), "--runs", str(work / "runs"), "--mounts", f"{shared}:/fsx",
         "--sweep", "lr=1e-3,3e-4,bad", "--sweep-parallel", "3", "--env", "TAG=p{index}", "--sbatch-arg=--comment=ddpack-sweep",

@@ -21,6 +21,7 @@ from statistics import median
 from typing import Any
 
 from ddpack.errors import HostError
+from ddpack.jobs.ledger import run_ledger
 from ddpack.jobs.run_record import read_record
 from ddpack.jobs.segments import Run, read_run
 from ddpack.private_files import write_atomically
@@ -65,6 +66,8 @@ class Outcome:
     mfu: float | None  # median
     wall_s: float | None  # the sum of its segments' spans: time spent training, not queued
     restarts: int
+    node_hours: float | None = None  # the node-hour ledger's allocation (ddpack.jobs.ledger), None without start records
+    kept_node_hours: float | None = None  # of which bought steps the run kept
 
 
 def outcome(run_dir: Path) -> tuple[Outcome, Run | None]:
@@ -80,6 +83,8 @@ def outcome(run_dir: Path) -> tuple[Outcome, Run | None]:
     rates = [r["samples_per_s"] for r in progress if r.get("samples_per_s") is not None]
     mfus = [r["mfu"] for r in progress if r.get("mfu") is not None]
     spans = [s.ended - s.began for s in run.segments if s.began is not None and s.ended is not None] if run else []
+    ledger = run_ledger(run_dir, now.state)
+    allocated = ledger.allocated_node_s / 3600 if ledger.allocations else None
     return (
         Outcome(
             state=now.state,
@@ -91,6 +96,8 @@ def outcome(run_dir: Path) -> tuple[Outcome, Run | None]:
             mfu=median(mfus) if mfus else None,
             wall_s=sum(spans) if spans else None,
             restarts=max(0, len(now.segments) - 1),
+            node_hours=allocated,
+            kept_node_hours=ledger.node_s["kept"] / 3600 if allocated is not None else None,
         ),
         run,
     )
@@ -162,6 +169,7 @@ def outcome_rows(comparison: Comparison) -> list[tuple[str, list[str]]]:
         ("MFU (median)", [f"{o.mfu * 100:.1f} %" if o.mfu is not None else "-" for o in out]),
         ("wall time", [_duration(o.wall_s) for o in out]),
         ("restarts", [str(o.restarts) for o in out]),
+        ("node-hours (kept)", [f"{o.node_hours:.3f} ({o.kept_node_hours:.3f})" if o.node_hours is not None else "-" for o in out]),
     ]
 
 
@@ -221,7 +229,7 @@ def write_page(comparison: Comparison, runs: list[Run | None], path: Path) -> Pa
 
 # --------------------------------------------------------------------------- a sweep: one row a point
 
-POINT_COLUMNS = ("state", "step", "train_loss", "eval_loss", "samples_per_s", "mfu", "wall_s", "restarts")
+POINT_COLUMNS = ("state", "step", "train_loss", "eval_loss", "samples_per_s", "mfu", "wall_s", "restarts", "node_hours", "kept_node_hours")
 
 
 def sweep_table(folder: Path) -> tuple[list[str], list[dict[str, Any]], list[Run | None]]:
@@ -261,10 +269,11 @@ def sort_rows(rows: list[dict[str, Any]], key: str, names: list[str], reverse: b
 
 
 def render_sweep_table(names: list[str], rows: list[dict[str, Any]], page: Path | None) -> str:
-    heads = ["point", *names, "state", "step", "train loss", "eval loss", "samples/s", "MFU", "wall", "restarts"]
+    heads = ["point", *names, "state", "step", "train loss", "eval loss", "samples/s", "MFU", "wall", "restarts", "node-h (kept)"]
     body = [[str(row["index"]), *(str(row[name]) for name in names), row["state"], _cell(row["step"]), _cell(row["train_loss"]),
              _cell(row["eval_loss"]), f"{row['samples_per_s']:,.0f}" if row["samples_per_s"] is not None else "-",
-             f"{row['mfu'] * 100:.1f} %" if row["mfu"] is not None else "-", _duration(row["wall_s"]), str(row["restarts"])]
+             f"{row['mfu'] * 100:.1f} %" if row["mfu"] is not None else "-", _duration(row["wall_s"]), str(row["restarts"]),
+             f"{row['node_hours']:.3f} ({row['kept_node_hours']:.3f})" if row["node_hours"] is not None else "-"]
             for row in rows]  # fmt: skip
     widths = [max(len(line[i]) for line in [heads, *body]) for i in range(len(heads))]
     lines = ["  ".join(f"{cell:<{widths[i]}}" for i, cell in enumerate(line)).rstrip() for line in [heads, *body]]
