@@ -924,3 +924,81 @@ def test_export_writes_a_row_a_record_a_row_a_run_and_a_tensorboard_folder_a_run
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(10, pytest.approx(1 / 11)), (20, pytest.approx(1 / 21))]
     assert [(e.step, round(e.value, 4)) for e in events.Scalars("eval/eval_loss")] == [(20, 1.3)] and events.Scalars("train/lr")[0].value == 0.5
     assert cli.main(["export", str(sweep_dir)]) == 2 and "export writes --csv FILE, --summary FILE or --tensorboard DIR" in capfd.readouterr().err
+
+
+# --------------------------------------------------------------------------- the node-hour ledger (issue 57)
+
+
+def ledger_run(tmp_path: Path) -> Path:
+    """A 2-node run: allocation 1 (0-62 s) fails at step 20 (exit 1), restarts in place from its snapshot at 10, is
+    preempted at step 30 and requeued; allocation 2 (100-127 s) resumes from 20 and completes at 40."""
+    from test_lifecycle import end, progress, start
+
+    from train import run_folder
+
+    run_dir = make_run(tmp_path, records=[
+        start(10, 0), progress(20, 10), {"time": 21.0, "kind": "snapshot", "global_step": 10}, progress(30, 20),
+        start(40, 10), progress(50, 20), {"time": 51.0, "kind": "snapshot", "global_step": 20}, progress(60, 30),
+        start(105, 20, 1), progress(115, 30), progress(125, 40), end(126, 40, "done", 0)])  # fmt: skip
+    decisions = [
+        {"time": 0.0, "kind": "start", "job": "41", "nodes": "ddnode[1-2]", "restart": 0},
+        {"time": 9.0, "kind": "preflight", "job": "41", "result": "passed"},
+        {"time": 35.0, "kind": "step-end", "job": "41", "verdict": "restart", "reason": "failed", "exit": "1"},
+        {"time": 62.0, "kind": "step-end", "job": "41", "verdict": "requeue", "reason": "preempted", "exit": "138"},
+        {"time": 100.0, "kind": "start", "job": "41", "nodes": "ddnode[1-2]", "restart": 1},
+        {"time": 127.0, "kind": "step-end", "job": "41", "verdict": "completed", "reason": "done", "exit": "0"},
+    ]
+    (run_dir / run_folder.DECISIONS).write_text("".join(json.dumps(d) + "\n" for d in decisions))
+    (run_dir / run_folder.PREFLIGHT).write_text(json.dumps({"ok": True, "seconds": 4.0, "failures": [], "warnings": []}))
+    return run_dir
+
+
+def test_the_ledgers_parts_add_up_to_the_allocation_through_a_restart_and_a_preemption(tmp_path, slurm) -> None:
+    from dataclasses import replace
+
+    from ddpack.jobs.ledger import run_ledger
+    from ddpack.jobs.run_record import write_record
+
+    run_dir = ledger_run(tmp_path)
+    write_record(replace(read_record(run_dir), jobs=[replace(read_record(run_dir).jobs[0], submitted=-30.0)]))
+    ledger = run_ledger(run_dir, "COMPLETED")
+    # Allocation 1, 0-62 s on 2 nodes: startup 0-10, of it the preflight's 4 s (preflight.json; its record at 9), kept
+    # 10-21 and 40-51, redone 21-30 and 51-60 (the next segment resumed from the snapshot), the failure
+    # 30-35, the restart in place 35-40, the preemption 60-62. Allocation 2, 100-127 s: startup 100-105, kept 105-126,
+    # shutdown 126-127.
+    assert {part: seconds for part, seconds in ledger.node_s.items() if seconds} == {
+        "startup": 2 * (6 + 5), "preflight": 2 * 4, "kept": 2 * (11 + 11 + 21), "redone": 2 * (9 + 9), "failures": 2 * 5, "restarts": 2 * 5,
+        "preemptions": 2 * 2, "shutdown": 2 * 1}  # fmt: skip
+    assert ledger.allocated_node_s == 2 * (62 + 27) == sum(ledger.node_s.values())
+    assert [(a["nodes"], a["began"], a["ended"]) for a in ledger.allocations] == [(2, 0.0, 62.0), (2, 100.0, 127.0)]
+    assert (ledger.steps_kept, ledger.steps_redone, ledger.preemptions, ledger.restarts, ledger.requeues) == (40, 20, 1, 1, 1)
+    assert (ledger.queue_wait_s, ledger.requeue_wait_s) == (30.0, 38.0)  # beside the allocation, not in it
+
+
+def test_report_and_compare_show_the_ledger_for_a_run_and_for_a_sweep(tmp_path, slurm, capfd) -> None:
+    pytest.importorskip("matplotlib")
+    fake(slurm, "squeue", "exit 0")
+    run_dir = ledger_run(tmp_path / "a")
+    assert cli.main(["report", str(run_dir), "--json"]) == 0
+    ledger = json.loads(capfd.readouterr().out)["ledger"]
+    assert ledger["allocated_node_hours"] == pytest.approx(178 / 3600) and ledger["node_hours"]["kept"] == pytest.approx(86 / 3600)
+    assert cli.main(["report", str(run_dir)]) == 0
+    out = capfd.readouterr().out
+    assert "node-hours of the run" in out and "0.049 allocated over 2 allocation(s)" in out and "steps redone after a restart" in out
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
+    assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1,2", "--json", "--", "p", "{lr}"]) == 0
+    sweep_dir = Path(submitted(capfd)["run_dir"])
+    for index in (0, 1):  # point 0 completes as the run above; point 1 the same records, but it ended FAILED
+        shutil.rmtree(sweep_dir / str(index) / "logs")
+        for name in ("metrics.jsonl", "decisions.jsonl", "preflight.json"):
+            shutil.copy(run_dir / name, sweep_dir / str(index) / name)
+    failed = (run_dir / "decisions.jsonl").read_text().replace('"completed", "reason": "done"', '"end", "reason": "failed"')
+    (sweep_dir / "1" / "decisions.jsonl").write_text(failed)
+    (sweep_dir / "1" / "metrics.jsonl").write_text("".join(line for line in (run_dir / "metrics.jsonl").read_text().splitlines(True) if '"end"' not in line))
+    assert cli.main(["report", str(sweep_dir), "--json"]) == 0
+    total = json.loads(capfd.readouterr().out)["ledger"]
+    assert total["allocated_node_hours"] == pytest.approx(2 * 178 / 3600) and total["failed_points"] == 1
+    assert total["failed_point_node_hours"] == pytest.approx(178 / 3600) and total["steps_kept"] == 40
+    assert cli.main(["compare", str(sweep_dir), "--json"]) == 0
+    points = json.loads(capfd.readouterr().out)["points"]
+    assert [(p["state"], round(p["node_hours"] * 3600), round(p["kept_node_hours"] * 3600)) for p in points] == [("COMPLETED", 178, 86), ("FAILED", 178, 44)]
