@@ -712,6 +712,9 @@ def test_slurms_own_options_reach_the_script_the_record_and_sbatch_test_only(tmp
     second = Path(submitted(capfd)["run_dir"])
     assert "#SBATCH --dependency=afterany:73" in tested.read_text().splitlines()
     assert (read_record(second).settings["after"], read_record(second).settings["dependency"]) == (f"{first}:any", "afterany:73")
+    fake(slurm, "squeue", "exit 0")
+    assert cli.main(["resubmit", str(second)]) == 0  # continues now: the dependency (on a job maybe long gone) is dropped
+    assert queued(slurm)[-1].endswith(f" --dependency= {second}/job/ddpack.sbatch")
     assert cli.main(["submit", "--file", str(path), "--after", "74", "--dry-run"]) == 0
     assert "#SBATCH --dependency=afterok:74" in capfd.readouterr().out.splitlines()
     fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')

@@ -185,7 +185,7 @@ def resubmit(run_dir: Path, changes: dict[str, Any] | None = None) -> str:
 
     changes = {key: value for key, value in (changes or {}).items() if value is not None}
     record = read_record(run_dir)
-    options = resubmit_options(changes, int(record.settings.get("spares") or 0))
+    options = (*resubmit_options(changes, int(record.settings.get("spares") or 0)), *undepend(record))
     script, export = resubmit_ready(run_dir, record)
     if record.sweep:  # a sweep's point: its element of the sweep's array script, which picks its folder and command
         options = (f"--array={record.sweep['index']}", *options)
@@ -238,6 +238,12 @@ def resubmit_ready(run_dir: Path, record: Any) -> tuple[Path, tuple[str, ...] | 
             raise HostError(f"job {job.job_id} of this run is still {queue.state}; ddpack cancel it first, or wait for it", code=2)
     # A record from before the environment was recorded sent the whole shell; one that has it sends what it names.
     return script, ((*LOGIN_ENV, *secrets) if record.environment else None)
+
+
+def undepend(record: Any) -> tuple[str, ...]:
+    """A resubmit continues now: a run submitted --after another drops the script's --dependency (whose job may be
+    long gone, and Slurm would hold the job for it), as sbatch's empty --dependency= does."""
+    return ("--dependency=",) if record.settings.get("dependency") else ()
 
 
 def resubmit_options(changes: dict[str, Any], spares: int) -> tuple[str, ...]:

@@ -378,7 +378,7 @@ def resubmit_points(folder: Path, states: tuple[str, ...], changes: dict[str, An
     sweep.json before any point's record is written; (its job id, the points)."""
     from ddpack.jobs import slurm_cli
     from ddpack.jobs.run_record import read_record, write_json_atomic
-    from ddpack.jobs.runs import resubmit_options, resubmit_ready
+    from ddpack.jobs.runs import resubmit_options, resubmit_ready, undepend
     from ddpack.jobs.submit import record_job
 
     status = sweep_status(folder)
@@ -391,7 +391,8 @@ def resubmit_points(folder: Path, states: tuple[str, ...], changes: dict[str, An
     ready = {index: resubmit_ready(folder / str(index), record) for index, record in records.items()}
     script, export = ready[picked[0]]
     limit = f"%{data['parallel']}" if (data := read_sweep(folder)).get("parallel") else ""
-    options = (f"--array={','.join(map(str, picked))}{limit}", *resubmit_options(changes, int(records[picked[0]].settings.get("spares") or 0)))
+    spares = int(records[picked[0]].settings.get("spares") or 0)
+    options = (f"--array={','.join(map(str, picked))}{limit}", *resubmit_options(changes, spares), *undepend(records[picked[0]]))
     job_id = slurm_cli.sbatch(Path(os.path.normpath(script)), folder, export=export, options=options)
     data = read_sweep(folder)  # again: as it is now
     mended = [*data.get("resubmits", []), {"job_id": job_id, "points": picked, "changes": changes}]
