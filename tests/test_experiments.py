@@ -700,7 +700,7 @@ def test_slurms_own_options_reach_the_script_the_record_and_sbatch_test_only(tmp
                      "--sbatch-arg", "--comment=first run", "--json"]) == 0  # fmt: skip
     first = Path(submitted(capfd)["run_dir"])
     wanted = ["#SBATCH --account=lab", "#SBATCH --qos=high", "#SBATCH --constraint=a100&ib", "#SBATCH --reservation=maint",
-              "#SBATCH --mem=0", "#SBATCH --comment=first run"]  # fmt: skip
+              "#SBATCH --mem=0", '#SBATCH --comment="first run"']  # fmt: skip: a value with a space is quoted, as sbatch needs
     script = (first / "job" / "ddpack.sbatch").read_text()
     assert all(line in script.splitlines() for line in wanted), script
     assert all(line in tested.read_text().splitlines() for line in wanted)
@@ -733,6 +733,7 @@ def test_slurms_own_options_reach_the_script_the_record_and_sbatch_test_only(tmp
         (["--sbatch-arg", "--dependency=afterok:1"], "ddpack sets --dependency itself; use --after RUN[:ok|any|notok]"),
         (["--sbatch-arg", "--account=x"], "ddpack sets --account itself; use --account"),
         (["--sbatch-arg", "mem=0"], "--sbatch-arg 'mem=0': an sbatch option"),
+        (["--sbatch-arg", '--comment=say "hi"'], "without a double quote"),
         (["--account", "a b"], "--account 'a b': not a Slurm name"),
         (["--after", "9999:ok"], "--after 9999:ok: job 9999 belongs to no run"),
         (["--after", "9999:soon"], "--after 9999:soon: 9999:soon is neither a run folder nor a job id"),

@@ -194,8 +194,8 @@ def slurm_option_problems(settings: SubmitSettings) -> list[str]:
     if settings.constraint is not None and (not settings.constraint or re.search(r"[\s\x00-\x1f\x7f]", settings.constraint)):
         problems.append(f"--constraint {settings.constraint!r}: node features without spaces, such as a100&ib or [rack1|rack2]")
     for option in settings.sbatch_args:
-        if not re.fullmatch(r"--?[A-Za-z][^\x00-\x1f\x7f]*", option):
-            problems.append(f"--sbatch-arg {option!r}: an sbatch option (--mem=0, --comment=x), one a flag, on one line")
+        if not re.fullmatch(r"--?[A-Za-z][^\x00-\x1f\x7f\"]*", option) or (" " in option.partition("=")[0]):
+            problems.append(f"--sbatch-arg {option!r}: an sbatch option (--mem=0, --comment=x), one a flag, on one line, without a double quote")
         elif option_name(option) in OWNED_OPTIONS:
             problems.append(f"--sbatch-arg {option}: ddpack sets {option_name(option)} itself; use {OWNED_OPTIONS[option_name(option)]}")
     return problems
@@ -304,6 +304,13 @@ def per_point(settings: SubmitSettings, value: str) -> bool:
     return bool(settings.sweep) and bool(placeholders([value]))
 
 
+def sbatch_directive(option: str) -> str:
+    """An --sbatch-arg as an #SBATCH line takes it: a value with a space in double quotes (sbatch reads an unquoted
+    second word as a directive of its own, and refuses it)."""
+    name, sep, value = option.partition("=")
+    return f'{name}="{value}"' if sep and re.search(r"\s", value) else option
+
+
 def slurm_options(settings: SubmitSettings) -> dict[str, str | None]:
     """Slurm's own options the user gave by name (sbatch's spelling without its dashes)."""
     return {"account": settings.account, "qos": settings.qos, "constraint": settings.constraint, "reservation": settings.reservation,
@@ -331,7 +338,7 @@ def sbatch_lines(settings: SubmitSettings, run_dir: Path) -> list[str]:
         "--signal=USR1@90",
         "--requeue",
         "--no-kill",
-        *settings.sbatch_args,
+        *(sbatch_directive(option) for option in settings.sbatch_args),
     ]
     return [f"#SBATCH {line}" for line in lines]
 
