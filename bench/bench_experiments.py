@@ -143,6 +143,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--runs", type=int, default=1000, help="run folders for ls")
+    parser.add_argument("--big-runs", type=int, default=1000, help="ended run folders with 10 MB metrics and 1 MB logs, for ls")
     opts = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-experiments-") as folder:
         work = Path(folder)
@@ -156,8 +157,8 @@ def main() -> int:
         listing = ls_rounds(work / "ls", opts.runs, opts.rounds)
         report(f"ddpack ls --json on {opts.runs} runs (target <= 1 s):", listing)
         (work / "big").mkdir()
-        big = big_rounds(work / "big", opts.runs, opts.rounds)
-        report(f"ddpack ls --json on {opts.runs} ended runs with 10 MB metrics and 1 MB logs each (target <= 1 s warm):", big)
+        big = big_rounds(work / "big", opts.big_runs, opts.rounds)
+        report(f"ddpack ls --json on {opts.big_runs} ended runs with 10 MB metrics and 1 MB logs each (target <= 1 s warm):", big)
     return 0
 
 

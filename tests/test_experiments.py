@@ -492,7 +492,7 @@ def test_resubmit_of_a_point_is_its_element_of_the_sweeps_array(tmp_path, slurm,
 def test_the_experiments_bench_runs_and_prints_its_figures(tmp_path) -> None:
     """bench/bench_experiments.py, small (one round, 20 runs): it runs, and prints the figures it is for."""
     bench = Path(__file__).resolve().parents[1] / "bench" / "bench_experiments.py"
-    out = subprocess.run([sys.executable, str(bench), "--rounds", "1", "--runs", "20"], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, str(bench), "--rounds", "1", "--runs", "20", "--big-runs", "3"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "the sweep's own work beyond one submit:" in out.stdout and "ls, squeue lists none" in out.stdout, out.stdout
     assert "ls, cold (summaries written)" in out.stdout and "ls, warm" in out.stdout, out.stdout
