@@ -490,14 +490,27 @@ def read_summary(run_dir: Path, record: RunRecord) -> dict[str, Any] | None:
     return data if isinstance(data, dict) and data.get("job_id") == job.job_id and data.get("attempt") == job.attempt else None
 
 
+def summarized(run_dir: Path, record: RunRecord, known: dict[str, Any]) -> dict[str, Any]:
+    """A settled run's status --json object from its summary: the summary's fields, the rest empty (status RUN reads
+    the whole run again: its segments, outcome, ...)."""
+    from dataclasses import fields
+
+    empty = {f.name: ([] if f.name == "segments" else 0 if f.name in ("attempt", "progress_records") else None) for f in fields(Status)}
+    job = record.last_job
+    return {**empty, "run_dir": str(run_dir), "name": record.name, "job_id": job.job_id if job else None, "attempt": job.attempt if job else 0,
+            "note": "from its summary (summary.json)", **{key: known.get(key) for key in SUMMARY_FIELDS},
+            "image": record.image.get("ref"), "sqsh": record.sqsh.get("path")}  # fmt: skip
+
+
 def keep_summary(run_dir: Path, status: Status) -> None:
-    """Write the run's summary once its newest job has ended for good: Slurm no longer lists it (or accounting says
-    how it ended), so nothing but a resubmit (a new job) can change what status says of it. Best effort: a run folder
+    """Write the run's summary once its newest job has ended for good: Slurm no longer lists it and accounting, the
+    job's records, its log or run.json say how it ended, so nothing but a resubmit (a new job) can change what status
+    says of it. Best effort: a run folder
     that cannot be written is read in full again next time."""
     from ddpack.jobs.run_record import write_json_atomic
 
-    if not status.ended or status.state_from == "squeue" or status.job_id is None:
-        return
+    if not status.ended or status.state_from in ("squeue", "run folder") or status.job_id is None:
+        return  # still listed, or a guess (no record says how it ended): asked again next time
     data = {"job_id": status.job_id, "attempt": status.attempt, "written": time.time(), **{key: getattr(status, key) for key in SUMMARY_FIELDS}}
     try:
         write_json_atomic(run_dir / SUMMARY, data)

@@ -197,14 +197,22 @@ def sweep_status(folder: Path) -> dict[str, Any]:
     from dataclasses import asdict
 
     from ddpack.jobs.run_record import read_record
-    from ddpack.jobs.status import asked_for, run_status
+    from ddpack.jobs.status import asked_for, keep_summary, read_summary, run_status, summarized
 
     data = read_sweep(folder)
     folders = point_dirs(folder)
-    asked = asked_for([read_record(point_dir).last_job for point_dir in folders])
+    records = [read_record(point_dir) for point_dir in folders]
+    summaries = [read_summary(point_dir, record) for point_dir, record in zip(folders, records, strict=True)]
+    # One squeue (and sacct) for the points still to settle; a settled point's summary answers for it, unread.
+    asked = asked_for([record.last_job for record, known in zip(records, summaries, strict=True) if known is None])
     points = []
-    for index, point_dir in enumerate(folders):
-        now = asdict(run_status(point_dir, asked(read_record(point_dir).last_job)))
+    for index, (point_dir, record, known) in enumerate(zip(folders, records, summaries, strict=True)):
+        if known is not None:
+            now = summarized(point_dir, record, known)
+        else:
+            status = run_status(point_dir, asked(record.last_job))
+            keep_summary(point_dir, status)
+            now = asdict(status)
         points.append({"index": index, "values": data["points"][index], **now})
     states = [point["state"] for point in points]
     counts = {state: states.count(state) for state in dict.fromkeys(states)}
