@@ -993,6 +993,8 @@ def test_report_and_compare_show_the_ledger_for_a_run_and_for_a_sweep(tmp_path, 
     assert cli.main(["report", str(run_dir)]) == 0
     out = capfd.readouterr().out
     assert "node-hours of the run" in out and "0.049 allocated over 2 allocation(s)" in out and "steps redone after a restart" in out
+    page = (run_dir / "report.html").read_text()
+    assert "<h2 id='ledger'>Node-hours</h2>" in page and "<td>steps kept</td><td>0.02389</td><td>48.3 %</td>" in page
     fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
     assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1,2", "--json", "--", "p", "{lr}"]) == 0
     sweep_dir = Path(submitted(capfd)["run_dir"])
