@@ -127,6 +127,13 @@ def test_a_run_from_submit_through_a_preemption_to_completion_then_resubmitted_a
     private = [Path(run_dir), metrics, *Path(run_dir).glob("logs/*"), *Path(run_dir).glob("snapshots/*")]
     assert len(private) > 3 and all(not path.lstat().st_mode & 0o077 for path in private)  # DDPACK_UMASK=077: the user's alone
     assert not (Path(run_dir) / ".ddpack-lock").exists()  # given back when the job left for good
+    # The node-hour ledger of this real preemption: two allocations of the job's 2 nodes, whose parts add up to them.
+    reported = ddpack("report", run_dir, "--json")
+    assert reported.returncode == 0, reported.stderr
+    ledger = json.loads(reported.stdout)["ledger"]
+    assert [a["nodes"] for a in ledger["allocations"]] == [2, 2] and (ledger["preemptions"], ledger["requeues"]) == (1, 1), ledger
+    assert sum(ledger["node_hours"].values()) == pytest.approx(ledger["allocated_node_hours"]) and ledger["node_hours"]["kept"] > 0, ledger
+    assert ledger["steps_kept"] == 58 and ledger["requeue_wait_s"] > 0, ledger
 
     # The resubmitted job stays queued, its partition down, until the test has cancelled it: started, it would find
     # the run complete and end by itself, a race with the cancel.
