@@ -8,7 +8,7 @@
     ddpack tag      RUN|SWEEP [KEY=VALUE...] [--rm KEY] [--note TEXT]
     ddpack resubmit RUN|JOB_ID [--time T] [--nodes N] [--partition P] [--json]
     ddpack resubmit SWEEP --failed|--state S,... [--time T] [--nodes N] [--partition P] [--json]
-    ddpack report   RUN|JOB_ID [--png] [--json]
+    ddpack report   RUN|SWEEP|JOB_ID [--png] [--json]
     ddpack compare  RUN|JOB_ID RUN|JOB_ID... [--json] [--html PATH]
     ddpack compare  SWEEP [--sort KEY] [--reverse] [--json] [--html PATH]
     ddpack export   RUN|SWEEP... [--csv FILE] [--summary FILE] [--tensorboard DIR] [--json]
@@ -154,7 +154,10 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("--note", help="the run's note (an empty one removes it)")
     sub.add_argument("--runs", type=Path, default=None, help=runs_help)
     sub.add_argument("--json", action="store_true", help="print one object: run_dir, tags, note")
-    for name, text in (("resubmit", "a new job continuing a run, with the same job script and image"), ("report", "the run's report.html")):
+    for name, text in (
+        ("resubmit", "a new job continuing a run, with the same job script and image"),
+        ("report", "the run's report.html and node-hour ledger (a sweep: its ledger)"),
+    ):
         sub = verbs.add_parser(name, help=text)
         sub.add_argument("run", help="a run folder or a job id")
         sub.add_argument("--runs", type=Path, default=None, help=runs_help)
