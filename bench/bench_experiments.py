@@ -6,7 +6,11 @@
   100 plain submits, what a sweep without arrays would cost (measured on 10, times 10).
 - `ddpack ls` on 1,000 runs, each with its record, a few progress records and a log; the target is at most 1 s.
   Two cases: squeue lists every job (RUNNING), and squeue lists none (all ended and purged: each run's state is then
-  read from its folder, the careful path). The floor is reading every run.json (`cat */run.json`).
+  read from its folder, the careful path, once: the run keeps a summary). The floor is reading every run.json
+  (`cat */run.json`).
+- `ddpack ls` on 1,000 ended runs whose metrics files are 10 MB and logs 1 MB each (padded past their records as
+  sparse files, so the bench needs no 11 GB of disk): the first ls (cold: every file read, each run's summary
+  written), then the warm ones, which read run.json and summary.json alone; the target is at most 1 s warm.
 
 Slurm's commands are stand-ins that answer at once (what is timed is ddpack, not a controller), so it needs no
 cluster. Run: make bench-experiments (BENCH_EXPERIMENTS_ARGS="--rounds 5").
@@ -77,8 +81,9 @@ def sweep_rounds(work: Path, rounds: int) -> dict[str, list[float]]:
     return times
 
 
-def many_runs(work: Path, count: int) -> Path:
-    """`count` run folders as submit leaves them after a short run: run.json, metrics (start, 3 progress, end), a log."""
+def many_runs(work: Path, count: int, metrics_mb: float = 0, log_mb: float = 0) -> Path:
+    """`count` run folders as submit leaves them after a short run: run.json, metrics (start, 3 progress, end), a log;
+    each file padded (sparse) to `metrics_mb` and `log_mb` when given."""
     from ddpack.jobs.run_record import Job, RunRecord, write_record
 
     runs = work / "runs"
@@ -98,6 +103,9 @@ def many_runs(work: Path, count: int) -> Path:
         records.append({"time": 1e9 + index + 4, "kind": "end", "outcome": "done", "exit_code": 0, "global_step": 30})
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
         (run_dir / "logs" / f"slurm-{job}.out").write_text(f"ddpack: job {job} on n[1-2]\n[rank 0/4] step 30\n")
+        for path, size in ((run_dir / "metrics.jsonl", metrics_mb), (run_dir / "logs" / f"slurm-{job}.out", log_mb)):
+            if size:
+                os.truncate(path, int(size * 2**20))  # NULs after the last line: read as one line that is no record
     return runs
 
 
@@ -115,6 +123,16 @@ def ls_rounds(work: Path, count: int, rounds: int) -> dict[str, list[float]]:
     return times
 
 
+def big_rounds(work: Path, count: int, rounds: int) -> dict[str, list[float]]:
+    runs = many_runs(work, count, metrics_mb=10, log_mb=1)
+    ended = fake_slurm(work / "ended", "echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1")
+    argv = [DDPACK, "ls", "--runs", str(runs), "--json"]
+    times: dict[str, list[float]] = {"ls, cold (summaries written)": [timed(argv, ended)], "ls, warm": []}
+    for _ in range(rounds):
+        times["ls, warm"].append(timed(argv, ended))
+    return times
+
+
 def report(title: str, times: dict[str, list[float]]) -> None:
     print(title)
     for name, values in times.items():
@@ -125,6 +143,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--runs", type=int, default=1000, help="run folders for ls")
+    parser.add_argument("--big-runs", type=int, default=1000, help="ended run folders with 10 MB metrics and 1 MB logs, for ls")
     opts = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-experiments-") as folder:
         work = Path(folder)
@@ -137,6 +156,9 @@ def main() -> int:
         (work / "ls").mkdir()
         listing = ls_rounds(work / "ls", opts.runs, opts.rounds)
         report(f"ddpack ls --json on {opts.runs} runs (target <= 1 s):", listing)
+        (work / "big").mkdir()
+        big = big_rounds(work / "big", opts.big_runs, opts.rounds)
+        report(f"ddpack ls --json on {opts.big_runs} ended runs with 10 MB metrics and 1 MB logs each (target <= 1 s warm):", big)
     return 0
 
 

@@ -1,13 +1,19 @@
 """`ddpack`: one command from your project to a running job and back (docs/commands.md).
 
     ddpack submit   [APP_DIR] [--file run.toml] --nodes N [...] [--dry-run] [--json] [-- COMMAND...]
-    ddpack status   [RUN|JOB_ID] [--json] [--watch]
-    ddpack logs     [RUN|JOB_ID] [-f] [--rank R] [--json]
-    ddpack cancel   [RUN|JOB_ID] [--json]
-    ddpack ls       [--runs DIR] [--json]
+    ddpack status   [RUN|SWEEP|JOB_ID] [--point I] [--json] [--watch]
+    ddpack logs     [RUN|SWEEP|JOB_ID] [--point I] [-f] [--rank R] [--json]
+    ddpack cancel   RUN|SWEEP|JOB_ID [--json]
+    ddpack ls       [--runs DIR] [--state S,...] [--name GLOB] [--since WHEN] [--tag K=V] [--sort KEY] [--reverse] [--json]
+    ddpack tag      RUN|SWEEP [KEY=VALUE...] [--rm KEY] [--note TEXT]
     ddpack resubmit RUN|JOB_ID [--time T] [--nodes N] [--partition P] [--json]
-    ddpack report   RUN|JOB_ID [--png] [--json]
+    ddpack resubmit SWEEP --failed|--state S,... [--time T] [--nodes N] [--partition P] [--json]
+    ddpack report   RUN|SWEEP|JOB_ID [--png] [--json]
     ddpack compare  RUN|JOB_ID RUN|JOB_ID... [--json] [--html PATH]
+    ddpack compare  SWEEP [--sort KEY] [--reverse] [--json] [--html PATH]
+    ddpack export   RUN|SWEEP... [--csv FILE] [--summary FILE] [--tensorboard DIR] [--json]
+    ddpack rm       RUN|SWEEP|JOB_ID [--json]
+    ddpack gc       --images [DIR] [--runs DIR] [--dry-run] [--json]
     ddpack completion bash|zsh
 
 Host side only: Slurm's own commands (sbatch, squeue, sacct where there is accounting, scancel) and the run folder.
@@ -96,6 +102,21 @@ def parser() -> argparse.ArgumentParser:
         help="run the command once per value, {NAME} in its words replaced (repeatable: the cross product), as one job array",
     )
     sub.add_argument("--sweep-parallel", type=_whole, help="at most this many of the sweep's points at once (the array's %%)")
+    for flag, text in (("--account", "Slurm's account to charge"), ("--qos", "Slurm's quality of service"),
+                       ("--constraint", "node features the job needs (Slurm's --constraint, such as a100&ib)"),
+                       ("--reservation", "a Slurm reservation to run in")):  # fmt: skip
+        sub.add_argument(flag, help=text)
+    sub.add_argument(
+        "--sbatch-arg",
+        dest="sbatch_args",
+        action="append",
+        default=[],
+        metavar="OPTION",
+        help="any other sbatch option, as one word (--sbatch-arg=--mem=0; repeatable); those ddpack sets itself are refused",
+    )
+    sub.add_argument("--after", metavar="RUN[:ok|any|notok]", help="start once RUN (a run, sweep or job id) ended: ok (default), any way, or not ok")
+    sub.add_argument("--tag", action="append", default=[], metavar="KEY=VALUE", help="a tag for the run (repeatable); ls --tag finds it")
+    sub.add_argument("--note", help="a note for the run, kept in run.json (ddpack tag --note changes it)")
     sub.add_argument("--dry-run", action="store_true", help="print the job script and run the checks; build, write and queue nothing")
     sub.add_argument("--json", action="store_true", help="print one JSON object (job_id, run_dir, ...)")
     sub.epilog = "-- COMMAND...: your program, run by every rank (default: the image's own command)"
@@ -106,9 +127,12 @@ def parser() -> argparse.ArgumentParser:
         ("cancel", "scancel a run's job"),
     ):
         sub = verbs.add_parser(name, help=text)
-        sub.add_argument("run", nargs="?", help="a run folder or a job id (default: the newest run)")
+        newest = "none: it names the newest run and cancels nothing" if name == "cancel" else "the newest run"
+        sub.add_argument("run", nargs="?", help=f"a run folder, a sweep's or a job id (default: {newest})")
         sub.add_argument("--runs", type=Path, default=None, help=runs_help)
         sub.add_argument("--json", action="store_true", help=json_help)
+    for name in ("status", "logs"):
+        verbs.choices[name].add_argument("--point", type=_whole, metavar="I", help="a sweep's point I alone (its folder SWEEP/I)")
     verbs.choices["status"].add_argument("--watch", action="store_true", help="refresh until the job ends; exit 0 when it COMPLETED")
     verbs.choices["status"].add_argument("--interval", type=float, default=2.0, help="--watch's refresh, seconds")
     verbs.choices["logs"].add_argument("-f", "--follow", action="store_true", help="follow until the job ends; exit 0 when it COMPLETED")
@@ -116,7 +140,24 @@ def parser() -> argparse.ArgumentParser:
     sub = verbs.add_parser("ls", help="every run with its state and progress")
     sub.add_argument("--runs", type=Path, default=None, help=runs_help)
     sub.add_argument("--json", action="store_true", help="print one JSON list of runs (status --json's names)")
-    for name, text in (("resubmit", "a new job continuing a run, with the same job script and image"), ("report", "the run's report.html")):
+    sub.add_argument("--state", metavar="S,S,...", help="only runs in these states (COMPLETED,FAILED,...)")
+    sub.add_argument("--name", metavar="GLOB", help="only runs whose name matches (shell wildcards: 'lr-*')")
+    sub.add_argument("--since", metavar="WHEN", help="only runs submitted since: 30m, 6h, 2d, or a date 2026-11-26[THH:MM]")
+    sub.add_argument("--tag", action="append", default=[], metavar="KEY=VALUE", help="only runs with this tag (repeatable: all of them)")
+    sub.add_argument("--sort", choices=("created", "name", "state", "step", "loss"), default="created", help="order (default: created)")
+    sub.add_argument("--reverse", action="store_true", help="the other way round (newest first, highest first)")
+    sub.add_argument("--no-slurm", action="store_true", help="the run folders alone, no squeue or sacct (a live run's state: -)")
+    sub = verbs.add_parser("tag", help="set or remove a run's (or every point of a sweep's) tags and note")
+    sub.add_argument("run", help="a run folder, a sweep's or a job id")
+    sub.add_argument("tags", nargs="*", metavar="KEY=VALUE", help="tags to set")
+    sub.add_argument("--rm", action="append", default=[], metavar="KEY", help="a tag to remove (repeatable)")
+    sub.add_argument("--note", help="the run's note (an empty one removes it)")
+    sub.add_argument("--runs", type=Path, default=None, help=runs_help)
+    sub.add_argument("--json", action="store_true", help="print one object: run_dir, tags, note")
+    for name, text in (
+        ("resubmit", "a new job continuing a run, with the same job script and image"),
+        ("report", "the run's report.html and node-hour ledger (a sweep: its ledger)"),
+    ):
         sub = verbs.add_parser(name, help=text)
         sub.add_argument("run", help="a run folder or a job id")
         sub.add_argument("--runs", type=Path, default=None, help=runs_help)
@@ -126,11 +167,32 @@ def parser() -> argparse.ArgumentParser:
     again.add_argument("--time", dest="time_limit", help="a new time limit for this job (after a TIMEOUT: a longer one)")
     again.add_argument("--nodes", type=_whole, help="nodes that train in this job (the run's spares come on top)")
     again.add_argument("--partition", help="the partition for this job")
+    again.add_argument("--failed", action="store_true", help="a sweep's FAILED and TIMEOUT points (NODE_FAIL, OUT_OF_MEMORY too), as one job array")
+    again.add_argument("--state", metavar="S,S,...", help="a sweep's points in these states instead (--state CANCELLED,TIMEOUT), as one job array")
     sub = verbs.add_parser("compare", help="what differed between runs (image, code, settings, command, environment) and how each ended")
     sub.add_argument("run", nargs="+", help="two run folders or job ids, or more")
     sub.add_argument("--runs", type=Path, default=None, help=runs_help)
     sub.add_argument("--json", action="store_true", help="print one object: runs (each with its outcome), differ, same")
-    sub.add_argument("--html", type=Path, default=Path("compare.html"), help="the page overlaying their curves (default ./compare.html)")
+    sub.add_argument("--html", type=Path, default=None, help="write the page overlaying their curves here (none unless asked)")
+    sub.add_argument("--sort", metavar="KEY", help="a sweep's points by a swept name or a column (train_loss, eval_loss, samples_per_s, ...)")
+    sub.add_argument("--reverse", action="store_true", help="with --sort: highest first")
+    sub = verbs.add_parser("export", help="runs' records out of ddpack: CSV (a row a record, or a run), TensorBoard event files")
+    sub.add_argument("run", nargs="+", help="run folders, sweeps' (their points) or job ids")
+    sub.add_argument("--csv", type=Path, metavar="FILE", help="one row a metrics record, with each run's values and tags")
+    sub.add_argument("--summary", type=Path, metavar="FILE", help="one row a run: its values, tags and how it ended (CSV)")
+    sub.add_argument("--tensorboard", type=Path, metavar="DIR", help="one folder a run (named by its values) of TensorBoard event files")
+    sub.add_argument("--runs", type=Path, default=None, help=runs_help)
+    sub.add_argument("--json", action="store_true", help="print one object: runs, and each file or folder written")
+    sub = verbs.add_parser("rm", help="delete a run's or a sweep's folder, once none of its jobs lives")
+    sub.add_argument("run", help="a run folder, a sweep's folder or a job id")
+    sub.add_argument("--runs", type=Path, default=None, help=runs_help)
+    sub.add_argument("--json", action="store_true", help="print one object: run_dir, jobs")
+    sub = verbs.add_parser("gc", help="remove your squashfs files in the images folder that no run of yours names")
+    sub.add_argument("--images", nargs="?", const=True, type=Path, required=True, metavar="DIR",
+                     help="the images folder (alone: DDPACK_IMAGES, else /fsx/images)")  # fmt: skip
+    sub.add_argument("--runs", type=Path, default=None, help=runs_help + ": the runs whose images are kept")
+    sub.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
+    sub.add_argument("--json", action="store_true", help="print one object: removed (or would_remove), bytes")
     sub = verbs.add_parser("completion", help="print the shell completion script (bash: source <(ddpack completion bash))")
     sub.add_argument("shell", choices=("bash", "zsh"))
     return top
@@ -141,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     command: list[str] = []
     if "--" in argv:  # submit's program: everything after --, never read as ddpack's own arguments
         command, argv = argv[argv.index("--") + 1 :], argv[: argv.index("--")]
+    while "--sbatch-arg" in argv[:-1]:  # --sbatch-arg --mem=0: a value that begins with a dash, which argparse takes for a flag
+        i = argv.index("--sbatch-arg")
+        argv[i : i + 2] = [f"--sbatch-arg={argv[i + 1]}"]
     opts = parser().parse_args(argv)
     opts.command, opts.given = command, argv
     from ddpack.jobs import runs as run_ops
@@ -157,19 +222,26 @@ def main(argv: list[str] | None = None) -> int:
         if opts.verb == "status":
             return status(opts, runs)
         if opts.verb == "ls":
-            from ddpack.jobs.status import list_rows, render_list
-
-            if opts.json:
-                print(json.dumps(list_rows(runs), indent=2))
-                return 0
-            lines = render_list(runs)
-            print("\n".join(lines) if lines else f"no runs under {runs}")
-            return 0
+            return listing(opts, runs)
+        if opts.verb == "tag":
+            return tag(opts, runs)
         if opts.verb == "report":
             return report(opts, runs)
         if opts.verb == "compare":
             return compare(opts, runs)
-        run_dir = run_ops.resolve_run(opts.run, runs)
+        if opts.verb == "gc":
+            return collect_images(opts, runs)
+        if opts.verb == "export":
+            return export(opts, runs)
+        if opts.verb == "cancel" and opts.run is None:  # what cannot be undone is never done to a run not named
+            newest = run_ops.resolve_run(None, runs)
+            raise HostError(f"cancel names its run: the newest is {newest} (job {facts_of(newest)}); ddpack cancel {newest} cancels it", code=2)
+        if opts.verb == "rm":
+            run_dir = run_ops.resolve_run(opts.run, runs)
+            jobs = run_ops.remove(run_dir)
+            print(json.dumps({"run_dir": str(run_dir), "jobs": jobs}, indent=2) if opts.json else f"rm: removed {run_dir} (jobs {', '.join(jobs) or 'none'})")
+            return 0
+        run_dir = point_of(run_ops.resolve_run(opts.run, runs), getattr(opts, "point", None))
         if is_sweep(run_dir):
             return sweep_verb(opts, run_dir)
         if opts.verb == "logs":
@@ -178,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
             job = run_ops.cancel(run_dir)
             say = f"cancel: job {job} of {run_dir} cancelled (scancel); ddpack status {run_dir} shows CANCELLED once Slurm has ended it"
             return answer(opts, run_dir, say, job_id=job)
+        if opts.failed or opts.state:
+            raise HostError(f"--failed and --state pick a sweep's points; {run_dir} is one run (resubmit it without them)", code=2)
         changes = {"time_limit": opts.time_limit, "nodes": opts.nodes, "partition": opts.partition}
         job = run_ops.resubmit(run_dir, changes)
         changed = ", ".join(f"--{key.removesuffix('_limit')} {value}" for key, value in changes.items() if value is not None)
@@ -237,6 +311,15 @@ def submit(opts: argparse.Namespace) -> int:
         secrets=tuple(dict.fromkeys([*given.get("secrets", []), *opts.secret])),
         sweep=sweep_values(opts.sweep, given.get("sweep", {})),
         sweep_parallel=pick("sweep_parallel"),
+        account=pick("account"),
+        qos=pick("qos"),
+        constraint=pick("constraint"),
+        reservation=pick("reservation"),
+        sbatch_args=tuple([*given.get("sbatch", []), *opts.sbatch_args]),
+        after=opts.after,
+        dependency=dependency(opts.after, Path(runs).resolve()) if opts.after else None,
+        tags={**given.get("tags", {}), **tag_pairs(opts.tag, "--tag")},
+        note=pick("note"),
     )
     if run_file is not None:  # a value from the file that the checks refuse is named by its line there
         raise_problems([run_file.where(problem, argv_flags) for problem in setting_problems(settings)])
@@ -250,6 +333,29 @@ def submit(opts: argparse.Namespace) -> int:
     if result.job_id:
         print("next:\n" + "\n".join(f"  {line}" for line in result.next_commands()))
     return 0
+
+
+AFTER = {"ok": "afterok", "any": "afterany", "notok": "afternotok"}
+
+
+def dependency(after: str, runs: Path) -> str:
+    """Slurm's --dependency for --after RUN[:ok|any|notok]: the run's newest job (a sweep: its array, every point)."""
+    from ddpack.jobs.run_record import read_record
+    from ddpack.jobs.runs import resolve_run
+    from ddpack.jobs.sweep import read_sweep
+
+    run, _, kind = after.rpartition(":") if after.rpartition(":")[2] in AFTER else (after, "", "ok")
+    if not run:
+        raise HostError(f"--after {after}: expected RUN[:ok|any|notok] (a run folder, a sweep or a job id)", code=2)
+    try:
+        folder = resolve_run(run, runs)
+    except HostError as why:
+        raise HostError(f"--after {after}: {why}", code=2) from None
+    last = None if is_sweep(folder) else read_record(folder).last_job
+    job = read_sweep(folder).get("job_id") if is_sweep(folder) else (last.job_id if last else None)
+    if not job:
+        raise HostError(f"--after {after}: {folder} has no job to wait for", code=2)
+    return f"{AFTER[kind]}:{job}"
 
 
 @contextlib.contextmanager
@@ -271,7 +377,7 @@ def status(opts: argparse.Namespace, runs: Path) -> int:
     from ddpack.jobs.slurm_cli import EXIT_FOR_STATE
     from ddpack.jobs.status import render, run_status, watch
 
-    run_dir = resolve_run(opts.run, runs)
+    run_dir = point_of(resolve_run(opts.run, runs), opts.point)
     if is_sweep(run_dir):
         return sweep_verb(opts, run_dir)
     if opts.watch:
@@ -282,20 +388,160 @@ def status(opts: argparse.Namespace, runs: Path) -> int:
     return 0
 
 
+def tag_pairs(words: list[str], flag: str) -> dict[str, str]:
+    """KEY=VALUE words as a dict; a bad one is one line, exit 2."""
+    import re
+
+    pairs = {}
+    for word in words:
+        key, sep, value = word.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z0-9_.-]+", key) or re.search(r"[\x00-\x1f\x7f]", value):
+            raise HostError(f"{flag} {word!r}: expected KEY=VALUE (a key of letters, digits, '.', '_', '-'; a value on one line)", code=2)
+        pairs[key] = value
+    return pairs
+
+
+def since_time(text: str) -> float:
+    """--since: 30m, 6h, 2d (ago), or a date (2026-11-26, 2026-11-26T10:00) in this host's time zone."""
+    import re
+    import time
+    from datetime import datetime
+
+    if found := re.fullmatch(r"(\d+)([mhd])", text):
+        return time.time() - int(found.group(1)) * {"m": 60, "h": 3600, "d": 86400}[found.group(2)]
+    try:
+        return datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        raise HostError(f"--since {text}: expected 30m, 6h, 2d, or a date such as 2026-11-26 or 2026-11-26T10:00", code=2) from None
+
+
+def listing(opts: argparse.Namespace, runs: Path) -> int:
+    """ls: the runs, filtered and sorted, as lines or one JSON list."""
+    from ddpack.jobs.slurm_cli import ddpack_state
+    from ddpack.jobs.status import list_rows, pick_rows, render_list
+
+    states = tuple(ddpack_state(word.strip().upper()) for word in opts.state.split(",") if word.strip()) if opts.state else ()
+    rows = pick_rows(list_rows(runs, ask_slurm=not opts.no_slurm), states=states, name=opts.name,
+                     since=since_time(opts.since) if opts.since else None, tags=tag_pairs(opts.tag, "--tag"), sort=opts.sort,
+                     reverse=opts.reverse)  # fmt: skip
+    if opts.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    lines = render_list(rows)
+    print("\n".join(lines) if lines else f"no runs under {runs}{' that match' if opts.state or opts.name or opts.since or opts.tag else ''}")
+    return 0
+
+
+def tag(opts: argparse.Namespace, runs: Path) -> int:
+    """ddpack tag: a run's tags and note (a sweep's: sweep.json's and every point's)."""
+    from ddpack.jobs.run_record import update_tags
+    from ddpack.jobs.runs import resolve_run
+    from ddpack.jobs.sweep import point_dirs, tag_sweep
+
+    folder = resolve_run(opts.run, runs)
+    pairs = tag_pairs(opts.tags, "tag")
+    if not pairs and not opts.rm and opts.note is None:
+        raise HostError("tag: give KEY=VALUE tags, --rm KEY or --note TEXT", code=2)
+    now = {}
+    for run_dir in point_dirs(folder) if is_sweep(folder) else [folder]:
+        now = update_tags(run_dir, pairs, tuple(opts.rm), opts.note)
+    if is_sweep(folder):
+        now = tag_sweep(folder, pairs, tuple(opts.rm), opts.note)
+    said = " ".join(f"{k}={v}" for k, v in now.items()) or "none"
+    print(json.dumps({"run_dir": str(folder), "tags": now, "note": opts.note}, indent=2) if opts.json else f"tag: {folder}: tags {said}")
+    return 0
+
+
+def facts_of(folder: Path) -> str:
+    """A run's or sweep's job id, for a sentence."""
+    from ddpack.jobs.run_record import read_record
+    from ddpack.jobs.sweep import read_sweep
+
+    job = read_sweep(folder).get("job_id") if is_sweep(folder) else (last.job_id if (last := read_record(folder).last_job) else None)
+    return str(job or "none")
+
+
+def export(opts: argparse.Namespace, runs: Path) -> int:
+    """export: the runs' records as CSV (a row a record; --summary a row a run) and TensorBoard event files."""
+    from ddpack.jobs import export as exporting
+    from ddpack.jobs.runs import resolve_run
+
+    if not (opts.csv or opts.summary or opts.tensorboard):
+        raise HostError("export writes --csv FILE, --summary FILE or --tensorboard DIR: name one or more", code=2)
+    points = exporting.runs_of([resolve_run(run, runs) for run in opts.run])
+    said: dict[str, Any] = {"runs": [str(point) for point in points]}
+    if opts.csv:
+        said["csv"] = {"file": str(opts.csv.resolve()), "rows": exporting.export_csv(points, opts.csv.resolve())}
+    if opts.summary:
+        said["summary"] = {"file": str(opts.summary.resolve()), "rows": exporting.export_summary(points, opts.summary.resolve())}
+    if opts.tensorboard:
+        said["tensorboard"] = [str(folder) for folder in exporting.export_tensorboard(points, opts.tensorboard.resolve())]
+    if opts.json:
+        print(json.dumps(said, indent=2))
+        return 0
+    for key in ("csv", "summary"):
+        if key in said:
+            print(f"export: wrote {said[key]['file']} ({said[key]['rows']} rows, {'a record' if key == 'csv' else 'a run'} each)")
+    if "tensorboard" in said:
+        where = opts.tensorboard.resolve()
+        print(f"export: wrote {len(said['tensorboard'])} TensorBoard run folder(s) under {where}: tensorboard --logdir {where}")
+    return 0
+
+
+def collect_images(opts: argparse.Namespace, runs: Path) -> int:
+    """gc --images: your squashfs files that no run of yours names, removed (or listed, --dry-run)."""
+    from ddpack.jobs.image_gc import remove_images, unused_images
+
+    images = (Path(os.environ.get("DDPACK_IMAGES") or "/fsx/images") if opts.images is True else opts.images).resolve()
+    unused = unused_images(images, runs)
+    if not opts.dry_run:
+        remove_images(unused)
+    total = sum(item.size for item in unused)
+    if opts.json:
+        print(json.dumps({"images": str(images), "would_remove" if opts.dry_run else "removed": [str(i.path) for i in unused], "bytes": total}, indent=2))
+        return 0
+    verb = "would remove" if opts.dry_run else "removed"
+    for item in unused:
+        print(f"gc: {verb} {item.path} ({item.size / 2**20:,.1f} MiB)")
+    print(f"gc: {verb} {len(unused)} squashfs file(s) of yours, {total / 2**30:,.2f} GiB, that no run under {runs} names")
+    return 0
+
+
+def point_of(folder: Path, point: int | None) -> Path:
+    """--point I: the sweep's point I (its run folder); without it, the folder itself."""
+    from ddpack.jobs.sweep import point_dirs
+
+    if point is None:
+        return folder
+    if not is_sweep(folder):
+        raise HostError(f"--point {point}: {folder} is a run, not a sweep; --point picks one of a sweep's points", code=2)
+    points = point_dirs(folder)
+    if not 0 <= point < len(points):
+        raise HostError(f"--point {point}: the sweep {folder} has points 0 to {len(points) - 1}", code=2)
+    return points[point]
+
+
 def report(opts: argparse.Namespace, runs: Path) -> int:
     """A run folder of any template's (or its metrics file), or a run of ddpack submit's named by a job id."""
+    from ddpack.jobs import ledger as ledgers
     from ddpack.jobs.report import write_report
     from ddpack.jobs.runs import resolve_run
     from train.run_folder import RUN_RECORD
 
     path = Path(opts.run)
     run_dir = path if path.exists() else resolve_run(opts.run, runs)
+    if is_sweep(run_dir):  # a sweep: its node-hour ledger (each point's report: ddpack report SWEEP/INDEX)
+        total = ledgers.sweep_ledger(run_dir)
+        print(json.dumps({"run_dir": str(run_dir), "ledger": total.to_json()}, indent=2) if opts.json else ledgers.render(total, f"the sweep {run_dir}"))
+        return 0
     written = [str(p) for p in write_report(run_dir, with_png=opts.png)]
+    ours = (run_dir / RUN_RECORD).is_file()
+    ledger = ledgers.run_ledger(run_dir) if ours else None
     if opts.json:
-        known = facts(run_dir) if (run_dir / RUN_RECORD).is_file() else {"run_dir": str(run_dir.resolve()), "job_id": None, "state": None}
-        print(json.dumps({**known, "files": written}, indent=2))
+        known = facts(run_dir) if ours else {"run_dir": str(run_dir.resolve()), "job_id": None, "state": None}
+        print(json.dumps({**known, "files": written, "ledger": ledger.to_json() if ledger else None}, indent=2))
     else:
-        print("\n".join(f"report: wrote {p}" for p in written))
+        print("\n".join([*(f"report: wrote {p}" for p in written), *([ledgers.render(ledger, f"the run {run_dir}")] if ledger else [])]))
     return 0
 
 
@@ -305,9 +551,21 @@ def sweep_verb(opts: argparse.Namespace, folder: Path) -> int:
     from ddpack.jobs import sweep
 
     one = f"name one point: {folder}/INDEX, or its job id (<array>_INDEX)"
-    if opts.verb not in ("status", "logs", "cancel") or getattr(opts, "watch", False) or getattr(opts, "follow", False):
-        raise HostError(f"{folder} is a sweep; {opts.verb}{' --watch' if getattr(opts, 'watch', False) else ''}"
-                        f"{' -f' if getattr(opts, 'follow', False) else ''} takes one of its runs: {one}", code=2)  # fmt: skip
+    if opts.verb == "resubmit":
+        if not (opts.failed or opts.state):
+            raise HostError(f"{folder} is a sweep; resubmit --failed (or --state S,...) queues its failed points again, or {one}", code=2)
+        changes = {"time_limit": opts.time_limit, "nodes": opts.nodes, "partition": opts.partition}
+        job, picked = sweep.resubmit_points(folder, sweep.mend_states(opts.state), changes)
+        said = (f"resubmit: job array {job} queues points {', '.join(map(str, picked))} of the sweep {folder} again, each in its own run "
+                f"folder (the others untouched); ddpack status {folder} --watch follows them")  # fmt: skip
+        print(json.dumps({"run_dir": str(folder), "job_id": job, "points": picked}, indent=2) if opts.json else said)
+        return 0
+    if opts.verb not in ("status", "logs", "cancel"):
+        raise HostError(f"{folder} is a sweep; {opts.verb} takes one of its runs: {one}", code=2)
+    if opts.verb == "status" and opts.watch:
+        final = sweep.watch_sweep(folder, interval_s=opts.interval, tty=sys.stdout.isatty(), out=sys.stdout, as_json=opts.json)
+        print(sweep.ended_line(final), file=sys.stderr if opts.json else sys.stdout)
+        return sweep.sweep_exit(final)
     if opts.verb == "status":
         now = sweep.sweep_status(folder)
         print(json.dumps(now, indent=2) if opts.json else sweep.render_sweep(now))
@@ -319,6 +577,12 @@ def sweep_verb(opts: argparse.Namespace, folder: Path) -> int:
         said = f"cancel: {', '.join(jobs)} of the sweep {folder} cancelled (scancel): every point still waiting or running"
         print(json.dumps(facts_now, indent=2) if opts.json else said)
         return 0
+    if opts.follow:
+        if opts.json:
+            raise HostError("logs --json prints the logs once, as one object; follow them with logs -f (without --json)", code=2)
+        final = sweep.follow_sweep(folder, opts.rank, sys.stdout)
+        print(sweep.ended_line(final))
+        return sweep.sweep_exit(final)
     data = sweep.read_sweep(folder)
     if opts.json:
         print(json.dumps({"run_dir": str(folder), "job_id": data.get("job_id"), "points": [
@@ -337,10 +601,23 @@ def compare(opts: argparse.Namespace, runs: Path) -> int:
     from ddpack.jobs.sweep import point_dirs
 
     folders = [resolve_run(run, runs) for run in opts.run]
+    if len(folders) == 1 and is_sweep(folders[0]):  # a sweep alone: one row a point, its values as columns
+        names, rows, curves = comparing.sweep_table(folders[0])
+        curve_of = {row["index"]: curve for row, curve in zip(rows, curves, strict=True)}
+        rows = comparing.sort_rows(rows, opts.sort, names, opts.reverse) if opts.sort else rows
+        page = comparing.write_sweep_page(folders[0], names, rows, [curve_of[r["index"]] for r in rows], opts.html.resolve()) if opts.html else None
+        from ddpack.jobs import ledger as ledgers
+
+        total = ledgers.sweep_ledger(folders[0])
+        print(json.dumps({"run_dir": str(folders[0]), "names": names, "points": rows, "ledger": total.to_json(), "html": str(page) if page else None},
+                         indent=2) if opts.json else comparing.render_sweep_table(names, rows, page) + "\n" + ledgers.render(total, "the sweep"))  # fmt: skip
+        return 0
+    if opts.sort:
+        raise HostError("--sort orders a sweep's points: compare SWEEP --sort KEY (one sweep alone)", code=2)
     comparison, metrics = comparing.compare([point for folder in folders for point in (point_dirs(folder) if is_sweep(folder) else [folder])])
-    page = comparing.write_page(comparison, metrics, opts.html.resolve())
+    page = comparing.write_page(comparison, metrics, opts.html.resolve()) if opts.html else None
     if opts.json:
-        print(json.dumps({**comparison.to_json(), "html": str(page)}, indent=2))
+        print(json.dumps({**comparison.to_json(), "html": str(page) if page else None}, indent=2))
     else:
         print(comparing.render(comparison, page))
     return 0

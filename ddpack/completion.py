@@ -14,9 +14,9 @@ import argparse
 import shlex
 from dataclasses import dataclass
 
-FOLDER_FLAGS = ("--runs", "--images")
-FILE_FLAGS = ("--sqsh", "--file", "--html")
-RUN_VERBS = ("status", "logs", "cancel", "resubmit", "report", "compare")
+FOLDER_FLAGS = ("--runs", "--images", "--tensorboard")
+FILE_FLAGS = ("--sqsh", "--file", "--html", "--csv", "--summary")
+RUN_VERBS = ("status", "logs", "cancel", "resubmit", "report", "compare", "rm", "tag", "export")
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def bash(top: argparse.ArgumentParser) -> str:
     return (
         "# bash completion for ddpack (ddpack completion bash), written from its parser\n"
         "_ddpack_runs() {\n"
-        "    ddpack ls --json 2>/dev/null | python3 -c 'import json, sys\n"
+        "    ddpack ls --json --no-slurm 2>/dev/null | python3 -c 'import json, sys\n"
         "for run in json.load(sys.stdin): print(run[\"run_dir\"]); run.get(\"job_id\") and print(run[\"job_id\"])' 2>/dev/null\n"
         "}\n"
         "_ddpack() {\n"
@@ -127,7 +127,7 @@ def zsh(top: argparse.ArgumentParser) -> str:
         "# zsh completion for ddpack (ddpack completion zsh), written from its parser\n"
         "_ddpack_runs() {\n"
         "    local -a runs\n"
-        "    runs=(${(f)\"$(ddpack ls --json 2>/dev/null | python3 -c 'import json, sys\n"
+        "    runs=(${(f)\"$(ddpack ls --json --no-slurm 2>/dev/null | python3 -c 'import json, sys\n"
         "for run in json.load(sys.stdin): print(run[\"run_dir\"]); run.get(\"job_id\") and print(run[\"job_id\"])' 2>/dev/null)\"})\n"
         "    compadd -a runs\n"
         "}\n"

@@ -244,7 +244,7 @@ def test_compare_shows_only_what_differed_and_how_each_run_ended_with_a_page_of_
     assert sorted(result["differ"]) == ["command", "settings.nodes"]  # the run's own folder is not a difference
     assert result["differ"]["settings.nodes"] == [2, 4] and result["same"] > 3
     ends = {run["name"]: run for run in result["runs"]}
-    assert (ends["41"]["state"], ends["41"]["step"], ends["41"]["restarts"], ends["41"]["final_loss"]) == ("COMPLETED", 20, 0, 1 / 21)
+    assert (ends["41"]["state"], ends["41"]["step"], ends["41"]["restarts"], ends["41"]["train_loss"]) == ("COMPLETED", 20, 0, 1 / 21)
     assert (ends["52"]["state"], ends["52"]["step"], ends["52"]["restarts"]) == ("COMPLETED", 60, 1)
     assert ends["52"]["samples_per_s"] == 2000.0 and ends["41"]["wall_s"] == 3
     text = page.read_text()
@@ -255,6 +255,9 @@ def test_compare_shows_only_what_differed_and_how_each_run_ended_with_a_page_of_
     assert "2 field(s) differ" in out and "settings.nodes" in out and "restarts" in out and f"compare: wrote {page}" in out
     assert cli.main(["compare", str(first)]) == 2
     assert "compare needs two runs or more" in capfd.readouterr().err
+    page.unlink()
+    assert cli.main(["compare", str(first), str(second)]) == 0 and "last train loss" in capfd.readouterr().out
+    assert not page.exists() and not Path("compare.html").exists()  # a page only where --html asks
 
 
 # --------------------------------------------------------------------------- sweeps
@@ -268,7 +271,7 @@ def sweep_args(tmp_path: Path) -> list[str]:
 def test_a_sweep_is_one_job_array_with_a_run_folder_a_point(tmp_path, slurm, capfd) -> None:
     fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
     assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1e-3,3e-4", "--sweep", "seed=0,1", "--sweep-parallel", "2", "--json",
-                     "--", "python", "train.py", "--lr", "{lr}", "--seed={seed}", "--note", "{other} stays"]) == 0  # fmt: skip
+                     "--", "python", "train.py", "--lr", "{lr}", "--seed={seed}", "--note", "{{other}} stays"]) == 0  # fmt: skip
     sweep_dir = Path(submitted(capfd)["run_dir"])
     (sbatch,) = queued(slurm)
     assert sbatch.endswith(f"{sweep_dir}/job/ddpack.sbatch") and len(calls(slurm, "sbatch")) == 2  # --test-only, then the one array
@@ -306,6 +309,11 @@ def test_a_sweep_is_one_job_array_with_a_run_folder_a_point(tmp_path, slurm, cap
         ([*(f"--sweep=n{i}={','.join(map(str, range(10)))}" for i in range(9)), "--", "p", *(f"{{n{i}}}" for i in range(9))],
          "the sweep has 1000000000 points"),  # counted, never made
         (["--sweep", "tag=a\n$(touch /tmp/ddpack-pwned)", "--", "p", "{tag}"], "--sweep tag: a value holds a newline"),
+        (["--sweep", "lr=1", "--sweep", "lr=2", "--", "p", "{lr}"], "--sweep lr is given twice"),  # never only the last
+        (["--sweep", "lr=1,2", "--", "p", "{lr}", "--seed={seed}"], "the command uses {seed}, which no --sweep gives"),
+        (["--sweep", "lr=1,2", "--env", "TAG={sed}", "--", "p", "{lr}"], "an --env value uses {sed}, which no --sweep gives"),
+        (["--sweep", "index=1,2", "--", "p", "{index}"], "--sweep index: {index} is the point's number already"),
+        (["--sweep", "st=sbcast,sbcats", "--env", "DDPACK_STAGE={st}", "--", "p"], "--env DDPACK_STAGE=sbcats: expected auto"),
     ],
 )
 def test_a_sweep_that_cannot_run_as_meant_is_one_line_and_exit_2(tmp_path, slurm, capfd, extra: list[str], line: str) -> None:
@@ -313,6 +321,39 @@ def test_a_sweep_that_cannot_run_as_meant_is_one_line_and_exit_2(tmp_path, slurm
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and line in err[0], err
     assert queued(slurm) == []
+
+
+def test_a_sweeps_values_are_put_in_once_may_hold_commas_and_reach_env_values_and_the_points_index(tmp_path, slurm, capfd) -> None:
+    """One pass: a value that reads {b} is not replaced again; \\, is a comma in a value; {{a}} is the text {a};
+    --env values take the point's values too, each point's job exporting its own (the script's array), recorded."""
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
+    assert cli.main([*sweep_args(tmp_path), "--sweep", "a=x\\,y,{b}", "--sweep", "b=1,2", "--env", "RUN_TAG=r{index}-{b}", "--env", "PLAIN=p",
+                     "--json", "--", "p", "{a}", "{{a}}", "--index={index}"]) == 0  # fmt: skip
+    sweep_dir = Path(submitted(capfd)["run_dir"])
+    assert json.loads((sweep_dir / "sweep.json").read_text())["values"] == {"a": ["x,y", "{b}"], "b": ["1", "2"]}
+    first, third = read_record(sweep_dir / "0"), read_record(sweep_dir / "2")
+    assert first.command == ["p", "x,y", "{a}", "--index=0"] and third.command == ["p", "{b}", "{a}", "--index=2"]
+    assert (first.settings["env"], third.settings["env"]) == ({"RUN_TAG": "r0-1", "PLAIN": "p"}, {"RUN_TAG": "r2-1", "PLAIN": "p"})
+    assert third.environment["script"]["RUN_TAG"] == "r2-1"
+    script = (sweep_dir / "job" / "ddpack.sbatch").read_text()
+    block = script[script.index("# ddpack submit: this run's settings") : script.index('export DDPACK_COMMAND="${ddpack_commands[ddpack_point]}"')]
+    probe = block + 'export DDPACK_COMMAND="${ddpack_commands[ddpack_point]}"\nprintf "%s|%s|%s\\n" "$RUN_TAG" "$PLAIN" "$DDPACK_COMMAND"\n'
+    out = subprocess.run(["bash", "-c", probe], env={**os.environ, "SLURM_ARRAY_TASK_ID": "3"}, capture_output=True, text=True, check=True)
+    tag, plain, command = out.stdout.strip().split("|")
+    assert (tag, plain, json.loads(command)) == ("r3-2", "p", ["p", "{b}", "{a}", "--index=3"])
+
+
+def test_a_run_files_path_expands_the_home_folder_or_is_refused(tmp_path, slurm, monkeypatch, capfd) -> None:
+    from ddpack.jobs.run_file import read_run_file
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    path = run_file(tmp_path, 'nodes = 1\nruns = "~/runs"\n')
+    assert read_run_file(path).values["runs"] == tmp_path / "home" / "runs"
+    bad = run_file(tmp_path, 'nodes = 1\nruns = "~nosuchuser-ddpack/runs"\n')
+    assert cli.main(["submit", "--file", str(bad), "--dry-run"]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "run.toml:2: runs = '~nosuchuser-ddpack/runs': ~nosuchuser-ddpack is no user's home here" in err[0], err
+    assert not list(tmp_path.rglob("~*"))
 
 
 def test_a_run_files_sweep_table_is_a_sweep_and_a_flag_replaces_its_values(tmp_path, slurm, capfd) -> None:
@@ -357,12 +398,85 @@ def test_status_ls_logs_and_cancel_take_a_sweep_as_a_whole_and_each_point_alone(
         (sweep_dir.name, "90", 3, None), ("0", "90_0", None, {"lr": "1e-3"}), ("1", "90_1", None, {"lr": "3e-4"}), ("2", "90_2", None, {"lr": "1e-4"})]
     assert cli.main(["logs", str(sweep_dir)]) == 0
     assert "== point 1 (lr=3e-4)" in (out := capfd.readouterr().out) and "0: hello from point 1" in out
-    assert cli.main(["logs", str(sweep_dir), "-f"]) == 2
-    assert "is a sweep; logs -f takes one of its runs" in capfd.readouterr().err
     assert cli.main(["cancel", str(sweep_dir)]) == 0
     assert calls(slurm, "scancel") == ["scancel 90_1 90_2"]  # the points still waiting or running, by their newest jobs
     assert [e["job_id"] for e in read_record(sweep_dir / "1").events] == ["90_1"]  # the ended point's record says nothing
     assert read_record(sweep_dir / "0").events == []
+
+
+def test_every_command_submit_suggests_for_a_sweep_follows_it_to_its_end(tmp_path, slurm, monkeypatch, capfd) -> None:
+    """The `next:` lines run: `status SWEEP --watch` and `logs SWEEP -f` wait while a point runs (the fake squeue lists
+    it on its first call only), end by themselves once every point has ended, exit 0 only when all COMPLETED (else the
+    first unfinished point's state) and name the points that did not; `--point I` is that point alone."""
+    from ddpack.jobs import runs as run_ops
+    from ddpack.jobs import slurm_cli
+    from ddpack.jobs import sweep as sweeps
+
+    monkeypatch.setattr(slurm_cli, "SETTLE_S", 0.0)
+    monkeypatch.setattr(run_ops, "POLL_STATE_S", 0.0)
+    monkeypatch.setattr(sweeps, "FOLLOW_POLL_S", 0.0)
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
+    assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1,2,3", "--", "python", "t.py", "{lr}"]) == 0
+    out = capfd.readouterr().out
+    suggested = [line.split()[1:] for line in out[out.index("next:") :].splitlines()[1:]]
+    sweep_dir = Path(suggested[0][1])
+    assert [words[0] for words in suggested] == ["status", "logs", "cancel"] and suggested[0][2:] == ["--watch"] and suggested[1][2:] == ["-f"]
+    logs = [sweep_dir / str(i) / "logs" / f"slurm-90_{i}.out" for i in range(3)]
+    logs[0].write_text("ddpack: the step completed (exit 0)\n")
+    logs[1].write_text("slurmstepd: error: *** JOB 125 ON n1 CANCELLED AT 2026-11-26T10:05:00 DUE TO TIME LIMIT ***\n")
+    logs[2].write_text("0: starting\n")
+    ended = "ddpack: the step failed (exit 1); not requeueing: a setting's error\n"
+    counter = tmp_path / "squeue-calls"
+    # Point 2 runs until squeue's first answer has been read; then it writes its last lines and Slurm forgets it.
+    fake(slurm, "squeue", f'echo x >>{counter}; [ "$(wc -l <{counter})" -le 1 ] && {{ echo "90_2|RUNNING"; exit 0; }}; '
+                          f'grep -q step {logs[2]} || printf "0: step 1\\n%s\\n" {json.dumps(ended.strip())} >>{logs[2]}')  # fmt: skip
+    assert cli.main([*suggested[0], "--interval", "0"]) == 4  # TIMEOUT, point 1's: the first that did not complete
+    out = capfd.readouterr().out
+    assert "1 RUNNING" in out.splitlines()[0] and len(counter.read_text().splitlines()) >= 2
+    assert "2 of 3 points did not complete: 1 (lr=2) TIMEOUT, 2 (lr=3) FAILED" in out and "0 (lr=1)" not in out.splitlines()[-1]
+    assert f"ddpack resubmit {sweep_dir} --failed" in out
+    counter.unlink()
+    logs[2].write_text("0: starting\n")  # the sweep as it was before the watch: point 2 running, nothing settled
+    for summary in sweep_dir.glob("*/summary.json"):
+        summary.unlink()
+    assert cli.main(suggested[1]) == 4
+    out = capfd.readouterr().out
+    Path("/tmp/o57").write_text(out)
+    assert "== point 2 (lr=3)" in out and "0: starting" in out and "[2] 0: step 1\n" in out and f"[2] {ended}" in out
+    assert out.rstrip().endswith(f"ddpack resubmit {sweep_dir} --failed queues them again")
+    assert cli.main(["logs", str(sweep_dir), "-f", "--point", "0"]) == 0 and "the step completed" in capfd.readouterr().out
+    assert cli.main(["status", "90", "--runs", str(sweep_dir.parent), "--point", "1", "--json"]) == 0
+    assert json.loads(capfd.readouterr().out)["run_dir"] == str(sweep_dir / "1")
+    assert cli.main(["status", str(sweep_dir), "--point", "3"]) == 2 and "has points 0 to 2" in capfd.readouterr().err
+    assert cli.main(suggested[2]) == 2 and "every point of the sweep" in capfd.readouterr().err  # all ended: nothing to cancel
+
+
+def test_resubmit_failed_queues_exactly_the_failed_points_again_as_one_array(tmp_path, slurm, capfd) -> None:
+    """FAILED (Slurm's NODE_FAIL too) and TIMEOUT points, one sbatch --array=I,J (the sweep's %limit kept), each point's
+    own folder continuing; the COMPLETED and CANCELLED points untouched; --state picks other states."""
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
+    assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1,2,3,4", "--sweep-parallel", "2", "--json", "--", "python", "t.py", "{lr}"]) == 0
+    sweep_dir = Path(submitted(capfd)["run_dir"])
+    (sweep_dir / "0" / "logs" / "slurm-90_0.out").write_text("ddpack: the step completed (exit 0)\n")
+    (sweep_dir / "1" / "logs" / "slurm-90_1.out").write_text("slurmstepd: error: *** JOB 125 ON n1 CANCELLED AT 2026-11-26T10:05:00 DUE TO TIME LIMIT ***\n")
+    fake(slurm, "squeue", 'case "$*" in *%i*) echo "90_2|NODE_FAIL"; echo "90_3|CANCELLED" ;; *"-j 90_2 "*) echo "NODE_FAIL||n1" ;; '
+                          '*"-j 90_3 "*) echo "CANCELLED||n1" ;; esac')  # fmt: skip
+    assert cli.main(["resubmit", str(sweep_dir)]) == 2 and "resubmit --failed (or --state S,...)" in capfd.readouterr().err
+    fake(slurm, "sbatch", "echo 95")
+    assert cli.main(["resubmit", str(sweep_dir), "--failed", "--time", "30"]) == 0
+    assert "resubmit: job array 95 queues points 1, 2 of the sweep" in capfd.readouterr().out
+    assert queued(slurm)[1:] == [f"sbatch --parsable --export={','.join(LOGIN_ENV)} --array=1,2%2 --time=30 {sweep_dir}/job/ddpack.sbatch"]
+    assert [[job.job_id for job in read_record(sweep_dir / str(i)).jobs] for i in range(4)] == [["90_0"], ["90_1", "95_1"], ["90_2", "95_2"], ["90_3"]]
+    assert json.loads((sweep_dir / "sweep.json").read_text())["resubmits"] == [{"job_id": "95", "points": [1, 2], "changes": {"time_limit": "30"}}]
+    fake(slurm, "sbatch", "echo 96")
+    fake(slurm, "squeue", 'case "$*" in *%i*) echo "90_3|CANCELLED" ;; *"-j 90_3 "*) echo "CANCELLED||n1" ;; esac')
+    assert cli.main(["resubmit", str(sweep_dir), "--state", "cancelled", "--json"]) == 0
+    assert json.loads(capfd.readouterr().out) == {"run_dir": str(sweep_dir), "job_id": "96", "points": [3]}
+    assert cli.main(["resubmit", str(sweep_dir), "--state", "RUNNING"]) == 2 and "--state RUNNING: expected states a point ends in" in capfd.readouterr().err
+    fake(slurm, "squeue", 'case "$*" in *%i*) echo "95_1|RUNNING"; echo "95_2|RUNNING"; echo "96_3|PENDING" ;; esac')
+    assert cli.main(["resubmit", str(sweep_dir), "--failed"]) == 2 and "no point of the sweep" in capfd.readouterr().err
+    assert cli.main(["resubmit", str(sweep_dir / "0"), "--failed"]) == 2 and "--failed and --state pick a sweep's points" in capfd.readouterr().err
+    assert len(queued(slurm)) == 3  # the sweep, --failed's array, --state's
 
 
 def test_resubmit_of_a_point_is_its_element_of_the_sweeps_array(tmp_path, slurm, capfd) -> None:
@@ -380,20 +494,40 @@ def test_resubmit_of_a_point_is_its_element_of_the_sweeps_array(tmp_path, slurm,
 def test_the_experiments_bench_runs_and_prints_its_figures(tmp_path) -> None:
     """bench/bench_experiments.py, small (one round, 20 runs): it runs, and prints the figures it is for."""
     bench = Path(__file__).resolve().parents[1] / "bench" / "bench_experiments.py"
-    out = subprocess.run([sys.executable, str(bench), "--rounds", "1", "--runs", "20"], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, str(bench), "--rounds", "1", "--runs", "20", "--big-runs", "3"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "the sweep's own work beyond one submit:" in out.stdout and "ls, squeue lists none" in out.stdout, out.stdout
+    assert "ls, cold (summaries written)" in out.stdout and "ls, warm" in out.stdout, out.stdout
 
 
-def test_compare_of_a_sweep_is_its_points_side_by_side(tmp_path, slurm, capfd) -> None:
+def test_compare_of_a_sweep_is_one_row_a_point_with_its_values_sortable(tmp_path, slurm, capfd) -> None:
+    from test_lifecycle import end, progress, start
+
+    from train import run_folder
+
     fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
-    assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1e-3,3e-4", "--json", "--", "python", "t.py", "{lr}"]) == 0
-    sweep_dir = submitted(capfd)["run_dir"]
+    assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1e-3,3e-4", "--sweep", "bs=8,16", "--json", "--", "python", "t.py", "{lr}", "{bs}"]) == 0
+    sweep_dir = Path(submitted(capfd)["run_dir"])
     fake(slurm, "squeue", "exit 0")
-    assert cli.main(["compare", sweep_dir, "--json", "--html", str(tmp_path / "c.html")]) == 0
+    for index, loss in enumerate((0.5, 0.2, 0.9, 0.1)):
+        records = [start(100, 0), {**progress(101, 10), "loss": loss, "samples_per_s": 100.0 * (index + 1)},
+                   {"time": 101.5, "kind": "eval", "global_step": 10, "eval_loss": loss + 1}, end(102, 10, "done", 0)]  # fmt: skip
+        (sweep_dir / str(index) / run_folder.METRICS).write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert cli.main(["compare", str(sweep_dir), "--json", "--sort", "eval_loss"]) == 0
     result = json.loads(capfd.readouterr().out)
-    assert [run["name"] for run in result["runs"]] == ["90_0", "90_1"]
-    assert result["differ"]["sweep.lr"] == ["1e-3", "3e-4"] and result["differ"]["command"] == ['["python", "t.py", "1e-3"]', '["python", "t.py", "3e-4"]']
+    assert result["names"] == ["lr", "bs"] and result["html"] is None
+    assert [(r["index"], r["lr"], r["bs"], r["state"], r["train_loss"], r["eval_loss"]) for r in result["points"]] == [
+        (3, "3e-4", "16", "COMPLETED", 0.1, 1.1), (1, "1e-3", "16", "COMPLETED", 0.2, 1.2), (0, "1e-3", "8", "COMPLETED", 0.5, 1.5),
+        (2, "3e-4", "8", "COMPLETED", 0.9, 1.9)]  # fmt: skip
+    page = tmp_path / "sweep.html"
+    assert cli.main(["compare", "90", "--runs", str(sweep_dir.parent), "--sort", "samples_per_s", "--reverse", "--html", str(page)]) == 0
+    lines = capfd.readouterr().out.splitlines()
+    assert lines[0].split()[:4] == ["point", "lr", "bs", "state"] and [line.split()[0] for line in lines[1:5]] == ["3", "2", "1", "0"]
+    assert f"compare: wrote {page}" in lines and page.read_text().count("data:image/png;base64,") == 1
+    assert lines[-1].startswith("  not allocated:")  # the sweep's node-hour ledger closes the table
+    assert cli.main(["compare", str(sweep_dir), "--sort", "speed"]) == 2 and "--sort speed: expected one of index, lr, bs" in capfd.readouterr().err
+    assert cli.main(["compare", str(sweep_dir), str(sweep_dir / "3"), "--json"]) == 0  # with another run: what differed
+    assert json.loads(capfd.readouterr().out)["differ"]["sweep.lr"] == ["1e-3", "1e-3", "3e-4", "3e-4", "3e-4"]
 
 
 def test_a_points_own_log_settles_its_state_once_slurm_has_forgotten_it(tmp_path, slurm, capfd) -> None:
@@ -551,3 +685,345 @@ def test_each_job_is_read_from_its_records_else_its_log_and_slurms_cancel_stays_
         assert [s["why"].split(";")[0] for s in now.segments][:2] == ["submitted", "the step failed (exit 1)"], now.segments
     monkeypatch.delenv("TZ")
     time.tzset()
+
+
+# --------------------------------------------------------------------------- Slurm's own options (issue 57)
+
+
+def test_slurms_own_options_reach_the_script_the_record_and_sbatch_test_only(tmp_path, slurm, capfd) -> None:
+    """--account, --qos, --constraint, --reservation, --sbatch-arg (the run file's sbatch list too) and --after RUN[:kind]:
+    #SBATCH lines of the script sbatch --test-only checks and sbatch queues, kept in run.json."""
+    tested = tmp_path / "tested.sbatch"
+    fake(slurm, "sbatch", f'[ "$1" = --test-only ] && {{ cp "$2" "{tested}"; exit 0; }}; echo 73')
+    good = settings(tmp_path)
+    path = run_file(tmp_path, f'nodes = 1\nruns = "{good.runs}"\nsqsh = "{good.sqsh}"\nmounts = "{good.mounts}"\n'
+                              'account = "lab"\nsbatch = ["--mem=0"]\n')  # fmt: skip
+    assert cli.main(["submit", "--file", str(path), "--qos", "high", "--constraint", "a100&ib", "--reservation", "maint",
+                     "--sbatch-arg", "--comment=first run", "--json"]) == 0  # fmt: skip
+    first = Path(submitted(capfd)["run_dir"])
+    wanted = ["#SBATCH --account=lab", "#SBATCH --qos=high", "#SBATCH --constraint=a100&ib", "#SBATCH --reservation=maint",
+              "#SBATCH --mem=0", '#SBATCH --comment="first run"']  # fmt: skip: a value with a space is quoted, as sbatch needs
+    script = (first / "job" / "ddpack.sbatch").read_text()
+    assert all(line in script.splitlines() for line in wanted), script
+    assert all(line in tested.read_text().splitlines() for line in wanted)
+    record = read_record(first).settings
+    assert (record["account"], record["qos"], record["constraint"], record["reservation"]) == ("lab", "high", "a100&ib", "maint")
+    assert record["sbatch_args"] == ["--mem=0", "--comment=first run"]
+    fake(slurm, "sbatch", f'[ "$1" = --test-only ] && {{ cp "$2" "{tested}"; exit 0; }}; echo 74')
+    assert cli.main(["submit", "--file", str(path), "--after", f"{first}:any", "--json"]) == 0
+    second = Path(submitted(capfd)["run_dir"])
+    assert "#SBATCH --dependency=afterany:73" in tested.read_text().splitlines()
+    assert (read_record(second).settings["after"], read_record(second).settings["dependency"]) == (f"{first}:any", "afterany:73")
+    fake(slurm, "squeue", "exit 0")
+    assert cli.main(["resubmit", str(second)]) == 0  # continues now: the dependency (on a job maybe long gone) is dropped
+    assert queued(slurm)[-1].endswith(f" --dependency= {second}/job/ddpack.sbatch")
+    assert cli.main(["submit", "--file", str(path), "--after", "74", "--dry-run"]) == 0
+    assert "#SBATCH --dependency=afterok:74" in capfd.readouterr().out.splitlines()
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
+    assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1,2", "--json", "--", "p", "{lr}"]) == 0
+    sweep_dir = submitted(capfd)["run_dir"]
+    assert cli.main(["submit", "--file", str(path), "--after", f"{sweep_dir}:notok", "--dry-run"]) == 0
+    assert "#SBATCH --dependency=afternotok:90" in capfd.readouterr().out.splitlines()  # the array: every point
+
+
+@pytest.mark.parametrize(
+    ("extra", "line"),
+    [
+        (["--sbatch-arg", "--array=0-3"], "--sbatch-arg --array=0-3: ddpack sets --array itself; use a sweep's points (--sweep)"),
+        (["--sbatch-arg=-N3"], "--sbatch-arg -N3: ddpack sets -N itself; use --nodes, --spares and --tasks-per-node"),
+        (["--sbatch-arg", "--export=ALL"], "--sbatch-arg --export=ALL: ddpack sets --export itself; use --env and --secret"),
+        (["--sbatch-arg", "--dependency=afterok:1"], "ddpack sets --dependency itself; use --after RUN[:ok|any|notok]"),
+        (["--sbatch-arg", "--account=x"], "ddpack sets --account itself; use --account"),
+        (["--sbatch-arg", "mem=0"], "--sbatch-arg 'mem=0': an sbatch option"),
+        (["--sbatch-arg", '--comment=say "hi"'], "without a double quote"),
+        (["--account", "a b"], "--account 'a b': not a Slurm name"),
+        (["--after", "9999:ok"], "--after 9999:ok: job 9999 belongs to no run"),
+        (["--after", "9999:soon"], "--after 9999:soon: 9999:soon is neither a run folder nor a job id"),
+    ],
+)
+def test_a_slurm_option_ddpack_owns_or_cannot_be_is_refused_in_one_line(tmp_path, slurm, capfd, extra: list[str], line: str) -> None:
+    assert cli.main([*sweep_args(tmp_path), "--dry-run", *extra, "--", "p"]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and line in err[0], err
+    assert queued(slurm) == []
+
+
+# --------------------------------------------------------------------------- care with what cannot be undone (issue 57)
+
+
+def test_cancel_without_a_run_names_the_newest_and_cancels_nothing_and_rm_refuses_a_live_job(tmp_path, slurm, capfd) -> None:
+    run_dir = make_run(tmp_path)
+    runs = str(run_dir.parent)
+    fake(slurm, "squeue", 'case "$*" in *%i*) echo "41|RUNNING" ;; *) echo "RUNNING||n1" ;; esac')
+    assert cli.main(["cancel", "--runs", runs]) == 2
+    assert f"cancel names its run: the newest is {run_dir} (job 41); ddpack cancel {run_dir} cancels it" in capfd.readouterr().err
+    assert cli.main(["rm", str(run_dir)]) == 2 and "has jobs that may still live: 41 (RUNNING)" in capfd.readouterr().err
+    assert calls(slurm, "scancel") == [] and run_dir.is_dir()
+    fake(slurm, "squeue", "echo 'sqeue: error: timed out' >&2; exit 1")  # Slurm did not answer: the job may live
+    assert cli.main(["rm", "41", "--runs", runs]) == 2 and run_dir.is_dir()
+    capfd.readouterr()
+    fake(slurm, "squeue", 'case "$*" in *%i*) echo "41|COMPLETED" ;; *) echo "COMPLETED||n1" ;; esac')
+    assert cli.main(["rm", "41", "--runs", runs]) == 0 and f"rm: removed {run_dir} (jobs 41)" in capfd.readouterr().out
+    assert not run_dir.exists()
+
+
+def test_a_sweeps_array_is_recorded_first_so_cancel_reaches_points_whose_records_failed(tmp_path, slurm, monkeypatch, capfd) -> None:
+    from ddpack.jobs import submit as submitting
+
+    def broken(run_dir, job_id, how, changes=None):  # the points' records cannot be written (a full disk, a quota)
+        raise HostError(f"job {job_id} is queued, but recording it failed", code=1)
+
+    from ddpack.errors import HostError
+
+    monkeypatch.setattr(submitting, "record_job", broken)
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
+    assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1,2", "--", "p", "{lr}"]) == 1
+    (sweep_dir,) = [p.parent for p in (tmp_path / "fsx" / "runs").glob("*/sweep.json")]
+    assert json.loads((sweep_dir / "sweep.json").read_text())["job_id"] == "90"
+    fake(slurm, "squeue", "exit 0")
+    assert cli.main(["cancel", "90", "--runs", str(sweep_dir.parent)]) == 0
+    assert calls(slurm, "scancel") == ["scancel 90_0 90_1"]
+
+
+def test_a_reused_job_id_names_the_newest_run_or_sweep_that_has_it(tmp_path, slurm, capfd) -> None:
+    from dataclasses import replace
+
+    from ddpack.jobs.run_record import write_record
+    from ddpack.jobs.runs import resolve_run
+
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 41')
+    assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1,2", "--json", "--", "p", "{lr}"]) == 0
+    sweep_dir = Path(submitted(capfd)["run_dir"])
+    runs = sweep_dir.parent
+    old = make_run(tmp_path / "fsx")  # a run of an earlier cluster whose job was 41 too, made before the sweep
+    assert old.parent == runs
+    write_record(replace(read_record(old), created=1.0))
+    assert resolve_run("41", runs) == sweep_dir
+    write_record(replace(read_record(old), created=4e9))  # now the run is the newer
+    assert resolve_run("41", runs) == old
+
+
+def test_gc_images_removes_only_your_squashfs_files_that_no_run_names(tmp_path, slurm, capfd) -> None:
+    run_dir = make_run(tmp_path)
+    images = tmp_path / "images"
+    kept = Path(read_record(run_dir).sqsh["path"])
+    stale = images / "old-0123456789abcdef.sqsh"
+    stale.write_bytes(b"hsqs" + b"\0" * 4096)
+    (images / "old-0123456789abcdef.sqsh.ddpack.json").write_text("{}")
+    shared = images / "theirs.sqsh"
+    shared.write_bytes(b"hsqs")
+    shared.chmod(0o666)  # others may write it: not a file of yours alone, never touched
+    (images / "notes.txt").write_text("x")
+    args = ["gc", "--images", str(images), "--runs", str(run_dir.parent)]
+    assert cli.main([*args, "--dry-run", "--json"]) == 0
+    assert json.loads(capfd.readouterr().out)["would_remove"] == [str(stale)] and stale.exists()
+    assert cli.main(args) == 0 and f"gc: removed {stale}" in capfd.readouterr().out
+    assert sorted(p.name for p in images.iterdir()) == sorted([kept.name, "theirs.sqsh", "notes.txt"])
+
+
+# --------------------------------------------------------------------------- finding runs at scale (issue 57)
+
+
+def test_an_ended_runs_summary_answers_ls_so_its_metrics_and_logs_are_not_read_again(tmp_path, slurm, capfd) -> None:
+    from test_lifecycle import end, progress, start
+
+    from ddpack.jobs.run_record import append_job
+    from ddpack.jobs.status import SUMMARY
+    from train import run_folder
+
+    run_dir = make_run(tmp_path, records=[start(100, 0), progress(101, 10), end(102, 10, "done", 0)])
+    runs = str(run_dir.parent)
+    fake(slurm, "squeue", 'case "$*" in *%i*) echo "41|COMPLETED" ;; *) echo "COMPLETED||n1" ;; esac')
+    assert cli.main(["ls", "--runs", runs, "--json"]) == 0 and json.loads(capfd.readouterr().out)[0]["state"] == "COMPLETED"
+    assert not (run_dir / SUMMARY).exists()  # Slurm still lists the job: not yet settled for good
+    fake(slurm, "squeue", "exit 0")
+    assert cli.main(["ls", "--runs", runs, "--json"]) == 0
+    assert (json.loads(capfd.readouterr().out)[0]["state"], json.loads((run_dir / SUMMARY).read_text())["job_id"]) == ("COMPLETED", "41")
+    (run_dir / run_folder.METRICS).write_text("")  # were they read again, the run would read FAILED (no end record)
+    before = len(calls(slurm, "squeue"))
+    assert cli.main(["ls", "--runs", runs]) == 0 and "COMPLETED  step 10/" in capfd.readouterr().out
+    assert len(calls(slurm, "squeue")) == before  # no Slurm call for a settled run
+    append_job(run_dir, "57", "resubmit")  # a new job: the summary speaks of the old one
+    assert cli.main(["ls", "--runs", runs, "--json"]) == 0 and json.loads(capfd.readouterr().out)[0]["job_id"] == "57"
+    assert "-j 57 " in calls(slurm, "squeue")[-1]
+    # Slurm does not list job 57 and nothing in the folder says how it ended: a guess (FAILED), never kept as settled.
+    assert json.loads((run_dir / SUMMARY).read_text())["job_id"] == "41"
+
+
+def test_ls_filters_and_sorts_and_tags_are_set_at_submit_and_afterwards(tmp_path, slurm, capfd) -> None:
+    counter = tmp_path / "jobs"
+    fake(slurm, "sbatch", f'[ "$1" = --test-only ] && exit 0; echo x >>{counter}; echo $((72 + $(wc -l <{counter})))')
+    made = {}
+    for name, tags in (("alpha", ["--tag", "lr=1", "--tag", "team=nlp"]), ("beta", ["--tag", "lr=2"]), ("gamma", [])):
+        assert cli.main([*sweep_args(tmp_path), "--name", name, *tags, "--note", f"{name} try", "--json", "--", "p"]) == 0
+        made[name] = submitted(capfd)["run_dir"]
+    runs = str(Path(made["alpha"]).parent)
+    assert read_record(Path(made["alpha"])).tags == {"lr": "1", "team": "nlp"} and read_record(Path(made["alpha"])).note == "alpha try"
+    assert "tags" not in read_record(Path(made["alpha"])).settings
+    fake(slurm, "squeue", 'case "$*" in *%i*) echo "73|RUNNING"; echo "74|PENDING"; echo "75|RUNNING" ;; esac')
+
+    def names(*args: str) -> list[str]:
+        assert cli.main(["ls", "--runs", runs, "--json", *args]) == 0
+        return [Path(row["run_dir"]).name.split("-")[0] for row in json.loads(capfd.readouterr().out)]
+
+    assert names() == ["alpha", "beta", "gamma"]
+    assert names("--state", "RUNNING") == ["alpha", "gamma"]
+    assert names("--tag", "lr=2") == ["beta"] and names("--tag", "lr=1", "--tag", "team=nlp") == ["alpha"]
+    assert names("--name", "b*") == ["beta"] and names("--sort", "name", "--reverse") == ["gamma", "beta", "alpha"]
+    assert names("--since", "1h") == ["alpha", "beta", "gamma"] and names("--since", "2099-01-01") == []
+    assert cli.main(["ls", "--runs", runs, "--since", "yesterday"]) == 2 and "--since yesterday: expected 30m" in capfd.readouterr().err
+    assert cli.main(["tag", made["gamma"], "lr=2", "--note", "rerun of beta"]) == 0 and "tags lr=2" in capfd.readouterr().out
+    assert cli.main(["tag", made["alpha"], "--rm", "team"]) == 0
+    capfd.readouterr()
+    assert names("--tag", "lr=2") == ["beta", "gamma"] and read_record(Path(made["gamma"])).note == "rerun of beta"
+    assert read_record(Path(made["alpha"])).tags == {"lr": "1"}
+    assert cli.main(["ls", "--runs", runs, "--tag", "lr=1"]) == 0 and "#lr=1" in capfd.readouterr().out
+    assert cli.main(["tag", made["beta"], "bad key=x"]) == 2 and "expected KEY=VALUE" in capfd.readouterr().err
+    assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=5,6", "--tag", "group=s", "--json", "--", "p", "{lr}"]) == 0
+    sweep_dir = submitted(capfd)["run_dir"]
+    assert cli.main(["ls", "--runs", runs, "--tag", "group=s", "--json"]) == 0
+    assert [row["run_dir"] for row in json.loads(capfd.readouterr().out)] == [sweep_dir, f"{sweep_dir}/0", f"{sweep_dir}/1"]
+    assert cli.main(["tag", sweep_dir, "best=yes"]) == 0
+    assert json.loads((Path(sweep_dir) / "sweep.json").read_text())["tags"] == {"group": "s", "best": "yes"}
+    assert read_record(Path(sweep_dir) / "1").tags == {"group": "s", "best": "yes"}
+
+
+def test_completion_lists_runs_without_asking_slurm(tmp_path, slurm) -> None:
+    run_dir = make_run(tmp_path)
+    assert complete(tmp_path, ["ddpack", "status", ""], env={"DDPACK_RUNS": str(run_dir.parent)}) == [str(run_dir), "41"]
+    assert calls(slurm, "squeue") == [] and calls(slurm, "sacct") == []
+
+
+# --------------------------------------------------------------------------- export (issue 57)
+
+
+def test_export_writes_a_row_a_record_a_row_a_run_and_a_tensorboard_folder_a_run(tmp_path, slurm, capfd) -> None:
+    import csv
+
+    from test_lifecycle import end, progress, start
+
+    from train import run_folder
+
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
+    assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1e-3,3e-4", "--tag", "team=nlp", "--json", "--", "p", "{lr}"]) == 0
+    sweep_dir = Path(submitted(capfd)["run_dir"])
+    fake(slurm, "squeue", "exit 0")
+    for index in (0, 1):
+        records = [start(100, 0), {**progress(101, 10), "lr": 0.5, "rank_step_s": [0.1, 0.2]}, progress(102, 20),
+                   {"time": 103.0, "kind": "eval", "epoch": 1, "global_step": 20, "eval_loss": 0.3 + index}, end(104, 20, "done", 0)]  # fmt: skip
+        (sweep_dir / str(index) / run_folder.METRICS).write_text("".join(json.dumps(r) + "\n" for r in records))
+    rows_csv, runs_csv, board = tmp_path / "out" / "records.csv", tmp_path / "out" / "runs.csv", tmp_path / "tb"
+    (tmp_path / "out").mkdir()
+    assert cli.main(["export", "90", "--runs", str(sweep_dir.parent), "--csv", str(rows_csv), "--summary", str(runs_csv),
+                     "--tensorboard", str(board)]) == 0  # fmt: skip
+    assert f"export: wrote {rows_csv} (10 rows, a record each)" in capfd.readouterr().out
+    rows = list(csv.DictReader(rows_csv.open()))
+    assert [(r["point"], r["value.lr"], r["tag.team"], r["kind"], r["global_step"]) for r in rows[:5]] == [
+        ("0", "1e-3", "nlp", kind, step) for kind, step in (("start", "0"), ("progress", "10"), ("progress", "20"), ("eval", "20"), ("end", "20"))]
+    assert rows[1]["lr"] == "0.5" and "rank_step_s" not in rows[0] and rows[8]["eval_loss"] == "1.3" and rows[8]["value.lr"] == "3e-4"
+    summary = list(csv.DictReader(runs_csv.open()))
+    assert [(r["value.lr"], r["state"], r["step"], r["eval_loss"]) for r in summary] == [("1e-3", "COMPLETED", "20", "0.3"), ("3e-4", "COMPLETED", "20", "1.3")]
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert sorted(p.name for p in board.iterdir()) == ["lr=1e-3", "lr=3e-4"]
+    events = EventAccumulator(str(board / "lr=3e-4"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(10, pytest.approx(1 / 11)), (20, pytest.approx(1 / 21))]
+    assert [(e.step, round(e.value, 4)) for e in events.Scalars("eval/eval_loss")] == [(20, 1.3)] and events.Scalars("train/lr")[0].value == 0.5
+    assert cli.main(["export", str(sweep_dir)]) == 2 and "export writes --csv FILE, --summary FILE or --tensorboard DIR" in capfd.readouterr().err
+
+
+# --------------------------------------------------------------------------- the node-hour ledger (issue 57)
+
+
+def ledger_run(tmp_path: Path) -> Path:
+    """A 2-node run: allocation 1 (0-62 s) fails at step 20 (exit 1), restarts in place from its snapshot at 10, is
+    preempted at step 30 and requeued; allocation 2 (100-127 s) resumes from 20 and completes at 40."""
+    from test_lifecycle import end, progress, start
+
+    from train import run_folder
+
+    run_dir = make_run(tmp_path, records=[
+        start(10, 0), progress(20, 10), {"time": 21.0, "kind": "snapshot", "global_step": 10}, progress(30, 20),
+        start(40, 10), progress(50, 20), {"time": 51.0, "kind": "snapshot", "global_step": 20}, progress(60, 30),
+        start(105, 20, 1), progress(115, 30), progress(125, 40), end(126, 40, "done", 0)])  # fmt: skip
+    decisions = [
+        {"time": 0.0, "kind": "start", "job": "41", "nodes": "ddnode[1-2]", "restart": 0},
+        {"time": 9.0, "kind": "preflight", "job": "41", "result": "passed"},
+        {"time": 35.0, "kind": "step-end", "job": "41", "verdict": "restart", "reason": "failed", "exit": "1"},
+        {"time": 62.0, "kind": "step-end", "job": "41", "verdict": "requeue", "reason": "preempted", "exit": "138"},
+        {"time": 100.0, "kind": "start", "job": "41", "nodes": "ddnode[1-2]", "restart": 1},
+        {"time": 127.0, "kind": "step-end", "job": "41", "verdict": "completed", "reason": "done", "exit": "0"},
+    ]
+    (run_dir / run_folder.DECISIONS).write_text("".join(json.dumps(d) + "\n" for d in decisions))
+    (run_dir / run_folder.PREFLIGHT).write_text(json.dumps({"ok": True, "seconds": 4.0, "failures": [], "warnings": []}))
+    return run_dir
+
+
+def test_the_ledgers_parts_add_up_to_the_allocation_through_a_restart_and_a_preemption(tmp_path, slurm) -> None:
+    from dataclasses import replace
+
+    from ddpack.jobs.ledger import run_ledger
+    from ddpack.jobs.run_record import write_record
+
+    run_dir = ledger_run(tmp_path)
+    write_record(replace(read_record(run_dir), jobs=[replace(read_record(run_dir).jobs[0], submitted=-30.0)]))
+    ledger = run_ledger(run_dir, "COMPLETED")
+    # Allocation 1, 0-62 s on 2 nodes: startup 0-10, of it the preflight's 4 s (preflight.json; its record at 9), kept
+    # 10-21 and 40-51, redone 21-30 and 51-60 (the next segment resumed from the snapshot), the failure
+    # 30-35, the restart in place 35-40, the preemption 60-62. Allocation 2, 100-127 s: startup 100-105, kept 105-126,
+    # shutdown 126-127.
+    assert {part: seconds for part, seconds in ledger.node_s.items() if seconds} == {
+        "startup": 2 * (6 + 5), "preflight": 2 * 4, "kept": 2 * (11 + 11 + 21), "redone": 2 * (9 + 9), "failures": 2 * 5, "restarts": 2 * 5,
+        "preemptions": 2 * 2, "shutdown": 2 * 1}  # fmt: skip
+    assert ledger.allocated_node_s == 2 * (62 + 27) == sum(ledger.node_s.values())
+    assert [(a["nodes"], a["began"], a["ended"]) for a in ledger.allocations] == [(2, 0.0, 62.0), (2, 100.0, 127.0)]
+    assert (ledger.steps_kept, ledger.steps_redone, ledger.preemptions, ledger.restarts, ledger.requeues) == (40, 20, 1, 1, 1)
+    assert (ledger.queue_wait_s, ledger.requeue_wait_s) == (30.0, 38.0)  # beside the allocation, not in it
+
+
+def test_report_and_compare_show_the_ledger_for_a_run_and_for_a_sweep(tmp_path, slurm, capfd) -> None:
+    pytest.importorskip("matplotlib")
+    fake(slurm, "squeue", "exit 0")
+    run_dir = ledger_run(tmp_path / "a")
+    assert cli.main(["report", str(run_dir), "--json"]) == 0
+    ledger = json.loads(capfd.readouterr().out)["ledger"]
+    assert ledger["allocated_node_hours"] == pytest.approx(178 / 3600) and ledger["node_hours"]["kept"] == pytest.approx(86 / 3600)
+    assert cli.main(["report", str(run_dir)]) == 0
+    out = capfd.readouterr().out
+    assert "node-hours of the run" in out and "0.049 allocated over 2 allocation(s)" in out and "steps redone after a restart" in out
+    page = (run_dir / "report.html").read_text()
+    assert "<h2 id='ledger'>Node-hours</h2>" in page and "<td>steps kept</td><td>0.02389</td><td>48.3 %</td>" in page
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
+    assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1,2", "--json", "--", "p", "{lr}"]) == 0
+    sweep_dir = Path(submitted(capfd)["run_dir"])
+    for index in (0, 1):  # point 0 completes as the run above; point 1 the same records, but it ended FAILED
+        shutil.rmtree(sweep_dir / str(index) / "logs")
+        for name in ("metrics.jsonl", "decisions.jsonl", "preflight.json"):
+            shutil.copy(run_dir / name, sweep_dir / str(index) / name)
+    failed = (run_dir / "decisions.jsonl").read_text().replace('"completed", "reason": "done"', '"end", "reason": "failed"')
+    (sweep_dir / "1" / "decisions.jsonl").write_text(failed)
+    (sweep_dir / "1" / "metrics.jsonl").write_text("".join(line for line in (run_dir / "metrics.jsonl").read_text().splitlines(True) if '"end"' not in line))
+    assert cli.main(["report", str(sweep_dir), "--json"]) == 0
+    total = json.loads(capfd.readouterr().out)["ledger"]
+    assert total["allocated_node_hours"] == pytest.approx(2 * 178 / 3600) and total["failed_points"] == 1
+    assert total["failed_point_node_hours"] == pytest.approx(178 / 3600) and total["steps_kept"] == 40
+    assert cli.main(["compare", str(sweep_dir), "--json"]) == 0
+    points = json.loads(capfd.readouterr().out)["points"]
+    assert [(p["state"], round(p["node_hours"] * 3600), round(p["kept_node_hours"] * 3600)) for p in points] == [("COMPLETED", 178, 86), ("FAILED", 178, 44)]
+
+
+def test_a_sweeps_status_reads_a_settled_points_summary_not_its_log(tmp_path, slurm, capfd) -> None:
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
+    assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1,2", "--json", "--", "p", "{lr}"]) == 0
+    sweep_dir = Path(submitted(capfd)["run_dir"])
+    fake(slurm, "squeue", 'case "$*" in *%i*) echo "90_1|RUNNING" ;; esac')
+    (sweep_dir / "0" / "logs" / "slurm-90_0.out").write_text("ddpack: the step completed (exit 0)\n")
+    assert cli.main(["status", str(sweep_dir), "--json"]) == 0
+    assert [p["state"] for p in json.loads(capfd.readouterr().out)["points"]] == ["COMPLETED", "RUNNING"]
+    assert (sweep_dir / "0" / "summary.json").is_file() and not (sweep_dir / "1" / "summary.json").exists()
+    (sweep_dir / "0" / "logs" / "slurm-90_0.out").write_text("")  # were it read again, point 0 would not read COMPLETED
+    assert cli.main(["status", str(sweep_dir), "--json"]) == 0
+    assert [p["state"] for p in json.loads(capfd.readouterr().out)["points"]] == ["COMPLETED", "RUNNING"]
+    assert calls(slurm, "squeue")[-1] == "squeue -h -r -t all -j 90_1 -o %i|%T"  # the settled point is not asked about

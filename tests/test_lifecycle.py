@@ -175,7 +175,7 @@ def test_an_squeue_that_fails_never_loses_a_run_and_a_run_with_no_end_record_is_
     run_dir = make_run(tmp_path, records=REQUEUED_RUN, logs={"41": REQUEUED_LOG})
     got = status.run_status(run_dir)
     assert (got.state, got.state_from) == ("UNKNOWN", "run folder") and got.step == 50
-    assert [line.split()[0] for line in status.render_list(tmp_path / "runs")] == [run_dir.name]
+    assert [line.split()[0] for line in status.render_list(status.list_rows(tmp_path / "runs"))] == [run_dir.name]
     assert (run_dir / run_folder.RUN_RECORD).exists()
     fake(slurm, "squeue", "exit 0")
     assert status.run_status(run_dir).state == "FAILED"
@@ -479,7 +479,10 @@ def test_every_verb_takes_json_with_status_names_and_a_job_id(tmp_path, slurm, c
     logs = answer("logs", "41")
     assert (logs["run_dir"], logs["job_id"], logs["state"]) == (str(run_dir), "41", "RUNNING")
     assert logs["jobs"][0]["lines"] == REQUEUED_LOG.splitlines()
-    assert answer("ls") == [{"run_dir": str(run_dir), "name": run_dir.name, "job_id": "41", "state": "RUNNING", "step": 50, "total_steps": 232}]
+    (listed,) = answer("ls")
+    assert {key: listed[key] for key in ("run_dir", "name", "job_id", "state", "step", "total_steps")} == {
+        "run_dir": str(run_dir), "name": run_dir.name, "job_id": "41", "state": "RUNNING", "step": 50, "total_steps": 232}  # fmt: skip
+    assert (listed["tags"], listed["note"], listed["created"] > 0) == ({}, None, True)
     report = answer("report", "41")
     assert report["job_id"] == "41" and report["files"] == [str(run_dir / run_folder.REPORT)]
     cancelled = answer("cancel", "41")

@@ -127,6 +127,13 @@ def test_a_run_from_submit_through_a_preemption_to_completion_then_resubmitted_a
     private = [Path(run_dir), metrics, *Path(run_dir).glob("logs/*"), *Path(run_dir).glob("snapshots/*")]
     assert len(private) > 3 and all(not path.lstat().st_mode & 0o077 for path in private)  # DDPACK_UMASK=077: the user's alone
     assert not (Path(run_dir) / ".ddpack-lock").exists()  # given back when the job left for good
+    # The node-hour ledger of this real preemption: two allocations of the job's 2 nodes, whose parts add up to them.
+    reported = ddpack("report", run_dir, "--json")
+    assert reported.returncode == 0, reported.stderr
+    ledger = json.loads(reported.stdout)["ledger"]
+    assert [a["nodes"] for a in ledger["allocations"]] == [2, 2] and (ledger["preemptions"], ledger["requeues"]) == (1, 1), ledger
+    assert sum(ledger["node_hours"].values()) == pytest.approx(ledger["allocated_node_hours"]) and ledger["node_hours"]["kept"] > 0, ledger
+    assert ledger["steps_kept"] == 58 and ledger["requeue_wait_s"] > 0, ledger
 
     # The resubmitted job stays queued, its partition down, until the test has cancelled it: started, it would find
     # the run complete and end by itself, a race with the cancel.
@@ -221,24 +228,43 @@ def test_a_run_files_command_reaches_every_rank_word_for_word_with_only_the_envi
 
 
 def test_a_sweep_is_one_job_array_whose_points_each_run_their_own_command(shared: Path, sqsh: Path) -> None:
-    """`ddpack submit --sweep lr=1e-3,3e-4 -- ... --lr {lr}` for real: one job array (both points at once on the
-    test cluster's nodes), each point's rank gets its own value, writes its log in its own run folder, and `status`
-    and `ls` read the sweep as a whole."""
+    """`ddpack submit --sweep lr=1e-3,bad -- ... --lr {lr}` for real: one job array (the points at once on the
+    test cluster's nodes, an sbatch option of the user's own on each), each point's rank gets its own value and its
+    --env value, writes its log in its own run folder; `status SWEEP --watch` follows it to its end and names the
+    point that failed, `resubmit SWEEP --failed` runs that point alone again as an array of one, and `status`, `ls`
+    and `compare` read the sweep as a whole."""
     work = shared / "sweep"
     work.mkdir()
-    probe = "import os, sys; print('point', os.environ['SLURM_ARRAY_TASK_ID'], ' '.join(sys.argv[1:]))"
+    (work / "fail-bad").write_text("")  # point 1 exits 2 (bad input: never retried) while /fsx/sweep/fail-bad is there
+    probe = ("import os, sys; print('point', os.environ['SLURM_ARRAY_TASK_ID'], ' '.join(sys.argv[1:]), os.environ['TAG']); "
+             "sys.exit(2 * os.path.exists('/fsx/sweep/fail-' + sys.argv[-1]))")  # fmt: skip
     submitted = ddpack(
         "submit", str(work), "--nodes", "1", "--sqsh", str(sqsh), "--runs", str(work / "runs"), "--mounts", f"{shared}:/fsx",
-        "--sweep", "lr=1e-3,3e-4", "--sweep-parallel", "2", "--json", "--", "python", "-c", probe, "--lr", "{lr}",
+        "--sweep", "lr=1e-3,bad", "--sweep-parallel", "2", "--env", "TAG=p{index}", "--sbatch-arg=--comment=ddpack-sweep",
+        "--json", "--", "python", "-c", probe, "--lr", "{lr}",
     )  # fmt: skip
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
     result = json.loads(submitted.stdout)
     sweep_dir, array = Path(result["run_dir"]), result["job_id"]
-    for index, value in enumerate(("1e-3", "3e-4")):
-        log = sweep_dir / str(index) / run_folder.LOGS / run_folder.job_log(f"{array}_{index}")
-        assert wait_for_end(f"{array}_{index}", log, timeout=300) == ("COMPLETED", 0), log.read_text() if log.exists() else log
-        assert re.search(rf"^ ?0: point {index} --lr {value}$", log.read_text(), re.M), log.read_text()
+    assert "Comment=ddpack-sweep" in subprocess.run(["scontrol", "show", "job", f"{array}_0"], capture_output=True, text=True).stdout
+    watched = ddpack("status", str(sweep_dir), "--watch", "--interval", "1")
+    assert watched.returncode == 1, watched.stdout + watched.stderr  # FAILED: point 1's
+    assert "1 of 2 points did not complete: 1 (lr=bad) FAILED" in watched.stdout, watched.stdout
+    for index, value in enumerate(("1e-3", "bad")):
+        log = (sweep_dir / str(index) / run_folder.LOGS / run_folder.job_log(f"{array}_{index}")).read_text()
+        assert re.search(rf"^ ?0: point {index} --lr {value} p{index}$", log, re.M), log
+    (work / "fail-bad").unlink()
+    mended = ddpack("resubmit", str(sweep_dir), "--failed", "--json")
+    assert mended.returncode == 0, mended.stdout + mended.stderr
+    again = json.loads(mended.stdout)
+    assert again["points"] == [1]
+    followed = ddpack("logs", str(sweep_dir), "-f", "--point", "1")
+    assert followed.returncode == 0, followed.stdout + followed.stderr
+    assert re.search(r"^ ?0: point 1 --lr bad p1$", followed.stdout, re.M) and f"==> job {again['job_id']}_1" in followed.stdout
     whole = json.loads(ddpack("status", array, "--runs", str(work / "runs"), "--json").stdout)
-    assert (whole["state"], whole["counts"], [p["values"]["lr"] for p in whole["points"]]) == ("COMPLETED", {"COMPLETED": 2}, ["1e-3", "3e-4"])
+    assert (whole["state"], whole["counts"], [p["values"]["lr"] for p in whole["points"]]) == ("COMPLETED", {"COMPLETED": 2}, ["1e-3", "bad"])
+    assert [p["job_id"] for p in whole["points"]] == [f"{array}_0", f"{again['job_id']}_1"]
     rows = json.loads(ddpack("ls", "--runs", str(work / "runs"), "--json").stdout)
-    assert [(r["job_id"], r["state"]) for r in rows] == [(array, "COMPLETED"), (f"{array}_0", "COMPLETED"), (f"{array}_1", "COMPLETED")]
+    assert [(r["job_id"], r["state"]) for r in rows] == [(array, "COMPLETED"), (f"{array}_0", "COMPLETED"), (f"{again['job_id']}_1", "COMPLETED")]
+    table = json.loads(ddpack("compare", str(sweep_dir), "--json").stdout)
+    assert [(row["index"], row["lr"], row["state"]) for row in table["points"]] == [(0, "1e-3", "COMPLETED"), (1, "bad", "COMPLETED")]

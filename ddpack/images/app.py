@@ -32,7 +32,8 @@ from packaging.version import Version
 from ddpack.errors import HostError
 from entrypoint.plan import python_script_index
 
-# Never part of the code layer (the project's code, at /opt/app in the image, docker/app.Dockerfile): version control, caches, virtual environments, and what ddpack's templates
+# Never part of the code layer (the project's code, at /opt/app in the image, docker/app.Dockerfile): version
+# control, caches, virtual environments, and what ddpack's templates
 # and builds write into a submission folder (runs/ holds snapshots, logs/ the job logs).
 ALWAYS_EXCLUDED = (
     ".git", ".hg", ".svn", "__pycache__", "*.pyc", ".venv", "venv", ".mypy_cache", ".pytest_cache", ".ruff_cache",

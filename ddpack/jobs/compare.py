@@ -1,11 +1,13 @@
-"""`ddpack compare RUN RUN... [--json] [--html PATH]`: what differed between runs, and how each ended.
+"""`ddpack compare RUN RUN... [--json] [--html PATH]`: what differed between runs, and how each ended;
+`ddpack compare SWEEP [--sort KEY]`: one row a point, its swept values and how it ended.
 
 What ran comes from each run's record (run.json): the image, the code (commit, uncommitted diff, the files' digest),
 every setting, the command, the environment the job got (secrets by name), the run file and a sweep point's values
 (a sweep's folder stands for all its points). Only what differs is
 shown, one row a field, one column a run. How each ended comes from `ddpack status` (state, step of the total) and
-the run's metrics (final loss, median samples/s and MFU, wall time over its segments, restarts). The HTML page
-overlays the runs' loss and throughput curves, drawn as the report draws one run's.
+the run's metrics (the last training batch's loss, the last eval's loss, median samples/s and MFU, wall time over
+its segments, restarts). The HTML page (written only where --html asks) overlays the runs' loss and throughput
+curves, drawn as the report draws one run's.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from statistics import median
 from typing import Any
 
 from ddpack.errors import HostError
+from ddpack.jobs.ledger import run_ledger
 from ddpack.jobs.run_record import read_record
 from ddpack.jobs.segments import Run, read_run
 from ddpack.private_files import write_atomically
@@ -57,11 +60,14 @@ class Outcome:
     state: str
     step: int | None
     total_steps: int | None
-    final_loss: float | None
+    train_loss: float | None  # the last progress record's: one training batch's loss, not a held-out measure
+    eval_loss: float | None  # the last eval record's loss, where the program evaluates
     samples_per_s: float | None  # median over the run's progress records
     mfu: float | None  # median
     wall_s: float | None  # the sum of its segments' spans: time spent training, not queued
     restarts: int
+    node_hours: float | None = None  # the node-hour ledger's allocation (ddpack.jobs.ledger), None without start records
+    kept_node_hours: float | None = None  # of which bought steps the run kept
 
 
 def outcome(run_dir: Path) -> tuple[Outcome, Run | None]:
@@ -77,19 +83,33 @@ def outcome(run_dir: Path) -> tuple[Outcome, Run | None]:
     rates = [r["samples_per_s"] for r in progress if r.get("samples_per_s") is not None]
     mfus = [r["mfu"] for r in progress if r.get("mfu") is not None]
     spans = [s.ended - s.began for s in run.segments if s.began is not None and s.ended is not None] if run else []
+    ledger = run_ledger(run_dir, now.state)
+    allocated = ledger.allocated_node_s / 3600 if ledger.allocations else None
     return (
         Outcome(
             state=now.state,
             step=now.step,
             total_steps=now.total_steps,
-            final_loss=losses[-1] if losses else None,
+            train_loss=losses[-1] if losses else None,
+            eval_loss=eval_loss(run.evals if run else []),
             samples_per_s=median(rates) if rates else None,
             mfu=median(mfus) if mfus else None,
             wall_s=sum(spans) if spans else None,
             restarts=max(0, len(now.segments) - 1),
+            node_hours=allocated,
+            kept_node_hours=ledger.node_s["kept"] / 3600 if allocated is not None else None,
         ),
         run,
     )
+
+
+def eval_loss(evals: list[dict[str, Any]]) -> float | None:
+    """The last eval record's loss (eval_loss, or loss), None where the run wrote no eval."""
+    for record in reversed(evals):
+        for key in ("eval_loss", "loss"):
+            if isinstance(record.get(key), int | float):
+                return float(record[key])
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,11 +163,13 @@ def outcome_rows(comparison: Comparison) -> list[tuple[str, list[str]]]:
     return [
         ("state", [o.state for o in out]),
         ("step", [f"{_cell(o.step)} of {_cell(o.total_steps)}" for o in out]),
-        ("final loss", [_cell(o.final_loss) for o in out]),
+        ("last train loss", [_cell(o.train_loss) for o in out]),
+        ("last eval loss", [_cell(o.eval_loss) for o in out]),
         ("samples/s (median)", [f"{o.samples_per_s:,.0f}" if o.samples_per_s is not None else "-" for o in out]),
         ("MFU (median)", [f"{o.mfu * 100:.1f} %" if o.mfu is not None else "-" for o in out]),
         ("wall time", [_duration(o.wall_s) for o in out]),
         ("restarts", [str(o.restarts) for o in out]),
+        ("node-hours (kept)", [f"{o.node_hours:.3f} ({o.kept_node_hours:.3f})" if o.node_hours is not None else "-" for o in out]),
     ]
 
 
@@ -203,3 +225,64 @@ def write_page(comparison: Comparison, runs: list[Run | None], path: Path) -> Pa
     )
     write_atomically(path, page, mode=0o600)  # it shows settings and --env values: the user's alone, as run.json is
     return path
+
+
+# --------------------------------------------------------------------------- a sweep: one row a point
+
+POINT_COLUMNS = ("state", "step", "train_loss", "eval_loss", "samples_per_s", "mfu", "wall_s", "restarts", "node_hours", "kept_node_hours")
+
+
+def sweep_table(folder: Path) -> tuple[list[str], list[dict[str, Any]], list[Run | None]]:
+    """(the swept names, one row a point: index, job_id, run_dir, each swept value, then POINT_COLUMNS, each point's
+    metrics) for `compare SWEEP`."""
+    from dataclasses import asdict
+
+    from ddpack.jobs.sweep import point_dirs, read_sweep
+
+    data = read_sweep(folder)
+    names = data.get("names") or list(data["values"])  # the order given (the file's keys are sorted)
+    rows, runs = [], []
+    for index, point_dir in enumerate(point_dirs(folder)):
+        ended, run = outcome(point_dir)
+        job = read_record(point_dir).last_job
+        values = asdict(ended)
+        rows.append({"index": index, "job_id": job.job_id if job else None, "run_dir": str(point_dir), **data["points"][index],
+                     **{key: values[key] for key in POINT_COLUMNS}})  # fmt: skip
+        runs.append(run)
+    return names, rows, runs
+
+
+def sort_rows(rows: list[dict[str, Any]], key: str, names: list[str], reverse: bool = False) -> list[dict[str, Any]]:
+    """Rows by `key` (a swept name or a column; a value that reads as a number sorts as one), rows without it last."""
+    known = ["index", *names, *POINT_COLUMNS]
+    if key not in known:
+        raise HostError(f"--sort {key}: expected one of {', '.join(known)}", code=2)
+
+    def number(value: Any) -> tuple[int, Any]:
+        try:
+            return (0, float(value))
+        except (TypeError, ValueError):
+            return (1, str(value))
+
+    present = sorted((row for row in rows if row.get(key) is not None), key=lambda row: number(row[key]), reverse=reverse)
+    return present + [row for row in rows if row.get(key) is None]
+
+
+def render_sweep_table(names: list[str], rows: list[dict[str, Any]], page: Path | None) -> str:
+    heads = ["point", *names, "state", "step", "train loss", "eval loss", "samples/s", "MFU", "wall", "restarts", "node-h (kept)"]
+    body = [[str(row["index"]), *(str(row[name]) for name in names), row["state"], _cell(row["step"]), _cell(row["train_loss"]),
+             _cell(row["eval_loss"]), f"{row['samples_per_s']:,.0f}" if row["samples_per_s"] is not None else "-",
+             f"{row['mfu'] * 100:.1f} %" if row["mfu"] is not None else "-", _duration(row["wall_s"]), str(row["restarts"]),
+             f"{row['node_hours']:.3f} ({row['kept_node_hours']:.3f})" if row["node_hours"] is not None else "-"]
+            for row in rows]  # fmt: skip
+    widths = [max(len(line[i]) for line in [heads, *body]) for i in range(len(heads))]
+    lines = ["  ".join(f"{cell:<{widths[i]}}" for i, cell in enumerate(line)).rstrip() for line in [heads, *body]]
+    return "\n".join([*lines, *([f"compare: wrote {page}"] if page else [])])
+
+
+def write_sweep_page(folder: Path, names: list[str], rows: list[dict[str, Any]], runs: list[Run | None], path: Path) -> Path:
+    """The points' table and their curves overlaid, one colour a point (write_page's drawing)."""
+    columns = [f"{row['index']} " + " ".join(f"{n}={row[n]}" for n in names) for row in rows]
+    outcomes = [Outcome(**{key: row[key] for key in POINT_COLUMNS}, total_steps=None) for row in rows]
+    comparison = Comparison(runs=[row["run_dir"] for row in rows], names=columns, differ={}, same=0, outcomes=outcomes)
+    return write_page(comparison, runs, path)

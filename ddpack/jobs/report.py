@@ -224,6 +224,27 @@ STYLE = (
 )
 
 
+def ledger_section(folder: Path) -> str:
+    """The node-hour ledger (ddpack.jobs.ledger) of a run ddpack submit made or a template recorded; "" for a run folder
+    with no run.json (a metrics file alone) or no start records."""
+    from ddpack.jobs.ledger import NAMES, PARTS, run_ledger
+
+    if not (folder / run_folder.RUN_RECORD).is_file():
+        return ""
+    try:
+        ledger = run_ledger(folder)
+    except HostError:  # not this user's run folder: no ledger, the report all the same
+        return ""
+    total = ledger.allocated_node_s
+    if not total:
+        return ""
+    rows = [[NAMES[part], ledger.node_s[part] / 3600, f"{100 * ledger.node_s[part] / total:.1f} %"] for part in PARTS if ledger.node_s[part]]
+    said = (f"{total / 3600:.4g} node-hours over {len(ledger.allocations)} allocation(s); steps kept {ledger.steps_kept}, redone "
+            f"{ledger.steps_redone}; {ledger.preemptions} preemption(s), {ledger.restarts} restart(s) in place, {ledger.requeues} requeue(s); "
+            f"not allocated: {ledger.queue_wait_s:.0f} s queued, {ledger.requeue_wait_s:.0f} s waiting after requeues")  # fmt: skip
+    return f"<h2 id='ledger'>Node-hours</h2><p>{html.escape(said)}</p>" + _table(["part", "node-hours", "share"], rows)
+
+
 def render_html(run: Run, plt: Any) -> str:
     def image(data: bytes, alt: str) -> str:
         return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{base64.b64encode(data).decode()}">'
@@ -255,6 +276,7 @@ def render_html(run: Run, plt: Any) -> str:
         rows.append([index, _when(segment.began), start.get("global_step"), _when(segment.ended), end.get("global_step"), segment.outcome,
                      end.get("exit_code"), why, len(segment.snapshots), where])  # fmt: skip
     parts.append(_table(["segment", "began", "from step", "ended", "at step", "outcome", "exit", "why", "snapshots", "where"], rows))
+    parts.append(ledger_section(run.folder))
     if run.preflight is not None:
         parts.append(preflight_section(run.preflight, lambda data, alt: image(data, alt), plt))
     config = (run.last_start or {}).get("config") or {}

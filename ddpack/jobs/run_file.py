@@ -9,6 +9,8 @@
     pass_env = ["NCCL_DEBUG"]        # variables the job takes from this shell, value recorded (as --env NAME)
     secrets = ["WANDB_API_KEY"]      # from this shell, handed to the job by Slurm, written to no file (as --secret)
     sweep_parallel = 4               # at most 4 points at once (as --sweep-parallel)
+    account = "research"             # qos, constraint, reservation: Slurm's own (as the flags)
+    sbatch = ["--mem=0", "--comment=baseline"]   # any other sbatch option (as --sbatch-arg)
 
     [env]                            # settings for the job (as --env NAME=VALUE)
     OMP_NUM_THREADS = "4"
@@ -16,13 +18,14 @@
     [sweep]                          # one job array of the cross product, {lr} in the command's words (as --sweep)
     lr = ["1e-3", "3e-4"]
 
-A flag given on the command line wins over the file's value. A bad key or value is one line naming the file, the line
+A flag given on the command line wins over the file's value. A path may begin with `~` (your home). A bad key or value is one line naming the file, the line
 and the key, exit 2. The file's text is kept in the run's record (run.json) with the rest of what ran.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -53,9 +56,14 @@ SCALARS: dict[str, tuple[type, str]] = {
     "sqsh": (str, "a squashfs file, relative to the run file"),
     "name": (str, "a name"),
     "sweep_parallel": (int, "a whole number"),
+    "account": (str, "a Slurm account's name"),
+    "qos": (str, "a Slurm QOS's name"),
+    "constraint": (str, 'node features, such as "a100&ib"'),
+    "reservation": (str, "a Slurm reservation's name"),
+    "note": (str, "a note for the run"),
 }
-LISTS = ("command", "pass_env", "secrets")  # lists of strings
-TABLES = ("env", "sweep")  # env: NAME = "value"; sweep: NAME = [values]
+LISTS = ("command", "pass_env", "secrets", "sbatch")  # lists of strings
+TABLES = ("env", "sweep", "tags")  # env, tags: NAME = "value"; sweep: NAME = [values]
 PATHS = ("app_dir", "runs", "images", "sqsh")
 
 
@@ -82,7 +90,8 @@ class RunFile:
         flag = problem.split()[0] if problem.startswith("--") else ""
         if not flag or flag in flags_given:
             return problem
-        key = {"--time": "time", "--env": "env", "--secret": "secrets", "--sweep": "sweep"}.get(flag, flag[2:].replace("-", "_"))
+        keys = {"--time": "time", "--env": "env", "--secret": "secrets", "--sweep": "sweep", "--sbatch-arg": "sbatch", "--tag": "tags"}
+        key = keys.get(flag, flag[2:].replace("-", "_"))
         written = next((k for k in self.written if k.replace("-", "_") == key), None)
         if written is None:
             return problem
@@ -116,13 +125,23 @@ def table_values(path: Path, text: str, key: str, table: dict[str, Any]) -> dict
     a value to keep it as written)."""
     for name, value in table.items():
         where = f"{path}:{line_of(text, name, key)}: {key}.{name} = {value!r}"
-        if key == "env" and not isinstance(value, str):
+        if key in ("env", "tags") and not isinstance(value, str):
             raise HostError(f'{where}: expected a string ("{value}")', code=2)
         if key == "sweep" and (not isinstance(value, list) or not value or not all(type(v) in (str, int, float) for v in value)):
             raise HostError(f'{where}: expected a list of values, such as ["1e-3", "3e-4"]', code=2)
     if key == "sweep":
         return {name: [v if isinstance(v, str) else repr(v) for v in value] for name, value in table.items()}
     return dict(table)
+
+
+def run_file_path(path: Path, text: str, written: str, value: str, folder: Path) -> Path:
+    """A path key's value: `~` and `~user` expanded as a shell would, then relative to the run file's folder; one that
+    cannot be expanded (a user this host does not know) is an error, never a folder named `~`."""
+    expanded = os.path.expanduser(value)
+    if expanded.startswith("~"):
+        raise HostError(f"{path}:{line_of(text, written)}: {written} = {value!r}: {value.split('/')[0]} is no user's home here; "
+                        "write the folder's whole path", code=2)  # fmt: skip
+    return (folder / expanded).resolve()
 
 
 def read_run_file(path: Path) -> RunFile:
@@ -143,7 +162,7 @@ def read_run_file(path: Path) -> RunFile:
             kind, expected = SCALARS[key]
             if type(value) is not kind:  # exactly: TOML's true is no whole number of nodes
                 raise HostError(f"{where} = {value!r}: expected {expected}", code=2)
-            values[key] = (folder / value).resolve() if key in PATHS else value
+            values[key] = run_file_path(path, text, written, value, folder) if key in PATHS else value
         elif key in LISTS:
             if not isinstance(value, list) or not all(isinstance(word, str) for word in value):
                 raise HostError(f'{where}: expected a list of strings, such as ["python", "train.py"]', code=2)

@@ -62,6 +62,8 @@ class RunRecord:
     environment: dict[str, Any] = field(default_factory=dict)  # script, login_shell (values), secrets (names only)
     run_file: dict[str, Any] | None = None  # the run file's path, digest and text (ddpack submit --file)
     sweep: dict[str, Any] | None = None  # a sweep's point: the sweep's folder, this point's index and values
+    tags: dict[str, str] = field(default_factory=dict)  # submit --tag KEY=VALUE, then ddpack tag
+    note: str | None = None  # submit --note, then ddpack tag --note
     format: int = FORMAT
 
     @classmethod
@@ -155,3 +157,14 @@ def append_event(run_dir: Path, event: dict[str, Any]) -> None:
         data = asdict(read_record(run_dir))
         data["events"].append({"time": time.time(), **event})
         write_json_atomic(record_path(run_dir), data)
+
+
+def update_tags(run_dir: Path, tags: dict[str, str], removed: tuple[str, ...] = (), note: str | None = None) -> dict[str, str]:
+    """Set `tags`, drop `removed` and (when given) replace the note, re-read under the lock; the run's tags now."""
+    with _locked(run_dir):
+        data = asdict(read_record(run_dir))
+        data["tags"] = {key: value for key, value in {**data.get("tags", {}), **tags}.items() if key not in removed}
+        if note is not None:
+            data["note"] = note or None
+        write_json_atomic(record_path(run_dir), data)
+    return data["tags"]

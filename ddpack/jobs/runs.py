@@ -65,12 +65,11 @@ def resolve_run(run: str | None, runs: Path) -> Path:
         # The runs folder, then ./runs: where a job started by hand with a template keeps its run (runs/<name>-<job>
         # in the folder it was submitted from), so `ddpack status JOB` typed there finds it.
         for where in dict.fromkeys([runs, (Path.cwd() / "runs").resolve()]):
-            for folder, record in reversed(list_runs(where)):
-                if any(job.job_id == run for job in record.jobs):
-                    return folder
-            for folder, data in list_sweeps(where):
-                if str(data.get("job_id")) == run:
-                    return folder
+            # Slurm reuses job ids (a new cluster, a reset): the newest run or sweep that has it, whichever it is.
+            having = [*((record.created, folder) for folder, record in list_runs(where) if any(job.job_id == run for job in record.jobs)),
+                      *((data.get("created", 0), folder) for folder, data in list_sweeps(where) if str(data.get("job_id")) == run)]  # fmt: skip
+            if having:
+                return max(having, key=lambda item: item[0])[1]
         raise HostError(f"job {run} belongs to no run under {runs} or ./runs; name the run folder, or give --runs", code=2)
     raise HostError(f"{run} is neither a run folder nor a job id", code=2)
 
@@ -183,17 +182,32 @@ def resubmit(run_dir: Path, changes: dict[str, Any] | None = None) -> str:
     when that image is gone or changed, the script was edited, a job of the run still lives, or a secret it was given
     is not in this shell. `changes` (time_limit, nodes, partition) override the script's #SBATCH lines for this job
     only, and are kept with the job in run.json: after a TIMEOUT, a longer --time continues the run."""
-    from ddpack.jobs.submit import LOGIN_ENV, image_key, record_job
+    from ddpack.jobs.submit import record_job
 
     changes = {key: value for key, value in (changes or {}).items() if value is not None}
     record = read_record(run_dir)
+    options = (*resubmit_options(changes, int(record.settings.get("spares") or 0)), *undepend(record))
+    script, export = resubmit_ready(run_dir, record)
+    if record.sweep:  # a sweep's point: its element of the sweep's array script, which picks its folder and command
+        options = (f"--array={record.sweep['index']}", *options)
+    job_id = slurm_cli.sbatch(script, run_dir, export=export, options=options)
+    if record.sweep:
+        job_id = f"{job_id}_{record.sweep['index']}"
+    record_job(run_dir, job_id, "resubmit", changes)
+    return job_id
+
+
+def resubmit_ready(run_dir: Path, record: Any) -> tuple[Path, tuple[str, ...] | None]:
+    """(the job script, the names sbatch --export hands the job) for a resubmit of the run, or one line (exit 2) why
+    not: its image gone or changed, its script edited, a job of it still alive, a secret it was given not in this shell."""
+    from ddpack.jobs.submit import LOGIN_ENV, image_key
+
     if record.settings.get("made_by") == "template":
         raise HostError(
             f"{run_dir} is a run started by hand with a template, whose settings ddpack did not keep; continue it as it was "
             f"started, with sbatch --export=ALL,DDPACK_RUN_DIR={run_dir} and the template",
             code=2,
         )
-    options = resubmit_options(changes, int(record.settings.get("spares") or 0))
     sqsh = Path(record.sqsh["path"])
     if not sqsh.is_file():
         raise HostError(f"the image this run ran, {sqsh}, is gone; submit again (ddpack submit) to build and convert it", code=2)
@@ -224,9 +238,6 @@ def resubmit(run_dir: Path, changes: dict[str, Any] | None = None) -> str:
         if queue.listed and queue.state not in slurm_cli.FINAL:
             raise HostError(f"job {job.job_id} of this run is still {queue.state}; ddpack cancel it first, or wait for it", code=2)
     # A record from before the environment was recorded sent the whole shell; one that has it sends what it names.
-    export = (*LOGIN_ENV, *secrets) if record.environment else None
-    if record.sweep:  # a sweep's point: its element of the sweep's array script, which picks its folder and command
-        options = (f"--array={record.sweep['index']}", *options)
     # A person chose to go on: the new job gets the failure restarts anew (the count caps one job's loop, not the run).
     failure_restarts = run_dir / node_helper().FAILURE_RESTARTS
     try:
@@ -234,11 +245,13 @@ def resubmit(run_dir: Path, changes: dict[str, Any] | None = None) -> str:
     except OSError as why:
         why_not = f"cannot reset the failure restarts' count {failure_restarts} ({why.strerror})"
         raise HostError(f"{why_not}; fix its folder's permissions and resubmit", code=1) from None
-    job_id = slurm_cli.sbatch(script, run_dir, export=export, options=options)
-    if record.sweep:
-        job_id = f"{job_id}_{record.sweep['index']}"
-    record_job(run_dir, job_id, "resubmit", changes)
-    return job_id
+    return script, ((*LOGIN_ENV, *secrets) if record.environment else None)
+
+
+def undepend(record: Any) -> tuple[str, ...]:
+    """A resubmit continues now: a run submitted --after another drops the script's --dependency (whose job may be
+    long gone, and Slurm would hold the job for it), as sbatch's empty --dependency= does."""
+    return ("--dependency=",) if record.settings.get("dependency") else ()
 
 
 def resubmit_options(changes: dict[str, Any], spares: int) -> tuple[str, ...]:
@@ -259,3 +272,28 @@ def resubmit_options(changes: dict[str, Any], spares: int) -> tuple[str, ...]:
             raise HostError(f"--partition {changes['partition']!r}: not a partition's name", code=2)
         options.append(f"--partition={changes['partition']}")
     return tuple(options)
+
+
+# --------------------------------------------------------------------------- rm
+
+
+def remove(folder: Path) -> list[str]:
+    """Delete a run's or a sweep's folder, refused in one line while a job of it may still live (a state Slurm did not
+    settle counts as alive); the jobs it had, for the sentence."""
+    import shutil
+
+    from ddpack.jobs.status import run_status
+    from ddpack.jobs.sweep import is_sweep, point_dirs
+
+    runs = point_dirs(folder) if is_sweep(folder) else [folder]
+    alive = []
+    jobs = []
+    for run_dir in runs:
+        now = run_status(run_dir)
+        jobs += [job.job_id for job in read_record(run_dir).jobs]
+        if now.job_id and now.state not in ENDED:
+            alive.append(f"{now.job_id} ({now.state})")
+    if alive:
+        raise HostError(f"{folder} has jobs that may still live: {', '.join(alive)}; ddpack cancel {folder} first, or wait for them", code=2)
+    shutil.rmtree(folder)
+    return jobs

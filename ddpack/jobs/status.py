@@ -471,27 +471,83 @@ def asked_for(jobs: list[Any]) -> Any:
     return asked
 
 
-def list_rows(runs: Path) -> list[dict[str, Any]]:
-    """One row per run (status --json's names): run_dir, name, job_id, state, step, total_steps. One squeue call for
-    all of them. A sweep is a row of its own (with `points`), before its points' rows (with `sweep`, its folder, and
+SUMMARY = "summary.json"  # an ended run's state and progress, so ls and completion never read its metrics and logs again
+SUMMARY_FIELDS = ("state", "state_from", "step", "total_steps", "loss", "samples_per_s")
+
+
+def read_summary(run_dir: Path, record: RunRecord) -> dict[str, Any] | None:
+    """The run's summary when it speaks of its newest job (a resubmit makes it stale), else None."""
+    from ddpack.jobs.run_record import not_a_run_of_yours
+
+    path = run_dir / SUMMARY
+    job = record.last_job
+    if job is None or not path.is_file() or not_a_run_of_yours(path) is not None:
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("job_id") == job.job_id and data.get("attempt") == job.attempt else None
+
+
+def summarized(run_dir: Path, record: RunRecord, known: dict[str, Any]) -> dict[str, Any]:
+    """A settled run's status --json object from its summary: the summary's fields, the rest empty (status RUN reads
+    the whole run again: its segments, outcome, ...)."""
+    from dataclasses import fields
+
+    empty = {f.name: ([] if f.name == "segments" else 0 if f.name in ("attempt", "progress_records") else None) for f in fields(Status)}
+    job = record.last_job
+    return {**empty, "run_dir": str(run_dir), "name": record.name, "job_id": job.job_id if job else None, "attempt": job.attempt if job else 0,
+            "note": "from its summary (summary.json)", **{key: known.get(key) for key in SUMMARY_FIELDS},
+            "image": record.image.get("ref"), "sqsh": record.sqsh.get("path")}  # fmt: skip
+
+
+def keep_summary(run_dir: Path, status: Status) -> None:
+    """Write the run's summary once its newest job has ended for good: Slurm no longer lists it and accounting, the
+    job's records, its log or run.json say how it ended, so nothing but a resubmit (a new job) can change what status
+    says of it. Best effort: a run folder
+    that cannot be written is read in full again next time."""
+    from ddpack.jobs.run_record import write_json_atomic
+
+    if not status.ended or status.state_from in ("squeue", "run folder") or status.job_id is None:
+        return  # still listed, or a guess (no record says how it ended): asked again next time
+    data = {"job_id": status.job_id, "attempt": status.attempt, "written": time.time(), **{key: getattr(status, key) for key in SUMMARY_FIELDS}}
+    try:
+        write_json_atomic(run_dir / SUMMARY, data)
+    except OSError:
+        return
+
+
+def list_rows(runs: Path, *, ask_slurm: bool = True) -> list[dict[str, Any]]:
+    """One row per run (status --json's names): run_dir, name, job_id, state, step, total_steps, loss, created, tags.
+    One squeue call for all the runs still to settle; an ended run's summary (summary.json) answers for it, its
+    metrics and logs unread. Without `ask_slurm` (completion) no Slurm command runs: a run without a summary has state
+    None. A sweep is a row of its own (with `points`), before its points' rows (with `sweep`, its folder, and
     `values`)."""
     from ddpack.jobs.sweep import read_sweep, sweep_state
 
     found = list_runs(runs)
-    asked = asked_for([record.last_job for _, record in found])  # one squeue and one sacct for every run, not one each
+    summaries = {str(run_dir): read_summary(run_dir, record) for run_dir, record in found}
+    unsettled = [record.last_job for run_dir, record in found if summaries[str(run_dir)] is None]
+    asked = asked_for(unsettled) if ask_slurm else None  # one squeue and one sacct for every run, not one each
     rows: list[dict[str, Any]] = []
     sweeps: dict[str, dict[str, Any]] = {}
     for run_dir, record in found:
         job = record.last_job
-        state = run_status(run_dir, asked(job)).state
-        records = read_records(run_dir / run_folder.METRICS)
+        known = summaries[str(run_dir)]
+        if known is None and asked is not None:
+            now = run_status(run_dir, asked(job))
+            keep_summary(run_dir, now)
+            known = {key: getattr(now, key) for key in SUMMARY_FIELDS}
+        known = known or dict.fromkeys(SUMMARY_FIELDS)
         row = {
             "run_dir": str(run_dir),
             "name": record.name,
             "job_id": job.job_id if job else None,
-            "state": state,
-            "step": records.progress[-1].get("global_step") if records.progress else None,
-            "total_steps": records.starts[-1].get("total_steps") if records.starts else None,
+            **{key: known.get(key) for key in ("state", "step", "total_steps", "loss")},
+            "created": record.created,
+            "tags": record.tags,
+            "note": record.note,
         }
         if record.sweep:
             folder = record.sweep["dir"]
@@ -502,22 +558,53 @@ def list_rows(runs: Path) -> list[dict[str, Any]]:
                     data = None
                 if data is not None:
                     sweeps[folder] = {"run_dir": folder, "name": data["name"], "job_id": data.get("job_id"), "state": None,
-                                      "step": None, "total_steps": None, "points": len(data["points"])}  # fmt: skip
+                                      "step": None, "total_steps": None, "loss": None, "created": data.get("created", record.created),
+                                      "tags": data.get("tags", {}), "note": data.get("note"), "points": len(data["points"])}  # fmt: skip
                     rows.append(sweeps[folder])
             row.update(sweep=folder, values=record.sweep["values"])
         rows.append(row)
     for folder, row in sweeps.items():
-        row["state"] = sweep_state([point["state"] for point in rows if point.get("sweep") == folder])
+        states = [point["state"] for point in rows if point.get("sweep") == folder]
+        row["state"] = sweep_state(states) if all(states) else None
     return rows
 
 
-def render_list(runs: Path) -> list[str]:
-    """One line per run: name, newest job, state, progress."""
+SORT_KEYS = ("created", "name", "state", "step", "loss")
+
+
+def pick_rows(rows: list[dict[str, Any]], *, states: tuple[str, ...] = (), name: str | None = None, since: float | None = None,
+              tags: dict[str, str] | None = None, sort: str = "created", reverse: bool = False) -> list[dict[str, Any]]:  # fmt: skip
+    """ls's filters (each must hold: a state of `states`, a name matching the glob `name`, made at `since` or after,
+    every tag of `tags`) and order (`sort`, one of SORT_KEYS; runs with no value for it last). A sweep's points are
+    filtered as runs; a sweep is listed, before its points, when any of its points is."""
+    from fnmatch import fnmatch
+
+    def keeps(row: dict[str, Any]) -> bool:
+        return ((not states or row["state"] in states) and (name is None or fnmatch(row["name"], name) or fnmatch(Path(row["run_dir"]).name, name))
+                and (since is None or row["created"] >= since)
+                and all(row["tags"].get(key) == value for key, value in (tags or {}).items()))  # fmt: skip
+
+    def order(row: dict[str, Any]) -> tuple[bool, Any]:
+        value = row.get(sort)
+        return (value is None, value if value is not None else 0)
+
+    points: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        if "sweep" in row and keeps(row):
+            points.setdefault(row["sweep"], []).append(row)
+    top = [row for row in rows if "sweep" not in row and (row["run_dir"] in points if "points" in row else keeps(row))]
+    top.sort(key=order, reverse=reverse)
+    return [item for row in top for item in [row, *points.get(row["run_dir"], [])]]
+
+
+def render_list(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per run: name, newest job, state, progress, tags."""
     lines = []
-    for row in list_rows(runs):
+    for row in rows:
         progress = f"step {row['step']}/{row['total_steps'] or '?'}" if row["step"] is not None else "-"
         if "points" in row:
             progress = f"a sweep of {row['points']} points"
         name = f"  {Path(row['run_dir']).name} " + " ".join(f"{k}={v}" for k, v in row["values"].items()) if "sweep" in row else Path(row["run_dir"]).name
-        lines.append(f"{name:40} job {row['job_id'] or '-':>8}  {row['state']:10} {progress}")
+        tags = "  " + " ".join(f"#{k}={v}" for k, v in row["tags"].items()) if row.get("tags") else ""
+        lines.append(f"{name:40} job {row['job_id'] or '-':>8}  {row['state'] or '-':10} {progress}{tags}")
     return lines

@@ -37,7 +37,7 @@ from ddpack.errors import HostError
 from ddpack.job_side import node_helper, settings_table
 from ddpack.jobs import slurm_cli
 from ddpack.jobs.run_record import RunRecord, append_job, write_json_atomic, write_record
-from ddpack.jobs.sweep import SWEEP_RECORD, sweep_command, sweep_points, sweep_problems
+from ddpack.jobs.sweep import SWEEP_RECORD, placeholders, sweep_command, sweep_env, sweep_points, sweep_problems
 from ddpack.private_files import not_yours_alone
 from train import run_folder
 
@@ -51,6 +51,25 @@ ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # What the job takes from the submitting shell besides --secret's names (sbatch --export): the login basics and
 # nothing else. NCCL_*, FI_*, CUDA_* and the rest of a login shell reach the job only when named (--env NAME).
 LOGIN_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "TZ")
+# sbatch's options ddpack sets itself, and what to use instead of --sbatch-arg for each (long and short spellings).
+OWNED_OPTIONS = {
+    **dict.fromkeys(("--array", "-a"), "a sweep's points (--sweep)"),
+    **dict.fromkeys(("--output", "-o", "--error", "-e", "--open-mode"), "the run folder's logs/"),
+    **dict.fromkeys(("--export", "--export-file"), "--env and --secret"),
+    **dict.fromkeys(("--nodes", "-N", "--ntasks", "-n", "--ntasks-per-node"), "--nodes, --spares and --tasks-per-node"),
+    **dict.fromkeys(("--gpus-per-node", "--gpus", "-G"), "--gpus-per-node"),
+    **dict.fromkeys(("--requeue", "--no-requeue", "--signal", "--no-kill", "-k", "--exclusive"), "the job's own restart and requeue"),
+    **dict.fromkeys(("--job-name", "-J"), "--name"),
+    **dict.fromkeys(("--partition", "-p"), "--partition"),
+    **dict.fromkeys(("--time", "-t"), "--time"),
+    **dict.fromkeys(("--account", "-A"), "--account"),
+    **dict.fromkeys(("--qos", "-q"), "--qos"),
+    **dict.fromkeys(("--constraint", "-C"), "--constraint"),
+    **dict.fromkeys(("--reservation",), "--reservation"),
+    **dict.fromkeys(("--dependency", "-d"), "--after RUN[:ok|any|notok]"),
+    **dict.fromkeys(("--chdir", "-D", "--wrap", "--parsable", "--test-only", "--batch"), "submit itself"),
+}
+SLURM_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,6 +95,15 @@ class SubmitSettings:
     secrets: tuple[str, ...] = ()  # names only: Slurm hands their values from this shell to the job (sbatch --export)
     sweep: dict[str, list[str]] = field(default_factory=dict)  # NAME -> values: one job array of their cross product
     sweep_parallel: int | None = None  # at most this many of the sweep's points at once (the array's %)
+    account: str | None = None  # Slurm's own: --account, --qos, --constraint, --reservation
+    qos: str | None = None
+    constraint: str | None = None
+    reservation: str | None = None
+    sbatch_args: tuple[str, ...] = ()  # any other sbatch option (--sbatch-arg), none of those ddpack sets (OWNED_OPTIONS)
+    after: str | None = None  # --after RUN[:ok|any|notok] as given, and Slurm's dependency it resolved to
+    dependency: str | None = None  # afterok:<job>, afterany:<job>, afternotok:<job>
+    tags: dict[str, str] = field(default_factory=dict)  # --tag KEY=VALUE: run.json's tags (ls --tag finds them)
+    note: str | None = None  # --note: run.json's note
 
     @property
     def exported_names(self) -> tuple[str, ...]:
@@ -126,8 +154,12 @@ def setting_problems(settings: SubmitSettings) -> list[str]:
             problems.append(f"--env {name}: not a ddpack setting (a typo?); docs/cluster.md lists them")
         elif table[name].own:
             problems.append(f"--env {name}: set by ddpack itself ({table[name].meaning}), not by you")
-        elif (why := table[name].problem(name, value)) is not None:
-            problems.append(f"--env {why}")
+        else:  # a sweep's value with {NAME} in it: each point's value is checked
+            points = enumerate(sweep_points(settings.sweep)) if per_point(settings, value) else ()
+            every = [sweep_env({name: value}, point, i)[name] for i, point in points] or [value]
+            why = next((why for one in dict.fromkeys(every) if (why := table[name].problem(name, one)) is not None), None)
+            if why is not None:
+                problems.append(f"--env {why}")
     for number, name in enumerate(settings.secrets, 1):
         if not ENV_NAME.fullmatch(name):  # `--secret TOKEN=value`, `--secret $TOKEN`: the text may be the value itself
             problems.append(
@@ -142,11 +174,12 @@ def setting_problems(settings: SubmitSettings) -> list[str]:
         elif not os.environ.get(name):
             problems.append(f"--secret {name}: {name} is not set in this environment; export it here first (its value goes to no file)")
     if settings.sweep:
-        problems.extend(sweep_problems(settings.command, settings.sweep))
+        problems.extend(sweep_problems(settings.command, settings.sweep, settings.env))
         if settings.sweep_parallel is not None and settings.sweep_parallel < 1:
             problems.append(f"--sweep-parallel {settings.sweep_parallel}: at least 1 point at a time")
     elif settings.sweep_parallel is not None:
         problems.append("--sweep-parallel limits a sweep's points at once: it needs --sweep NAME=V1,V2,...")
+    problems.extend(slurm_option_problems(settings))
     if settings.name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", settings.name):
         problems.append(f"--name {settings.name!r}: letters, digits, '.', '_' and '-' only (it names the job and the run folder)")
     elif settings.name is None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", settings.job_name):
@@ -155,6 +188,27 @@ def setting_problems(settings: SubmitSettings) -> list[str]:
             f"the job's name {settings.job_name!r} (from {'--sqsh' if settings.sqsh else 'the project folder'}'s name) is not only letters, "
             "digits, '.', '_' and '-'; give --name"
         )
+    return problems
+
+
+def option_name(option: str) -> str:
+    """An sbatch option's name as OWNED_OPTIONS spells it: --name of --name=value, -X of -Xvalue."""
+    return option.split("=")[0].split()[0] if option.startswith("--") else option[:2]
+
+
+def slurm_option_problems(settings: SubmitSettings) -> list[str]:
+    """Slurm's own options, each checked as far as this host can (sbatch --test-only checks the rest)."""
+    problems = []
+    for flag, value in (("--account", settings.account), ("--qos", settings.qos), ("--reservation", settings.reservation)):
+        if value is not None and not SLURM_NAME.fullmatch(value):
+            problems.append(f"{flag} {value!r}: not a Slurm name (letters, digits, '.', '_' and '-')")
+    if settings.constraint is not None and (not settings.constraint or re.search(r"[\s\x00-\x1f\x7f]", settings.constraint)):
+        problems.append(f"--constraint {settings.constraint!r}: node features without spaces, such as a100&ib or [rack1|rack2]")
+    for option in settings.sbatch_args:
+        if not re.fullmatch(r"--?[A-Za-z][^\x00-\x1f\x7f\"]*", option) or (" " in option.partition("=")[0]):
+            problems.append(f"--sbatch-arg {option!r}: an sbatch option (--mem=0, --comment=x), one a flag, on one line, without a double quote")
+        elif option_name(option) in OWNED_OPTIONS:
+            problems.append(f"--sbatch-arg {option}: ddpack sets {option_name(option)} itself; use {OWNED_OPTIONS[option_name(option)]}")
     return problems
 
 
@@ -268,6 +322,24 @@ def ensure_squashfs(image: ImageChoice, images: Path, app_name: str) -> tuple[Pa
 # --------------------------------------------------------------------------- the job script
 
 
+def per_point(settings: SubmitSettings, value: str) -> bool:
+    """Whether an --env value differs from point to point: a sweep's, with a {NAME} in it."""
+    return bool(settings.sweep) and bool(placeholders([value]))
+
+
+def sbatch_directive(option: str) -> str:
+    """An --sbatch-arg as an #SBATCH line takes it: a value with a space in double quotes (sbatch reads an unquoted
+    second word as a directive of its own, and refuses it)."""
+    name, sep, value = option.partition("=")
+    return f'{name}="{value}"' if sep and re.search(r"\s", value) else option
+
+
+def slurm_options(settings: SubmitSettings) -> dict[str, str | None]:
+    """Slurm's own options the user gave by name (sbatch's spelling without its dashes)."""
+    return {"account": settings.account, "qos": settings.qos, "constraint": settings.constraint, "reservation": settings.reservation,
+            "dependency": settings.dependency}  # fmt: skip
+
+
 def sbatch_lines(settings: SubmitSettings, run_dir: Path) -> list[str]:
     """The job's #SBATCH options; a sweep's array writes each point's log in that point's run folder (`%a`)."""
     per_node = 1 if settings.template == "torchrun" else settings.tasks_per_node
@@ -282,12 +354,14 @@ def sbatch_lines(settings: SubmitSettings, run_dir: Path) -> list[str]:
         *([f"--partition={settings.partition}"] if settings.partition else []),
         *([f"--time={settings.time_limit}"] if settings.time_limit else []),
         *([f"--array=0-{count - 1}{limit}"] if count else []),
+        *(f"--{key}={value}" for key, value in slurm_options(settings).items() if value),
         "--exclusive",
         f"--output={log}",
         "--open-mode=append",
         "--signal=USR1@90",
         "--requeue",
         "--no-kill",
+        *(sbatch_directive(option) for option in settings.sbatch_args),
     ]
     return [f"#SBATCH {line}" for line in lines]
 
@@ -309,7 +383,7 @@ def exported(settings: SubmitSettings, run_dir: Path, sqsh: Path) -> dict[str, s
         values["DDPACK_SPARE_NODES"] = str(settings.spares)
     if settings.template == "torchrun":
         values["DDPACK_NPROC"] = str(settings.tasks_per_node)
-    return {**values, **settings.env}
+    return {**values, **{name: value for name, value in settings.env.items() if not per_point(settings, value)}}
 
 
 def sweep_block(settings: SubmitSettings, sweep_dir: Path) -> list[str]:
@@ -320,11 +394,21 @@ def sweep_block(settings: SubmitSettings, sweep_dir: Path) -> list[str]:
         f'ddpack_point=${{SLURM_ARRAY_TASK_ID:?"this script is a sweep of {len(every)} points: sbatch --array=0-{len(every) - 1} it"}}',
         "ddpack_commands=(",
         # Each command a JSON list in single quotes; the comment is the point as JSON (no newline can end it early).
-        *(f"    {shlex.quote(json.dumps(sweep_command(settings.command, point)))}  # {json.dumps(point)}" for point in every),
+        *(f"    {shlex.quote(json.dumps(sweep_command(settings.command, point, i)))}  # {json.dumps(point)}" for i, point in enumerate(every)),
         ")",
+        *per_point_env(settings, every),
         f"export DDPACK_RUN_DIR={shlex.quote(str(sweep_dir))}/${{ddpack_point}}",
         'export DDPACK_COMMAND="${ddpack_commands[ddpack_point]}"',
     ]
+
+
+def per_point_env(settings: SubmitSettings, every: list[dict[str, str]]) -> list[str]:
+    """Each --env value with a {NAME} in it, one a point (an array a variable, picked by the array task)."""
+    lines = []
+    for number, (name, value) in enumerate(item for item in settings.env.items() if per_point(settings, item[1])):
+        values = [sweep_env({name: value}, point, i)[name] for i, point in enumerate(every)]
+        lines += [f"ddpack_env_{number}=({' '.join(shlex.quote(v) for v in values)})", f'export {name}="${{ddpack_env_{number}[ddpack_point]}}"']
+    return lines
 
 
 def render_script(settings: SubmitSettings, run_dir: Path, sqsh: Path) -> str:
@@ -645,7 +729,7 @@ class RecordParts:
             code=self.code,
             command=list(settings.command),
             settings={
-                **{k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(settings).items()},
+                **{k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(settings).items() if k not in ("tags", "note")},
                 "exported": script_env,
             },
             script=os.path.relpath(self.script_path, run_dir),
@@ -654,6 +738,8 @@ class RecordParts:
             environment=job_environment(settings, script_env),
             run_file=self.run_file,
             sweep=sweep,
+            tags=dict(settings.tags),
+            note=settings.note,
         )
 
 
@@ -665,20 +751,24 @@ def submit_sweep(settings: SubmitSettings, sweep_dir: Path, made: RecordParts, *
     for index, point in enumerate(every):
         point_dir = sweep_dir / str(index)
         (point_dir / run_folder.LOGS).mkdir(parents=True)
-        alone = replace(settings, command=tuple(sweep_command(settings.command, point)), sweep={}, sweep_parallel=None)
+        alone = replace(settings, command=tuple(sweep_command(settings.command, point, index)), env=sweep_env(settings.env, point, index),
+                        sweep={}, sweep_parallel=None)  # fmt: skip
         where = {"dir": str(sweep_dir), "index": index, "values": point, "points": len(every)}
         write_record(made.record(alone, point_dir, f"{sweep_dir.name}/{index}", sweep=where))
         points.append(point)
     record = {
-        "format": 1, "name": sweep_dir.name, "created": time.time(), "values": settings.sweep, "points": points,
+        "format": 1, "name": sweep_dir.name, "created": time.time(), "values": settings.sweep, "names": list(settings.sweep), "points": points,
         "parallel": settings.sweep_parallel, "script": os.path.relpath(made.script_path, sweep_dir), "job_id": None,
-        "run_file": made.run_file,
+        "run_file": made.run_file, "tags": dict(settings.tags), "note": settings.note,
     }  # fmt: skip
     write_json_atomic(sweep_dir / SWEEP_RECORD, record)
     job_id = slurm_cli.sbatch(made.script_path, sweep_dir, export=settings.exported_names)
+    try:  # the array first: with it in sweep.json, cancel SWEEP reaches every point whatever fails after
+        write_json_atomic(sweep_dir / SWEEP_RECORD, {**record, "job_id": job_id})
+    except OSError as exc:
+        raise HostError(f"job array {job_id} is queued, but recording it in {sweep_dir}/{SWEEP_RECORD} failed ({exc}); scancel {job_id}", code=1) from None
     for index in range(len(every)):
         record_job(sweep_dir / str(index), f"{job_id}_{index}", "submit")
-    write_json_atomic(sweep_dir / SWEEP_RECORD, {**record, "job_id": job_id})
     at_once = f", at most {settings.sweep_parallel} at once" if settings.sweep_parallel else ""
     say(f"submit: job array {job_id} queued: {len(every)} points{at_once}; sweep folder {sweep_dir} (a run folder a point: 0/ to {len(every) - 1}/)")
     return Submitted(

@@ -1,14 +1,18 @@
-"""Sweeps: `ddpack submit P --sweep lr=1e-3,3e-4 --sweep seed=0,1 -- python train.py --lr {lr} --seed {seed}`.
+r"""Sweeps: `ddpack submit P --sweep lr=1e-3,3e-4 --sweep seed=0,1 -- python train.py --lr {lr} --seed {seed}`.
 
 The values' cross product is the sweep's points, in the order given (the last name varies fastest). Each point's
-command is the command with `{NAME}` replaced by its value in every word (braces of any other name are left alone),
-and a sweep name that no word uses is an error: it would run the same thing twice.
+command and `--env` values are the submitted ones with `{NAME}` replaced by its value and `{index}` by the point's
+number, in one pass (a value that holds `{other}` is never replaced again); `{{NAME}}` is the text `{NAME}`. A
+`{NAME}` that no `--sweep` gives, a name given twice and a sweep name nothing uses are errors: each would run
+something other than what was meant. A value holds a comma as `\,` (or any text at all in a run file's `[sweep]`
+list).
 
 The sweep is one Slurm job array (`--array=0-N%LIMIT`) of one job script, on one image built and converted once. Its
 folder holds `sweep.json` (the names, values and points, and the array's job id), the job script and its helpers
 (`job/`), and one run folder a point (`0/`, `1/`, ...), each with its own `run.json` (its command, and the point's
 values under `sweep`) and logs: `status`, `logs`, `cancel`, `resubmit` and `compare` take a point as any run, and
-`status`, `logs`, `cancel` and `ls` take the sweep as a whole (its folder, or the array's job id).
+`status` (`--watch` too), `logs` (`-f` too, `--point I` for one), `cancel`, `resubmit --failed` and `ls` take the
+sweep as a whole (its folder, or the array's job id).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -28,29 +33,65 @@ NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # a newline or other control character: no command word needs one
 
 
-def parse_flag(text: str) -> tuple[str, list[str]]:
-    """NAME=V1,V2,... (one --sweep flag)."""
-    name, sep, values = text.partition("=")
-    if not sep or not NAME.fullmatch(name) or not values:
-        raise HostError(f"--sweep {text}: expected NAME=V1,V2,... (a name of letters, digits and _, then its values)", code=2)
-    return name, values.split(",")
+INDEX = "index"  # {index}: the point's number, given by no --sweep
+# {NAME} (a value), or {{NAME}} (the text {NAME}): matched in one pass, so a value is never read again.
+PLACEHOLDER = re.compile(r"\{\{([A-Za-z_][A-Za-z0-9_]*)\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
-def sweep_values(flags: list[str], table: dict[str, list[str]]) -> dict[str, list[str]]:
-    """The run file's [sweep] table, then the flags (a flag's name replaces the file's)."""
-    values = dict(table)
-    for text in flags:
-        name, given = parse_flag(text)
-        values[name] = given
+def split_values(text: str) -> list[str]:
+    """V1,V2,... where `\\,` is a comma inside a value and `\\\\` a backslash; any other backslash stays as it is."""
+    values, current, chars = [], [], iter(text)
+    for char in chars:
+        if char == "\\":
+            following = next(chars, "")
+            current.append(following if following in (",", "\\") else char + following)
+        elif char == ",":
+            values.append("".join(current))
+            current = []
+        else:
+            current.append(char)
+    values.append("".join(current))
     return values
 
 
-def sweep_problems(command: tuple[str, ...], values: dict[str, list[str]]) -> list[str]:
+def parse_flag(text: str) -> tuple[str, list[str]]:
+    """NAME=V1,V2,... (one --sweep flag; `\\,` is a comma inside a value)."""
+    name, sep, values = text.partition("=")
+    if not sep or not NAME.fullmatch(name) or not values:
+        raise HostError(f"--sweep {text}: expected NAME=V1,V2,... (a name of letters, digits and _, then its values)", code=2)
+    return name, split_values(values)
+
+
+def sweep_values(flags: list[str], table: dict[str, list[str]]) -> dict[str, list[str]]:
+    """The run file's [sweep] table, then the flags (a flag's name replaces the file's; a name two flags give is an
+    error: only one of them could count)."""
+    values = dict(table)
+    given: set[str] = set()
+    for text in flags:
+        name, found = parse_flag(text)
+        if name in given:
+            raise HostError(f"--sweep {name} is given twice; give its values once: --sweep {name}=V1,V2,...", code=2)
+        given.add(name)
+        values[name] = found
+    return values
+
+
+def placeholders(words: list[str]) -> set[str]:
+    """The names `{NAME}` stands for in `words` (not those written `{{NAME}}`, which are text)."""
+    return {found.group(2) for word in words for found in PLACEHOLDER.finditer(word) if found.group(2)}
+
+
+def sweep_problems(command: tuple[str, ...], values: dict[str, list[str]], env: dict[str, str] | None = None) -> list[str]:
     """Each reason the sweep cannot run, one line each."""
     found = []
+    env_values = list((env or {}).values())
+    used = placeholders([*command, *env_values])
     for name, given in values.items():
         if not NAME.fullmatch(name):
             found.append(f"--sweep {name!r}: a sweep's name is letters, digits and _ (it stands for {{NAME}} in the command)")
+            continue
+        if name == INDEX:
+            found.append(f"--sweep {INDEX}: {{{INDEX}}} is the point's number already; give the sweep another name")
             continue
         if any(CONTROL.search(value) for value in given):
             found.append(f"--sweep {name}: a value holds a newline or another control character; write each value on one line")
@@ -58,9 +99,12 @@ def sweep_problems(command: tuple[str, ...], values: dict[str, list[str]]) -> li
             found.append(f"--sweep {name}: an empty value (two commas, or one at an end)")
         elif len(set(given)) != len(given):
             found.append(f"--sweep {name}: a value given twice ({', '.join(sorted({v for v in given if given.count(v) > 1}))})")
-        if not any(f"{{{name}}}" in word for word in command):
+        if name not in used:
             where = "the command after --" if command else "the command (none given: -- COMMAND, or command in the run file)"
-            found.append(f"--sweep {name}: {where} never uses {{{name}}}, so every point would run the same thing")
+            found.append(f"--sweep {name}: {where} never uses {{{name}}} (nor does an --env value), so every point would run the same thing")
+    for name in sorted(used - set(values) - {INDEX}):
+        where = "the command" if name in placeholders(list(command)) else "an --env value"
+        found.append(f"{where} uses {{{name}}}, which no --sweep gives: add --sweep {name}=V1,V2,..., or write {{{{{name}}}}} for the text {{{name}}}")
     count = math.prod(len(given) for given in values.values())  # counted before any point is made
     if count > MAX_POINTS:
         found.append(f"the sweep has {count} points; one job array holds at most {MAX_POINTS} (Slurm's MaxArraySize): sweep fewer values")
@@ -72,14 +116,27 @@ def sweep_points(values: dict[str, list[str]]) -> list[dict[str, str]]:
     return [dict(zip(names, combo, strict=True)) for combo in itertools.product(*(values[name] for name in names))]
 
 
-def sweep_command(command: tuple[str, ...], point: dict[str, str]) -> list[str]:
-    """The command with each `{NAME}` of the point replaced by its value, in every word."""
-    words = []
-    for word in command:
-        for name, value in point.items():
-            word = word.replace(f"{{{name}}}", value)
-        words.append(word)
-    return words
+def substitute(word: str, point: dict[str, str], index: int) -> str:
+    """`word` with each `{NAME}` of the point replaced by its value and `{index}` by `index`, in one pass; `{{NAME}}`
+    is the text `{NAME}`, and a name the point does not give stays as written (sweep_problems refuses it first)."""
+
+    def one(found: re.Match[str]) -> str:
+        if found.group(1):
+            return "{" + found.group(1) + "}"
+        name = found.group(2)
+        return str(index) if name == INDEX else point.get(name, found.group(0))
+
+    return PLACEHOLDER.sub(one, word)
+
+
+def sweep_command(command: tuple[str, ...], point: dict[str, str], index: int) -> list[str]:
+    """The command with each `{NAME}` of the point replaced by its value, in every word (one pass: substitute)."""
+    return [substitute(word, point, index) for word in command]
+
+
+def sweep_env(env: dict[str, str], point: dict[str, str], index: int) -> dict[str, str]:
+    """The --env values as this point's job gets them (substitute)."""
+    return {name: substitute(value, point, index) for name, value in env.items()}
 
 
 def is_sweep(folder: Path) -> bool:
@@ -140,14 +197,22 @@ def sweep_status(folder: Path) -> dict[str, Any]:
     from dataclasses import asdict
 
     from ddpack.jobs.run_record import read_record
-    from ddpack.jobs.status import asked_for, run_status
+    from ddpack.jobs.status import asked_for, keep_summary, read_summary, run_status, summarized
 
     data = read_sweep(folder)
     folders = point_dirs(folder)
-    asked = asked_for([read_record(point_dir).last_job for point_dir in folders])
+    records = [read_record(point_dir) for point_dir in folders]
+    summaries = [read_summary(point_dir, record) for point_dir, record in zip(folders, records, strict=True)]
+    # One squeue (and sacct) for the points still to settle; a settled point's summary answers for it, unread.
+    asked = asked_for([record.last_job for record, known in zip(records, summaries, strict=True) if known is None])
     points = []
-    for index, point_dir in enumerate(folders):
-        now = asdict(run_status(point_dir, asked(read_record(point_dir).last_job)))
+    for index, (point_dir, record, known) in enumerate(zip(folders, records, summaries, strict=True)):
+        if known is not None:
+            now = summarized(point_dir, record, known)
+        else:
+            status = run_status(point_dir, asked(record.last_job))
+            keep_summary(point_dir, status)
+            now = asdict(status)
         points.append({"index": index, "values": data["points"][index], **now})
     states = [point["state"] for point in points]
     counts = {state: states.count(state) for state in dict.fromkeys(states)}
@@ -176,12 +241,182 @@ def cancel_sweep(folder: Path) -> list[str]:
 
     status = sweep_status(folder)
     live = [point for point in status["points"] if point["state"] not in slurm_cli.ENDED and point["job_id"]]
-    if not live:
+    # A point whose record names no job (a submit stopped between the array and the points' records): its element.
+    unrecorded = [f"{status['job_id']}_{point['index']}" for point in status["points"] if not point["job_id"] and status["job_id"]]
+    if not live and not unrecorded:
         raise HostError(f"every point of the sweep {folder} has ended; nothing to cancel", code=2)
-    jobs = [str(point["job_id"]) for point in live]
+    jobs = [*(str(point["job_id"]) for point in live), *unrecorded]
     answer = slurm_cli.ask(["scancel", *jobs])
     if answer.failed:
         raise HostError(f"scancel {' '.join(jobs)}: {answer.failed}", code=1)
     for point in live:
         append_event(Path(point["run_dir"]), {"kind": "cancel", "job_id": point["job_id"]})
     return jobs
+
+
+# --------------------------------------------------------------------------- following a sweep to its end
+
+
+def not_completed(status: dict[str, Any]) -> list[dict[str, Any]]:
+    return [point for point in status["points"] if point["state"] != "COMPLETED"]
+
+
+def ended_line(status: dict[str, Any]) -> str:
+    """The last word on a sweep that has ended: all completed, or the points that did not, and how to run them again."""
+    missed = not_completed(status)
+    if not missed:
+        return f"sweep {status['name']}: all {len(status['points'])} points COMPLETED"
+    named = ", ".join(f"{p['index']} ({point_label(p['values'])}) {p['state']}" for p in missed)
+    return (f"sweep {status['name']}: {len(missed)} of {len(status['points'])} points did not complete: {named}; "
+            f"ddpack resubmit {status['run_dir']} --failed queues them again")  # fmt: skip
+
+
+def sweep_exit(status: dict[str, Any]) -> int:
+    """0 when every point COMPLETED, else the exit status of the first point's state that did not (EXIT_FOR_STATE)."""
+    from ddpack.jobs.slurm_cli import EXIT_FOR_STATE
+
+    missed = not_completed(status)
+    return EXIT_FOR_STATE.get(missed[0]["state"], 1) if missed else 0
+
+
+def one_line(status: dict[str, Any]) -> str:
+    import time
+
+    counts = ", ".join(f"{n} {state}" for state, n in status["counts"].items())
+    return f"{time.strftime('%H:%M:%S')} sweep {status['name']} job array {status['job_id']} {status['state']}: {counts}"
+
+
+def watch_sweep(folder: Path, *, interval_s: float, tty: bool, out: Any, as_json: bool = False, settle_s: float | None = None) -> dict[str, Any]:
+    """`status SWEEP --watch`: redraw (a terminal), one line a refresh (elsewhere; one JSON object with as_json) until
+    every point has ended, held for `settle_s` (a requeue passes through an ended state), as a run's watch does."""
+    import time
+
+    from ddpack.jobs import slurm_cli
+
+    settle_s = slurm_cli.SETTLE_S if settle_s is None else settle_s
+    ended_since = None
+    while True:
+        status = sweep_status(folder)
+        if as_json:
+            out.write(json.dumps(status) + "\n")
+        elif tty:
+            out.write("\x1b[H\x1b[2J" + render_sweep(status) + "\n")
+        else:
+            out.write(one_line(status) + "\n")
+        out.flush()
+        now = time.monotonic()
+        over = all(point["state"] in slurm_cli.ENDED for point in status["points"])
+        ended_since = (ended_since or now) if over else None
+        if ended_since is not None and now - ended_since >= settle_s:
+            return status
+        time.sleep(interval_s)
+
+
+FOLLOW_POLL_S = 0.5  # how often `logs SWEEP -f` reads the points' logs
+
+
+def follow_sweep(folder: Path, rank: int | None, out: Any, settle_s: float | None = None) -> dict[str, Any]:
+    """`logs SWEEP -f`: every point's log so far under its values, then each new whole line as `[I] line` (I the point),
+    following a point's newest job (a resubmit's too), until every point has ended (held `settle_s`); the last status."""
+    import time
+
+    from ddpack.jobs import runs as run_ops
+    from ddpack.jobs import slurm_cli
+    from ddpack.jobs.run_record import read_record
+
+    settle_s = slurm_cli.SETTLE_S if settle_s is None else settle_s
+    data = read_sweep(folder)
+    folders = point_dirs(folder)
+    offsets: dict[str, int] = {}
+    for index, point in enumerate(folders):
+        out.write(f"== point {index} ({point_label(data['points'][index])}): {point}\n")
+        offsets.update(run_ops.print_logs(point, rank, out))
+    ended_since, next_check, status, last_pass = None, 0.0, None, False
+    while True:
+        for index, point in enumerate(folders):
+            job = read_record(point).last_job
+            if job is None:
+                continue
+            log = job.log_path(point)
+            offset = offsets.get(str(log), 0)
+            if log.exists() and log.stat().st_size > offset:
+                with log.open("rb") as handle:
+                    handle.seek(offset)
+                    chunk = handle.read()
+                complete = chunk[: chunk.rfind(b"\n") + 1]
+                offsets[str(log)] = offset + len(complete)
+                out.writelines(f"[{index}] {line}" for line in complete.decode(errors="replace").splitlines(keepends=True)
+                               if run_ops.rank_filter(line, rank))  # fmt: skip
+                out.flush()
+        now = time.monotonic()
+        if now >= next_check:
+            status = sweep_status(folder)
+            next_check = now + run_ops.POLL_STATE_S
+            over = all(point["state"] in slurm_cli.ENDED for point in status["points"])
+            ended_since = (ended_since or now) if over else None
+        if last_pass and status is not None:
+            return status
+        last_pass = ended_since is not None and now - ended_since >= settle_s  # one more read: the lines of the very end
+        time.sleep(0 if last_pass else FOLLOW_POLL_S)
+
+
+# --------------------------------------------------------------------------- mending a sweep
+
+
+MEND_STATES = ("FAILED", "TIMEOUT")  # FAILED holds Slurm's NODE_FAIL, OUT_OF_MEMORY and BOOT_FAIL (slurm_cli.ddpack_state)
+
+
+def mend_states(given: str | None) -> tuple[str, ...]:
+    """--state S,S,... as ddpack names states (Slurm's NODE_FAIL is FAILED), each a state a point ends in; default
+    MEND_STATES."""
+    from ddpack.jobs import slurm_cli
+
+    if given is None:
+        return MEND_STATES
+    states = tuple(dict.fromkeys(slurm_cli.ddpack_state(word.strip().upper()) for word in given.split(",") if word.strip()))
+    wrong = [state for state in states if state not in slurm_cli.ENDED]
+    if not states or wrong:
+        raise HostError(f"--state {given}: expected states a point ends in, from {', '.join(slurm_cli.ENDED)} (comma-separated)", code=2)
+    return states
+
+
+def resubmit_points(folder: Path, states: tuple[str, ...], changes: dict[str, Any]) -> tuple[str, list[int]]:
+    """The points of the sweep whose state is one of `states`, queued again as one job array of the sweep's own
+    script (`sbatch --array=I,J,...`), each continuing in its own run folder; the others untouched. The array is in
+    sweep.json before any point's record is written; (its job id, the points)."""
+    from ddpack.jobs import slurm_cli
+    from ddpack.jobs.run_record import read_record, write_json_atomic
+    from ddpack.jobs.runs import resubmit_options, resubmit_ready, undepend
+    from ddpack.jobs.submit import record_job
+
+    status = sweep_status(folder)
+    picked = [point["index"] for point in status["points"] if point["state"] in states]
+    if not picked:
+        now = ", ".join(f"{n} {state}" for state, n in status["counts"].items())
+        raise HostError(f"no point of the sweep {folder} is {' or '.join(states)} (its points: {now}); nothing to resubmit", code=2)
+    changes = {key: value for key, value in changes.items() if value is not None}
+    records = {index: read_record(folder / str(index)) for index in picked}
+    ready = {index: resubmit_ready(folder / str(index), record) for index, record in records.items()}
+    script, export = ready[picked[0]]
+    limit = f"%{data['parallel']}" if (data := read_sweep(folder)).get("parallel") else ""
+    spares = int(records[picked[0]].settings.get("spares") or 0)
+    options = (f"--array={','.join(map(str, picked))}{limit}", *resubmit_options(changes, spares), *undepend(records[picked[0]]))
+    job_id = slurm_cli.sbatch(Path(os.path.normpath(script)), folder, export=export, options=options)
+    data = read_sweep(folder)  # again: as it is now
+    mended = [*data.get("resubmits", []), {"job_id": job_id, "points": picked, "changes": changes}]
+    write_json_atomic(folder / SWEEP_RECORD, {**data, "resubmits": mended})
+    for index in picked:
+        record_job(folder / str(index), f"{job_id}_{index}", "resubmit", changes)
+    return job_id, picked
+
+
+def tag_sweep(folder: Path, tags: dict[str, str], removed: tuple[str, ...], note: str | None) -> dict[str, str]:
+    """sweep.json's tags and note (its points' are the points' own records: ddpack tag sets both)."""
+    from ddpack.jobs.run_record import write_json_atomic
+
+    data = read_sweep(folder)
+    data["tags"] = {key: value for key, value in {**data.get("tags", {}), **tags}.items() if key not in removed}
+    if note is not None:
+        data["note"] = note or None
+    write_json_atomic(folder / SWEEP_RECORD, data)
+    return data["tags"]
