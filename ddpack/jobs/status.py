@@ -14,10 +14,11 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ddpack.jobs import slurm_cli
 from ddpack.jobs.run_record import RunRecord, read_record
@@ -32,6 +33,7 @@ DECISION = re.compile(
     r"^ddpack: (preempted \(exit \d+\).*|the step completed \(exit 0\)"
     r"|the step .*(restarting it in this allocation|requeueing job|not requeueing).*)$"
 )
+T = TypeVar("T")
 KEEP_PROGRESS = 50  # the last progress records parsed: enough for a rate over the segment's recent steps
 
 
@@ -419,19 +421,40 @@ def watch(run_dir: Path, *, interval_s: float, tty: bool, out: Any, as_json: boo
     """Redraw in a terminal, one line per refresh elsewhere (one JSON object a line with as_json), until the run's
     job has ended: an ended state that held `settle_s` (slurm_cli.SETTLE_S: a requeue passes through one), as `logs -f`
     decides."""
+    return watch_until_ended(
+        lambda: run_status(run_dir), ended=lambda status: status.ended, full=render, line=one_line, as_dict=asdict,
+        interval_s=interval_s, tty=tty, out=out, as_json=as_json, settle_s=settle_s,
+    )  # fmt: skip
+
+
+def watch_until_ended(
+    read: Callable[[], T],
+    *,
+    ended: Callable[[T], bool],
+    full: Callable[[T], str],
+    line: Callable[[T], str],
+    as_dict: Callable[[T], Any],
+    interval_s: float,
+    tty: bool,
+    out: Any,
+    as_json: bool,
+    settle_s: float | None,
+) -> T:
+    """The one `--watch` loop, a run's or a sweep's: read, then redraw `full` (a terminal), write `line` (elsewhere) or
+    one JSON object (as_json), until `ended` has held `settle_s` (a requeue passes through an ended state); the last read."""
     settle_s = slurm_cli.SETTLE_S if settle_s is None else settle_s
     ended_since = None
     while True:
-        status = run_status(run_dir)
+        status = read()
         if as_json:
-            out.write(json.dumps(asdict(status)) + "\n")
+            out.write(json.dumps(as_dict(status)) + "\n")
         elif tty:
-            out.write("\x1b[H\x1b[2J" + render(status) + "\n")
+            out.write("\x1b[H\x1b[2J" + full(status) + "\n")
         else:
-            out.write(one_line(status) + "\n")
+            out.write(line(status) + "\n")
         out.flush()
         now = time.monotonic()
-        ended_since = (ended_since or now) if status.ended else None
+        ended_since = (ended_since or now) if ended(status) else None
         if ended_since is not None and now - ended_since >= settle_s:
             return status
         time.sleep(interval_s)

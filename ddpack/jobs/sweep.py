@@ -289,27 +289,14 @@ def one_line(status: dict[str, Any]) -> str:
 def watch_sweep(folder: Path, *, interval_s: float, tty: bool, out: Any, as_json: bool = False, settle_s: float | None = None) -> dict[str, Any]:
     """`status SWEEP --watch`: redraw (a terminal), one line a refresh (elsewhere; one JSON object with as_json) until
     every point has ended, held for `settle_s` (a requeue passes through an ended state), as a run's watch does."""
-    import time
-
     from ddpack.jobs import slurm_cli
+    from ddpack.jobs.status import watch_until_ended
 
-    settle_s = slurm_cli.SETTLE_S if settle_s is None else settle_s
-    ended_since = None
-    while True:
-        status = sweep_status(folder)
-        if as_json:
-            out.write(json.dumps(status) + "\n")
-        elif tty:
-            out.write("\x1b[H\x1b[2J" + render_sweep(status) + "\n")
-        else:
-            out.write(one_line(status) + "\n")
-        out.flush()
-        now = time.monotonic()
-        over = all(point["state"] in slurm_cli.ENDED for point in status["points"])
-        ended_since = (ended_since or now) if over else None
-        if ended_since is not None and now - ended_since >= settle_s:
-            return status
-        time.sleep(interval_s)
+    return watch_until_ended(
+        lambda: sweep_status(folder), ended=lambda status: all(point["state"] in slurm_cli.ENDED for point in status["points"]),
+        full=render_sweep, line=one_line, as_dict=lambda status: status, interval_s=interval_s, tty=tty, out=out, as_json=as_json,
+        settle_s=settle_s,
+    )  # fmt: skip
 
 
 FOLLOW_POLL_S = 0.5  # how often `logs SWEEP -f` reads the points' logs
