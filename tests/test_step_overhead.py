@@ -193,13 +193,15 @@ def test_the_cuda_paths_step_adds_no_per_parameter_work_and_no_device_wait(group
         assert trainer.aten["aten::div_"] == 0 and trainer.aten["aten::_foreach_zero_"] == 1, trainer.aten  # one rank: nothing to divide
 
 
-def test_compile_at_one_rank_keeps_the_graph_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_compile_at_one_rank_keeps_the_graph_whole() -> None:
     """Dynamo's DDP optimizer splits a compiled graph at every bucket for an overlap one rank cannot use: off at one
-    rank (train.model.compile_module says what it cost), left as torch sets it with more."""
-    import torch._dynamo
+    rank (train.model.compile_module says what it cost), left as torch sets it with more. torch's own config.patch puts
+    the setting back after (pytest's monkeypatch would delete it from torch's config, which then hides it)."""
+    import torch._dynamo as dynamo
 
-    monkeypatch.setattr(torch._dynamo.config, "optimize_ddp", True)
-    compile_module(torch.nn.Linear(2, 2), world_size=2)
-    assert torch._dynamo.config.optimize_ddp is True
-    compile_module(torch.nn.Linear(2, 2), world_size=1)
-    assert torch._dynamo.config.optimize_ddp is False
+    with dynamo.config.patch(optimize_ddp=True):
+        compile_module(torch.nn.Linear(2, 2), world_size=2)
+        assert dynamo.config.optimize_ddp is True
+        compile_module(torch.nn.Linear(2, 2), world_size=1)
+        assert dynamo.config.optimize_ddp is False
+    assert dynamo.config.optimize_ddp is True  # torch's default, for the tests after this one
