@@ -22,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils.data import TensorDataset
 
 import train.grad_sync
+import train.torch_compat
 from testbed.env import ROOT
 from testbed.gpt import TinyGPT, next_token_loss
 from train.config import parse_config
@@ -118,16 +119,21 @@ def group(monkeypatch: pytest.MonkeyPatch) -> Iterator[DistContext]:
     dist.destroy_process_group()
 
 
-def trainer_step(ctx: DistContext, layers: int, device_waits: list[str]) -> StepCount:
-    """The trainer's steady step on the CUDA path's branches, from one step's end (its stop-flag poll, its
-    bookkeeping) through the next step's data, zeroing, forward, backward and optimizer."""
-    counting = Counting()
+def cuda_shaped_trainer(ctx: DistContext, layers: int) -> tuple[Trainer, PreemptionWatcher]:
+    """The trainer on the CUDA path's branches over bench_gpu's GPT; the watcher's signal handlers are the caller's to restore."""
     config = parse_config(["--amp", "--batch-size", str(BATCH), "--optimizer", "adamw", "--lr-schedule", "constant", "--epochs", "1",
                            "--log-every", "1000", "--snapshot-dir", "", "--hang-timeout", "0", "--cpu-bind", "none"])  # fmt: skip
     torch.manual_seed(0)
     task = Task("gpt", TinyGPT(**shape(layers)), tokens(layers), next_token_loss)
     watcher = PreemptionWatcher()
-    trainer = Trainer(config, task, ctx, RankLog(0, 1, io.StringIO()), MetricsFile(None), watcher, Progress(), path=StepPath.cuda_shaped(ctx.device))
+    return Trainer(config, task, ctx, RankLog(0, 1, io.StringIO()), MetricsFile(None), watcher, Progress(), path=StepPath.cuda_shaped(ctx.device)), watcher
+
+
+def trainer_step(ctx: DistContext, layers: int, device_waits: list[str]) -> StepCount:
+    """The trainer's steady step on the CUDA path's branches, from one step's end (its stop-flag poll, its
+    bookkeeping) through the next step's data, zeroing, forward, backward and optimizer."""
+    counting = Counting()
+    trainer, watcher = cuda_shaped_trainer(ctx, layers)
     poll = trainer.model.agreed_stop
 
     def agreed_stop() -> Any:  # the last thing of a step: where one step's count ends and the next one's begins
@@ -205,3 +211,22 @@ def test_compile_at_one_rank_keeps_the_graph_whole() -> None:
         compile_module(torch.nn.Linear(2, 2), world_size=1)
         assert dynamo.config.optimize_ddp is False
     assert dynamo.config.optimize_ddp is True  # torch's default, for the tests after this one
+
+
+def test_a_torch_without_ddps_bucket_flag_zeroes_the_gradients_one_by_one_to_the_same_numbers(group: DistContext, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Zeroing DDP's buckets whole rests on a private flag of DDP (train/torch_compat.py's ddp_buckets_final); a torch
+    without it takes the per-parameter zeroing, and trains to the same parameters bit for bit."""
+
+    def fitted(buckets_final: Callable[[DistributedDataParallel], bool]) -> tuple[list[torch.Tensor], bool]:
+        monkeypatch.setattr(train.grad_sync, "ddp_buckets_final", buckets_final)
+        trainer, watcher = cuda_shaped_trainer(group, 2)
+        try:
+            trainer.fit()
+        finally:
+            watcher.restore()
+        return [p.detach().clone() for p in trainer.model.ddp.parameters()], trainer.model._buckets is not None
+
+    whole, by_bucket = fitted(train.torch_compat.ddp_buckets_final)
+    one_by_one, by_bucket_without = fitted(lambda ddp: False)
+    assert by_bucket and not by_bucket_without
+    assert all(torch.equal(a, b) for a, b in zip(whole, one_by_one, strict=True))

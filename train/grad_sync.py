@@ -51,7 +51,7 @@ from torch.nn.parallel import DistributedDataParallel
 from train.distributed import wait_polling
 from train.signals import PreemptionWatcher
 from train.step_path import StepPath
-from train.torch_compat import all_gather_into
+from train.torch_compat import all_gather_into, ddp_buckets_final
 
 # On CPU, a bucket whose gathered copies (world size x its bytes) fit in this many bytes is exchanged
 # whole (one all-gather) and summed on each rank instead of all-reduced: see the module docstring.
@@ -318,7 +318,7 @@ class SyncedModel:
         buckets = self._buckets
         if buckets is None:
             grads = [p.grad for p in self._synced if p.grad is not None]
-            if getattr(self.ddp, "_has_rebuilt_buckets", False) and len(grads) == len(self._synced):
+            if ddp_buckets_final(self.ddp) and len(grads) == len(self._synced):
                 self._buckets = buckets = _whole_storages(grads)
             else:
                 buckets = grads

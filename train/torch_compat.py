@@ -39,3 +39,11 @@ def flight_recorder_size_var(version: str | None = None) -> str:
     dump): torch 2.9 renamed it to TORCH_FR_BUFFER_SIZE and 2.11 warns on the old TORCH_NCCL_TRACE_BUFFER_SIZE, which
     torch 2.8 alone reads."""
     return "TORCH_FR_BUFFER_SIZE" if torch_version(version) >= (2, 9) else "TORCH_NCCL_TRACE_BUFFER_SIZE"
+
+
+def ddp_buckets_final(ddp: torch.nn.parallel.DistributedDataParallel) -> bool:
+    """Whether DDP has rebuilt its buckets, after which they stay: it rebuilds them once, in the second step's forward,
+    in the order the first backward made the gradients ready. torch has no public spelling of it (a private attribute
+    since 1.x). Where a torch lacks it (tests/test_step_overhead.py tries it), this says False and the caller keeps zeroing the gradients one by one: slower
+    on the host, the same numbers."""
+    return bool(getattr(ddp, "_has_rebuilt_buckets", False))
