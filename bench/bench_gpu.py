@@ -99,7 +99,7 @@ def bare_gpt_loop(steps: int, tiny: bool, batch: int, profile_to: str | None) ->
     from bench_tasks import gpt_model, gpt_tokens
     from torch.nn.parallel import DistributedDataParallel
 
-    from testbed.gpt import next_token_loss
+    from testbed.gpt import bare_ddp_step
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -108,18 +108,12 @@ def bare_gpt_loop(steps: int, tiny: bool, batch: int, profile_to: str | None) ->
     torch.manual_seed(0)
     model = DistributedDataParallel(gpt_model(tiny).to(device), device_ids=[device] if device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device.type == "cuda")
-    inputs, targets = gpt_tokens(batch * steps, tiny).tensors
+    tokens = gpt_tokens(batch * steps, tiny).tensors
     warmup = max(3, steps // 5)
     window = StepWindow(device, warmup, steps, profile_to)
     for step in range(steps):
         window.at(step)
-        x = inputs[step * batch : (step + 1) * batch].to(device, non_blocking=True)
-        y = targets[step * batch : (step + 1) * batch].to(device, non_blocking=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = next_token_loss(model(x), y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        bare_ddp_step(model, optimizer, tokens, step, batch, device)
     window.at(steps)
     dist.destroy_process_group()
 

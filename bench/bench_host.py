@@ -154,41 +154,32 @@ def bucket_sizes(model: torch.nn.Module) -> int:
 
 
 class BareLoop:
-    """bench_gpu's bare DDP loop, one step a call, each phase timed: DDP's defaults, zero_grad(set_to_none=True),
-    slices of the token tensors, fused AdamW, bf16 autocast."""
+    """bench_gpu's bare DDP loop (testbed.gpt.bare_ddp_step), one step a call, each phase timed."""
 
     def __init__(self, steps: int) -> None:
         from torch.nn.parallel import DistributedDataParallel
 
-        from testbed.gpt import next_token_loss
-
-        self.loss_fn = next_token_loss
         self.clock = Clock()
         self.model = DistributedDataParallel(host_model())
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=3e-4, fused=True)
-        self.inputs, self.targets = host_tokens(BATCH * steps).tensors
-        self.device = torch.device("cpu")
+        self.tokens = host_tokens(BATCH * steps).tensors
         self.step = 0
 
     def __call__(self) -> None:
-        clock, step, device = self.clock, self.step, self.device
-        clock.counting = step >= WARMUP
-        began = cpu_now()
-        x = self.inputs[step * BATCH : (step + 1) * BATCH].to(device, non_blocking=True)
-        y = self.targets[step * BATCH : (step + 1) * BATCH].to(device, non_blocking=True)
-        t1 = cpu_now()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = self.loss_fn(self.model(x), y)
-        t2 = cpu_now()
-        self.optimizer.zero_grad(set_to_none=True)
-        t3 = cpu_now()
-        loss.backward()
-        t4 = cpu_now()
-        self.optimizer.step()
-        t5 = cpu_now()
-        for phase, seconds in zip(("data", "forward", "zero_grad", "backward", "optimizer"), (t1 - began, t2 - t1, t3 - t2, t4 - t3, t5 - t4), strict=True):
-            clock.add(phase, seconds)
-        clock.steps.append(t5 - began)
+        from testbed.gpt import bare_ddp_step
+
+        clock = self.clock
+        clock.counting = self.step >= WARMUP
+        began = mark = cpu_now()
+
+        def ended(phase: str) -> None:
+            nonlocal mark
+            now = cpu_now()
+            clock.add(phase, now - mark)
+            mark = now
+
+        bare_ddp_step(self.model, self.optimizer, self.tokens, self.step, BATCH, torch.device("cpu"), ended)
+        clock.steps.append(mark - began)
         self.step += 1
 
 

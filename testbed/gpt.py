@@ -3,6 +3,8 @@ model zoo's `gpt` task trains it at a toy size, bench/bench_gpu.py at GPT-2 smal
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -45,3 +47,28 @@ class TinyGPT(nn.Module):
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+BARE_PHASES = ("data", "forward", "zero_grad", "backward", "optimizer")
+
+
+def bare_ddp_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: tuple[torch.Tensor, torch.Tensor], step: int, batch: int,
+                  device: torch.device, mark: Callable[[str], None] | None = None) -> None:  # fmt: skip
+    """Step `step` of the bare DDP loop the trainer is measured against (bench_gpu times it on a GPU, bench_host on
+    the CPU, tests/test_step_overhead.py counts it): what a DDP tutorial writes, with DDP's defaults: slices of the
+    token tensors, bf16 autocast, `zero_grad(set_to_none=True)`, backward, the optimizer's step. `mark(phase)` is
+    called as each of BARE_PHASES ends, for a caller that times or counts them."""
+    inputs, targets = tokens
+    x = inputs[step * batch : (step + 1) * batch].to(device, non_blocking=True)
+    y = targets[step * batch : (step + 1) * batch].to(device, non_blocking=True)
+    ended = mark or (lambda phase: None)
+    ended("data")
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        loss = next_token_loss(model(x), y)
+    ended("forward")
+    optimizer.zero_grad(set_to_none=True)
+    ended("zero_grad")
+    loss.backward()
+    ended("backward")
+    optimizer.step()
+    ended("optimizer")

@@ -24,7 +24,7 @@ from torch.utils.data import TensorDataset
 import train.grad_sync
 import train.torch_compat
 from testbed.env import ROOT
-from testbed.gpt import TinyGPT, next_token_loss
+from testbed.gpt import TinyGPT, bare_ddp_step, next_token_loss
 from train.config import parse_config
 from train.distributed import DistContext, free_port, init_distributed
 from train.metrics import MetricsFile, RankLog
@@ -153,19 +153,14 @@ def trainer_step(ctx: DistContext, layers: int, device_waits: list[str]) -> Step
 
 
 def bare_step(ctx: DistContext, layers: int) -> StepCount:
-    """bench_gpu's bare DDP loop (DDP's defaults, zero_grad(set_to_none=True), slices of the token tensors)."""
+    """bench_gpu's bare DDP loop (testbed.gpt.bare_ddp_step) over the same GPT and tokens."""
     counting = Counting()
     torch.manual_seed(0)
     model = DistributedDataParallel(TinyGPT(**shape(layers)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
-    inputs, targets = tokens(layers).tensors
+    data = tokens(layers).tensors
     for step in range(STEPS):
-        x, y = inputs[step * BATCH : (step + 1) * BATCH].to("cpu", non_blocking=True), targets[step * BATCH : (step + 1) * BATCH]
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = next_token_loss(model(x), y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        bare_ddp_step(model, optimizer, data, step, BATCH, ctx.device)
         counting.at_step(step + 1)
     return counting.count
 
