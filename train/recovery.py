@@ -7,7 +7,9 @@ Who learns what, and how (the store is the one channel that never waits on a col
 - Every process (rank or standby) is a *member* of the job, named `r<rank>` for the ranks it started with and
   `s<n>` for standbys, and bumps a heartbeat counter in the rendezvous store every HEARTBEAT_S.
 - Standbys watch: each samples every member's counter (one `multi_get`) every HEARTBEAT_S. A member whose
-  counter has not moved for STALE_S is dead. The first standby to see a death writes the generation's
+  counter has not moved for STALE_S, once a survivor has reported a failed collective (a counter of the
+  generation's: a late heartbeat on a loaded node while every collective completes is no death), is dead.
+  The first standby to see a death writes the generation's
   *decision* (compare-and-set, so there is one): the new roster, which standby takes which rank (a standby on
   another host than the dead rank's when one is alive), or why recovery cannot work (`fallback`).
 - A survivor learns nothing until its collective fails: gloo cannot cancel a collective in flight, so its
@@ -56,7 +58,7 @@ STALE_S = 0.5  # a counter unchanged this long is a dead member: ten missed beat
 TIMEOUT_FLOOR_S = 0.5  # the collective timeout never goes below this (gloo's ring of 4 local ranks: ~1 ms)
 TIMEOUT_MARGIN = 20.0  # x the slowest measured step: a step's collectives never take longer than the step
 MEASURED_STEPS = 5  # steps timed at the long timeout after a (re)join or a one-rank pause before tightening
-DECISION_WAIT_S = 3.0  # a failed survivor waits this long for a standby's decision before falling back
+DECISION_WAIT_S = 5.0  # a failed survivor waits this long for a standby's decision before falling back
 JOIN_TIMEOUT_S = 20.0  # forming the next generation's group; past it, recovery failed while recovering
 STORE_TIMEOUT_S = 10.0
 PREFIX = "ddpack-recovery/"
@@ -105,6 +107,8 @@ def decide(generation: int, roster: Mapping[int, str], dead: Mapping[int, str], 
     node that made a rank die is not where the next one starts when another place exists."""
     roster, dead = dict(roster), dict(dead)
     after = generation + 1
+    if 0 in dead:
+        return Decision(generation=after, roster=roster, dead=dead, fallback="rank 0 lost: it hosts the job's store, which the group is formed on")
     if len(dead) > len(standbys):
         lost = ", ".join(str(r) for r in sorted(dead))
         alive = f"{len(standbys)} standby is alive" if len(standbys) == 1 else f"{len(standbys)} standbys are alive"
@@ -255,6 +259,10 @@ class Membership:
         """After a failed collective: read the decision, leave the broken group, join the next one. Raises
         RecoveryImpossible (with the reason) when the job must restart every rank instead."""
         stages = Stages(failed=time.time())
+        try:
+            self.store.add(f"{PREFIX}gen{self.generation}/failed", 1)  # what the standbys wait for before they judge
+        except RuntimeError as exc:
+            raise RecoveryImpossible(f"the store does not answer ({first_line(exc)}): its host, rank 0's node, is lost") from None
         decision = self._decision(failure)
         stages.decided = time.time()
         if decision.fallback is not None:
@@ -280,9 +288,11 @@ class Membership:
         try:
             while not self.store.check([key]):
                 if time.monotonic() > deadline:
-                    standbys = int(self.store.add(f"{PREFIX}standbys", 0))
+                    standbys = [f"s{i}" for i in range(int(self.store.add(f"{PREFIX}standbys", 0)))]
                     if not standbys:
                         raise RecoveryImpossible(f"a collective failed ({first_line(failure)}) and no standby is running (start one with --standby)")
+                    if dead := self._stopped(standbys):
+                        raise RecoveryImpossible(f"a collective failed ({first_line(failure)}) and the standby is dead ({', '.join(dead)}: heartbeat stopped)")
                     raise RecoveryImpossible(
                         f"a collective failed ({first_line(failure)}) but no standby saw a heartbeat stop within {DECISION_WAIT_S:g}s: "
                         "a hang, or a collective slower than its timeout"
@@ -295,12 +305,19 @@ class Membership:
             where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
             raise RecoveryImpossible(f"the store at {where} does not answer ({first_line(exc)}): its host, rank 0's node, is lost") from None
 
+    def _stopped(self, members: list[str]) -> list[str]:
+        """The members whose heartbeat counter does not move in STALE_S (the standbys watch; this is for when none did)."""
+        keys = [f"{PREFIX}hb/{m}" for m in members]
+        before = self.store.multi_get(keys)
+        time.sleep(STALE_S)
+        return [m for m, old, new in zip(members, before, self.store.multi_get(keys), strict=True) if old == new]
+
     def close(self) -> None:
-        """The run ended: standbys still waiting leave (rank 0 hosts the store, so it says so before it exits)."""
+        """This rank's run ended (done, stopped, failed, fallen back): the standbys leave. Said before the heartbeat
+        stops, so that a rank that finished first is never taken for dead while rank 0 still evaluates."""
+        with contextlib.suppress(RuntimeError):  # a store already gone has no standby left to tell
+            self.store.set(f"{PREFIX}closed", "1")
         self.heartbeat.stop()
-        if self.rank == 0:
-            with contextlib.suppress(RuntimeError):  # a store already gone has no standby left to tell
-                self.store.set(f"{PREFIX}closed", "1")
 
 
 class Standby:
@@ -319,6 +336,7 @@ class Standby:
 
     def wait(self, log: Callable[[str], None]) -> tuple[int, int] | None:
         """Watch until this standby is given a rank: (generation, rank); None when the run ended (or fell back)."""
+        self.log = log
         log(f"standby {self.member} on {self.host}: warm, watching {self.world_size} ranks")
         while True:
             try:
@@ -352,12 +370,13 @@ class Standby:
                 self._seen[member] = (value, now)
         stale = {m for m in members if now - self._seen[m][1] >= STALE_S}
         dead = {rank: m for rank, m in self.roster.items() if m in stale}
-        if not dead:
-            return
+        if not dead or not int(self.store.add(f"{PREFIX}gen{self.generation}/failed", 0)):
+            return  # a heartbeat late on a loaded node while every collective still completes is no death
         used = set(self.roster.values())
         alive = [s for s in standbys if s not in stale and s not in used]
         hosts = {m: self.store.get(f"{PREFIX}host/{m}").decode() for m in [*dead.values(), *alive]}
         decision = decide(self.generation, self.roster, dead, hosts, alive)
+        self.log(f"standby {self.member}: heartbeat of {', '.join(f'rank {r}' for r in sorted(dead))} stopped; deciding generation {self.generation}")
         self.store.compare_set(f"{PREFIX}gen{self.generation}/decision", "", decision.to_json())
 
 

@@ -443,13 +443,14 @@ class Trainer:
         stages, self.membership.stages = self.membership.stages, None
         stages.first_step = time.time()
         times = stages.fields()
+        step = self.global_step + 1  # this step, counted once it is done (the loop counts it next)
         self.log(
-            f"recovery: training again at global step {self.global_step} in generation {self.membership.generation}, "
+            f"recovery: trained global step {step} in generation {self.membership.generation}, "
             f"{times['total_s']:.3f}s after the failed collective (decision {times['decide_s']:.3f}s, abort {times['abort_s']:.3f}s, "
             f"new group {times['new_group_s']:.3f}s, state {times['state_s']:.3f}s, first step {times['first_step_s']:.3f}s)",
             main_only=True,
         )
-        self.metrics.write("recovery", global_step=self.global_step, generation=self.membership.generation, **times)
+        self.metrics.write("recovery", global_step=step, generation=self.membership.generation, **times)
 
     def position(self) -> dict[str, int]:
         """Where training stands, numbered as the progress lines number it (epochs from 1), in the end
