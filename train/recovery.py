@@ -54,7 +54,7 @@ import torch.distributed as dist
 from train.distributed import DistContext, default_to_one_process, first_line, node_name
 
 HEARTBEAT_S = 0.05  # each member bumps its counter this often; standbys sample every counter as often
-STALE_S = 0.5  # a counter unchanged this long is a dead member: ten missed beats, above a loaded node's stalls
+STALE_S = 0.25  # a counter unchanged this long, once a survivor reported a failed collective, is a dead member
 TIMEOUT_FLOOR_S = 0.5  # the collective timeout never goes below this (gloo's ring of 4 local ranks: ~1 ms)
 TIMEOUT_MARGIN = 20.0  # x the slowest measured step: a step's collectives never take longer than the step
 MEASURED_STEPS = 5  # steps timed at the long timeout after a (re)join or a one-rank pause before tightening
