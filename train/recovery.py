@@ -62,6 +62,7 @@ DECISION_WAIT_S = 5.0  # a failed survivor waits this long for a standby's decis
 JOIN_TIMEOUT_S = 20.0  # forming the next generation's group; past it, recovery failed while recovering
 STORE_TIMEOUT_S = 10.0
 PREFIX = "ddpack-recovery/"
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 
 
 class RecoveryImpossible(Exception):
@@ -173,18 +174,22 @@ def tear_down(backend: str) -> None:
     if not dist.is_initialized():
         return
     if backend == "nccl":
-        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)  # torch 2.6 and later
         if abort is not None:
             abort()
-            return
-        group = dist.distributed_c10d._get_default_group()
-        group.abort() if hasattr(group, "abort") else None
-    dist.destroy_process_group()
+        else:
+            dist.distributed_c10d._get_default_group().abort()
+    if dist.is_initialized():  # an abort may have left the group registered
+        dist.destroy_process_group()
 
 
 def join_group(store: dist.Store, *, generation: int, rank: int, world_size: int, backend: str, device: torch.device, timeout_s: float) -> None:
     """Form generation `generation`'s process group on the job's store, under a prefix of its own (the keys of a
-    generation that broke are never read again)."""
+    generation that broke are never read again). On NCCL, a collective past its timeout aborts the communicators and
+    raises in the training thread (TORCH_NCCL_ASYNC_ERROR_HANDLING=2, CleanUpOnly) instead of ending the process (3,
+    torch's default), which would take the survivor down with the dead."""
+    if backend == "nccl":
+        os.environ.setdefault(NCCL_ERROR_HANDLING, "2")
     dist.init_process_group(
         backend=backend,
         store=dist.PrefixStore(f"{PREFIX}gen{generation}/", store),
