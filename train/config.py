@@ -258,9 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument(
         "--recovery",
         action="store_true",
-        default=os.environ.get("DDPACK_RECOVERY") == "1",
         help="when a rank dies, the others keep their processes and a --standby process takes its place with the state of a "
-        "survivor (docs/recovery.md); falls back to ending every rank, as without it, when it cannot (default: $DDPACK_RECOVERY=1)",
+        "survivor (docs/recovery.md); falls back to ending every rank, as without it, when it cannot",
     )
     dist.add_argument(
         "--standby",
