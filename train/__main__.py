@@ -114,6 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         trainer = Trainer(config, task, ctx, log, metrics, watcher, progress, membership=membership, replacing=config.standby)
         if watchdog is not None:
             watchdog.know_hosts(trainer.hosts)  # gathered through the process group: heartbeats must agree
+            trainer.hosts_changed = watchdog.know_hosts  # and again after an in-process recovery
         result = trainer.fit()
         loss = f"{result.final_loss:.5f}" if result.final_loss is not None else "n/a"
         log(

@@ -12,6 +12,7 @@ import math
 import random
 import signal
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -132,6 +133,7 @@ class Trainer:
         set_tf32(ctx.device, config.tf32)  # before the peak is found: it is looked up in the precision trained in
         self.autocast = (lambda: torch.autocast(ctx.device.type, dtype=torch.bfloat16)) if config.amp else nullcontext
         self.membership, self.replacing = membership, replacing
+        self.hosts_changed: Callable[[list[str]], None] | None = None  # told the ranks' hosts after a recovery (the watchdog)
         self.clock = CollectiveClock(config.collective_timeout) if membership is not None else None
         # Rank 0 finds the device's peak at start and counts the model's FLOPs at its first step.
         self.mfu = MfuMeter(log)
@@ -414,6 +416,8 @@ class Trainer:
                     raise
                 self.membership.recover(exc, self.log)  # or RecoveryImpossible: the job restarts every rank
                 self._bind(self.ctx)
+                if self.hosts_changed is not None:
+                    self.hosts_changed(self.hosts)  # the standby's host now stands for the dead rank's
                 self._take_state()
                 self.model.train()
 
