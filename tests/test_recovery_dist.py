@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from ddp_jobs import ENTRYPOINT, Job, metrics_step, subdir, wait_for
 
-from testbed.env import clean_env
+from testbed.env import ROOT, clean_env
 from train.distributed import free_port
 
 pytestmark = pytest.mark.dist
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.dist
 ARGS = ["--dataset-size", "2048", "--epochs", "1", "--batch-size", "32", "--log-every", "1", "--snapshot-dir", "", "--recovery", "--cpu-bind", "none"]
 
 
-def start_with_standbys(tmp: Path, world: int, args: Sequence[str], standbys: int) -> Job:
+def start_with_standbys(tmp: Path, world: int, args: Sequence[str], standbys: int, **extra: str) -> Job:
     """`world` ranks in the per-task shape (RANK, WORLD_SIZE, MASTER_ADDR/PORT each, as `docker run -e` or srun
     tasks give them) and `standbys` more processes of the same command with --standby; procs[world:] are those."""
     port = str(free_port())
@@ -31,7 +31,7 @@ def start_with_standbys(tmp: Path, world: int, args: Sequence[str], standbys: in
     for index in range(world + standbys):
         standby = index >= world
         logs.append(tmp / (f"standby{index - world}.log" if standby else f"rank{index}.log"))
-        env = clean_env(RANK=str(0 if standby else index), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        env = clean_env(RANK=str(0 if standby else index), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **extra)
         argv = [*ENTRYPOINT, *args, *(["--standby"] if standby else [])]
         with open(logs[-1], "wb") as out:
             procs.append(subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=tmp))
@@ -78,3 +78,12 @@ def test_without_a_standby_the_survivor_falls_back_to_a_restart_and_says_why(tmp
     assert "recovery: falling back to a restart of every rank: a collective failed" in out and "no standby is running" in out
     end = job.ends(0)[-1]
     assert end.outcome == "failed" and end.exit_code == 1 and end.reason.startswith("in-process recovery impossible: ")
+
+
+def test_a_slow_but_healthy_collective_is_not_taken_for_a_death(tmp_path: Path) -> None:
+    """Rank 1 takes 0.7 s a step (tests/plugins/slow_rank.py), so rank 0 waits that long in every all-reduce: above the
+    timeout's floor (0.5 s), below the timeout the measured steps set (train.recovery.collective_timeout)."""
+    args = ["--task", "plugins.slow_rank:task", "--max-steps", "10", "--log-every", "1", "--snapshot-dir", "", "--recovery", "--cpu-bind", "none"]
+    job = start_with_standbys(tmp_path, 2, args, standbys=0, SLOW_RANK="1", SLOW_RANK_MS="700", PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}")
+    assert job.wait() == [0, 0], job.output()
+    assert "recovery:" not in job.output() and len(set(job.checksums())) == 1, job.output()
