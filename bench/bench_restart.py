@@ -17,6 +17,18 @@ Medians per side, and now/before. The floor of started - decided is a step whose
 torch` (timed here: the test nodes share this host's cores), then the rendezvous and the snapshot's load.
 
     python bench/bench_restart.py [--before fa34be6] [--rounds 3] [--sqsh build/IMAGE.sqsh]
+
+`--local` (no Slurm): today's path against in-process recovery (issue 56, train/recovery.py) on this host, A B A B, 4
+ranks in the per-task shape (what srun or docker -e gives each rank), rank 3 SIGKILLed once past step LOCAL_KILL_AT:
+- restart (today): the survivors are ended at once (srun ends a step's tasks when one fails), 4 new processes start,
+  `import torch`, rendezvous, load the newest snapshot (--snapshot-every 10) and train again: `start` is the kill ->
+  the new segment's start record, `back` -> its first progress record, `past` -> the first progress record past the
+  step the kill interrupted (the replayed steps included);
+- in-process (--recovery, one --standby): `notice` is the kill -> the survivor's failed collective (the collective
+  timeout), then the recovery record's own stages (decide, abort, new group, state, first step), `back` -> the first
+  progress record after the failure (the redone step; nothing is replayed, so `past` is `back`).
+
+    python bench/bench_restart.py --local [--rounds 2]
 """
 
 from __future__ import annotations
@@ -94,12 +106,127 @@ def import_torch_s(python: str, rounds: int = 3) -> float:
     return statistics.median(times)
 
 
+LOCAL_ARGS = ["--dataset-size", "65536", "--epochs", "1", "--log-every", "1", "--snapshot-every", "10", "--hang-timeout", "0", "--cpu-bind", "none"]
+LOCAL_KILL_AT = 45  # steps: 5 past the snapshot at 40, as a failure lands on average halfway between snapshots of 10
+
+
+def start_ranks(folder: Path, args: list[str], port: int, world: int = 4, standbys: int = 0) -> list[subprocess.Popen[bytes]]:
+    """`world` ranks of `python -m train` with RANK/WORLD_SIZE/MASTER_* each (and `standbys` with --standby)."""
+    procs = []
+    for index in range(world + standbys):
+        rank_env = {"RANK": str(index if index < world else 0), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        with open(folder / f"task{index}.log", "ab") as out:
+            argv = [sys.executable, "-m", "train", *args, *(["--standby"] if index >= world else [])]
+            procs.append(subprocess.Popen(argv, env=env(OMP_NUM_THREADS="1", **rank_env), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT))
+    return procs
+
+
+def kill_when_past(procs: list[subprocess.Popen[bytes]], metrics: Path, step: int, rank: int = 3) -> tuple[float, int]:
+    """SIGKILL `rank` once rank 0 logged `step`: (the wall clock of the kill, the newest step logged before it)."""
+    deadline = time.monotonic() + 300
+    while (logged := max((r.get("global_step", 0) for r in read_metrics(metrics) if r["kind"] == "progress"), default=0)) < step:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"bench_restart: the run did not reach step {step}; see {metrics.parent}")
+        time.sleep(0.01)
+    killed_at = time.time()
+    procs[rank].send_signal(signal.SIGKILL)
+    return killed_at, logged
+
+
+def local_restart(folder: Path) -> dict[str, float]:
+    """Today's path, once (see the module's docstring)."""
+    from train.distributed import free_port
+
+    metrics = folder / "metrics.jsonl"
+    args = [*LOCAL_ARGS, "--snapshot-dir", str(folder / "snap"), "--metrics-file", str(metrics)]
+    procs = start_ranks(folder, args, free_port())
+    killed_at, logged = kill_when_past(procs, metrics, LOCAL_KILL_AT)
+    for proc in procs:  # srun ends the step's other tasks when one fails; the job program then starts a new step
+        proc.kill()
+        proc.wait()
+    again = start_ranks(folder, args, free_port())
+    try:
+        deadline = time.monotonic() + 300
+        while not (past := [r for r in read_metrics(metrics) if r["kind"] == "progress" and r["time"] > killed_at and r["global_step"] > logged]):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"bench_restart: the restarted run did not train past step {logged}; see {folder}")
+            time.sleep(0.01)
+        records = [r for r in read_metrics(metrics) if r["time"] > killed_at]
+    finally:
+        for proc in again:
+            proc.kill()
+            proc.wait()
+    start = next(r for r in records if r["kind"] == "start")
+    back = next(r for r in records if r["kind"] == "progress")
+    return {
+        "start": start["time"] - killed_at,
+        "back": back["time"] - killed_at,
+        "past": past[0]["time"] - killed_at,
+        "replayed": logged - start["global_step"],
+    }
+
+
+def local_inprocess(folder: Path) -> dict[str, float]:
+    """In-process recovery, once (see the module's docstring)."""
+    from train.distributed import free_port
+
+    metrics = folder / "metrics.jsonl"
+    args = [*LOCAL_ARGS, "--snapshot-dir", "", "--metrics-file", str(metrics), "--recovery"]
+    procs = start_ranks(folder, args, free_port(), standbys=1)
+    try:
+        killed_at, _ = kill_when_past(procs, metrics, LOCAL_KILL_AT)
+        deadline = time.monotonic() + 60
+        while True:  # the recovery record, then the redone step's progress record
+            records = read_metrics(metrics)
+            found = [r for r in records if r["kind"] == "recovery"]
+            after = [r for r in records if found and r["kind"] == "progress" and r["time"] > found[0]["failed_at"]]
+            if after:
+                break
+            if time.monotonic() > deadline:
+                raise SystemExit(f"bench_restart: no recovery record and step after it within 60 s; see {folder}")
+            time.sleep(0.01)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    record, back = found[0], after[0]
+    stages = {"notice": record["failed_at"] - killed_at, **{k[:-2]: record[k] for k in ("decide_s", "abort_s", "new_group_s", "state_s", "first_step_s")}}
+    return {**stages, "back": back["time"] - killed_at, "past": back["time"] - killed_at, "replayed": 0}
+
+
+def local_main(rounds: int) -> int:
+    with tempfile.TemporaryDirectory(prefix="ddpack-bench-restart-", dir="/tmp") as tmp:
+        rows: dict[str, list[dict[str, float]]] = {"restart": [], "in-process": []}
+        for round_ in range(rounds):
+            for side, run in (("restart", local_restart), ("in-process", local_inprocess)):
+                folder = Path(tmp) / f"{side}-{round_}"
+                folder.mkdir()
+                row = run(folder)
+                rows[side].append(row)
+                print(f"round {round_ + 1} {side:<10} " + "  ".join(f"{k} {v:.3f}" for k, v in row.items()), flush=True)
+    medians = {side: {k: statistics.median(r[k] for r in found) for k in found[0]} for side, found in rows.items()}
+    print(f"\na killed rank on this host (4 ranks, per-task shape, gloo; {rounds} rounds, A B A B; medians; seconds after the SIGKILL)")
+    for side, found in medians.items():
+        print(f"{side:<11} " + "  ".join(f"{k} {v:.3f}" for k, v in found.items()))
+    now, before = medians["in-process"], medians["restart"]
+    print(
+        f"in-process/restart: back {now['back'] / before['back']:.2f}x, past the interrupted step {now['past'] / before['past']:.2f}x; "
+        f"in-process's {now['back']:.2f} s: notice {now['notice']:.2f} (the collective timeout), decide {now['decide']:.2f}, "
+        f"abort {now['abort']:.3f}, new group {now['new_group']:.3f}, state {now['state']:.3f}, first step {now['first_step']:.3f}"
+    )
+    print(json.dumps({"medians": medians}))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", default="fa34be6", help="the revision whose job program is side A")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sqsh", type=Path, help="an image (make sqsh): the pyxis path, pyxis-per-task.sbatch, instead of bare metal")
+    parser.add_argument("--local", action="store_true", help="on this host, no Slurm: today's restart against in-process recovery (issue 56)")
     opts = parser.parse_args()
+    if opts.local:
+        return local_main(opts.rounds)
     if subprocess.run(["sinfo", "-h"], capture_output=True).returncode != 0:
         print("bench_restart: no Slurm controller answers (sinfo); start the test cluster: .venv/bin/python testbed/slurm_cluster.py", file=sys.stderr)
         return 2

@@ -1284,6 +1284,26 @@ def made_progress(path: Path, since: int | None) -> str:
     return "no"
 
 
+RECOVERY_FALLBACK = "in-process recovery impossible: "  # train/__main__.py's end-record reason when --recovery falls back
+
+
+def recovery_fallback(path: Path, since: int | None) -> str:
+    """Why in-process recovery (the trainer's --recovery, train/recovery.py) fell back to this restart, from rank 0's end
+    record written after byte `since` of the metrics file; "" when it did not (or there is no such record)."""
+    try:
+        with path.open("rb") as handle:
+            handle.seek(since or 0)
+            lines = handle.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return ""
+    for line in reversed(lines):
+        with contextlib.suppress(ValueError):
+            record = json.loads(line)
+            if isinstance(record, dict) and record.get("kind") == "end" and str(record.get("reason", "")).startswith(RECOVERY_FALLBACK):
+                return str(record["reason"])[len(RECOVERY_FALLBACK) :]
+    return ""
+
+
 def newer(path: Path, than: Path) -> bool:
     """`test PATH -nt THAN`: PATH exists and was changed after THAN (or THAN is missing)."""
     try:
@@ -1347,6 +1367,7 @@ class Training:
         self.keep_out: list[str] = []
         self.crashed = ""  # the node srun named first for a task that crashed in the last step
         self.progress = ""  # whether the last step wrote progress records: yes, no, "" (no metrics file)
+        self.fallback = ""  # why the trainer's in-process recovery fell back to this restart ("": it did not)
         self.crashes: dict[str, int] = {}  # crashes by node during this start: a second one puts the node out for the job
         self.avoid: list[str] = []  # nodes the next placement uses only where no other healthy node is left
 
@@ -1367,6 +1388,7 @@ class Training:
             before = metrics_size(self.run_dir / METRICS)
             code, self.crashed = run_step([*self.step, *self.placement, *self.command])
             self.progress = made_progress(self.run_dir / METRICS, before)
+            self.fallback = recovery_fallback(self.run_dir / METRICS, before)
             rc = 128 - code if code < 0 else code  # a step killed by a signal: its status as the shell gives it
             after = self.after_step(rc)
             if after != "restart":
@@ -1505,8 +1527,12 @@ class Training:
 
     def decide(self, after: str, verdict: str, reason: str, rc: int | str, sentence: str) -> str:
         """The step's end decided: said, recorded (the run's end, for `ddpack status` once Slurm has forgotten the job)."""
+        if self.fallback and verdict != "completed":
+            say(f"in-process recovery fell back to this decision: {self.fallback}")
         say(sentence)
         fields = {"verdict": verdict, "reason": reason, "exit": str(rc), "text": sentence, "progress": self.progress}
+        if self.fallback:
+            fields["recovery_fallback"] = self.fallback
         write_record(self.run_dir, "step-end", fields)
         return after
 

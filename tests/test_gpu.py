@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -105,3 +107,19 @@ def test_the_node_checks_hold_on_a_real_gpu() -> None:
         assert set_tf32(torch.device("cuda", 0), True) is (torch.cuda.get_device_capability(0)[0] >= 8)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def test_recovery_aborts_the_nccl_group_and_forms_the_next_generation_on_the_same_store(tmp_path: Path) -> None:
+    """In-process recovery's GPU half (train/recovery.py): the communicator is aborted, not left to its watchdog, the next
+    generation's group forms on the job's store and all-reduces; and the trainer runs with --recovery on NCCL."""
+    found = subprocess.run(
+        [sys.executable, "-m", "plugins.nccl_regroup"], cwd=TESTS, env=testbed.env.clean_env(PYTHONPATH=f"{testbed.env.ROOT}:{TESTS}"),
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert found.returncode == 0, found.stdout + found.stderr
+    report = json.loads(found.stdout.strip().splitlines()[-1])
+    assert report["sums"] == [4.0, 8.0] and report["error_handling"] == "2", report
+    metrics = tmp_path / "metrics.jsonl"
+    job = start_slurm_step(tmp_path, [1], [*SHORT, "--recovery", "--snapshot-dir", "", "--metrics-file", str(metrics)])
+    assert job.wait(300) == [0], job.output()
+    assert "backend nccl device cuda:0" in job.output(0) and "checksums agree across 1 ranks" in job.output(0), job.output()

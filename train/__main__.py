@@ -30,6 +30,7 @@ from train.distributed import (
 from train.metrics import MetricsFile, MetricsWriteError, RankLog
 from train.model import SetupError
 from train.outcome import RunEnd
+from train.recovery import Membership, RecoveryImpossible, enter
 from train.signals import PreemptionWatcher
 from train.snapshot import SnapshotsUnreadable, SnapshotWriteError
 from train.tasks import TaskError, load_task
@@ -52,8 +53,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (TaskError, DeviceError) as exc:
         print(f"train: error: {exc}", file=sys.stderr)
         return 2
+    membership: Membership | None = None
     try:
-        ctx = init_distributed(backend, device, config.collective_timeout)
+        if config.recovery:
+            entered = enter(standby=config.standby, backend=backend, device=device, collective_timeout_s=config.collective_timeout, log=print_standby)
+            if entered is None:
+                return 0  # a standby the run did not need; it never joined the group, so it leaves no end record
+            ctx, membership = entered
+        else:
+            ctx = init_distributed(backend, device, config.collective_timeout)
+    except RecoveryImpossible as exc:
+        print(f"train: error: {exc}", file=sys.stderr)
+        return 2
     except (RuntimeError, ValueError) as exc:
         first = first_line(exc)
         print(f"train: error: cannot join the process group: {first}", file=sys.stderr)
@@ -100,9 +111,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return RunEnd(rank=ctx.rank, world_size=ctx.world_size, host=ctx.host, outcome=outcome, exit_code=exit_code, **{**where, **extra})
 
     try:
-        trainer = Trainer(config, task, ctx, log, metrics, watcher, progress)
+        trainer = Trainer(config, task, ctx, log, metrics, watcher, progress, membership=membership, replacing=config.standby)
         if watchdog is not None:
             watchdog.know_hosts(trainer.hosts)  # gathered through the process group: heartbeats must agree
+            trainer.hosts_changed = watchdog.know_hosts  # and again after an in-process recovery
         result = trainer.fit()
         loss = f"{result.final_loss:.5f}" if result.final_loss is not None else "n/a"
         log(
@@ -140,6 +152,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ChecksumMismatch as exc:
         log(f"error: {exc}")
         end = ended("failed", 1, reason=str(exc))
+    except RecoveryImpossible as exc:  # the job program restarts every rank, as without --recovery
+        why = f"in-process recovery impossible: {exc}"
+        log(f"recovery: falling back to a restart of every rank: {exc}")
+        end = ended("failed", 1, reason=why)
     except RuntimeError as exc:  # gloo/nccl report a dead or silent peer as RuntimeError subclasses
         if watchdog is not None:
             watchdog.yield_to_a_declared_hang()  # a peer that exited on a declared hang: the watchdog ends this rank
@@ -151,12 +167,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         watcher.restore()
         if watchdog is not None:
             watchdog.stop()
+        if membership is not None:
+            membership.close()
     record_end(end)
     metrics.close()
     if hard_exit:
         exit_now(end.exit_code)  # tearing down a broken process group can itself hang
     shutdown()
     return end.exit_code
+
+
+def print_standby(line: str) -> None:
+    """A standby's lines before it has a rank (after, it logs as the rank it took)."""
+    print(f"[standby] {line}", flush=True)
 
 
 if __name__ == "__main__":

@@ -59,6 +59,9 @@ class Config:
     hang_timeout: float
     forensics_dir: str
     cpu_bind: str
+    # In-process recovery (train/recovery.py): its per-step RNG is derived from the step, hence a trajectory setting.
+    recovery: bool = field(default=False, metadata=TRAJECTORY)
+    standby: bool = False
 
     @classmethod
     def trajectory_fields(cls) -> tuple[str, ...]:
@@ -252,6 +255,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: ranks that share one machine's CPUs each bind to a disjoint slice of them (see train/affinity.py); "
         "none: leave CPU placement to the OS and Slurm (default: $DDPACK_CPU_BIND, else auto)",
     )
+    dist.add_argument(
+        "--recovery",
+        action="store_true",
+        help="when a rank dies, the others keep their processes and a --standby process takes its place with the state of a "
+        "survivor (docs/recovery.md); falls back to ending every rank, as without it, when it cannot",
+    )
+    dist.add_argument(
+        "--standby",
+        action="store_true",
+        help="start warm (torch imported, model built) and wait to replace a rank that dies in a --recovery run of the same "
+        "command and world size; implies --recovery",
+    )
     return parser
 
 
@@ -269,6 +284,7 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
             f"train: error: --tensorboard {ns.tensorboard} needs the tensorboard package, which this Python does not have; "
             "add tensorboard to your project's requirements.txt (make image APP=...) or pip install tensorboard\n",
         )
+    ns.recovery = ns.recovery or ns.standby
     if ns.hang_timeout is None:
         ns.hang_timeout = min(DEFAULT_HANG_TIMEOUT, HANG_SHARE_OF_COLLECTIVE * ns.collective_timeout)
     elif ns.hang_timeout and ns.hang_timeout >= ns.collective_timeout:

@@ -188,10 +188,13 @@ class LoaderBatches:
             yield inputs.to(self.device, non_blocking=non_blocking), targets.to(self.device, non_blocking=non_blocking)
 
     def close(self) -> None:
-        """Stop persistent workers now rather than at interpreter exit (which the trainer skips)."""
+        """Stop persistent workers now rather than at interpreter exit (which the trainer skips). The loader forgets
+        them, so that a later epoch() (after an in-process recovery, train/recovery.py) starts new ones instead of
+        resetting the stopped ones."""
         iterator = getattr(self.loader, "_iterator", None)
         if iterator is not None and hasattr(iterator, "_shutdown_workers"):
             iterator._shutdown_workers()
+            self.loader._iterator = None
 
 
 def make_batches(

@@ -12,6 +12,7 @@ import math
 import random
 import signal
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,7 @@ from train.metrics import MetricsFile, RankLog, format_duration, format_share, s
 from train.model import compile_module, explain_setup_failure, prepare_module
 from train.perf import CPU_MEASURE_S, MfuMeter, RankTimes, SlowRanks, precision
 from train.preflight.compute import matmul_gflops
+from train.recovery import CollectiveClock, Membership, reseed
 from train.signals import PreemptionWatcher
 from train.snapshot import Snapshot, SnapshotStore, SnapshotWriter, Written
 from train.step_path import StepPath
@@ -117,9 +119,12 @@ class Trainer:
         watcher: PreemptionWatcher,
         progress: Progress | None = None,
         path: StepPath | None = None,
+        membership: Membership | None = None,
+        replacing: bool = False,
     ) -> None:
         """`path`: the step's device-dependent branches; the device's own unless given (bench/bench_host.py runs
-        the CUDA path's on a CPU)."""
+        the CUDA path's on a CPU). `membership`: --recovery's (train/recovery.py); `replacing`: this process is a
+        standby that took a dead rank's place, and takes its state from the survivors instead of a snapshot."""
         self.config, self.task, self.ctx, self.log, self.metrics, self.watcher = config, task, ctx, log, metrics, watcher
         self.path = path if path is not None else StepPath.for_device(ctx.device)
         # Where this rank is, for the hang watchdog (train.watchdog): a few attribute stores a step.
@@ -127,24 +132,13 @@ class Trainer:
         self.module = prepare_module(task.model, config, ctx.device)
         set_tf32(ctx.device, config.tf32)  # before the peak is found: it is looked up in the precision trained in
         self.autocast = (lambda: torch.autocast(ctx.device.type, dtype=torch.bfloat16)) if config.amp else nullcontext
-        self.hosts: list[str] = gather_objects(ctx.host, ctx)
-        self.slow_ranks = SlowRanks(self.hosts)  # for the progress line that names a slow rank
+        self.membership, self.replacing = membership, replacing
+        self.hosts_changed: Callable[[list[str]], None] | None = None  # told the ranks' hosts after a recovery (the watchdog)
+        self.clock = CollectiveClock(config.collective_timeout) if membership is not None else None
         # Rank 0 finds the device's peak at start and counts the model's FLOPs at its first step.
         self.mfu = MfuMeter(log)
         self.counted = not ctx.is_main
-        # DDP wraps the module with the stop-flag parameter beside it (train.grad_sync); the optimizer,
-        # snapshots and checksums see the module alone (never the compiled one: its state dict's names
-        # carry a prefix).
-        self.model = SyncedModel(
-            self.module,
-            watcher=watcher,
-            world_size=ctx.world_size,
-            device=ctx.device,
-            compress=config.bf16_grads,
-            compiled=compile_module(self.module, world_size=ctx.world_size) if config.compile else None,
-            find_unused_parameters=config.find_unused_parameters,
-            path=self.path,
-        )
+        self._bind(ctx)
         self.trained = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = self._make_optimizer()
         order = EpochOrder(len(task.train_data), world_size=ctx.world_size, rank=ctx.rank, batch_size=config.batch_size, seed=config.seed)
@@ -162,6 +156,28 @@ class Trainer:
         self.last_snapshot_step = -1
 
     # ------------------------------------------------------------------ set-up
+
+    def _bind(self, ctx: DistContext) -> None:
+        """What holds the process group: the ranks' hosts and DDP. Done again on a new group after a recovery,
+        in the same order on the survivors and on the standby that joins them."""
+        self.ctx = ctx
+        self.hosts: list[str] = gather_objects(ctx.host, ctx)
+        self.slow_ranks = SlowRanks(self.hosts)  # for the progress line that names a slow rank
+        # DDP wraps the module with the stop-flag parameter beside it (train.grad_sync); the optimizer,
+        # snapshots and checksums see the module alone (never the compiled one: its state dict's names
+        # carry a prefix).
+        self.model = SyncedModel(
+            self.module,
+            watcher=self.watcher,
+            world_size=ctx.world_size,
+            device=ctx.device,
+            compress=self.config.bf16_grads,
+            compiled=compile_module(self.module, world_size=ctx.world_size) if self.config.compile else None,
+            find_unused_parameters=self.config.find_unused_parameters,
+            path=self.path,
+        )
+        if self.clock is not None:
+            self.clock.relax()
 
     def _start_fields(self, start_step: int) -> dict[str, Any]:
         """The metrics file's `start` record: one a segment (a requeued or restarted run appends another),
@@ -224,6 +240,8 @@ class Trainer:
         the end of training) waits until the newest snapshot is on disk."""
         if not self.config.snapshot_dir:
             return
+        if self.clock is not None:
+            self.clock.relax()  # the other ranks wait in their next collective for rank 0's copy
         rng_all, held_since = None, time.monotonic()
         if self.last_snapshot_step != self.global_step:
             # Timed, as every collective is: a peer frozen before the gather is a hang. Were it counted as
@@ -362,14 +380,17 @@ class Trainer:
         if self.ctx.is_main:
             preflight = Path(cfg.metrics_file).parent / run_folder.PREFLIGHT if cfg.metrics_file else None
             self.mfu.find_peak(self.ctx.device, cfg.amp, preflight, lambda: matmul_gflops(self.ctx, CPU_MEASURE_S))
-        self.restore()
+        if self.replacing:
+            self._take_state()
+        else:
+            self.restore()
         start_step, started = self.global_step, time.monotonic()
         self.metrics.opening("start", lambda: self._start_fields(start_step))
         if self.global_step >= self.total_steps:
             self.log(f"training already complete at global step {self.global_step}; nothing to do", main_only=True)
         self.model.train()
         try:
-            last_loss = self._loop(start_step, started)
+            last_loss = self._loop_recovering(start_step, started)
         except BaseException:
             self._land_snapshot_in_flight()
             raise
@@ -383,6 +404,57 @@ class Trainer:
         checksum = self._agree_on_checksum()
         samples_per_s = steps * cfg.grad_accum * cfg.batch_size * self.ctx.world_size / elapsed
         return Result(global_step=self.global_step, final_loss=last_loss, checksum=checksum, steps_per_s=steps / elapsed, samples_per_s=samples_per_s)
+
+    def _loop_recovering(self, start_step: int, started: float) -> float | None:
+        """The loop; under --recovery a failed collective is recovered from in this process (the survivors
+        re-form the group with a standby in the dead rank's place) and the interrupted step is redone."""
+        while True:
+            try:
+                return self._loop(start_step, started)
+            except RuntimeError as exc:  # gloo and NCCL report a dead peer as RuntimeError subclasses
+                if self.membership is None:
+                    raise
+                self.membership.recover(exc, self.log)  # or RecoveryImpossible: the job restarts every rank
+                self._bind(self.ctx)
+                if self.hosts_changed is not None:
+                    self.hosts_changed(self.hosts)  # the standby's host now stands for the dead rank's
+                self._take_state()
+                self.model.train()
+
+    def _take_state(self) -> None:
+        """Collective, on a new group: every rank takes the state of the rank furthest along (a survivor whose
+        all-reduce completed before the death is a step ahead of one whose did not; a replacement has none).
+        Model, optimizer and position travel; the RNG is derived from the position (train.recovery.reseed)."""
+        steps = gather_objects(-1 if self.replacing else self.global_step, self.ctx)
+        source = steps.index(max(steps))
+        box = [self._state([]) if self.ctx.rank == source else None]
+        dist.broadcast_object_list(box, src=source, device=self.ctx.device if self.ctx.device.type == "cuda" else None)
+        state: Snapshot = box[0]
+        if self.ctx.rank != source:
+            self.module.load_state_dict(state.model)
+            self.optimizer.load_state_dict(state.optimizer)
+            self.epoch, self.step_in_epoch, self.global_step = state.epoch, state.step_in_epoch, state.global_step
+        if self.replacing:
+            self.log(f"standby took rank {self.ctx.rank}: state of rank {source} at {self._position()}")
+            self.replacing = False
+        stages = self.membership.stages if self.membership is not None else None
+        if stages is not None:
+            stages.state = time.time()
+
+    def _recovered(self) -> None:
+        """The first step after a recovery finished: its timeline, on rank 0's log and metrics."""
+        assert self.membership is not None and self.membership.stages is not None
+        stages, self.membership.stages = self.membership.stages, None
+        stages.first_step = time.time()
+        times = stages.fields()
+        step = self.global_step + 1  # this step, counted once it is done (the loop counts it next)
+        self.log(
+            f"recovery: trained global step {step} in generation {self.membership.generation}, "
+            f"{times['total_s']:.3f}s after the failed collective (decision {times['decide_s']:.3f}s, abort {times['abort_s']:.3f}s, "
+            f"new group {times['new_group_s']:.3f}s, state {times['state_s']:.3f}s, first step {times['first_step_s']:.3f}s)",
+            main_only=True,
+        )
+        self.metrics.write("recovery", global_step=step, generation=self.membership.generation, **times)
 
     def position(self) -> dict[str, int]:
         """Where training stands, numbered as the progress lines number it (epochs from 1), in the end
@@ -470,7 +542,10 @@ class Trainer:
                         counting, self.counted = time.monotonic(), True
                         self.mfu.count(self.module, micro_batches[0], self.task.loss_fn, self.autocast)
                         window.started += time.monotonic() - counting  # not this rank's step time
-                    window.add(*self._train_step(micro_batches))
+                    if self.clock is None:
+                        window.add(*self._train_step(micro_batches))
+                    else:
+                        window.add(*self._recoverable_step(micro_batches))
                     self.global_step, self.step_in_epoch = self.global_step + 1, step + 1
                     self.progress.step_done(self.global_step)
                     done = self.global_step >= self.total_steps
@@ -495,8 +570,22 @@ class Trainer:
             self.batches.close()
         return last_loss
 
+    def _recoverable_step(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, int, torch.Tensor | None, float]:
+        """`_train_step` under --recovery: the step's RNG derived from its position, its length timed for the
+        collective timeout, and the timeline written after the first step of a recovery."""
+        assert self.clock is not None and self.membership is not None
+        reseed(self.config.seed, self.ctx.rank, self.global_step)
+        began = time.perf_counter()
+        done = self._train_step(micro_batches)
+        self.clock.measured(time.perf_counter() - began)
+        if self.membership.stages is not None:
+            self._recovered()
+        return done
+
     def _end_epoch(self) -> None:
         finished = self.epoch
+        if self.clock is not None:
+            self.clock.relax()  # the other ranks wait in their next collective for rank 0's eval
         self.epoch, self.step_in_epoch = self.epoch + 1, 0
         if self.ctx.is_main and self.task.eval_data is not None and self.task.metric is not None:
             self.progress.enter_counted(Phase.EVAL)

@@ -1,0 +1,85 @@
+"""In-process recovery's pure parts (train/recovery.py): who replaces whom, when it falls back, the collective
+timeout rule, the per-step RNG. The real thing, with processes killed, is tests/test_recovery_dist.py."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from train import recovery
+from train.recovery import CollectiveClock, Decision, collective_timeout, decide, step_seed
+
+ROSTER = {0: "r0", 1: "r1", 2: "r2", 3: "r3"}
+HOSTS = {"r0": "n1", "r1": "n1", "r2": "n2", "r3": "n2", "s0": "n1", "s1": "n3"}
+
+
+def test_a_dead_rank_is_replaced_by_a_standby_on_another_node_when_one_is_alive() -> None:
+    decision = decide(0, ROSTER, {1: "r1"}, HOSTS, ["s0", "s1"])
+    assert decision.fallback is None
+    assert decision.replacements == {1: "s1"}  # s0 shares n1 with the rank that died
+    assert decision.roster == {0: "r0", 1: "s1", 2: "r2", 3: "r3"} and decision.generation == 1
+
+
+def test_the_dead_ranks_node_is_used_when_it_is_the_only_place() -> None:
+    assert decide(2, ROSTER, {1: "r1"}, HOSTS, ["s0"]).replacements == {1: "s0"}
+
+
+def test_two_deaths_take_two_standbys_in_rank_order() -> None:
+    decision = decide(0, ROSTER, {1: "r1", 3: "r3"}, HOSTS, ["s0", "s1"])
+    assert decision.replacements == {1: "s1", 3: "s0"}
+
+
+def test_more_ranks_lost_than_standbys_falls_back_and_says_so() -> None:
+    decision = decide(0, ROSTER, {1: "r1", 2: "r2"}, HOSTS, ["s1"])
+    assert decision.fallback == "2 rank(s) lost (1, 2) and 1 standby is alive: more ranks lost than standbys"
+    assert decision.replacements == {}
+
+
+def test_no_live_standby_falls_back_and_says_so() -> None:
+    assert decide(0, ROSTER, {3: "r3"}, HOSTS, []).fallback == "rank(s) 3 lost and no standby is alive"
+
+
+def test_rank_0_lost_falls_back_it_hosts_the_store() -> None:
+    assert decide(0, ROSTER, {0: "r0"}, HOSTS, ["s0", "s1"]).fallback == "rank 0 lost: it hosts the job's store, which the group is formed on"
+
+
+def test_a_decision_reads_back_as_written() -> None:
+    decision = decide(4, ROSTER, {1: "r1"}, HOSTS, ["s1"])
+    assert Decision.from_json(decision.to_json()) == decision
+
+
+def test_the_collective_timeout_follows_the_slowest_step_above_a_floor_and_below_the_ceiling() -> None:
+    assert collective_timeout(0.001, ceiling_s=300) == recovery.TIMEOUT_FLOOR_S
+    # A big model's bucket over gloo: 2 s steps are healthy, and the timeout leaves them far behind.
+    assert collective_timeout(2.0, ceiling_s=300) == 2.0 * recovery.TIMEOUT_MARGIN
+    assert collective_timeout(60.0, ceiling_s=300) == 300
+
+
+def test_the_clock_tightens_after_measured_steps_relaxes_around_one_rank_pauses_and_grows_with_a_slow_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    set_to: list[float] = []
+    monkeypatch.setattr(dist.distributed_c10d, "_set_pg_timeout", lambda timeout, group=None: set_to.append(timeout / timedelta(seconds=1)))
+    clock = CollectiveClock(ceiling_s=300)
+    clock.relax()  # a new group: the long timeout
+    assert set_to == []  # it already is
+    clock.measured(5.0)  # the first step of a generation (DDP rebuilds its buckets) is not counted
+    for _ in range(recovery.MEASURED_STEPS - 1):
+        clock.measured(0.001)
+    assert set_to == [recovery.TIMEOUT_FLOOR_S]
+    clock.relax()  # eval or a snapshot on rank 0 next
+    assert set_to[-1] == 300
+    clock.measured(0.001)
+    for _ in range(recovery.MEASURED_STEPS - 1):
+        clock.measured(0.2)  # slow but healthy
+    assert set_to[-1] == pytest.approx(0.2 * recovery.TIMEOUT_MARGIN)
+    clock.measured(0.21)  # within 25%: left as it is
+    assert set_to[-1] == pytest.approx(0.2 * recovery.TIMEOUT_MARGIN)
+
+
+def test_each_rank_and_step_has_its_own_seed() -> None:
+    seeds = {step_seed(0, rank, step) for rank in range(4) for step in range(100)}
+    assert len(seeds) == 400
+    assert step_seed(3, 1, 7) == step_seed(3, 1, 7)

@@ -1,0 +1,54 @@
+"""The job program's side of in-process recovery (enroot/ddpack_node.py): when the trainer's --recovery falls back, the
+restart decision says why, in one line and in its step-end record."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from testbed.env import ROOT
+
+
+@pytest.fixture(scope="module")
+def node() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("ddpack_node", ROOT / "enroot" / "ddpack_node.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def end_record(reason: str) -> str:
+    return json.dumps({"time": 1.0, "kind": "end", "rank": 0, "outcome": "failed", "exit_code": 1, "reason": reason})
+
+
+def test_the_fallback_is_read_from_rank_0s_end_record_of_this_step_only(node: ModuleType, tmp_path: Path) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    earlier = end_record("in-process recovery impossible: rank 0 lost: it hosts the job's store, which the group is formed on")
+    metrics.write_text(earlier + "\n")
+    since = metrics.stat().st_size
+    assert node.recovery_fallback(metrics, since) == ""  # the step before's, not this one's
+    with metrics.open("a") as out:
+        out.write(json.dumps({"kind": "progress", "global_step": 3}) + "\n")
+        out.write(end_record("in-process recovery impossible: rank(s) 1 lost and no standby is alive") + "\n")
+    assert node.recovery_fallback(metrics, since) == "rank(s) 1 lost and no standby is alive"
+    assert node.recovery_fallback(metrics, None) == "rank(s) 1 lost and no standby is alive"
+    assert node.recovery_fallback(tmp_path / "none.jsonl", None) == ""
+    metrics.write_text(end_record("a collective failed (RuntimeError: …)") + "\n")
+    assert node.recovery_fallback(metrics, None) == ""  # a failure without --recovery
+
+
+def test_the_restart_decision_says_why_recovery_fell_back_in_one_line_and_its_record(
+    node: ModuleType, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    training = object.__new__(node.Training)
+    training.run_dir, training.progress, training.fallback = tmp_path, "yes", "rank(s) 1 lost and no standby is alive"
+    assert training.decide("restart", "restart", "failed", 1, "the step failed (exit 1); restarting it in this allocation") == "restart"
+    said = capfd.readouterr()
+    lines = [line for line in (said.out + said.err).splitlines() if line.strip()]
+    assert lines[0].endswith("in-process recovery fell back to this decision: rank(s) 1 lost and no standby is alive"), lines
+    record = json.loads((tmp_path / node.DECISIONS).read_text().splitlines()[-1])
+    assert record["kind"] == "step-end" and record["recovery_fallback"] == "rank(s) 1 lost and no standby is alive"

@@ -1,0 +1,472 @@
+"""In-process recovery: a rank that dies costs the job one step, not a restart of every rank.
+
+With `--recovery`, the ranks keep their processes when a peer dies; a standby (`--standby`: a process that has
+started Python, imported torch and built the model, and waits on the store) takes the dead rank's place.
+
+Who learns what, and how (the store is the one channel that never waits on a collective):
+- Every process (rank or standby) is a *member* of the job, named `r<rank>` for the ranks it started with and
+  `s<n>` for standbys, and bumps a heartbeat counter in the rendezvous store every HEARTBEAT_S.
+- Standbys watch: each samples every member's counter (one `multi_get`) every HEARTBEAT_S. A member whose
+  counter has not moved for STALE_S, once a survivor has reported a failed collective (a counter of the
+  generation's: a late heartbeat on a loaded node while every collective completes is no death), is dead.
+  The first standby to see a death writes the generation's
+  *decision* (compare-and-set, so there is one): the new roster, which standby takes which rank (a standby on
+  another host than the dead rank's when one is alive), or why recovery cannot work (`fallback`).
+- A survivor learns nothing until its collective fails: gloo cannot cancel a collective in flight, so its
+  timeout is how long a survivor waits on a dead peer. `CollectiveClock` sets it from the steps' own measured
+  times: `max(TIMEOUT_FLOOR_S, TIMEOUT_MARGIN x the slowest step seen)`, never above --collective-timeout, and
+  the long --collective-timeout around what one rank does alone while the others wait (rank 0's eval and
+  snapshot copy, the first steps of a generation). A slow but healthy collective raises the timeout with it.
+- A failed survivor reads the decision (waiting up to DECISION_WAIT_S for it), destroys its process group
+  (NCCL's communicator is aborted first, never left to its watchdog) and joins the next generation's, of the
+  same world size, under the store prefix `gen<g>/`; the assigned standby joins it as the dead rank.
+- The state comes from a survivor: the trainer broadcasts model, optimizer and position from the rank furthest
+  along (a survivor whose all-reduce completed before the death may be one step ahead of one whose did not);
+  per-step RNG is derived from (seed, rank, global step), so the dead rank's stream is rebuilt, not lost.
+
+Falls back (the rank ends `failed`, exit 1, with the reason; the job program restarts every rank from the
+newest snapshot, as without --recovery): more ranks lost than live standbys; no standby running; the store's
+host (rank 0's node) lost; a collective failed but no member's heartbeat stopped (a hang, or a collective
+slower than its timeout); a failure while re-forming the group (the chosen standby died, another rank died).
+
+Limits: the store host is rank 0 (MASTER_ADDR), so rank 0's death always falls back; torchrun restarts its
+workers itself, so --recovery needs one process per rank (srun tasks, docker -e); the recovery keys are not
+signed (the process group's own rendezvous keys are not either); a rank hung with a live heartbeat is the
+watchdog's to end (--hang-timeout), not recovery's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from train.distributed import DistContext, default_to_one_process, first_line, node_name
+
+HEARTBEAT_S = 0.05  # each member bumps its counter this often; standbys sample every counter as often
+STALE_S = 0.25  # a counter unchanged this long, once a survivor reported a failed collective, is a dead member
+TIMEOUT_FLOOR_S = 0.5  # the collective timeout never goes below this (gloo's ring of 4 local ranks: ~1 ms)
+TIMEOUT_MARGIN = 20.0  # x the slowest measured step: a step's collectives never take longer than the step
+MEASURED_STEPS = 5  # steps timed at the long timeout after a (re)join or a one-rank pause before tightening
+DECISION_WAIT_S = 5.0  # a failed survivor waits this long for a standby's decision before falling back
+JOIN_TIMEOUT_S = 20.0  # forming the next generation's group; past it, recovery failed while recovering
+STORE_TIMEOUT_S = 10.0
+PREFIX = "ddpack-recovery/"
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
+class RecoveryImpossible(Exception):
+    """In-process recovery cannot go on; the message says why (one line), the job restarts every rank."""
+
+
+def collective_timeout(slowest_step_s: float, *, floor_s: float = TIMEOUT_FLOOR_S, margin: float = TIMEOUT_MARGIN, ceiling_s: float) -> float:
+    """The collective timeout after `slowest_step_s`, the longest step measured: a step's collectives end within
+    the step, so `margin` x its length is a wait no healthy collective reaches; `floor_s` keeps a tiny model's
+    sub-millisecond steps from a timeout that a scheduler tick could exceed; `ceiling_s` is --collective-timeout."""
+    return min(ceiling_s, max(floor_s, margin * slowest_step_s))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    """What a generation's failure leads to, written once by the first standby to see it."""
+
+    generation: int  # the next generation's number
+    roster: dict[int, str]  # rank -> member, in the next generation
+    dead: dict[int, str]  # rank -> member that died
+    replacements: dict[int, str] = field(default_factory=dict)  # rank -> standby taking it
+    fallback: str | None = None  # why recovery cannot work; then the job restarts every rank
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Decision:
+        data = json.loads(text)
+        ints = lambda d: {int(k): v for k, v in d.items()}  # noqa: E731 - JSON keys are strings
+        return cls(
+            generation=data["generation"],
+            roster=ints(data["roster"]),
+            dead=ints(data["dead"]),
+            replacements=ints(data["replacements"]),
+            fallback=data["fallback"],
+        )
+
+
+def decide(generation: int, roster: Mapping[int, str], dead: Mapping[int, str], hosts: Mapping[str, str], standbys: list[str]) -> Decision:
+    """Pure: the decision after `dead` (rank -> member) died in `generation`. `hosts`: member -> host; `standbys`:
+    the live, unassigned standbys, oldest first. A standby on a host other than the dead rank's is preferred: the
+    node that made a rank die is not where the next one starts when another place exists."""
+    roster, dead = dict(roster), dict(dead)
+    after = generation + 1
+    if 0 in dead:
+        return Decision(generation=after, roster=roster, dead=dead, fallback="rank 0 lost: it hosts the job's store, which the group is formed on")
+    if len(dead) > len(standbys):
+        lost = ", ".join(str(r) for r in sorted(dead))
+        alive = f"{len(standbys)} standby is alive" if len(standbys) == 1 else f"{len(standbys)} standbys are alive"
+        why = f"{len(dead)} rank(s) lost ({lost}) and {alive}: more ranks lost than standbys" if standbys else f"rank(s) {lost} lost and no standby is alive"
+        return Decision(generation=after, roster=roster, dead=dead, fallback=why)
+    free, replacements = list(standbys), {}
+    for rank in sorted(dead):
+        elsewhere = [s for s in free if hosts.get(s) != hosts.get(dead[rank])]
+        chosen = (elsewhere or free)[0]
+        free.remove(chosen)
+        replacements[rank] = chosen
+        roster[rank] = chosen
+    return Decision(generation=after, roster=roster, dead=dead, replacements=replacements)
+
+
+def step_seed(seed: int, rank: int, global_step: int) -> int:
+    """The RNG seed of `rank`'s step `global_step` under --recovery: a pure function, so a replacement rebuilds
+    the dead rank's stream (dropout...) from its position alone."""
+    return (seed * 1_000_003 + rank * 7_919 + global_step) % (2**63)
+
+
+def reseed(seed: int, rank: int, global_step: int) -> None:
+    value = step_seed(seed, rank, global_step)
+    torch.manual_seed(value)  # every device's generator too
+    random.seed(value)
+
+
+def _store(is_master: bool) -> dist.TCPStore:
+    """The rendezvous store at MASTER_ADDR:MASTER_PORT: rank 0 hosts it for the whole job (the process group is
+    formed on it again under a new prefix at every recovery), everyone else is a client."""
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, is_master, timedelta(seconds=STORE_TIMEOUT_S), wait_for_workers=False
+    )
+
+
+class Heartbeat:
+    """A daemon thread that bumps this member's counter every HEARTBEAT_S, on a store connection of its own
+    (a client is not shared between threads). Ends quietly when the store does."""
+
+    def __init__(self, member: str) -> None:
+        self.key = f"{PREFIX}hb/{member}"
+        self._stop = threading.Event()
+        self._store = _store(False)
+        self._store.add(self.key, 1)
+        self._thread = threading.Thread(target=self._run, name="ddpack-recovery-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self._store.add(self.key, 1)
+            except RuntimeError:
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def tear_down(backend: str) -> None:
+    """Leave a broken process group without waiting on the dead: NCCL's communicators are aborted (a kernel
+    waiting on a dead peer never returns, and the watchdog would take the process down), then destroyed."""
+    if not dist.is_initialized():
+        return
+    if backend == "nccl":
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)  # torch 2.6 and later
+        if abort is not None:
+            abort()
+        else:
+            dist.distributed_c10d._get_default_group().abort()
+    if dist.is_initialized():  # an abort may have left the group registered
+        dist.destroy_process_group()
+
+
+def join_group(store: dist.Store, *, generation: int, rank: int, world_size: int, backend: str, device: torch.device, timeout_s: float) -> None:
+    """Form generation `generation`'s process group on the job's store, under a prefix of its own (the keys of a
+    generation that broke are never read again). On NCCL, a collective past its timeout aborts the communicators and
+    raises in the training thread (TORCH_NCCL_ASYNC_ERROR_HANDLING=2, CleanUpOnly) instead of ending the process (3,
+    torch's default), which would take the survivor down with the dead."""
+    if backend == "nccl":
+        os.environ.setdefault(NCCL_ERROR_HANDLING, "2")
+    dist.init_process_group(
+        backend=backend,
+        store=dist.PrefixStore(f"{PREFIX}gen{generation}/", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=JOIN_TIMEOUT_S),
+        **({"device_id": device} if device.type == "cuda" else {}),
+    )
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
+
+
+@dataclass
+class Stages:
+    """Wall-clock seconds (time.time()) at each stage of one recovery, for the `recovery` record and the bench."""
+
+    failed: float = 0.0  # the survivor's collective raised
+    decided: float = 0.0  # the decision was read
+    torn_down: float = 0.0
+    joined: float = 0.0  # the next generation's group formed (DDP rebuilt)
+    state: float = 0.0  # the state broadcast done
+    first_step: float = 0.0  # the redone step finished
+
+    def fields(self) -> dict[str, float]:
+        return {
+            "failed_at": self.failed,
+            "decide_s": round(self.decided - self.failed, 4),
+            "abort_s": round(self.torn_down - self.decided, 4),
+            "new_group_s": round(self.joined - self.torn_down, 4),
+            "state_s": round(self.state - self.joined, 4),
+            "first_step_s": round(self.first_step - self.state, 4),
+            "total_s": round(self.first_step - self.failed, 4),
+        }
+
+
+class Membership:
+    """A rank's side: its store, its heartbeat, its generation; `recover` after a failed collective."""
+
+    def __init__(self, *, rank: int, world_size: int, backend: str, device: torch.device, host: str, collective_timeout_s: float) -> None:
+        """Hosts the store on rank 0, names this rank's host to the standbys and starts its heartbeat."""
+        if os.environ.get("TORCHELASTIC_RUN_ID"):
+            raise RecoveryImpossible("--recovery needs one process per rank (srun tasks, docker -e); under torchrun its agent restarts every worker")
+        self.rank, self.world_size, self.backend, self.device = rank, world_size, backend, device
+        self.collective_timeout_s = collective_timeout_s
+        self.generation = 0
+        self.store = _store(rank == 0)
+        self.member = f"r{rank}"
+        self.store.set(f"{PREFIX}host/{self.member}", host)
+        self.heartbeat = Heartbeat(self.member)
+        self.stages: Stages | None = None
+
+    @classmethod
+    def joined_as(cls, store: dist.TCPStore, heartbeat: Heartbeat, *, member: str, rank: int, generation: int, **kw: Any) -> Membership:
+        """A standby that took rank `rank` in `generation`: the store and heartbeat it already has."""
+        self = cls.__new__(cls)
+        self.rank, self.world_size, self.backend, self.device = rank, kw["world_size"], kw["backend"], kw["device"]
+        self.collective_timeout_s = kw["collective_timeout_s"]
+        self.generation, self.store, self.member, self.heartbeat, self.stages = generation, store, member, heartbeat, None
+        return self
+
+    def join(self) -> None:
+        join_group(
+            self.store,
+            generation=self.generation,
+            rank=self.rank,
+            world_size=self.world_size,
+            backend=self.backend,
+            device=self.device,
+            timeout_s=self.collective_timeout_s,
+        )
+
+    def recover(self, failure: BaseException, log: Callable[[str], None]) -> None:
+        """After a failed collective: read the decision, leave the broken group, join the next one. Raises
+        RecoveryImpossible (with the reason) when the job must restart every rank instead."""
+        stages = Stages(failed=time.time())
+        try:
+            self.store.add(f"{PREFIX}gen{self.generation}/failed", 1)  # what the standbys wait for before they judge
+        except RuntimeError as exc:
+            raise RecoveryImpossible(f"the store does not answer ({first_line(exc)}): its host, rank 0's node, is lost") from None
+        decision = self._decision(failure)
+        stages.decided = time.time()
+        if decision.fallback is not None:
+            raise RecoveryImpossible(decision.fallback)
+        if decision.roster.get(self.rank) != self.member:
+            raise RecoveryImpossible(f"this rank ({self.member}) was counted dead by the standbys (its heartbeat stopped for {STALE_S:g}s)")
+        lost = ", ".join(f"rank {r}" for r in sorted(decision.dead))
+        taken = ", ".join(f"{s} takes rank {r}" for r, s in sorted(decision.replacements.items()))
+        log(f"recovery: {lost} lost in generation {self.generation} ({type(failure).__name__}); {taken}; forming generation {decision.generation}")
+        tear_down(self.backend)
+        stages.torn_down = time.time()
+        self.generation = decision.generation
+        try:
+            self.join()
+        except (RuntimeError, ValueError) as exc:
+            raise RecoveryImpossible(f"a failure while recovering: generation {self.generation}'s group did not form ({first_line(exc)})") from None
+        stages.joined = time.time()
+        self.stages = stages
+
+    def _decision(self, failure: BaseException) -> Decision:
+        key = f"{PREFIX}gen{self.generation}/decision"
+        deadline = time.monotonic() + DECISION_WAIT_S
+        try:
+            while not self.store.check([key]):
+                if time.monotonic() > deadline:
+                    standbys = [f"s{i}" for i in range(int(self.store.add(f"{PREFIX}standbys", 0)))]
+                    if not standbys:
+                        raise RecoveryImpossible(f"a collective failed ({first_line(failure)}) and no standby is running (start one with --standby)")
+                    if dead := self._stopped(standbys):
+                        raise RecoveryImpossible(f"a collective failed ({first_line(failure)}) and the standby is dead ({', '.join(dead)}: heartbeat stopped)")
+                    raise RecoveryImpossible(
+                        f"a collective failed ({first_line(failure)}) but no standby saw a heartbeat stop within {DECISION_WAIT_S:g}s: "
+                        "a hang, or a collective slower than its timeout"
+                    )
+                time.sleep(HEARTBEAT_S / 5)
+            return Decision.from_json(self.store.get(key))
+        except RecoveryImpossible:
+            raise
+        except RuntimeError as exc:
+            where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            raise RecoveryImpossible(f"the store at {where} does not answer ({first_line(exc)}): its host, rank 0's node, is lost") from None
+
+    def _stopped(self, members: list[str]) -> list[str]:
+        """The members whose heartbeat counter does not move in STALE_S (the standbys watch; this is for when none did)."""
+        keys = [f"{PREFIX}hb/{m}" for m in members]
+        before = self.store.multi_get(keys)
+        time.sleep(STALE_S)
+        return [m for m, old, new in zip(members, before, self.store.multi_get(keys), strict=True) if old == new]
+
+    def close(self) -> None:
+        """This rank's run ended (done, stopped, failed, fallen back): the standbys leave. Said before the heartbeat
+        stops, so that a rank that finished first is never taken for dead while rank 0 still evaluates."""
+        with contextlib.suppress(RuntimeError):  # a store already gone has no standby left to tell
+            self.store.set(f"{PREFIX}closed", "1")
+        self.heartbeat.stop()
+
+
+class Standby:
+    """A warm process waiting to take a dead rank's place, watching every member's heartbeat meanwhile."""
+
+    def __init__(self, *, world_size: int, host: str) -> None:
+        self.world_size, self.host = world_size, host
+        self.store = _store(False)
+        self.index = int(self.store.add(f"{PREFIX}standbys", 1)) - 1
+        self.member = f"s{self.index}"
+        self.store.set(f"{PREFIX}host/{self.member}", host)
+        self.heartbeat = Heartbeat(self.member)
+        self.generation = 0
+        self.roster = {rank: f"r{rank}" for rank in range(world_size)}
+        self._seen: dict[str, tuple[bytes, float]] = {}  # member -> (counter, when it last changed)
+
+    def wait(self, log: Callable[[str], None]) -> tuple[int, int] | None:
+        """Watch until this standby is given a rank: (generation, rank); None when the run ended (or fell back)."""
+        self.log = log
+        log(f"standby {self.member} on {self.host}: warm, watching {self.world_size} ranks")
+        while True:
+            try:
+                if self.store.check([f"{PREFIX}closed"]):
+                    return None
+                key = f"{PREFIX}gen{self.generation}/decision"
+                if self.store.check([key]):
+                    decision = Decision.from_json(self.store.get(key))
+                    if decision.fallback is not None:
+                        log(f"standby {self.member}: the job falls back to a restart ({decision.fallback})")
+                        return None
+                    self.generation, self.roster = decision.generation, decision.roster
+                    mine = [rank for rank, member in decision.replacements.items() if member == self.member]
+                    if mine:
+                        return self.generation, mine[0]
+                    continue
+                self._watch()
+            except RuntimeError as exc:  # the store's host (rank 0) is gone: the run ended or failed
+                log(f"standby {self.member}: the store stopped answering ({first_line(exc)}); leaving")
+                return None
+            time.sleep(HEARTBEAT_S)
+
+    def _watch(self) -> None:
+        """One sample of every counter; a roster member stale for STALE_S is dead: decide, once for the generation."""
+        standbys = [f"s{i}" for i in range(int(self.store.add(f"{PREFIX}standbys", 0)))]
+        members = [*self.roster.values(), *standbys]
+        values = self.store.multi_get([f"{PREFIX}hb/{m}" for m in members])
+        now = time.monotonic()
+        for member, value in zip(members, values, strict=True):
+            if self._seen.get(member, (None, 0.0))[0] != value:
+                self._seen[member] = (value, now)
+        stale = {m for m in members if now - self._seen[m][1] >= STALE_S}
+        dead = {rank: m for rank, m in self.roster.items() if m in stale}
+        if not dead or not int(self.store.add(f"{PREFIX}gen{self.generation}/failed", 0)):
+            return  # a heartbeat late on a loaded node while every collective still completes is no death
+        used = set(self.roster.values())
+        alive = [s for s in standbys if s not in stale and s not in used]
+        hosts = {m: self.store.get(f"{PREFIX}host/{m}").decode() for m in [*dead.values(), *alive]}
+        decision = decide(self.generation, self.roster, dead, hosts, alive)
+        self.log(f"standby {self.member}: heartbeat of {', '.join(f'rank {r}' for r in sorted(dead))} stopped; deciding generation {self.generation}")
+        self.store.compare_set(f"{PREFIX}gen{self.generation}/decision", "", decision.to_json())
+
+
+class CollectiveClock:
+    """Sets the process group's collective timeout from the measured steps (see `collective_timeout`)."""
+
+    def __init__(self, ceiling_s: float) -> None:
+        self.ceiling_s = ceiling_s
+        self.slowest_s = 0.0
+        self.timeout_s = ceiling_s
+        self._to_measure = MEASURED_STEPS
+
+    def relax(self) -> None:
+        """A pause one rank takes alone is next (eval, a snapshot's copy) or a new group: the long timeout
+        until MEASURED_STEPS more steps have been timed."""
+        self._to_measure = MEASURED_STEPS
+        self._set(self.ceiling_s)
+
+    def measured(self, step_s: float) -> None:
+        """`step_s`: one step's length, collectives included. The first after a relax is not counted: a new
+        generation's first step rebuilds DDP's buckets, and a step after eval waited for rank 0's eval."""
+        if self._to_measure > 0:
+            self._to_measure -= 1
+            if self._to_measure == MEASURED_STEPS - 1:
+                return
+        self.slowest_s = max(self.slowest_s, step_s)
+        if self._to_measure == 0:
+            wanted = collective_timeout(self.slowest_s, ceiling_s=self.ceiling_s)
+            if wanted > self.timeout_s * 1.25 or wanted < self.timeout_s / 1.25:
+                self._set(wanted)
+
+    def _set(self, seconds: float) -> None:
+        if seconds != self.timeout_s:
+            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
+            self.timeout_s = seconds
+
+
+def warm_up(device: torch.device) -> None:
+    """What a standby does before it waits, so that taking a rank costs no first-time work: DDP's first
+    construction imports and sets up ~2 s of torch (measured here: 2.1 s, against 0.01 s for the next one),
+    so one is built and stepped on a one-process group of its own (a small stand-in module: the imports are
+    the cost, not the model), and on CUDA the device's context is made."""
+    from train.grad_sync import SyncedModel  # the trainer's own; imported here, not at the top, to keep recovery.py light
+    from train.signals import PreemptionWatcher
+
+    if device.type == "cuda":
+        torch.empty(1, device=device)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        watcher = PreemptionWatcher()
+        try:
+            model = SyncedModel(
+                torch.nn.Linear(2, 1), watcher=watcher, world_size=1, device=torch.device("cpu"), compress=False, compiled=None, find_unused_parameters=False
+            )
+            model.zero_grads()
+            model.backward(model(torch.ones(1, 2)).sum(), syncs=True)
+            model.finish()
+            dist.all_gather_object([None], "warm")
+        finally:
+            watcher.restore()
+    finally:
+        dist.destroy_process_group()
+
+
+def enter(
+    *, standby: bool, backend: str, device: torch.device, collective_timeout_s: float, log: Callable[[str], None]
+) -> tuple[DistContext, Membership] | None:
+    """Join the job's process group under --recovery: a rank at once (generation 0), a standby once it is given a
+    dead rank's place (None when the run ended without needing it)."""
+    default_to_one_process()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    host = node_name()
+    settings: dict[str, Any] = {"world_size": world, "backend": backend, "device": device, "collective_timeout_s": collective_timeout_s}
+    if standby:
+        warm_up(device)
+        waiting = Standby(world_size=world, host=host)
+        assigned = waiting.wait(log)
+        if assigned is None:
+            waiting.heartbeat.stop()
+            return None
+        generation, rank = assigned
+        membership = Membership.joined_as(waiting.store, waiting.heartbeat, member=waiting.member, rank=rank, generation=generation, **settings)
+    else:
+        membership = Membership(rank=rank, host=host, **settings)
+    membership.join()
+    ctx = DistContext(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world, backend=backend, device=device, host=host)
+    return ctx, membership
