@@ -9,7 +9,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from docker_support import TEST_TAG, build, engine_or_skip, host_ca_bundle
+from docker_support import engine_or_skip, host_ca_bundle
 
 import docker
 from ddpack.errors import HostError
@@ -25,9 +25,8 @@ def client() -> docker.DockerClient:
 
 
 @pytest.fixture(scope="session")
-def image(client: docker.DockerClient) -> str:
-    build("cpu", TEST_TAG)
-    return TEST_TAG
+def image(client: docker.DockerClient, cpu_image: str) -> str:
+    return cpu_image
 
 
 def run(client: docker.DockerClient, image: str, command: list[str] | str, **kwargs) -> tuple[int, str]:

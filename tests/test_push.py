@@ -20,7 +20,7 @@ import bcrypt
 import boto3
 import pytest
 import requests
-from docker_support import TEST_TAG, build, engine_or_skip
+from docker_support import engine_or_skip
 
 import docker
 from ddpack.errors import HostError
@@ -256,15 +256,9 @@ def test_errors_inside_the_push_stream_fail_the_push(aws: Path) -> None:
     assert len(FailingRegistry.blobs) == 2  # the layer and the image's config: the stream failed at the manifest
 
 
-@pytest.fixture(scope="module")
-def cpu_image() -> str:
-    """Built before `aws` swaps HOME (pip's config, and so the wheelhouse, live there)."""
-    engine_or_skip()
-    build("cpu", TEST_TAG)
-    return TEST_TAG
-
-
 def test_real_cpu_image_push_and_pull_back(cpu_image: str, aws: Path, registry: str) -> None:
+    """cpu_image (conftest's, once a session) is built before `aws` swaps HOME (pip's config, and so the wheelhouse,
+    live there): it comes first."""
     client = engine_or_skip()
     result = push_image(cpu_image, repo_name(), "pytest", registry_override=registry)
     client.images.remove(result.reference)
