@@ -265,17 +265,29 @@ def signal_tasks(job: str, node: str, sig: signal.Signals = signal.SIGKILL, rank
     return pids
 
 
+# The job program's own lines (enroot/ddpack_node.py) that open a start and that announce a requeue.
+START_OR_REQUEUE = re.compile(r"^ddpack: (?:job \d+ \(restart \d+\) on |.*\brequeueing job \d+)", re.M)
+
+
+def requeue_announced(log: Path) -> bool:
+    """Whether the job's last word in its log is a requeue (said before it asks Slurm for one), not a start."""
+    said = START_OR_REQUEUE.findall(log.read_text(errors="replace") if log.exists() else "")
+    return bool(said) and "requeueing job" in said[-1]
+
+
 def wait_for_end(job: str, log: Path, timeout: float = 480) -> tuple[str, int]:
     """Wait until the job has ended for good (not a requeue passing through an ended state); (its final state,
-    its requeue count)."""
+    its requeue count). The job decides its requeues and says so in its log before it asks Slurm: an ended state
+    after a start (or a job that never started) is the end, at once; one after an announced requeue must hold 10 s,
+    as the verbs' settle does (ddpack/jobs/slurm_cli.py), since the requeue may be passing through it."""
     deadline, ended = time.monotonic() + timeout, None
     while True:
         state, _, count = job_state(job)
         ended = (ended or time.monotonic()) if state in FINAL_STATES else None
-        if ended is not None and time.monotonic() - ended > 10:
+        if ended is not None and (not requeue_announced(log) or time.monotonic() - ended > 10):
             return state, count
         assert time.monotonic() < deadline, f"job {job} did not end: {state}\n{brief(log)}"
-        time.sleep(1)
+        time.sleep(0.5)
 
 
 def wait_for_restarts(job: str, restarts: int, log: Path, timeout: float = 480) -> str:

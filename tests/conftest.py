@@ -62,6 +62,17 @@ def readme_project(tmp_path_factory: pytest.TempPathFactory):
     return build_readme_project(tmp_path_factory.mktemp("project") / "cpu-ddp")
 
 
+@pytest.fixture(scope="session")
+def cpu_image() -> str:
+    """The bundle's CPU image (docker_support.TEST_TAG), built as a user builds it once per session for every module
+    that runs it (each asked the build command again, which then found everything in its cache)."""
+    from docker_support import TEST_TAG, build, engine_or_skip
+
+    engine_or_skip()
+    build("cpu", TEST_TAG)
+    return TEST_TAG
+
+
 # --------------------------------------------------------------- the pyxis tier's cluster, shared folder and image
 
 

@@ -9,7 +9,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from docker_support import TEST_TAG, build, engine_or_skip, host_ca_bundle
+from docker_support import engine_or_skip, host_ca_bundle
 
 import docker
 from ddpack.errors import HostError
@@ -25,9 +25,8 @@ def client() -> docker.DockerClient:
 
 
 @pytest.fixture(scope="session")
-def image(client: docker.DockerClient) -> str:
-    build("cpu", TEST_TAG)
-    return TEST_TAG
+def image(client: docker.DockerClient, cpu_image: str) -> str:
+    return cpu_image
 
 
 def run(client: docker.DockerClient, image: str, command: list[str] | str, **kwargs) -> tuple[int, str]:
@@ -137,12 +136,15 @@ def test_the_readme_task_under_docker_run_on_two_ranks(client: docker.DockerClie
 
 def test_torch_compile_works_in_the_image(client: docker.DockerClient, image: str) -> None:
     """A user's own torch.compile (inductor generates C++ and builds it with the image's g++ against
-    torch's headers), as any uid, and the trainer's --compile."""
+    torch's headers), as any uid, and the trainer's --compile (which fails in one line where inductor cannot build:
+    tests/test_zoo.py), both in one container. The trainer's run is short: compiling its graphs is the point, and
+    they are the same at 8 steps as at 58."""
     probe = "import torch; f = torch.compile(lambda x: (x * 2).sin() + 1); print(torch.allclose(f(torch.ones(8)), (torch.ones(8) * 2).sin() + 1))"
-    code, out = run(client, image, ["python", "-c", probe], user="4242:4242")
-    assert code == 0 and out.strip().splitlines()[-1] == "True", out
-    code, out = run(client, image, ["--compile", "--epochs", "1", "--snapshot-dir", ""], environment={"OMP_NUM_THREADS": "1"})
-    assert code == 0 and "checksums agree across 1 ranks" in out, out
+    trainer = "exec entrypoint --compile --epochs 1 --dataset-size 256 --snapshot-dir ''"
+    script = f'python -c "{probe}" && {trainer}'
+    code, out = run(client, image, ["/bin/sh", "-c", script], entrypoint=[], user="4242:4242", environment={"OMP_NUM_THREADS": "1"})
+    assert code == 0 and "True" in out.splitlines(), out
+    assert "checksums agree across 1 ranks" in out and '"global_step":8,' in out, out
 
 
 def test_image_config_entrypoint_env_and_labels(client: docker.DockerClient, image: str) -> None:

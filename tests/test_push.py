@@ -10,15 +10,17 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import ClassVar
 
 import bcrypt
 import boto3
 import pytest
 import requests
-from docker_support import TEST_TAG, build, engine_or_skip
+from docker_support import engine_or_skip
 
 import docker
 from ddpack.errors import HostError
@@ -177,15 +179,34 @@ def test_stopped_registry_is_retried_then_fails_with_the_reason(aws: Path, capsy
     assert capsys.readouterr().err.count("retrying in") == 2
 
 
+def request_body(handler: http.server.BaseHTTPRequestHandler) -> bytes:
+    """A request's body, sent with a length or chunked (dockerd sends a layer's bytes chunked)."""
+    if handler.headers.get("Content-Length"):
+        return handler.rfile.read(int(handler.headers["Content-Length"]))
+    data = b""
+    if handler.headers.get("Transfer-Encoding", "").lower() == "chunked":
+        while size := int(handler.rfile.readline().split(b";")[0], 16):
+            data += handler.rfile.read(size)
+            handler.rfile.readline()
+        handler.rfile.readline()
+    return data
+
+
 class FailingRegistry(http.server.BaseHTTPRequestHandler):
-    """Answers the version check and the tag lookup, then fails every upload with 503."""
+    """Takes every blob, then fails the manifest with 503. dockerd retries a failed blob upload itself, four times
+    over 50 s; a failed manifest it reports at once, in the push's stream, in the same words."""
+
+    protocol_version = "HTTP/1.1"
+    blobs: ClassVar[dict[str, int]] = {}  # digest: size, of the blobs uploaded
+    uploaded: ClassVar[list[int]] = [0]  # the bytes of the upload under way (PATCH), which the PUT then names
 
     def log_message(self, *args) -> None:
         pass
 
-    def _reply(self, code: int) -> None:
+    def _reply(self, code: int, headers: dict[str, str] | None = None) -> None:
         self.send_response(code)
-        self.send_header("Content-Length", "0")
+        for name, value in {"Content-Length": "0", **(headers or {})}.items():
+            self.send_header(name, value)
         self.send_header("Docker-Distribution-API-Version", "registry/2.0")
         self.end_headers()
 
@@ -193,19 +214,37 @@ class FailingRegistry(http.server.BaseHTTPRequestHandler):
         self._reply(200 if self.path.rstrip("/") == "/v2" else 404)
 
     def do_HEAD(self) -> None:
-        self._reply(404)
+        digest = self.path.rsplit("/", 1)[1]
+        if "/blobs/" in self.path and digest in self.blobs:
+            self._reply(200, {"Docker-Content-Digest": digest, "Content-Length": str(self.blobs[digest])})
+        else:
+            self._reply(404)
 
-    def do_POST(self) -> None:
-        self._reply(503)
+    def do_POST(self) -> None:  # an upload begins
+        self.uploaded[0] = 0
+        self._reply(202, {"Location": f"{self.path}1", "Range": "0-0", "Docker-Upload-UUID": "1"})
 
-    do_PUT = do_PATCH = do_POST
+    def do_PATCH(self) -> None:
+        self.uploaded[0] += len(request_body(self))
+        self._reply(202, {"Location": self.path, "Range": f"0-{max(self.uploaded[0] - 1, 0)}", "Docker-Upload-UUID": "1"})
+
+    def do_PUT(self) -> None:
+        self.uploaded[0] += len(request_body(self))
+        digest = urllib.parse.parse_qs(urllib.parse.urlparse(self.path).query).get("digest", [""])[0]
+        if "/blobs/uploads/" in self.path and digest:
+            self.blobs[digest] = self.uploaded[0]
+            self._reply(201, {"Docker-Content-Digest": digest, "Location": f"{self.path.split('/blobs/')[0]}/blobs/{digest}"})
+        else:
+            self._reply(503)  # the manifest
 
 
 def test_errors_inside_the_push_stream_fail_the_push(aws: Path) -> None:
-    """dockerd retries a failed layer upload itself (about 50 s against this registry), so one attempt of ddpack's is
-    enough to show the error found in the stream, named, and taken for a transient one (the retry loop around it is
-    the stopped registry's test above)."""
+    """The registry takes the layers and fails the manifest with 503: dockerd reports it in the push's stream (its
+    exit says nothing), where ddpack must find it, name it and take it for a transient error. One attempt of
+    ddpack's is enough (the retry loop around it is the stopped registry's test above); a failed layer upload would
+    show the same, after dockerd's own four retries (about 50 s)."""
     client = engine_or_skip()
+    FailingRegistry.blobs.clear()
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FailingRegistry)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     host = f"127.0.0.1:{server.server_address[1]}"
@@ -214,17 +253,12 @@ def test_errors_inside_the_push_stream_fail_the_push(aws: Path) -> None:
             push_image(tiny_image(client, "e"), repo_name(), "v1", registry_override=host, attempts=1, backoff_s=0.05)
     finally:
         server.shutdown()
-
-
-@pytest.fixture(scope="module")
-def cpu_image() -> str:
-    """Built before `aws` swaps HOME (pip's config, and so the wheelhouse, live there)."""
-    engine_or_skip()
-    build("cpu", TEST_TAG)
-    return TEST_TAG
+    assert len(FailingRegistry.blobs) == 2  # the layer and the image's config: the stream failed at the manifest
 
 
 def test_real_cpu_image_push_and_pull_back(cpu_image: str, aws: Path, registry: str) -> None:
+    """cpu_image (conftest's, once a session) is built before `aws` swaps HOME (pip's config, and so the wheelhouse,
+    live there): it comes first."""
     client = engine_or_skip()
     result = push_image(cpu_image, repo_name(), "pytest", registry_override=registry)
     client.images.remove(result.reference)

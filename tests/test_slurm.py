@@ -76,12 +76,19 @@ def test_srun_one_task_per_node_runs_torchrun_with_c10d(tmp_path: Path) -> None:
     assert all_agree(out.stdout, 4), out.stdout
 
 
-def test_baremetal_template(tmp_path: Path) -> None:
-    """The README's own task, in the submission folder, trained from the job's run folder."""
+def test_baremetal_template_runs_the_preflight_first_then_the_readme_task(tmp_path: Path) -> None:
+    """The README's own task, in the submission folder, trained from the job's run folder, after the preflight
+    (DDPACK_PREFLIGHT=1) has checked the job's two nodes; the trainer's MFU is against the preflight's measurement.
+    (One job for both: the preflight before training changes nothing the task's run checks, and the jobs without it
+    are every other test's.)"""
     write_mytask(tmp_path)
-    code, job = sbatch("baremetal.sbatch", tmp_path, DDPACK_TRAIN_ARGS="--task mytask:make --epochs 2 --log-every 100")
+    code, job = sbatch("baremetal.sbatch", tmp_path, DDPACK_PREFLIGHT="1", DDPACK_TRAIN_ARGS="--task mytask:make --epochs 2 --log-every 100")
     log = (tmp_path / "logs" / f"ddpack-{job}.out").read_text()
     assert code == 0, log
+    assert log.index("ddpack: preflight (DDPACK_PREFLIGHT=1)") < log.index("preflight: PASS") < log.index("checksums agree across 4 ranks")
+    report = json.loads((tmp_path / "runs" / f"ddpack-{job}" / "preflight.json").read_text())
+    assert report["ok"] and [r["host"] for r in report["identity"]] == ["ddnode1", "ddnode1", "ddnode2", "ddnode2"]
+    assert {(link["src_host"], link["dst_host"]) for link in report["p2p"]} == {("ddnode1", "ddnode2"), ("ddnode2", "ddnode1")}
     run_dir = tmp_path / "runs" / f"ddpack-{job}"
     assert f"ddpack: job {job} (restart 0) on ddnode[1-2], run dir {run_dir} (new run;" in log
     assert "task my-cnn" in log and "epoch 2 done: eval_accuracy" in log
@@ -92,6 +99,7 @@ def test_baremetal_template(tmp_path: Path) -> None:
     assert hint in log
     start = next(json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"start"' in line)
     assert start["hosts"] == ["ddnode1", "ddnode1", "ddnode2", "ddnode2"] and start["flops_per_sample"] > 0
+    assert start["peak_source"].startswith("preflight: median measured fp32 matmul"), start  # MFU against the job's own measurement
     made = subprocess.run([sys.executable, "-m", "ddpack.jobs.report", str(run_dir)], capture_output=True, text=True, timeout=120)
     assert made.returncode == 0, made.stderr
     assert "<td>4 on ddnode1, ddnode2</td>" in (run_dir / "report.html").read_text()
@@ -132,16 +140,12 @@ def test_a_pyxis_template_without_pyxis_fails_at_once_with_one_line(tmp_path: Pa
         ]
 
 
-def test_docker_hostnet_template(tmp_path: Path) -> None:
-    from docker_support import TEST_TAG, build, engine_or_skip
-
-    engine_or_skip()
-    build("cpu", TEST_TAG)
+def test_docker_hostnet_template(tmp_path: Path, cpu_image: str) -> None:
     write_mytask(tmp_path)  # the user's task in the submission folder, which the template mounts read-only
     code, job = sbatch(
         "docker-hostnet.sbatch",
         tmp_path,
-        DDPACK_IMAGE=TEST_TAG,
+        DDPACK_IMAGE=cpu_image,
         DDPACK_TRAIN_ARGS="--task mytask:make --epochs 2 --log-every 100",
         DDPACK_DOCKER_ARGS="-e OMP_NUM_THREADS=1",
         DDPACK_PREFLIGHT="1",
@@ -238,19 +242,6 @@ def test_the_restart_cap_stops_requeueing_and_says_how_to_continue(tmp_path: Pat
         f"ddpack: preempted (exit 138) after 0 restarts, the cap DDPACK_MAX_RESTARTS=0; not requeueing "
         f"(resubmit with DDPACK_RUN_DIR={run_dir} to continue)"
     ) in text
-
-
-def test_baremetal_template_runs_the_preflight_first_when_asked(tmp_path: Path) -> None:
-    code, job = sbatch("baremetal.sbatch", tmp_path, DDPACK_PREFLIGHT="1", DDPACK_TRAIN_ARGS="--epochs 1 --log-every 100")
-    log = (tmp_path / "logs" / f"ddpack-{job}.out").read_text()
-    assert code == 0, log
-    assert log.index("ddpack: preflight (DDPACK_PREFLIGHT=1)") < log.index("preflight: PASS") < log.index("checksums agree across 4 ranks")
-    report = json.loads((tmp_path / "runs" / f"ddpack-{job}" / "preflight.json").read_text())
-    assert report["ok"] and [r["host"] for r in report["identity"]] == ["ddnode1", "ddnode1", "ddnode2", "ddnode2"]
-    assert {(link["src_host"], link["dst_host"]) for link in report["p2p"]} == {("ddnode1", "ddnode2"), ("ddnode2", "ddnode1")}
-    metrics = (tmp_path / "runs" / f"ddpack-{job}" / "metrics.jsonl").read_text().splitlines()
-    start = next(json.loads(line) for line in metrics if '"start"' in line)
-    assert start["peak_source"].startswith("preflight: median measured fp32 matmul"), start  # MFU against the job's own measurement
 
 
 def test_a_failed_preflight_ends_the_job_before_training(tmp_path: Path) -> None:

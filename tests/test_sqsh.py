@@ -15,7 +15,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from docker_support import TEST_TAG, build, engine_or_skip
+from docker_support import TEST_TAG, engine_or_skip
 
 from ddpack.errors import HostError
 from ddpack.images.base import LOCAL_BASE
@@ -51,11 +51,9 @@ def need(tool: str, package: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def sqsh(tmp_path_factory) -> Path:
-    engine_or_skip()
+def sqsh(tmp_path_factory, cpu_image: str) -> Path:
     need("mksquashfs", "squashfs-tools")
-    build("cpu", TEST_TAG)
-    return convert(TEST_TAG, tmp_path_factory.mktemp("sqsh") / "ddpack.sqsh")
+    return convert(cpu_image, tmp_path_factory.mktemp("sqsh") / "ddpack.sqsh")
 
 
 @pytest.fixture(scope="module")
