@@ -761,10 +761,22 @@ def setup(name: str) -> int:
         (run_dir / MARKER).open("w").close()  # forensics newer than this were written during this start
         # The time closes the line: `ddpack status` dates the segment this start begins, for a program that writes no records.
         nodes = env.get("SLURM_JOB_NODELIST", "")
+        log_at = log_offset()
         say(f"job {job} (restart {restart}) on {nodes}, run dir {run_dir} ({origin}), at {time.strftime('%Y-%m-%dT%H:%M:%S%z')}")
-    write_record(run_dir, "start", {"nodes": nodes, "origin": origin})
+    write_record(run_dir, "start", {"nodes": nodes, "origin": origin, **({"log_at": log_at} if log_at is not None else {})})
     answer(str(run_dir))
     return 0
+
+
+def log_offset() -> int | None:
+    """Where this start begins in the job's log (stdout, when Slurm made it a file): `ddpack status` places Slurm's own
+    cancel line, which no record of the job's can hold, after the start it ended by this offset, not by a clock (Slurm
+    writes the cluster's local time) nor by a sentence of the log."""
+    with contextlib.suppress(OSError, ValueError):
+        sys.stdout.flush()
+        info = os.fstat(sys.stdout.fileno())
+        return info.st_size if stat.S_ISREG(info.st_mode) else None
+    return None
 
 
 def private_log(job: str) -> None:

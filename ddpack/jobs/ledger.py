@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddpack.jobs.decisions import read_decisions
 from ddpack.jobs.run_record import RunRecord, read_record
 from ddpack.jobs.segments import Segment, split_segments
 from train import run_folder
@@ -78,22 +79,6 @@ class Ledger:
             "requeue_wait_s": self.requeue_wait_s, "failed_points": self.failed_points,
             "failed_point_node_hours": self.failed_point_node_s / 3600, "allocations": self.allocations, "note": self.note,
         }  # fmt: skip
-
-
-def decisions(run_dir: Path) -> list[dict[str, Any]]:
-    try:
-        lines = (run_dir / run_folder.DECISIONS).read_text(errors="replace").splitlines()
-    except OSError:
-        return []
-    found = []
-    for line in lines:
-        try:
-            entry = json.loads(line)
-            float(entry["time"])
-        except (ValueError, KeyError, TypeError):
-            continue  # a torn last line
-        found.append(entry)
-    return found
 
 
 def node_count(nodes: str, record: RunRecord) -> int:
@@ -148,7 +133,7 @@ def run_ledger(run_dir: Path, state: str | None = None) -> Ledger:
 
         state = run_status(run_dir).state
     ledger = Ledger(run_dir=str(run_dir), state=state)
-    entries = decisions(run_dir)
+    entries = read_decisions(run_dir)
     allocations = allocations_of(entries, record)
     if not allocations:
         ledger.note = "no start records (decisions.jsonl): a job of an older ddpack, or one not started yet"

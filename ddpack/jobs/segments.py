@@ -31,13 +31,13 @@ class Segment:
     snapshots: list[dict[str, Any]] = field(default_factory=list)
     end: dict[str, Any] | None = None
     why: str = ""  # "submitted", or the job's decision that started it (status)
-    logged_at: float | None = None  # when the job's log dates this start, for a program that writes no records (status)
+    recorded_at: float | None = None  # when the job's records date this start, for a program that writes no metrics (status)
     cancelled_at: float | None = None  # Slurm's cancel (scancel, the time limit), for one without an end record (status)
 
     @property
     def began(self) -> float | None:
         first = self.start or (self.progress[0] if self.progress else None)
-        return first.get("time") if first else self.logged_at
+        return first.get("time") if first else self.recorded_at
 
     @property
     def ended(self) -> float | None:
