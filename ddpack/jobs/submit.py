@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpack.errors import HostError
-from ddpack.job_side import node_helper, settings_table
+from ddpack.job_side import ENROOT, node_helper, settings_table
 from ddpack.jobs import slurm_cli
 from ddpack.jobs.run_record import RunRecord, append_job, write_json_atomic, write_record
 from ddpack.jobs.sweep import SWEEP_RECORD, placeholders, sweep_command, sweep_env, sweep_points, sweep_problems
@@ -413,7 +413,7 @@ def per_point_env(settings: SubmitSettings, every: list[dict[str, str]]) -> list
 
 def render_script(settings: SubmitSettings, run_dir: Path, sqsh: Path) -> str:
     """The template with this run's #SBATCH options and settings: the whole job, as submitted."""
-    template = (ROOT / "enroot" / TEMPLATES[settings.template]).read_text()
+    template = (ENROOT / TEMPLATES[settings.template]).read_text()
     head, marker, body = template.partition("set -uo pipefail\n")
     if not marker:
         raise HostError(f"enroot/{TEMPLATES[settings.template]} has no 'set -uo pipefail' line to put the settings after", code=1)
@@ -582,7 +582,7 @@ def write_job(run_dir: Path, script: str) -> Path:
     job = run_dir / run_folder.JOB
     job.mkdir()
     for helper in HELPERS:
-        shutil.copy2(ROOT / "enroot" / helper, job / helper)
+        shutil.copy2(ENROOT / helper, job / helper)
     path = job / run_folder.JOB_SCRIPT
     path.write_text(script)
     path.chmod(0o700)
