@@ -18,7 +18,7 @@ from job_records import started, step_end, write_decisions
 from test_lifecycle import calls, fake, fake_slurm, make_run, queued, settings
 
 from ddpack import cli
-from ddpack.jobs.run_record import read_record
+from ddpack.jobs.run_json import read_record
 from ddpack.jobs.submit import LOGIN_ENV
 
 
@@ -229,7 +229,7 @@ def test_compare_shows_only_what_differed_and_how_each_run_ended_with_a_page_of_
 
     from test_lifecycle import REQUEUED_RUN, end, progress, start
 
-    from ddpack.jobs.run_record import write_record
+    from ddpack.jobs.run_json import write_record
 
     fake(slurm, "squeue", "exit 0")  # neither job is listed: the run folders say how they ended
     done = [start(100, 0), {**progress(101, 10), "mfu": 2.3e-6}, {**progress(102, 20), "mfu": 2.3e-6}, end(103, 20, "done", 0)]
@@ -346,7 +346,7 @@ def test_a_sweeps_values_are_put_in_once_may_hold_commas_and_reach_env_values_an
 
 
 def test_a_run_files_path_expands_the_home_folder_or_is_refused(tmp_path, slurm, monkeypatch, capfd) -> None:
-    from ddpack.jobs.run_file import read_run_file
+    from ddpack.jobs.run_toml import read_run_file
 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     path = run_file(tmp_path, 'nodes = 1\nruns = "~/runs"\n')
@@ -410,12 +410,12 @@ def test_every_command_submit_suggests_for_a_sweep_follows_it_to_its_end(tmp_pat
     """The `next:` lines run: `status SWEEP --watch` and `logs SWEEP -f` wait while a point runs (the fake squeue lists
     it on its first call only), end by themselves once every point has ended, exit 0 only when all COMPLETED (else the
     first unfinished point's state) and name the points that did not; `--point I` is that point alone."""
-    from ddpack.jobs import runs as run_ops
+    from ddpack.jobs import logs as job_logs
     from ddpack.jobs import slurm_cli
     from ddpack.jobs import sweep as sweeps
 
     monkeypatch.setattr(slurm_cli, "SETTLE_S", 0.0)
-    monkeypatch.setattr(run_ops, "POLL_STATE_S", 0.0)
+    monkeypatch.setattr(job_logs, "POLL_STATE_S", 0.0)
     monkeypatch.setattr(sweeps, "FOLLOW_POLL_S", 0.0)
     fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
     assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1,2,3", "--", "python", "t.py", "{lr}"]) == 0
@@ -819,8 +819,8 @@ def test_a_sweeps_array_is_recorded_first_so_cancel_reaches_points_whose_records
 def test_a_reused_job_id_names_the_newest_run_or_sweep_that_has_it(tmp_path, slurm, capfd) -> None:
     from dataclasses import replace
 
-    from ddpack.jobs.run_record import write_record
-    from ddpack.jobs.runs import resolve_run
+    from ddpack.jobs.find_runs import resolve_run
+    from ddpack.jobs.run_json import write_record
 
     fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 41')
     assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1,2", "--json", "--", "p", "{lr}"]) == 0
@@ -858,7 +858,7 @@ def test_gc_images_removes_only_your_squashfs_files_that_no_run_names(tmp_path, 
 def test_an_ended_runs_summary_answers_ls_so_its_metrics_and_logs_are_not_read_again(tmp_path, slurm, capfd) -> None:
     from test_lifecycle import end, progress, start
 
-    from ddpack.jobs.run_record import append_job
+    from ddpack.jobs.run_json import append_job
     from ddpack.jobs.status import SUMMARY
     from train import run_folder
 
@@ -996,7 +996,7 @@ def test_the_ledgers_parts_add_up_to_the_allocation_through_a_restart_and_a_pree
     from dataclasses import replace
 
     from ddpack.jobs.ledger import run_ledger
-    from ddpack.jobs.run_record import write_record
+    from ddpack.jobs.run_json import write_record
 
     run_dir = ledger_run(tmp_path)
     write_record(replace(read_record(run_dir), jobs=[replace(read_record(run_dir).jobs[0], submitted=-30.0)]))

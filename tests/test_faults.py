@@ -12,7 +12,7 @@ from test_lifecycle import fake, fake_slurm, queued, settings
 from ddpack import cli
 from ddpack.errors import HostError
 from ddpack.jobs import slurm_cli
-from ddpack.jobs.run_record import read_record
+from ddpack.jobs.run_json import read_record
 from ddpack.jobs.submit import submit
 
 SECRET = "tok-3f9a-not-for-logs"
@@ -111,7 +111,7 @@ def test_a_resubmit_gives_the_new_job_its_failure_restarts_anew(tmp_path, slurm)
     """The count caps one job's restart loop; a person who resubmits chose to go on."""
     from test_lifecycle import make_run
 
-    from ddpack.jobs.runs import resubmit
+    from ddpack.jobs.run_actions import resubmit
 
     fake(slurm, "squeue", "echo 'FAILED||'")
     run_dir = make_run(tmp_path)

@@ -21,8 +21,10 @@ from job_records import started, step_end, write_decisions
 from ddpack import cli
 from ddpack.errors import HostError
 from ddpack.jobs import status
-from ddpack.jobs.run_record import Job, RunRecord, read_record, write_record
-from ddpack.jobs.runs import follow, print_logs, resolve_run, resubmit
+from ddpack.jobs.find_runs import list_runs, resolve_run
+from ddpack.jobs.logs import follow, print_logs
+from ddpack.jobs.run_actions import resubmit
+from ddpack.jobs.run_json import Job, RunRecord, read_record, write_record
 from ddpack.jobs.submit import SubmitSettings, image_key, render_script, setting_problems, submit
 from train import run_folder
 
@@ -288,7 +290,7 @@ def test_logs_show_every_job_in_order_and_one_ranks_lines(tmp_path, slurm) -> No
 def test_logs_follow_a_job_across_its_requeue_and_exit_with_its_state(tmp_path, slurm, monkeypatch) -> None:
     """The log grows through a requeue (squeue: RUNNING, then PENDING, then RUNNING again, then COMPLETED); follow
     prints what is appended and exits 0 only once COMPLETED has held (a requeue passes through an ended state)."""
-    import ddpack.jobs.runs
+    import ddpack.jobs.logs
 
     answers = slurm / "answers"
     answers.write_text("RUNNING\nCANCELLED\nPENDING\nRUNNING\nCOMPLETED\n")
@@ -308,7 +310,7 @@ def test_logs_follow_a_job_across_its_requeue_and_exit_with_its_state(tmp_path, 
     thread = threading.Thread(target=grow)
     thread.start()
     out = io.StringIO()
-    monkeypatch.setattr(ddpack.jobs.runs, "POLL_STATE_S", 0.2)
+    monkeypatch.setattr(ddpack.jobs.logs, "POLL_STATE_S", 0.2)
     code = follow(run_dir, None, out, poll_s=0.05, settle_s=0.5)
     thread.join()
     assert code == 0, out.getvalue()
@@ -373,7 +375,7 @@ def test_a_run_folder_or_record_that_is_not_the_users_own_is_never_listed_or_act
     run_dir = make_run(tmp_path, records=REQUEUED_RUN)
     for path in (run_dir, run_dir / "run.json", run_dir / "job", run_dir / "job" / "ddpack.sbatch"):
         os.chown(path, mallory.uid, mallory.gid)
-    assert status.list_runs(tmp_path / "runs") == []
+    assert list_runs(tmp_path / "runs") == []
     for verb in ("cancel", "resubmit", "status"):
         assert cli.main([verb, str(run_dir)]) == 2
         assert "it is not a run of yours" in capsys.readouterr().err
@@ -585,7 +587,7 @@ def test_the_partition_check_counts_only_nodes_that_can_run_the_job(tmp_path, sl
 def test_the_runs_folder_is_the_users_own_on_the_shared_filesystem_and_named_when_empty(tmp_path, slurm, monkeypatch, capsys) -> None:
     import pwd
 
-    from ddpack.jobs.runs import default_runs
+    from ddpack.jobs.find_runs import default_runs
 
     monkeypatch.delenv("DDPACK_RUNS", raising=False)
     monkeypatch.chdir(tmp_path)

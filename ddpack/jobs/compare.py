@@ -22,8 +22,8 @@ from typing import Any
 
 from ddpack.errors import HostError
 from ddpack.jobs.ledger import run_ledger
-from ddpack.jobs.run_record import read_record
-from ddpack.jobs.segments import Run, read_run
+from ddpack.jobs.run_json import read_record
+from ddpack.jobs.run_metrics import Run, read_run
 from ddpack.private_files import write_atomically
 from train.metrics import format_share
 
@@ -238,7 +238,7 @@ def sweep_table(folder: Path) -> tuple[list[str], list[dict[str, Any]], list[Run
     metrics) for `compare SWEEP`."""
     from dataclasses import asdict
 
-    from ddpack.jobs.sweep import point_dirs, read_sweep
+    from ddpack.jobs.sweep_points import point_dirs, read_sweep
 
     data = read_sweep(folder)
     names = data.get("names") or list(data["values"])  # the order given (the file's keys are sorted)

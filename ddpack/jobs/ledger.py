@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from ddpack.jobs.decisions import read_decisions
-from ddpack.jobs.run_record import RunRecord, read_record
-from ddpack.jobs.segments import Segment, split_segments
+from ddpack.jobs.run_json import RunRecord, read_record
+from ddpack.jobs.run_metrics import Segment, split_segments
 from train import run_folder
 
 PARTS = ("kept", "redone", "startup", "preflight", "restarts", "preemptions", "hangs", "failures", "not_completed", "shutdown", "unrecorded")
@@ -125,7 +125,7 @@ def last_step(segment: Segment) -> int | None:
 
 def run_ledger(run_dir: Path, state: str | None = None) -> Ledger:
     """The run's ledger (module docstring); `state` is its final state (ddpack status's, asked when not given)."""
-    from ddpack.jobs.segments import read_records
+    from ddpack.jobs.run_metrics import read_metrics
 
     record = read_record(run_dir)
     if state is None:
@@ -140,7 +140,7 @@ def run_ledger(run_dir: Path, state: str | None = None) -> Ledger:
         return ledger
     metrics = run_dir / run_folder.METRICS
     try:
-        segments = [s for s in split_segments(read_records(metrics)[0]) if s.began is not None] if metrics.is_file() else []
+        segments = [s for s in split_segments(read_metrics(metrics)[0]) if s.began is not None] if metrics.is_file() else []
     except Exception:  # a damaged metrics file: the allocations alone
         segments = []
     preflight_s = preflight_seconds(run_dir)

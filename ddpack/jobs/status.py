@@ -23,8 +23,9 @@ from typing import Any, TypeVar
 
 from ddpack.jobs import slurm_cli
 from ddpack.jobs.decisions import read_decisions
-from ddpack.jobs.run_record import RunRecord, read_record
-from ddpack.jobs.segments import Segment
+from ddpack.jobs.find_runs import list_runs
+from ddpack.jobs.run_json import RunRecord, read_record
+from ddpack.jobs.run_metrics import Segment
 from train import run_folder
 from train.metrics import format_duration
 
@@ -57,7 +58,7 @@ class Status:
     slowest_step_s: float | None
     progress_records: int
     updated: float | None
-    segments: list[dict[str, Any]]  # each Segment's row (segments.Segment.row)
+    segments: list[dict[str, Any]]  # each Segment's row (run_metrics.Segment.row)
     outcome: dict[str, Any] | None
     image: str | None
     sqsh: str | None
@@ -75,16 +76,16 @@ class Status:
 
 
 @dataclass
-class Records:
+class MetricsTail:
     starts: list[dict[str, Any]] = field(default_factory=list)
     ends: list[tuple[int, dict[str, Any]]] = field(default_factory=list)  # (segment index, end record)
     progress: list[dict[str, Any]] = field(default_factory=list)  # the last KEEP_PROGRESS of the last segment
     progress_count: int = 0
 
 
-def read_records(metrics: Path) -> Records:
+def read_metrics_tail(metrics: Path) -> MetricsTail:
     """The records status needs, without parsing every progress line (a long run writes 100,000 of them)."""
-    records = Records()
+    records = MetricsTail()
     try:
         data = metrics.read_bytes()
     except OSError:
@@ -214,7 +215,7 @@ def parse_time(text: str | None, layout: str) -> float | None:
         return None
 
 
-def segments_of(records: Records, events: list[JobEvent]) -> list[Segment]:
+def segments_of(records: MetricsTail, events: list[JobEvent]) -> list[Segment]:
     """Each start record of the metrics is a segment; the job's decision before it says why. A program that writes no
     metrics (a user's own) still has the job's records: each start of the job's script and each restart in place. A
     segment begins at its start record's time (else the job's record of it) and ends at its end record's (else at
@@ -270,7 +271,7 @@ class Asked:
 
 
 def state_of(
-    job_id: str | None, record: RunRecord, records: Records, events: list[JobEvent], asked: Asked | None = None
+    job_id: str | None, record: RunRecord, records: MetricsTail, events: list[JobEvent], asked: Asked | None = None
 ) -> tuple[str, str, str]:
     """(state, who said so, a note) for the run's newest job: Slurm (squeue, then sacct), then the run folder's
     records (run.json's cancels, Slurm's own cancel line, the trainer's end record, the job's decisions)."""
@@ -315,7 +316,7 @@ def state_of(
 
 def run_status(run_dir: Path, asked: Asked | None = None) -> Status:
     record = read_record(run_dir)
-    records = read_records(run_dir / run_folder.METRICS)
+    records = read_metrics_tail(run_dir / run_folder.METRICS)
     events, unrecorded = job_events(run_dir, record)
     job = record.last_job
     state, state_from, note = state_of(job.job_id if job else None, record, records, events, asked)
@@ -351,7 +352,7 @@ def run_status(run_dir: Path, asked: Asked | None = None) -> Status:
     )
 
 
-def eta(records: Records, total: int | None) -> float | None:
+def eta(records: MetricsTail, total: int | None) -> float | None:
     """Seconds to the last step at the segment's recent rate: the trainer's own estimate when its progress records
     carry one, else steps over time across the last records of this segment (a program of your own)."""
     if not records.progress or not total:
@@ -460,23 +461,6 @@ def watch_until_ended(
         time.sleep(interval_s)
 
 
-def list_runs(runs: Path) -> list[tuple[Path, RunRecord]]:
-    """The run folders `ddpack submit` made under `runs` (a sweep's points too, in its folder), oldest first."""
-    from ddpack.jobs.sweep import SWEEP_RECORD
-
-    found = []
-    records = []
-    if runs.is_dir():
-        points = (path for path in runs.glob(f"*/*/{run_folder.RUN_RECORD}") if (path.parent.parent / SWEEP_RECORD).is_file())
-        records = [*runs.glob(f"*/{run_folder.RUN_RECORD}"), *points]
-    for path in records:
-        try:
-            found.append((path.parent, read_record(path.parent)))
-        except Exception:  # another user's folder, or a damaged record: one run less in the list, never one acted on
-            continue
-    return sorted(found, key=lambda item: item[1].created)
-
-
 def asked_for(jobs: list[Any]) -> Any:
     """One squeue call for all of `jobs` (runs' newest Job records) and one sacct call for those squeue no longer
     lists; a function from a job to what was said of it (an Asked), or None where squeue failed (ask again, job by job)."""
@@ -500,7 +484,7 @@ SUMMARY_FIELDS = ("state", "state_from", "step", "total_steps", "loss", "samples
 
 def read_summary(run_dir: Path, record: RunRecord) -> dict[str, Any] | None:
     """The run's summary when it speaks of its newest job (a resubmit makes it stale), else None."""
-    from ddpack.jobs.run_record import not_a_run_of_yours
+    from ddpack.jobs.run_json import not_a_run_of_yours
 
     path = run_dir / SUMMARY
     job = record.last_job
@@ -530,7 +514,7 @@ def keep_summary(run_dir: Path, status: Status) -> None:
     job's records, its log or run.json say how it ended, so nothing but a resubmit (a new job) can change what status
     says of it. Best effort: a run folder
     that cannot be written is read in full again next time."""
-    from ddpack.jobs.run_record import write_json_atomic
+    from ddpack.jobs.run_json import write_json_atomic
 
     if not status.ended or status.state_from in ("squeue", "run folder") or status.job_id is None:
         return  # still listed, or a guess (no record says how it ended): asked again next time
@@ -547,7 +531,7 @@ def list_rows(runs: Path, *, ask_slurm: bool = True) -> list[dict[str, Any]]:
     metrics and logs unread. Without `ask_slurm` (completion) no Slurm command runs: a run without a summary has state
     None. A sweep is a row of its own (with `points`), before its points' rows (with `sweep`, its folder, and
     `values`)."""
-    from ddpack.jobs.sweep import read_sweep, sweep_state
+    from ddpack.jobs.sweep_points import read_sweep, sweep_state
 
     found = list_runs(runs)
     summaries = {str(run_dir): read_summary(run_dir, record) for run_dir, record in found}

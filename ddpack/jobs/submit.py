@@ -36,8 +36,8 @@ from typing import Any
 from ddpack.errors import HostError
 from ddpack.job_side import ENROOT, node_helper, settings_table
 from ddpack.jobs import slurm_cli
-from ddpack.jobs.run_record import RunRecord, append_job, write_json_atomic, write_record
-from ddpack.jobs.sweep import SWEEP_RECORD, placeholders, sweep_command, sweep_env, sweep_points, sweep_problems
+from ddpack.jobs.run_json import RunRecord, append_job, write_json_atomic, write_record
+from ddpack.jobs.sweep_points import SWEEP_RECORD, placeholders, sweep_command, sweep_env, sweep_points, sweep_problems
 from ddpack.private_files import not_yours_alone
 from train import run_folder
 

@@ -101,7 +101,7 @@ def metrics_path(run: Path) -> Path:
     return path
 
 
-def read_records(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
+def read_metrics(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
     """Every record; a line that is not one (torn: a start killed while writing it) is skipped with a warning."""
     try:
         lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
@@ -147,7 +147,7 @@ def split_segments(records: Iterable[dict[str, Any]]) -> list[Segment]:
 
 def read_run(run: Path) -> Run:
     path = metrics_path(run)
-    records, warnings = read_records(path)
+    records, warnings = read_metrics(path)
     preflight = None
     preflight_file = path.parent / run_folder.PREFLIGHT
     if preflight_file.is_file():
