@@ -265,8 +265,9 @@ def submit(opts: argparse.Namespace) -> int:
     """The flags over the run file (--file) over the defaults, then ddpack.jobs.submit."""
     from ddpack.jobs import find_runs
     from ddpack.jobs.run_toml import read_run_file
-    from ddpack.jobs.submit import SubmitSettings, as_json, raise_problems, setting_problems
+    from ddpack.jobs.submit import as_json
     from ddpack.jobs.submit import submit as do_submit
+    from ddpack.jobs.submit_checks import SubmitSettings, raise_problems, setting_problems
     from ddpack.jobs.sweep_points import sweep_values
 
     run_file = read_run_file(opts.file) if opts.file else None

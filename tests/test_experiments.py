@@ -19,7 +19,7 @@ from test_lifecycle import calls, fake, fake_slurm, make_run, queued, settings
 
 from ddpack import cli
 from ddpack.jobs.run_json import read_record
-from ddpack.jobs.submit import LOGIN_ENV
+from ddpack.jobs.submit_checks import LOGIN_ENV
 
 
 @pytest.fixture

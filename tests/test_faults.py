@@ -95,12 +95,12 @@ def test_a_default_job_name_slurm_would_expand_is_refused(tmp_path, slurm) -> No
 
 
 def test_submit_on_a_full_filesystem_is_one_line_and_leaves_no_run_folder_without_its_record(tmp_path, slurm, monkeypatch) -> None:
-    import ddpack.jobs.submit as submitting
+    import ddpack.jobs.job_script as job_script
 
     def full(*_: object, **__: object) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(submitting.shutil, "copy2", full)  # the job's helpers are the first files written into it
+    monkeypatch.setattr(job_script.shutil, "copy2", full)  # the job's helpers are the first files written into it
     good = settings(tmp_path)
     with pytest.raises(HostError, match=f"^cannot write the run folder under {good.runs} \\(No space left on device\\); make room"):
         submit(good, say=lambda _: None)

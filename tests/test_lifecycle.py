@@ -22,10 +22,12 @@ from ddpack import cli
 from ddpack.errors import HostError
 from ddpack.jobs import status
 from ddpack.jobs.find_runs import list_runs, resolve_run
+from ddpack.jobs.job_script import render_script
 from ddpack.jobs.logs import follow, print_logs
 from ddpack.jobs.run_actions import resubmit
 from ddpack.jobs.run_json import Job, RunRecord, read_record, write_record
-from ddpack.jobs.submit import SubmitSettings, image_key, render_script, setting_problems, submit
+from ddpack.jobs.submit import image_key, submit
+from ddpack.jobs.submit_checks import SubmitSettings, setting_problems
 from train import run_folder
 
 

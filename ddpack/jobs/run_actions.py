@@ -58,7 +58,8 @@ def resubmit(run_dir: Path, changes: dict[str, Any] | None = None) -> str:
 def resubmit_ready(run_dir: Path, record: Any) -> tuple[Path, tuple[str, ...] | None]:
     """(the job script, the names sbatch --export hands the job) for a resubmit of the run, or one line (exit 2) why
     not: its image gone or changed, its script edited, a job of it still alive, a secret it was given not in this shell."""
-    from ddpack.jobs.submit import LOGIN_ENV, image_key
+    from ddpack.jobs.submit import image_key
+    from ddpack.jobs.submit_checks import LOGIN_ENV
 
     if record.settings.get("made_by") == "template":
         raise HostError(
@@ -114,7 +115,7 @@ def undepend(record: Any) -> tuple[str, ...]:
 
 def resubmit_options(changes: dict[str, Any], spares: int) -> tuple[str, ...]:
     """sbatch's options for a resubmit's changes, each checked: one line and exit 2 for a bad one."""
-    from ddpack.jobs.submit import SLURM_TIME
+    from ddpack.jobs.submit_checks import SLURM_TIME
 
     options = []
     if "time_limit" in changes:
