@@ -697,3 +697,24 @@ def test_a_gpu_job_asks_for_the_cuda_image_and_one_rank_per_gpu(tmp_path, slurm,
         capsys.readouterr().err
     )
     assert [how["variant"] for how in asked] == ["gpu"] * 4  # a dry run goes on to say what it would build
+
+
+def test_run_json_has_one_lock_the_jobs_own_with_its_fallback_where_the_filesystem_has_no_flock(tmp_path, slurm, monkeypatch) -> None:
+    """submit, cancel, resubmit and tag write run.json under the lock the job takes to record a run started by hand
+    (enroot/ddpack_node.py `guard`): on a filesystem without flock both fall back to the same O_EXCL guard file."""
+    from ddpack.job_side import node_helper
+    from ddpack.jobs import run_json
+
+    run_dir = make_run(tmp_path)
+    node = node_helper()
+
+    def no_flock(*_: object) -> None:
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(node.fcntl, "flock", no_flock)
+    guard_file = run_dir / f".{run_folder.RUN_RECORD}.lock.excl"
+    with run_json._locked(run_dir):
+        assert guard_file.exists()  # a job's record_hand_made waits here until the host's write is done
+    assert not guard_file.exists()
+    run_json.update_tags(run_dir, {"k": "v"})
+    assert read_record(run_dir).tags == {"k": "v"}

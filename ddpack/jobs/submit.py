@@ -6,13 +6,8 @@
          helpers it sources, logs/) -> sbatch -> the job appended to run.json
 
 `--dry-run` stops before anything is built, written or queued: it prints the job script and runs the checks that
-would otherwise fail hours later, in the queue or on the nodes (pyxis in srun, the squashfs there, the run folder
-inside the container's mounts, the partition's size, the log folder writable, every setting).
-
-The job script is one of the pyxis templates (enroot/pyxis-per-task.sbatch, enroot/pyxis-torchrun.sbatch) with the
-run's #SBATCH options in place of the template's and its settings exported at the top, nothing inherited from the
-submitting shell's DDPACK_* variables: the script in the run folder is the whole job, and `ddpack resubmit` sends
-it again.
+would otherwise fail hours later, in the queue or on the nodes (submit_checks.py). The job script is rendered by
+job_script.py; the record is run_json.py's.
 """
 
 from __future__ import annotations
