@@ -514,7 +514,7 @@ def lock(args: argparse.Namespace) -> int:
     return 0
 
 
-RUN_RECORD = "run.json"  # ddpack/jobs/run_record.py's file and format (its RunRecord and Job fields, format 1)
+RUN_RECORD = "run.json"  # ddpack/jobs/run_json.py's file and format (its RunRecord and Job fields, format 1)
 RECORD_FORMAT = 1
 SECRET_SETTINGS = ("DDPACK_JOB_TOKEN",)  # never written to a record
 
@@ -581,7 +581,7 @@ def record_hand_made(run_dir: Path, job: str, environ: dict[str, str]) -> None:
         write_private(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-DECISIONS = "decisions.jsonl"  # ddpack/jobs/status.py reads it (DECISIONS there)
+DECISIONS = "decisions.jsonl"  # ddpack/jobs/decisions.py reads it, for status and the ledger
 DECISION_KINDS = ("start", "placement", "staging", "preflight", "step-end", "keep-out")
 VERDICTS = ("completed", "end", "requeue", "restart")  # a step-end's: what follows the step
 RESERVED = ("time", "kind", "job", "slurm_job", "restart")  # every record's own fields, which no caller sets
