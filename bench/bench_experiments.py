@@ -84,7 +84,7 @@ def sweep_rounds(work: Path, rounds: int) -> dict[str, list[float]]:
 def many_runs(work: Path, count: int, metrics_mb: float = 0, log_mb: float = 0) -> Path:
     """`count` run folders as submit leaves them after a short run: run.json, metrics (start, 3 progress, end), a log;
     each file padded (sparse) to `metrics_mb` and `log_mb` when given."""
-    from ddpack.jobs.run_record import Job, RunRecord, write_record
+    from ddpack.jobs.run_json import Job, RunRecord, write_record
 
     runs = work / "runs"
     for index in range(count):

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ddpack.jobs.segments import read_run
+from ddpack.jobs.run_metrics import read_run
 from testbed.env import clean_env
 from testbed.readme_examples import write_cpu_ddp
 from testbed.slurm_cluster import ensure_cluster
@@ -64,7 +64,7 @@ def submit_rounds(work: Path, rounds: int) -> tuple[list[float], list[float]]:
 
 def long_run(folder: Path, records: int) -> Path:
     """A run folder as `ddpack submit` makes it, with `records` progress records from the bundled trainer."""
-    from ddpack.jobs.run_record import Job, RunRecord, write_record
+    from ddpack.jobs.run_json import Job, RunRecord, write_record
 
     run_dir = folder / "runs" / "long-run"
     (run_dir / "logs").mkdir(parents=True)

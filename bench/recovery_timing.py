@@ -19,7 +19,7 @@ From the job log, whose lines carry no times (each is timed when a poll first se
 A figure that comes out zero, negative or not a number is an ImplausibleRecovery, not a row of a table: such a
 figure timed the wrong record, and the model (ddpack/jobs/goodput_model.py) would otherwise be fed it.
 
-Why in bench/ and not in ddpack/jobs/segments.py: segments reads a run folder after the fact for `make report`
+Why in bench/ and not in ddpack/jobs/run_metrics.py: it reads a run folder after the fact for `make report`
 (strict: a damaged file is the user's error, exit 2). This reads one while the job still writes it, against a
 failure the benchmark injected and timed; only the benchmarks (and their tests) need that. It shares
 segments' one definition of a segment (split_segments: a `start` record opens one).
@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from ddpack.jobs.segments import Segment, split_segments  # noqa: E402
+from ddpack.jobs.run_metrics import Segment, split_segments  # noqa: E402
 from testbed.slurm_jobs import PROGRESS_LINE  # noqa: E402  (rank 0's progress line in a job log)
 
 # The templates' decision after a failed step (enroot/ddpack-job.sh): requeue the job, or restart the step here.

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpack.errors import HostError, run_verb
-from ddpack.jobs.sweep import is_sweep
+from ddpack.jobs.sweep_points import is_sweep
 
 TEMPLATE_CHOICES = ("per-task", "torchrun")
 
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         argv[i : i + 2] = [f"--sbatch-arg={argv[i + 1]}"]
     opts = parser().parse_args(argv)
     opts.command, opts.given = command, argv
-    from ddpack.jobs import runs as run_ops
+    from ddpack.jobs import find_runs, run_actions
 
     def body() -> int:
         if opts.verb == "completion":
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if opts.verb == "submit":
             return submit(opts)
-        runs = (opts.runs if getattr(opts, "runs", None) else run_ops.default_runs()).resolve()
+        runs = (opts.runs if getattr(opts, "runs", None) else find_runs.default_runs()).resolve()
         if opts.verb == "status":
             return status(opts, runs)
         if opts.verb == "ls":
@@ -234,26 +234,26 @@ def main(argv: list[str] | None = None) -> int:
         if opts.verb == "export":
             return export(opts, runs)
         if opts.verb == "cancel" and opts.run is None:  # what cannot be undone is never done to a run not named
-            newest = run_ops.resolve_run(None, runs)
+            newest = find_runs.resolve_run(None, runs)
             raise HostError(f"cancel names its run: the newest is {newest} (job {facts_of(newest)}); ddpack cancel {newest} cancels it", code=2)
         if opts.verb == "rm":
-            run_dir = run_ops.resolve_run(opts.run, runs)
-            jobs = run_ops.remove(run_dir)
+            run_dir = find_runs.resolve_run(opts.run, runs)
+            jobs = run_actions.remove(run_dir)
             print(json.dumps({"run_dir": str(run_dir), "jobs": jobs}, indent=2) if opts.json else f"rm: removed {run_dir} (jobs {', '.join(jobs) or 'none'})")
             return 0
-        run_dir = point_of(run_ops.resolve_run(opts.run, runs), getattr(opts, "point", None))
+        run_dir = point_of(find_runs.resolve_run(opts.run, runs), getattr(opts, "point", None))
         if is_sweep(run_dir):
             return sweep_verb(opts, run_dir)
         if opts.verb == "logs":
             return logs(opts, run_dir)
         if opts.verb == "cancel":
-            job = run_ops.cancel(run_dir)
+            job = run_actions.cancel(run_dir)
             say = f"cancel: job {job} of {run_dir} cancelled (scancel); ddpack status {run_dir} shows CANCELLED once Slurm has ended it"
             return answer(opts, run_dir, say, job_id=job)
         if opts.failed or opts.state:
             raise HostError(f"--failed and --state pick a sweep's points; {run_dir} is one run (resubmit it without them)", code=2)
         changes = {"time_limit": opts.time_limit, "nodes": opts.nodes, "partition": opts.partition}
-        job = run_ops.resubmit(run_dir, changes)
+        job = run_actions.resubmit(run_dir, changes)
         changed = ", ".join(f"--{key.removesuffix('_limit')} {value}" for key, value in changes.items() if value is not None)
         say = f"resubmit: job {job} continues {run_dir} with the same image and job script{f' ({changed})' if changed else ''}"
         return answer(opts, run_dir, say, job_id=job)
@@ -263,11 +263,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def submit(opts: argparse.Namespace) -> int:
     """The flags over the run file (--file) over the defaults, then ddpack.jobs.submit."""
-    from ddpack.jobs import runs as run_ops
-    from ddpack.jobs.run_file import read_run_file
-    from ddpack.jobs.submit import SubmitSettings, as_json, raise_problems, setting_problems
+    from ddpack.jobs import find_runs
+    from ddpack.jobs.run_toml import read_run_file
+    from ddpack.jobs.submit import as_json
     from ddpack.jobs.submit import submit as do_submit
-    from ddpack.jobs.sweep import sweep_values
+    from ddpack.jobs.submit_checks import SubmitSettings, raise_problems, setting_problems
+    from ddpack.jobs.sweep_points import sweep_values
 
     run_file = read_run_file(opts.file) if opts.file else None
     argv_flags = {word.split("=")[0] for word in opts.given if word.startswith("--")}
@@ -289,7 +290,7 @@ def submit(opts: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     env = {**run_file.passed_env(os.environ), **given.get("env", {})} if run_file else {}
-    runs = pick("runs") or run_ops.default_runs()
+    runs = pick("runs") or find_runs.default_runs()
     images = pick("images") or Path(os.environ.get("DDPACK_IMAGES") or "/fsx/images")
     settings = SubmitSettings(
         app_dir=(opts.app_dir or given.get("app_dir") or Path(".")).resolve(),
@@ -340,9 +341,9 @@ AFTER = {"ok": "afterok", "any": "afterany", "notok": "afternotok"}
 
 def dependency(after: str, runs: Path) -> str:
     """Slurm's --dependency for --after RUN[:ok|any|notok]: the run's newest job (a sweep: its array, every point)."""
-    from ddpack.jobs.run_record import read_record
-    from ddpack.jobs.runs import resolve_run
-    from ddpack.jobs.sweep import read_sweep
+    from ddpack.jobs.find_runs import resolve_run
+    from ddpack.jobs.run_json import read_record
+    from ddpack.jobs.sweep_points import read_sweep
 
     run, _, kind = after.rpartition(":") if after.rpartition(":")[2] in AFTER else (after, "", "ok")
     if not run:
@@ -373,7 +374,7 @@ def stdout_to_stderr() -> Iterator[None]:
 
 
 def status(opts: argparse.Namespace, runs: Path) -> int:
-    from ddpack.jobs.runs import resolve_run
+    from ddpack.jobs.find_runs import resolve_run
     from ddpack.jobs.slurm_cli import EXIT_FOR_STATE
     from ddpack.jobs.status import render, run_status, watch
 
@@ -434,9 +435,10 @@ def listing(opts: argparse.Namespace, runs: Path) -> int:
 
 def tag(opts: argparse.Namespace, runs: Path) -> int:
     """ddpack tag: a run's tags and note (a sweep's: sweep.json's and every point's)."""
-    from ddpack.jobs.run_record import update_tags
-    from ddpack.jobs.runs import resolve_run
-    from ddpack.jobs.sweep import point_dirs, tag_sweep
+    from ddpack.jobs.find_runs import resolve_run
+    from ddpack.jobs.run_json import update_tags
+    from ddpack.jobs.sweep import tag_sweep
+    from ddpack.jobs.sweep_points import point_dirs
 
     folder = resolve_run(opts.run, runs)
     pairs = tag_pairs(opts.tags, "tag")
@@ -454,8 +456,8 @@ def tag(opts: argparse.Namespace, runs: Path) -> int:
 
 def facts_of(folder: Path) -> str:
     """A run's or sweep's job id, for a sentence."""
-    from ddpack.jobs.run_record import read_record
-    from ddpack.jobs.sweep import read_sweep
+    from ddpack.jobs.run_json import read_record
+    from ddpack.jobs.sweep_points import read_sweep
 
     job = read_sweep(folder).get("job_id") if is_sweep(folder) else (last.job_id if (last := read_record(folder).last_job) else None)
     return str(job or "none")
@@ -464,7 +466,7 @@ def facts_of(folder: Path) -> str:
 def export(opts: argparse.Namespace, runs: Path) -> int:
     """export: the runs' records as CSV (a row a record; --summary a row a run) and TensorBoard event files."""
     from ddpack.jobs import export as exporting
-    from ddpack.jobs.runs import resolve_run
+    from ddpack.jobs.find_runs import resolve_run
 
     if not (opts.csv or opts.summary or opts.tensorboard):
         raise HostError("export writes --csv FILE, --summary FILE or --tensorboard DIR: name one or more", code=2)
@@ -509,7 +511,7 @@ def collect_images(opts: argparse.Namespace, runs: Path) -> int:
 
 def point_of(folder: Path, point: int | None) -> Path:
     """--point I: the sweep's point I (its run folder); without it, the folder itself."""
-    from ddpack.jobs.sweep import point_dirs
+    from ddpack.jobs.sweep_points import point_dirs
 
     if point is None:
         return folder
@@ -524,8 +526,8 @@ def point_of(folder: Path, point: int | None) -> Path:
 def report(opts: argparse.Namespace, runs: Path) -> int:
     """A run folder of any template's (or its metrics file), or a run of ddpack submit's named by a job id."""
     from ddpack.jobs import ledger as ledgers
+    from ddpack.jobs.find_runs import resolve_run
     from ddpack.jobs.report import write_report
-    from ddpack.jobs.runs import resolve_run
     from train.run_folder import RUN_RECORD
 
     path = Path(opts.run)
@@ -547,7 +549,7 @@ def report(opts: argparse.Namespace, runs: Path) -> int:
 
 def sweep_verb(opts: argparse.Namespace, folder: Path) -> int:
     """status, logs and cancel of a sweep as a whole; a point is a run of its own for every verb."""
-    from ddpack.jobs import runs as run_ops
+    from ddpack.jobs import logs as job_logs
     from ddpack.jobs import sweep
 
     one = f"name one point: {folder}/INDEX, or its job id (<array>_INDEX)"
@@ -586,19 +588,19 @@ def sweep_verb(opts: argparse.Namespace, folder: Path) -> int:
     data = sweep.read_sweep(folder)
     if opts.json:
         print(json.dumps({"run_dir": str(folder), "job_id": data.get("job_id"), "points": [
-            {"index": i, "values": data["points"][i], **facts(point), "jobs": run_ops.log_lines(point, opts.rank)}
+            {"index": i, "values": data["points"][i], **facts(point), "jobs": job_logs.log_lines(point, opts.rank)}
             for i, point in enumerate(sweep.point_dirs(folder))]}, indent=2))  # fmt: skip
         return 0
     for index, point in enumerate(sweep.point_dirs(folder)):
         print(f"== point {index} ({sweep.point_label(data['points'][index])}): {point}")
-        run_ops.print_logs(point, opts.rank)
+        job_logs.print_logs(point, opts.rank)
     return 0
 
 
 def compare(opts: argparse.Namespace, runs: Path) -> int:
     from ddpack.jobs import compare as comparing
-    from ddpack.jobs.runs import resolve_run
-    from ddpack.jobs.sweep import point_dirs
+    from ddpack.jobs.find_runs import resolve_run
+    from ddpack.jobs.sweep_points import point_dirs
 
     folders = [resolve_run(run, runs) for run in opts.run]
     if len(folders) == 1 and is_sweep(folders[0]):  # a sweep alone: one row a point, its values as columns
@@ -624,16 +626,16 @@ def compare(opts: argparse.Namespace, runs: Path) -> int:
 
 
 def logs(opts: argparse.Namespace, run_dir: Path) -> int:
-    from ddpack.jobs import runs as run_ops
+    from ddpack.jobs import logs as job_logs
 
     if opts.json:
         if opts.follow:
             raise HostError("logs --json prints the logs once, as one object; follow them with logs -f (without --json)", code=2)
-        print(json.dumps({**facts(run_dir), "jobs": run_ops.log_lines(run_dir, opts.rank)}, indent=2))
+        print(json.dumps({**facts(run_dir), "jobs": job_logs.log_lines(run_dir, opts.rank)}, indent=2))
         return 0
     if opts.follow:
-        return run_ops.follow(run_dir, opts.rank)
-    run_ops.print_logs(run_dir, opts.rank)
+        return job_logs.follow(run_dir, opts.rank)
+    job_logs.print_logs(run_dir, opts.rank)
     return 0
 
 

@@ -13,7 +13,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ENROOT = Path(__file__).resolve().parents[1] / "enroot"
+
+def enroot_folder(package: Path) -> Path:
+    """enroot/ for ddpack's `package` folder: at the top of a checkout (the design's place for it, an editable install's
+    too), else where `pip install .` put it as ddpack's data (ddpack/enroot/, pyproject.toml's package-dir)."""
+    checkout = package.parent / "enroot"
+    return checkout if (checkout / "ddpack_node.py").is_file() else package / "enroot"
+
+
+ENROOT = enroot_folder(Path(__file__).resolve().parent)  # the job templates and the job's program, which submit renders and copies into a run folder
 
 
 @functools.cache

@@ -514,7 +514,7 @@ def lock(args: argparse.Namespace) -> int:
     return 0
 
 
-RUN_RECORD = "run.json"  # ddpack/jobs/run_record.py's file and format (its RunRecord and Job fields, format 1)
+RUN_RECORD = "run.json"  # ddpack/jobs/run_json.py's file and format (its RunRecord and Job fields, format 1)
 RECORD_FORMAT = 1
 SECRET_SETTINGS = ("DDPACK_JOB_TOKEN",)  # never written to a record
 
@@ -581,7 +581,7 @@ def record_hand_made(run_dir: Path, job: str, environ: dict[str, str]) -> None:
         write_private(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-DECISIONS = "decisions.jsonl"  # ddpack/jobs/status.py reads it (DECISIONS there)
+DECISIONS = "decisions.jsonl"  # ddpack/jobs/decisions.py reads it, for status and the ledger
 DECISION_KINDS = ("start", "placement", "staging", "preflight", "step-end", "keep-out")
 VERDICTS = ("completed", "end", "requeue", "restart")  # a step-end's: what follows the step
 RESERVED = ("time", "kind", "job", "slurm_job", "restart")  # every record's own fields, which no caller sets
@@ -761,10 +761,22 @@ def setup(name: str) -> int:
         (run_dir / MARKER).open("w").close()  # forensics newer than this were written during this start
         # The time closes the line: `ddpack status` dates the segment this start begins, for a program that writes no records.
         nodes = env.get("SLURM_JOB_NODELIST", "")
+        log_at = log_offset()
         say(f"job {job} (restart {restart}) on {nodes}, run dir {run_dir} ({origin}), at {time.strftime('%Y-%m-%dT%H:%M:%S%z')}")
-    write_record(run_dir, "start", {"nodes": nodes, "origin": origin})
+    write_record(run_dir, "start", {"nodes": nodes, "origin": origin, **({"log_at": log_at} if log_at is not None else {})})
     answer(str(run_dir))
     return 0
+
+
+def log_offset() -> int | None:
+    """Where this start begins in the job's log (stdout, when Slurm made it a file): `ddpack status` places Slurm's own
+    cancel line, which no record of the job's can hold, after the start it ended by this offset, not by a clock (Slurm
+    writes the cluster's local time) nor by a sentence of the log."""
+    with contextlib.suppress(OSError, ValueError):
+        sys.stdout.flush()
+        info = os.fstat(sys.stdout.fileno())
+        return info.st_size if stat.S_ISREG(info.st_mode) else None
+    return None
 
 
 def private_log(job: str) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ddpack.jobs import slurm_cli
-from ddpack.jobs.submit import container_path
+from ddpack.jobs.submit_checks import container_path
 from testbed.env import ROOT, clean_env
 from testbed.slurm_cluster import stage_dir
 from testbed.users import User
@@ -87,7 +87,7 @@ def wait_for_exit(job: str, timeout: float = 900) -> int:
         time.sleep(0.5)
 
 
-FINAL_STATES = slurm_cli.FINAL
+FINAL_STATES = slurm_cli.OVER
 
 
 def job_fields(job: str) -> dict[str, str]:

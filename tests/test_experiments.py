@@ -14,11 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
+from job_records import started, step_end, write_decisions
 from test_lifecycle import calls, fake, fake_slurm, make_run, queued, settings
 
 from ddpack import cli
-from ddpack.jobs.run_record import read_record
-from ddpack.jobs.submit import LOGIN_ENV
+from ddpack.jobs.run_json import read_record
+from ddpack.jobs.submit_checks import LOGIN_ENV
 
 
 @pytest.fixture
@@ -228,10 +229,10 @@ def test_compare_shows_only_what_differed_and_how_each_run_ended_with_a_page_of_
 
     from test_lifecycle import REQUEUED_RUN, end, progress, start
 
-    from ddpack.jobs.run_record import write_record
+    from ddpack.jobs.run_json import write_record
 
     fake(slurm, "squeue", "exit 0")  # neither job is listed: the run folders say how they ended
-    done = [start(100, 0), progress(101, 10), progress(102, 20), end(103, 20, "done", 0)]
+    done = [start(100, 0), {**progress(101, 10), "mfu": 2.3e-6}, {**progress(102, 20), "mfu": 2.3e-6}, end(103, 20, "done", 0)]
     first, second = make_run(tmp_path / "a", records=done), make_run(tmp_path / "b", jobs=("52",), records=[*REQUEUED_RUN, end(140, 60, "done", 0)])
     for run_dir, lr, nodes in ((first, "1e-3", 2), (second, "3e-4", 4)):
         record = read_record(run_dir)
@@ -256,7 +257,8 @@ def test_compare_shows_only_what_differed_and_how_each_run_ended_with_a_page_of_
     assert cli.main(["compare", str(first)]) == 2
     assert "compare needs two runs or more" in capfd.readouterr().err
     page.unlink()
-    assert cli.main(["compare", str(first), str(second)]) == 0 and "last train loss" in capfd.readouterr().out
+    assert cli.main(["compare", str(first), str(second)]) == 0 and "last train loss" in (out := capfd.readouterr().out)
+    assert "0.00023%" in out and "0.0 %" not in out  # a small model's MFU on a CPU, as the trainer writes it (format_share)
     assert not page.exists() and not Path("compare.html").exists()  # a page only where --html asks
 
 
@@ -344,7 +346,7 @@ def test_a_sweeps_values_are_put_in_once_may_hold_commas_and_reach_env_values_an
 
 
 def test_a_run_files_path_expands_the_home_folder_or_is_refused(tmp_path, slurm, monkeypatch, capfd) -> None:
-    from ddpack.jobs.run_file import read_run_file
+    from ddpack.jobs.run_toml import read_run_file
 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     path = run_file(tmp_path, 'nodes = 1\nruns = "~/runs"\n')
@@ -408,12 +410,12 @@ def test_every_command_submit_suggests_for_a_sweep_follows_it_to_its_end(tmp_pat
     """The `next:` lines run: `status SWEEP --watch` and `logs SWEEP -f` wait while a point runs (the fake squeue lists
     it on its first call only), end by themselves once every point has ended, exit 0 only when all COMPLETED (else the
     first unfinished point's state) and name the points that did not; `--point I` is that point alone."""
-    from ddpack.jobs import runs as run_ops
+    from ddpack.jobs import logs as job_logs
     from ddpack.jobs import slurm_cli
     from ddpack.jobs import sweep as sweeps
 
     monkeypatch.setattr(slurm_cli, "SETTLE_S", 0.0)
-    monkeypatch.setattr(run_ops, "POLL_STATE_S", 0.0)
+    monkeypatch.setattr(job_logs, "POLL_STATE_S", 0.0)
     monkeypatch.setattr(sweeps, "FOLLOW_POLL_S", 0.0)
     fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
     assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1,2,3", "--", "python", "t.py", "{lr}"]) == 0
@@ -423,13 +425,19 @@ def test_every_command_submit_suggests_for_a_sweep_follows_it_to_its_end(tmp_pat
     assert [words[0] for words in suggested] == ["status", "logs", "cancel"] and suggested[0][2:] == ["--watch"] and suggested[1][2:] == ["-f"]
     logs = [sweep_dir / str(i) / "logs" / f"slurm-90_{i}.out" for i in range(3)]
     logs[0].write_text("ddpack: the step completed (exit 0)\n")
+    write_decisions(sweep_dir / "0", [started(100, "90_0", slurm_job="124", log_at=0), step_end(110, "completed", "the step completed (exit 0)", "90_0")])
     logs[1].write_text("slurmstepd: error: *** JOB 125 ON n1 CANCELLED AT 2026-11-26T10:05:00 DUE TO TIME LIMIT ***\n")
+    write_decisions(sweep_dir / "1", [started(100, "90_1", slurm_job="125", log_at=0)])
     logs[2].write_text("0: starting\n")
+    write_decisions(sweep_dir / "2", [started(100, "90_2", slurm_job="126", log_at=0)])
     ended = "ddpack: the step failed (exit 1); not requeueing: a setting's error\n"
+    failed = tmp_path / "point-2-ends.jsonl"  # its decision, appended when it ends
+    failed.write_text(json.dumps(step_end(120, "end", ended.removeprefix("ddpack: ").strip(), "90_2", slurm_job="126", reason="failed", code=1)) + "\n")
     counter = tmp_path / "squeue-calls"
-    # Point 2 runs until squeue's first answer has been read; then it writes its last lines and Slurm forgets it.
+    # Point 2 runs until squeue's first answer has been read; then it writes its last lines and its decision, and Slurm forgets it.
     fake(slurm, "squeue", f'echo x >>{counter}; [ "$(wc -l <{counter})" -le 1 ] && {{ echo "90_2|RUNNING"; exit 0; }}; '
-                          f'grep -q step {logs[2]} || printf "0: step 1\\n%s\\n" {json.dumps(ended.strip())} >>{logs[2]}')  # fmt: skip
+                          f'grep -q step {logs[2]} || {{ printf "0: step 1\\n%s\\n" {json.dumps(ended.strip())} >>{logs[2]}; '
+                          f"cat {failed} >>{sweep_dir / '2' / 'decisions.jsonl'}; }}")  # fmt: skip
     assert cli.main([*suggested[0], "--interval", "0"]) == 4  # TIMEOUT, point 1's: the first that did not complete
     out = capfd.readouterr().out
     assert "1 RUNNING" in out.splitlines()[0] and len(counter.read_text().splitlines()) >= 2
@@ -457,8 +465,9 @@ def test_resubmit_failed_queues_exactly_the_failed_points_again_as_one_array(tmp
     fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
     assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1,2,3,4", "--sweep-parallel", "2", "--json", "--", "python", "t.py", "{lr}"]) == 0
     sweep_dir = Path(submitted(capfd)["run_dir"])
-    (sweep_dir / "0" / "logs" / "slurm-90_0.out").write_text("ddpack: the step completed (exit 0)\n")
+    write_decisions(sweep_dir / "0", [started(100, "90_0", slurm_job="124", log_at=0), step_end(110, "completed", "the step completed (exit 0)", "90_0")])
     (sweep_dir / "1" / "logs" / "slurm-90_1.out").write_text("slurmstepd: error: *** JOB 125 ON n1 CANCELLED AT 2026-11-26T10:05:00 DUE TO TIME LIMIT ***\n")
+    write_decisions(sweep_dir / "1", [started(100, "90_1", slurm_job="125", log_at=0)])
     fake(slurm, "squeue", 'case "$*" in *%i*) echo "90_2|NODE_FAIL"; echo "90_3|CANCELLED" ;; *"-j 90_2 "*) echo "NODE_FAIL||n1" ;; '
                           '*"-j 90_3 "*) echo "CANCELLED||n1" ;; esac')  # fmt: skip
     assert cli.main(["resubmit", str(sweep_dir)]) == 2 and "resubmit --failed (or --state S,...)" in capfd.readouterr().err
@@ -530,17 +539,16 @@ def test_compare_of_a_sweep_is_one_row_a_point_with_its_values_sortable(tmp_path
     assert json.loads(capfd.readouterr().out)["differ"]["sweep.lr"] == ["1e-3", "1e-3", "3e-4", "3e-4", "3e-4"]
 
 
-def test_a_points_own_log_settles_its_state_once_slurm_has_forgotten_it(tmp_path, slurm, capfd) -> None:
-    """A point's log prints its numeric SLURM_JOB_ID (125), ddpack knows it as 90_1: the log's lines are its job's."""
+def test_a_points_own_records_settle_its_state_once_slurm_has_forgotten_it(tmp_path, slurm, capfd) -> None:
+    """A point's records name it as ddpack knows it (90_1) and as Slurm numbers it (125); its log holds Slurm's cancel."""
     fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
     assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1,2", "--json", "--", "python", "t.py", "{lr}"]) == 0
     sweep_dir = Path(submitted(capfd)["run_dir"])
     fake(slurm, "squeue", "exit 0")  # MinJobAge later: Slurm lists neither point
-    banner = "ddpack: job {id} (restart 0) on ddnode1, run dir {dir} (new run), at 2026-11-26T10:00:00+0000\n"
-    (sweep_dir / "0" / "logs" / "slurm-90_0.out").write_text(banner.format(id=124, dir=sweep_dir / "0") + "ddpack: the step completed (exit 0)\n")
-    (sweep_dir / "1" / "logs" / "slurm-90_1.out").write_text(
-        banner.format(id=125, dir=sweep_dir / "1") + "slurmstepd: error: *** JOB 125 ON ddnode1 CANCELLED AT 2026-11-26T10:05:00 DUE TO TIME LIMIT ***\n"
-    )
+    write_decisions(sweep_dir / "0", [started(100, "90_0", slurm_job="124", log_at=0), step_end(110, "completed", "the step completed (exit 0)", "90_0")])
+    write_decisions(sweep_dir / "1", [started(100, "90_1", slurm_job="125", log_at=0)])
+    cancel = "slurmstepd: error: *** JOB 125 ON ddnode1 CANCELLED AT 2026-11-26T10:05:00 DUE TO TIME LIMIT ***\n"
+    (sweep_dir / "1" / "logs" / "slurm-90_1.out").write_text("0: step 1\n" + cancel)
     assert cli.main(["status", str(sweep_dir), "--json"]) == 0
     points = json.loads(capfd.readouterr().out)["points"]
     assert [(p["state"], p["segments"][0]["began"] is not None) for p in points] == [("COMPLETED", True), ("TIMEOUT", True)]
@@ -620,6 +628,29 @@ def test_the_job_records_each_decision_beside_its_sentence(tmp_path) -> None:
     from ddpack.job_side import node_helper
 
     assert node_helper().DECISIONS == run_folder.DECISIONS and node_helper().RUN_RECORD == run_folder.RUN_RECORD
+    # tests/job_records.py, which the status tests' run folders are written with, spells the records as the job does
+    assert set(start) == set(started(0, "90_1")) and set(decision) == set(step_end(0, "requeue", "x"))
+
+
+def test_a_start_records_where_it_began_in_the_jobs_log(tmp_path) -> None:
+    """The job's start record says how long its log was when it began (`log_at`): `ddpack status` places Slurm's own
+    cancel line, which no record holds, after the start it ended by that, not by a clock or a sentence."""
+    from train import run_folder
+
+    helper = Path(__file__).resolve().parents[1] / "enroot" / "ddpack-job.sh"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("scontrol", "squeue"):  # Slurm knows no other job, and no log to narrow
+        (bin_dir / name).write_text("#!/bin/sh\n")
+        (bin_dir / name).chmod(0o755)
+    log = tmp_path / "slurm-7.out"
+    log.write_text("the lines of the start before\n")
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "7", "SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_RESTART_COUNT": "1"}
+    with log.open("a") as out:
+        done = subprocess.run(["bash", "-c", f'. "{helper}"; ddpack_setup x'], stdout=out, stderr=subprocess.PIPE, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    first = json.loads((tmp_path / "runs" / "x-7" / run_folder.DECISIONS).read_text().splitlines()[0])
+    assert first["log_at"] == len("the lines of the start before\n") and set(first) == set(started(0, "7", log_at=0))
 
 
 def test_one_job_state_table_for_the_jobs_cleanup_and_every_verb() -> None:
@@ -629,7 +660,7 @@ def test_one_job_state_table_for_the_jobs_cleanup_and_every_verb() -> None:
     from ddpack.jobs import slurm_cli
 
     assert slurm_cli.JOB_STATES is node_helper().JOB_STATES
-    assert set(slurm_cli.FINAL) == node_helper().OVER and set(slurm_cli.EXIT_FOR_STATE) == set(slurm_cli.ENDED)
+    assert slurm_cli.OVER == node_helper().OVER and set(slurm_cli.EXIT_FOR_STATE) == set(slurm_cli.ENDED)
     assert slurm_cli.ddpack_state("NODE_FAIL") == "FAILED" and slurm_cli.ddpack_state("CANCELLED by 1001") == "CANCELLED"
     assert not set(slurm_cli.LIVE) & set(slurm_cli.ENDED) and set(slurm_cli.LIVE) <= set(slurm_cli.JOB_STATES.values())
 
@@ -661,28 +692,28 @@ def test_status_reads_the_jobs_records_not_its_sentences(tmp_path, slurm) -> Non
     assert (run_status(run_dir).state, run_status(run_dir).state_from) == ("COMPLETED", "job records")
 
 
-def test_each_job_is_read_from_its_records_else_its_log_and_slurms_cancel_stays_where_the_log_has_it(tmp_path, slurm, monkeypatch) -> None:
-    """A run an older ddpack started (its job's log only) continued by a job that records its decisions: both jobs'
-    segments count. Slurm's cancel line (the cluster's local time) is placed by the log's order, not by a clock: read
-    in any time zone, the second job's time limit ends the run as TIMEOUT."""
+def test_a_job_without_records_is_named_and_slurms_cancel_stays_where_the_log_has_it(tmp_path, slurm, monkeypatch) -> None:
+    """A run an older ddpack started (its job's log only, no records) continued by a job that records its decisions:
+    both jobs' metrics segments count, the older job's sentences are not read (it is named, in one line, as a job
+    without records). Slurm's cancel line (the cluster's local time) is placed by where it is in the log against the
+    start record's `log_at`, not by a clock: read in any time zone, the second job's time limit ends the run as TIMEOUT."""
     from test_lifecycle import progress, start
 
     from ddpack.jobs.status import run_status
-    from train import run_folder
 
     run_dir = make_run(tmp_path, jobs=("41", "57"), records=[start(100, 0), progress(101, 10), start(200, 10, 0), progress(201, 20)],
                        logs={"41": "ddpack: job 41 (restart 0) on n1, run dir x (new run), at 1970-01-01T00:01:40+0000\n"
                                     "ddpack: the step failed (exit 1); restarting it in this allocation on n1 from its last snapshot (1)\n",
                              "57": "ddpack: job 57 (restart 0) on n1, run dir x (continuing), at 1970-01-01T00:03:20+0000\n"
                                     "slurmstepd: error: *** JOB 57 ON n1 CANCELLED AT 1970-01-01T05:10:00 DUE TO TIME LIMIT ***\n"})  # fmt: skip
-    (run_dir / run_folder.DECISIONS).write_text(json.dumps({"time": 199.0, "kind": "start", "job": "57", "slurm_job": "57", "restart": 0}) + "\n")
+    write_decisions(run_dir, [started(199.0, "57", log_at=0)])
     fake(slurm, "squeue", "exit 0")
     for zone in ("UTC", "Asia/Tokyo", "America/New_York"):
         monkeypatch.setenv("TZ", zone)
         time.tzset()
         now = run_status(run_dir)
-        assert now.state == "TIMEOUT", (zone, now)
-        assert [s["why"].split(";")[0] for s in now.segments][:2] == ["submitted", "the step failed (exit 1)"], now.segments
+        assert (now.state, now.unrecorded) == ("TIMEOUT", ["41"]), (zone, now)
+        assert [s["why"] for s in now.segments] == ["submitted", "started again (a resubmit)"], now.segments
     monkeypatch.delenv("TZ")
     time.tzset()
 
@@ -788,8 +819,8 @@ def test_a_sweeps_array_is_recorded_first_so_cancel_reaches_points_whose_records
 def test_a_reused_job_id_names_the_newest_run_or_sweep_that_has_it(tmp_path, slurm, capfd) -> None:
     from dataclasses import replace
 
-    from ddpack.jobs.run_record import write_record
-    from ddpack.jobs.runs import resolve_run
+    from ddpack.jobs.find_runs import resolve_run
+    from ddpack.jobs.run_json import write_record
 
     fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 41')
     assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1,2", "--json", "--", "p", "{lr}"]) == 0
@@ -827,7 +858,7 @@ def test_gc_images_removes_only_your_squashfs_files_that_no_run_names(tmp_path, 
 def test_an_ended_runs_summary_answers_ls_so_its_metrics_and_logs_are_not_read_again(tmp_path, slurm, capfd) -> None:
     from test_lifecycle import end, progress, start
 
-    from ddpack.jobs.run_record import append_job
+    from ddpack.jobs.run_json import append_job
     from ddpack.jobs.status import SUMMARY
     from train import run_folder
 
@@ -965,7 +996,7 @@ def test_the_ledgers_parts_add_up_to_the_allocation_through_a_restart_and_a_pree
     from dataclasses import replace
 
     from ddpack.jobs.ledger import run_ledger
-    from ddpack.jobs.run_record import write_record
+    from ddpack.jobs.run_json import write_record
 
     run_dir = ledger_run(tmp_path)
     write_record(replace(read_record(run_dir), jobs=[replace(read_record(run_dir).jobs[0], submitted=-30.0)]))
@@ -1019,11 +1050,11 @@ def test_a_sweeps_status_reads_a_settled_points_summary_not_its_log(tmp_path, sl
     assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1,2", "--json", "--", "p", "{lr}"]) == 0
     sweep_dir = Path(submitted(capfd)["run_dir"])
     fake(slurm, "squeue", 'case "$*" in *%i*) echo "90_1|RUNNING" ;; esac')
-    (sweep_dir / "0" / "logs" / "slurm-90_0.out").write_text("ddpack: the step completed (exit 0)\n")
+    write_decisions(sweep_dir / "0", [started(100, "90_0", slurm_job="124", log_at=0), step_end(110, "completed", "the step completed (exit 0)", "90_0")])
     assert cli.main(["status", str(sweep_dir), "--json"]) == 0
     assert [p["state"] for p in json.loads(capfd.readouterr().out)["points"]] == ["COMPLETED", "RUNNING"]
     assert (sweep_dir / "0" / "summary.json").is_file() and not (sweep_dir / "1" / "summary.json").exists()
-    (sweep_dir / "0" / "logs" / "slurm-90_0.out").write_text("")  # were it read again, point 0 would not read COMPLETED
+    (sweep_dir / "0" / "decisions.jsonl").write_text("")  # were it read again, point 0 would not read COMPLETED
     assert cli.main(["status", str(sweep_dir), "--json"]) == 0
     assert [p["state"] for p in json.loads(capfd.readouterr().out)["points"]] == ["COMPLETED", "RUNNING"]
     assert calls(slurm, "squeue")[-1] == "squeue -h -r -t all -j 90_1 -o %i|%T"  # the settled point is not asked about

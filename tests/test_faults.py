@@ -12,7 +12,7 @@ from test_lifecycle import fake, fake_slurm, queued, settings
 from ddpack import cli
 from ddpack.errors import HostError
 from ddpack.jobs import slurm_cli
-from ddpack.jobs.run_record import read_record
+from ddpack.jobs.run_json import read_record
 from ddpack.jobs.submit import submit
 
 SECRET = "tok-3f9a-not-for-logs"
@@ -95,12 +95,12 @@ def test_a_default_job_name_slurm_would_expand_is_refused(tmp_path, slurm) -> No
 
 
 def test_submit_on_a_full_filesystem_is_one_line_and_leaves_no_run_folder_without_its_record(tmp_path, slurm, monkeypatch) -> None:
-    import ddpack.jobs.submit as submitting
+    import ddpack.jobs.job_script as job_script
 
     def full(*_: object, **__: object) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(submitting.shutil, "copy2", full)  # the job's helpers are the first files written into it
+    monkeypatch.setattr(job_script.shutil, "copy2", full)  # the job's helpers are the first files written into it
     good = settings(tmp_path)
     with pytest.raises(HostError, match=f"^cannot write the run folder under {good.runs} \\(No space left on device\\); make room"):
         submit(good, say=lambda _: None)
@@ -111,7 +111,7 @@ def test_a_resubmit_gives_the_new_job_its_failure_restarts_anew(tmp_path, slurm)
     """The count caps one job's restart loop; a person who resubmits chose to go on."""
     from test_lifecycle import make_run
 
-    from ddpack.jobs.runs import resubmit
+    from ddpack.jobs.run_actions import resubmit
 
     fake(slurm, "squeue", "echo 'FAILED||'")
     run_dir = make_run(tmp_path)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpack.jobs import submit
+from ddpack.jobs import submit_checks
 from testbed.env import ROOT
 
 HELPER = ROOT / "enroot" / "ddpack-job.sh"
@@ -38,7 +38,7 @@ def container_path(path: str, mounts: str) -> subprocess.CompletedProcess[str]:
 def test_run_dirs_are_mapped_through_the_mounts(path: str, mounts: str, inside: str) -> None:
     out = container_path(path, mounts)
     assert out.returncode == 0 and out.stdout == inside + "\n", out.stderr
-    assert submit.container_path(Path(path), mounts) == inside  # submit's check asks the same rule
+    assert submit_checks.container_path(Path(path), mounts) == inside  # submit's check asks the same rule
 
 
 def test_a_run_dir_outside_every_mount_is_one_line() -> None:

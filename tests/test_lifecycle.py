@@ -16,13 +16,18 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+from job_records import started, step_end, write_decisions
 
 from ddpack import cli
 from ddpack.errors import HostError
 from ddpack.jobs import status
-from ddpack.jobs.run_record import Job, RunRecord, read_record, write_record
-from ddpack.jobs.runs import follow, print_logs, resolve_run, resubmit
-from ddpack.jobs.submit import SubmitSettings, image_key, render_script, setting_problems, submit
+from ddpack.jobs.find_runs import list_runs, resolve_run
+from ddpack.jobs.job_script import render_script
+from ddpack.jobs.logs import follow, print_logs
+from ddpack.jobs.run_actions import resubmit
+from ddpack.jobs.run_json import Job, RunRecord, read_record, write_record
+from ddpack.jobs.submit import image_key, submit
+from ddpack.jobs.submit_checks import SubmitSettings, setting_problems
 from train import run_folder
 
 
@@ -69,7 +74,12 @@ def queued(bin_dir: Path) -> list[str]:
     return [call for call in calls(bin_dir, "sbatch") if "--test-only" not in call]
 
 
-def make_run(root: Path, *, jobs: tuple[str, ...] = ("41",), records: list[dict] | None = None, logs: dict[str, str] | None = None) -> Path:
+def make_run(
+    root: Path, *, jobs: tuple[str, ...] = ("41",), records: list[dict] | None = None, logs: dict[str, str] | None = None,
+    decisions: list[dict] | None = None,
+) -> Path:
+    """A run folder as `ddpack submit` and a job leave it: run.json, the metrics `records`, the jobs' `logs` and the
+    job's `decisions` (decisions.jsonl; tests/job_records.py writes them as the job's program does)."""
     run_dir = root / "runs" / "cpu-ddp-20261125-120000-abcd"
     (run_dir / run_folder.LOGS).mkdir(parents=True)
     (run_dir / run_folder.JOB).mkdir()
@@ -92,6 +102,8 @@ def make_run(root: Path, *, jobs: tuple[str, ...] = ("41",), records: list[dict]
         (run_dir / run_folder.METRICS).write_text("".join(json.dumps(r) + "\n" for r in records))
     for job, text in (logs or {}).items():
         (run_dir / run_folder.LOGS / run_folder.job_log(job)).write_text(text)
+    if decisions is not None:
+        write_decisions(run_dir, decisions)
     return run_dir
 
 
@@ -125,6 +137,12 @@ REQUEUED_RUN = [
     progress(133, 50),
 ]
 REQUEUED_LOG = BANNER.format(r=0) + "[rank 0/4] step 10\n[rank 3/4] step 10\n" + PREEMPTED + BANNER.format(r=1) + "[rank 0/4] step 30\n"
+# What the job recorded of the same two starts: each start (where it began in the log), the preemption's decision.
+REQUEUED_DECISIONS = [
+    started(99, log_at=0),
+    step_end(104, "requeue", PREEMPTED.removeprefix("ddpack: ").strip(), reason="preempted", code=138),
+    started(129, restart=1, log_at=REQUEUED_LOG.index(BANNER.format(r=1))),
+]
 
 
 # --------------------------------------------------------------------------- status
@@ -132,7 +150,7 @@ REQUEUED_LOG = BANNER.format(r=0) + "[rank 0/4] step 10\n[rank 3/4] step 10\n" +
 
 def test_a_running_requeued_job_shows_both_segments_the_step_of_the_total_an_eta_and_the_slowest_rank(tmp_path, slurm) -> None:
     fake(slurm, "squeue", "echo 'RUNNING|None|ddnode[1-2]'")
-    run_dir = make_run(tmp_path, records=REQUEUED_RUN, logs={"41": REQUEUED_LOG})
+    run_dir = make_run(tmp_path, records=REQUEUED_RUN, logs={"41": REQUEUED_LOG}, decisions=REQUEUED_DECISIONS)
     got = status.run_status(run_dir)
     assert (got.state, got.state_from, got.step, got.total_steps) == ("RUNNING", "squeue", 50, 232)
     assert got.eta_s == pytest.approx((232 - 50) * (133 - 131) / (50 - 30))  # no eta_s in the records: the segment's rate
@@ -159,7 +177,7 @@ def test_a_running_requeued_job_shows_both_segments_the_step_of_the_total_an_eta
 )
 def test_the_state_comes_from_squeue_then_the_run_folder(tmp_path, slurm, squeue: str, expected: tuple[str, str]) -> None:
     fake(slurm, "squeue", squeue)
-    run_dir = make_run(tmp_path, records=[*REQUEUED_RUN, end(140, 232, "done", 0)], logs={"41": REQUEUED_LOG})
+    run_dir = make_run(tmp_path, records=[*REQUEUED_RUN, end(140, 232, "done", 0)], logs={"41": REQUEUED_LOG}, decisions=REQUEUED_DECISIONS)
     got = status.run_status(run_dir)
     assert (got.state, got.state_from) == expected
     assert got.eta_s is None and got.step == 232
@@ -172,7 +190,7 @@ def test_an_squeue_that_fails_never_loses_a_run_and_a_run_with_no_end_record_is_
     UNKNOWN (not FAILED) while nothing in the folder settles it; an squeue that answers, but no longer lists the job,
     with no end record, is FAILED."""
     fake(slurm, "squeue", "echo 'squeue: error: Unable to contact slurm controller (connect failure)' >&2; exit 1")
-    run_dir = make_run(tmp_path, records=REQUEUED_RUN, logs={"41": REQUEUED_LOG})
+    run_dir = make_run(tmp_path, records=REQUEUED_RUN, logs={"41": REQUEUED_LOG}, decisions=REQUEUED_DECISIONS)
     got = status.run_status(run_dir)
     assert (got.state, got.state_from) == ("UNKNOWN", "run folder") and got.step == 50
     assert [line.split()[0] for line in status.render_list(status.list_rows(tmp_path / "runs"))] == [run_dir.name]
@@ -187,17 +205,19 @@ def test_an_squeue_that_fails_never_loses_a_run_and_a_run_with_no_end_record_is_
 )
 def test_slurms_own_cancel_line_in_the_log_says_cancelled_or_timeout_without_accounting(tmp_path, slurm, line: str, state: str) -> None:
     log = REQUEUED_LOG + f"slurmstepd: error: *** JOB 41 ON ddnode1 {line} ***\n"
-    run_dir = make_run(tmp_path, records=REQUEUED_RUN, logs={"41": log})
+    run_dir = make_run(tmp_path, records=REQUEUED_RUN, logs={"41": log}, decisions=REQUEUED_DECISIONS)
     assert (status.run_status(run_dir).state, status.run_status(run_dir).state_from) == (state, "job log")
 
 
 def test_a_requeue_is_not_a_cancel_and_a_cancel_before_a_restart_is_not_the_end(tmp_path, slurm) -> None:
-    """Slurm writes `CANCELLED AT … DUE TO JOB REQUEUE` when it requeues a job: the run went on. A scancel'd start
-    that the job came back from (a banner after it) is not the job's end either."""
+    """Slurm writes `CANCELLED AT … DUE TO JOB REQUEUE` when it requeues a job: the run went on. A start Slurm cancelled
+    (a preemption) that the job came back from (a start recorded further on in the log) is not the job's end either."""
     requeue = "slurmstepd: error: *** JOB 41 ON ddnode1 CANCELLED AT 2026-11-25T12:00:00 DUE TO JOB REQUEUE ***\n"
     cancel = "slurmstepd: error: *** JOB 41 ON ddnode1 CANCELLED AT 2026-11-25T12:00:00 ***\n"
     for log in (BANNER.format(r=0) + PREEMPTED + requeue + BANNER.format(r=1), BANNER.format(r=0) + cancel + BANNER.format(r=1)):
-        run_dir = make_run(tmp_path / str(len(log)), records=[*REQUEUED_RUN, end(140, 232, "done", 0)], logs={"41": log})
+        again = started(129, restart=1, log_at=log.index(BANNER.format(r=1)))  # long before Slurm's time: the log's place decides
+        run_dir = make_run(tmp_path / str(len(log)), records=[*REQUEUED_RUN, end(140, 232, "done", 0)], logs={"41": log},
+                           decisions=[started(99, log_at=0), again])  # fmt: skip
         assert (status.run_status(run_dir).state, status.run_status(run_dir).state_from) == ("COMPLETED", "end record")
 
 
@@ -207,24 +227,38 @@ def test_accounting_answers_when_the_cluster_has_it(tmp_path, slurm) -> None:
     assert (status.run_status(run_dir).state, status.run_status(run_dir).state_from) == ("TIMEOUT", "sacct")
 
 
-def test_a_program_that_writes_no_records_still_has_a_state_its_segments_and_its_log(tmp_path, slurm) -> None:
+def test_a_program_that_writes_no_metrics_still_has_a_state_and_its_segments_from_the_jobs_records(tmp_path, slurm) -> None:
     fake(slurm, "squeue", "echo 'RUNNING|None|ddnode[1-2]'")
-    log = (
-        BANNER.format(r=0)
-        + "epoch 1\n"
-        + "ddpack: the step failed (exit 1); restarting it in this allocation on ddnode1,ddnode2 from its last snapshot (failure restart 1 of at most 1)\n"
-        + "epoch 1\n"
-        + PREEMPTED
-        + BANNER.format(r=1)
-    )
-    run_dir = make_run(tmp_path, logs={"41": log})
+    restarted = "the step failed (exit 1); restarting it in this allocation on ddnode1,ddnode2 from its last snapshot (failure restart 1 of at most 1)"
+    decisions = [
+        started(100, log_at=0),
+        step_end(110, "restart", restarted, reason="failed", code=1),
+        step_end(120, "requeue", PREEMPTED.removeprefix("ddpack: ").strip(), reason="preempted", code=138),
+        started(150, restart=1, log_at=60),
+    ]
+    run_dir = make_run(tmp_path, logs={"41": "epoch 1\n" * 20}, decisions=decisions)
     got = status.run_status(run_dir)
-    assert got.state == "RUNNING" and got.step is None and got.eta_s is None
-    assert [s["why"].split(";")[0] for s in got.segments] == ["submitted", "the step failed (exit 1)", "preempted (exit 138)"]
-    with (run_dir / run_folder.LOGS / run_folder.job_log("41")).open("a") as handle:
-        handle.write("epoch 3\nddpack: the step completed (exit 0)\n")
-    fake(slurm, "squeue", "exit 0")  # MinJobAge later, Slurm has forgotten it: the template's last line still says
-    assert (status.run_status(run_dir).state, status.run_status(run_dir).state_from) == ("COMPLETED", "job log")
+    assert got.state == "RUNNING" and got.step is None and got.eta_s is None and got.unrecorded == []
+    assert [(s["began"], s["why"].split(";")[0]) for s in got.segments] == [
+        (100, "submitted"), (110, "the step failed (exit 1)"), (150, "preempted (exit 138)")
+    ]  # fmt: skip
+    write_decisions(run_dir, [step_end(160, "completed", "the step completed (exit 0)", restart=1, reason="done")], append=True)
+    fake(slurm, "squeue", "exit 0")  # MinJobAge later, Slurm has forgotten it: the job's last record still says
+    assert (status.run_status(run_dir).state, status.run_status(run_dir).state_from) == ("COMPLETED", "job records")
+
+
+def test_no_sentence_of_the_log_is_read_and_a_job_without_records_is_said_to_be_one_in_one_line(tmp_path, slurm) -> None:
+    """A job of a ddpack older than its records: its log's sentences (the banner, the decisions) say nothing to
+    status; its state is Slurm's and the metrics', and status says in one line that its decisions are unknown."""
+    fake(slurm, "squeue", "exit 0")
+    run_dir = make_run(tmp_path, records=[*REQUEUED_RUN, end(140, 232, "done", 0)], logs={"41": REQUEUED_LOG + "ddpack: the step completed (exit 0)\n"})
+    got = status.run_status(run_dir)
+    assert (got.state, got.state_from, got.unrecorded) == ("COMPLETED", "end record", ["41"])
+    assert [s["why"] for s in got.segments] == ["submitted", "started again (a resubmit)"]  # no sentence told it why
+    said = [line for line in status.render(got).splitlines() if "decision records" in line]
+    assert said == [f"records  {status.UNRECORDED.format(jobs='41')}"] and "job 41 wrote no decision records (decisions.jsonl)" in said[0]
+    (run_dir / run_folder.METRICS).unlink()
+    assert (status.run_status(run_dir).state, status.run_status(run_dir).segments) == ("FAILED", [])  # the log's sentences: not read
 
 
 def test_status_reads_a_run_of_100000_progress_records_without_parsing_them_all(tmp_path, slurm) -> None:
@@ -258,7 +292,7 @@ def test_logs_show_every_job_in_order_and_one_ranks_lines(tmp_path, slurm) -> No
 def test_logs_follow_a_job_across_its_requeue_and_exit_with_its_state(tmp_path, slurm, monkeypatch) -> None:
     """The log grows through a requeue (squeue: RUNNING, then PENDING, then RUNNING again, then COMPLETED); follow
     prints what is appended and exits 0 only once COMPLETED has held (a requeue passes through an ended state)."""
-    import ddpack.jobs.runs
+    import ddpack.jobs.logs
 
     answers = slurm / "answers"
     answers.write_text("RUNNING\nCANCELLED\nPENDING\nRUNNING\nCOMPLETED\n")
@@ -278,7 +312,7 @@ def test_logs_follow_a_job_across_its_requeue_and_exit_with_its_state(tmp_path, 
     thread = threading.Thread(target=grow)
     thread.start()
     out = io.StringIO()
-    monkeypatch.setattr(ddpack.jobs.runs, "POLL_STATE_S", 0.2)
+    monkeypatch.setattr(ddpack.jobs.logs, "POLL_STATE_S", 0.2)
     code = follow(run_dir, None, out, poll_s=0.05, settle_s=0.5)
     thread.join()
     assert code == 0, out.getvalue()
@@ -343,7 +377,7 @@ def test_a_run_folder_or_record_that_is_not_the_users_own_is_never_listed_or_act
     run_dir = make_run(tmp_path, records=REQUEUED_RUN)
     for path in (run_dir, run_dir / "run.json", run_dir / "job", run_dir / "job" / "ddpack.sbatch"):
         os.chown(path, mallory.uid, mallory.gid)
-    assert status.list_runs(tmp_path / "runs") == []
+    assert list_runs(tmp_path / "runs") == []
     for verb in ("cancel", "resubmit", "status"):
         assert cli.main([verb, str(run_dir)]) == 2
         assert "it is not a run of yours" in capsys.readouterr().err
@@ -468,7 +502,7 @@ def test_the_readmes_submit_line_runs_as_written(tmp_path, slurm, monkeypatch, c
 def test_every_verb_takes_json_with_status_names_and_a_job_id(tmp_path, slurm, capsys) -> None:
     """cancel, resubmit, logs, report and ls answer in JSON with status --json's names; each takes a job id."""
     squeue_says(slurm, "RUNNING")
-    run_dir = make_run(tmp_path, records=REQUEUED_RUN, logs={"41": REQUEUED_LOG})
+    run_dir = make_run(tmp_path, records=REQUEUED_RUN, logs={"41": REQUEUED_LOG}, decisions=REQUEUED_DECISIONS)
     runs = str(tmp_path / "runs")
 
     def answer(*argv: str) -> dict | list:
@@ -501,7 +535,7 @@ def test_status_watch_exits_as_logs_follow_does(tmp_path, slurm, monkeypatch, ca
 
     monkeypatch.setattr(ddpack.jobs.slurm_cli, "SETTLE_S", 0.0)
     fake(slurm, "squeue", f"echo '{squeue}|None|'")
-    run_dir = make_run(tmp_path, records=REQUEUED_RUN, logs={"41": REQUEUED_LOG})
+    run_dir = make_run(tmp_path, records=REQUEUED_RUN, logs={"41": REQUEUED_LOG}, decisions=REQUEUED_DECISIONS)
     assert cli.main(["status", str(run_dir), "--watch", "--interval", "0.01"]) == code
     assert squeue in capsys.readouterr().out
 
@@ -509,7 +543,7 @@ def test_status_watch_exits_as_logs_follow_does(tmp_path, slurm, monkeypatch, ca
 def test_preempted_is_an_end_in_every_verb(tmp_path, slurm, capsys) -> None:
     """A job Slurm preempted and did not requeue (PreemptMode=CANCEL) has ended: status, ls, cancel and resubmit agree."""
     squeue_says(slurm, "PREEMPTED")
-    run_dir = make_run(tmp_path, records=REQUEUED_RUN, logs={"41": REQUEUED_LOG})
+    run_dir = make_run(tmp_path, records=REQUEUED_RUN, logs={"41": REQUEUED_LOG}, decisions=REQUEUED_DECISIONS)
     got = status.run_status(run_dir)
     assert (got.state, got.ended, got.eta_s) == ("PREEMPTED", True, None)
     assert status.list_rows(tmp_path / "runs")[0]["state"] == "PREEMPTED"
@@ -519,16 +553,14 @@ def test_preempted_is_an_end_in_every_verb(tmp_path, slurm, capsys) -> None:
 
 
 def test_each_segment_shows_its_start_and_end_after_a_cancel_and_a_resubmit(tmp_path, slurm) -> None:
-    """A program that writes no records, cancelled while it ran, then resubmitted: both segments have times, from the
-    template's banner and from Slurm's cancel line."""
+    """A program that writes no metrics, cancelled while it ran, then resubmitted: both segments have times, from the
+    job's start records and from Slurm's cancel line."""
     began = time.mktime((2026, 11, 25, 12, 0, 0, 0, 0, -1))
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(began))
-    banner = "ddpack: job {job} (restart 0) on ddnode[1-2], run dir /fsx/runs/x (new run), at {at}\n"
     cancel = "slurmstepd: error: *** JOB 41 ON ddnode1 CANCELLED AT 2026-11-25T12:05:00 ***\n"
-    second = time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(began + 600))
     run_dir = make_run(
-        tmp_path, jobs=("41", "57"), logs={"41": banner.format(job=41, at=stamp) + "0: epoch 1\n" + cancel, "57": banner.format(job=57, at=second)}
-    )
+        tmp_path, jobs=("41", "57"), logs={"41": "0: epoch 1\n" + cancel, "57": "0: epoch 1\n"},
+        decisions=[started(began, log_at=0), started(began + 600, "57", log_at=0)],
+    )  # fmt: skip
     fake(slurm, "squeue", "echo 'RUNNING|None|ddnode[1-2]'")
     got = status.run_status(run_dir)
     assert [(s["began"], s["ended"]) for s in got.segments] == [(began, began + 300), (began + 600, None)]
@@ -557,7 +589,7 @@ def test_the_partition_check_counts_only_nodes_that_can_run_the_job(tmp_path, sl
 def test_the_runs_folder_is_the_users_own_on_the_shared_filesystem_and_named_when_empty(tmp_path, slurm, monkeypatch, capsys) -> None:
     import pwd
 
-    from ddpack.jobs.runs import default_runs
+    from ddpack.jobs.find_runs import default_runs
 
     monkeypatch.delenv("DDPACK_RUNS", raising=False)
     monkeypatch.chdir(tmp_path)
@@ -665,3 +697,24 @@ def test_a_gpu_job_asks_for_the_cuda_image_and_one_rank_per_gpu(tmp_path, slurm,
         capsys.readouterr().err
     )
     assert [how["variant"] for how in asked] == ["gpu"] * 4  # a dry run goes on to say what it would build
+
+
+def test_run_json_has_one_lock_the_jobs_own_with_its_fallback_where_the_filesystem_has_no_flock(tmp_path, slurm, monkeypatch) -> None:
+    """submit, cancel, resubmit and tag write run.json under the lock the job takes to record a run started by hand
+    (enroot/ddpack_node.py `guard`): on a filesystem without flock both fall back to the same O_EXCL guard file."""
+    from ddpack.job_side import node_helper
+    from ddpack.jobs import run_json
+
+    run_dir = make_run(tmp_path)
+    node = node_helper()
+
+    def no_flock(*_: object) -> None:
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(node.fcntl, "flock", no_flock)
+    guard_file = run_dir / f".{run_folder.RUN_RECORD}.lock.excl"
+    with run_json._locked(run_dir):
+        assert guard_file.exists()  # a job's record_hand_made waits here until the host's write is done
+    assert not guard_file.exists()
+    run_json.update_tags(run_dir, {"k": "v"})
+    assert read_record(run_dir).tags == {"k": "v"}

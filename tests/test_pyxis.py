@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpack.jobs.runs import rank_filter
+from ddpack.jobs.logs import rank_filter
 from testbed.env import ROOT
 from testbed.file_opens import OpenCounter
 from testbed.readme_examples import write_mytask

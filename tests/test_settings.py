@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ddpack.job_side import settings_table
-from ddpack.jobs.submit import SubmitSettings, setting_problems
+from ddpack.jobs.submit_checks import SubmitSettings, setting_problems
 from testbed.env import ROOT
 
 TABLE = settings_table().SETTINGS

@@ -22,9 +22,10 @@ from typing import Any
 
 from ddpack.errors import HostError
 from ddpack.jobs.ledger import run_ledger
-from ddpack.jobs.run_record import read_record
-from ddpack.jobs.segments import Run, read_run
+from ddpack.jobs.run_json import read_record
+from ddpack.jobs.run_metrics import Run, read_run
 from ddpack.private_files import write_atomically
+from train.metrics import format_share
 
 # Fields of the record that name this run rather than what it ran: the same run twice always differs in them.
 OWN = ("settings.run_dir", "settings.runs", "environment.script.DDPACK_RUN_DIR", "environment.script.DDPACK_HOME", "environment.login_shell")
@@ -166,7 +167,7 @@ def outcome_rows(comparison: Comparison) -> list[tuple[str, list[str]]]:
         ("last train loss", [_cell(o.train_loss) for o in out]),
         ("last eval loss", [_cell(o.eval_loss) for o in out]),
         ("samples/s (median)", [f"{o.samples_per_s:,.0f}" if o.samples_per_s is not None else "-" for o in out]),
-        ("MFU (median)", [f"{o.mfu * 100:.1f} %" if o.mfu is not None else "-" for o in out]),
+        ("MFU (median)", [format_share(o.mfu) if o.mfu is not None else "-" for o in out]),
         ("wall time", [_duration(o.wall_s) for o in out]),
         ("restarts", [str(o.restarts) for o in out]),
         ("node-hours (kept)", [f"{o.node_hours:.3f} ({o.kept_node_hours:.3f})" if o.node_hours is not None else "-" for o in out]),
@@ -237,7 +238,7 @@ def sweep_table(folder: Path) -> tuple[list[str], list[dict[str, Any]], list[Run
     metrics) for `compare SWEEP`."""
     from dataclasses import asdict
 
-    from ddpack.jobs.sweep import point_dirs, read_sweep
+    from ddpack.jobs.sweep_points import point_dirs, read_sweep
 
     data = read_sweep(folder)
     names = data.get("names") or list(data["values"])  # the order given (the file's keys are sorted)
@@ -272,7 +273,7 @@ def render_sweep_table(names: list[str], rows: list[dict[str, Any]], page: Path 
     heads = ["point", *names, "state", "step", "train loss", "eval loss", "samples/s", "MFU", "wall", "restarts", "node-h (kept)"]
     body = [[str(row["index"]), *(str(row[name]) for name in names), row["state"], _cell(row["step"]), _cell(row["train_loss"]),
              _cell(row["eval_loss"]), f"{row['samples_per_s']:,.0f}" if row["samples_per_s"] is not None else "-",
-             f"{row['mfu'] * 100:.1f} %" if row["mfu"] is not None else "-", _duration(row["wall_s"]), str(row["restarts"]),
+             format_share(row["mfu"]) if row["mfu"] is not None else "-", _duration(row["wall_s"]), str(row["restarts"]),
              f"{row['node_hours']:.3f} ({row['kept_node_hours']:.3f})" if row["node_hours"] is not None else "-"]
             for row in rows]  # fmt: skip
     widths = [max(len(line[i]) for line in [heads, *body]) for i in range(len(heads))]

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpack.errors import HostError
-from ddpack.jobs.run_record import read_record
+from ddpack.jobs.run_json import read_record
 from ddpack.private_files import write_atomically
 
 TRAIN_SCALARS = ("loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "mfu")  # train.metrics.TensorBoardScalars'
@@ -31,7 +31,7 @@ KINDS = ("start", "progress", "eval", "end")
 
 def runs_of(folders: list[Path]) -> list[Path]:
     """The runs the folders name: a sweep's folder is its points."""
-    from ddpack.jobs.sweep import is_sweep, point_dirs
+    from ddpack.jobs.sweep_points import is_sweep, point_dirs
 
     return [point for folder in folders for point in (point_dirs(folder) if is_sweep(folder) else [folder])]
 
@@ -58,12 +58,12 @@ def scalar(value: Any) -> bool:
 
 def records_of(run_dir: Path) -> list[dict[str, Any]]:
     """The run's metrics records of KINDS, in order, their scalar fields only (a list such as rank_step_s is left out)."""
-    from ddpack.jobs.segments import read_records
+    from ddpack.jobs.run_metrics import read_metrics
     from train import run_folder
 
     if not (run_dir / run_folder.METRICS).is_file():  # still queued, or a program that writes no records
         return []
-    records, _ = read_records(run_dir / run_folder.METRICS)
+    records, _ = read_metrics(run_dir / run_folder.METRICS)
     return [{key: value for key, value in record.items() if scalar(value)} for record in records if record.get("kind") in KINDS]
 
 

@@ -25,7 +25,7 @@ class Unused:
 
 def named_images(runs: Path) -> set[str]:
     """Every squashfs a run of yours under `runs` names (a sweep's points too)."""
-    from ddpack.jobs.status import list_runs
+    from ddpack.jobs.find_runs import list_runs
 
     return {os.path.realpath(record.sqsh["path"]) for _, record in list_runs(runs) if record.sqsh.get("path")}
 

@@ -30,8 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddpack.jobs.run_record import RunRecord, read_record
-from ddpack.jobs.segments import Segment, split_segments
+from ddpack.jobs.decisions import read_decisions
+from ddpack.jobs.run_json import RunRecord, read_record
+from ddpack.jobs.run_metrics import Segment, split_segments
 from train import run_folder
 
 PARTS = ("kept", "redone", "startup", "preflight", "restarts", "preemptions", "hangs", "failures", "not_completed", "shutdown", "unrecorded")
@@ -80,22 +81,6 @@ class Ledger:
         }  # fmt: skip
 
 
-def decisions(run_dir: Path) -> list[dict[str, Any]]:
-    try:
-        lines = (run_dir / run_folder.DECISIONS).read_text(errors="replace").splitlines()
-    except OSError:
-        return []
-    found = []
-    for line in lines:
-        try:
-            entry = json.loads(line)
-            float(entry["time"])
-        except (ValueError, KeyError, TypeError):
-            continue  # a torn last line
-        found.append(entry)
-    return found
-
-
 def node_count(nodes: str, record: RunRecord) -> int:
     """The start record's node list counted (Slurm's hostlist), else the run's asked-for nodes and spares."""
     from entrypoint.hostlist import HostlistError, expand_hostlist
@@ -140,7 +125,7 @@ def last_step(segment: Segment) -> int | None:
 
 def run_ledger(run_dir: Path, state: str | None = None) -> Ledger:
     """The run's ledger (module docstring); `state` is its final state (ddpack status's, asked when not given)."""
-    from ddpack.jobs.segments import read_records
+    from ddpack.jobs.run_metrics import read_metrics
 
     record = read_record(run_dir)
     if state is None:
@@ -148,14 +133,14 @@ def run_ledger(run_dir: Path, state: str | None = None) -> Ledger:
 
         state = run_status(run_dir).state
     ledger = Ledger(run_dir=str(run_dir), state=state)
-    entries = decisions(run_dir)
+    entries = read_decisions(run_dir)
     allocations = allocations_of(entries, record)
     if not allocations:
         ledger.note = "no start records (decisions.jsonl): a job of an older ddpack, or one not started yet"
         return ledger
     metrics = run_dir / run_folder.METRICS
     try:
-        segments = [s for s in split_segments(read_records(metrics)[0]) if s.began is not None] if metrics.is_file() else []
+        segments = [s for s in split_segments(read_metrics(metrics)[0]) if s.began is not None] if metrics.is_file() else []
     except Exception:  # a damaged metrics file: the allocations alone
         segments = []
     preflight_s = preflight_seconds(run_dir)

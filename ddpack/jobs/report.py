@@ -1,6 +1,6 @@
 """`make report RUN=DIR`: one self-contained HTML page (and with --png one summary image) of a run.
 
-It draws what the trainer leaves in the run folder (the templates' runs/<job>-<id>), as ddpack.jobs.segments
+It draws what the trainer leaves in the run folder (the templates' runs/<job>-<id>), as ddpack.jobs.run_metrics
 reads it: `metrics.jsonl` (one segment per start) and `preflight.json` when the job ran a preflight. It
 draws loss and eval curves; throughput and MFU over time; every rank's step time as a heatmap, where a
 straggler is a bright row; the segments on a timeline with their snapshots and how each ended; the
@@ -25,7 +25,7 @@ from statistics import median
 from typing import Any
 
 from ddpack.errors import HostError, run_verb
-from ddpack.jobs.segments import Run, read_run
+from ddpack.jobs.run_metrics import Run, read_run
 from ddpack.private_files import write_atomically
 from train import run_folder
 from train.metrics import format_share

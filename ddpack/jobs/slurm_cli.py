@@ -30,8 +30,9 @@ EXIT_FOR_STATE = {"COMPLETED": 0, "FAILED": 1, "CANCELLED": 3, "TIMEOUT": 4, "PR
 # The states a run's job waits or trains in, the liveliest first (a sweep is as lively as its liveliest point).
 LIVE = ("RUNNING", "REQUEUED", "PENDING")
 SETTLE_S = 10.0  # an ended state must hold this long before a verb believes it: a requeue passes through one
-# Slurm's states in which a job has left its nodes for good (squeue -t all keeps them for MinJobAge seconds).
-FINAL = tuple(state for state, ours in JOB_STATES.items() if ours in ENDED)
+# Slurm's states in which a job has left its nodes for good (squeue -t all keeps them for MinJobAge seconds): the job
+# helper's own set, derived once there from the same table.
+OVER: frozenset[str] = frozenset(node_helper().OVER)
 
 
 def ddpack_state(slurm_state: str) -> str:

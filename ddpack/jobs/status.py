@@ -1,9 +1,10 @@
 """`ddpack status` and `ddpack ls`: a run's state, segments, progress and ETA, from Slurm and the run folder.
 
 The state comes from `squeue` (which keeps an ended job for MinJobAge), then `sacct` where the cluster keeps
-accounting, then the run folder's own records: run.json's cancels, the job log's `*** JOB … CANCELLED ***` and
-the template's decisions, the trainer's end record. An squeue that fails or no longer lists the job never loses a
-run: the folder still says what happened, and `state_from` says who answered.
+accounting, then the run folder's own records: run.json's cancels, Slurm's own `*** JOB … CANCELLED ***` line in
+the job's log, the trainer's end record and the job's decisions (decisions.jsonl, which enroot/ddpack_node.py
+writes). No sentence of ddpack's in a job log is read: rewording one changes nothing here. An squeue that fails or
+no longer lists the job never loses a run: the folder still says what happened, and `state_from` says who answered.
 
 The metrics file can hold hundreds of thousands of progress records: they are counted, not parsed; only the
 start, end and snapshot records and the last progress records are read as JSON.
@@ -21,17 +22,19 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ddpack.jobs import slurm_cli
-from ddpack.jobs.run_record import RunRecord, read_record
-from ddpack.jobs.segments import Segment
+from ddpack.jobs.decisions import read_decisions
+from ddpack.jobs.find_runs import list_runs
+from ddpack.jobs.run_json import RunRecord, read_record
+from ddpack.jobs.run_metrics import Segment
 from train import run_folder
 from train.metrics import format_duration
 
 # Slurm's own line when it ends a job's script: scancel, the time limit, or a requeue (which is no ending at all).
 CANCELLED_LINE = re.compile(r"\*\*\* JOB (\d+) ON \S+ CANCELLED AT (\S+)( DUE TO TIME LIMIT| DUE TO JOB REQUEUE)?")
-BANNER = re.compile(r"^ddpack: job (\d+) \(restart (\d+)\) on (\S+), run dir .*?(?:, at (\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d{4}))?$")
-DECISION = re.compile(
-    r"^ddpack: (preempted \(exit \d+\).*|the step completed \(exit 0\)"
-    r"|the step .*(restarting it in this allocation|requeueing job|not requeueing).*)$"
+# The one line for a job with no records of its decisions: status says so, and reads no sentence of its log instead.
+UNRECORDED = (
+    "job {jobs} wrote no decision records (" + run_folder.DECISIONS + "): a job of a ddpack older than them, or one that "
+    "could not write its run folder; its starts and decisions are unknown, its state is Slurm's and its metrics'"
 )
 T = TypeVar("T")
 KEEP_PROGRESS = 50  # the last progress records parsed: enough for a rate over the segment's recent steps
@@ -55,10 +58,11 @@ class Status:
     slowest_step_s: float | None
     progress_records: int
     updated: float | None
-    segments: list[dict[str, Any]]  # each Segment's row (segments.Segment.row)
+    segments: list[dict[str, Any]]  # each Segment's row (run_metrics.Segment.row)
     outcome: dict[str, Any] | None
     image: str | None
     sqsh: str | None
+    unrecorded: list[str] = field(default_factory=list)  # the run's jobs that wrote no decision records (decisions.jsonl)
 
     @property
     def ended(self) -> bool:
@@ -72,16 +76,16 @@ class Status:
 
 
 @dataclass
-class Records:
+class MetricsTail:
     starts: list[dict[str, Any]] = field(default_factory=list)
     ends: list[tuple[int, dict[str, Any]]] = field(default_factory=list)  # (segment index, end record)
     progress: list[dict[str, Any]] = field(default_factory=list)  # the last KEEP_PROGRESS of the last segment
     progress_count: int = 0
 
 
-def read_records(metrics: Path) -> Records:
+def read_metrics_tail(metrics: Path) -> MetricsTail:
     """The records status needs, without parsing every progress line (a long run writes 100,000 of them)."""
-    records = Records()
+    records = MetricsTail()
     try:
         data = metrics.read_bytes()
     except OSError:
@@ -114,96 +118,91 @@ def read_records(metrics: Path) -> Records:
 
 
 @dataclass(frozen=True)
-class LogEvent:
-    kind: str  # "banner" (a start of the job's script), "decision" (the template's verdict), "cancel"
+class JobEvent:
+    kind: str  # "start" (a start of the job's script), "step-end" (the job's decision after a step), "cancel" (Slurm's)
     job_id: str
     text: str
-    when: float | None = None  # a banner's time (the template's) or a cancel's (Slurm's, in the cluster's local time)
-    verdict: str = ""  # a decision's: completed, end, requeue or restart (decisions.jsonl's step-end records)
+    when: float | None = None  # a record's time, or a cancel's (Slurm's, in the cluster's local time)
+    verdict: str = ""  # a step-end's: completed, end, requeue or restart (enroot/ddpack_node.py VERDICTS)
+    log_at: int | None = None  # a start's: the job log's size when it began (where Slurm's lines after it are)
 
     @property
     def starts_segment(self) -> bool:
         """A decision after which training starts again (a requeue, a restart in place)."""
-        return self.kind == "decision" and self.verdict in ("requeue", "restart")
+        return self.kind == "step-end" and self.verdict in ("requeue", "restart")
 
 
-def job_events(run_dir: Path, record: RunRecord) -> list[LogEvent]:
-    """Each job's starts and decisions, job by job in submission order: from the records it wrote (decisions.jsonl,
-    enroot/ddpack_node.py's `record`), else (a job of an older ddpack, or one whose records could not be written)
-    from its log's sentences. Slurm's own cancel lines come from the log, placed after the starts that preceded them
-    there (the log's order: Slurm's times are the cluster's local time, the records' are not)."""
-    recorded: dict[str, list[LogEvent]] = {}
-    try:
-        lines = (run_dir / run_folder.DECISIONS).read_text(errors="replace").splitlines()
-    except OSError:
-        lines = []
+def decision_records(run_dir: Path, record: RunRecord) -> dict[str, list[JobEvent]]:
+    """Each job's starts and step-end decisions from decisions.jsonl, the records the job's program writes
+    (enroot/ddpack_node.py write_record), keyed by the job as ddpack knows it (a sweep's point as <array>_<index>)."""
+    recorded: dict[str, list[JobEvent]] = {}
     ids = {job.job_id for job in record.jobs}
-    for line in lines:
-        try:
-            entry = json.loads(line)
-            kind, when = entry["kind"], float(entry["time"])
-        except (ValueError, KeyError, TypeError):
-            continue  # a torn last line
+    for entry in read_decisions(run_dir):
+        kind, when = entry["kind"], float(entry["time"])
         job = str(entry.get("job")) if str(entry.get("job")) in ids else str(entry.get("slurm_job"))
         if kind == "start":
-            recorded.setdefault(job, []).append(LogEvent("banner", job, f"restart {entry.get('restart', 0)}", when))
+            log_at = entry.get("log_at") if isinstance(entry.get("log_at"), int) else None
+            recorded.setdefault(job, []).append(JobEvent("start", job, f"restart {entry.get('restart', 0)}", when, log_at=log_at))
         elif kind == "step-end":
             text, verdict = str(entry.get("text") or entry.get("verdict")), str(entry.get("verdict") or "")
-            recorded.setdefault(job, []).append(LogEvent("decision", job, text, when, verdict))
-    events: list[LogEvent] = []
+            recorded.setdefault(job, []).append(JobEvent("step-end", job, text, when, verdict))
+    return recorded
+
+
+def job_events(run_dir: Path, record: RunRecord) -> tuple[list[JobEvent], list[str]]:
+    """Each job's starts and decisions (its records), job by job in submission order, with Slurm's own cancels of its
+    script placed after the start they ended; and the jobs that wrote no records (a job of a ddpack older than them).
+
+    Slurm's cancel (scancel, the time limit, a preemption) is in no record of the job's: Slurm writes it into the job's
+    log as `*** JOB <id> ON <node> CANCELLED AT <time> ***` and kills the script before it can say anything. That line
+    is read, never a sentence of ddpack's, and only where a start of the job has no decision after it (the script
+    ended without deciding): a job that decided after every start is not read again. A cancel goes after the last
+    start that began before it in the log (each start record's `log_at`, the log's size then); a start recorded
+    without one (an older job) is placed by its time (Slurm's is the cluster's local time, taken to be this host's)."""
+    recorded = decision_records(run_dir, record)
+    events: list[JobEvent] = []
+    unrecorded = []
     for job in record.jobs:
-        logged = log_events([job.log_path(run_dir)], [job.job_id])
         mine = recorded.get(job.job_id, [])
-        if not mine or sum(e.kind == "decision" for e in mine) < sum(e.kind == "decision" for e in logged):
-            events += logged  # its records are missing or short of what its log says: the log, as before
-            continue
-        cancels, starts = [], 0
-        for event in logged:
-            starts += event.kind == "banner"
-            if event.kind == "cancel":
-                cancels.append((starts, event))
-        seen = 0
+        if not mine:
+            unrecorded.append(job.job_id)
+        # A start with no decision after it: the script was ended from outside (by Slurm), or it is running still.
+        undecided = any(a.kind == "start" and (b is None or b.kind == "start") for a, b in zip(mine, [*mine[1:], None][: len(mine)], strict=True))
+        cancels = slurm_cancels(job.log_path(run_dir), job.job_id) if undecided or not mine else []
         for event in mine:
-            if event.kind == "banner":
-                events += [cancel for after, cancel in cancels if after == seen]
-                seen += 1
+            if event.kind == "start":
+                before = [(at, c) for at, c in cancels if ended_before(at, c, event)]
+                events += [c for _, c in before]
+                cancels = [item for item in cancels if item not in before]
             events.append(event)
-        events += [cancel for after, cancel in cancels if after >= seen]
-    return events
+        events += [c for _, c in cancels]
+    return events, unrecorded
 
 
-def verdict_of(sentence: str) -> str:
-    """A decision sentence's verdict, for a log written before the job recorded its decisions."""
-    if sentence.startswith("the step completed"):
-        return "completed"
-    if "not requeueing" in sentence:
-        return "end"
-    if "restarting it in this allocation" in sentence:
-        return "restart"
-    return "requeue" if "requeueing job" in sentence else "end"
+def ended_before(at: int, cancel: JobEvent, start: JobEvent) -> bool:
+    """Whether Slurm's cancel, `at` bytes into the job's log, came before `start` did."""
+    if start.log_at is not None:
+        return at < start.log_at
+    return cancel.when is not None and start.when is not None and cancel.when + 1 < start.when
 
 
-def log_events(logs: list[Path], job_ids: list[str]) -> list[LogEvent]:
-    """The job logs' banners, template decisions and Slurm's cancel lines, in the order they were written."""
-    events = []
-    for log, job_id in zip(logs, job_ids, strict=True):
-        try:
-            text = log.read_text(errors="replace")
-        except OSError:
-            continue
-        for line in text.splitlines():
-            if line.startswith("ddpack: "):
-                if found := DECISION.match(line):
-                    events.append(LogEvent("decision", job_id, found.group(1), verdict=verdict_of(found.group(1))))
-                elif banner := BANNER.match(line):
-                    when = parse_time(banner.group(4), "%Y-%m-%dT%H:%M:%S%z")
-                    # A log is one job's (a requeue appends to it): its lines are that job's, whatever id they print
-                    # (a sweep's point prints its own numeric SLURM_JOB_ID; ddpack knows it as <array>_<index>).
-                    events.append(LogEvent("banner", job_id, f"restart {banner.group(2)}", when))
-            elif "*** JOB" in line and (cancel := CANCELLED_LINE.search(line)) and cancel.group(3) != " DUE TO JOB REQUEUE":
-                when = parse_time(cancel.group(2), "%Y-%m-%dT%H:%M:%S")
-                events.append(LogEvent("cancel", job_id, "TIMEOUT" if cancel.group(3) else "CANCELLED", when))
-    return events
+def slurm_cancels(log: Path, job_id: str) -> list[tuple[int, JobEvent]]:
+    """Slurm's cancel lines in a job's log (not its requeue's, which ends nothing), each with where it is in the log:
+    found by Slurm's own marker, the rest of the log unparsed."""
+    try:
+        data = log.read_bytes()
+    except OSError:
+        return []
+    found, at = [], data.find(b"*** JOB ")
+    while at >= 0:
+        end = data.find(b"\n", at)
+        line = data[data.rfind(b"\n", 0, at) + 1 : len(data) if end < 0 else end].decode(errors="replace")
+        cancel = CANCELLED_LINE.search(line)
+        if cancel and cancel.group(3) != " DUE TO JOB REQUEUE":
+            when = parse_time(cancel.group(2), "%Y-%m-%dT%H:%M:%S")
+            found.append((at, JobEvent("cancel", job_id, "TIMEOUT" if cancel.group(3) else "CANCELLED", when)))
+        at = data.find(b"*** JOB ", at + 8)
+    return found
 
 
 def parse_time(text: str | None, layout: str) -> float | None:
@@ -216,11 +215,11 @@ def parse_time(text: str | None, layout: str) -> float | None:
         return None
 
 
-def segments_of(records: Records, events: list[LogEvent]) -> list[Segment]:
-    """Each start record is a segment; the template's decision before it says why. A program that writes no
-    records (a user's own) still has the job log: each start of the job's script and each restart in place. A
-    segment begins at its start record's time (else its banner's) and ends at its end record's (else at Slurm's
-    cancel, when Slurm cancelled it)."""
+def segments_of(records: MetricsTail, events: list[JobEvent]) -> list[Segment]:
+    """Each start record of the metrics is a segment; the job's decision before it says why. A program that writes no
+    metrics (a user's own) still has the job's records: each start of the job's script and each restart in place. A
+    segment begins at its start record's time (else the job's record of it) and ends at its end record's (else at
+    Slurm's cancel, when Slurm cancelled it)."""
     ends = dict(records.ends)
     starting = [e.text for e in events if e.starts_segment]
     if records.starts:
@@ -232,22 +231,21 @@ def segments_of(records: Records, events: list[LogEvent]) -> list[Segment]:
             )
             for i, start in enumerate(records.starts)
         ]
-        if len(starting) >= len(records.starts):  # the template started training again; its first record is to come
+        if len(starting) >= len(records.starts):  # the job started training again; its first record is to come
             segments.append(Segment(why=f"{starting[-1]} (starting)"))
         return with_cancel_times(segments, events)
     segments = []
     why = "submitted"
     for event in events:
-        if event.kind == "banner" or event.verdict == "restart":
-            began = event.when if event.kind == "banner" else None
-            segments.append(Segment(logged_at=began, why=why if event.kind == "banner" else event.text))
+        if event.kind == "start" or event.verdict == "restart":
+            segments.append(Segment(recorded_at=event.when, why=why if event.kind == "start" else event.text))
             why = "started again (a resubmit)"
         elif event.starts_segment:
             why = event.text
     return with_cancel_times(segments, events)
 
 
-def with_cancel_times(segments: list[Segment], events: list[LogEvent]) -> list[Segment]:
+def with_cancel_times(segments: list[Segment], events: list[JobEvent]) -> list[Segment]:
     """A segment with no end of its own that Slurm cancelled (scancel, the time limit) ends at Slurm's time: the first
     cancel after it began and before the next segment did."""
     cancels = [e.when for e in events if e.kind == "cancel" and e.when is not None]
@@ -273,14 +271,14 @@ class Asked:
 
 
 def state_of(
-    job_id: str | None, record: RunRecord, records: Records, events: list[LogEvent], asked: Asked | None = None
+    job_id: str | None, record: RunRecord, records: MetricsTail, events: list[JobEvent], asked: Asked | None = None
 ) -> tuple[str, str, str]:
-    """(state, who said so, a note) for the run's newest job."""
+    """(state, who said so, a note) for the run's newest job: Slurm (squeue, then sacct), then the run folder's
+    records (run.json's cancels, Slurm's own cancel line, the trainer's end record, the job's decisions)."""
     if job_id is None:
         return "UNKNOWN", "run folder", "no job was submitted for this run"
-    ran_before = any(e.kind == "banner" and e.job_id == job_id for e in events)
-    decisions = [e for e in events if e.kind == "decision" and e.job_id == job_id]
-    said = "job records" if any(e.verdict and e.when is not None for e in decisions) else "job log"
+    ran_before = any(e.kind == "start" and e.job_id == job_id for e in events)
+    decisions = [e for e in events if e.kind == "step-end" and e.job_id == job_id]
     queue = asked.queue if asked else slurm_cli.queue_state(job_id)
     note = ""
     if queue.listed:
@@ -298,7 +296,7 @@ def state_of(
     for event in reversed(record.events):
         if event.get("kind") == "cancel" and event.get("job_id") == job_id:
             return "CANCELLED", "run.json", note or "ddpack cancel"
-    mine = [e for e in events if e.job_id == job_id and e.kind in ("banner", "cancel")]
+    mine = [e for e in events if e.job_id == job_id and e.kind in ("start", "cancel")]
     if mine and mine[-1].kind == "cancel":  # Slurm ended the script, and it did not start again after
         return mine[-1].text, "job log", note
     last_segment = len(records.starts) - 1
@@ -306,9 +304,9 @@ def state_of(
     if end is not None and end.get("outcome") == "done":
         return "COMPLETED", "end record", note
     if decisions and decisions[-1].verdict == "completed":
-        return "COMPLETED", said, note
+        return "COMPLETED", "job records", note
     if decisions and decisions[-1].verdict == "end":
-        return "FAILED", said, note or decisions[-1].text
+        return "FAILED", "job records", note or decisions[-1].text
     if queue.failed:  # the job may be between a stop and its requeue: only a verdict above settles it
         return "UNKNOWN", "run folder", note
     if end is not None:
@@ -318,8 +316,8 @@ def state_of(
 
 def run_status(run_dir: Path, asked: Asked | None = None) -> Status:
     record = read_record(run_dir)
-    records = read_records(run_dir / run_folder.METRICS)
-    events = job_events(run_dir, record)
+    records = read_metrics_tail(run_dir / run_folder.METRICS)
+    events, unrecorded = job_events(run_dir, record)
     job = record.last_job
     state, state_from, note = state_of(job.job_id if job else None, record, records, events, asked)
     segments = segments_of(records, events)
@@ -350,10 +348,11 @@ def run_status(run_dir: Path, asked: Asked | None = None) -> Status:
         outcome=end,
         image=record.image.get("ref"),
         sqsh=record.sqsh.get("path"),
+        unrecorded=unrecorded,
     )
 
 
-def eta(records: Records, total: int | None) -> float | None:
+def eta(records: MetricsTail, total: int | None) -> float | None:
     """Seconds to the last step at the segment's recent rate: the trainer's own estimate when its progress records
     carry one, else steps over time across the last records of this segment (a program of your own)."""
     if not records.progress or not total:
@@ -405,6 +404,8 @@ def render(status: Status) -> str:
         )
     if status.image or status.sqsh:
         lines.append(f"image    {status.image or '-'}  {status.sqsh or ''}")
+    if status.unrecorded:
+        lines.append(f"records  {UNRECORDED.format(jobs=', '.join(status.unrecorded))}")
     return "\n".join(lines)
 
 
@@ -460,23 +461,6 @@ def watch_until_ended(
         time.sleep(interval_s)
 
 
-def list_runs(runs: Path) -> list[tuple[Path, RunRecord]]:
-    """The run folders `ddpack submit` made under `runs` (a sweep's points too, in its folder), oldest first."""
-    from ddpack.jobs.sweep import SWEEP_RECORD
-
-    found = []
-    records = []
-    if runs.is_dir():
-        points = (path for path in runs.glob(f"*/*/{run_folder.RUN_RECORD}") if (path.parent.parent / SWEEP_RECORD).is_file())
-        records = [*runs.glob(f"*/{run_folder.RUN_RECORD}"), *points]
-    for path in records:
-        try:
-            found.append((path.parent, read_record(path.parent)))
-        except Exception:  # another user's folder, or a damaged record: one run less in the list, never one acted on
-            continue
-    return sorted(found, key=lambda item: item[1].created)
-
-
 def asked_for(jobs: list[Any]) -> Any:
     """One squeue call for all of `jobs` (runs' newest Job records) and one sacct call for those squeue no longer
     lists; a function from a job to what was said of it (an Asked), or None where squeue failed (ask again, job by job)."""
@@ -500,7 +484,7 @@ SUMMARY_FIELDS = ("state", "state_from", "step", "total_steps", "loss", "samples
 
 def read_summary(run_dir: Path, record: RunRecord) -> dict[str, Any] | None:
     """The run's summary when it speaks of its newest job (a resubmit makes it stale), else None."""
-    from ddpack.jobs.run_record import not_a_run_of_yours
+    from ddpack.jobs.run_json import not_a_run_of_yours
 
     path = run_dir / SUMMARY
     job = record.last_job
@@ -518,7 +502,7 @@ def summarized(run_dir: Path, record: RunRecord, known: dict[str, Any]) -> dict[
     the whole run again: its segments, outcome, ...)."""
     from dataclasses import fields
 
-    empty = {f.name: ([] if f.name == "segments" else 0 if f.name in ("attempt", "progress_records") else None) for f in fields(Status)}
+    empty = {f.name: ([] if f.name in ("segments", "unrecorded") else 0 if f.name in ("attempt", "progress_records") else None) for f in fields(Status)}
     job = record.last_job
     return {**empty, "run_dir": str(run_dir), "name": record.name, "job_id": job.job_id if job else None, "attempt": job.attempt if job else 0,
             "note": "from its summary (summary.json)", **{key: known.get(key) for key in SUMMARY_FIELDS},
@@ -530,7 +514,7 @@ def keep_summary(run_dir: Path, status: Status) -> None:
     job's records, its log or run.json say how it ended, so nothing but a resubmit (a new job) can change what status
     says of it. Best effort: a run folder
     that cannot be written is read in full again next time."""
-    from ddpack.jobs.run_record import write_json_atomic
+    from ddpack.jobs.run_json import write_json_atomic
 
     if not status.ended or status.state_from in ("squeue", "run folder") or status.job_id is None:
         return  # still listed, or a guess (no record says how it ended): asked again next time
@@ -547,7 +531,7 @@ def list_rows(runs: Path, *, ask_slurm: bool = True) -> list[dict[str, Any]]:
     metrics and logs unread. Without `ask_slurm` (completion) no Slurm command runs: a run without a summary has state
     None. A sweep is a row of its own (with `points`), before its points' rows (with `sweep`, its folder, and
     `values`)."""
-    from ddpack.jobs.sweep import read_sweep, sweep_state
+    from ddpack.jobs.sweep_points import read_sweep, sweep_state
 
     found = list_runs(runs)
     summaries = {str(run_dir): read_summary(run_dir, record) for run_dir, record in found}

@@ -31,13 +31,13 @@ class Segment:
     snapshots: list[dict[str, Any]] = field(default_factory=list)
     end: dict[str, Any] | None = None
     why: str = ""  # "submitted", or the job's decision that started it (status)
-    logged_at: float | None = None  # when the job's log dates this start, for a program that writes no records (status)
+    recorded_at: float | None = None  # when the job's records date this start, for a program that writes no metrics (status)
     cancelled_at: float | None = None  # Slurm's cancel (scancel, the time limit), for one without an end record (status)
 
     @property
     def began(self) -> float | None:
         first = self.start or (self.progress[0] if self.progress else None)
-        return first.get("time") if first else self.logged_at
+        return first.get("time") if first else self.recorded_at
 
     @property
     def ended(self) -> float | None:
@@ -101,7 +101,7 @@ def metrics_path(run: Path) -> Path:
     return path
 
 
-def read_records(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
+def read_metrics(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
     """Every record; a line that is not one (torn: a start killed while writing it) is skipped with a warning."""
     try:
         lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
@@ -147,7 +147,7 @@ def split_segments(records: Iterable[dict[str, Any]]) -> list[Segment]:
 
 def read_run(run: Path) -> Run:
     path = metrics_path(run)
-    records, warnings = read_records(path)
+    records, warnings = read_metrics(path)
     preflight = None
     preflight_file = path.parent / run_folder.PREFLIGHT
     if preflight_file.is_file():

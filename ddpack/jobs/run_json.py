@@ -3,14 +3,13 @@ versions) and every job that ran it. Written before the first job is submitted, 
 and can run it again (`ddpack resubmit`); each submission appends its job.
 
 One definition: `ddpack submit` writes it, `status`, `logs`, `cancel`, `ls` and `resubmit` read it. Writes go
-through a temporary name beside the file and a rename under an flock, so a reader never sees half a record and two
-writers never lose each other's job.
+through a temporary name beside the file and a rename under the record's one lock (the job's, which also records a
+run started by hand with a template), so a reader never sees half a record and two writers never lose each other's job.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpack.errors import HostError
+from ddpack.job_side import node_helper
 from ddpack.private_files import not_yours_alone, write_atomically
 from train import run_folder
 from train.run_folder import RUN_RECORD
@@ -132,13 +132,10 @@ def write_record(record: RunRecord) -> None:
 
 @contextlib.contextmanager
 def _locked(run_dir: Path) -> Iterator[None]:
-    fd = os.open(run_dir / f".{RUN_RECORD}.lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-    try:
-        with contextlib.suppress(OSError):  # a filesystem without flock: one writer at a time is the user's
-            fcntl.flock(fd, fcntl.LOCK_EX)
+    """The record's one lock, the job's own (enroot/ddpack_node.py `guard` on .run.json.lock, which the job takes to
+    record a run started by hand with a template): an flock, or an O_EXCL guard file where the filesystem has none."""
+    with node_helper().guard(run_dir / f".{RUN_RECORD}.lock"):
         yield
-    finally:
-        os.close(fd)
 
 
 def append_job(run_dir: Path, job_id: str, how: str, changes: dict[str, Any] | None = None) -> Job:
