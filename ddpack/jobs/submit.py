@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpack.errors import HostError
-from ddpack.job_side import node_helper, settings_table
+from ddpack.job_side import module, node_helper, settings_table
 from ddpack.jobs import slurm_cli
 from ddpack.jobs.run_record import RunRecord, append_job, write_json_atomic, write_record
 from ddpack.jobs.sweep import SWEEP_RECORD, placeholders, sweep_command, sweep_env, sweep_points, sweep_problems
@@ -43,7 +43,9 @@ from train import run_folder
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATES = {"per-task": "pyxis-per-task.sbatch", "torchrun": "pyxis-torchrun.sbatch"}
-HELPERS = ("ddpack-job.sh", "ddpack_node.py", "ddpack_settings.py")
+# The job's files beside its script (enroot/ddpack_job.py's docstring says what each holds).
+HELPERS = ("ddpack-job.sh", "ddpack_job.py", "ddpack_node.py", "ddpack_records.py", "ddpack_settings.py", "ddpack_slurm.py", "ddpack_staging.py",
+           "ddpack_training.py")  # fmt: skip
 # Settings submit sets itself from its flags: --env may not set them behind the flags' back.
 OWN_SETTINGS = ("DDPACK_SQSH", "DDPACK_RUN_DIR", "DDPACK_HOME", "DDPACK_MOUNTS", "DDPACK_COMMAND", "DDPACK_SPARE_NODES", "DDPACK_NPROC")
 SLURM_TIME = re.compile(r"\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|\d+-\d+:\d{1,2}:\d{1,2}|UNLIMITED|INFINITE")
@@ -433,8 +435,8 @@ def render_script(settings: SubmitSettings, run_dir: Path, sqsh: Path) -> str:
 
 def container_path(path: Path, mounts: str) -> str | None:
     """`path` as the container sees it through pyxis' --container-mounts, None when no mount holds it: the job's own
-    rule (enroot/ddpack_node.py), so that submit's check and the job's answer never disagree."""
-    return node_helper().container_path(str(path), mounts)
+    rule (enroot/ddpack_job.py), so that submit's check and the job's answer never disagree."""
+    return module("ddpack_job").container_path(str(path), mounts)
 
 
 def writable_folder(folder: Path) -> str | None:
@@ -802,7 +804,7 @@ def record_job(run_dir: Path, job_id: str, how: str, changes: dict[str, Any] | N
 
 def image_key(sqsh: Path) -> str:
     """The staging key the job helper derives for this squashfs: the same image gives the same key."""
-    return node_helper().image_key(sqsh)
+    return module("ddpack_staging").image_key(sqsh)
 
 
 def as_json(result: Submitted) -> str:
