@@ -52,7 +52,8 @@ from pathlib import Path
 # there already when it loads this file for container_path).
 if (HERE := str(Path(__file__).resolve().parent)) not in sys.path:
     sys.path.insert(0, HERE)
-sys.dont_write_bytecode = True  # nothing written beside the program (a run folder's job/, a shared install)
+# Python keeps its compiled modules in __pycache__/ beside them where it may write (a run folder's job/, a checkout): a
+# verb then compiles this file alone, not the ~1,800 lines of all of them, each of the job's dozen calls.
 try:
     import ddpack_settings
     from ddpack_records import (
