@@ -20,7 +20,7 @@ ddpack_setup() {
     # 027 lets your group read, for a team that shares runs.
     local mask=${DDPACK_UMASK:-077}
     [[ "${mask}" =~ ^0?[0-7]{3}$ ]] && umask "${mask}"
-    ddpack_ask DDPACK_RUN_DIR setup "$1"   # see ddpack_job.py setup
+    ddpack_ask DDPACK_RUN_DIR setup -- "$1"   # see ddpack_job.py setup (a job name may start with -)
     export DDPACK_RUN_DIR
     ddpack_recording=1   # the run folder is this job's now: its decisions are recorded there
     # The hang watchdog's keys in the rendezvous store carry this secret, which only this start's ranks know (made

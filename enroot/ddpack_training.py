@@ -352,9 +352,7 @@ class Training:
             self.short = "DDPACK_RESTART_IN_PLACE=0"
         elif self.place():
             if crashed in self.avoid:
-                without += (
-                    f", without {crashed} (its task crashed)" if crashed not in self.last_nodes else f", on {crashed} again (no other node)"
-                )
+                without += f", without {crashed} (its task crashed)" if crashed not in self.last_nodes else f", on {crashed} again (no other node)"
             left_out = ",".join(node for node in [*named, *self.avoid] if node not in self.last_nodes)
             placed = {"nodes": ",".join(self.last_nodes), "spares": self.spares_now(), "without": left_out}
             write_record(self.run_dir, "placement", placed)
@@ -492,6 +490,4 @@ class Training:
         """Where the run's charts come from, once a step has left metrics (a program of your own may write none)."""
         metrics = self.run_dir / METRICS
         if metrics.is_file() and metrics.stat().st_size:
-            say(
-                f"metrics in {metrics}; for the run report ({self.run_dir / REPORT}) run, in the ddpack checkout: make report RUN={self.run_dir}"
-            )
+            say(f"metrics in {metrics}; for the run report ({self.run_dir / REPORT}) run, in the ddpack checkout: make report RUN={self.run_dir}")
