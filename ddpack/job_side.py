@@ -33,5 +33,5 @@ def settings_table() -> Any:
 
 
 def node_helper() -> Any:
-    """enroot/ddpack_node.py: the job helper's own definitions (the staging key, the folder rules, the own-file check)."""
+    """enroot/ddpack_node.py, what a node runs: the folder rules and the own-file check, which the host holds too."""
     return module("ddpack_node")
