@@ -24,7 +24,7 @@ import ddpack_settings
 from ddpack_node import last_line, one_line, write_line
 from ddpack_records import die, job_error, say, write_record
 from ddpack_settings import value
-from ddpack_slurm import JobFacts, command, natural, node_program, node_text, on_each_node
+from ddpack_slurm import JobFacts, command, natural, node_program, on_each_node
 
 
 def image_key(sqsh: Path) -> str:
@@ -181,14 +181,14 @@ class Staging:
                 f"staging the image failed: cannot make a folder in {self.run_dir}; this start reads {self.sqsh} on every node"
             )
         errors_file = Path(f"{handoff}.err")
-        script = (
-            '"$5" -I -S -c "$1" receive --dir "$2" --job "${SLURM_JOB_ID}" --incoming "$3" || exit 1\n'
-            'echo "${SLURM_STEP_ID}" >"$4/${SLURMD_NODENAME}"\nexec sleep 3600'
-        )
+        # Each node: the receiving folder (ddpack_node.py receive, the words after $1), then its step's id for sbcast, then
+        # the step holds the node.
+        script = '"${@:2}" || exit 1\necho "${SLURM_STEP_ID}" >"$1/${SLURMD_NODENAME}"\nexec sleep 3600'
+        receive = self.node_verb("receive", "--incoming", incoming)
         try:
             with open(errors_file, "w") as errors:  # srun's lines about the step's cancel; only a node's refusal is shown
                 holder = subprocess.Popen(
-                    on_each_node(lacking, count, ["bash", "-c", script, "_", node_text(), self.dir, incoming, str(handoff), sys.executable], "--quiet"),
+                    on_each_node(lacking, count, ["bash", "-c", script, "_", str(handoff), *receive], "--quiet"),
                     stdout=subprocess.DEVNULL, stderr=errors,
                 )  # fmt: skip
         except OSError as why:
