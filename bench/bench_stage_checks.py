@@ -42,11 +42,13 @@ ddpack_leave
 
 
 def helper_at(revision: str, into: Path) -> Path:
-    """enroot/ as it was at `revision`, in a folder of its own."""
+    """enroot/'s job files (ddpack-job.sh and the job's Python, one file or several) as they were at `revision`, in a
+    folder of their own."""
     into.mkdir(parents=True)
-    for name in ("ddpack-job.sh", "ddpack_node.py", "ddpack_settings.py"):
-        shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{revision}:enroot/{name}"], capture_output=True)
-        if shown.returncode == 0:
+    listed = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", f"{revision}:enroot"], capture_output=True, text=True, check=True)
+    for name in listed.stdout.split():
+        if name == "ddpack-job.sh" or name.endswith(".py"):
+            shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{revision}:enroot/{name}"], capture_output=True, check=True)
             (into / name).write_bytes(shown.stdout)
     return into
 
@@ -78,8 +80,8 @@ def main() -> int:
         with image.open("wb") as handle:
             handle.truncate(opts.size_mb * 2**20)
         helpers = {"before": helper_at(opts.before, work / "before"), "now": helper_at("HEAD", work / "now")}
-        shutil.copy2(ROOT / "enroot" / "ddpack_node.py", helpers["now"] / "ddpack_node.py")
-        shutil.copy2(ROOT / "enroot" / "ddpack-job.sh", helpers["now"] / "ddpack-job.sh")
+        for path in [ROOT / "enroot" / "ddpack-job.sh", *(ROOT / "enroot").glob("*.py")]:  # the working tree's, as it is now
+            shutil.copy2(path, helpers["now"] / path.name)
         cases = [("warm", "sbcast")] + ([("cold", "sbcast")] if opts.cold else [])
         for case, stage in cases:
             times: dict[str, list[float]] = {"before": [], "now": []}

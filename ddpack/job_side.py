@@ -1,14 +1,16 @@
 """The job's own definitions, read by the host from enroot/.
 
-The job helpers run on the nodes with the system's Python (`python3 -I -S`), so they cannot import ddpack; ddpack
-imports them instead, so that each rule has one definition, not a copy on each side: the settings table
-(enroot/ddpack_settings.py), the staging key, the folder rules and the "yours alone" check (enroot/ddpack_node.py).
+The job's program runs on the batch host and the nodes with the system's Python (`python3 -I -S`), so it cannot import
+ddpack; ddpack imports it instead, so that each rule has one definition, not a copy on each side: the settings table
+(enroot/ddpack_settings.py), the folder rules and the "yours alone" check (enroot/ddpack_node.py), the job states
+(ddpack_slurm.py), the run folder's names (ddpack_records.py), the staging key and model (ddpack_staging.py), the
+container's view of a path (ddpack_job.py).
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
+import importlib
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,12 +28,11 @@ ENROOT = enroot_folder(Path(__file__).resolve().parent)  # the job templates and
 
 @functools.cache
 def module(name: str) -> Any:
-    """enroot/NAME.py as a module, loaded once a process."""
-    spec = importlib.util.spec_from_file_location(name, ENROOT / f"{name}.py")
-    loaded = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    sys.modules.setdefault(name, loaded)  # dataclasses look their module up there
-    spec.loader.exec_module(loaded)  # type: ignore[union-attr]
-    return loaded
+    """enroot/NAME.py as a module, imported once a process, with enroot/ last on sys.path: its files import each other
+    by name, as the job imports them (ddpack_job.py puts its own folder on sys.path)."""
+    if str(ENROOT) not in sys.path:
+        sys.path.append(str(ENROOT))
+    return importlib.import_module(name)
 
 
 def settings_table() -> Any:
@@ -40,5 +41,5 @@ def settings_table() -> Any:
 
 
 def node_helper() -> Any:
-    """enroot/ddpack_node.py: the job helper's own definitions (the staging key, the folder rules, the own-file check)."""
+    """enroot/ddpack_node.py, what a node runs: the folder rules and the own-file check, which the host holds too."""
     return module("ddpack_node")

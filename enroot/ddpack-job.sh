@@ -1,8 +1,8 @@
 # ddpack-job.sh — what every ddpack Slurm template shares; sourced by enroot/*.sbatch (bash 4.2+).
 #
-# The job's decisions are made by one standard-library Python program, enroot/ddpack_node.py: the settings, the run
-# folder, the staging, the placement, a restart in place or a requeue, the nodes kept out, and the records `ddpack
-# status` reads. What stays here is what must be shell: the umask, the srun lines the templates build (as arrays,
+# The job's decisions are made by one standard-library Python program, enroot/ddpack_job.py and the files beside it
+# (one a concern; ddpack_job.py's docstring lists them and every verb): the settings, the run folder, the staging, the
+# placement, a restart in place or a requeue, the nodes kept out, and the records `ddpack status` reads. What stays here is what must be shell: the umask, the srun lines the templates build (as arrays,
 # every word as given), and the exec into that program, which then runs the steps and the requeue.
 
 # One line naming the bad input, recorded as the job's end once it has a run folder; exit 2 (never requeued).
@@ -12,7 +12,7 @@ ddpack_die() {
     exit 2
 }
 
-# ddpack_setup NAME: every setting checked, the run folder chosen and locked for this job, the banner (ddpack_node.py
+# ddpack_setup NAME: every setting checked, the run folder chosen and locked for this job, the banner (ddpack_job.py
 # setup: sets DDPACK_RUN_DIR); the umask and the watchdog's secret (DDPACK_JOB_TOKEN).
 ddpack_setup() {
     # What the job writes is its user's alone: run folders, snapshots (weights and optimizer state), metrics, forensics,
@@ -20,7 +20,7 @@ ddpack_setup() {
     # 027 lets your group read, for a team that shares runs.
     local mask=${DDPACK_UMASK:-077}
     [[ "${mask}" =~ ^0?[0-7]{3}$ ]] && umask "${mask}"
-    ddpack_ask DDPACK_RUN_DIR setup "$1"   # see ddpack_node.py setup
+    ddpack_ask DDPACK_RUN_DIR setup -- "$1"   # see ddpack_job.py setup (a job name may start with -)
     export DDPACK_RUN_DIR
     ddpack_recording=1   # the run folder is this job's now: its decisions are recorded there
     # The hang watchdog's keys in the rendezvous store carry this secret, which only this start's ranks know (made
@@ -30,21 +30,22 @@ ddpack_setup() {
     export DDPACK_JOB_TOKEN
 }
 
-# ddpack_node VERB ARGS...: enroot/ddpack_node.py, the job's one program (standard-library Python: every decision the
+# ddpack_job VERB ARGS...: enroot/ddpack_job.py, the job's one program (standard-library Python: every decision the
 # job makes), run with this host's system python3 in isolated mode (-I -S: no PYTHON* variables, no user or site
-# packages; it starts in ~20 ms). It hands its own text to the steps it runs on the nodes, which need no checkout.
-ddpack_node_file=$(CDPATH='' cd -- "$(dirname "${BASH_SOURCE[0]}")" && pwd)/ddpack_node.py
+# packages; it starts in ~20 ms). It sends the nodes the text of ddpack_node.py, what they run: they need no checkout.
+ddpack_job_file=$(CDPATH='' cd -- "$(dirname "${BASH_SOURCE[0]}")" && pwd)/ddpack_job.py
 ddpack_python=$(command -v /usr/bin/python3 || command -v python3 || echo python3)
-ddpack_node() {
-    [ -f "${ddpack_node_file}" ] || ddpack_die "cannot read ddpack_node.py beside ddpack-job.sh; set DDPACK_HOME to ddpack's enroot/ folder"
-    ddpack_lc_ctype=${LC_CTYPE-"(unset)"} "${ddpack_python}" -I -S "${ddpack_node_file}" "$@"
+ddpack_job() {
+    [ -f "${ddpack_job_file}" ] || ddpack_die "cannot read ddpack_job.py beside ddpack-job.sh; set DDPACK_HOME to ddpack's enroot/ folder"
+    ddpack_lc_ctype=${LC_CTYPE-"(unset)"} "${ddpack_python}" -I -S "${ddpack_job_file}" "$@"
 }
 
-# ddpack_ask VAR VERB ARGS...: VAR set to the verb's answer (on fd 3), its lines for people left in the job's log.
+# ddpack_ask VAR VERB ARGS...: VAR set to the verb's answer (on fd 3), its lines for people left in the job's log; a
+# verb that fails ends the script with its status. Every answer of the job's program reaches the shell this one way.
 ddpack_ask() {
     local ddpack_ask_to=$1 ddpack_ask_answer
     shift
-    { ddpack_ask_answer=$(ddpack_answer_fd=3 ddpack_node "$@" 3>&1 1>&4 4>&-); } 4>&1 || exit $?
+    { ddpack_ask_answer=$(ddpack_answer_fd=3 ddpack_job "$@" 3>&1 1>&4 4>&-); } 4>&1 || exit $?
     printf -v "${ddpack_ask_to}" '%s' "${ddpack_ask_answer}"
 }
 
@@ -53,20 +54,20 @@ ddpack_ask() {
 # line printed beside it is for people. A record that cannot be written costs a warning, never the job.
 ddpack_recording=""
 ddpack_record() {
-    [ -n "${ddpack_recording}" ] && [ -f "${ddpack_node_file}" ] || return 0
-    ddpack_node record "${DDPACK_RUN_DIR}" "$@" || true
+    [ -n "${ddpack_recording}" ] && [ -f "${ddpack_job_file}" ] || return 0
+    ddpack_job record "${DDPACK_RUN_DIR}" "$@" || true
 }
 
-# Each task of a one-task-per-GPU step gets its share of the node's CPUs (ddpack_node.py cpus-per-task says why).
+# Each task of a one-task-per-GPU step gets its share of the node's CPUs (ddpack_job.py cpus-per-task says why).
 ddpack_cpus_per_task() {
     local share
     ddpack_ask share cpus-per-task
     [ -z "${share}" ] || export SRUN_CPUS_PER_TASK=${share}
 }
 
-# P as the container sees it through DDPACK_MOUNTS, or a one-line error.
+# ddpack_container_path VAR P: VAR set to P as the container sees it through DDPACK_MOUNTS, or a one-line error (exit 2).
 ddpack_container_path() {
-    ddpack_node container-path "$1"
+    ddpack_ask "$1" container-path "$2"
 }
 
 # Export DDPACK_PROJECT_DIR, where the trainer imports `--task module:factory` from after its working directory: the
@@ -90,12 +91,12 @@ ddpack_command() {
     ddpack_words ddpack_cmd COMMAND
 }
 
-# ddpack_words ARRAY SETTING: the words of a command setting into ARRAY (ddpack_node.py words: a JSON list of strings,
+# ddpack_words ARRAY SETTING: the words of a command setting into ARRAY (ddpack_job.py words: a JSON list of strings,
 # each word exactly as given, or words split on whitespace), each word quoted there and assigned here by name.
 ddpack_words() {
     case "$1" in '' | [!a-zA-Z_]* | *[!a-zA-Z0-9_]*) ddpack_die "ddpack_words: '$1' is not an array name" ;; esac
     local ddpack_words_quoted
-    ddpack_words_quoted=$(ddpack_node words "$2") || exit 2
+    ddpack_ask ddpack_words_quoted words "$2"
     eval "$1=(${ddpack_words_quoted})"
 }
 
@@ -108,7 +109,7 @@ ddpack_require_pyxis() {
 # ddpack_preflight STEP...: DDPACK_PREFLIGHT=1 runs the template's own srun line with `entrypoint --preflight` before
 # training; a failed check ends the job with its code. DDPACK_PREFLIGHT=only: the check alone (enroot/preflight.sbatch).
 ddpack_preflight() {
-    ddpack_node preflight --container "${ddpack_container_name}" "$@" || exit $?
+    ddpack_job preflight --container "${ddpack_container_name}" -- "$@" || exit $?
     [ "${DDPACK_PREFLIGHT:-0}" != only ] || exit 0
 }
 
@@ -127,27 +128,28 @@ ddpack_name_container() {
 }
 
 ddpack_remove_container() {
-    [ -z "${ddpack_container_name}" ] || ddpack_node remove-container "${ddpack_container_name}"
+    [ -z "${ddpack_container_name}" ] || ddpack_job remove-container --container "${ddpack_container_name}"
     ddpack_container_name=""
 }
 
 # ddpack_prepare_nodes SQSH: one step on every node (containers of ended jobs go, the GPUs a GPU job was promised are
-# checked), then DDPACK_STAGE's choice (ddpack_node.py's Staging): ddpack_image is SQSH itself, or its copy on each
+# checked), then DDPACK_STAGE's choice (ddpack_staging.py's Staging): ddpack_image is SQSH itself, or its copy on each
 # node's local disk, sent there once by sbcast.
 ddpack_prepare_nodes() {
     ddpack_ask ddpack_image stage "$1"
 }
 
 # ddpack_train CMD...: the training step (ddpack_step, then CMD) on the job's training nodes. This script becomes
-# ddpack_node.py train, which runs it, restarts it in this allocation while it can (a spare node swapped in for a bad
-# one), then ends the job or requeues it, keeping out the nodes a hang's forensics named (its Training has the rules).
+# ddpack_job.py train, which runs it, restarts it in this allocation while it can (a spare node swapped in for a bad
+# one), then ends the job or requeues it, keeping out the nodes a hang's forensics named (ddpack_training.py has the rules).
 # Nothing after ddpack_train runs (an EXIT trap neither): the program outlives the requeue's SIGTERM only as itself.
 ddpack_train() {
-    ddpack_lc_ctype=${LC_CTYPE-"(unset)"} exec "${ddpack_python}" -I -S "${ddpack_node_file}" train --container "${ddpack_container_name}" "${#ddpack_step[@]}" "${ddpack_step[@]}" "$@"
+    ddpack_lc_ctype=${LC_CTYPE-"(unset)"} exec "${ddpack_python}" -I -S "${ddpack_job_file}" train --container "${ddpack_container_name}" \
+        --step-words "${#ddpack_step[@]}" -- "${ddpack_step[@]}" "$@"
 }
 
 # The job's container leaves every node, and the run folder is free for another job (a script that trains no step).
 ddpack_leave() {
-    ddpack_node leave --container "${ddpack_container_name}"
+    ddpack_job leave --container "${ddpack_container_name}"
     ddpack_container_name=""
 }

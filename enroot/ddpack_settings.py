@@ -109,6 +109,12 @@ def problems(environ: Mapping[str, str]) -> list[str]:
     return found
 
 
+def value(name: str, environ: Mapping[str, str]) -> str:
+    """NAME as a job sees it: its value in `environ`, else the table's default (<uid>: this user's), the one place a
+    default is written."""
+    return environ.get(name) or SETTINGS[name].default.replace("<uid>", str(os.getuid()))
+
+
 def markdown() -> str:
     """The table as docs/cluster.md shows it (`python3 enroot/ddpack_settings.py markdown` writes it)."""
     rows = ["| setting | default | accepts | what it is |", "|---|---|---|---|"]

@@ -558,12 +558,15 @@ def test_a_points_own_records_settle_its_state_once_slurm_has_forgotten_it(tmp_p
 
 
 def test_a_job_started_by_hand_with_a_template_is_known_to_status_logs_and_cancel(tmp_path, slurm, monkeypatch, capfd) -> None:
-    """The template's lock step (enroot/ddpack_node.py, as the job runs it) leaves runs/<name>-<job>/run.json naming the
+    """The template's lock step (enroot/ddpack_records.py, as the job runs it) leaves runs/<name>-<job>/run.json naming the
     job, its log (Slurm's StdOut, in the submission folder's logs/) and script; `ddpack status/logs/cancel JOB` typed in
     the submission folder find it. A later job continuing it is appended; a run `ddpack submit` made is left alone."""
-    from ddpack.job_side import node_helper
+    from ddpack.job_side import module
 
-    node = node_helper()
+    def hand_made(run_dir: Path, job: str) -> None:  # as the job's setup does it: Slurm read once, before the lock
+        facts = module("ddpack_slurm").JobFacts(job)
+        module("ddpack_records").record_hand_made(run_dir, job, environ, log=facts.field("StdOut"), script=facts.field("Command"))
+
     submitted_from = tmp_path / "project"
     (submitted_from / "logs").mkdir(parents=True)
     script = submitted_from / "pyxis-per-task.sbatch"
@@ -574,7 +577,7 @@ def test_a_job_started_by_hand_with_a_template_is_known_to_status_logs_and_cance
     run_dir = submitted_from / "runs" / "ddpack-77"
     run_dir.mkdir(parents=True, mode=0o700)
     environ = {"DDPACK_SQSH": "/fsx/images/x.sqsh", "DDPACK_COMMAND": '["python", "ddp.py"]', "DDPACK_JOB_TOKEN": "s3cr3t"}
-    node.record_hand_made(run_dir, "77", environ)
+    hand_made(run_dir, "77")
     record = read_record(run_dir)
     assert [(j.job_id, j.how, j.log) for j in record.jobs] == [("77", "template", str(log))] and record.command == ["python", "ddp.py"]
     assert "s3cr3t" not in (run_dir / "run.json").read_text() and record.settings["exported"]["DDPACK_SQSH"] == "/fsx/images/x.sqsh"
@@ -586,15 +589,15 @@ def test_a_job_started_by_hand_with_a_template_is_known_to_status_logs_and_cance
     assert cli.main(["logs", "77"]) == 0 and "0: hello" in capfd.readouterr().out
     assert cli.main(["resubmit", "77"]) == 2 and "started by hand with a template" in capfd.readouterr().err
     assert cli.main(["cancel", "77"]) == 0 and calls(slurm, "scancel") == ["scancel 77"]
-    node.record_hand_made(run_dir, "78", environ)  # sbatch --export=ALL,DDPACK_RUN_DIR=... continues it
-    node.record_hand_made(run_dir, "78", environ)  # its requeue: the same job, not again
+    hand_made(run_dir, "78")  # sbatch --export=ALL,DDPACK_RUN_DIR=... continues it
+    hand_made(run_dir, "78")  # its requeue: the same job, not again
     assert [(j.job_id, j.attempt) for j in read_record(run_dir).jobs] == [("77", 1), ("78", 2)]
     fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
     made = settings(tmp_path)
     assert cli.main(["submit", str(tmp_path), "--nodes", "1", "--runs", str(made.runs), "--sqsh", str(made.sqsh), "--mounts", made.mounts, "--json"]) == 0
     ours = Path(submitted(capfd)["run_dir"])
     before = (ours / "run.json").read_text()
-    node.record_hand_made(ours, "91", environ)  # the job of a submit: its record is submit's
+    hand_made(ours, "91")  # the job of a submit: its record is submit's
     assert (ours / "run.json").read_text() == before
 
 
@@ -603,7 +606,7 @@ def test_a_job_started_by_hand_with_a_template_is_known_to_status_logs_and_cance
 
 def test_the_job_records_each_decision_beside_its_sentence(tmp_path) -> None:
     """The job's program says each decision in a sentence for people and appends the record ddpack status reads (one
-    JSON line, enroot/ddpack_node.py); a sweep's point is recorded as ddpack knows it, <array>_<index>."""
+    JSON line, enroot/ddpack_records.py); a sweep's point is recorded as ddpack knows it, <array>_<index>."""
     from train import run_folder
 
     helper = Path(__file__).resolve().parents[1] / "enroot" / "ddpack-job.sh"
@@ -625,9 +628,9 @@ def test_the_job_records_each_decision_beside_its_sentence(tmp_path) -> None:
     assert start["time"] > 1e9 and "is not NAME=VALUE of a field of its own" in out.stderr  # kind=, time=: the record's own
     assert (decision["kind"], decision["verdict"], decision["reason"], decision["exit"]) == ("step-end", "requeue", "preempted", "138")
     assert os.stat(run_dir / run_folder.DECISIONS).st_mode & 0o077 == 0
-    from ddpack.job_side import node_helper
+    from ddpack.job_side import module
 
-    assert node_helper().DECISIONS == run_folder.DECISIONS and node_helper().RUN_RECORD == run_folder.RUN_RECORD
+    assert module("ddpack_records").DECISIONS == run_folder.DECISIONS and module("ddpack_records").RUN_RECORD == run_folder.RUN_RECORD
     # tests/job_records.py, which the status tests' run folders are written with, spells the records as the job does
     assert set(start) == set(started(0, "90_1")) and set(decision) == set(step_end(0, "requeue", "x"))
 
@@ -656,11 +659,11 @@ def test_a_start_records_where_it_began_in_the_jobs_log(tmp_path) -> None:
 def test_one_job_state_table_for_the_jobs_cleanup_and_every_verb() -> None:
     """The job helper's table is the host's: the states its cleanup takes as over are the ones the verbs take as ended,
     and each ended state has its exit status."""
-    from ddpack.job_side import node_helper
+    from ddpack.job_side import module
     from ddpack.jobs import slurm_cli
 
-    assert slurm_cli.JOB_STATES is node_helper().JOB_STATES
-    assert slurm_cli.OVER == node_helper().OVER and set(slurm_cli.EXIT_FOR_STATE) == set(slurm_cli.ENDED)
+    assert slurm_cli.JOB_STATES is module("ddpack_slurm").JOB_STATES
+    assert slurm_cli.OVER == module("ddpack_slurm").OVER and set(slurm_cli.EXIT_FOR_STATE) == set(slurm_cli.ENDED)
     assert slurm_cli.ddpack_state("NODE_FAIL") == "FAILED" and slurm_cli.ddpack_state("CANCELLED by 1001") == "CANCELLED"
     assert not set(slurm_cli.LIVE) & set(slurm_cli.ENDED) and set(slurm_cli.LIVE) <= set(slurm_cli.JOB_STATES.values())
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddpack.job_side import node_helper
+from ddpack.job_side import module
 from ddpack.jobs.goodput_model import Site, auto_stages, ddpack, main, read_and_unpack_shared, stage_by_sbcast, today, tree_depth
 
 
@@ -45,7 +45,7 @@ def test_the_templates_auto_staging_follows_the_model(rates: tuple[int, int, int
     path is the template's own choice."""
     fsx, bcast, unpack = rates
     site = Site(fsx_mbps=fsx, sbcast_mbps=bcast, unpack_mbps=unpack)
-    chosen = [node_helper().stage_by_model(n, fsx, bcast, unpack) for n in range(1, 257)]
+    chosen = [module("ddpack_staging").stage_by_model(n, fsx, bcast, unpack) for n in range(1, 257)]
     for nodes, choice in enumerate(chosen, 1):
         shared = read_and_unpack_shared(5400, nodes, site)
         staged = 5400 / min(bcast, fsx) + 5400 / unpack

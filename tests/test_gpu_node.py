@@ -96,7 +96,7 @@ def test_the_node_helper_refuses_a_gpu_job_on_a_node_without_the_gpus_before_sta
     from testbed.env import ROOT, clean_env
 
     helper = ROOT / "enroot" / "ddpack_node.py"
-    argv = [sys.executable, "-I", "-S", str(helper), "prepare", "--dir", str(tmp_path / "stage"), "--job", "7", "--gpus", "2"]
+    argv = [sys.executable, "-I", "-S", str(helper), "prepare", "--dir", str(tmp_path / "stage"), "--job", "7", "--keep", "2", "--gpus", "2"]
     out = subprocess.run(argv, env=clean_env(SLURMD_NODENAME="ddnode1"), capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.startswith("nogpu ddnode1 0 GPU device(s)"), out.stdout + out.stderr
     assert not (tmp_path / "stage").exists()  # nothing staged, nothing removed (the cluster tier runs the template's side)

@@ -18,7 +18,7 @@ HELPER = ROOT / "enroot" / "ddpack-job.sh"
 
 
 def container_path(path: str, mounts: str) -> subprocess.CompletedProcess[str]:
-    script = f'. "{HELPER}"; DDPACK_MOUNTS="$2" ddpack_container_path "$1"'
+    script = f'. "{HELPER}"; DDPACK_MOUNTS="$2" ddpack_container_path inside "$1"; echo "${{inside}}"'
     return subprocess.run(["bash", "-uc", script, "helper", path, mounts], capture_output=True, text=True, timeout=30)
 
 
@@ -437,14 +437,14 @@ def test_each_task_of_a_per_gpu_step_gets_its_share_of_the_nodes_cpus(env: dict[
 def test_the_helper_spells_the_run_folders_names_as_train_run_folder_defines_them() -> None:
     """The run folder's layout is defined once (train/run_folder.py); the job's shell and its Python, which cannot
     import it, must name every file and folder they read or export the same way. Their own dot-files are their business."""
-    from ddpack.job_side import node_helper
+    from ddpack.job_side import module
     from train import run_folder
 
     text = HELPER.read_text()
     spelled = set(re.findall(r"(?:\$\{DDPACK_RUN_DIR\}|\$\{forensics\}|\$1)/([A-Za-z0-9._-]+)(?:/([A-Za-z0-9._-]+))?", text))
     names = {part for pair in spelled for part in pair if part and not part.startswith((".", "$"))}
     assert names == {run_folder.SNAPSHOTS, run_folder.METRICS, run_folder.PREFLIGHT, run_folder.FORENSICS}, names
-    node = node_helper()
+    node = module("ddpack_records")
     python = (node.FORENSICS, node.METRICS, node.SUMMARY, node.UNRESPONSIVE_NODES, node.REPORT, node.RUN_RECORD, node.DECISIONS)
     assert python == (run_folder.FORENSICS, run_folder.METRICS, run_folder.SUMMARY, run_folder.UNRESPONSIVE_NODES, run_folder.REPORT,
                       run_folder.RUN_RECORD, run_folder.DECISIONS)  # fmt: skip
@@ -453,7 +453,7 @@ def test_the_helper_spells_the_run_folders_names_as_train_run_folder_defines_the
 
 
 def image_key(sqsh: Path) -> str:
-    out = subprocess.run(["python3", "-I", "-S", str(ROOT / "enroot" / "ddpack_node.py"), "key", str(sqsh)], capture_output=True, text=True, timeout=30)
+    out = subprocess.run(["python3", "-I", "-S", str(ROOT / "enroot" / "ddpack_job.py"), "key", str(sqsh)], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 
@@ -598,10 +598,27 @@ def test_a_missing_slurm_command_is_a_failed_one_not_a_traceback(tmp_path: Path)
     assert out.stdout.startswith("ddpack: the step failed (exit 127) after 0 failure restarts"), out.stdout
 
 
-def test_the_program_the_nodes_get_fits_in_one_argument() -> None:
-    """Each node runs the job's program as `python3 -c TEXT` (it needs no checkout): Linux refuses one argument over
-    128 KiB (MAX_ARG_STRLEN), so the program must stay well under it, or move its node verbs to a file of their own."""
-    assert len((ROOT / "enroot" / "ddpack_node.py").read_bytes()) < 110 * 1024
+def test_a_node_is_sent_its_own_program_alone_and_no_job_file_is_over_900_lines() -> None:
+    """Each node runs ddpack_node.py as `python3 -c TEXT` (it needs no checkout): that file alone, which imports nothing
+    beside it, well under the 128 KiB Linux allows one argument (MAX_ARG_STRLEN). The job's program is split by concern,
+    no file of it over 900 lines."""
+    node = (ROOT / "enroot" / "ddpack_node.py").read_text()
+    assert len(node.encode()) < 64 * 1024 and not re.search(r"^\s*(from|import) ddpack_", node, re.MULTILINE)
+    for path in (ROOT / "enroot").glob("*.py"):
+        assert len(path.read_text().splitlines()) <= 900, path.name
+
+
+def test_a_restart_decision_asks_slurm_once_for_each_fact(tmp_path: Path) -> None:
+    """One decision, one read of each: the job's nodes (scontrol show job), their names (show hostnames) and their health
+    (sinfo) are asked once and passed on to every part of it (the lost nodes, the placement, the spares); the start's
+    placement too."""
+    spare = {"SLURM_JOB_NODELIST": "ddnode1,ddnode2,ddnode3", "SLURM_JOB_NUM_NODES": "3", "DDPACK_SPARE_NODES": "1"}
+    mark = f'echo step >> "{tmp_path / "calls.txt"}"'
+    out, calls, _, steps = after_step(tmp_path, 137, job_nodes="ddnode1,ddnode2,ddnode3", step_also=mark, **spare)
+    assert len(steps) == 2 and "restarting it in this allocation" in out.stdout, out.stdout
+    start, decision, _ = calls.split("step\n")
+    for asked in (start, decision):
+        assert sorted(" ".join(line.split()[:3]) for line in asked.splitlines()) == ["scontrol show hostnames", "scontrol show job", "sinfo -h -N"]
 
 
 def test_a_slurm_that_does_not_answer_is_never_read_as_lost_nodes(tmp_path: Path) -> None:

@@ -406,7 +406,10 @@ def test_submit_writes_the_record_before_sbatch_and_appends_the_job(tmp_path, sl
     assert """export DDPACK_COMMAND='["python", "ddp.py", "4", "2"]'""" in script and "export DDPACK_STAGE=sbcast" in script
     assert f"#SBATCH --output={result.run_dir}/logs/slurm-%j.out" in script and "#SBATCH --nodes=2" in script
     assert record.versions == {"slurm": "slurm-wlm 22.05.8", "pyxis": record.versions["pyxis"], "enroot": "3.4.1"}
-    assert sorted(p.name for p in (Path(result.run_dir) / "job").iterdir()) == ["ddpack-job.sh", "ddpack.sbatch", "ddpack_node.py", "ddpack_settings.py"]
+    assert sorted(p.name for p in (Path(result.run_dir) / "job").iterdir()) == [
+        "ddpack-job.sh", "ddpack.sbatch", "ddpack_job.py", "ddpack_node.py", "ddpack_records.py", "ddpack_settings.py", "ddpack_slurm.py",
+        "ddpack_staging.py", "ddpack_training.py",
+    ]  # fmt: skip
     assert os.stat(result.run_dir).st_mode & 0o077 == 0  # the run folder is the user's alone (DDPACK_UMASK 077)
     assert os.umask(0o022) == 0o022  # and the caller's own umask is back (a library call must not change it for good)
 
@@ -701,12 +704,12 @@ def test_a_gpu_job_asks_for_the_cuda_image_and_one_rank_per_gpu(tmp_path, slurm,
 
 def test_run_json_has_one_lock_the_jobs_own_with_its_fallback_where_the_filesystem_has_no_flock(tmp_path, slurm, monkeypatch) -> None:
     """submit, cancel, resubmit and tag write run.json under the lock the job takes to record a run started by hand
-    (enroot/ddpack_node.py `guard`): on a filesystem without flock both fall back to the same O_EXCL guard file."""
-    from ddpack.job_side import node_helper
+    (enroot/ddpack_records.py `guard`): on a filesystem without flock both fall back to the same O_EXCL guard file."""
+    from ddpack.job_side import module
     from ddpack.jobs import run_json
 
     run_dir = make_run(tmp_path)
-    node = node_helper()
+    node = module("ddpack_records")
 
     def no_flock(*_: object) -> None:
         raise OSError(38, "Function not implemented")

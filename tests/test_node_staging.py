@@ -16,6 +16,7 @@ from testbed.env import ROOT
 from testbed.users import User
 
 NODE_PY = ROOT / "enroot" / "ddpack_node.py"
+JOB_PY = ROOT / "enroot" / "ddpack_job.py"  # the batch host's verbs (lock, unlock, image-ok)
 PYTHON = "/usr/bin/python3"  # the node's own python3, as the job helper runs it (not a venv of root's)
 KEY = "0123456789abcdef01234567-89abcdef"
 OTHER_KEYS = ("1" * 24 + "-" + "1" * 8, "2" * 24 + "-" + "2" * 8, "3" * 32)
@@ -52,7 +53,8 @@ def run_as(user: User, node_tmp: Path, *args: str) -> subprocess.CompletedProces
     runs = user.runs()
     env = dict(runs.pop("env"))  # type: ignore[arg-type]
     env.update(PATH=f"{node_tmp / 'bin'}:/usr/bin:/bin", SLURMD_NODENAME="ddnode1")
-    return subprocess.run([PYTHON, str(NODE_PY), *args], env=env, capture_output=True, text=True, timeout=60, **runs)  # type: ignore[arg-type]
+    program = NODE_PY if args[0] in ("prepare", "receive", "install") else JOB_PY
+    return subprocess.run([PYTHON, str(program), *args], env=env, capture_output=True, text=True, timeout=60, **runs)  # type: ignore[arg-type]
 
 
 def prepare(
@@ -155,7 +157,7 @@ def test_the_cleanup_keeps_what_a_live_job_leased_and_removes_nothing_when_squeu
     fake_tools(node_tmp, squeue="101")
     old, middle, new = OTHER_KEYS
     for job, key in (("101", old), ("102", middle)):  # each job leases the copy it chose
-        assert run_as(alice, node_tmp, "prepare", "--dir", str(folder), "--job", job, "--key", key, "--size", "1").returncode == 0
+        assert run_as(alice, node_tmp, "prepare", "--dir", str(folder), "--job", job, "--key", key, "--size", "1", "--keep", "2").returncode == 0
     for age, key in enumerate((new, middle, old)):
         copy = plant(folder / f"{key}.sqsh", alice, "x", 0o600)
         os.utime(copy, (1_000_000 - age * 1000, 1_000_000 - age * 1000))
@@ -188,10 +190,10 @@ def test_containers_of_jobs_that_are_over_go_and_a_failed_squeue_removes_none(us
     alice, _ = users
     containers = "pyxis_ddpack-5 pyxis_ddpack-6 pyxis_7_ddpack-7 pyxis_ddpack-500 pyxis_mine other"
     fake_tools(node_tmp, squeue="FAIL", enroot_list=containers)
-    assert run_as(alice, node_tmp, "prepare", "--dir", str(node_tmp / "s"), "--job", "500").returncode == 0
+    assert run_as(alice, node_tmp, "prepare", "--dir", str(node_tmp / "s"), "--job", "500", "--keep", "2").returncode == 0
     assert (node_tmp / "bin" / "removed").read_text() == ""
     fake_tools(node_tmp, squeue="6 500", enroot_list=containers)
-    out = run_as(alice, node_tmp, "prepare", "--dir", str(node_tmp / "s"), "--job", "500")
+    out = run_as(alice, node_tmp, "prepare", "--dir", str(node_tmp / "s"), "--job", "500", "--keep", "2")
     assert (node_tmp / "bin" / "removed").read_text().split() == ["pyxis_ddpack-5", "pyxis_7_ddpack-7"], out.stderr
     assert "removed container pyxis_ddpack-5 on ddnode1 (job 5 is over)" in out.stderr
 
@@ -203,7 +205,7 @@ def receiving(alice: User, node_tmp: Path) -> tuple[Path, tuple[str, ...]]:
     """Job 500's staging folder with a fresh receiving folder INCOMING made by `receive`; (folder, staging args)."""
     fake_tools(node_tmp, squeue="500")
     folder = node_tmp / f"ddpack-images-{alice.uid}"
-    stage = ("--dir", str(folder), "--job", "500", "--key", KEY, "--size", "4")
+    stage = ("--dir", str(folder), "--job", "500", "--keep", "2", "--key", KEY, "--size", "4")
     assert run_as(alice, node_tmp, "receive", *stage, "--incoming", INCOMING).returncode == 0
     return folder, stage
 

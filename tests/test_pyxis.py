@@ -385,7 +385,7 @@ def test_a_killed_rank_is_training_again_in_the_same_job_without_reading_or_unpa
     the last snapshot; the run finishes with agreeing checksums and no requeue. The nodes hold the image from the
     job before (staged copies are reused, as DDPACK_STAGE=auto does whenever every node holds them: the shared file
     is not opened at all), and a container that job left on the node it lost is removed by this one."""
-    key = subprocess.run(["python3", "-I", "-S", f"{ROOT}/enroot/ddpack_node.py", "key", str(sqsh)], capture_output=True, text=True)
+    key = subprocess.run(["python3", "-I", "-S", f"{ROOT}/enroot/ddpack_job.py", "key", str(sqsh)], capture_output=True, text=True)
     for node in NODES:  # the job before's copies (the test above sends them; run alone, this one lays them down)
         staged = node_stage_dir(node, os.getuid())
         if not (staged / f"{key.stdout.strip()}.sqsh").exists():

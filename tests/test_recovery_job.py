@@ -1,24 +1,20 @@
-"""The job program's side of in-process recovery (enroot/ddpack_node.py): when the trainer's --recovery falls back, the
+"""The job program's side of in-process recovery (enroot/ddpack_training.py): when the trainer's --recovery falls back, the
 restart decision says why, in one line and in its step-end record."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-from testbed.env import ROOT
+from ddpack.job_side import module
 
 
 @pytest.fixture(scope="module")
 def node() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("ddpack_node", ROOT / "enroot" / "ddpack_node.py")
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
+    return module("ddpack_training")
 
 
 def end_record(reason: str) -> str:
@@ -50,5 +46,5 @@ def test_the_restart_decision_says_why_recovery_fell_back_in_one_line_and_its_re
     said = capfd.readouterr()
     lines = [line for line in (said.out + said.err).splitlines() if line.strip()]
     assert lines[0].endswith("in-process recovery fell back to this decision: rank(s) 1 lost and no standby is alive"), lines
-    record = json.loads((tmp_path / node.DECISIONS).read_text().splitlines()[-1])
+    record = json.loads((tmp_path / module("ddpack_records").DECISIONS).read_text().splitlines()[-1])
     assert record["kind"] == "step-end" and record["recovery_fallback"] == "rank(s) 1 lost and no standby is alive"

@@ -91,7 +91,7 @@ def test_a_staging_folder_planted_on_the_nodes_is_never_used_and_deletes_nothing
     theirs.mkdir()
     os.chown(theirs, mallory.uid, mallory.gid)
     theirs.chmod(0o777)
-    key = subprocess.run(["python3", str(ROOT / "enroot" / "ddpack_node.py"), "key", str(image)], capture_output=True, text=True, check=True)
+    key = subprocess.run(["python3", str(ROOT / "enroot" / "ddpack_job.py"), "key", str(image)], capture_output=True, text=True, check=True)
     planted = plant_as(mallory, theirs / f"{key.stdout.strip()}.sqsh", "a squashfs of the attacker's")
     for job_id in range(1, 400):  # every job id's old sbcast name, as a link to her checkpoint
         (theirs / f"{key.stdout.strip()}.sqsh.part-{job_id}").symlink_to(checkpoint)

@@ -12,7 +12,7 @@
       run.json                     `ddpack submit`'s record: image, code, command, settings, versions, each job
                                    (a job started by hand with a template writes one naming itself and its log)
       decisions.jsonl              the job's decisions, a record each: start, placement, staging, preflight, the
-                                   step's end and what follows (enroot/ddpack_node.py record), which ddpack status reads
+                                   step's end and what follows (enroot/ddpack_job.py record), which ddpack status reads
       job/                         the job script as submitted and the helpers it sources (ddpack submit)
       logs/slurm-<job id>.out      each job's log, requeues appended (ddpack submit's --output)
 

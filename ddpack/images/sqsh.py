@@ -390,7 +390,7 @@ def convert(image: str, output: Path, converter: str = "auto", force: bool = Fal
             RUNNERS[converter](client, image, attrs["Config"], options, tmp_out, Path(workspace))
         names = validate_squashfs(tmp_out)
         # Readable as the converter's umask made it, writable by this user alone: the job refuses an image others can
-        # replace (enroot/ddpack_node.py image-ok), and a reuse trusts only a file of this user's alone.
+        # replace (enroot/ddpack_job.py image-ok), and a reuse trusts only a file of this user's alone.
         os.chmod(tmp_out, os.stat(tmp_out).st_mode & 0o7755)
         record_path(output).unlink(missing_ok=True)
         os.replace(tmp_out, output)

@@ -67,7 +67,7 @@ def stage_by_sbcast(size_mb: float, nodes: int, site: Site) -> float:
 
 
 def auto_stages(nodes: int, site: Site) -> bool:
-    """DDPACK_STAGE=auto's choice for nodes that lack the image, as enroot/ddpack_node.py's stage_by_model
+    """DDPACK_STAGE=auto's choice for nodes that lack the image, as enroot/ddpack_staging.py's stage_by_model
     makes it (in whole MB/s, the tree's few blocks aside): sbcast then an unpack from local disk, size / sbcast +
     size / unpack, against every node unpacking from the shared filesystem at once, size / min(unpack, fsx / N).
     The size cancels: N x sbcast x unpack > fsx x (sbcast + unpack), and N x unpack > fsx (below that each node's

@@ -19,7 +19,9 @@ from ddpack.jobs.submit_checks import TEMPLATES, SubmitSettings, per_point
 from ddpack.jobs.sweep_points import sweep_command, sweep_env, sweep_points
 from train import run_folder
 
-HELPERS = ("ddpack-job.sh", "ddpack_node.py", "ddpack_settings.py")
+# The job's files beside its script (enroot/ddpack_job.py's docstring says what each holds).
+HELPERS = ("ddpack-job.sh", "ddpack_job.py", "ddpack_node.py", "ddpack_records.py", "ddpack_settings.py", "ddpack_slurm.py", "ddpack_staging.py",
+           "ddpack_training.py")  # fmt: skip
 
 
 def sbatch_directive(option: str) -> str:

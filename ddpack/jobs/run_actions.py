@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpack.errors import HostError
-from ddpack.job_side import node_helper
+from ddpack.job_side import module
 from ddpack.jobs import slurm_cli
 from ddpack.jobs.run_json import append_event, not_a_run_of_yours, read_record
 from ddpack.jobs.slurm_cli import ENDED
@@ -98,7 +98,7 @@ def resubmit_ready(run_dir: Path, record: Any) -> tuple[Path, tuple[str, ...] | 
             raise HostError(f"job {job.job_id} of this run is still {queue.state}; ddpack cancel it first, or wait for it", code=2)
     # A record from before the environment was recorded sent the whole shell; one that has it sends what it names.
     # A person chose to go on: the new job gets the failure restarts anew (the count caps one job's loop, not the run).
-    failure_restarts = run_dir / node_helper().FAILURE_RESTARTS
+    failure_restarts = run_dir / module("ddpack_records").FAILURE_RESTARTS
     try:
         failure_restarts.unlink(missing_ok=True)
     except OSError as why:

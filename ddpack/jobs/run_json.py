@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpack.errors import HostError
-from ddpack.job_side import node_helper
+from ddpack.job_side import module
 from ddpack.private_files import not_yours_alone, write_atomically
 from train import run_folder
 from train.run_folder import RUN_RECORD
@@ -134,7 +134,7 @@ def write_record(record: RunRecord) -> None:
 def _locked(run_dir: Path) -> Iterator[None]:
     """The record's one lock, the job's own (enroot/ddpack_node.py `guard` on .run.json.lock, which the job takes to
     record a run started by hand with a template): an flock, or an O_EXCL guard file where the filesystem has none."""
-    with node_helper().guard(run_dir / f".{RUN_RECORD}.lock"):
+    with module("ddpack_records").guard(run_dir / f".{RUN_RECORD}.lock"):
         yield
 
 

@@ -17,22 +17,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ddpack.errors import HostError
-from ddpack.job_side import node_helper
+from ddpack.job_side import module
 
 TIMEOUT_S = 30
 
-# Slurm's job states as every ddpack verb reads them: the one table of them, the job helper's (enroot/ddpack_node.py,
-# whose cleanup asks which jobs are over), loaded from there.
-JOB_STATES: dict[str, str] = node_helper().JOB_STATES
+# Slurm's job states as every ddpack verb reads them: the one table of them, the job's (enroot/ddpack_slurm.py, whose
+# run folder lock asks which jobs are over), loaded from there.
+JOB_STATES: dict[str, str] = module("ddpack_slurm").JOB_STATES
 # ddpack's states in which a run's job has ended for good, and the exit status `logs -f` and `status --watch` end with.
-ENDED: tuple[str, ...] = node_helper().ENDED
+ENDED: tuple[str, ...] = module("ddpack_slurm").ENDED
 EXIT_FOR_STATE = {"COMPLETED": 0, "FAILED": 1, "CANCELLED": 3, "TIMEOUT": 4, "PREEMPTED": 5}  # one for each of ENDED
 # The states a run's job waits or trains in, the liveliest first (a sweep is as lively as its liveliest point).
 LIVE = ("RUNNING", "REQUEUED", "PENDING")
 SETTLE_S = 10.0  # an ended state must hold this long before a verb believes it: a requeue passes through one
 # Slurm's states in which a job has left its nodes for good (squeue -t all keeps them for MinJobAge seconds): the job
 # helper's own set, derived once there from the same table.
-OVER: frozenset[str] = frozenset(node_helper().OVER)
+OVER: frozenset[str] = frozenset(module("ddpack_slurm").OVER)
 
 
 def ddpack_state(slurm_state: str) -> str:

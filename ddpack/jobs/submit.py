@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpack.errors import HostError
-from ddpack.job_side import node_helper
+from ddpack.job_side import module
 from ddpack.jobs import slurm_cli
 from ddpack.jobs.job_script import exported, render_script, write_job
 from ddpack.jobs.run_json import RunRecord, append_job, write_json_atomic, write_record
@@ -411,7 +411,7 @@ def record_job(run_dir: Path, job_id: str, how: str, changes: dict[str, Any] | N
 
 def image_key(sqsh: Path) -> str:
     """The staging key the job helper derives for this squashfs: the same image gives the same key."""
-    return node_helper().image_key(sqsh)
+    return module("ddpack_staging").image_key(sqsh)
 
 
 def as_json(result: Submitted) -> str:

@@ -1,0 +1,519 @@
+"""ddpack_training.py — the training step, restarted in its allocation while it can, then the job's end or its requeue.
+
+Standard library only, on the batch host: enroot/ddpack_job.py's `train` verb (the template's last line, ddpack_train,
+becomes it) runs `Training`. Each restart decision reads Slurm once (ddpack_slurm.JobFacts) and says itself twice: a
+line for people and a record for `ddpack status` (ddpack_records).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import ddpack_settings
+from ddpack_node import one_line, warn, write_private
+from ddpack_records import (
+    DECISIONS,
+    FAILURE_RESTARTS,
+    FORENSICS,
+    MARKER,
+    METRICS,
+    REPORT,
+    RUN_RECORD,
+    SUMMARY,
+    UNRESPONSIVE_NODES,
+    give_back_run_folder,
+    job_error,
+    read_nofollow,
+    say,
+    write_record,
+)
+from ddpack_settings import value
+from ddpack_slurm import SQUEUE_TIMEOUT_S, JobFacts, command, hostnames, on_each_node
+
+
+def read_count(path: Path) -> int:
+    """The number in `path`; 0 where there is none yet. A file that is there but cannot be read, or holds no number,
+    counts as 0 too: the count that follows must then be written, and a restart that cannot be is not made."""
+    try:
+        text = path.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return 0
+    return int(text) if re.fullmatch(r"[0-9]{1,9}", text) else 0
+
+
+# srun's line for tasks that ended badly, "srun: error: NODE: task 3: Exited with exit code 1" (or "tasks 0-1: Killed").
+TASK_ENDED = re.compile(rb"srun: error: ([A-Za-z0-9._-]+): tasks? ([0-9,-]+): (.*)")
+NOT_A_CRASH = (b"Terminated", b"Exited with exit code 0")  # srun's own TERM for a stop; a task that ended well
+END_MARK = b"ddpack-end "  # train/outcome.py's end record: {"rank", "host", "outcome", "reason", ...}
+LEFT_BY_A_PEER = "a collective failed"  # the trainer's reason for a rank whose peer died (train/__main__.py)
+
+
+def task_count(tasks: bytes) -> int:
+    """How many tasks srun's list names ("3", "0-1,4")."""
+    count = 0
+    for part in tasks.split(b","):
+        low, _, high = part.partition(b"-")
+        count += int(high) - int(low) + 1 if high else 1
+    return count
+
+
+def crashed_node(ended: list[tuple[str, int]], left: dict[str, int]) -> str:
+    """The node whose task crashed, from srun's lines (`ended`: node and task count, in srun's order) and the ranks'
+    end records (`left`: per host, the ranks that say a peer left them, which crashed nothing): the first node srun
+    names with more tasks that ended badly than ranks a peer left; else the first srun names ("" for none). A rank
+    that crashes is often not the first srun hears of: its peers may exit before its own teardown ends."""
+    counts: dict[str, int] = {}
+    for node, count in ended:  # srun may name one node's tasks on several lines (one killed, one exited)
+        counts[node] = counts.get(node, 0) + count
+    for node, count in counts.items():  # in the order srun first named them
+        if count > left.get(node, 0):
+            return node
+    return ended[0][0] if ended else ""
+
+
+def run_step(argv: list[str]) -> tuple[int, str]:
+    """Run the training step (srun), its output and errors passed through line by line as they come; its status (as
+    `command` gives it) and the node whose task crashed ("" for none), read from srun's lines and the end records."""
+    try:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    except OSError as why:
+        warn(f"{argv[0]}: {one_line(why)}")
+        return 127, ""
+    ended: list[tuple[str, int]] = []
+    left: dict[str, int] = {}
+
+    def copy(stream: object, fd: int) -> None:
+        for line in stream:  # type: ignore[attr-defined]
+            data = line
+            with contextlib.suppress(OSError):
+                while data:
+                    data = data[os.write(fd, data) :]
+            found = TASK_ENDED.match(line)
+            if found and not found.group(3).startswith(NOT_A_CRASH):
+                ended.append((found.group(1).decode("ascii"), task_count(found.group(2))))
+            at = line.find(END_MARK)
+            if at >= 0:
+                with contextlib.suppress(ValueError, AttributeError, TypeError):
+                    end = json.loads(line[at + len(END_MARK) :])
+                    if str(end.get("reason") or "").startswith(LEFT_BY_A_PEER):
+                        left[str(end["host"])] = left.get(str(end["host"]), 0) + 1
+
+    readers = [
+        threading.Thread(target=copy, args=(stream, fd), name=f"ddpack-step-{fd}", daemon=True)
+        for stream, fd in ((proc.stdout, 1), (proc.stderr, 2))
+    ]
+    for reader in readers:
+        reader.start()
+    code = proc.wait()
+    for reader in readers:
+        reader.join(timeout=5)  # a process the step left behind may hold a pipe open: never wait on it for long
+    return code, crashed_node(ended, left)
+
+
+PROGRESS_RECORD = b'"kind": "progress"'  # train/metrics.py's progress records, as json.dumps spells them
+
+
+def metrics_size(path: Path) -> int | None:
+    """The metrics file's size now; None where there is none (a program of your own may write none)."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None
+
+
+def made_progress(path: Path, since: int | None) -> str:
+    """Whether the step wrote a progress record (it finished steps) after byte `since` of the metrics file: "yes",
+    "no", or "" where there is no metrics file, before or after (nothing to tell from)."""
+    try:
+        with path.open("rb") as handle:
+            handle.seek(since or 0)
+            while chunk := handle.read(1 << 20):
+                if PROGRESS_RECORD in chunk:
+                    return "yes"
+    except OSError:
+        return "" if since is None else "no"
+    return "no"
+
+
+RECOVERY_FALLBACK = "in-process recovery impossible: "  # train/__main__.py's end-record reason when --recovery falls back
+
+
+def recovery_fallback(path: Path, since: int | None) -> str:
+    """Why in-process recovery (the trainer's --recovery, train/recovery.py) fell back to this restart, from rank 0's end
+    record written after byte `since` of the metrics file; "" when it did not (or there is no such record)."""
+    try:
+        with path.open("rb") as handle:
+            handle.seek(since or 0)
+            lines = handle.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return ""
+    for line in reversed(lines):
+        with contextlib.suppress(ValueError):
+            record = json.loads(line)
+            if isinstance(record, dict) and record.get("kind") == "end" and str(record.get("reason", "")).startswith(RECOVERY_FALLBACK):
+                return str(record["reason"])[len(RECOVERY_FALLBACK) :]
+    return ""
+
+
+def newer(path: Path, than: Path) -> bool:
+    """`test PATH -nt THAN`: PATH exists and was changed after THAN (or THAN is missing)."""
+    try:
+        mtime = path.stat().st_mtime_ns
+    except OSError:
+        return False
+    try:
+        return mtime > than.stat().st_mtime_ns
+    except OSError:
+        return True
+
+
+def remove_container(facts: JobFacts, name: str) -> None:
+    """Remove the job's container from every node it holds now (pyxis keeps named containers after the job unless its
+    plugstack.conf sets container_scope=job, when pyxis calls it pyxis_<job>_<name> and removes it itself, so a missing
+    pyxis_<name> is not an error). One task per node, with the node's own enroot (the one pyxis runs)."""
+    remove = ["bash", "-c", 'enroot remove -f "pyxis_$1" >/dev/null 2>&1 || true', "_", name]
+    command(on_each_node(facts.nodelist, len(facts.nodes or []), remove))
+
+
+class Training:
+    """The training step, restarted in this allocation while it can, then the job's end or its requeue (ddpack-job.sh's
+    ddpack_train). The step's exit status decides, whatever ran (the bundled trainer, your DDPACK_COMMAND, the image's
+    own):
+
+    - 0 done; 2 bad input (never retried: the error line says what to fix);
+    - 128+10 / 128+15 (138, 143) stopped on SIGUSR1/SIGTERM: preempted (or the time limit's warning): back to the queue,
+      requeued up to DDPACK_MAX_RESTARTS (10);
+    - anything else (124 a hang the watchdog ended, 137 a SIGKILL such as the OOM killer's or srun's for a rank still
+      frozen DDPACK_STEP_WAIT seconds after the others ended, 1 a crash or a lost peer or node): a failure, retried up to
+      DDPACK_MAX_FAILURE_RESTARTS times (1) per run folder. A retry restarts the step in this allocation when enough
+      healthy nodes remain (a spare swapped in for a bad node; DDPACK_RESTART_IN_PLACE=0 turns that off), else requeues
+      the job, keeping out the nodes a hang's forensics named unresponsive where the partition has others to spare. A
+      hang is told by its exit 124 or by forensics written during this start (the frozen rank's 137 is the step's
+      status then). A step Slurm ended because the job lost a node (143) is a failure of the node, not a preemption.
+
+    DDPACK_SPARE_NODES=K: the job's last K nodes are spares; training runs on the others, and a restart swaps a spare
+    in for a node that failed. Each decision is one line for people and a record for `ddpack status`."""
+
+    def __init__(self, step: list[str], command: list[str], container: str = "") -> None:
+        env = os.environ
+        self.step, self.command, self.container = step, command, container
+        self.job, self.run_dir = env["SLURM_JOB_ID"], Path(env["DDPACK_RUN_DIR"])
+        names = ("DDPACK_SPARE_NODES", "DDPACK_RESTART_IN_PLACE", "DDPACK_MAX_RESTARTS", "DDPACK_MAX_FAILURE_RESTARTS")
+        for why in ddpack_settings.problems({name: env[name] for name in names if name in env}):
+            job_error(self.run_dir, why)  # ddpack_setup checked them all already: this is for a script that skipped it
+        self.spares = int(value("DDPACK_SPARE_NODES", env))
+        self.in_place = value("DDPACK_RESTART_IN_PLACE", env) == "1"
+        self.max_restarts = int(value("DDPACK_MAX_RESTARTS", env))
+        self.max_failed = int(value("DDPACK_MAX_FAILURE_RESTARTS", env))
+        self.restarts = int(env.get("SLURM_RESTART_COUNT") or 0)
+        self.failed = 0  # failure restarts counted during this start: the cap holds if the run folder's count is lost
+        self.bad_nodes: list[str] = []  # nodes a hang's forensics named, over the whole job
+        self.last_nodes: list[str] = []  # the nodes the last training step ran on
+        self.placement: list[str] = []  # srun's options that put the step on them (none: the whole allocation)
+        self.short = ""  # why no placement was found
+        self.keep_out: list[str] = []
+        self.crashed = ""  # the node srun named first for a task that crashed in the last step
+        self.progress = ""  # whether the last step wrote progress records: yes, no, "" (no metrics file)
+        self.fallback = ""  # why the trainer's in-process recovery fell back to this restart ("": it did not)
+        self.crashes: dict[str, int] = {}  # crashes by node during this start: a second one puts the node out for the job
+        self.avoid: list[str] = []  # nodes the next placement uses only where no other healthy node is left
+        self.now = JobFacts(self.job)  # what Slurm says of the job, read once a decision (after_step starts a new one)
+
+    @functools.cached_property
+    def started(self) -> list[str] | None:
+        """The nodes the job started on (SLURM_JOB_NODELIST's names, expanded once a start: the decision's own names when
+        Slurm lists the same); None when unknown."""
+        listed = os.environ.get("SLURM_JOB_NODELIST", "")
+        return self.now.nodes if listed == self.now.nodelist else hostnames(listed)
+
+    def run(self) -> int:
+        """Train until the job ends here or goes back to the queue; the last step's status."""
+        if self.spares > 0:
+            if not self.place():
+                if self.short.startswith("Slurm did not"):  # not bad input: the job fails, and says why
+                    say(f"cannot place the training step: {self.short}")
+                    write_record(self.run_dir, "step-end", {"verdict": "end", "reason": "no-placement", "exit": "1", "text": self.short})
+                    self.leave("end")
+                    return 1
+                job_error(self.run_dir, f"DDPACK_SPARE_NODES={self.spares}: {self.short}")
+            say(f"training on {','.join(self.last_nodes)}; spare: {self.spares_now()}")
+            write_record(self.run_dir, "placement", {"nodes": ",".join(self.last_nodes), "spares": self.spares_now()})
+        while True:
+            sys.stdout.flush()
+            before = metrics_size(self.run_dir / METRICS)
+            code, self.crashed = run_step([*self.step, *self.placement, *self.command])
+            self.progress = made_progress(self.run_dir / METRICS, before)
+            self.fallback = recovery_fallback(self.run_dir / METRICS, before)
+            rc = 128 - code if code < 0 else code  # a step killed by a signal: its status as the shell gives it
+            after = self.after_step(rc)
+            if after != "restart":
+                break
+            with contextlib.suppress(OSError):
+                (self.run_dir / MARKER).open("w").close()  # forensics newer than this belong to the restart
+        self.leave(after)
+        return rc
+
+    def place(self) -> bool:
+        """Set the srun options that put a training step on the job's healthy nodes, the ones the last step used first,
+        spares after; False (self.short says why) when fewer are healthy than training needs. Healthy: still in the job
+        (Slurm drops a node it lost from a --no-kill job), not down, drained or failing in sinfo, not named unresponsive
+        by a hang's forensics during this job."""
+        env = os.environ
+        total = int(env.get("SLURM_JOB_NUM_NODES") or 1)
+        need = total - self.spares
+        if need < 1:
+            job_error(
+                self.run_dir,
+                f"DDPACK_SPARE_NODES={self.spares} leaves no node to train on: the job has {total}; ask sbatch for --nodes=<training nodes + spares>",
+            )
+        per_node = (env.get("SLURM_NTASKS_PER_NODE") or "").split("(")[0]
+        if not re.fullmatch(r"[0-9]+", per_node):
+            job_error(
+                self.run_dir,
+                f"a restart in this allocation needs --ntasks-per-node (SLURM_NTASKS_PER_NODE={env.get('SLURM_NTASKS_PER_NODE', '')}); the templates set it",
+            )
+        listed_names = self.now.nodes
+        bad = {*self.bad_nodes, *self.now.unhealthy(listed_names or [])}
+        if listed_names is None:
+            self.short = "Slurm did not list the job's nodes (scontrol show hostnames failed)"
+            return False
+        names = [node for node in listed_names if node not in bad]
+        healthy = [node for node in names if node in self.last_nodes] + [node for node in names if node not in self.last_nodes]
+        healthy = [node for node in healthy if node not in self.avoid] + [node for node in healthy if node in self.avoid]
+        if len(healthy) < need:
+            self.short = f"{len(healthy)} healthy node(s) left in the allocation and training needs {need}"
+            return False
+        self.last_nodes = healthy[:need]
+        self.placement = [f"--nodes={need}", f"--ntasks={need * int(per_node)}", f"--nodelist={','.join(self.last_nodes)}"]
+        return True
+
+    def spares_now(self) -> str:
+        """The allocation's nodes that are not the ones training uses now."""
+        spare = [node for node in self.now.nodes or [] if node not in self.last_nodes]
+        return ",".join(spare) or "none"
+
+    def after_step(self, rc: int) -> str:
+        """end, restart or requeue, from the step's exit status; one line says which and why."""
+        self.now = JobFacts(self.job)  # this decision's one read of Slurm (when it needs one), for every part of it
+        self.report_hint()
+        if rc == 0:
+            return self.decide("end", "completed", "done", rc, "the step completed (exit 0)")
+        if rc == 2:
+            said = "the step ended on bad input (exit 2); not requeueing: fix what its error line names and resubmit"
+            return self.decide("end", "end", "bad-input", rc, said)
+        kind = "preempted" if rc in (138, 143) else "failed"
+        what, reason = f"failed (exit {rc})", kind
+        lost = self.lost_nodes()
+        if lost:
+            kind, what, reason = "failed", f"ended (exit {rc}) when the job lost {','.join(lost)}", "lost-node"
+        if kind == "preempted":
+            if self.restarts >= self.max_restarts:
+                return self.decide(
+                    "end", "end", "preempted", rc,
+                    f"preempted (exit {rc}) after {self.restarts} restarts, the cap DDPACK_MAX_RESTARTS={self.max_restarts}; "
+                    f"not requeueing ({self.continue_hint()} to continue)",
+                )  # fmt: skip
+            if self.progress == "no" and self.restarts >= 1 and self.earlier_start_progress() == "no":
+                return self.decide(
+                    "end", "end", "no-progress", rc,
+                    f"preempted (exit {rc}) with no new step in {self.run_dir / METRICS}, as in the start before it: not requeueing "
+                    f"a program that stops before its first step at every start (its lines above say where); {self.continue_hint()} to try again",
+                )  # fmt: skip
+            return self.decide(
+                "requeue", "requeue", "preempted", rc,
+                f"preempted (exit {rc}); requeueing job {self.job} (restart {self.restarts + 1} of at most {self.max_restarts})",
+            )  # fmt: skip
+        counted = self.run_dir / FAILURE_RESTARTS
+        failed = max(self.failed, read_count(counted))  # the file may have been lost or reset: memory counts too
+        forensics = self.run_dir / FORENSICS
+        crashed = ""
+        if not lost and (rc == 124 or newer(forensics / SUMMARY, self.run_dir / MARKER)):
+            what, reason = f"ended as hung (exit {rc}; evidence in {forensics})", "hung"
+        elif not lost and self.crashed in self.our_nodes():  # srun's line shares the pipe with the tasks': ours only
+            crashed, reason = self.crashed, "crashed"
+            what = f"failed (exit {rc}) when its task on {crashed} crashed"
+        if failed >= self.max_failed or self.restarts >= self.max_restarts:
+            return self.decide(
+                "end", "end", reason, rc,
+                f"the step {what} after {failed} failure restarts, the cap DDPACK_MAX_FAILURE_RESTARTS={self.max_failed}; "
+                f"not requeueing ({self.continue_hint()} to continue from its last snapshot)",
+            )  # fmt: skip
+        try:
+            write_private(counted, f"{failed + 1}\n", durable=True)
+        except OSError as why:  # full, over quota, read-only: a restart that cannot be counted could loop for ever
+            return self.decide(
+                "end", "end", "uncounted", rc,
+                f"the step {what}; not restarting it: the restart cannot be counted in {counted} ({one_line(why)}); "
+                f"make room there or fix its permissions, then {self.continue_hint()} to continue from its last snapshot",
+            )  # fmt: skip
+        self.failed = failed + 1
+        count = f"failure restart {failed + 1} of at most {self.max_failed}"
+        named = self.named_this_start()
+        without = f", without {','.join(named)} (named unresponsive)" if named else ""
+        self.bad_nodes += [node for node in named if node not in self.bad_nodes]
+        self.avoid = []
+        if crashed:
+            self.crashes[crashed] = self.crashes.get(crashed, 0) + 1
+            if self.crashes[crashed] >= 2:  # twice: the node's fault, not the program's; out for the rest of the job
+                named = [*named, crashed]
+                without += f", without {crashed} (its tasks crashed twice)"
+                if crashed not in self.bad_nodes:
+                    self.bad_nodes.append(crashed)
+            else:
+                self.avoid = [crashed]
+        if not self.in_place:
+            self.short = "DDPACK_RESTART_IN_PLACE=0"
+        elif self.place():
+            if crashed in self.avoid:
+                without += f", without {crashed} (its task crashed)" if crashed not in self.last_nodes else f", on {crashed} again (no other node)"
+            left_out = ",".join(node for node in [*named, *self.avoid] if node not in self.last_nodes)
+            placed = {"nodes": ",".join(self.last_nodes), "spares": self.spares_now(), "without": left_out}
+            write_record(self.run_dir, "placement", placed)
+            return self.decide(
+                "restart", "restart", reason, rc,
+                f"the step {what}; restarting it in this allocation on {','.join(self.last_nodes)}{without} from its last snapshot ({count})",
+            )  # fmt: skip
+        after = self.decide(
+            "requeue", "requeue", reason, rc,
+            f"the step {what}; {self.short}: requeueing job {self.job} to resume from its last snapshot ({count})",
+        )  # fmt: skip
+        self.nodes_to_keep_out()
+        return after
+
+    def decide(self, after: str, verdict: str, reason: str, rc: int | str, sentence: str) -> str:
+        """The step's end decided: said, recorded (the run's end, for `ddpack status` once Slurm has forgotten the job)."""
+        if self.fallback and verdict != "completed":
+            say(f"in-process recovery fell back to this decision: {self.fallback}")
+        say(sentence)
+        fields = {"verdict": verdict, "reason": reason, "exit": str(rc), "text": sentence, "progress": self.progress}
+        if self.fallback:
+            fields["recovery_fallback"] = self.fallback
+        write_record(self.run_dir, "step-end", fields)
+        return after
+
+    def earlier_start_progress(self) -> str:
+        """The progress of the last step of the start before this one (SLURM_RESTART_COUNT one less), as its step-end
+        record has it: "yes", "no" or "" (unknown)."""
+        try:
+            lines = read_nofollow(self.run_dir / DECISIONS, limit=None).splitlines()
+        except OSError:
+            return ""
+        for line in reversed(lines):
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(entry, dict) and entry.get("kind") == "step-end" and entry.get("restart") == self.restarts - 1:
+                return str(entry.get("progress") or "")
+        return ""
+
+    def lost_nodes(self) -> list[str]:
+        """The nodes the last step ran on that the job lost (Slurm dropped them from this --no-kill job) or that sinfo
+        says are down, drained or failing."""
+        ran = self.last_nodes or self.started or []
+        if not ran:
+            return []
+        listed = self.now.nodes
+        now = set(ran if listed is None else listed)  # unknown: only sinfo's word counts, never "all were lost"
+        bad = self.now.unhealthy(ran)
+        return [node for node in ran if node not in now or node in bad]
+
+    def our_nodes(self) -> set[str]:
+        """The job's nodes, as it started and as Slurm lists them now: the only names a decision may act on."""
+        return {*(self.started or []), *(self.now.nodes or [])}
+
+    def named_this_start(self) -> list[str]:
+        """The nodes a hang's forensics named unresponsive during this start. Only names of this job's nodes count: the
+        file is written from what ranks said through the rendezvous store, and a name that is not one of ours must never
+        reach ExcNodeList."""
+        named = self.run_dir / FORENSICS / UNRESPONSIVE_NODES
+        if not (named.is_file() and named.stat().st_size and newer(named, self.run_dir / MARKER)):
+            return []
+        ours = self.our_nodes()
+        found: list[str] = []
+        for line in named.read_text(errors="replace").splitlines():
+            if line in ours and line not in found:
+                found.append(line)
+        return found
+
+    def nodes_to_keep_out(self) -> None:
+        """Keep the nodes a hang's forensics named out of the requeued job when the partition has enough others for it
+        (else it would never start again, and a line says so)."""
+        if not self.bad_nodes:
+            return
+        env = os.environ
+        partition, needs = env.get("SLURM_JOB_PARTITION", ""), int(env.get("SLURM_JOB_NUM_NODES") or 1)
+        out = command(["sinfo", "-h", "-p", partition, "-o", "%D"], capture_output=True, text=True, timeout=SQUEUE_TIMEOUT_S).stdout.split()
+        total = int(out[0]) if out and re.fullmatch(r"[0-9]+", out[0]) else 0
+        nodes = ",".join(self.bad_nodes)
+        if total - len(self.bad_nodes) < needs:
+            why = f"partition {partition or '?'} has {total} nodes and the job needs {needs}"
+            say(f"not keeping out {nodes} ({self.why_out(self.bad_nodes, short=True)}): {why}")
+            write_record(self.run_dir, "keep-out", {"nodes": nodes, "kept": "no", "why": why})
+            return
+        self.keep_out = list(self.bad_nodes)
+
+    def why_out(self, nodes: list[str], *, short: bool = False) -> str:
+        """Why `nodes` are kept out: a hang's forensics named them, or their tasks crashed twice."""
+        crashed = [node for node in nodes if self.crashes.get(node, 0) >= 2]
+        reasons = ["named unresponsive" + ("" if short else " by the hang's forensics")] if len(crashed) < len(nodes) else []
+        if crashed:
+            reasons.append(f"{'its' if len(crashed) == 1 else 'their'} tasks crashed twice")
+        return "; ".join(reasons)
+
+    def leave(self, after: str) -> None:
+        """After the last step of this start: the job's container leaves the nodes, then the requeue decided, or the run
+        folder is free for another job."""
+        if self.container:
+            remove_container(self.now, self.container)
+        if after == "requeue":
+            self.requeue()
+        else:
+            give_back_run_folder(self.run_dir, self.job)
+
+    def requeue(self) -> None:
+        """Requeue this job, then keep the named nodes out of its next start. Slurm refuses ExcNodeList for a running
+        job, and a requeue SIGTERMs this script and kills it KillWait seconds later (30 by default): TERM is ignored from
+        here (by this program and the commands it runs, which inherit that), which keeps it alive for the one update and
+        its record that follow."""
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        sys.stdout.flush()
+        if command(["scontrol", "requeue", self.job]).returncode != 0:
+            self.decide(
+                "end", "end", "requeue-refused", "",
+                f"scontrol requeue {self.job} was refused (its line above says why); the job ends here: {self.continue_hint()} to continue",
+            )  # fmt: skip
+            return
+        if not self.keep_out:
+            return
+        nodes = ",".join(self.keep_out)
+        if command(["scontrol", "update", f"JobId={self.job}", f"ExcNodeList={nodes}"]).returncode == 0:
+            say(f"keeping {nodes} ({self.why_out(self.keep_out)}) out of the restart")
+            write_record(self.run_dir, "keep-out", {"nodes": nodes, "kept": "yes"})
+        else:
+            say(f"could not keep {nodes} out of the restart (scontrol update refused); it may land there again")
+            write_record(self.run_dir, "keep-out", {"nodes": nodes, "kept": "no", "why": "scontrol update refused"})
+
+    def continue_hint(self) -> str:
+        """How to continue this run in a new job: `ddpack resubmit` for a run `ddpack submit` made, else the setting (a
+        job started by hand leaves a run.json too, which says a template made it: ddpack cannot resubmit that one)."""
+        try:
+            made_by = json.loads(read_nofollow(self.run_dir / RUN_RECORD, limit=None)).get("settings", {}).get("made_by")
+        except (OSError, ValueError, AttributeError):
+            return f"resubmit with DDPACK_RUN_DIR={self.run_dir}"
+        return f"resubmit with DDPACK_RUN_DIR={self.run_dir}" if made_by == "template" else f"ddpack resubmit {self.run_dir}"
+
+    def report_hint(self) -> None:
+        """Where the run's charts come from, once a step has left metrics (a program of your own may write none)."""
+        metrics = self.run_dir / METRICS
+        if metrics.is_file() and metrics.stat().st_size:
+            say(f"metrics in {metrics}; for the run report ({self.run_dir / REPORT}) run, in the ddpack checkout: make report RUN={self.run_dir}")
