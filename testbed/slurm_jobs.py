@@ -265,7 +265,7 @@ def signal_tasks(job: str, node: str, sig: signal.Signals = signal.SIGKILL, rank
     return pids
 
 
-# The job program's own lines (enroot/ddpack_node.py) that open a start and that announce a requeue.
+# The job program's own lines (enroot/ddpack_job.py, enroot/ddpack_training.py) that open a start and that announce a requeue.
 START_OR_REQUEUE = re.compile(r"^ddpack: (?:job \d+ \(restart \d+\) on |.*\brequeueing job \d+)", re.M)
 
 

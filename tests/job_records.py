@@ -1,4 +1,4 @@
-"""The job's decision records (decisions.jsonl), as enroot/ddpack_node.py's `write_record` writes them, for tests that
+"""The job's decision records (decisions.jsonl), as enroot/ddpack_records.py's `write_record` writes them, for tests that
 fabricate a run folder: every record's own fields (RESERVED there: time, kind, job, slurm_job, restart) and the
 fields its caller gives. tests/test_experiments.py holds these against what the job's program itself writes."""
 

@@ -132,7 +132,7 @@ def write_record(record: RunRecord) -> None:
 
 @contextlib.contextmanager
 def _locked(run_dir: Path) -> Iterator[None]:
-    """The record's one lock, the job's own (enroot/ddpack_node.py `guard` on .run.json.lock, which the job takes to
+    """The record's one lock, the job's own (enroot/ddpack_records.py `guard` on .run.json.lock, which the job takes to
     record a run started by hand with a template): an flock, or an O_EXCL guard file where the filesystem has none."""
     with module("ddpack_records").guard(run_dir / f".{RUN_RECORD}.lock"):
         yield

@@ -2,7 +2,7 @@
 
 The state comes from `squeue` (which keeps an ended job for MinJobAge), then `sacct` where the cluster keeps
 accounting, then the run folder's own records: run.json's cancels, Slurm's own `*** JOB … CANCELLED ***` line in
-the job's log, the trainer's end record and the job's decisions (decisions.jsonl, which enroot/ddpack_node.py
+the job's log, the trainer's end record and the job's decisions (decisions.jsonl, which enroot/ddpack_records.py
 writes). No sentence of ddpack's in a job log is read: rewording one changes nothing here. An squeue that fails or
 no longer lists the job never loses a run: the folder still says what happened, and `state_from` says who answered.
 
@@ -123,7 +123,7 @@ class JobEvent:
     job_id: str
     text: str
     when: float | None = None  # a record's time, or a cancel's (Slurm's, in the cluster's local time)
-    verdict: str = ""  # a step-end's: completed, end, requeue or restart (enroot/ddpack_node.py VERDICTS)
+    verdict: str = ""  # a step-end's: completed, end, requeue or restart (enroot/ddpack_records.py VERDICTS)
     log_at: int | None = None  # a start's: the job log's size when it began (where Slurm's lines after it are)
 
     @property
@@ -134,7 +134,7 @@ class JobEvent:
 
 def decision_records(run_dir: Path, record: RunRecord) -> dict[str, list[JobEvent]]:
     """Each job's starts and step-end decisions from decisions.jsonl, the records the job's program writes
-    (enroot/ddpack_node.py write_record), keyed by the job as ddpack knows it (a sweep's point as <array>_<index>)."""
+    (enroot/ddpack_records.py write_record), keyed by the job as ddpack knows it (a sweep's point as <array>_<index>)."""
     recorded: dict[str, list[JobEvent]] = {}
     ids = {job.job_id for job in record.jobs}
     for entry in read_decisions(run_dir):
