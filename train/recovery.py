@@ -43,7 +43,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -249,6 +249,11 @@ class Membership:
         self.generation, self.store, self.member, self.heartbeat, self.stages = generation, store, member, heartbeat, None
         return self
 
+    @property
+    def replacing(self) -> bool:
+        """This process is a standby that took a dead rank's place (its state comes from the survivors)."""
+        return self.member.startswith("s")
+
     def join(self) -> None:
         join_group(
             self.store,
@@ -446,12 +451,29 @@ def warm_up(device: torch.device) -> None:
         dist.destroy_process_group()
 
 
+def launcher_role(standbys: int, environ: MutableMapping[str, str]) -> bool:
+    """Whether this process is one of the launcher's last `standbys` ranks (a job template's extra tasks of the step:
+    `--standbys K`, DDPACK_STANDBYS), which are standbys; the others train in a world of WORLD_SIZE - K. WORLD_SIZE is
+    set to that world in `environ`, so that whatever reads it next (the process group, the watchdog, the preflight's
+    rules) sees the training world, as train.distributed reads it; a standby's RANK is set to the rank it takes."""
+    if standbys <= 0:
+        return False
+    rank, launched = int(environ["RANK"]), int(environ["WORLD_SIZE"])
+    world = launched - standbys
+    if world < 1:
+        raise RecoveryImpossible(f"--standbys {standbys} leaves no rank to train: the launcher started {launched} process(es) (WORLD_SIZE={launched})")
+    environ["WORLD_SIZE"] = str(world)
+    return rank >= world
+
+
 def enter(
-    *, standby: bool, backend: str, device: torch.device, collective_timeout_s: float, log: Callable[[str], None]
+    *, standby: bool, backend: str, device: torch.device, collective_timeout_s: float, log: Callable[[str], None], standbys: int = 0
 ) -> tuple[DistContext, Membership] | None:
     """Join the job's process group under --recovery: a rank at once (generation 0), a standby once it is given a
-    dead rank's place (None when the run ended without needing it)."""
+    dead rank's place (None when the run ended without needing it). `standbys`: the launcher's last ranks that are
+    standbys (`launcher_role`); `standby`: this process is one whatever its rank (started by hand, --standby)."""
     default_to_one_process()
+    standby = launcher_role(standbys, os.environ) or standby
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     host = node_name()
@@ -464,6 +486,7 @@ def enter(
             waiting.heartbeat.stop()
             return None
         generation, rank = assigned
+        os.environ["RANK"] = str(rank)  # the rank it is now, for whatever reads the environment after this
         membership = Membership.joined_as(waiting.store, waiting.heartbeat, member=waiting.member, rank=rank, generation=generation, **settings)
     else:
         membership = Membership(rank=rank, host=host, **settings)
