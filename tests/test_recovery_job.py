@@ -42,6 +42,7 @@ def test_the_restart_decision_says_why_recovery_fell_back_in_one_line_and_its_re
 ) -> None:
     training = object.__new__(node.Training)
     training.run_dir, training.progress, training.fallback = tmp_path, "yes", "rank(s) 1 lost and no standby is alive"
+    training.recovered = 0
     assert training.decide("restart", "restart", "failed", 1, "the step failed (exit 1); restarting it in this allocation") == "restart"
     said = capfd.readouterr()
     lines = [line for line in (said.out + said.err).splitlines() if line.strip()]
