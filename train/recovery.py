@@ -281,7 +281,10 @@ class Membership:
             raise RecoveryImpossible(f"this rank ({self.member}) was counted dead by the standbys (its heartbeat stopped for {STALE_S:g}s)")
         lost = ", ".join(f"rank {r}" for r in sorted(decision.dead))
         taken = ", ".join(f"{s} takes rank {r}" for r, s in sorted(decision.replacements.items()))
-        log(f"recovery: {lost} lost in generation {self.generation} ({type(failure).__name__}); {taken}; forming generation {decision.generation}")
+        log(
+            f"recovery: {lost} lost in generation {self.generation} ({type(failure).__name__}); {taken}; "
+            f"forming generation {decision.generation} in this process (pid {os.getpid()})"
+        )
         tear_down(self.backend)
         stages.torn_down = time.time()
         self.generation = decision.generation
