@@ -40,7 +40,7 @@ from ddpack_records import (
     write_record,
 )
 from ddpack_settings import value
-from ddpack_slurm import SQUEUE_TIMEOUT_S, JobFacts, command, hostnames, on_each_node
+from ddpack_slurm import SQUEUE_TIMEOUT_S, JobFacts, command, hostnames, natural, on_each_node
 
 
 def read_count(path: Path) -> int:
@@ -253,7 +253,10 @@ def task_hosts(nodes: list[str], per_node: int, standbys: int) -> list[str]:
     ranks as srun's block distribution places them (`per_node` on each node, in order), then the standbys one a node
     from the first. The recovery prefers a standby on another node than the dead rank's (train/recovery.py's `decide`),
     and the first node's rank 0 hosts the job's store, so its death is never recovered: a standby there is on another
-    node than every rank it can replace but the first node's others."""
+    node than every rank it can replace but the first node's others. The nodes go in Slurm's order whatever order the
+    placement chose: each task takes the step's first node (SLURM_STEP_NODELIST, which Slurm sorts) for rank 0's, the
+    store's address (entrypoint/plan.py), and srun's block distribution would have put rank 0 there too."""
+    nodes = sorted(nodes, key=natural)
     return [node for node in nodes for _ in range(per_node)] + [nodes[index % len(nodes)] for index in range(standbys)]
 
 
