@@ -51,6 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from train import distributed
 from train.distributed import DistContext, default_to_one_process, first_line, node_name
 
 HEARTBEAT_S = 0.05  # each member bumps its counter this often; standbys sample every counter as often
@@ -63,6 +64,11 @@ JOIN_TIMEOUT_S = 20.0  # forming the next generation's group; past it, recovery 
 STORE_TIMEOUT_S = 10.0
 PREFIX = "ddpack-recovery/"
 NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
+class PeerDeclaredDead(RuntimeError):
+    """Raised in a survivor that waits on a collective once the standbys have judged a peer dead (train.distributed's
+    abandon_check): the collective will not complete, and the recovery starts now rather than at its timeout."""
 
 
 class RecoveryImpossible(Exception):
@@ -249,12 +255,28 @@ class Membership:
         self.generation, self.store, self.member, self.heartbeat, self.stages = generation, store, member, heartbeat, None
         return self
 
+    def abandon_if_decided(self) -> None:
+        """While this rank waits on a collective (train.distributed.wait_polling): when this generation's decision is
+        written, a peer was judged dead (a survivor next to it failed at once and the standbys decided), so the
+        collective cannot complete: raise now, instead of waiting out the collective timeout, which gloo cannot cut."""
+        try:
+            decided = self.store.check([f"{PREFIX}gen{self.generation}/decision"])
+        except RuntimeError:
+            return  # the store's own failure: recover() says it when the collective fails
+        if decided:
+            raise PeerDeclaredDead(f"a peer was judged dead in generation {self.generation} while this rank waited on a collective")
+
+    def watch_collectives(self) -> None:
+        """Let this rank's collective waits end early on a decision (see abandon_if_decided)."""
+        distributed.abandon_check = self.abandon_if_decided
+
     @property
     def replacing(self) -> bool:
         """This process is a standby that took a dead rank's place (its state comes from the survivors)."""
         return self.member.startswith("s")
 
     def join(self) -> None:
+        self.watch_collectives()
         join_group(
             self.store,
             generation=self.generation,
@@ -328,6 +350,7 @@ class Membership:
     def close(self) -> None:
         """This rank's run ended (done, stopped, failed, fallen back): the standbys leave. Said before the heartbeat
         stops, so that a rank that finished first is never taken for dead while rank 0 still evaluates."""
+        distributed.abandon_check = None
         with contextlib.suppress(RuntimeError):  # a store already gone has no standby left to tell
             self.store.set(f"{PREFIX}closed", "1")
         self.heartbeat.stop()
@@ -483,7 +506,11 @@ def enter(
     settings: dict[str, Any] = {"world_size": world, "backend": backend, "device": device, "collective_timeout_s": collective_timeout_s}
     if standby:
         warm_up(device)
-        waiting = Standby(world_size=world, host=host)
+        try:
+            waiting = Standby(world_size=world, host=host)
+        except RuntimeError as exc:  # a run shorter than this standby's warm-up has ended, and its store with it
+            log(f"standby: the job's store does not answer ({first_line(exc)}): the run ended before this standby was warm; leaving")
+            return None
         assigned = waiting.wait(log)
         if assigned is None:
             waiting.heartbeat.stop()
