@@ -14,10 +14,10 @@ Who learns what, and how (the store is the one channel that never waits on a col
   another host than the dead rank's when one is alive), or why recovery cannot work (`fallback`).
 - A survivor learns nothing until its collective fails, or, waiting on one (gloo's polled waits), until it sees this
   generation's decision in the store (asked every 20 ms: `abandon_if_decided`): gloo cannot cancel a collective in
-  flight, so without that its timeout would be how long a survivor whose own peers live waits on a dead one. `CollectiveClock` sets it from the steps' own measured
-  times: `max(TIMEOUT_FLOOR_S, TIMEOUT_MARGIN x the slowest step seen)`, never above --collective-timeout, and
-  the long --collective-timeout around what one rank does alone while the others wait (rank 0's eval and
-  snapshot copy, the first steps of a generation). A slow but healthy collective raises the timeout with it.
+  flight, so without that its timeout would be how long a survivor whose own peers live waits on a dead one.
+  `CollectiveClock` sets the timeout from the steps' own measured times: `max(TIMEOUT_FLOOR_S, TIMEOUT_MARGIN x the
+  slowest step seen)`, never above --collective-timeout, and the long --collective-timeout around what one rank does
+  alone while the others wait (rank 0's eval and snapshot copy, the first steps of a generation). A slow but healthy collective raises the timeout with it.
 - A failed survivor reads the decision (waiting up to DECISION_WAIT_S for it), destroys its process group
   (NCCL's communicator is aborted first, never left to its watchdog) and joins the next generation's, of the
   same world size, under the store prefix `gen<g>/`; the assigned standby joins it as the dead rank.
