@@ -162,7 +162,7 @@ bench-lifecycle: venv ## print ddpack submit with nothing changed vs plain sbatc
 bench-experiments: venv ## print a 100-point sweep's own cost beyond one submit, and ddpack ls on 1,000 runs (fake Slurm: ddpack's own work)
 	$(VPY) bench/bench_experiments.py $(BENCH_EXPERIMENTS_ARGS)
 
-bench-restart: venv ## print a killed rank's restart in place, the job program at fa34be6 against now, A B A B, and where the seconds go (root, Slurm)
+bench-restart: venv ## print a killed rank's restart in place, the job program at fa34be6 against now, A B A B, and where the seconds go (root, Slurm); BENCH_RESTART_ARGS=--standbys: today's path against in-process recovery on the cluster, --local: on this host
 	$(VPY) bench/bench_restart.py $(BENCH_RESTART_ARGS)
 
 push: engine ## push IMAGE:TAG to ECR (boto3 + docker SDK; AWS_REGION, ECR_REPOSITORY, PUSH_ARGS)

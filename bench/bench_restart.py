@@ -29,6 +29,14 @@ ranks in the per-task shape (what srun or docker -e gives each rank), rank 3 SIG
   progress record after the failure (the redone step; nothing is replayed, so `past` is `back`).
 
     python bench/bench_restart.py --local [--rounds 2]
+
+`--standbys` (the test cluster, this revision): the same two paths through a template, A B A B: today's restart in place
+(DDPACK_STANDBYS=0) against in-process recovery (DDPACK_STANDBYS=1: a standby task in the training step), 4 ranks on 2
+nodes, rank 3 SIGKILLed while training past step 30: `back` is the kill -> the first progress record after it, `past`
+-> the first past the step the kill interrupted, `replayed` the steps trained twice; in-process also gives its recovery
+record's stages (notice: the kill -> the survivors' failed collective).
+
+    python bench/bench_restart.py --standbys [--rounds 2] [--sqsh build/IMAGE.sqsh]
 """
 
 from __future__ import annotations
@@ -93,6 +101,75 @@ def one_restart(enroot: Path, folder: Path, sqsh: Path | None) -> dict[str, floa
         "started": starts[0] - failed_at if starts else float("nan"),
         "back": recovery.back_s,
     }
+
+
+def one_kill(enroot: Path, folder: Path, sqsh: Path | None, standbys: int) -> dict[str, float]:
+    """One job of the template with DDPACK_STANDBYS=`standbys`, rank 3 SIGKILLed while it trains; the seconds after it
+    (see `--standbys` in the module's docstring)."""
+    (folder / "logs").mkdir(parents=True)
+    exports = f"ALL,DDPACK_TRAIN_ARGS={TRAIN_ARGS},DDPACK_STANDBYS={standbys},DDPACK_MAX_FAILURE_RESTARTS=1,DDPACK_HOME={enroot}"
+    template = "baremetal.sbatch"
+    if sqsh is not None:
+        exports += f",DDPACK_SQSH={sqsh},DDPACK_MOUNTS=/tmp:/tmp"
+        template = "pyxis-per-task.sbatch"
+    job = subprocess.run(
+        ["sbatch", "--parsable", "--job-name=kill", f"--export={exports}", "--nodes=2", "--ntasks-per-node=2", str(enroot / template)],
+        cwd=folder, capture_output=True, text=True, check=True, env=env(OMP_NUM_THREADS="1"),
+    ).stdout.strip()  # fmt: skip
+    metrics, log = folder / "runs" / f"kill-{job}" / "metrics.jsonl", folder / "logs" / f"kill-{job}.out"
+    try:
+        wait_for_progress(metrics, 30, log, "the job did not train", timeout=300)
+        deadline = time.monotonic() + 120
+        while standbys and "warm, watching" not in log.read_text():
+            if time.monotonic() > deadline:
+                raise SystemExit(f"bench_restart: job {job}'s standby is not warm; see {log}")
+            time.sleep(0.1)
+        logged = max(r.get("global_step", 0) for r in read_metrics(metrics) if r["kind"] == "progress")
+        killed_at = time.time()
+        if not any(signal_tasks(job, node, signal.SIGKILL, rank=3) for node in NODES):
+            raise SystemExit(f"bench_restart: job {job} has no rank 3; see {log}")
+        deadline = time.monotonic() + 300
+        while not (past := [r for r in read_metrics(metrics) if r["kind"] == "progress" and r["time"] > killed_at and r["global_step"] > logged]):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"bench_restart: job {job} did not train past step {logged}; see {log}")
+            time.sleep(0.05)
+        records = [r for r in read_metrics(metrics) if r["time"] > killed_at]
+    finally:
+        subprocess.run(["scancel", job], capture_output=True)
+        while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip():
+            time.sleep(0.5)
+    back = next(r for r in records if r["kind"] == "progress")
+    row = {"back": back["time"] - killed_at, "past": past[0]["time"] - killed_at}
+    starts = [r for r in records if r["kind"] == "start"]
+    row["replayed"] = logged - starts[0]["global_step"] if starts else 0
+    recovery = next((r for r in records if r["kind"] == "recovery"), None)
+    if recovery is not None:
+        row |= {"notice": recovery["failed_at"] - killed_at, **{k[:-2]: recovery[k] for k in ("decide_s", "abort_s", "new_group_s", "state_s", "first_step_s")}}
+    elif standbys:
+        raise SystemExit(f"bench_restart: job {job} did not recover in process; see {log}")
+    return row
+
+
+def standbys_main(rounds: int, sqsh: Path | None) -> int:
+    with tempfile.TemporaryDirectory(prefix="ddpack-bench-restart-", dir="/tmp") as tmp:
+        work = Path(tmp)
+        work.chmod(0o755)
+        enroot = enroot_at("HEAD", work / "enroot")
+        rows: dict[str, list[dict[str, float]]] = {"restart": [], "in-process": []}
+        for round_ in range(rounds):
+            for side, standbys in (("restart", 0), ("in-process", 1)):
+                row = one_kill(enroot, work / f"{side}-{round_}", sqsh, standbys)
+                rows[side].append(row)
+                print(f"round {round_ + 1} {side:<10} " + "  ".join(f"{k} {v:.3f}" for k, v in row.items()), flush=True)
+    path = f"pyxis-per-task.sbatch, {sqsh.name}" if sqsh else "baremetal.sbatch"
+    medians = {side: {k: statistics.median(r[k] for r in found) for k in found[0]} for side, found in rows.items()}
+    print(f"\na killed rank on the test cluster ({path}, 2 nodes x 2 ranks; {rounds} rounds, A B A B; medians; seconds after the SIGKILL)")
+    for side, found in medians.items():
+        print(f"{side:<11} " + "  ".join(f"{k} {v:.3f}" for k, v in found.items()))
+    now, before = medians["in-process"], medians["restart"]
+    print(f"in-process/restart: back {now['back'] / before['back']:.2f}x, past the interrupted step {now['past'] / before['past']:.2f}x")
+    print(json.dumps({"medians": medians}))
+    return 0
 
 
 def import_torch_s(python: str, rounds: int = 3) -> float:
@@ -224,12 +301,15 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sqsh", type=Path, help="an image (make sqsh): the pyxis path, pyxis-per-task.sbatch, instead of bare metal")
     parser.add_argument("--local", action="store_true", help="on this host, no Slurm: today's restart against in-process recovery (issue 56)")
+    parser.add_argument("--standbys", action="store_true", help="on the test cluster, this revision: today's restart against DDPACK_STANDBYS=1")
     opts = parser.parse_args()
     if opts.local:
         return local_main(opts.rounds)
     if subprocess.run(["sinfo", "-h"], capture_output=True).returncode != 0:
         print("bench_restart: no Slurm controller answers (sinfo); start the test cluster: .venv/bin/python testbed/slurm_cluster.py", file=sys.stderr)
         return 2
+    if opts.standbys:
+        return standbys_main(opts.rounds, opts.sqsh)
     with tempfile.TemporaryDirectory(prefix="ddpack-bench-restart-", dir="/tmp") as tmp:
         work = Path(tmp)
         work.chmod(0o755)

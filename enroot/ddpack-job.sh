@@ -100,6 +100,12 @@ ddpack_words() {
     eval "$1=(${ddpack_words_quoted})"
 }
 
+# A template whose tasks are not each a rank (torchrun's agent starts a node's ranks) cannot start standbys: one line.
+ddpack_no_standbys() {
+    [[ "${DDPACK_STANDBYS:-0}" =~ ^0*$ ]] ||
+        ddpack_die "DDPACK_STANDBYS=${DDPACK_STANDBYS} needs one Slurm task per rank, and $1; use pyxis-per-task.sbatch or baremetal.sbatch, or unset it"
+}
+
 # Fail at once when this cluster's srun has no pyxis (--container-image).
 ddpack_require_pyxis() {
     srun --help 2>/dev/null | grep -q -- '--container-image' ||

@@ -180,6 +180,12 @@ def words(name: str) -> int:
                 "DDPACK_COMMAND and DDPACK_TRAIN_ARGS are both set; DDPACK_TRAIN_ARGS is for the bundled trainer: "
                 "put your program's arguments in DDPACK_COMMAND",
             )
+        if env.get("DDPACK_COMMAND") and env.get("DDPACK_STANDBYS", "0").strip("0"):
+            job_error(
+                Path(env["DDPACK_RUN_DIR"]) if env.get("DDPACK_RUN_DIR") else None,
+                f"DDPACK_STANDBYS={env['DDPACK_STANDBYS']} starts standbys of the bundled trainer, which DDPACK_COMMAND does not run: "
+                "unset DDPACK_STANDBYS, or train with the bundled trainer (DDPACK_TRAIN_ARGS)",
+            )
         name, prefix = ("DDPACK_COMMAND", ["--"]) if env.get("DDPACK_COMMAND") else ("DDPACK_TRAIN_ARGS", [])
     value = env.get(name, "")
     setting = ddpack_settings.SETTINGS.get(name)

@@ -69,7 +69,12 @@ SETTINGS: dict[str, Setting] = {
     "DDPACK_MAX_FAILURE_RESTARTS": Setting(WHOLE, "1", "restarts after a failure or a hang, at most"),
     "DDPACK_RESTART_IN_PLACE": Setting(r"0|1", "1", "1: a failed step restarts in this allocation; 0: the job is requeued"),
     "DDPACK_SPARE_NODES": Setting(WHOLE, "0", "nodes held back to replace a bad one"),
-    "DDPACK_STEP_WAIT": Setting(WHOLE, "120", "seconds srun gives a step's other tasks once one has ended (0: for ever)"),
+    "DDPACK_STANDBYS": Setting(
+        WHOLE, "0", "pyxis-per-task, baremetal: warm standby processes of the bundled trainer; a rank that dies is replaced in process"
+    ),
+    "DDPACK_STEP_WAIT": Setting(
+        WHOLE, "120", "seconds srun gives a step's other tasks once one has ended; with standbys, once rank 0 has (0: for ever)"
+    ),
     "DDPACK_HANG_TIMEOUT": Setting(SECONDS, "180", "seconds with no rank finishing a step before the watchdog ends the job (0: off)"),
     "DDPACK_STOP_GRACE": Setting(GRACE, "60", "seconds a program of yours gets to stop after SIGUSR1, in (0, 3600]"),
     "DDPACK_SHUTDOWN_TIMEOUT": Setting(POSITIVE, "30", "seconds torchrun's agent waits for its workers to stop"),

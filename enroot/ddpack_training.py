@@ -8,6 +8,7 @@ line for people and a record for `ddpack status` (ddpack_records).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -15,7 +16,9 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import ddpack_settings
@@ -37,7 +40,7 @@ from ddpack_records import (
     write_record,
 )
 from ddpack_settings import value
-from ddpack_slurm import SQUEUE_TIMEOUT_S, JobFacts, command, hostnames, on_each_node
+from ddpack_slurm import SQUEUE_TIMEOUT_S, JobFacts, command, hostnames, natural, on_each_node
 
 
 def read_count(path: Path) -> int:
@@ -80,16 +83,50 @@ def crashed_node(ended: list[tuple[str, int]], left: dict[str, int]) -> str:
     return ended[0][0] if ended else ""
 
 
-def run_step(argv: list[str]) -> tuple[int, str]:
-    """Run the training step (srun), its output and errors passed through line by line as they come; its status (as
-    `command` gives it) and the node whose task crashed ("" for none), read from srun's lines and the end records."""
+def names_task(tasks: bytes, task: int) -> bool:
+    """Whether srun's task list ("3", "0-1,4") names `task`."""
+    for part in tasks.split(b","):
+        low, _, high = part.partition(b"-")
+        if int(low) <= task <= int(high or low):
+            return True
+    return False
+
+
+@dataclasses.dataclass
+class StepEnd:
+    """What one training step said of its end: its status (as `command` gives it), the node whose task crashed ("" for
+    none), and each rank's last end record's exit status (train/outcome.py's, printed by every rank of the bundled
+    trainer) with the world size the records name."""
+
+    code: int
+    crashed: str = ""
+    exits: dict[int, int] = dataclasses.field(default_factory=dict)
+    world: int = 0
+
+    def status(self, standbys: int) -> int:
+        """The step's exit status for the restart decision. srun's own is the worst of its tasks', and with standbys a
+        task that died and was replaced in process (a rank SIGKILLed, its place taken by a standby) is a task that ended
+        badly in a run that went on: when every rank of the world ended with one status (their end records; a standby
+        the run did not need ends 0 and says nothing), that is the step's."""
+        if standbys and self.code != 0 and self.world and sorted(self.exits) == list(range(self.world)) and len(set(self.exits.values())) == 1:
+            return next(iter(self.exits.values()))
+        return self.code
+
+
+def run_step(argv: list[str], *, env: dict[str, str] | None = None, end_wait: float = 0) -> StepEnd:
+    """Run the training step (srun), its output and errors passed through line by line as they come; how it ended,
+    read from srun's lines and the ranks' end records. `end_wait` > 0: the step is ended that many seconds after rank 0
+    ended (its end record, or srun's line that task 0 ended) if it has not ended by itself, which is what srun's --wait
+    does from the first task's end when standbys make a task's end no end of the run (`Training.standby_step`)."""
     try:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     except OSError as why:
         warn(f"{argv[0]}: {one_line(why)}")
-        return 127, ""
+        return StepEnd(127)
     ended: list[tuple[str, int]] = []
     left: dict[str, int] = {}
+    step = StepEnd(0)
+    rank0_ended = threading.Event()
 
     def copy(stream: object, fd: int) -> None:
         for line in stream:  # type: ignore[attr-defined]
@@ -100,12 +137,18 @@ def run_step(argv: list[str]) -> tuple[int, str]:
             found = TASK_ENDED.match(line)
             if found and not found.group(3).startswith(NOT_A_CRASH):
                 ended.append((found.group(1).decode("ascii"), task_count(found.group(2))))
+            if found and names_task(found.group(2), 0):
+                rank0_ended.set()
             at = line.find(END_MARK)
             if at >= 0:
-                with contextlib.suppress(ValueError, AttributeError, TypeError):
+                with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
                     end = json.loads(line[at + len(END_MARK) :])
                     if str(end.get("reason") or "").startswith(LEFT_BY_A_PEER):
                         left[str(end["host"])] = left.get(str(end["host"]), 0) + 1
+                    step.exits[int(end["rank"])] = int(end["exit_code"])
+                    step.world = int(end["world_size"])
+                    if int(end["rank"]) == 0:
+                        rank0_ended.set()
 
     readers = [
         threading.Thread(target=copy, args=(stream, fd), name=f"ddpack-step-{fd}", daemon=True)
@@ -113,10 +156,38 @@ def run_step(argv: list[str]) -> tuple[int, str]:
     ]
     for reader in readers:
         reader.start()
-    code = proc.wait()
+    guard: list[bool] = []  # True once the wait after rank 0's end has ended the step
+    if end_wait > 0:
+        threading.Thread(target=end_after_rank0, args=(proc, rank0_ended, end_wait, guard), name="ddpack-step-wait", daemon=True).start()
+    step.code = proc.wait()
+    rank0_ended.set()  # the step is over: the waiting thread ends
+    if guard:
+        step.code = 137  # a task killed, as srun's --wait kills it (its own status on SIGTERM is no preemption's)
     for reader in readers:
         reader.join(timeout=5)  # a process the step left behind may hold a pipe open: never wait on it for long
-    return code, crashed_node(ended, left)
+    step.crashed = crashed_node(ended, left)
+    return step
+
+
+def end_after_rank0(proc: subprocess.Popen, rank0_ended: threading.Event, wait_s: float, ended: list[bool]) -> None:
+    """End the step `wait_s` seconds after rank 0 ended, if it is still running: a task still alive then is a rank frozen
+    (SIGSTOP, a hung driver) that the standbys replaced, or a standby that cannot leave; rank 0 hosts the job's store and
+    is never replaced, so its end is the run's. srun ends its tasks on SIGTERM; KILL follows when it does not leave."""
+    rank0_ended.wait()
+    try:
+        proc.wait(timeout=wait_s)
+        return
+    except subprocess.TimeoutExpired:
+        pass
+    say(f"rank 0 ended {wait_s:g} s ago and the step has not (a task frozen, or a standby that cannot leave): ending it (DDPACK_STEP_WAIT)")
+    ended.append(True)
+    with contextlib.suppress(OSError):
+        proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(OSError):
+            proc.kill()
 
 
 PROGRESS_RECORD = b'"kind": "progress"'  # train/metrics.py's progress records, as json.dumps spells them
@@ -164,6 +235,31 @@ def recovery_fallback(path: Path, since: int | None) -> str:
     return ""
 
 
+RECOVERY_RECORD = b'"kind": "recovery"'  # train/trainer.py's record of a rank replaced in process
+
+
+def records_of(path: Path, since: int | None, kind: bytes) -> int:
+    """How many records of `kind` (as json.dumps spells it) the metrics file holds after byte `since`; 0 without one."""
+    try:
+        with path.open("rb") as handle:
+            handle.seek(since or 0)
+            return handle.read().count(kind)
+    except OSError:
+        return 0
+
+
+def task_hosts(nodes: list[str], per_node: int, standbys: int) -> list[str]:
+    """Each task's node, in task order, for a step with `standbys` standby tasks after the ranks (SLURM_HOSTFILE): the
+    ranks as srun's block distribution places them (`per_node` on each node, in order), then the standbys one a node
+    from the first. The recovery prefers a standby on another node than the dead rank's (train/recovery.py's `decide`),
+    and the first node's rank 0 hosts the job's store, so its death is never recovered: a standby there is on another
+    node than every rank it can replace but the first node's others. The nodes go in Slurm's order whatever order the
+    placement chose: each task takes the step's first node (SLURM_STEP_NODELIST, which Slurm sorts) for rank 0's, the
+    store's address (entrypoint/plan.py), and srun's block distribution would have put rank 0 there too."""
+    nodes = sorted(nodes, key=natural)
+    return [node for node in nodes for _ in range(per_node)] + [nodes[index % len(nodes)] for index in range(standbys)]
+
+
 def newer(path: Path, than: Path) -> bool:
     """`test PATH -nt THAN`: PATH exists and was changed after THAN (or THAN is missing)."""
     try:
@@ -207,13 +303,15 @@ class Training:
         env = os.environ
         self.step, self.command, self.container = step, command, container
         self.job, self.run_dir = env["SLURM_JOB_ID"], Path(env["DDPACK_RUN_DIR"])
-        names = ("DDPACK_SPARE_NODES", "DDPACK_RESTART_IN_PLACE", "DDPACK_MAX_RESTARTS", "DDPACK_MAX_FAILURE_RESTARTS")
+        names = ("DDPACK_SPARE_NODES", "DDPACK_RESTART_IN_PLACE", "DDPACK_MAX_RESTARTS", "DDPACK_MAX_FAILURE_RESTARTS", "DDPACK_STANDBYS", "DDPACK_STEP_WAIT")
         for why in ddpack_settings.problems({name: env[name] for name in names if name in env}):
             job_error(self.run_dir, why)  # ddpack_setup checked them all already: this is for a script that skipped it
         self.spares = int(value("DDPACK_SPARE_NODES", env))
         self.in_place = value("DDPACK_RESTART_IN_PLACE", env) == "1"
         self.max_restarts = int(value("DDPACK_MAX_RESTARTS", env))
         self.max_failed = int(value("DDPACK_MAX_FAILURE_RESTARTS", env))
+        self.standbys = int(value("DDPACK_STANDBYS", env))
+        self.step_wait = int(value("DDPACK_STEP_WAIT", env))
         self.restarts = int(env.get("SLURM_RESTART_COUNT") or 0)
         self.failed = 0  # failure restarts counted during this start: the cap holds if the run folder's count is lost
         self.bad_nodes: list[str] = []  # nodes a hang's forensics named, over the whole job
@@ -224,6 +322,7 @@ class Training:
         self.crashed = ""  # the node srun named first for a task that crashed in the last step
         self.progress = ""  # whether the last step wrote progress records: yes, no, "" (no metrics file)
         self.fallback = ""  # why the trainer's in-process recovery fell back to this restart ("": it did not)
+        self.recovered = 0  # ranks the last step replaced in process (the trainer's `recovery` records)
         self.crashes: dict[str, int] = {}  # crashes by node during this start: a second one puts the node out for the job
         self.avoid: list[str] = []  # nodes the next placement uses only where no other healthy node is left
         self.now = JobFacts(self.job)  # what Slurm says of the job, read once a decision (after_step starts a new one)
@@ -247,13 +346,21 @@ class Training:
                 job_error(self.run_dir, f"DDPACK_SPARE_NODES={self.spares}: {self.short}")
             say(f"training on {','.join(self.last_nodes)}; spare: {self.spares_now()}")
             write_record(self.run_dir, "placement", {"nodes": ",".join(self.last_nodes), "spares": self.spares_now()})
+        if self.standbys:
+            say(f"{self.standbys} standby process(es) start with each training step (DDPACK_STANDBYS): a rank that dies is replaced in process")
         while True:
             sys.stdout.flush()
             before = metrics_size(self.run_dir / METRICS)
-            code, self.crashed = run_step([*self.step, *self.placement, *self.command])
+            with self.standby_step() as (options, env):
+                end = run_step([*self.step, *options, *self.command], env=env, end_wait=self.step_wait if self.standbys else 0)
+            self.crashed = end.crashed
             self.progress = made_progress(self.run_dir / METRICS, before)
             self.fallback = recovery_fallback(self.run_dir / METRICS, before)
+            self.recovered = records_of(self.run_dir / METRICS, before, RECOVERY_RECORD)
+            code = end.status(self.standbys)
             rc = 128 - code if code < 0 else code  # a step killed by a signal: its status as the shell gives it
+            if code != end.code:
+                say(f"the step's tasks that ended badly were ranks replaced in process ({self.recovered} recovery); every rank ended {rc}")
             after = self.after_step(rc)
             if after != "restart":
                 break
@@ -295,6 +402,42 @@ class Training:
         self.last_nodes = healthy[:need]
         self.placement = [f"--nodes={need}", f"--ntasks={need * int(per_node)}", f"--nodelist={','.join(self.last_nodes)}"]
         return True
+
+    @contextlib.contextmanager
+    def standby_step(self) -> Iterator[tuple[list[str], dict[str, str] | None]]:
+        """The srun options and environment of the next training step: the placement alone (and srun's environment as
+        it is), or with DDPACK_STANDBYS=K, K more tasks of the same step, in the job's container, under the same
+        supervision (end records, forensics, the watchdog) as any rank: the trainer's --standbys (its default is
+        DDPACK_STANDBYS, which srun hands it) makes the launcher's last K ranks standbys. Their places are named task by
+        task (srun --distribution=arbitrary reads them from SLURM_HOSTFILE, a private file that lives for the step):
+        the ranks where srun's block distribution puts them, then the standbys one a node from the first (`task_hosts`).
+        --overcommit: a standby is one more task than the node's CPUs were divided for (it sleeps while it waits);
+        --kill-on-bad-exit=0: a rank that dies does not end the step whatever the cluster's KillOnBadExit; srun's
+        --wait (SLURM_WAIT), which kills the step DDPACK_STEP_WAIT seconds after its first task ended, is replaced by
+        the same wait after rank 0 has ended (`run_step`): the first task to end is now a rank the others outlive."""
+        env = os.environ
+        if not self.standbys:
+            yield self.placement, None
+            return
+        per_node = (env.get("SLURM_NTASKS_PER_NODE") or "").split("(")[0]
+        nodes = self.last_nodes or self.now.nodes or self.started
+        if not re.fullmatch(r"[0-9]+", per_node) or not nodes:
+            why = f"SLURM_NTASKS_PER_NODE={env.get('SLURM_NTASKS_PER_NODE', '')}" if nodes else "Slurm did not list the job's nodes"
+            say(f"training without standbys this step: they need the job's nodes and --ntasks-per-node ({why})")
+            yield self.placement, None
+            return
+        hosts = task_hosts(nodes, int(per_node), self.standbys)
+        fd, path = tempfile.mkstemp(prefix="ddpack-step-hosts-", text=True)  # 0600, a new name: ours alone
+        try:
+            with os.fdopen(fd, "w") as out:
+                out.write("\n".join(hosts) + "\n")
+            step_env = {name: text for name, text in env.items() if name not in ("SLURM_WAIT", "SLURM_NTASKS_PER_NODE")}
+            step_env["SLURM_HOSTFILE"] = path
+            options = [f"--nodes={len(nodes)}", f"--ntasks={len(hosts)}", "--distribution=arbitrary", "--overcommit", "--kill-on-bad-exit=0"]
+            yield options, step_env
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
     def spares_now(self) -> str:
         """The allocation's nodes that are not the ones training uses now."""
@@ -395,6 +538,8 @@ class Training:
             say(f"in-process recovery fell back to this decision: {self.fallback}")
         say(sentence)
         fields = {"verdict": verdict, "reason": reason, "exit": str(rc), "text": sentence, "progress": self.progress}
+        if self.recovered:
+            fields["recovered"] = str(self.recovered)
         if self.fallback:
             fields["recovery_fallback"] = self.fallback
         write_record(self.run_dir, "step-end", fields)

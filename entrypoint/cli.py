@@ -153,6 +153,19 @@ def supervised(plan: Plan) -> bool:
     return plan.launcher == "exec" and not is_bundle_command(plan.argv)
 
 
+def standbys_refused(plan: Plan, environ: Mapping[str, str]) -> str | None:
+    """Why DDPACK_STANDBYS cannot hold for this plan, or None. It makes the bundled trainer's last ranks standbys
+    (`--standbys`); any other program would take them for ranks, and under torchrun a task is not a rank."""
+    value = environ.get("DDPACK_STANDBYS", "").strip()
+    if not value.strip("0"):
+        return None
+    if plan.launcher == "torchrun":
+        return f"DDPACK_STANDBYS={value} needs one process a rank, and torchrun (--nproc-per-node) starts a node's ranks itself; unset it"
+    if not is_bundle_command(plan.argv):
+        return f"DDPACK_STANDBYS={value} starts standbys of the bundled trainer, which this command is not ({plan.argv[0]}); unset it"
+    return None
+
+
 def execute(plan: Plan, grace_s: float) -> int:
     """Replace this process with the plan's command (returns only by raising), or supervise a user's own."""
     env = {**os.environ, **plan.env}
@@ -170,6 +183,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         options, print_plan = parse_args(args)
         plan = resolve_plan(os.environ, options, Host.probe())
+        if (refused := standbys_refused(plan, os.environ)) is not None:
+            raise PlanError(refused)
         grace_s = stop_grace(os.environ)
     except (UsageError, PlanError, ValueError) as exc:
         print(f"entrypoint: error: {exc}", file=sys.stderr)

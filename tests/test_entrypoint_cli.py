@@ -110,3 +110,19 @@ def test_the_launcher_named_as_the_command_runs_once(name: str) -> None:
     for args in ([name, "--print-plan", "--epochs", "3"], ["--print-plan", name, "--epochs", "3"], ["--", name, "--print-plan", "--epochs", "3"]):
         plan = json.loads(run(args).stdout)
         assert plan["mode"] == "single" and plan["argv"] == direct["argv"], args
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "line"),
+    [
+        (["--", "python", "my_train.py"], SLURM_RANK3, "starts standbys of the bundled trainer, which this command is not (python); unset it"),
+        (["--nproc-per-node", "2", "--epochs", "1"], {}, "needs one process a rank, and torchrun (--nproc-per-node) starts a node's ranks itself; unset it"),
+    ],
+)
+def test_standbys_for_a_program_that_is_not_the_bundled_trainer_are_one_line(args: list[str], env: dict[str, str], line: str) -> None:
+    """DDPACK_STANDBYS makes the launcher's last tasks standbys of the bundled trainer: an image's own command or a node's
+    torchrun would take them for ranks. The trainer and its preflight pass."""
+    out = run(["--print-plan", *args], DDPACK_STANDBYS="1", **env)
+    assert out.returncode == 2 and out.stderr == f"entrypoint: error: DDPACK_STANDBYS=1 {line}\n", out.stderr
+    for ok in (["--epochs", "1"], ["--preflight"]):
+        assert run(["--print-plan", *ok], DDPACK_STANDBYS="1", **SLURM_RANK3).returncode == 0

@@ -650,3 +650,84 @@ def test_a_full_log_costs_its_lines_not_the_steps_status(tmp_path: Path) -> None
     out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=30)
     assert out.returncode == 143, out.stderr
     assert json.loads((tmp_path / "decisions.jsonl").read_text().splitlines()[-1])["verdict"] == "requeue"
+
+
+# ---------------------------------------------------------------- standbys (DDPACK_STANDBYS): the template half of in-process recovery
+
+
+def end_line(rank: int, code: int, world: int = 4) -> str:
+    """A rank's end record as the trainer prints it (train/outcome.py)."""
+    record = {"rank": rank, "world_size": world, "host": "ddnode1", "outcome": {0: "done", 1: "failed"}.get(code, "stopped"), "exit_code": code}
+    return f"echo '[rank {rank}/{world}] ddpack-end {json.dumps(record, separators=(',', ':'))}'"
+
+
+def test_standbys_are_extra_tasks_of_the_training_step_placed_task_by_task_without_srun_wait(tmp_path: Path) -> None:
+    """DDPACK_STANDBYS=1 on 2 nodes x 2 ranks: one step of 5 tasks, the 5th (the standby) on the first node (rank 0's,
+    whose own death is never recovered: there it stands on another node than ranks 2 and 3); srun's --wait and the
+    job's --ntasks-per-node do not reach the step, a dead rank does not end it. Rank 3 SIGKILLed and replaced in process:
+    srun says 137, every rank's end record says 0, and the step completed, with the recovery recorded."""
+    record = f"{tmp_path}/step-env.txt"
+    shows = f'cat "$SLURM_HOSTFILE" > "{record}"; echo "wait=${{SLURM_WAIT-unset}} per-node=${{SLURM_NTASKS_PER_NODE-unset}}" >> "{record}"; '
+    recovered = f"""echo '{{"kind": "recovery", "global_step": 11}}' >> "{tmp_path}/run/metrics.jsonl"; """
+    lines = "; ".join([*(end_line(rank, 0) for rank in range(4)), 'echo "srun: error: ddnode2: task 3: Killed" >&2'])
+    out, _, run_dir, steps = after_step(
+        tmp_path, 137, step_also=shows + recovered + lines, DDPACK_STANDBYS="1", SLURM_WAIT="120", SLURM_JOB_NODELIST="ddnode1,ddnode2"
+    )
+    assert steps == ["--nodes=2 --ntasks=5 --distribution=arbitrary --overcommit --kill-on-bad-exit=0 x"], steps
+    assert Path(record).read_text() == "ddnode1\nddnode1\nddnode2\nddnode2\nddnode1\nwait=unset per-node=unset\n"
+    assert out.returncode == 0, out.stdout + out.stderr
+    said = [line for line in out.stdout.splitlines() if line.startswith("ddpack: ")]
+    assert said == [
+        "ddpack: 1 standby process(es) start with each training step (DDPACK_STANDBYS): a rank that dies is replaced in process",
+        "ddpack: the step's tasks that ended badly were ranks replaced in process (1 recovery); every rank ended 0",
+        f"ddpack: metrics in {run_dir}/metrics.jsonl; for the run report ({run_dir}/report.html) run, in the ddpack checkout: make report RUN={run_dir}",
+        "ddpack: the step completed (exit 0)",
+    ], out.stdout
+    end = json.loads((run_dir / "decisions.jsonl").read_text().splitlines()[-1])
+    assert (end["verdict"], end["recovered"]) == ("completed", "1")
+
+
+def test_with_standbys_a_step_whose_ranks_disagree_is_decided_by_sruns_status_and_restarts_in_place(tmp_path: Path) -> None:
+    """Recovery fell back (the survivors exit 1, the dead rank said nothing): srun's status decides, as without standbys,
+    and the restarted step starts its standbys again."""
+    lines = "; ".join([end_line(0, 1), end_line(1, 1), end_line(2, 1)])
+    out, _, _, steps = after_step(tmp_path, 137, step_also=lines, DDPACK_STANDBYS="1", SLURM_JOB_NODELIST="ddnode1,ddnode2")
+    assert "ddpack: the step failed (exit 137); restarting it in this allocation on ddnode1,ddnode2" in out.stdout, out.stdout
+    assert len(steps) == 2 and steps[1] == steps[0] == "--nodes=2 --ntasks=5 --distribution=arbitrary --overcommit --kill-on-bad-exit=0 x"
+
+
+def test_with_standbys_a_task_still_alive_after_rank_0_ended_is_ended_after_the_step_wait(tmp_path: Path) -> None:
+    """srun's --wait is off with standbys (its clock starts at the first task's end: a dead rank's); the job program
+    holds the same guard from rank 0's end. Here the step prints rank 0's end and then never ends (a frozen task):
+    DDPACK_STEP_WAIT=1 later it is ended, and counted a failure (137), not a preemption."""
+    frozen = f'{end_line(0, 1)}; [ "$(wc -l < "{tmp_path}/steps.txt")" -eq 1 ] && exec sleep 60'
+    out, _, _, steps = after_step(
+        tmp_path, 1, step_also=frozen, DDPACK_STANDBYS="1", DDPACK_STEP_WAIT="1", DDPACK_MAX_FAILURE_RESTARTS="0", SLURM_JOB_NODELIST="ddnode1,ddnode2"
+    )
+    assert len(steps) == 1 and out.returncode == 137, out.stdout + out.stderr
+    assert "ddpack: rank 0 ended 1 s ago and the step has not (a task frozen, or a standby that cannot leave): ending it (DDPACK_STEP_WAIT)" in out.stdout
+    assert "ddpack: the step failed (exit 137) after 0 failure restarts" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize(
+    ("template_line", "settings", "line"),
+    [
+        (
+            'ddpack_command /fsx/runs/a-1',
+            {"DDPACK_COMMAND": "python ddp.py", "DDPACK_STANDBYS": "1"},
+            "ddpack: error: DDPACK_STANDBYS=1 starts standbys of the bundled trainer, which DDPACK_COMMAND does not run: ",
+        ),
+        (
+            'ddpack_no_standbys "torchrun\'s agent starts a node\'s ranks"',
+            {"DDPACK_STANDBYS": "2"},
+            "ddpack: error: DDPACK_STANDBYS=2 needs one Slurm task per rank, and torchrun's agent starts a node's ranks; use pyxis-per-task.sbatch",
+        ),
+    ],
+)
+def test_standbys_where_they_cannot_run_are_one_line(template_line: str, settings: dict[str, str], line: str) -> None:
+    script = f'. "{HELPER}"; {template_line}; echo still-here'
+    out = subprocess.run(["bash", "-uc", script], env={"PATH": "/usr/bin:/bin", **settings}, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "still-here" not in out.stdout and out.stderr.startswith(line) and out.stderr.count("\n") == 1, out.stderr
+    none = subprocess.run(["bash", "-uc", f'. "{HELPER}"; ddpack_no_standbys x; echo still-here'], env={"PATH": "/usr/bin:/bin", "DDPACK_STANDBYS": "0"},
+                          capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert none.stdout == "still-here\n"

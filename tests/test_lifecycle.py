@@ -423,6 +423,7 @@ def test_submit_writes_the_record_before_sbatch_and_appends_the_job(tmp_path, sl
         ("unwritable log folder", "cannot be written:"),
         ("bad setting", "--env DDPACK_STAGE=sbcats: expected auto, sbcast, off"),
         ("a typo in a setting's name", "--env DDPACK_STAEG: not a ddpack setting (a typo?)"),
+        ("standbys for your own program", "--env DDPACK_STANDBYS=1: standbys are tasks of the bundled trainer's per-task step (docs/recovery.md); -- COMMAND"),
         ("run folder outside the mounts", "is under none of --mounts"),
         ("runs folder another user owns", "who could replace what lies under it; use a folder of your own"),
     ],
@@ -442,6 +443,8 @@ def test_a_dry_run_names_each_broken_setup_in_one_line_exits_2_and_queues_nothin
         args += ["--env", "DDPACK_STAGE=sbcats"]
     elif broken == "a typo in a setting's name":
         args += ["--env", "DDPACK_STAEG=sbcast"]
+    elif broken == "standbys for your own program":
+        args += ["--env", "DDPACK_STANDBYS=1", "--", "python", "ddp.py"]
     elif broken == "runs folder another user owns":
         from testbed.users import UsersUnavailable, attacker
 

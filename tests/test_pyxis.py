@@ -21,9 +21,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from ddp_jobs import reference_checksum
 
 from ddpack.jobs.logs import rank_filter
 from testbed.env import ROOT
@@ -33,6 +35,7 @@ from testbed.slurm_cluster import NODES, clear_staged_images, node_stage_dir, st
 from testbed.slurm_jobs import (
     Gate,
     all_agree,
+    brief,
     env,
     hold_training,
     preempt_and_resume,
@@ -379,12 +382,38 @@ def test_a_node_set_down_mid_training_is_replaced_by_the_spare_and_the_image_is_
     assert unpacks(job) == 3 and reuses(job) == 1  # ddnode1 and ddnode2, then the spare; ddnode1 reused its own
 
 
+# Two epochs of 29 steps (4096 samples, 90% trained, 4 ranks x 32): snapshots at 20 and 40, held at batch 30 of each start.
+STANDBY_ARGS = "--dataset-size 4096 --epochs 2 --log-every 1 --snapshot-every 20"
+START_LINE = re.compile(r"\[rank (\d+)/4\] start: rank \d+ world 4 .* host (\S+) task \S+ pid (\d+)")
+STANDBY_LINE = re.compile(r"\[standby\] standby s0 on (\S+): warm, watching 4 ranks")
+RECOVERED_LINE = re.compile(
+    r"\[rank (\d+)/4\] recovery: rank 3 lost in generation 0 \(\w+\); s0 takes rank 3; forming generation 1 in this process \(pid (\d+)\)"
+)
+
+
+def started(text: str) -> dict[int, tuple[str, int]]:
+    """Each rank's (host, pid) from its start lines in `text` (the last one a rank printed)."""
+    return {int(rank): (host, int(pid)) for rank, host, pid in START_LINE.findall(text)}
+
+
+def wait_in_log(log: Path, found: Callable[[str], bool], what: str, timeout: float = 120) -> str:
+    """The job's log once `found` holds for it (its lines are the job's own: nothing here waits on the host's speed)."""
+    deadline = time.monotonic() + timeout
+    while not found(text := log.read_text() if log.exists() else ""):
+        assert time.monotonic() < deadline, f"{what} not within {timeout:.0f} s:\n{brief(text)}"
+        time.sleep(0.05)
+    return text
+
+
 def test_a_killed_rank_is_training_again_in_the_same_job_without_reading_or_unpacking_the_image_again(sqsh: Path, shared: Path) -> None:
-    """Rank 3 SIGKILLed mid-training (the OOM killer, a kernel panic): the others' collective fails, the step
-    ends, and the template restarts it in the same allocation, in the containers the first step unpacked, from
-    the last snapshot; the run finishes with agreeing checksums and no requeue. The nodes hold the image from the
-    job before (staged copies are reused, as DDPACK_STAGE=auto does whenever every node holds them: the shared file
-    is not opened at all), and a container that job left on the node it lost is removed by this one."""
+    """DDPACK_STANDBYS=1: each training step has a fifth task, a warm standby of the trainer in the job's container.
+    First rank 3 and the standby are SIGKILLed together while the ranks are held mid-training: in-process recovery cannot
+    work (the standby is dead), says so, and the job restarts the step in the same allocation, in the containers the
+    first step unpacked, from the last snapshot (the nodes hold the image from the job before: staged copies are reused,
+    the shared file is not opened at all; a container that job left on the node it lost is removed by this one). Then,
+    held again, rank 3 of the restarted step is SIGKILLed: the standby, on the other node, takes its place in the same
+    step, the survivors keep their processes, no global step is trained twice, and the run ends with the checksum of an
+    uninterrupted run. The seconds from that kill to the next logged step are printed."""
     key = subprocess.run(["python3", "-I", "-S", f"{ROOT}/enroot/ddpack_job.py", "key", str(sqsh)], capture_output=True, text=True)
     for node in NODES:  # the job before's copies (the test above sends them; run alone, this one lays them down)
         staged = node_stage_dir(node, os.getuid())
@@ -392,30 +421,65 @@ def test_a_killed_rank_is_training_again_in_the_same_job_without_reading_or_unpa
             staged.mkdir(mode=0o700, exist_ok=True)
             shutil.copyfile(sqsh, staged / f"{key.stdout.strip()}.sqsh")
     folder = submission_folder(shared, "killed")
-    gate = hold_training(folder, 30, f"{shared}:/fsx", RESTART_ARGS)
+    gate = hold_training(folder, 30, f"{shared}:/fsx", STANDBY_ARGS)
     with OpenCounter(sqsh) as readers:
         job, metrics, log = submit(
             folder, "killed", ("--ntasks-per-node=2",), "pyxis-per-task.sbatch",
-            DDPACK_SQSH=str(sqsh), DDPACK_MOUNTS=f"{shared}:/fsx", DDPACK_TRAIN_ARGS=gate.train_args, **gate.settings,
+            DDPACK_SQSH=str(sqsh), DDPACK_MOUNTS=f"{shared}:/fsx", DDPACK_TRAIN_ARGS=gate.train_args, DDPACK_STANDBYS="1", **gate.settings,
         )  # fmt: skip
-        gate.held(log, 4)  # mid-training, and held there until rank 3 is killed
+        # The uninterrupted run's checksum, on this host while the job starts (the same flags; --recovery, which the
+        # standbys imply, derives each step's RNG from it: a trajectory setting).
+        expected = reference_checksum(folder, [*gate.train_args.split(), "--recovery"], ranks=4, cwd=folder)
+        first = gate.held(log, 4)  # mid-training, held there until rank 3 and the standby are killed
+        standby_node = STANDBY_LINE.findall(wait_in_log(log, STANDBY_LINE.search, "the standby"))[0]
+        both_killed_at = time.time()
+        assert signal_tasks(job, "ddnode2", signal.SIGKILL, rank=3) and signal_tasks(job, standby_node, signal.SIGKILL, rank=4), brief(log)
+        gate.open(first)
+        gate.held(log, 4, seen=(first,))  # the restarted step, held at its own batch 30
+        restarted_step = "restarting it in this allocation"
+        segment = wait_in_log(log, lambda text: bool(STANDBY_LINE.search(text.rpartition(restarted_step)[2])), "the restart's standby")
+        segment = segment.rpartition(restarted_step)[2]
+        survivors, standbys = started(segment), STANDBY_LINE.findall(segment)
+        assert sorted(survivors) == [0, 1, 2, 3] and len(standbys) == 1, segment
+        dead_node = survivors[3][0]
+        assert standbys[0] != dead_node, segment  # the standby is on another node than the rank that dies
         killed_at = time.time()
-        assert signal_tasks(job, "ddnode2", signal.SIGKILL, rank=3), "no rank 3 on ddnode2"
+        assert signal_tasks(job, dead_node, signal.SIGKILL, rank=3), brief(log)
         gate.open()
+        wait_in_log(log, lambda text: "recovery: trained global step" in text, "the recovery")
         state, requeues = wait_for_end(job, log)
     text = log.read_text()
-    assert (state, requeues) == ("COMPLETED", 0), text
+    assert (state, requeues) == ("COMPLETED", 0), brief(text)
     assert re.search(rf"ddpack: image: all 2 nodes hold {stage_dir(os.getuid())}/\S+\.sqsh already; the shared filesystem is not read", text), text
     assert readers.pids == {}, readers.commands
-    # srun's lines and the ranks' end records name ddnode2, whose rank 3 was killed (tests/test_slurm.py holds the exact line)
-    crashed = r"(?: when its task on ddnode2 crashed)?"
-    again = r"(?:, on ddnode2 again \(no other node\))?"
-    restarted = rf"ddpack: the step failed \(exit \d+\){crashed}; restarting it in this allocation on ddnode1,ddnode2{again} from its last snapshot"
-    assert re.search(restarted, text), text
-    assert all_agree(text.rpartition("restarting it in this allocation")[2], 4), text
-    _, second = starts_of(metrics)
-    assert second["global_step"] % 20 == 0 and second["slurm_restart_count"] == 0
+    # The fallback, said and recorded: the standby died with the rank it would have replaced.
+    assert "ddpack: in-process recovery fell back to this decision: a collective failed" in text and "the standby is dead (s0" in text, brief(text)
+    crashed = r"(?: when its task on ddnode\d crashed)?"
+    again = r"(?:, on ddnode\d again \(no other node\))?"
+    restarted = rf"ddpack: the step failed \(exit \d+\){crashed}; restarting it in this allocation on ddnode\d,ddnode\d{again} from its last snapshot"
+    assert len(re.findall(restarted, text)) == 1, brief(text)
+    # The second death: recovered in the restarted step's processes, which end it as an uninterrupted run ends.
+    after = text.rpartition("restarting it in this allocation")[2]
+    # Each survivor recovered in the process it started in (its pid), and started no other.
+    kept = {int(rank): int(pid) for rank, pid in RECOVERED_LINE.findall(after)}
+    assert kept == {rank: pid for rank, (_, pid) in survivors.items() if rank != 3}, brief(text)
+    assert "[rank 3/4] standby took rank 3: state of rank" in after, brief(text)
+    assert {rank for rank, _, _ in START_LINE.findall(after) if rank != "3"} == {"0", "1", "2"} and len(START_LINE.findall(after)) == 5, brief(after)
+    assert "ddpack: the step's tasks that ended badly were ranks replaced in process (1 recovery); every rank ended 0" in after, brief(text)
+    assert all_agree(after, 4) and set(outcome.checksums(after)) == {expected}, brief(text)
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    starts = [index for index, record in enumerate(records) if record["kind"] == "start"]
+    assert len(starts) == 2 and records[starts[1]]["global_step"] % 20 == 0 and records[starts[1]]["slurm_restart_count"] == 0
+    steps = [record["global_step"] for record in records[starts[1] :] if record["kind"] == "progress"]
+    assert steps == sorted(set(steps)) and steps[-1] == records[-1]["total_steps"], steps  # no global step trained twice
     assert unpacks(job) == 2 and reuses(job) == 2  # the restart started in the containers the first step unpacked
     assert not list(Path("/tmp/enroot/data").glob("*/*/pyxis_ddpack-*")), "a job's container was left on a node"
-    print(f"killed rank: training again (the restart's start record) {second['time'] - killed_at:.1f} s after the SIGKILL")
-
+    recovery = next(record for record in records if record["kind"] == "recovery")
+    next_step = next(record for record in records[starts[1] :] if record["kind"] == "progress" and record["time"] > killed_at)
+    stages = ", ".join(f"{name} {recovery[name]:.3f}" for name in ("decide_s", "abort_s", "new_group_s", "state_s", "first_step_s", "total_s"))
+    print(f"killed rank, in-process: global step {next_step['global_step']} logged {next_step['time'] - killed_at:.2f} s after the SIGKILL ({stages})")
+    again = next(record for record in records[starts[1] :] if record["kind"] == "progress")
+    print(
+        f"killed rank and standby, today's restart in place: global step {again['global_step']} logged {again['time'] - both_killed_at:.1f} s "
+        f"after the SIGKILL (the survivors wait up to 5 s for a standby's decision first), from the snapshot at {records[starts[1]]['global_step']}"
+    )

@@ -83,3 +83,29 @@ def test_each_rank_and_step_has_its_own_seed() -> None:
     seeds = {step_seed(0, rank, step) for rank in range(4) for step in range(100)}
     assert len(seeds) == 400
     assert step_seed(3, 1, 7) == step_seed(3, 1, 7)
+
+
+@pytest.mark.parametrize(("rank", "standby"), [(0, False), (3, False), (4, True), (5, True)])
+def test_the_launchers_last_k_ranks_are_standbys_and_the_others_train_in_a_world_of_the_rest(rank: int, standby: bool) -> None:
+    """A template starts K standbys as extra tasks of its step (DDPACK_STANDBYS): of 6 launcher ranks, 4 train."""
+    environ = {"RANK": str(rank), "WORLD_SIZE": "6"}
+    assert recovery.launcher_role(2, environ) is standby
+    assert environ == {"RANK": str(rank), "WORLD_SIZE": "4"}  # what train.distributed and the watchdog read next
+    untouched = {"RANK": str(rank), "WORLD_SIZE": "6"}
+    assert recovery.launcher_role(0, untouched) is False and untouched["WORLD_SIZE"] == "6"
+
+
+def test_standbys_that_leave_no_rank_to_train_are_one_line() -> None:
+    with pytest.raises(recovery.RecoveryImpossible, match=r"^--standbys 2 leaves no rank to train: the launcher started 2 process\(es\) \(WORLD_SIZE=2\)$"):
+        recovery.launcher_role(2, {"RANK": "0", "WORLD_SIZE": "2"})
+
+
+def test_the_templates_setting_reaches_the_trainer_and_implies_recovery(monkeypatch: pytest.MonkeyPatch) -> None:
+    from train.config import parse_config
+
+    monkeypatch.setenv("DDPACK_STANDBYS", "1")
+    config = parse_config([])
+    assert (config.standbys, config.recovery) == (1, True)
+    assert parse_config(["--standbys", "0"]).recovery is False
+    monkeypatch.delenv("DDPACK_STANDBYS")
+    assert (parse_config([]).standbys, parse_config([]).recovery) == (0, False)

@@ -20,19 +20,20 @@ from train.distributed import free_port
 pytestmark = pytest.mark.dist
 
 # 2048 samples (90% for training) / (2 ranks x 32) = 28 steps; no snapshot: a replacement's state is a survivor's.
-ARGS = ["--dataset-size", "2048", "--epochs", "1", "--batch-size", "32", "--log-every", "1", "--snapshot-dir", "", "--recovery", "--cpu-bind", "none"]
+# The ranks bind to their CPU slices (--cpu-bind auto, the default): a standby that takes a place joins past that collective.
+ARGS = ["--dataset-size", "2048", "--epochs", "1", "--batch-size", "32", "--log-every", "1", "--snapshot-dir", "", "--recovery"]
 
 
 def start_with_standbys(tmp: Path, world: int, args: Sequence[str], standbys: int, **extra: str) -> Job:
-    """`world` ranks in the per-task shape (RANK, WORLD_SIZE, MASTER_ADDR/PORT each, as `docker run -e` or srun
-    tasks give them) and `standbys` more processes of the same command with --standby; procs[world:] are those."""
+    """`world` ranks and `standbys` standbys in the per-task shape, as a template's step starts them (DDPACK_STANDBYS):
+    world + standbys processes of one command, each with its launcher RANK of WORLD_SIZE=world + standbys (srun tasks'
+    SLURM_PROCID, `docker run -e`) and `--standbys`; the last ones, procs[world:], are the standbys."""
     port = str(free_port())
     procs, logs = [], []
     for index in range(world + standbys):
-        standby = index >= world
-        logs.append(tmp / (f"standby{index - world}.log" if standby else f"rank{index}.log"))
-        env = clean_env(RANK=str(0 if standby else index), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **extra)
-        argv = [*ENTRYPOINT, *args, *(["--standby"] if standby else [])]
+        logs.append(tmp / (f"standby{index - world}.log" if index >= world else f"rank{index}.log"))
+        env = clean_env(RANK=str(index), WORLD_SIZE=str(world + standbys), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **extra)
+        argv = [*ENTRYPOINT, *args, "--standbys", str(standbys)]
         with open(logs[-1], "wb") as out:
             procs.append(subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=tmp))
     return Job(procs, logs)

@@ -42,9 +42,18 @@ def test_the_restart_decision_says_why_recovery_fell_back_in_one_line_and_its_re
 ) -> None:
     training = object.__new__(node.Training)
     training.run_dir, training.progress, training.fallback = tmp_path, "yes", "rank(s) 1 lost and no standby is alive"
+    training.recovered = 0
     assert training.decide("restart", "restart", "failed", 1, "the step failed (exit 1); restarting it in this allocation") == "restart"
     said = capfd.readouterr()
     lines = [line for line in (said.out + said.err).splitlines() if line.strip()]
     assert lines[0].endswith("in-process recovery fell back to this decision: rank(s) 1 lost and no standby is alive"), lines
     record = json.loads((tmp_path / module("ddpack_records").DECISIONS).read_text().splitlines()[-1])
     assert record["kind"] == "step-end" and record["recovery_fallback"] == "rank(s) 1 lost and no standby is alive"
+
+
+def test_the_standbys_go_one_a_node_after_the_ranks_and_rank_0_on_the_steps_first_node(node: ModuleType) -> None:
+    """Each task's node for SLURM_HOSTFILE: the ranks in blocks, then the standbys one a node from the first. A placement
+    that chose ddnode2 first (its last step's node) still puts rank 0 on ddnode1: every task takes the step's first node,
+    as Slurm sorts it, for the store's address."""
+    assert node.task_hosts(["ddnode1", "ddnode2"], 2, 1) == ["ddnode1", "ddnode1", "ddnode2", "ddnode2", "ddnode1"]
+    assert node.task_hosts(["ddnode2", "ddnode10", "ddnode1"], 1, 4) == ["ddnode1", "ddnode2", "ddnode10", "ddnode1", "ddnode2", "ddnode10", "ddnode1"]

@@ -56,7 +56,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     membership: Membership | None = None
     try:
         if config.recovery:
-            entered = enter(standby=config.standby, backend=backend, device=device, collective_timeout_s=config.collective_timeout, log=print_standby)
+            entered = enter(
+                standby=config.standby,
+                standbys=config.standbys,
+                backend=backend,
+                device=device,
+                collective_timeout_s=config.collective_timeout,
+                log=print_standby,
+            )
             if entered is None:
                 return 0  # a standby the run did not need; it never joined the group, so it leaves no end record
             ctx, membership = entered
@@ -69,8 +76,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         first = first_line(exc)
         print(f"train: error: cannot join the process group: {first}", file=sys.stderr)
         return 1
-    # Before the trainer starts DataLoader workers or torch's thread pool, so they inherit it.
-    bound = bind_local_ranks(ctx) if config.cpu_bind == "auto" else None
+    replacing = membership is not None and membership.replacing
+    # Before the trainer starts DataLoader workers or torch's thread pool, so they inherit it. A collective of every rank at
+    # their start: a standby that took a dead rank's place joins survivors past it, and runs unbound.
+    bound = bind_local_ranks(ctx) if config.cpu_bind == "auto" and not replacing else None
     ctx = dataclasses.replace(ctx, cpus_bound=bound is not None)  # its slice is its own: workers default from all of it
     log = RankLog(ctx.rank, ctx.world_size)
     log(
@@ -111,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return RunEnd(rank=ctx.rank, world_size=ctx.world_size, host=ctx.host, outcome=outcome, exit_code=exit_code, **{**where, **extra})
 
     try:
-        trainer = Trainer(config, task, ctx, log, metrics, watcher, progress, membership=membership, replacing=config.standby)
+        trainer = Trainer(config, task, ctx, log, metrics, watcher, progress, membership=membership, replacing=replacing)
         if watchdog is not None:
             watchdog.know_hosts(trainer.hosts)  # gathered through the process group: heartbeats must agree
             trainer.hosts_changed = watchdog.know_hosts  # and again after an in-process recovery

@@ -62,6 +62,7 @@ class Config:
     # In-process recovery (train/recovery.py): its per-step RNG is derived from the step, hence a trajectory setting.
     recovery: bool = field(default=False, metadata=TRAJECTORY)
     standby: bool = False
+    standbys: int = 0  # the launcher's last this-many ranks are standbys (the templates' DDPACK_STANDBYS)
 
     @classmethod
     def trajectory_fields(cls) -> tuple[str, ...]:
@@ -267,6 +268,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="start warm (torch imported, model built) and wait to replace a rank that dies in a --recovery run of the same "
         "command and world size; implies --recovery",
     )
+    dist.add_argument(
+        "--standbys",
+        type=_non_negative_int,
+        default=os.environ.get("DDPACK_STANDBYS") or "0",
+        metavar="K",
+        help="the launcher's last K processes are standbys (as --standby) and the others train in a world of WORLD_SIZE - K: "
+        "how a job template starts them as extra tasks of its step; K > 0 implies --recovery (default: $DDPACK_STANDBYS, else 0)",
+    )
     return parser
 
 
@@ -284,7 +293,7 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
             f"train: error: --tensorboard {ns.tensorboard} needs the tensorboard package, which this Python does not have; "
             "add tensorboard to your project's requirements.txt (make image APP=...) or pip install tensorboard\n",
         )
-    ns.recovery = ns.recovery or ns.standby
+    ns.recovery = ns.recovery or ns.standby or ns.standbys > 0
     if ns.hang_timeout is None:
         ns.hang_timeout = min(DEFAULT_HANG_TIMEOUT, HANG_SHARE_OF_COLLECTIVE * ns.collective_timeout)
     elif ns.hang_timeout and ns.hang_timeout >= ns.collective_timeout:

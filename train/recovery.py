@@ -12,11 +12,12 @@ Who learns what, and how (the store is the one channel that never waits on a col
   The first standby to see a death writes the generation's
   *decision* (compare-and-set, so there is one): the new roster, which standby takes which rank (a standby on
   another host than the dead rank's when one is alive), or why recovery cannot work (`fallback`).
-- A survivor learns nothing until its collective fails: gloo cannot cancel a collective in flight, so its
-  timeout is how long a survivor waits on a dead peer. `CollectiveClock` sets it from the steps' own measured
-  times: `max(TIMEOUT_FLOOR_S, TIMEOUT_MARGIN x the slowest step seen)`, never above --collective-timeout, and
-  the long --collective-timeout around what one rank does alone while the others wait (rank 0's eval and
-  snapshot copy, the first steps of a generation). A slow but healthy collective raises the timeout with it.
+- A survivor learns nothing until its collective fails, or, waiting on one (gloo's polled waits), until it sees this
+  generation's decision in the store (asked every 20 ms: `abandon_if_decided`): gloo cannot cancel a collective in
+  flight, so without that its timeout would be how long a survivor whose own peers live waits on a dead one.
+  `CollectiveClock` sets the timeout from the steps' own measured times: `max(TIMEOUT_FLOOR_S, TIMEOUT_MARGIN x the
+  slowest step seen)`, never above --collective-timeout, and the long --collective-timeout around what one rank does
+  alone while the others wait (rank 0's eval and snapshot copy, the first steps of a generation). A slow but healthy collective raises the timeout with it.
 - A failed survivor reads the decision (waiting up to DECISION_WAIT_S for it), destroys its process group
   (NCCL's communicator is aborted first, never left to its watchdog) and joins the next generation's, of the
   same world size, under the store prefix `gen<g>/`; the assigned standby joins it as the dead rank.
@@ -43,7 +44,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -51,6 +52,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from train import distributed
 from train.distributed import DistContext, default_to_one_process, first_line, node_name
 
 HEARTBEAT_S = 0.05  # each member bumps its counter this often; standbys sample every counter as often
@@ -63,6 +65,11 @@ JOIN_TIMEOUT_S = 20.0  # forming the next generation's group; past it, recovery 
 STORE_TIMEOUT_S = 10.0
 PREFIX = "ddpack-recovery/"
 NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
+class PeerDeclaredDead(RuntimeError):
+    """Raised in a survivor that waits on a collective once the standbys have judged a peer dead (train.distributed's
+    abandon_check): the collective will not complete, and the recovery starts now rather than at its timeout."""
 
 
 class RecoveryImpossible(Exception):
@@ -249,7 +256,28 @@ class Membership:
         self.generation, self.store, self.member, self.heartbeat, self.stages = generation, store, member, heartbeat, None
         return self
 
+    def abandon_if_decided(self) -> None:
+        """While this rank waits on a collective (train.distributed.wait_polling): when this generation's decision is
+        written, a peer was judged dead (a survivor next to it failed at once and the standbys decided), so the
+        collective cannot complete: raise now, instead of waiting out the collective timeout, which gloo cannot cut."""
+        try:
+            decided = self.store.check([f"{PREFIX}gen{self.generation}/decision"])
+        except RuntimeError:
+            return  # the store's own failure: recover() says it when the collective fails
+        if decided:
+            raise PeerDeclaredDead(f"a peer was judged dead in generation {self.generation} while this rank waited on a collective")
+
+    def watch_collectives(self) -> None:
+        """Let this rank's collective waits end early on a decision (see abandon_if_decided)."""
+        distributed.abandon_check = self.abandon_if_decided
+
+    @property
+    def replacing(self) -> bool:
+        """This process is a standby that took a dead rank's place (its state comes from the survivors)."""
+        return self.member.startswith("s")
+
     def join(self) -> None:
+        self.watch_collectives()
         join_group(
             self.store,
             generation=self.generation,
@@ -276,7 +304,10 @@ class Membership:
             raise RecoveryImpossible(f"this rank ({self.member}) was counted dead by the standbys (its heartbeat stopped for {STALE_S:g}s)")
         lost = ", ".join(f"rank {r}" for r in sorted(decision.dead))
         taken = ", ".join(f"{s} takes rank {r}" for r, s in sorted(decision.replacements.items()))
-        log(f"recovery: {lost} lost in generation {self.generation} ({type(failure).__name__}); {taken}; forming generation {decision.generation}")
+        log(
+            f"recovery: {lost} lost in generation {self.generation} ({type(failure).__name__}); {taken}; "
+            f"forming generation {decision.generation} in this process (pid {os.getpid()})"
+        )
         tear_down(self.backend)
         stages.torn_down = time.time()
         self.generation = decision.generation
@@ -320,6 +351,7 @@ class Membership:
     def close(self) -> None:
         """This rank's run ended (done, stopped, failed, fallen back): the standbys leave. Said before the heartbeat
         stops, so that a rank that finished first is never taken for dead while rank 0 still evaluates."""
+        distributed.abandon_check = None
         with contextlib.suppress(RuntimeError):  # a store already gone has no standby left to tell
             self.store.set(f"{PREFIX}closed", "1")
         self.heartbeat.stop()
@@ -446,24 +478,46 @@ def warm_up(device: torch.device) -> None:
         dist.destroy_process_group()
 
 
+def launcher_role(standbys: int, environ: MutableMapping[str, str]) -> bool:
+    """Whether this process is one of the launcher's last `standbys` ranks (a job template's extra tasks of the step:
+    `--standbys K`, DDPACK_STANDBYS), which are standbys; the others train in a world of WORLD_SIZE - K. WORLD_SIZE is
+    set to that world in `environ`, so that whatever reads it next (the process group, the watchdog, the preflight's
+    rules) sees the training world, as train.distributed reads it; a standby's RANK is set to the rank it takes."""
+    if standbys <= 0:
+        return False
+    rank, launched = int(environ["RANK"]), int(environ["WORLD_SIZE"])
+    world = launched - standbys
+    if world < 1:
+        raise RecoveryImpossible(f"--standbys {standbys} leaves no rank to train: the launcher started {launched} process(es) (WORLD_SIZE={launched})")
+    environ["WORLD_SIZE"] = str(world)
+    return rank >= world
+
+
 def enter(
-    *, standby: bool, backend: str, device: torch.device, collective_timeout_s: float, log: Callable[[str], None]
+    *, standby: bool, backend: str, device: torch.device, collective_timeout_s: float, log: Callable[[str], None], standbys: int = 0
 ) -> tuple[DistContext, Membership] | None:
     """Join the job's process group under --recovery: a rank at once (generation 0), a standby once it is given a
-    dead rank's place (None when the run ended without needing it)."""
+    dead rank's place (None when the run ended without needing it). `standbys`: the launcher's last ranks that are
+    standbys (`launcher_role`); `standby`: this process is one whatever its rank (started by hand, --standby)."""
     default_to_one_process()
+    standby = launcher_role(standbys, os.environ) or standby
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     host = node_name()
     settings: dict[str, Any] = {"world_size": world, "backend": backend, "device": device, "collective_timeout_s": collective_timeout_s}
     if standby:
         warm_up(device)
-        waiting = Standby(world_size=world, host=host)
+        try:
+            waiting = Standby(world_size=world, host=host)
+        except RuntimeError as exc:  # a run shorter than this standby's warm-up has ended, and its store with it
+            log(f"standby: the job's store does not answer ({first_line(exc)}): the run ended before this standby was warm; leaving")
+            return None
         assigned = waiting.wait(log)
         if assigned is None:
             waiting.heartbeat.stop()
             return None
         generation, rank = assigned
+        os.environ["RANK"] = str(rank)  # the rank it is now, for whatever reads the environment after this
         membership = Membership.joined_as(waiting.store, waiting.heartbeat, member=waiting.member, rank=rank, generation=generation, **settings)
     else:
         membership = Membership(rank=rank, host=host, **settings)

@@ -138,6 +138,12 @@ def setting_problems(settings: SubmitSettings) -> list[str]:
             why = next((why for one in dict.fromkeys(every) if (why := table[name].problem(name, one)) is not None), None)
             if why is not None:
                 problems.append(f"--env {why}")
+    standbys = settings.env.get("DDPACK_STANDBYS", "0")
+    if standbys.strip("0") and (settings.command or settings.template != "per-task"):
+        problems.append(
+            f"--env DDPACK_STANDBYS={standbys}: standbys are tasks of the bundled trainer's per-task step (docs/recovery.md); "
+            + ("-- COMMAND runs your own program" if settings.command else f"--template {settings.template} starts a node's ranks with torchrun")
+        )
     for number, name in enumerate(settings.secrets, 1):
         if not ENV_NAME.fullmatch(name):  # `--secret TOKEN=value`, `--secret $TOKEN`: the text may be the value itself
             problems.append(
