@@ -42,6 +42,7 @@ record's stages (notice: the kill -> the survivors' failed collective).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import signal
 import statistics
@@ -49,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,31 +72,38 @@ def enroot_at(revision: str, into: Path) -> Path:
     return into / "enroot"
 
 
-def one_restart(enroot: Path, folder: Path, sqsh: Path | None) -> dict[str, float]:
-    """One job, one killed rank, the seconds after it (see the module's docstring); with `sqsh`, through
-    pyxis-per-task.sbatch in that image (the restarted step starts in the job's container, already unpacked)."""
+@contextlib.contextmanager
+def submitted(enroot: Path, folder: Path, sqsh: Path | None, name: str, settings: str) -> Iterator[tuple[str, Path, Path]]:
+    """A 2 x 2 job of the bare-metal template (with `sqsh`: pyxis-per-task.sbatch in that image) with the bench's
+    training and `settings` exported; (job id, its metrics file, its log) while it lives, cancelled and gone after."""
     (folder / "logs").mkdir(parents=True)
-    exports = f"ALL,DDPACK_TRAIN_ARGS={TRAIN_ARGS},DDPACK_STEP_WAIT=30,DDPACK_MAX_FAILURE_RESTARTS=1,DDPACK_HOME={enroot}"
+    exports = f"ALL,DDPACK_TRAIN_ARGS={TRAIN_ARGS},{settings},DDPACK_MAX_FAILURE_RESTARTS=1,DDPACK_HOME={enroot}"
     template = "baremetal.sbatch"
     if sqsh is not None:
         exports += f",DDPACK_SQSH={sqsh},DDPACK_MOUNTS=/tmp:/tmp"
         template = "pyxis-per-task.sbatch"
     job = subprocess.run(
-        ["sbatch", "--parsable", "--job-name=restart", f"--export={exports}", "--nodes=2", "--ntasks-per-node=2", str(enroot / template)],
+        ["sbatch", "--parsable", f"--job-name={name}", f"--export={exports}", "--nodes=2", "--ntasks-per-node=2", str(enroot / template)],
         cwd=folder, capture_output=True, text=True, check=True, env=env(OMP_NUM_THREADS="1"),
     ).stdout.strip()  # fmt: skip
-    metrics, log = folder / "runs" / f"restart-{job}" / "metrics.jsonl", folder / "logs" / f"restart-{job}.out"
     try:
+        yield job, folder / "runs" / f"{name}-{job}" / "metrics.jsonl", folder / "logs" / f"{name}-{job}.out"
+    finally:
+        subprocess.run(["scancel", job], capture_output=True)
+        while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip():
+            time.sleep(0.5)
+
+
+def one_restart(enroot: Path, folder: Path, sqsh: Path | None) -> dict[str, float]:
+    """One job, one killed rank, the seconds after it (see the module's docstring); with `sqsh`, through
+    pyxis-per-task.sbatch in that image (the restarted step starts in the job's container, already unpacked)."""
+    with submitted(enroot, folder, sqsh, "restart", "DDPACK_STEP_WAIT=30") as (job, metrics, log):
         wait_for_progress(metrics, 30, log, "the job did not train", timeout=300)
         skip, failed_at = log_length(log), time.time()
         if not any(signal_tasks(job, node, signal.SIGKILL, rank=3) for node in NODES):
             raise SystemExit(f"bench_restart: job {job} has no rank 3; see {log}")
         recovery = follow(metrics, log, failed_at, skip, timeout=300)
         starts = [r["time"] for r in read_metrics(metrics) if r["kind"] == "start" and r["time"] > failed_at]
-    finally:
-        subprocess.run(["scancel", job], capture_output=True)
-        while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip():
-            time.sleep(0.5)
     return {
         "detect": recovery.detect_s if recovery.detect_s is not None else float("nan"),
         "decided": recovery.decided_s,
@@ -106,18 +115,7 @@ def one_restart(enroot: Path, folder: Path, sqsh: Path | None) -> dict[str, floa
 def one_kill(enroot: Path, folder: Path, sqsh: Path | None, standbys: int) -> dict[str, float]:
     """One job of the template with DDPACK_STANDBYS=`standbys`, rank 3 SIGKILLed while it trains; the seconds after it
     (see `--standbys` in the module's docstring)."""
-    (folder / "logs").mkdir(parents=True)
-    exports = f"ALL,DDPACK_TRAIN_ARGS={TRAIN_ARGS},DDPACK_STANDBYS={standbys},DDPACK_MAX_FAILURE_RESTARTS=1,DDPACK_HOME={enroot}"
-    template = "baremetal.sbatch"
-    if sqsh is not None:
-        exports += f",DDPACK_SQSH={sqsh},DDPACK_MOUNTS=/tmp:/tmp"
-        template = "pyxis-per-task.sbatch"
-    job = subprocess.run(
-        ["sbatch", "--parsable", "--job-name=kill", f"--export={exports}", "--nodes=2", "--ntasks-per-node=2", str(enroot / template)],
-        cwd=folder, capture_output=True, text=True, check=True, env=env(OMP_NUM_THREADS="1"),
-    ).stdout.strip()  # fmt: skip
-    metrics, log = folder / "runs" / f"kill-{job}" / "metrics.jsonl", folder / "logs" / f"kill-{job}.out"
-    try:
+    with submitted(enroot, folder, sqsh, "kill", f"DDPACK_STANDBYS={standbys}") as (job, metrics, log):
         wait_for_progress(metrics, 30, log, "the job did not train", timeout=300)
         deadline = time.monotonic() + 120
         while standbys and "warm, watching" not in log.read_text():
@@ -134,10 +132,6 @@ def one_kill(enroot: Path, folder: Path, sqsh: Path | None, standbys: int) -> di
                 raise SystemExit(f"bench_restart: job {job} did not train past step {logged}; see {log}")
             time.sleep(0.05)
         records = [r for r in read_metrics(metrics) if r["time"] > killed_at]
-    finally:
-        subprocess.run(["scancel", job], capture_output=True)
-        while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip():
-            time.sleep(0.5)
     back = next(r for r in records if r["kind"] == "progress")
     row = {"back": back["time"] - killed_at, "past": past[0]["time"] - killed_at}
     starts = [r for r in records if r["kind"] == "start"]
@@ -299,7 +293,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", default="fa34be6", help="the revision whose job program is side A")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--sqsh", type=Path, help="an image (make sqsh): the pyxis path, pyxis-per-task.sbatch, instead of bare metal")
+    parser.add_argument("--sqsh", type=lambda path: Path(path).resolve(),
+                        help="an image (make sqsh; relative to here): the pyxis path, pyxis-per-task.sbatch, instead of bare metal")  # fmt: skip
     parser.add_argument("--local", action="store_true", help="on this host, no Slurm: today's restart against in-process recovery (issue 56)")
     parser.add_argument("--standbys", action="store_true", help="on the test cluster, this revision: today's restart against DDPACK_STANDBYS=1")
     opts = parser.parse_args()
