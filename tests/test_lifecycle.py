@@ -320,6 +320,33 @@ def test_logs_follow_a_job_across_its_requeue_and_exit_with_its_state(tmp_path, 
     assert text.index(PREEMPTED) < text.index("[rank 0/4] done") < text.index("ddpack logs: job 41 COMPLETED")
 
 
+def test_a_job_whose_own_last_decision_ended_it_is_not_waited_on_for_a_requeue(tmp_path, slurm, monkeypatch) -> None:
+    """`logs -f` and `status --watch` wait `settle_s` on an ended state only where a requeue may follow it: a job whose
+    last record after its last start is a decision nothing follows (completed, end) has ended for good, and they end
+    at once (settle_s here is an hour: a wait for it would never end); the requeue's decision still waits."""
+    import threading
+
+    import ddpack.jobs.logs
+
+    fake(slurm, "squeue", "echo 'COMPLETED||'")
+    monkeypatch.setattr(ddpack.jobs.logs, "POLL_STATE_S", 0.05)
+    done = [*REQUEUED_DECISIONS, step_end(140, "completed", "training completed", restart=1)]
+    run_dir = make_run(tmp_path, records=[*REQUEUED_RUN, end(140, 232, "done", 0)], logs={"41": REQUEUED_LOG}, decisions=done)
+    assert status.run_status(run_dir).ended_for_good
+    results: list[object] = []
+    out = io.StringIO()
+    watched = threading.Thread(target=lambda: results.append(status.watch(run_dir, interval_s=0.05, tty=False, out=io.StringIO(), settle_s=3600)))
+    followed = threading.Thread(target=lambda: results.append(follow(run_dir, None, out, poll_s=0.05, settle_s=3600)), daemon=True)
+    watched.daemon = True
+    for thread in (watched, followed):
+        thread.start()
+        thread.join(timeout=60)
+        assert not thread.is_alive(), "waited out the settle of a job that had ended for good"
+    assert results[0].state == "COMPLETED" and results[1] == 0 and out.getvalue().endswith("ddpack logs: job 41 COMPLETED\n")
+    requeued = make_run(tmp_path / "other", records=REQUEUED_RUN, logs={"41": REQUEUED_LOG}, decisions=REQUEUED_DECISIONS[:2])
+    assert status.run_status(requeued).ended and not status.run_status(requeued).ended_for_good  # a requeue may follow
+
+
 def test_resubmit_continues_the_run_and_is_refused_when_its_image_changed_or_is_gone(tmp_path, slurm) -> None:
     fake(slurm, "squeue", "echo 'COMPLETED||'")
     run_dir = make_run(tmp_path, records=REQUEUED_RUN)

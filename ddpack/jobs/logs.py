@@ -70,7 +70,8 @@ def print_logs(run_dir: Path, rank: int | None, out: TextIO | None = None) -> di
 
 def follow(run_dir: Path, rank: int | None, out: TextIO | None = None, poll_s: float = 0.5, settle_s: float | None = None) -> int:
     """Show the logs, then follow the newest job's until the job has ended (an ended state that held `settle_s`,
-    slurm_cli.SETTLE_S: across its requeues); returns 0 when it COMPLETED, else the state's exit status (EXIT_FOR_STATE)."""
+    slurm_cli.SETTLE_S: across its requeues; at once when the job's own last decision ended it), and one more read of
+    its log; returns 0 when it COMPLETED, else the state's exit status (EXIT_FOR_STATE)."""
     settle_s = slurm_cli.SETTLE_S if settle_s is None else settle_s
     out = out or sys.stdout
     shown = print_logs(run_dir, rank, out)
@@ -79,7 +80,7 @@ def follow(run_dir: Path, rank: int | None, out: TextIO | None = None, poll_s: f
     if job is None:
         raise HostError(f"{run_dir} has no job to follow", code=2)
     log = job.log_path(run_dir)
-    offset, ended_since, next_check, state = shown.get(str(log), 0), None, 0.0, ""
+    offset, ended_since, next_check, state, for_good, last_pass = shown.get(str(log), 0), None, 0.0, "", False, False
     while True:
         if log.exists() and log.stat().st_size > offset:
             with log.open("rb") as handle:
@@ -91,13 +92,15 @@ def follow(run_dir: Path, rank: int | None, out: TextIO | None = None, poll_s: f
                 if rank_filter(line, rank):
                     out.write(line)
             out.flush()
-        now = time.monotonic()
-        if now >= next_check:
-            state = run_status(run_dir).state
-            next_check = now + POLL_STATE_S
-            ended_since = (ended_since or now) if state in ENDED else None
-        if ended_since is not None and now - ended_since >= settle_s:
+        if last_pass:
             out.write(f"ddpack logs: job {job.job_id} {state}\n")
             out.flush()
             return EXIT_FOR_STATE.get(state, 1)
-        time.sleep(poll_s)
+        now = time.monotonic()
+        if now >= next_check:
+            status = run_status(run_dir)
+            state, for_good = status.state, status.ended_for_good
+            next_check = now + POLL_STATE_S
+            ended_since = (ended_since or now) if state in ENDED else None
+        last_pass = ended_since is not None and (now - ended_since >= settle_s or for_good)
+        time.sleep(0 if last_pass else poll_s)

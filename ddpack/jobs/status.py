@@ -63,10 +63,16 @@ class Status:
     image: str | None
     sqsh: str | None
     unrecorded: list[str] = field(default_factory=list)  # the run's jobs that wrote no decision records (decisions.jsonl)
+    final: bool = False  # the newest job's own last word, after its last start, was a decision nothing follows (completed, end)
 
     @property
     def ended(self) -> bool:
         return self.state in slurm_cli.ENDED
+
+    @property
+    def ended_for_good(self) -> bool:
+        """Ended, and by the job's own last decision: no requeue can follow, so a watch need not wait for one."""
+        return self.ended and self.final
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -321,6 +327,8 @@ def run_status(run_dir: Path, asked: Asked | None = None) -> Status:
     job = record.last_job
     state, state_from, note = state_of(job.job_id if job else None, record, records, events, asked)
     segments = segments_of(records, events)
+    newest = [e for e in events if job is not None and e.job_id == job.job_id and e.kind in ("start", "step-end", "cancel")]
+    final = bool(newest) and newest[-1].kind == "step-end" and newest[-1].verdict in ("completed", "end")
     last = records.progress[-1] if records.progress else None
     total = records.starts[-1].get("total_steps") if records.starts else None
     end = records.ends[-1][1] if records.ends and records.ends[-1][0] == len(records.starts) - 1 else None
@@ -349,6 +357,7 @@ def run_status(run_dir: Path, asked: Asked | None = None) -> Status:
         image=record.image.get("ref"),
         sqsh=record.sqsh.get("path"),
         unrecorded=unrecorded,
+        final=final,
     )
 
 
@@ -424,7 +433,7 @@ def watch(run_dir: Path, *, interval_s: float, tty: bool, out: Any, as_json: boo
     decides."""
     return watch_until_ended(
         lambda: run_status(run_dir), ended=lambda status: status.ended, full=render, line=one_line, as_dict=asdict,
-        interval_s=interval_s, tty=tty, out=out, as_json=as_json, settle_s=settle_s,
+        interval_s=interval_s, tty=tty, out=out, as_json=as_json, settle_s=settle_s, for_good=lambda status: status.ended_for_good,
     )  # fmt: skip
 
 
@@ -440,9 +449,11 @@ def watch_until_ended(
     out: Any,
     as_json: bool,
     settle_s: float | None,
+    for_good: Callable[[T], bool],
 ) -> T:
     """The one `--watch` loop, a run's or a sweep's: read, then redraw `full` (a terminal), write `line` (elsewhere) or
-    one JSON object (as_json), until `ended` has held `settle_s` (a requeue passes through an ended state); the last read."""
+    one JSON object (as_json), until `ended` has held `settle_s` (a requeue passes through an ended state), or at once
+    when `for_good` says the job's own records end it (its last decision: nothing follows); the last read."""
     settle_s = slurm_cli.SETTLE_S if settle_s is None else settle_s
     ended_since = None
     while True:
@@ -456,7 +467,7 @@ def watch_until_ended(
         out.flush()
         now = time.monotonic()
         ended_since = (ended_since or now) if ended(status) else None
-        if ended_since is not None and now - ended_since >= settle_s:
+        if ended_since is not None and (now - ended_since >= settle_s or for_good(status)):
             return status
         time.sleep(interval_s)
 
@@ -505,7 +516,7 @@ def summarized(run_dir: Path, record: RunRecord, known: dict[str, Any]) -> dict[
     empty = {f.name: ([] if f.name in ("segments", "unrecorded") else 0 if f.name in ("attempt", "progress_records") else None) for f in fields(Status)}
     job = record.last_job
     return {**empty, "run_dir": str(run_dir), "name": record.name, "job_id": job.job_id if job else None, "attempt": job.attempt if job else 0,
-            "note": "from its summary (summary.json)", **{key: known.get(key) for key in SUMMARY_FIELDS},
+            "note": "from its summary (summary.json)", "final": True, **{key: known.get(key) for key in SUMMARY_FIELDS},
             "image": record.image.get("ref"), "sqsh": record.sqsh.get("path")}  # fmt: skip
 
 

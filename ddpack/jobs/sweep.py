@@ -105,14 +105,15 @@ def one_line(status: dict[str, Any]) -> str:
 
 def watch_sweep(folder: Path, *, interval_s: float, tty: bool, out: Any, as_json: bool = False, settle_s: float | None = None) -> dict[str, Any]:
     """`status SWEEP --watch`: redraw (a terminal), one line a refresh (elsewhere; one JSON object with as_json) until
-    every point has ended, held for `settle_s` (a requeue passes through an ended state), as a run's watch does."""
+    every point has ended, held for `settle_s` (a requeue passes through an ended state) unless each point's own last
+    decision ended it, as a run's watch does."""
     from ddpack.jobs import slurm_cli
     from ddpack.jobs.status import watch_until_ended
 
     return watch_until_ended(
         lambda: sweep_status(folder), ended=lambda status: all(point["state"] in slurm_cli.ENDED for point in status["points"]),
         full=render_sweep, line=one_line, as_dict=lambda status: status, interval_s=interval_s, tty=tty, out=out, as_json=as_json,
-        settle_s=settle_s,
+        settle_s=settle_s, for_good=lambda status: all(point["final"] for point in status["points"]),
     )  # fmt: skip
 
 
@@ -121,7 +122,8 @@ FOLLOW_POLL_S = 0.5  # how often `logs SWEEP -f` reads the points' logs
 
 def follow_sweep(folder: Path, rank: int | None, out: Any, settle_s: float | None = None) -> dict[str, Any]:
     """`logs SWEEP -f`: every point's log so far under its values, then each new whole line as `[I] line` (I the point),
-    following a point's newest job (a resubmit's too), until every point has ended (held `settle_s`); the last status."""
+    following a point's newest job (a resubmit's too), until every point has ended (held `settle_s`, unless each point's
+    own last decision ended it); the last status."""
     import time
 
     from ddpack.jobs import logs as job_logs
@@ -160,7 +162,8 @@ def follow_sweep(folder: Path, rank: int | None, out: Any, settle_s: float | Non
             ended_since = (ended_since or now) if over else None
         if last_pass and status is not None:
             return status
-        last_pass = ended_since is not None and now - ended_since >= settle_s  # one more read: the lines of the very end
+        for_good = status is not None and all(point["final"] for point in status["points"])
+        last_pass = ended_since is not None and (now - ended_since >= settle_s or for_good)  # one more read: the lines of the very end
         time.sleep(0 if last_pass else FOLLOW_POLL_S)
 
 
