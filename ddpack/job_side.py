@@ -2,9 +2,9 @@
 
 The job's program runs on the batch host and the nodes with the system's Python (`python3 -I -S`), so it cannot import
 ddpack; ddpack imports it instead, so that each rule has one definition, not a copy on each side: the settings table
-(enroot/ddpack_settings.py), the folder rules and the "yours alone" check (enroot/ddpack_node.py), the job states
-(ddpack_slurm.py), the run folder's names (ddpack_records.py), the staging key and model (ddpack_staging.py), the
-container's view of a path (ddpack_job.py).
+(enroot/ddpack_settings.py, with the container's view of a path), the folder rules and the "yours alone" check
+(enroot/ddpack_node.py), the job states (ddpack_slurm.py), the run folder's names (ddpack_records.py), the staging key
+and model (ddpack_staging.py).
 """
 
 from __future__ import annotations

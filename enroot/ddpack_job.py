@@ -49,11 +49,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 # Its concerns, loaded from beside this file (python3 -I puts no script folder on sys.path; the host's ddpack has put it
-# there already when it loads this file for container_path).
+# there already when it loads one of them: ddpack/job_side.py).
 if (HERE := str(Path(__file__).resolve().parent)) not in sys.path:
     sys.path.insert(0, HERE)
 # Python keeps its compiled modules in __pycache__/ beside them where it may write (a run folder's job/, a checkout): a
-# verb then compiles this file alone, not the ~1,800 lines of all of them, each of the job's dozen calls.
+# verb then compiles this file alone, not all the rest, each of the job's dozen calls.
 try:
     import ddpack_settings
     from ddpack_records import (
@@ -67,7 +67,7 @@ try:
         take_run_folder,
         write_record,
     )
-    from ddpack_settings import value
+    from ddpack_settings import container_path, value
     from ddpack_slurm import JobFacts, command
     from ddpack_staging import Staging, check_image, image_key
     from ddpack_training import Training, remove_container
@@ -180,36 +180,20 @@ def words(name: str) -> int:
                 "DDPACK_COMMAND and DDPACK_TRAIN_ARGS are both set; DDPACK_TRAIN_ARGS is for the bundled trainer: "
                 "put your program's arguments in DDPACK_COMMAND",
             )
-        if env.get("DDPACK_COMMAND") and env.get("DDPACK_STANDBYS", "0").strip("0"):
+        if env.get("DDPACK_COMMAND") and int(value("DDPACK_STANDBYS", env)):
             job_error(
                 Path(env["DDPACK_RUN_DIR"]) if env.get("DDPACK_RUN_DIR") else None,
                 f"DDPACK_STANDBYS={env['DDPACK_STANDBYS']} starts standbys of the bundled trainer, which DDPACK_COMMAND does not run: "
                 "unset DDPACK_STANDBYS, or train with the bundled trainer (DDPACK_TRAIN_ARGS)",
             )
         name, prefix = ("DDPACK_COMMAND", ["--"]) if env.get("DDPACK_COMMAND") else ("DDPACK_TRAIN_ARGS", [])
-    value = env.get(name, "")
+    text = env.get(name, "")
     setting = ddpack_settings.SETTINGS.get(name)
-    if setting is not None and (why := setting.problem(name, value)) is not None:
+    if setting is not None and (why := setting.problem(name, text)) is not None:
         die(why)
-    found = json.loads(value) if value.startswith("[") else value.split()
+    found = json.loads(text) if text.startswith("[") else text.split()
     answer(" ".join(shlex.quote(word) for word in [*prefix, *found]))
     return 0
-
-
-def container_path(path: str, mounts: str) -> str | None:
-    """`path` as the container sees it through `mounts` (pyxis' --container-mounts: comma-separated SRC[:DST[:FLAGS]],
-    DST defaulting to SRC; the longest SRC above it wins), or None when no mount holds it. The one definition: the
-    host's submit loads it (ddpack/job_side.py), so both sides agree, on a mount of `/` too (`/:/host`)."""
-    best: tuple[str, str] | None = None
-    for entry in filter(None, mounts.split(",")):
-        src, _, rest = entry.partition(":")
-        dst = rest.split(":")[0] or src
-        src, dst = src.rstrip("/"), dst.rstrip("/")  # "/" becomes "": a prefix of every absolute path
-        if f"{path}/".startswith(f"{src}/") and (best is None or len(src) > len(best[0])):
-            best = (src, dst)
-    if best is None:
-        return None
-    return (best[1] + path[len(best[0]) :]) or "/"
 
 
 def container_path_verb(path: str) -> int:

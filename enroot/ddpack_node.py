@@ -40,7 +40,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-# A staged copy's name: the key ddpack-job.sh derives (image id prefix and options hash, or a file-version hash).
+# A staged copy's name: the key ddpack_staging.image_key derives (image id prefix and options hash, or a file-version hash).
 KEY = re.compile(r"[0-9a-f]{24}-[0-9a-f]{8}|[0-9a-f]{32}")
 STAGED = re.compile(rf"(?:{KEY.pattern})\.sqsh")
 INCOMING = re.compile(r"\.incoming-(\d+)-[0-9a-f]{8,64}")

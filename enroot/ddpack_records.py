@@ -28,6 +28,7 @@ RECORD_FORMAT = 1
 SECRET_SETTINGS = ("DDPACK_JOB_TOKEN",)  # never written to a record
 
 
+LOCK = ".ddpack-lock"  # the run folder's lock file: the job holding it
 MARKER = ".ddpack-this-start"  # touched at each start: forensics newer than it were written during this start
 FAILURE_RESTARTS = ".ddpack-failure-restarts"  # the run folder's count of restarts after a failure, over its jobs
 # train/run_folder.py's names (a test holds them to it)
@@ -148,9 +149,6 @@ def read_nofollow(path: Path, limit: int | None = 4096) -> str:
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     with os.fdopen(fd) as handle:
         return handle.read(limit) if limit is not None else handle.read()
-
-
-LOCK = ".ddpack-lock"
 
 
 def take_run_folder(run_dir: Path, job: str, *, log: str, script: str) -> None:

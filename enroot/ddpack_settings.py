@@ -120,6 +120,23 @@ def value(name: str, environ: Mapping[str, str]) -> str:
     return environ.get(name) or SETTINGS[name].default.replace("<uid>", str(os.getuid()))
 
 
+def container_path(path: str, mounts: str) -> str | None:
+    """`path` as the container sees it through `mounts` (pyxis' --container-mounts: comma-separated SRC[:DST[:FLAGS]],
+    DST defaulting to SRC; the longest SRC above it wins), or None when no mount holds it. The one definition, beside
+    DDPACK_MOUNTS' row: the host's submit loads it (ddpack/job_side.py), so both sides agree, on a mount of `/` too
+    (`/:/host`)."""
+    best: tuple[str, str] | None = None
+    for entry in filter(None, mounts.split(",")):
+        src, _, rest = entry.partition(":")
+        dst = rest.split(":")[0] or src
+        src, dst = src.rstrip("/"), dst.rstrip("/")  # "/" becomes "": a prefix of every absolute path
+        if f"{path}/".startswith(f"{src}/") and (best is None or len(src) > len(best[0])):
+            best = (src, dst)
+    if best is None:
+        return None
+    return (best[1] + path[len(best[0]) :]) or "/"
+
+
 def markdown() -> str:
     """The table as docs/cluster.md shows it (`python3 enroot/ddpack_settings.py markdown` writes it)."""
     rows = ["| setting | default | accepts | what it is |", "|---|---|---|---|"]

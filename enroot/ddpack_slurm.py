@@ -18,6 +18,7 @@ from collections.abc import Iterable
 
 from ddpack_node import SQUEUE_TIMEOUT_S, one_line, warn
 
+# Slurm's job states (squeue's and sacct's, without sacct's "by UID" suffix) as ddpack names them: the one table of
 # them, the host's too (ddpack/jobs/slurm_cli.py loads it). PREEMPTED is a job Slurm ended to make room (PreemptMode=CANCEL,
 # after its grace time): it has left its nodes for good, like a cancel, and `ddpack resubmit` continues its run; a
 # preemption that requeues shows as REQUEUED. States not listed (newer Slurms add some) are shown as Slurm names them

@@ -60,13 +60,13 @@ END_MARK = b"ddpack-end "  # train/outcome.py's end record: {"rank", "host", "ou
 LEFT_BY_A_PEER = "a collective failed"  # the trainer's reason for a rank whose peer died (train/__main__.py)
 
 
-def task_count(tasks: bytes) -> int:
-    """How many tasks srun's list names ("3", "0-1,4")."""
-    count = 0
+def task_ids(tasks: bytes) -> list[int]:
+    """The tasks srun's list names ("3", "0-1,4")."""
+    ids: list[int] = []
     for part in tasks.split(b","):
         low, _, high = part.partition(b"-")
-        count += int(high) - int(low) + 1 if high else 1
-    return count
+        ids.extend(range(int(low), int(high or low) + 1))
+    return ids
 
 
 def crashed_node(ended: list[tuple[str, int]], left: dict[str, int]) -> str:
@@ -81,15 +81,6 @@ def crashed_node(ended: list[tuple[str, int]], left: dict[str, int]) -> str:
         if count > left.get(node, 0):
             return node
     return ended[0][0] if ended else ""
-
-
-def names_task(tasks: bytes, task: int) -> bool:
-    """Whether srun's task list ("3", "0-1,4") names `task`."""
-    for part in tasks.split(b","):
-        low, _, high = part.partition(b"-")
-        if int(low) <= task <= int(high or low):
-            return True
-    return False
 
 
 @dataclasses.dataclass
@@ -136,8 +127,8 @@ def run_step(argv: list[str], *, env: dict[str, str] | None = None, end_wait: fl
                     data = data[os.write(fd, data) :]
             found = TASK_ENDED.match(line)
             if found and not found.group(3).startswith(NOT_A_CRASH):
-                ended.append((found.group(1).decode("ascii"), task_count(found.group(2))))
-            if found and names_task(found.group(2), 0):
+                ended.append((found.group(1).decode("ascii"), len(task_ids(found.group(2)))))
+            if found and 0 in task_ids(found.group(2)):
                 rank0_ended.set()
             at = line.find(END_MARK)
             if at >= 0:
@@ -201,51 +192,40 @@ def metrics_size(path: Path) -> int | None:
         return None
 
 
-def made_progress(path: Path, since: int | None) -> str:
-    """Whether the step wrote a progress record (it finished steps) after byte `since` of the metrics file: "yes",
-    "no", or "" where there is no metrics file, before or after (nothing to tell from)."""
-    try:
-        with path.open("rb") as handle:
-            handle.seek(since or 0)
-            while chunk := handle.read(1 << 20):
-                if PROGRESS_RECORD in chunk:
-                    return "yes"
-    except OSError:
-        return "" if since is None else "no"
-    return "no"
-
-
-RECOVERY_FALLBACK = "in-process recovery impossible: "  # train/__main__.py's end-record reason when --recovery falls back
-
-
-def recovery_fallback(path: Path, since: int | None) -> str:
-    """Why in-process recovery (the trainer's --recovery, train/recovery.py) fell back to this restart, from rank 0's end
-    record written after byte `since` of the metrics file; "" when it did not (or there is no such record)."""
-    try:
-        with path.open("rb") as handle:
-            handle.seek(since or 0)
-            lines = handle.read().decode("utf-8", "replace").splitlines()
-    except OSError:
-        return ""
-    for line in reversed(lines):
-        with contextlib.suppress(ValueError):
-            record = json.loads(line)
-            if isinstance(record, dict) and record.get("kind") == "end" and str(record.get("reason", "")).startswith(RECOVERY_FALLBACK):
-                return str(record["reason"])[len(RECOVERY_FALLBACK) :]
-    return ""
-
-
 RECOVERY_RECORD = b'"kind": "recovery"'  # train/trainer.py's record of a rank replaced in process
+END_RECORD = b'"kind": "end"'  # train/metrics.py's end records
+RECOVERY_FALLBACK = "in-process recovery impossible: "  # train/outcome.py RECOVERY_IMPOSSIBLE: a --recovery fallback's reason
 
 
-def records_of(path: Path, since: int | None, kind: bytes) -> int:
-    """How many records of `kind` (as json.dumps spells it) the metrics file holds after byte `since`; 0 without one."""
-    try:
-        with path.open("rb") as handle:
-            handle.seek(since or 0)
-            return handle.read().count(kind)
-    except OSError:
-        return 0
+@dataclasses.dataclass(frozen=True)
+class StepRecords:
+    """What the step wrote to the metrics file after byte `since`, read in one pass: whether it wrote progress records
+    (it finished steps: "yes", "no", or "" where there is no metrics file, before or after: nothing to tell from), why
+    the trainer's in-process recovery (--recovery, train/recovery.py) fell back to this restart ("": it did not; from
+    the last end record that says so), and how many ranks it replaced in process."""
+
+    progress: str
+    fallback: str
+    recovered: int
+
+    @classmethod
+    def read(cls, path: Path, since: int | None) -> StepRecords:
+        progress, fallback, recovered = False, "", 0
+        try:
+            with path.open("rb") as handle:
+                handle.seek(since or 0)
+                for line in handle:
+                    if PROGRESS_RECORD in line:
+                        progress = True
+                    elif RECOVERY_RECORD in line:
+                        recovered += 1
+                    elif END_RECORD in line and RECOVERY_FALLBACK.encode() in line:
+                        with contextlib.suppress(ValueError, AttributeError):
+                            reason = str(json.loads(line).get("reason", ""))
+                            fallback = reason[len(RECOVERY_FALLBACK) :] if reason.startswith(RECOVERY_FALLBACK) else fallback
+        except OSError:
+            return cls("" if since is None else "no", "", 0)
+        return cls("yes" if progress else "no", fallback, recovered)
 
 
 def task_hosts(nodes: list[str], per_node: int, standbys: int) -> list[str]:
@@ -354,9 +334,8 @@ class Training:
             with self.standby_step() as (options, env):
                 end = run_step([*self.step, *options, *self.command], env=env, end_wait=self.step_wait if self.standbys else 0)
             self.crashed = end.crashed
-            self.progress = made_progress(self.run_dir / METRICS, before)
-            self.fallback = recovery_fallback(self.run_dir / METRICS, before)
-            self.recovered = records_of(self.run_dir / METRICS, before, RECOVERY_RECORD)
+            wrote = StepRecords.read(self.run_dir / METRICS, before)
+            self.progress, self.fallback, self.recovered = wrote.progress, wrote.fallback, wrote.recovered
             code = end.status(self.standbys)
             rc = 128 - code if code < 0 else code  # a step killed by a signal: its status as the shell gives it
             if code != end.code:
@@ -368,6 +347,12 @@ class Training:
                 (self.run_dir / MARKER).open("w").close()  # forensics newer than this belong to the restart
         self.leave(after)
         return rc
+
+    @functools.cached_property
+    def per_node(self) -> int | None:
+        """The job's tasks a node (SLURM_NTASKS_PER_NODE, "2" or "2(x3)"); None where it is not one number."""
+        text = (os.environ.get("SLURM_NTASKS_PER_NODE") or "").split("(")[0]
+        return int(text) if re.fullmatch(r"[0-9]+", text) else None
 
     def place(self) -> bool:
         """Set the srun options that put a training step on the job's healthy nodes, the ones the last step used first,
@@ -382,8 +367,8 @@ class Training:
                 self.run_dir,
                 f"DDPACK_SPARE_NODES={self.spares} leaves no node to train on: the job has {total}; ask sbatch for --nodes=<training nodes + spares>",
             )
-        per_node = (env.get("SLURM_NTASKS_PER_NODE") or "").split("(")[0]
-        if not re.fullmatch(r"[0-9]+", per_node):
+        per_node = self.per_node
+        if per_node is None:
             job_error(
                 self.run_dir,
                 f"a restart in this allocation needs --ntasks-per-node (SLURM_NTASKS_PER_NODE={env.get('SLURM_NTASKS_PER_NODE', '')}); the templates set it",
@@ -400,7 +385,7 @@ class Training:
             self.short = f"{len(healthy)} healthy node(s) left in the allocation and training needs {need}"
             return False
         self.last_nodes = healthy[:need]
-        self.placement = [f"--nodes={need}", f"--ntasks={need * int(per_node)}", f"--nodelist={','.join(self.last_nodes)}"]
+        self.placement = [f"--nodes={need}", f"--ntasks={need * per_node}", f"--nodelist={','.join(self.last_nodes)}"]
         return True
 
     @contextlib.contextmanager
@@ -419,14 +404,14 @@ class Training:
         if not self.standbys:
             yield self.placement, None
             return
-        per_node = (env.get("SLURM_NTASKS_PER_NODE") or "").split("(")[0]
+        per_node = self.per_node
         nodes = self.last_nodes or self.now.nodes or self.started
-        if not re.fullmatch(r"[0-9]+", per_node) or not nodes:
+        if per_node is None or not nodes:
             why = f"SLURM_NTASKS_PER_NODE={env.get('SLURM_NTASKS_PER_NODE', '')}" if nodes else "Slurm did not list the job's nodes"
             say(f"training without standbys this step: they need the job's nodes and --ntasks-per-node ({why})")
             yield self.placement, None
             return
-        hosts = task_hosts(nodes, int(per_node), self.standbys)
+        hosts = task_hosts(nodes, per_node, self.standbys)
         fd, path = tempfile.mkstemp(prefix="ddpack-step-hosts-", text=True)  # 0600, a new name: ours alone
         try:
             with os.fdopen(fd, "w") as out:

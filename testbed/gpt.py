@@ -49,15 +49,12 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
-BARE_PHASES = ("data", "forward", "zero_grad", "backward", "optimizer")
-
-
 def bare_ddp_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: tuple[torch.Tensor, torch.Tensor], step: int, batch: int,
                   device: torch.device, mark: Callable[[str], None] | None = None) -> None:  # fmt: skip
     """Step `step` of the bare DDP loop the trainer is measured against (bench_gpu times it on a GPU, bench_host on
     the CPU, tests/test_step_overhead.py counts it): what a DDP tutorial writes, with DDP's defaults: slices of the
     token tensors, bf16 autocast, `zero_grad(set_to_none=True)`, backward, the optimizer's step. `mark(phase)` is
-    called as each of BARE_PHASES ends, for a caller that times or counts them."""
+    called as each phase ends (data, forward, zero_grad, backward, optimizer), for a caller that times or counts them."""
     inputs, targets = tokens
     x = inputs[step * batch : (step + 1) * batch].to(device, non_blocking=True)
     y = targets[step * batch : (step + 1) * batch].to(device, non_blocking=True)

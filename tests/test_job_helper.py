@@ -134,7 +134,7 @@ def after_step(
     step_also: str = "",
     **settings: str,
 ):
-    """`ddpack_train x` (ddpack_node.py train) with a step that exits RC, then `then` when it is started again, and
+    """`ddpack_train x` (ddpack_job.py train) with a step that exits RC, then `then` when it is started again, and
     scontrol and sinfo stubbed (their calls recorded in calls.txt), after a start that ddpack_setup marked; forensics
     written during it, or before it (an earlier start's). `job_nodes`: the job's nodes as Slurm lists them now; `down`:
     those sinfo reports down; `step_also`: shell the step runs before it exits (it may print srun's lines, or change the
@@ -495,7 +495,7 @@ def test_a_step_slurm_ended_because_its_job_lost_a_node_is_a_failure_not_a_preem
 
 
 def staging(tmp_path: Path, answers: str, *, tres: str = "", settings: dict[str, str] | None = None):
-    """`ddpack_prepare_nodes SQSH` (ddpack_node.py stage) with scontrol and srun stubbed: the nodes answer `answers`
+    """`ddpack_prepare_nodes SQSH` (ddpack_job.py stage) with scontrol and srun stubbed: the nodes answer `answers`
     (prepare's lines) for a job on ddnode1 and ddnode2. Returns the run, what it printed, and its decision records."""
     run_dir = tmp_path / "run"
     run_dir.mkdir(parents=True, mode=0o700)

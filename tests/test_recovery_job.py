@@ -10,6 +10,7 @@ from types import ModuleType
 import pytest
 
 from ddpack.job_side import module
+from train.outcome import RECOVERY_IMPOSSIBLE
 
 
 @pytest.fixture(scope="module")
@@ -22,19 +23,20 @@ def end_record(reason: str) -> str:
 
 
 def test_the_fallback_is_read_from_rank_0s_end_record_of_this_step_only(node: ModuleType, tmp_path: Path) -> None:
+    assert node.RECOVERY_FALLBACK == RECOVERY_IMPOSSIBLE  # the trainer's words, which the job reads
     metrics = tmp_path / "metrics.jsonl"
     earlier = end_record("in-process recovery impossible: rank 0 lost: it hosts the job's store, which the group is formed on")
     metrics.write_text(earlier + "\n")
     since = metrics.stat().st_size
-    assert node.recovery_fallback(metrics, since) == ""  # the step before's, not this one's
+    assert node.StepRecords.read(metrics, since).fallback == ""  # the step before's, not this one's
     with metrics.open("a") as out:
         out.write(json.dumps({"kind": "progress", "global_step": 3}) + "\n")
         out.write(end_record("in-process recovery impossible: rank(s) 1 lost and no standby is alive") + "\n")
-    assert node.recovery_fallback(metrics, since) == "rank(s) 1 lost and no standby is alive"
-    assert node.recovery_fallback(metrics, None) == "rank(s) 1 lost and no standby is alive"
-    assert node.recovery_fallback(tmp_path / "none.jsonl", None) == ""
+    assert node.StepRecords.read(metrics, since).fallback == "rank(s) 1 lost and no standby is alive"
+    assert node.StepRecords.read(metrics, None).fallback == "rank(s) 1 lost and no standby is alive"
+    assert node.StepRecords.read(tmp_path / "none.jsonl", None).fallback == ""
     metrics.write_text(end_record("a collective failed (RuntimeError: …)") + "\n")
-    assert node.recovery_fallback(metrics, None) == ""  # a failure without --recovery
+    assert node.StepRecords.read(metrics, None).fallback == ""  # a failure without --recovery
 
 
 def test_the_restart_decision_says_why_recovery_fell_back_in_one_line_and_its_record(

@@ -29,7 +29,7 @@ from train.distributed import (
 )
 from train.metrics import MetricsFile, MetricsWriteError, RankLog
 from train.model import SetupError
-from train.outcome import RunEnd
+from train.outcome import RECOVERY_IMPOSSIBLE, RunEnd
 from train.recovery import Membership, RecoveryImpossible, enter
 from train.signals import PreemptionWatcher
 from train.snapshot import SnapshotsUnreadable, SnapshotWriteError
@@ -162,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log(f"error: {exc}")
         end = ended("failed", 1, reason=str(exc))
     except RecoveryImpossible as exc:  # the job program restarts every rank, as without --recovery
-        why = f"in-process recovery impossible: {exc}"
+        why = f"{RECOVERY_IMPOSSIBLE}{exc}"
         log(f"recovery: falling back to a restart of every rank: {exc}")
         end = ended("failed", 1, reason=why)
     except RuntimeError as exc:  # gloo/nccl report a dead or silent peer as RuntimeError subclasses

@@ -15,6 +15,9 @@ from dataclasses import asdict, dataclass, fields
 
 MARK = "ddpack-end "
 OUTCOMES = ("done", "stopped", "bad-input", "failed", "hung")
+# A failed end's reason when --recovery fell back to a restart of every rank: the job's program reads what follows it
+# (enroot/ddpack_training.py RECOVERY_FALLBACK, the same text: a test holds them together).
+RECOVERY_IMPOSSIBLE = "in-process recovery impossible: "
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ UNRECORDED = (
     "could not write its run folder; its starts and decisions are unknown, its state is Slurm's and its metrics'"
 )
 T = TypeVar("T")
+FINAL_VERDICTS = ("completed", "end")  # a step-end's verdicts after which the job starts nothing again (enroot VERDICTS)
 KEEP_PROGRESS = 50  # the last progress records parsed: enough for a rate over the segment's recent steps
 
 
@@ -328,7 +329,7 @@ def run_status(run_dir: Path, asked: Asked | None = None) -> Status:
     state, state_from, note = state_of(job.job_id if job else None, record, records, events, asked)
     segments = segments_of(records, events)
     newest = [e for e in events if job is not None and e.job_id == job.job_id and e.kind in ("start", "step-end", "cancel")]
-    final = bool(newest) and newest[-1].kind == "step-end" and newest[-1].verdict in ("completed", "end")
+    final = bool(newest) and newest[-1].kind == "step-end" and newest[-1].verdict in FINAL_VERDICTS
     last = records.progress[-1] if records.progress else None
     total = records.starts[-1].get("total_steps") if records.starts else None
     end = records.ends[-1][1] if records.ends and records.ends[-1][0] == len(records.starts) - 1 else None

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddpack.errors import HostError
-from ddpack.job_side import module, node_helper, settings_table
+from ddpack.job_side import node_helper, settings_table
 from ddpack.jobs import slurm_cli
 from ddpack.jobs.sweep_points import placeholders, sweep_env, sweep_points, sweep_problems
 from train import run_folder
@@ -309,8 +309,8 @@ def per_point(settings: SubmitSettings, value: str) -> bool:
 
 def container_path(path: Path, mounts: str) -> str | None:
     """`path` as the container sees it through pyxis' --container-mounts, None when no mount holds it: the job's own
-    rule (enroot/ddpack_job.py), so that submit's check and the job's answer never disagree."""
-    return module("ddpack_job").container_path(str(path), mounts)
+    rule (enroot/ddpack_settings.py), so that submit's check and the job's answer never disagree."""
+    return settings_table().container_path(str(path), mounts)
 
 
 # What the job takes from the submitting shell besides --secret's names (sbatch --export): the login basics and
