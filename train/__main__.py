@@ -63,6 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 device=device,
                 collective_timeout_s=config.collective_timeout,
                 log=print_standby,
+                watcher=watcher,
             )
             if entered is None:
                 return 0  # a standby the run did not need; it never joined the group, so it leaves no end record

@@ -91,6 +91,12 @@ def select_device(backend: str | None) -> tuple[str, torch.device]:
     return backend, device
 
 
+def turn_on_flight_recorder() -> None:
+    """torch's NCCL flight recorder: the last collectives of each rank, which a hang's forensics dump (train.watchdog);
+    a ring of 2000 entries costs a few MB of host memory. A value the user set stays."""
+    os.environ.setdefault(flight_recorder_size_var(), "2000")
+
+
 def init_distributed(backend: str, device: torch.device, timeout_s: float) -> DistContext:
     """Join the process group described by the environment (env:// rendezvous), on the backend and
     device `select_device` chose; a one-process group without a launcher."""
@@ -98,9 +104,7 @@ def init_distributed(backend: str, device: torch.device, timeout_s: float) -> Di
     rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank, local_world = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", 1)
     if backend == "nccl":
-        # torch's NCCL flight recorder: the last collectives of each rank, which a hang's forensics dump
-        # (train.watchdog); a ring of 2000 entries costs a few MB of host memory.
-        os.environ.setdefault(flight_recorder_size_var(), "2000")
+        turn_on_flight_recorder()
     dist.init_process_group(
         backend=backend,
         rank=rank,
@@ -145,7 +149,7 @@ ABANDON_POLL_S = 0.02  # how often a waiting rank asks (one store round trip)
 def wait_polling(work: dist.Work) -> None:
     """Wait for a collective without letting the core go idle (see train.grad_sync for why); raises
     the collective's error (a dead peer, --collective-timeout) as work.wait() does, or `abandon_check`'s."""
-    next_check = 0.0
+    next_check = time.monotonic() + ABANDON_POLL_S  # a collective done within the first poll asks nothing
     while not work.is_completed():
         if abandon_check is not None and (now := time.monotonic()) >= next_check:
             next_check = now + ABANDON_POLL_S

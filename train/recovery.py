@@ -53,7 +53,9 @@ import torch
 import torch.distributed as dist
 
 from train import distributed
-from train.distributed import DistContext, default_to_one_process, first_line, node_name
+from train.distributed import DistContext, default_to_one_process, first_line, node_name, turn_on_flight_recorder
+from train.signals import PreemptionWatcher
+from train.torch_compat import abort_default_group, set_collective_timeout
 
 HEARTBEAT_S = 0.05  # each member bumps its counter this often; standbys sample every counter as often
 STALE_S = 0.25  # a counter unchanged this long, once a survivor reported a failed collective, is a dead member
@@ -144,22 +146,26 @@ def reseed(seed: int, rank: int, global_step: int) -> None:
     random.seed(value)
 
 
-def _store(is_master: bool) -> dist.TCPStore:
+def _store(is_master: bool, connect_s: float = STORE_TIMEOUT_S) -> dist.TCPStore:
     """The rendezvous store at MASTER_ADDR:MASTER_PORT: rank 0 hosts it for the whole job (the process group is
-    formed on it again under a new prefix at every recovery), everyone else is a client."""
-    return dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, is_master, timedelta(seconds=STORE_TIMEOUT_S), wait_for_workers=False
+    formed on it again under a new prefix at every recovery), everyone else is a client. A rank waits `connect_s`
+    for it (its --collective-timeout, as a rendezvous without --recovery does: rank 0 may start late); every call
+    after that has STORE_TIMEOUT_S, the bound on how long a lost store's host goes unnoticed."""
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, is_master, timedelta(seconds=connect_s), wait_for_workers=False
     )
+    store.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
+    return store
 
 
 class Heartbeat:
     """A daemon thread that bumps this member's counter every HEARTBEAT_S, on a store connection of its own
     (a client is not shared between threads). Ends quietly when the store does."""
 
-    def __init__(self, member: str) -> None:
+    def __init__(self, member: str, connect_s: float = STORE_TIMEOUT_S) -> None:
         self.key = f"{PREFIX}hb/{member}"
         self._stop = threading.Event()
-        self._store = _store(False)
+        self._store = _store(False, connect_s)
         self._store.add(self.key, 1)
         self._thread = threading.Thread(target=self._run, name="ddpack-recovery-heartbeat", daemon=True)
         self._thread.start()
@@ -181,11 +187,7 @@ def tear_down(backend: str) -> None:
     if not dist.is_initialized():
         return
     if backend == "nccl":
-        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)  # torch 2.6 and later
-        if abort is not None:
-            abort()
-        else:
-            dist.distributed_c10d._get_default_group().abort()
+        abort_default_group()
     if dist.is_initialized():  # an abort may have left the group registered
         dist.destroy_process_group()
 
@@ -194,18 +196,21 @@ def join_group(store: dist.Store, *, generation: int, rank: int, world_size: int
     """Form generation `generation`'s process group on the job's store, under a prefix of its own (the keys of a
     generation that broke are never read again). On NCCL, a collective past its timeout aborts the communicators and
     raises in the training thread (TORCH_NCCL_ASYNC_ERROR_HANDLING=2, CleanUpOnly) instead of ending the process (3,
-    torch's default), which would take the survivor down with the dead."""
+    torch's default), which would take the survivor down with the dead; the flight recorder is on as without
+    --recovery. Generation 0 forms within `timeout_s` (the job's start, where a rank may start late); a recovery's
+    within JOIN_TIMEOUT_S, past which it failed while recovering."""
     if backend == "nccl":
         os.environ.setdefault(NCCL_ERROR_HANDLING, "2")
+        turn_on_flight_recorder()
     dist.init_process_group(
         backend=backend,
         store=dist.PrefixStore(f"{PREFIX}gen{generation}/", store),
         rank=rank,
         world_size=world_size,
-        timeout=timedelta(seconds=JOIN_TIMEOUT_S),
+        timeout=timedelta(seconds=JOIN_TIMEOUT_S if generation else timeout_s),
         **({"device_id": device} if device.type == "cuda" else {}),
     )
-    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
+    set_collective_timeout(timeout_s)
 
 
 @dataclass
@@ -241,10 +246,10 @@ class Membership:
         self.rank, self.world_size, self.backend, self.device = rank, world_size, backend, device
         self.collective_timeout_s = collective_timeout_s
         self.generation = 0
-        self.store = _store(rank == 0)
+        self.store = _store(rank == 0, connect_s=collective_timeout_s)
         self.member = f"r{rank}"
         self.store.set(f"{PREFIX}host/{self.member}", host)
-        self.heartbeat = Heartbeat(self.member)
+        self.heartbeat = Heartbeat(self.member, connect_s=collective_timeout_s)
         self.stages: Stages | None = None
 
     @classmethod
@@ -447,33 +452,29 @@ class CollectiveClock:
 
     def _set(self, seconds: float) -> None:
         if seconds != self.timeout_s:
-            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
+            set_collective_timeout(seconds)
             self.timeout_s = seconds
 
 
-def warm_up(device: torch.device) -> None:
+def warm_up(device: torch.device, watcher: PreemptionWatcher) -> None:
     """What a standby does before it waits, so that taking a rank costs no first-time work: DDP's first
     construction imports and sets up ~2 s of torch (measured here: 2.1 s, against 0.01 s for the next one),
     so one is built and stepped on a one-process group of its own (a small stand-in module: the imports are
-    the cost, not the model), and on CUDA the device's context is made."""
+    the cost, not the model), and on CUDA the device's context is made. `watcher` is the process's own (a second one
+    would take a SIGTERM that arrives meanwhile and lose it when it was put back)."""
     from train.grad_sync import SyncedModel  # the trainer's own; imported here, not at the top, to keep recovery.py light
-    from train.signals import PreemptionWatcher
 
     if device.type == "cuda":
         torch.empty(1, device=device)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        watcher = PreemptionWatcher()
-        try:
-            model = SyncedModel(
-                torch.nn.Linear(2, 1), watcher=watcher, world_size=1, device=torch.device("cpu"), compress=False, compiled=None, find_unused_parameters=False
-            )
-            model.zero_grads()
-            model.backward(model(torch.ones(1, 2)).sum(), syncs=True)
-            model.finish()
-            dist.all_gather_object([None], "warm")
-        finally:
-            watcher.restore()
+        model = SyncedModel(
+            torch.nn.Linear(2, 1), watcher=watcher, world_size=1, device=torch.device("cpu"), compress=False, compiled=None, find_unused_parameters=False
+        )
+        model.zero_grads()
+        model.backward(model(torch.ones(1, 2)).sum(), syncs=True)
+        model.finish()
+        dist.all_gather_object([None], "warm")
     finally:
         dist.destroy_process_group()
 
@@ -494,7 +495,14 @@ def launcher_role(standbys: int, environ: MutableMapping[str, str]) -> bool:
 
 
 def enter(
-    *, standby: bool, backend: str, device: torch.device, collective_timeout_s: float, log: Callable[[str], None], standbys: int = 0
+    *,
+    standby: bool,
+    backend: str,
+    device: torch.device,
+    collective_timeout_s: float,
+    log: Callable[[str], None],
+    watcher: PreemptionWatcher,
+    standbys: int = 0,
 ) -> tuple[DistContext, Membership] | None:
     """Join the job's process group under --recovery: a rank at once (generation 0), a standby once it is given a
     dead rank's place (None when the run ended without needing it). `standbys`: the launcher's last ranks that are
@@ -506,7 +514,7 @@ def enter(
     host = node_name()
     settings: dict[str, Any] = {"world_size": world, "backend": backend, "device": device, "collective_timeout_s": collective_timeout_s}
     if standby:
-        warm_up(device)
+        warm_up(device, watcher)
         try:
             waiting = Standby(world_size=world, host=host)
         except RuntimeError as exc:  # a run shorter than this standby's warm-up has ended, and its store with it

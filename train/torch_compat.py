@@ -41,6 +41,20 @@ def flight_recorder_size_var(version: str | None = None) -> str:
     return "TORCH_FR_BUFFER_SIZE" if torch_version(version) >= (2, 9) else "TORCH_NCCL_TRACE_BUFFER_SIZE"
 
 
+def abort_default_group() -> None:
+    """Abort the default process group's communicators (NCCL: a kernel waiting on a dead peer never returns) before it
+    is destroyed: torch has no public spelling (`_abort_process_group`, torch 2.6 and later, below the floor)."""
+    dist.distributed_c10d._abort_process_group()
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """Change the default group's collective timeout in flight (in-process recovery tightens it to the measured
+    steps): torch has no public spelling of it (`_set_pg_timeout`, private since 2.0)."""
+    from datetime import timedelta
+
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
+
+
 def ddp_buckets_final(ddp: torch.nn.parallel.DistributedDataParallel) -> bool:
     """Whether DDP has rebuilt its buckets, after which they stay: it rebuilds them once, in the second step's forward,
     in the order the first backward made the gradients ready. torch has no public spelling of it (a private attribute
