@@ -41,6 +41,7 @@ from bench_sqsh import timed  # noqa: E402
 
 from ddpack.images.enroot_tree import HYPERPOD_SQUASH_OPTIONS  # noqa: E402
 from ddpack.images.sqsh import DEFAULT_SQUASH_OPTIONS, convert  # noqa: E402
+from testbed.slurm_cluster import mount_journaled_ext4  # noqa: E402
 
 IMPORTS = "import torch, torch.distributed"
 
@@ -109,20 +110,12 @@ def journaled_ext4(folder: Path, size_gib: int = 16) -> Iterator[None]:
     held = [p for user in folder.glob("**/user-*") for p in user.iterdir()]
     if held:
         raise SystemExit(f"bench_start: {held[0]} exists; remove the containers under {folder} (enroot remove) first")
-    skeleton = [(p.relative_to(folder), p.stat()) for p in sorted(folder.rglob("*")) if p.is_dir()]
-    top = folder.stat()
     fd, name = tempfile.mkstemp(prefix="ddpack-bench-start-", suffix=".ext4", dir="/var/tmp")
     os.close(fd)
     image = Path(name)
     try:
-        os.truncate(image, size_gib << 30)
-        subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
-        subprocess.run(["mount", "-o", "loop", str(image), str(folder)], check=True)
+        mount_journaled_ext4(folder, image, size_gib)
         try:
-            for path, info in [(folder, top), *((folder / rel, st) for rel, st in skeleton)]:
-                path.mkdir(exist_ok=True)
-                os.chown(path, info.st_uid, info.st_gid)
-                path.chmod(info.st_mode & 0o7777)
             yield
         finally:
             subprocess.run(["umount", str(folder)], check=True)

@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import ddpack_settings
 from ddpack_node import JOB_ID, Refused, check_ancestors, not_yours_alone, one_line, warn, write_line, write_private
 from ddpack_slurm import job_state
 
@@ -238,6 +239,15 @@ def job_error(run_dir: Path | None, text: str) -> None:
     if run_dir is not None and run_dir.is_dir():
         write_record(run_dir, "step-end", {"verdict": "end", "reason": "bad-input", "exit": "2", "text": f"error: {text}"})
     die(text)
+
+
+def checked_settings(run_dir: Path, names: tuple[str, ...]) -> dict[str, str]:
+    """`names` as the job sees them (the settings table's defaults where unset). A value the table refuses ends the
+    job with its line: ddpack_setup checked every setting already, this is for a script that skipped it."""
+    env = os.environ
+    for why in ddpack_settings.problems({name: env[name] for name in names if name in env}):
+        job_error(run_dir, why)
+    return {name: ddpack_settings.value(name, env) for name in names}
 
 
 def die(text: str) -> None:

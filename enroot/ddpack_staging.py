@@ -20,10 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import ddpack_settings
 from ddpack_node import last_line, one_line, write_line
-from ddpack_records import die, job_error, say, write_record
-from ddpack_settings import value
+from ddpack_records import checked_settings, die, job_error, say, write_record
 from ddpack_slurm import JobFacts, command, natural, node_program, on_each_node
 
 
@@ -85,17 +83,11 @@ class Staging:
       1200, DDPACK_SBCAST_MBPS=1000, DDPACK_UNPACK_MBPS=400)."""
 
     def __init__(self, sqsh: str, run_dir: Path, facts: JobFacts) -> None:
-        env = os.environ
         self.sqsh, self.run_dir, self.facts, self.job = sqsh, run_dir, facts, facts.job
-        names = ("DDPACK_STAGE", "DDPACK_STAGE_DIR", "DDPACK_STAGE_KEEP", "DDPACK_FSX_MBPS", "DDPACK_SBCAST_MBPS", "DDPACK_UNPACK_MBPS",
-                 "DDPACK_STAGE_FANOUT")  # fmt: skip
-        for why in ddpack_settings.problems({name: env[name] for name in names if name in env}):
-            job_error(run_dir, why)  # ddpack_setup checked them all already: this is for a script that skipped it
-        self.mode, self.dir = value("DDPACK_STAGE", env), value("DDPACK_STAGE_DIR", env)
-        self.keep, self.fsx, self.bcast, self.unpack, self.fanout = (
-            int(value(name, env))
-            for name in ("DDPACK_STAGE_KEEP", "DDPACK_FSX_MBPS", "DDPACK_SBCAST_MBPS", "DDPACK_UNPACK_MBPS", "DDPACK_STAGE_FANOUT")
-        )
+        numbers = ("DDPACK_STAGE_KEEP", "DDPACK_FSX_MBPS", "DDPACK_SBCAST_MBPS", "DDPACK_UNPACK_MBPS", "DDPACK_STAGE_FANOUT")
+        settings = checked_settings(run_dir, ("DDPACK_STAGE", "DDPACK_STAGE_DIR", *numbers))
+        self.mode, self.dir = settings["DDPACK_STAGE"], settings["DDPACK_STAGE_DIR"]
+        self.keep, self.fsx, self.bcast, self.unpack, self.fanout = (int(settings[name]) for name in numbers)
 
     def choose(self) -> str:
         """The path --container-image names: the shared file, or each node's local copy (sent now, or held already)."""

@@ -21,7 +21,6 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-import ddpack_settings
 from ddpack_node import one_line, warn, write_private
 from ddpack_records import (
     DECISIONS,
@@ -33,13 +32,13 @@ from ddpack_records import (
     RUN_RECORD,
     SUMMARY,
     UNRESPONSIVE_NODES,
+    checked_settings,
     give_back_run_folder,
     job_error,
     read_nofollow,
     say,
     write_record,
 )
-from ddpack_settings import value
 from ddpack_slurm import SQUEUE_TIMEOUT_S, JobFacts, command, hostnames, natural, on_each_node
 
 
@@ -284,14 +283,13 @@ class Training:
         self.step, self.command, self.container = step, command, container
         self.job, self.run_dir = env["SLURM_JOB_ID"], Path(env["DDPACK_RUN_DIR"])
         names = ("DDPACK_SPARE_NODES", "DDPACK_RESTART_IN_PLACE", "DDPACK_MAX_RESTARTS", "DDPACK_MAX_FAILURE_RESTARTS", "DDPACK_STANDBYS", "DDPACK_STEP_WAIT")
-        for why in ddpack_settings.problems({name: env[name] for name in names if name in env}):
-            job_error(self.run_dir, why)  # ddpack_setup checked them all already: this is for a script that skipped it
-        self.spares = int(value("DDPACK_SPARE_NODES", env))
-        self.in_place = value("DDPACK_RESTART_IN_PLACE", env) == "1"
-        self.max_restarts = int(value("DDPACK_MAX_RESTARTS", env))
-        self.max_failed = int(value("DDPACK_MAX_FAILURE_RESTARTS", env))
-        self.standbys = int(value("DDPACK_STANDBYS", env))
-        self.step_wait = int(value("DDPACK_STEP_WAIT", env))
+        settings = checked_settings(self.run_dir, names)
+        self.spares = int(settings["DDPACK_SPARE_NODES"])
+        self.in_place = settings["DDPACK_RESTART_IN_PLACE"] == "1"
+        self.max_restarts = int(settings["DDPACK_MAX_RESTARTS"])
+        self.max_failed = int(settings["DDPACK_MAX_FAILURE_RESTARTS"])
+        self.standbys = int(settings["DDPACK_STANDBYS"])
+        self.step_wait = int(settings["DDPACK_STEP_WAIT"])
         self.restarts = int(env.get("SLURM_RESTART_COUNT") or 0)
         self.failed = 0  # failure restarts counted during this start: the cap holds if the run folder's count is lost
         self.bad_nodes: list[str] = []  # nodes a hang's forensics named, over the whole job

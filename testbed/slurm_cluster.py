@@ -117,6 +117,39 @@ class ClusterUnavailable(RuntimeError):
     """Why a Slurm cluster cannot be had here."""
 
 
+PARTITIONS = ("debug", "big", "gpu")
+
+
+def restore_cluster(timeout_s: float = 60) -> str:
+    """Cancel every job still queued or running and wait until Slurm has let them go, then set any partition or node
+    that is down (or drained) up again; what was found, in words ("" when the cluster was as it starts)."""
+    found = []
+    jobs = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, timeout=20).stdout.split()
+    if jobs:
+        found.append(f"jobs {','.join(jobs)} cancelled")
+        subprocess.run(["scancel", *jobs], capture_output=True, timeout=20)
+        deadline = time.monotonic() + timeout_s
+        while subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, timeout=20).stdout.split():
+            if time.monotonic() > deadline:
+                raise ClusterUnavailable(f"jobs {','.join(jobs)} did not leave the queue within {timeout_s:.0f} s of scancel")
+            time.sleep(0.2)
+    partitions = subprocess.run(["sinfo", "-h", "-o", "%R %a"], capture_output=True, text=True, timeout=20).stdout.splitlines()
+    for name, avail in sorted({tuple(line.split()) for line in partitions if line.strip()}):
+        if name in PARTITIONS and avail != "up":
+            found.append(f"partition {name} up")
+            subprocess.run(["scontrol", "update", f"partitionname={name}", "state=up"], capture_output=True, timeout=20)
+    down = [node for node in NODES if node in _unusable_nodes()]
+    if down:
+        found.append(f"nodes {','.join(down)} resumed")
+        subprocess.run(["scontrol", "update", f"nodename={','.join(down)}", "state=resume"], capture_output=True, timeout=20)
+    return "; ".join(found)
+
+
+def _unusable_nodes() -> set[str]:
+    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, timeout=20).stdout
+    return {name for name, state in (line.split() for line in out.splitlines() if line.strip()) if state.startswith(("down", "drain"))}
+
+
 def _idle_nodes() -> int:
     out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, timeout=20)
     if out.returncode != 0:
@@ -124,9 +157,43 @@ def _idle_nodes() -> int:
     return sum(1 for line in out.stdout.splitlines() if line.split()[-1] in ("idle", "mixed", "allocated"))
 
 
+# The nodes' enroot data disk: a journaled ext4 (a loop file, plain mkfs.ext4) as a node's local disk is. This VM's
+# root is an ext4 without a journal, where the kernel will not reuse an inode freed in the last 60 s and looks at
+# every recently freed one to find a free one: an `enroot create` soon after an `enroot remove` (every job's) costs
+# ~10x what it does on a node's disk (11 s against 1.7 s for the CPU image, measured here; 20-30 s with two nodes
+# unpacking at once). bench_start.py mounts a fresh one for its run (--journaled-data).
+
+
+def is_mount(folder: Path) -> bool:
+    """Whether a filesystem is mounted exactly at `folder` (in this process's mount namespace)."""
+    return any(line.split()[4] == str(folder) for line in Path("/proc/self/mountinfo").read_text().splitlines())
+
+
+def mount_journaled_ext4(folder: Path, image: Path, size_gib: int) -> None:
+    """Make `image` a fresh sparse ext4 of `size_gib` (with its journal) and mount it over `folder`, whose first two
+    levels of folders (a node's, a user's: not the containers in them) are laid down again on it with their owners and
+    modes, as enroot and its users expect them. Needs root. The image's blocks are taken as they are written, and
+    freed ones are reused."""
+    levels = [*folder.glob("*"), *(user for node in folder.glob("*") if not node.name.startswith("user-") for user in node.glob("user-*"))]
+    skeleton = [(path.relative_to(folder), path.stat()) for path in sorted(levels) if path.is_dir() and not path.is_symlink()]
+    top = folder.stat()
+    image.unlink(missing_ok=True)
+    with open(image, "wb") as handle:
+        handle.truncate(size_gib << 30)
+    image.chmod(0o600)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
+    subprocess.run(["mount", "-o", "loop", str(image), str(folder)], check=True)
+    for path, info in [(folder, top), *((folder / rel, st) for rel, st in skeleton)]:
+        path.mkdir(exist_ok=True)
+        os.chown(path, info.st_uid, info.st_gid)
+        path.chmod(info.st_mode & 0o7777)
+
+
 # Written by ../shared/tools/install-enroot-pyxis.sh: a per-node enroot wrapper (several slurmd share
 # this host, and pyxis runs enroot from slurmstepd's PATH) and pyxis' plugstack entry.
 ENROOT_NODE_WRAPPERS = Path("/usr/local/lib/enroot-nodes")
+ENROOT_DATA = Path("/tmp/enroot/data")  # every node's ENROOT_DATA_PATH (and the host's) lies under it
+ENROOT_DATA_GIB = 40  # sparse: the disk takes what its containers hold at most (1.3 GiB each for the CPU image)
 PYXIS_PLUGSTACK = Path("/etc/slurm/plugstack.conf.d/pyxis.conf")
 
 
@@ -137,12 +204,22 @@ def _slurmd_pid(node: str) -> int | None:
 
 def _own_disk(pid: int) -> bool:
     """The slurmd sees NODE_TMP as its node's own folder (it was started by _start_slurmd), and that folder
-    still exists (removing it leaves the mount on a deleted directory, where nothing can be written)."""
+    still exists (removing it leaves the mount on a deleted directory, where nothing can be written); and it sees
+    the nodes' enroot data disk when this host has it mounted (a slurmd started before it was would unpack beside it)."""
     try:
         mounts = [line.split() for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()]
-        return any(m[4] == str(NODE_TMP) and not m[3].endswith("//deleted") for m in mounts)
     except OSError:
         return False
+    own = any(m[4] == str(NODE_TMP) and not m[3].endswith("//deleted") for m in mounts)
+    return own and (not is_mount(ENROOT_DATA) or any(m[4] == str(ENROOT_DATA) for m in mounts))
+
+
+def _enroot_data_on_a_node_disk() -> None:
+    """Every node's enroot data folder (ENROOT_DATA) on a journaled ext4, as a node keeps ENROOT_DATA_PATH on its
+    local disk, not on this VM's journal-less root, where each unpack after a removal cost 20-30 s (testbed/node_disk.py)."""
+    if ENROOT_DATA.is_dir() and not is_mount(ENROOT_DATA):
+        NODE_DISKS.mkdir(parents=True, exist_ok=True)
+        mount_journaled_ext4(ENROOT_DATA, NODE_DISKS / "enroot-data.ext4", ENROOT_DATA_GIB)
 
 
 def _start_slurmd(node: str) -> None:
@@ -219,6 +296,7 @@ def ensure_cluster(timeout_s: float = 60) -> None:
         subprocess.run(["runuser", "-u", "munge", "--", "munged"], check=True)
     if subprocess.run(["pgrep", "-x", "slurmctld"], capture_output=True).returncode != 0:
         subprocess.run(["slurmctld"], check=True)
+    _enroot_data_on_a_node_disk()
     for node in NODES:
         _start_slurmd(node)
     if changed:  # nodes an earlier configuration drained (slurmctld keeps their state) come back under this one

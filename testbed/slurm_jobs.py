@@ -31,6 +31,21 @@ def brief(log: Path | str) -> str:
     return "\n".join(line for line in text.splitlines() if not PROGRESS_LINE.search(line))
 
 
+def cluster_now() -> str:
+    """What Slurm says of every job and node at this moment, for a wait that timed out: a job pending, and on what
+    (Resources, a node down, BeginTime), or a node that stopped answering, is then named in the failure itself."""
+    said = []
+    for command in (["squeue", "-h", "-o", "%i %T %r %N"], ["sinfo", "-h", "-N", "-o", "%N %P %T %E"]):
+        out = subprocess.run(command, capture_output=True, text=True, timeout=20)
+        said.append(f"$ {' '.join(command)}\n{(out.stdout + out.stderr).strip() or '(nothing)'}")
+    return "\n".join(said)
+
+
+def stuck(log: Path | str) -> str:
+    """A wait's failure: the job's log (`brief`) and the cluster as Slurm sees it now (`cluster_now`)."""
+    return f"{brief(log)}\n{cluster_now()}"
+
+
 def env(**extra: str) -> dict[str, str]:
     """A job's environment: the bundle's venv, and the submitting user's staging folder on each node's own /tmp."""
     return clean_env(DDPACK_VENV=str(VENV), DDPACK_STAGE_DIR=str(stage_dir(os.getuid())), **extra)
@@ -83,7 +98,7 @@ def wait_for_exit(job: str, timeout: float = 900) -> int:
         fields = job_fields(job)
         if fields.get("JobState") in FINAL_STATES:
             return int(fields.get("ExitCode", "1:0").split(":")[0])
-        assert time.monotonic() < deadline, f"job {job} did not end within {timeout:.0f} s: {fields.get('JobState')}"
+        assert time.monotonic() < deadline, f"job {job} did not end within {timeout:.0f} s: {fields.get('JobState')}\n{cluster_now()}"
         time.sleep(0.5)
 
 
@@ -167,7 +182,7 @@ class Gate:
             full = [key for key, held in ranks.items() if len(held) >= world and key not in seen]
             if full:
                 return full[0]
-            assert time.monotonic() < deadline, f"{world} ranks were not held within {timeout:.0f} s:\n{brief(log)}"
+            assert time.monotonic() < deadline, f"{world} ranks were not held within {timeout:.0f} s:\n{stuck(log)}"
             time.sleep(0.2)
 
     def signalled(self, log: Path, key: str, world: int, name: str = "SIGUSR1", timeout: float = 120) -> None:
@@ -175,7 +190,7 @@ class Gate:
         next step, whenever Slurm delivered the signal."""
         deadline = time.monotonic() + timeout
         while len({r for r, sig, k in SIGNALLED_LINE.findall(log.read_text()) if (sig, k) == (name, key)}) < world:
-            assert time.monotonic() < deadline, f"{name} did not reach {world} held ranks of start {key}:\n{brief(log)}"
+            assert time.monotonic() < deadline, f"{name} did not reach {world} held ranks of start {key}:\n{stuck(log)}"
             time.sleep(0.2)
 
     def open(self, key: str | None = None) -> None:
@@ -234,7 +249,7 @@ def progress_count(metrics: Path) -> int:
 def wait_for_progress(metrics: Path, count: int, log: Path, what: str = "", timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while progress_count(metrics) < count:
-        assert time.monotonic() < deadline, f"{what or f'training did not reach {count} progress records'}:\n{brief(log)}"
+        assert time.monotonic() < deadline, f"{what or f'training did not reach {count} progress records'}:\n{stuck(log)}"
         time.sleep(0.2)
 
 
@@ -286,7 +301,7 @@ def wait_for_end(job: str, log: Path, timeout: float = 480) -> tuple[str, int]:
         ended = (ended or time.monotonic()) if state in FINAL_STATES else None
         if ended is not None and (not requeue_announced(log) or time.monotonic() - ended > 10):
             return state, count
-        assert time.monotonic() < deadline, f"job {job} did not end: {state}\n{brief(log)}"
+        assert time.monotonic() < deadline, f"job {job} did not end: {state}\n{stuck(log)}"
         time.sleep(0.5)
 
 
@@ -306,6 +321,6 @@ def wait_for_restarts(job: str, restarts: int, log: Path, timeout: float = 480) 
         ended_early = (ended_early or time.monotonic()) if state in FINAL_STATES else None
         if ended_early is not None and time.monotonic() - ended_early > 60:
             raise AssertionError(f"job {job} ended ({state}) after {count} restarts, not {restarts}: {seen}\n{brief(log)}")
-        assert time.monotonic() < deadline, f"job {job} did not finish: {seen}\n{brief(log)}"
+        assert time.monotonic() < deadline, f"job {job} did not finish: {seen}\n{stuck(log)}"
         time.sleep(1)
     return log.read_text()

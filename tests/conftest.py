@@ -99,6 +99,21 @@ def pyxis_stack() -> None:
         pytest.skip(missing)
 
 
+@pytest.fixture(autouse=True)
+def cluster_left_as_found(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A Slurm or pyxis test hands the next one the cluster it found: a job it left (a held job whose test failed
+    mid-wait, a queued one) is cancelled and waited out, a partition or node it set down is up again. Without this
+    one failed wait became five: each later test's job queued behind or beside the one left running."""
+    yield
+    if request.node.get_closest_marker("slurm") is None and request.node.get_closest_marker("pyxis") is None:
+        return
+    from testbed.slurm_cluster import restore_cluster
+
+    left = restore_cluster()
+    if left:
+        print(f"\n{request.node.nodeid} left the cluster changed; restored: {left}", file=sys.stderr)
+
+
 @pytest.fixture(scope="session")
 def shared() -> Iterator[Path]:
     """A folder every job user can write, standing in for /fsx."""

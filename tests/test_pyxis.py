@@ -41,6 +41,7 @@ from testbed.slurm_jobs import (
     preempt_and_resume,
     sbatch,
     signal_tasks,
+    stuck,
     submit,
     wait_for_end,
     wait_for_restarts,
@@ -400,7 +401,7 @@ def wait_in_log(log: Path, found: Callable[[str], bool], what: str, timeout: flo
     """The job's log once `found` holds for it (its lines are the job's own: nothing here waits on the host's speed)."""
     deadline = time.monotonic() + timeout
     while not found(text := log.read_text() if log.exists() else ""):
-        assert time.monotonic() < deadline, f"{what} not within {timeout:.0f} s:\n{brief(text)}"
+        assert time.monotonic() < deadline, f"{what} not within {timeout:.0f} s:\n{stuck(text)}"
         time.sleep(0.05)
     return text
 

@@ -82,9 +82,10 @@ def test_without_a_standby_the_survivor_falls_back_to_a_restart_and_says_why(tmp
 
 
 def test_a_slow_but_healthy_collective_is_not_taken_for_a_death(tmp_path: Path) -> None:
-    """Rank 1 takes 0.7 s a step (tests/plugins/slow_rank.py), so rank 0 waits that long in every all-reduce: above the
-    timeout's floor (0.5 s), below the timeout the measured steps set (train.recovery.collective_timeout)."""
-    args = ["--task", "plugins.slow_rank:task", "--max-steps", "10", "--log-every", "1", "--snapshot-dir", "", "--recovery", "--cpu-bind", "none"]
-    job = start_with_standbys(tmp_path, 2, args, standbys=0, SLOW_RANK="1", SLOW_RANK_MS="700", PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}")
+    """Rank 1 takes 2.2 s a step (tests/plugins/slow_rank.py), so rank 0 waits that long in every all-reduce: above the
+    timeout's floor (2 s), below the timeout the measured steps set (train.recovery.collective_timeout), which steps 6
+    and 7 run under."""
+    args = ["--task", "plugins.slow_rank:task", "--max-steps", "7", "--log-every", "1", "--snapshot-dir", "", "--recovery", "--cpu-bind", "none"]
+    job = start_with_standbys(tmp_path, 2, args, standbys=0, SLOW_RANK="1", SLOW_RANK_MS="2200", PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}")
     assert job.wait() == [0, 0], job.output()
     assert "recovery:" not in job.output() and len(set(job.checksums())) == 1, job.output()

@@ -21,11 +21,13 @@ from testbed.slurm_jobs import (
     VENV,
     all_agree,
     brief,
+    cluster_now,
     env,
     hold_training,
     job_state,
     sbatch,
     signal_tasks,
+    stuck,
     submit,
     submit_and_preempt,
     wait_for_restarts,
@@ -179,7 +181,7 @@ def test_a_lost_node_killed_tasks_and_a_frozen_rank_each_come_back_and_resume_fr
         gate.open(first_start)
         deadline = time.monotonic() + 300
         while "requeueing job" not in log.read_text():  # the template's verdict on the loss; then the node may come back
-            assert time.monotonic() < deadline, f"lost node: the job was not requeued\n{brief(log)}"
+            assert time.monotonic() < deadline, f"lost node: the job was not requeued\n{stuck(log)}"
             time.sleep(0.5)
     finally:
         subprocess.run(["scontrol", "update", "nodename=ddnode2", "state=resume"], capture_output=True)  # if Slurm has not
@@ -233,7 +235,7 @@ def test_the_restart_cap_stops_requeueing_and_says_how_to_continue(tmp_path: Pat
     job, log = submit_and_preempt(tmp_path, "capped", DDPACK_MAX_RESTARTS="0")
     deadline = time.monotonic() + 120
     while (state := job_state(job))[0] not in FINAL_STATES:
-        assert time.monotonic() < deadline, f"job {job} did not end: {state}"
+        assert time.monotonic() < deadline, f"job {job} did not end: {state}\n{cluster_now()}"
         time.sleep(0.5)
     assert state[2] == 0, f"job {job} was requeued: {state}"
     text = log.read_text()

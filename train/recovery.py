@@ -59,13 +59,38 @@ from train.torch_compat import abort_default_group, set_collective_timeout
 
 HEARTBEAT_S = 0.05  # each member bumps its counter this often; standbys sample every counter as often
 STALE_S = 0.25  # a counter unchanged this long, once a survivor reported a failed collective, is a dead member
-TIMEOUT_FLOOR_S = 0.5  # the collective timeout never goes below this (gloo's ring of 4 local ranks: ~1 ms)
+# The collective timeout never goes below this. A healthy collective of a tiny model takes ~1 ms (gloo, 4 local ranks),
+# but a node whose cores are shared (here: 4 ranks, a standby and a second run on 2 cores) can hold one back for
+# hundreds of ms: at 0.5 s, CI saw the first step under the tightened timeout fail, twice in a row, and the job fall
+# back to a full restart. A timeout matters only for a peer that is silent but connected (a killed one closes its
+# connections at once, and the survivors leave on the standbys' decision without waiting it out), so a wide floor
+# costs a hang a second or two and no kill anything.
+TIMEOUT_FLOOR_S = 2.0
 TIMEOUT_MARGIN = 20.0  # x the slowest measured step: a step's collectives never take longer than the step
 MEASURED_STEPS = 5  # steps timed at the long timeout after a (re)join or a one-rank pause before tightening
 DECISION_WAIT_S = 5.0  # a failed survivor waits this long for a standby's decision before falling back
 JOIN_TIMEOUT_S = 20.0  # forming the next generation's group; past it, recovery failed while recovering
 STORE_TIMEOUT_S = 10.0
 PREFIX = "ddpack-recovery/"
+
+
+# The store's keys, each spelled once: every member and standby reads and writes the same ones.
+def heartbeat_key(member: str) -> str:
+    return f"{PREFIX}hb/{member}"
+
+
+def host_key(member: str) -> str:
+    return f"{PREFIX}host/{member}"
+
+
+def generation_key(generation: int, name: str) -> str:
+    """`name` of generation `generation`: its `decision`, its `failed` count (the generation's group's own keys lie
+    under the same prefix)."""
+    return f"{PREFIX}gen{generation}/{name}"
+
+
+STANDBYS_KEY = f"{PREFIX}standbys"  # how many standbys joined (each takes the next index)
+CLOSED_KEY = f"{PREFIX}closed"  # the run ended: the standbys leave
 NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 
 
@@ -163,7 +188,7 @@ class Heartbeat:
     (a client is not shared between threads). Ends quietly when the store does."""
 
     def __init__(self, member: str, connect_s: float = STORE_TIMEOUT_S) -> None:
-        self.key = f"{PREFIX}hb/{member}"
+        self.key = heartbeat_key(member)
         self._stop = threading.Event()
         self._store = _store(False, connect_s)
         self._store.add(self.key, 1)
@@ -204,7 +229,7 @@ def join_group(store: dist.Store, *, generation: int, rank: int, world_size: int
         turn_on_flight_recorder()
     dist.init_process_group(
         backend=backend,
-        store=dist.PrefixStore(f"{PREFIX}gen{generation}/", store),
+        store=dist.PrefixStore(generation_key(generation, ""), store),
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=JOIN_TIMEOUT_S if generation else timeout_s),
@@ -237,36 +262,45 @@ class Stages:
 
 
 class Membership:
-    """A rank's side: its store, its heartbeat, its generation; `recover` after a failed collective."""
+    """A rank's side: its store, its heartbeat, its generation; `recover` after a failed collective. A rank that starts
+    is `Membership.started` (generation 0); a standby given a dead rank's place keeps the store and heartbeat it has."""
 
-    def __init__(self, *, rank: int, world_size: int, backend: str, device: torch.device, host: str, collective_timeout_s: float) -> None:
-        """Hosts the store on rank 0, names this rank's host to the standbys and starts its heartbeat."""
-        if os.environ.get("TORCHELASTIC_RUN_ID"):
-            raise RecoveryImpossible("--recovery needs one process per rank (srun tasks, docker -e); under torchrun its agent restarts every worker")
-        self.rank, self.world_size, self.backend, self.device = rank, world_size, backend, device
+    def __init__(
+        self,
+        *,
+        store: dist.TCPStore,
+        heartbeat: Heartbeat,
+        member: str,
+        rank: int,
+        generation: int,
+        world_size: int,
+        backend: str,
+        device: torch.device,
+        collective_timeout_s: float,
+    ) -> None:
+        self.store, self.heartbeat, self.member = store, heartbeat, member
+        self.rank, self.generation, self.world_size, self.backend, self.device = rank, generation, world_size, backend, device
         self.collective_timeout_s = collective_timeout_s
-        self.generation = 0
-        self.store = _store(rank == 0, connect_s=collective_timeout_s)
-        self.member = f"r{rank}"
-        self.store.set(f"{PREFIX}host/{self.member}", host)
-        self.heartbeat = Heartbeat(self.member, connect_s=collective_timeout_s)
         self.stages: Stages | None = None
 
     @classmethod
-    def joined_as(cls, store: dist.TCPStore, heartbeat: Heartbeat, *, member: str, rank: int, generation: int, **kw: Any) -> Membership:
-        """A standby that took rank `rank` in `generation`: the store and heartbeat it already has."""
-        self = cls.__new__(cls)
-        self.rank, self.world_size, self.backend, self.device = rank, kw["world_size"], kw["backend"], kw["device"]
-        self.collective_timeout_s = kw["collective_timeout_s"]
-        self.generation, self.store, self.member, self.heartbeat, self.stages = generation, store, member, heartbeat, None
-        return self
+    def started(cls, *, rank: int, host: str, collective_timeout_s: float, **settings: Any) -> Membership:
+        """A rank of generation 0: hosts the store on rank 0, names this rank's host to the standbys and starts its
+        heartbeat."""
+        if os.environ.get("TORCHELASTIC_RUN_ID"):
+            raise RecoveryImpossible("--recovery needs one process per rank (srun tasks, docker -e); under torchrun its agent restarts every worker")
+        store = _store(rank == 0, connect_s=collective_timeout_s)
+        member = f"r{rank}"
+        store.set(host_key(member), host)
+        heartbeat = Heartbeat(member, connect_s=collective_timeout_s)
+        return cls(store=store, heartbeat=heartbeat, member=member, rank=rank, generation=0, collective_timeout_s=collective_timeout_s, **settings)
 
     def abandon_if_decided(self) -> None:
         """While this rank waits on a collective (train.distributed.wait_polling): when this generation's decision is
         written, a peer was judged dead (a survivor next to it failed at once and the standbys decided), so the
         collective cannot complete: raise now, instead of waiting out the collective timeout, which gloo cannot cut."""
         try:
-            decided = self.store.check([f"{PREFIX}gen{self.generation}/decision"])
+            decided = self.store.check([generation_key(self.generation, "decision")])
         except RuntimeError:
             return  # the store's own failure: recover() says it when the collective fails
         if decided:
@@ -298,7 +332,7 @@ class Membership:
         RecoveryImpossible (with the reason) when the job must restart every rank instead."""
         stages = Stages(failed=time.time())
         try:
-            self.store.add(f"{PREFIX}gen{self.generation}/failed", 1)  # what the standbys wait for before they judge
+            self.store.add(generation_key(self.generation, "failed"), 1)  # what the standbys wait for before they judge
         except RuntimeError as exc:
             raise RecoveryImpossible(f"the store does not answer ({first_line(exc)}): its host, rank 0's node, is lost") from None
         decision = self._decision(failure)
@@ -324,12 +358,12 @@ class Membership:
         self.stages = stages
 
     def _decision(self, failure: BaseException) -> Decision:
-        key = f"{PREFIX}gen{self.generation}/decision"
+        key = generation_key(self.generation, "decision")
         deadline = time.monotonic() + DECISION_WAIT_S
         try:
             while not self.store.check([key]):
                 if time.monotonic() > deadline:
-                    standbys = [f"s{i}" for i in range(int(self.store.add(f"{PREFIX}standbys", 0)))]
+                    standbys = [f"s{i}" for i in range(int(self.store.add(STANDBYS_KEY, 0)))]
                     if not standbys:
                         raise RecoveryImpossible(f"a collective failed ({first_line(failure)}) and no standby is running (start one with --standby)")
                     if dead := self._stopped(standbys):
@@ -348,7 +382,7 @@ class Membership:
 
     def _stopped(self, members: list[str]) -> list[str]:
         """The members whose heartbeat counter does not move in STALE_S (the standbys watch; this is for when none did)."""
-        keys = [f"{PREFIX}hb/{m}" for m in members]
+        keys = [heartbeat_key(m) for m in members]
         before = self.store.multi_get(keys)
         time.sleep(STALE_S)
         return [m for m, old, new in zip(members, before, self.store.multi_get(keys), strict=True) if old == new]
@@ -358,7 +392,7 @@ class Membership:
         stops, so that a rank that finished first is never taken for dead while rank 0 still evaluates."""
         distributed.abandon_check = None
         with contextlib.suppress(RuntimeError):  # a store already gone has no standby left to tell
-            self.store.set(f"{PREFIX}closed", "1")
+            self.store.set(CLOSED_KEY, "1")
         self.heartbeat.stop()
 
 
@@ -368,9 +402,9 @@ class Standby:
     def __init__(self, *, world_size: int, host: str) -> None:
         self.world_size, self.host = world_size, host
         self.store = _store(False)
-        self.index = int(self.store.add(f"{PREFIX}standbys", 1)) - 1
+        self.index = int(self.store.add(STANDBYS_KEY, 1)) - 1
         self.member = f"s{self.index}"
-        self.store.set(f"{PREFIX}host/{self.member}", host)
+        self.store.set(host_key(self.member), host)
         self.heartbeat = Heartbeat(self.member)
         self.generation = 0
         self.roster = {rank: f"r{rank}" for rank in range(world_size)}
@@ -382,9 +416,9 @@ class Standby:
         log(f"standby {self.member} on {self.host}: warm, watching {self.world_size} ranks")
         while True:
             try:
-                if self.store.check([f"{PREFIX}closed"]):
+                if self.store.check([CLOSED_KEY]):
                     return None
-                key = f"{PREFIX}gen{self.generation}/decision"
+                key = generation_key(self.generation, "decision")
                 if self.store.check([key]):
                     decision = Decision.from_json(self.store.get(key))
                     if decision.fallback is not None:
@@ -403,23 +437,23 @@ class Standby:
 
     def _watch(self) -> None:
         """One sample of every counter; a roster member stale for STALE_S is dead: decide, once for the generation."""
-        standbys = [f"s{i}" for i in range(int(self.store.add(f"{PREFIX}standbys", 0)))]
+        standbys = [f"s{i}" for i in range(int(self.store.add(STANDBYS_KEY, 0)))]
         members = [*self.roster.values(), *standbys]
-        values = self.store.multi_get([f"{PREFIX}hb/{m}" for m in members])
+        values = self.store.multi_get([heartbeat_key(m) for m in members])
         now = time.monotonic()
         for member, value in zip(members, values, strict=True):
             if self._seen.get(member, (None, 0.0))[0] != value:
                 self._seen[member] = (value, now)
         stale = {m for m in members if now - self._seen[m][1] >= STALE_S}
         dead = {rank: m for rank, m in self.roster.items() if m in stale}
-        if not dead or not int(self.store.add(f"{PREFIX}gen{self.generation}/failed", 0)):
+        if not dead or not int(self.store.add(generation_key(self.generation, "failed"), 0)):
             return  # a heartbeat late on a loaded node while every collective still completes is no death
         used = set(self.roster.values())
         alive = [s for s in standbys if s not in stale and s not in used]
-        hosts = {m: self.store.get(f"{PREFIX}host/{m}").decode() for m in [*dead.values(), *alive]}
+        hosts = {m: self.store.get(host_key(m)).decode() for m in [*dead.values(), *alive]}
         decision = decide(self.generation, self.roster, dead, hosts, alive)
         self.log(f"standby {self.member}: heartbeat of {', '.join(f'rank {r}' for r in sorted(dead))} stopped; deciding generation {self.generation}")
-        self.store.compare_set(f"{PREFIX}gen{self.generation}/decision", "", decision.to_json())
+        self.store.compare_set(generation_key(self.generation, "decision"), "", decision.to_json())
 
 
 class CollectiveClock:
@@ -526,9 +560,9 @@ def enter(
             return None
         generation, rank = assigned
         os.environ["RANK"] = str(rank)  # the rank it is now, for whatever reads the environment after this
-        membership = Membership.joined_as(waiting.store, waiting.heartbeat, member=waiting.member, rank=rank, generation=generation, **settings)
+        membership = Membership(store=waiting.store, heartbeat=waiting.heartbeat, member=waiting.member, rank=rank, generation=generation, **settings)
     else:
-        membership = Membership(rank=rank, host=host, **settings)
+        membership = Membership.started(rank=rank, host=host, **settings)
     membership.join()
     ctx = DistContext(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world, backend=backend, device=device, host=host)
     return ctx, membership
