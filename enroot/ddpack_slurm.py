@@ -55,10 +55,7 @@ OVER = {state for state, ours in JOB_STATES.items() if ours in ENDED}
 def job_state(job: str) -> str | None:
     """The state squeue gives job `job` (any user's) while it lives, "" when Slurm no longer lists it or lists it
     as over, None when squeue failed."""
-    try:
-        out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True, timeout=SQUEUE_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
+    out = command(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True, timeout=SQUEUE_TIMEOUT_S)
     if out.returncode != 0:
         return "" if "Invalid job id" in out.stderr else None
     state = out.stdout.strip().splitlines()[0] if out.stdout.strip() else ""
@@ -109,11 +106,7 @@ class JobFacts:
     @functools.cached_property
     def shown(self) -> str:
         """`scontrol show job JOB`'s text; empty when it fails."""
-        try:
-            argv = ["scontrol", "show", "job", self.job]
-            return subprocess.run(argv, capture_output=True, text=True, timeout=SQUEUE_TIMEOUT_S).stdout
-        except (OSError, subprocess.TimeoutExpired):
-            return ""
+        return command(["scontrol", "show", "job", self.job], capture_output=True, text=True, timeout=SQUEUE_TIMEOUT_S).stdout
 
     def field(self, name: str) -> str:
         """A field of `scontrol show job`, "" when it has none. A field alone on its line (Command=, StdOut=) is read

@@ -121,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return RunEnd(rank=ctx.rank, world_size=ctx.world_size, host=ctx.host, outcome=outcome, exit_code=exit_code, **{**where, **extra})
 
     try:
-        trainer = Trainer(config, task, ctx, log, metrics, watcher, progress, membership=membership, replacing=replacing)
+        trainer = Trainer(config, task, ctx, log, metrics, watcher, progress, membership=membership)
         if watchdog is not None:
             watchdog.know_hosts(trainer.hosts)  # gathered through the process group: heartbeats must agree
             trainer.hosts_changed = watchdog.know_hosts  # and again after an in-process recovery

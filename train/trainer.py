@@ -120,11 +120,10 @@ class Trainer:
         progress: Progress | None = None,
         path: StepPath | None = None,
         membership: Membership | None = None,
-        replacing: bool = False,
     ) -> None:
         """`path`: the step's device-dependent branches; the device's own unless given (bench/bench_host.py runs
-        the CUDA path's on a CPU). `membership`: --recovery's (train/recovery.py); `replacing`: this process is a
-        standby that took a dead rank's place, and takes its state from the survivors instead of a snapshot."""
+        the CUDA path's on a CPU). `membership`: --recovery's (train/recovery.py); a standby that took a dead rank's place
+        (`membership.replacing`) takes its state from the survivors instead of a snapshot."""
         self.config, self.task, self.ctx, self.log, self.metrics, self.watcher = config, task, ctx, log, metrics, watcher
         self.path = path if path is not None else StepPath.for_device(ctx.device)
         # Where this rank is, for the hang watchdog (train.watchdog): a few attribute stores a step.
@@ -132,7 +131,7 @@ class Trainer:
         self.module = prepare_module(task.model, config, ctx.device)
         set_tf32(ctx.device, config.tf32)  # before the peak is found: it is looked up in the precision trained in
         self.autocast = (lambda: torch.autocast(ctx.device.type, dtype=torch.bfloat16)) if config.amp else nullcontext
-        self.membership, self.replacing = membership, replacing
+        self.membership, self.replacing = membership, membership is not None and membership.replacing
         self.hosts_changed: Callable[[list[str]], None] | None = None  # told the ranks' hosts after a recovery (the watchdog)
         self.clock = CollectiveClock(config.collective_timeout) if membership is not None else None
         # Rank 0 finds the device's peak at start and counts the model's FLOPs at its first step.
