@@ -65,10 +65,11 @@ SlurmdLogFile=/var/log/slurm/slurmd-%n.log
 SlurmdParameters=config_overrides
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
-# Once that wait is over, only the backfill pass starts a requeued job (no event wakes the main scheduler when its
-# begin time passes), every bf_interval seconds: 30 by default, when each requeue of a test's job cost 14 to 40 s
-# (23.6 on average) where cred_expire's 10 s is the floor.
-SchedulerParameters=bf_interval=1
+# Once that wait is over, no event wakes the scheduler for the requeued job: the backfill pass (every bf_interval
+# seconds, 30 by default) or the main loop (every sched_interval, 60 by default) starts it. With bf_interval=1
+# alone the main loop still started most of them, on its minute: a requeue cost 12 to 68 s (28 on average over
+# 25 in this host's slurmctld log, 49 s for one Lightning preemption) where cred_expire's 10 s is the floor.
+SchedulerParameters=bf_interval=1,sched_interval=2
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 MpiDefault=none

@@ -324,7 +324,7 @@ def test_a_hugging_face_trainer_project_is_preempted_requeued_and_resumes_from_i
     """transformers' Trainer with ddpack's callback, same template and signal: the Trainer saves checkpoint-N at
     the agreed step on every rank, the step ends 138 and is requeued; the next start resumes from checkpoint-N
     and finishes with agreeing checksums; make report draws both segments."""
-    job, metrics, log, gate = framework_job(shared, frameworks_sqsh, "hf_project", OUTPUT_DIR="hf-output")
+    job, metrics, log, gate = framework_job(shared, frameworks_sqsh, "hf_project", OUTPUT_DIR="hf-output", EPOCHS="1")  # 64 steps: the gate acts at 3
     preempt_held(job, log, gate)
     parts = stopped_then_finished(wait_for_restarts(job, 1, log), 2)
     # Its lines are labelled with their rank by srun (the per-task template, for a program of your own): logs --rank.
