@@ -112,6 +112,21 @@ def one_restart(enroot: Path, folder: Path, sqsh: Path | None) -> dict[str, floa
     }
 
 
+def training_again(every: list[dict], killed_at: float) -> tuple[dict, dict, int, list[dict]] | None:
+    """After a kill at `killed_at`: (the first progress record of training again, the first past the step the kill
+    interrupted, the step the old segment had reached, the records from the boundary on), or None while there are
+    none yet. Training again starts at the new segment's start record (today's restart) or at the recovery record
+    (written in the redone step, before its progress record): a survivor may still log a step whose collective
+    completed just before the kill, after the kill and before the boundary, and that is not training again."""
+    boundary = next((i for i, r in enumerate(every) if r["time"] > killed_at and r["kind"] in ("start", "recovery")), None)
+    if boundary is None:
+        return None
+    reached = max(r["global_step"] for r in every[:boundary] if r["kind"] == "progress")
+    after = [r for r in every[boundary:] if r["kind"] == "progress"]
+    past = next((r for r in after if r["global_step"] > reached), None)
+    return None if past is None else (after[0], past, reached, every[boundary:])
+
+
 def one_kill(enroot: Path, folder: Path, sqsh: Path | None, standbys: int) -> dict[str, float]:
     """One job of the template with DDPACK_STANDBYS=`standbys`, rank 3 SIGKILLed while it trains; the seconds after it
     (see `--standbys` in the module's docstring)."""
@@ -122,20 +137,18 @@ def one_kill(enroot: Path, folder: Path, sqsh: Path | None, standbys: int) -> di
             if time.monotonic() > deadline:
                 raise SystemExit(f"bench_restart: job {job}'s standby is not warm; see {log}")
             time.sleep(0.1)
-        logged = max(r.get("global_step", 0) for r in read_metrics(metrics) if r["kind"] == "progress")
         killed_at = time.time()
         if not any(signal_tasks(job, node, signal.SIGKILL, rank=3) for node in NODES):
             raise SystemExit(f"bench_restart: job {job} has no rank 3; see {log}")
         deadline = time.monotonic() + 300
-        while not (past := [r for r in read_metrics(metrics) if r["kind"] == "progress" and r["time"] > killed_at and r["global_step"] > logged]):
+        while (again := training_again(read_metrics(metrics), killed_at)) is None:
             if time.monotonic() > deadline:
-                raise SystemExit(f"bench_restart: job {job} did not train past step {logged}; see {log}")
+                raise SystemExit(f"bench_restart: job {job} did not train again past the step the kill interrupted; see {log}")
             time.sleep(0.05)
-        records = [r for r in read_metrics(metrics) if r["time"] > killed_at]
-    back = next(r for r in records if r["kind"] == "progress")
-    row = {"back": back["time"] - killed_at, "past": past[0]["time"] - killed_at}
+    back, past, reached, records = again
+    row = {"back": back["time"] - killed_at, "past": past["time"] - killed_at}
     starts = [r for r in records if r["kind"] == "start"]
-    row["replayed"] = logged - starts[0]["global_step"] if starts else 0
+    row["replayed"] = reached - starts[0]["global_step"] if starts else 0
     recovery = next((r for r in records if r["kind"] == "recovery"), None)
     if recovery is not None:
         row |= {"notice": recovery["failed_at"] - killed_at, **{k[:-2]: recovery[k] for k in ("decide_s", "abort_s", "new_group_s", "state_s", "first_step_s")}}

@@ -165,9 +165,11 @@ def _idle_nodes() -> int:
 # unpacking at once). bench_start.py mounts a fresh one for its run (--journaled-data).
 
 
-def is_mount(folder: Path) -> bool:
-    """Whether a filesystem is mounted exactly at `folder` (in this process's mount namespace)."""
-    return any(line.split()[4] == str(folder) for line in Path("/proc/self/mountinfo").read_text().splitlines())
+def mount_device(folder: Path) -> str | None:
+    """The device (major:minor) of the filesystem mounted exactly at `folder` in this process's mount namespace (the
+    last one, where several are stacked), or None."""
+    found = [fields[2] for fields in map(str.split, Path("/proc/self/mountinfo").read_text().splitlines()) if fields[4] == str(folder)]
+    return found[-1] if found else None
 
 
 def mount_journaled_ext4(folder: Path, image: Path, size_gib: int) -> None:
@@ -212,13 +214,14 @@ def _own_disk(pid: int) -> bool:
     except OSError:
         return False
     own = any(m[4] == str(NODE_TMP) and not m[3].endswith("//deleted") for m in mounts)
-    return own and (not is_mount(ENROOT_DATA) or any(m[4] == str(ENROOT_DATA) for m in mounts))
+    data = mount_device(ENROOT_DATA)  # the same filesystem (device), not an older one mounted there
+    return own and (data is None or any(m[4] == str(ENROOT_DATA) and m[2] == data for m in mounts))
 
 
 def _enroot_data_on_a_node_disk() -> None:
     """Every node's enroot data folder (ENROOT_DATA) on a journaled ext4, as a node keeps ENROOT_DATA_PATH on its
     local disk, not on this VM's journal-less root, where each unpack after a removal cost 20-30 s (testbed/node_disk.py)."""
-    if ENROOT_DATA.is_dir() and not is_mount(ENROOT_DATA):
+    if ENROOT_DATA.is_dir() and mount_device(ENROOT_DATA) is None:
         NODE_DISKS.mkdir(parents=True, exist_ok=True)
         mount_journaled_ext4(ENROOT_DATA, NODE_DISKS / "enroot-data.ext4", ENROOT_DATA_GIB)
 

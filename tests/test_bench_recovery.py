@@ -345,3 +345,29 @@ def test_the_model_is_fed_the_figures_measured_and_refuses_a_requeue_faster_than
     assert site.detect_s == pytest.approx(0.07, abs=1e-3) and site.trainer_s == pytest.approx(5.80 - 0.07 - site.step_s, abs=1e-3)
     with pytest.raises(ImplausibleRecovery, match="requeue's wait"):
         bench.measured_site(fsx_mbps=1200, size_mb=1228, sbcast_mbps=[154.0], unpack_mbps=951, requeue=in_place, in_place=requeue)
+
+
+def progress(step: int, at: float) -> dict:
+    return {"kind": "progress", "global_step": step, "time": at}
+
+
+@pytest.mark.parametrize("path", ["restart", "in-process"])
+def test_bench_restart_times_training_again_not_a_survivors_step_logged_just_after_the_kill(path: str) -> None:
+    """`bench_restart --standbys` round 3 once printed today's restart `back 0.003`: rank 0 logged a step whose
+    collective completed just before the kill, 3 ms after it. Training again begins at the new start (today's
+    restart) or the recovery record (in process), and the step it must pass is the one the old segment reached."""
+    training_again = load(ROOT / "bench" / "bench_restart.py").training_again
+    killed = 100.0
+    before = [progress(step, killed - 0.5 + step / 100) for step in range(35, 41)]
+    survivor = progress(41, killed + 0.003)  # its all-reduce completed before the kill
+    if path == "restart":
+        boundary = [{"kind": "end", "time": killed + 0.2}, {"kind": "start", "global_step": 40, "time": killed + 7.0}]
+        again = [progress(41, killed + 7.4), progress(42, killed + 7.45)]
+    else:
+        boundary = [{"kind": "recovery", "time": killed + 0.42}]
+        again = [progress(42, killed + 0.42), progress(43, killed + 0.45)]
+    records = [*before, survivor, *boundary]
+    assert training_again(records, killed) is None  # nothing trained again yet: the bench keeps waiting
+    back, past, reached, after = training_again([*records, *again], killed)
+    assert reached == 41 and back == again[0] and past == next(r for r in again if r["global_step"] > 41)
+    assert after[0] == boundary[-1]  # the new start, or the recovery record
