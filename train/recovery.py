@@ -61,8 +61,8 @@ HEARTBEAT_S = 0.05  # each member bumps its counter this often; standbys sample 
 STALE_S = 0.25  # a counter unchanged this long, once a survivor reported a failed collective, is a dead member
 # The collective timeout never goes below this. A healthy collective of a tiny model takes ~1 ms (gloo, 4 local ranks),
 # but a node whose cores are shared (here: 4 ranks, a standby and a second run on 2 cores) can hold one back for
-# hundreds of ms: at 0.5 s, CI saw the first step under the tightened timeout fail, twice in a row, and the job fall
-# back to a full restart. A timeout matters only for a peer that is silent but connected (a killed one closes its
+# hundreds of ms: at 0.5 s, CI's run at be269c6 saw the first step under the tightened timeout fail with every rank
+# alive, twice in a row, and the job fall back to a full restart (docs/recovery.md). A timeout matters only for a peer that is silent but connected (a killed one closes its
 # connections at once, and the survivors leave on the standbys' decision without waiting it out), so a wide floor
 # costs a hang a second or two and no kill anything.
 TIMEOUT_FLOOR_S = 2.0
