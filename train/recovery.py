@@ -62,9 +62,9 @@ STALE_S = 0.25  # a counter unchanged this long, once a survivor reported a fail
 # The collective timeout never goes below this. A healthy collective of a tiny model takes ~1 ms (gloo, 4 local ranks),
 # but a node whose cores are shared (here: 4 ranks, a standby and a second run on 2 cores) can hold one back for
 # hundreds of ms: at 0.5 s, CI's run at be269c6 saw the first step under the tightened timeout fail with every rank
-# alive, twice in a row, and the job fall back to a full restart (docs/recovery.md). A timeout matters only for a peer that is silent but connected (a killed one closes its
-# connections at once, and the survivors leave on the standbys' decision without waiting it out), so a wide floor
-# costs a hang a second or two and no kill anything.
+# alive, twice in a row, and the job fall back to a full restart (docs/recovery.md). A timeout matters only for a
+# peer that is silent but connected (a killed one closes its connections at once, and the survivors leave on the
+# standbys' decision without waiting it out), so a wide floor costs a hang a second or two and a kill nothing.
 TIMEOUT_FLOOR_S = 2.0
 TIMEOUT_MARGIN = 20.0  # x the slowest measured step: a step's collectives never take longer than the step
 MEASURED_STEPS = 5  # steps timed at the long timeout after a (re)join or a one-rank pause before tightening
