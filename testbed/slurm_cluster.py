@@ -125,12 +125,12 @@ def restore_cluster(timeout_s: float = 60) -> str:
     """Cancel every job still queued or running and wait until Slurm has let them go, then set any partition or node
     that is down (or drained) up again; what was found, in words ("" when the cluster was as it starts)."""
     found = []
-    jobs = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, timeout=20).stdout.split()
+    jobs = _queued_jobs()
     if jobs:
         found.append(f"jobs {','.join(jobs)} cancelled")
         subprocess.run(["scancel", *jobs], capture_output=True, timeout=20)
         deadline = time.monotonic() + timeout_s
-        while subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, timeout=20).stdout.split():
+        while _queued_jobs():
             if time.monotonic() > deadline:
                 raise ClusterUnavailable(f"jobs {','.join(jobs)} did not leave the queue within {timeout_s:.0f} s of scancel")
             time.sleep(0.2)
@@ -139,23 +139,26 @@ def restore_cluster(timeout_s: float = 60) -> str:
         if name in PARTITIONS and avail != "up":
             found.append(f"partition {name} up")
             subprocess.run(["scontrol", "update", f"partitionname={name}", "state=up"], capture_output=True, timeout=20)
-    down = [node for node in NODES if node in _unusable_nodes()]
+    states = _node_states()
+    down = [node for node in NODES if states.get(node, "").startswith(("down", "drain"))]
     if down:
         found.append(f"nodes {','.join(down)} resumed")
         subprocess.run(["scontrol", "update", f"nodename={','.join(down)}", "state=resume"], capture_output=True, timeout=20)
     return "; ".join(found)
 
 
-def _unusable_nodes() -> set[str]:
-    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, timeout=20).stdout
-    return {name for name, state in (line.split() for line in out.splitlines() if line.strip()) if state.startswith(("down", "drain"))}
+def _node_states() -> dict[str, str]:
+    """Each node's state as sinfo gives it ({} when sinfo fails)."""
+    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, timeout=20)
+    return dict(line.split()[:2] for line in out.stdout.splitlines() if len(line.split()) >= 2) if out.returncode == 0 else {}
 
 
 def _idle_nodes() -> int:
-    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, timeout=20)
-    if out.returncode != 0:
-        return 0
-    return sum(1 for line in out.stdout.splitlines() if line.split()[-1] in ("idle", "mixed", "allocated"))
+    return sum(1 for state in _node_states().values() if state in ("idle", "mixed", "allocated"))
+
+
+def _queued_jobs() -> list[str]:
+    return subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, timeout=20).stdout.split()
 
 
 # The nodes' enroot data disk: a journaled ext4 (a loop file, plain mkfs.ext4) as a node's local disk is. This VM's
@@ -220,7 +223,7 @@ def _own_disk(pid: int) -> bool:
 
 def _enroot_data_on_a_node_disk() -> None:
     """Every node's enroot data folder (ENROOT_DATA) on a journaled ext4, as a node keeps ENROOT_DATA_PATH on its
-    local disk, not on this VM's journal-less root, where each unpack after a removal cost 20-30 s (testbed/node_disk.py)."""
+    local disk, not on this VM's journal-less root, where each unpack after a removal cost 20-30 s (see above)."""
     if ENROOT_DATA.is_dir() and mount_device(ENROOT_DATA) is None:
         NODE_DISKS.mkdir(parents=True, exist_ok=True)
         mount_journaled_ext4(ENROOT_DATA, NODE_DISKS / "enroot-data.ext4", ENROOT_DATA_GIB)
