@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -155,15 +157,24 @@ def test_a_run_from_submit_through_a_preemption_to_completion_then_resubmitted_a
     assert os.stat(run_dir).st_mode & 0o077 == 0
 
 
+@pytest.fixture
+def gpu_work(shared: Path) -> Iterator[Path]:
+    """The GPU job's folder in the shared one; its images folder (the CUDA image's squashfs, 5 GiB) goes when the test
+    ends, passed or not: no later test reads it, and the shared folder lasts the session on CI's disk."""
+    work = shared / "gpu-job"
+    (work / "images").mkdir(parents=True)
+    yield work
+    shutil.rmtree(work / "images", ignore_errors=True)
+
+
 def test_a_gpu_job_is_built_on_the_cuda_image_asked_for_and_refused_in_one_line_on_nodes_without_its_gpus(
-    shared: Path, readme_project: ReadmeProject
+    shared: Path, gpu_work: Path, readme_project: ReadmeProject
 ) -> None:
     """`ddpack submit --gpus-per-node 2 --partition gpu` for real: the dry run, the CUDA image (from the Docker tier's
     build when it ran) converted into the images folder, the script, Slurm's request and the record. The test
     cluster's nodes announce two GPUs each and have none, as GPU nodes whose GPUs a job cannot use: the job ends
     before any image is staged or unpacked, with one line naming the GPUs it was promised, and is not requeued."""
-    work = shared / "gpu-job"
-    (work / "images").mkdir(parents=True)
+    work = gpu_work
     args = (
         "submit", str(readme_project.folder), "--nodes", "2", "--gpus-per-node", "2", "--partition", "gpu", "--runs", str(work / "runs"),
         "--images", str(work / "images"), "--mounts", f"{shared}:/fsx",

@@ -31,7 +31,7 @@ from ddpack.jobs.logs import rank_filter
 from testbed.env import ROOT
 from testbed.file_opens import OpenCounter
 from testbed.readme_examples import write_mytask
-from testbed.slurm_cluster import NODES, clear_staged_images, node_stage_dir, stage_dir
+from testbed.slurm_cluster import ENROOT_DATA, NODE_DISKS, NODES, clear_staged_images, mount_device, node_stage_dir, stage_dir
 from testbed.slurm_jobs import (
     Gate,
     all_agree,
@@ -226,6 +226,28 @@ def test_enroot_start_runs_the_launcher_once_whether_or_not_it_is_named(sqsh: Pa
         subprocess.run(["enroot", "remove", "--force", name], env=env(), capture_output=True, timeout=120)
     assert plans[0]["mode"] == plans[1]["mode"] == "single"
     assert plans[0]["argv"] == plans[1]["argv"] == ["python", "ddp.py", "4", "2"]  # the image's APP_CMD, in its WORKDIR /opt/app
+
+
+def test_the_nodes_enroot_disk_gives_freed_blocks_back_to_the_host() -> None:
+    """Every job removes its containers from the nodes' enroot data disk (a sparse file: testbed/slurm_cluster.py);
+    their blocks must go back to the host's disk as they are freed. Without that the file kept every block a CI run
+    ever unpacked into (27 GiB of 40 held while 2.5 GiB was in use) and filled CI's disk."""
+    if mount_device(ENROOT_DATA) is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"the testbed did not mount the nodes' enroot data disk at {ENROOT_DATA}")
+        pytest.skip(f"no enroot data disk mounted at {ENROOT_DATA} (testbed/slurm_cluster.py mounts one)")
+    disk_file = NODE_DISKS / "enroot-data.ext4"
+    held = lambda: disk_file.stat().st_blocks * 512  # noqa: E731
+    probe = ENROOT_DATA / f"freed-blocks-probe-{os.getpid()}"
+    before = held()
+    with open(probe, "wb") as handle:
+        handle.write(os.urandom(1 << 20) * 128)
+        os.fsync(handle.fileno())
+    grown = held()
+    probe.unlink()
+    os.sync()  # the journal's commit is when ext4 hands the freed blocks to the loop device, which punches them out
+    assert grown - before >= 100 << 20, (before, grown)
+    assert held() - before < 32 << 20, f"removing 128 MiB gave back only {(grown - held()) >> 20} MiB of the disk file"
 
 
 # ---------------------------------------------------------------- a user's framework, through the template
