@@ -228,9 +228,16 @@ def _enroot_data_on_a_node_disk() -> None:
     if ENROOT_DATA.is_dir() and mount_device(ENROOT_DATA) is None:
         NODE_DISKS.mkdir(parents=True, exist_ok=True)
         mount_journaled_ext4(ENROOT_DATA, NODE_DISKS / "enroot-data.ext4", ENROOT_DATA_GIB)
-    elif mount_device(ENROOT_DATA) is not None:  # mounted by an older testbed, without discard: give freed blocks back
+    elif mount_device(ENROOT_DATA) is not None and "discard" not in mount_options(ENROOT_DATA):
+        # mounted by an older testbed, without discard: give back what it holds freed, and from now on as it frees
         subprocess.run(["mount", "-o", "remount,discard", str(ENROOT_DATA)], check=True)
         subprocess.run(["fstrim", str(ENROOT_DATA)], check=True)
+
+
+def mount_options(folder: Path) -> list[str]:
+    """The options of the filesystem mounted at `folder` (the last one stacked there), as /proc/mounts lists them."""
+    found = [fields[3].split(",") for fields in map(str.split, Path("/proc/mounts").read_text().splitlines()) if fields[1] == str(folder)]
+    return found[-1] if found else []
 
 
 def _start_slurmd(node: str) -> None:
