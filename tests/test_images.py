@@ -135,16 +135,13 @@ def test_the_readme_task_under_docker_run_on_two_ranks(client: docker.DockerClie
 
 
 def test_torch_compile_works_in_the_image(client: docker.DockerClient, image: str) -> None:
-    """A user's own torch.compile (inductor generates C++ and builds it with the image's g++ against
-    torch's headers), as any uid, and the trainer's --compile (which fails in one line where inductor cannot build:
-    tests/test_zoo.py), both in one container. The trainer's run is short: compiling its graphs is the point, and
-    they are the same at 8 steps as at 58."""
+    """A user's own torch.compile, as any uid: inductor generates C++ and builds it with the image's g++ against
+    torch's headers, writing its cache where that uid can. That is all the trainer's --compile needs of the image; the
+    trainer's own compiled runs (stop, snapshot, resume bit for bit, and the one line where inductor cannot build) are
+    tests/test_zoo.py's, on the same torch. (Its run in here as well cost 25 s of CI's budget and proved nothing more.)"""
     probe = "import torch; f = torch.compile(lambda x: (x * 2).sin() + 1); print(torch.allclose(f(torch.ones(8)), (torch.ones(8) * 2).sin() + 1))"
-    trainer = "exec entrypoint --compile --epochs 1 --dataset-size 256 --snapshot-dir ''"
-    script = f'python -c "{probe}" && {trainer}'
-    code, out = run(client, image, ["/bin/sh", "-c", script], entrypoint=[], user="4242:4242", environment={"OMP_NUM_THREADS": "1"})
+    code, out = run(client, image, ["python", "-c", probe], entrypoint=[], user="4242:4242", environment={"OMP_NUM_THREADS": "1"})
     assert code == 0 and "True" in out.splitlines(), out
-    assert "checksums agree across 1 ranks" in out and '"global_step":8,' in out, out
 
 
 def test_image_config_entrypoint_env_and_labels(client: docker.DockerClient, image: str) -> None:
