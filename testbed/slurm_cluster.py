@@ -180,7 +180,7 @@ def mount_journaled_ext4(folder: Path, image: Path, size_gib: int) -> None:
     levels of folders (a node's, a user's: not the containers in them) are laid down again on it with their owners and
     modes, as enroot and its users expect them. Needs root. The image's blocks are taken as they are written and given
     back to the host's disk as they are freed (`discard`: every job removes its container, and without it the file
-    grew to ~27 GiB of freed blocks over one CI run, which filled CI's disk)."""
+    grew to 27 GiB of freed blocks over one CI dry run and a few test runs here, and CI's own run filled its disk)."""
     levels = [*folder.glob("*"), *(user for node in folder.glob("*") if not node.name.startswith("user-") for user in node.glob("user-*"))]
     skeleton = [(path.relative_to(folder), path.stat()) for path in sorted(levels) if path.is_dir() and not path.is_symlink()]
     top = folder.stat()
