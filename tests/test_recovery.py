@@ -47,7 +47,7 @@ def test_rank_0_lost_falls_back_it_hosts_the_store() -> None:
 
 def test_a_decision_reads_back_as_written() -> None:
     decision = decide(4, ROSTER, {1: "r1"}, HOSTS, ["s1"])
-    assert Decision.from_json(decision.to_json()) == decision
+    assert Decision.parse(decision.to_json(), generation=5, world_size=4) == decision
 
 
 def test_the_collective_timeout_follows_the_slowest_step_above_a_floor_and_below_the_ceiling() -> None:

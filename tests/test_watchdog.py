@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from train.config import parse_config
-from train.watchdog import EXIT_HANG, MISSES_FOR_GONE, BadValue, GuardedStore, Heartbeat, Progress, Watchdog, judge
+from train.job_keys import BadValue
+from train.watchdog import EXIT_HANG, MISSES_FOR_GONE, GuardedStore, Heartbeat, Progress, Watchdog, judge
 
 
 def test_the_default_is_three_minutes_or_below_a_shorter_collective_timeout(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -31,7 +31,8 @@ import torch.distributed as dist
 from entrypoint.plan import JOB_TOKEN_VAR, PlanError, job_token
 from testbed.env import ROOT
 from testbed.users import UsersUnavailable, attacker
-from train.watchdog import EXIT_HANG, BadValue, Progress, Watchdog, job_store, store_prefix, unsigned_store_note
+from train.job_keys import BadValue, store_prefix
+from train.watchdog import EXIT_HANG, Progress, Watchdog, job_store, unsigned_store_note
 
 TOKEN = "3f9a0c1d5e7b2468ace013579bdf8642"
 VICTIM_ENV = {JOB_TOKEN_VAR: TOKEN, "SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": "0", "SLURM_STEP_ID": "0"}

@@ -114,6 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             on_end=record_end,
         )
     trainer: Trainer | None = None
+    run_over = False  # the whole run ends here (not this rank alone): in-process recovery's standbys may leave
     hard_exit = True  # leave without the closing barrier: a peer may be dead or waiting in a collective
 
     def ended(outcome: str, exit_code: int, **extra: Any) -> RunEnd:
@@ -139,20 +140,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             steps_per_s=result.steps_per_s,
             samples_per_s=result.samples_per_s,
         )
-        hard_exit = False
+        hard_exit, run_over = False, True
     except SetupError as exc:  # found by every rank at set-up or the first steps, before anything was written
         if ctx.is_main:
             print(f"train: error: {exc}", file=sys.stderr, flush=True)
         end = ended("bad-input", 2, reason=str(exc))
+        run_over = True
     except Preempted as stop:
         log(str(stop))
         end = ended("stopped", 128 + stop.signum, signal=stop.signal_name, snapshot=stop.snapshot)
-        hard_exit = False
+        hard_exit, run_over = False, True
     except SnapshotMismatch as exc:  # every rank got the same snapshot, so every rank is here
         if ctx.is_main:
             print(f"train: error: {exc}", file=sys.stderr, flush=True)
         end = ended("bad-input", 2, reason=str(exc))
-        hard_exit = False
+        hard_exit, run_over = False, True
     except SnapshotsUnreadable as exc:  # rank 0 alone; the others wait for the snapshot it would send
         log(f"error: {exc}")
         end = ended("bad-input", 2, reason=str(exc))
@@ -162,10 +164,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ChecksumMismatch as exc:
         log(f"error: {exc}")
         end = ended("failed", 1, reason=str(exc))
+        run_over = True
     except RecoveryImpossible as exc:  # the job program restarts every rank, as without --recovery
         why = f"{RECOVERY_IMPOSSIBLE}{exc}"
         log(f"recovery: falling back to a restart of every rank: {exc}")
         end = ended("failed", 1, reason=why)
+        run_over = True
     except RuntimeError as exc:  # gloo/nccl report a dead or silent peer as RuntimeError subclasses
         if watchdog is not None:
             watchdog.yield_to_a_declared_hang()  # a peer that exited on a declared hang: the watchdog ends this rank
@@ -178,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if watchdog is not None:
             watchdog.stop()
         if membership is not None:
-            membership.close()
+            membership.close(run_over=run_over)
     record_end(end)
     metrics.close()
     if hard_exit:

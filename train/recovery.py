@@ -39,13 +39,12 @@ watchdog's to end (--hang-timeout), not recovery's.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
 import threading
 import time
 from collections.abc import Callable, Mapping, MutableMapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -54,6 +53,7 @@ import torch.distributed as dist
 
 from train import distributed
 from train.distributed import DistContext, default_to_one_process, first_line, node_name, turn_on_flight_recorder
+from train.recovery_channel import Beat, Channel, Decision
 from train.signals import PreemptionWatcher
 from train.torch_compat import abort_default_group, set_collective_timeout
 
@@ -71,27 +71,8 @@ MEASURED_STEPS = 5  # steps timed at the long timeout after a (re)join or a one-
 DECISION_WAIT_S = 5.0  # a failed survivor waits this long for a standby's decision before falling back
 JOIN_TIMEOUT_S = 20.0  # forming the next generation's group; past it, recovery failed while recovering
 STORE_TIMEOUT_S = 10.0
-PREFIX = "ddpack-recovery/"
-
-
-# The store's keys, each spelled once: every member and standby reads and writes the same ones.
-def heartbeat_key(member: str) -> str:
-    return f"{PREFIX}hb/{member}"
-
-
-def host_key(member: str) -> str:
-    return f"{PREFIX}host/{member}"
-
-
-def generation_key(generation: int, name: str) -> str:
-    """`name` of generation `generation`: its `decision`, its `failed` count (the generation's group's own keys lie
-    under the same prefix)."""
-    return f"{PREFIX}gen{generation}/{name}"
-
-
-STANDBYS_KEY = f"{PREFIX}standbys"  # how many standbys joined (each takes the next index)
-CLOSED_KEY = f"{PREFIX}closed"  # the run ended: the standbys leave
 NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+STORE_GONE_S = 1.0  # a standby whose store calls have all failed this long leaves: rank 0, the store's host, is gone
 
 
 class PeerDeclaredDead(RuntimeError):
@@ -108,32 +89,6 @@ def collective_timeout(slowest_step_s: float, *, floor_s: float = TIMEOUT_FLOOR_
     the step, so `margin` x its length is a wait no healthy collective reaches; `floor_s` keeps a tiny model's
     sub-millisecond steps from a timeout that a scheduler tick could exceed; `ceiling_s` is --collective-timeout."""
     return min(ceiling_s, max(floor_s, margin * slowest_step_s))
-
-
-@dataclass(frozen=True, kw_only=True)
-class Decision:
-    """What a generation's failure leads to, written once by the first standby to see it."""
-
-    generation: int  # the next generation's number
-    roster: dict[int, str]  # rank -> member, in the next generation
-    dead: dict[int, str]  # rank -> member that died
-    replacements: dict[int, str] = field(default_factory=dict)  # rank -> standby taking it
-    fallback: str | None = None  # why recovery cannot work; then the job restarts every rank
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> Decision:
-        data = json.loads(text)
-        ints = lambda d: {int(k): v for k, v in d.items()}  # noqa: E731 - JSON keys are strings
-        return cls(
-            generation=data["generation"],
-            roster=ints(data["roster"]),
-            dead=ints(data["dead"]),
-            replacements=ints(data["replacements"]),
-            fallback=data["fallback"],
-        )
 
 
 def decide(generation: int, roster: Mapping[int, str], dead: Mapping[int, str], hosts: Mapping[str, str], standbys: list[str]) -> Decision:
@@ -184,23 +139,26 @@ def _store(is_master: bool, connect_s: float = STORE_TIMEOUT_S) -> dist.TCPStore
 
 
 class Heartbeat:
-    """A daemon thread that bumps this member's counter every HEARTBEAT_S, on a store connection of its own
-    (a client is not shared between threads). Ends quietly when the store does."""
+    """A daemon thread that writes this member's signed, rising count every HEARTBEAT_S, on a store connection of its
+    own (a client is not shared between threads). A store error skips one beat, never ends the thread: a heartbeat that
+    stopped after one slow answer would make a live member look dead (it ends with the process, or `stop`)."""
 
-    def __init__(self, member: str, connect_s: float = STORE_TIMEOUT_S) -> None:
-        self.key = heartbeat_key(member)
+    def __init__(self, channel: Channel, member: str, host: str, connect_s: float = STORE_TIMEOUT_S) -> None:
+        self.member, self.host, self.errors = member, host, 0
         self._stop = threading.Event()
-        self._store = _store(False, connect_s)
-        self._store.add(self.key, 1)
+        self._channel = channel.sibling(_store(False, connect_s))
+        self._count = 1
+        self._channel.beat(member, Beat(self._count, host))
         self._thread = threading.Thread(target=self._run, name="ddpack-recovery-heartbeat", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
+            self._count += 1
             try:
-                self._store.add(self.key, 1)
+                self._channel.beat(self.member, Beat(self._count, self.host))
             except RuntimeError:
-                return
+                self.errors += 1  # the next beat tries again; a store that is gone is the readers' to notice
 
     def stop(self) -> None:
         self._stop.set()
@@ -218,8 +176,8 @@ def tear_down(backend: str) -> None:
 
 
 def join_group(store: dist.Store, *, generation: int, rank: int, world_size: int, backend: str, device: torch.device, timeout_s: float) -> None:
-    """Form generation `generation`'s process group on the job's store, under a prefix of its own (the keys of a
-    generation that broke are never read again). On NCCL, a collective past its timeout aborts the communicators and
+    """Form generation `generation`'s process group on `store`, the generation's own prefix of the job's store
+    (`Channel.group_store`: the keys of a generation that broke are never read again). On NCCL, a collective past its timeout aborts the communicators and
     raises in the training thread (TORCH_NCCL_ASYNC_ERROR_HANDLING=2, CleanUpOnly) instead of ending the process (3,
     torch's default), which would take the survivor down with the dead; the flight recorder is on as without
     --recovery. Generation 0 forms within `timeout_s` (the job's start, where a rank may start late); a recovery's
@@ -229,7 +187,7 @@ def join_group(store: dist.Store, *, generation: int, rank: int, world_size: int
         turn_on_flight_recorder()
     dist.init_process_group(
         backend=backend,
-        store=dist.PrefixStore(generation_key(generation, ""), store),
+        store=store,
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=JOIN_TIMEOUT_S if generation else timeout_s),
@@ -262,13 +220,13 @@ class Stages:
 
 
 class Membership:
-    """A rank's side: its store, its heartbeat, its generation; `recover` after a failed collective. A rank that starts
-    is `Membership.started` (generation 0); a standby given a dead rank's place keeps the store and heartbeat it has."""
+    """A rank's side: its channel, its heartbeat, its generation; `recover` after a failed collective. A rank that starts
+    is `Membership.started` (generation 0); a standby given a dead rank's place keeps the channel and heartbeat it has."""
 
     def __init__(
         self,
         *,
-        store: dist.TCPStore,
+        channel: Channel,
         heartbeat: Heartbeat,
         member: str,
         rank: int,
@@ -278,29 +236,30 @@ class Membership:
         device: torch.device,
         collective_timeout_s: float,
     ) -> None:
-        self.store, self.heartbeat, self.member = store, heartbeat, member
+        self.channel, self.heartbeat, self.member = channel, heartbeat, member
         self.rank, self.generation, self.world_size, self.backend, self.device = rank, generation, world_size, backend, device
         self.collective_timeout_s = collective_timeout_s
         self.stages: Stages | None = None
+        self.counted_dead = False  # the standbys' decision left this rank out: its end must not send the standbys away
 
     @classmethod
-    def started(cls, *, rank: int, host: str, collective_timeout_s: float, **settings: Any) -> Membership:
+    def started(cls, *, rank: int, host: str, collective_timeout_s: float, log: Callable[[str], None], **settings: Any) -> Membership:
         """A rank of generation 0: hosts the store on rank 0, names this rank's host to the standbys and starts its
         heartbeat."""
         if os.environ.get("TORCHELASTIC_RUN_ID"):
             raise RecoveryImpossible("--recovery needs one process per rank (srun tasks, docker -e); under torchrun its agent restarts every worker")
-        store = _store(rank == 0, connect_s=collective_timeout_s)
+        channel = Channel.of_job(_store(rank == 0, connect_s=collective_timeout_s), os.environ, log)
         member = f"r{rank}"
-        store.set(host_key(member), host)
-        heartbeat = Heartbeat(member, connect_s=collective_timeout_s)
-        return cls(store=store, heartbeat=heartbeat, member=member, rank=rank, generation=0, collective_timeout_s=collective_timeout_s, **settings)
+        heartbeat = Heartbeat(channel, member, host, connect_s=collective_timeout_s)
+        return cls(channel=channel, heartbeat=heartbeat, member=member, rank=rank, generation=0, collective_timeout_s=collective_timeout_s, **settings)
 
     def abandon_if_decided(self) -> None:
         """While this rank waits on a collective (train.distributed.wait_polling): when this generation's decision is
         written, a peer was judged dead (a survivor next to it failed at once and the standbys decided), so the
-        collective cannot complete: raise now, instead of waiting out the collective timeout, which gloo cannot cut."""
+        collective cannot complete: raise now, instead of waiting out the collective timeout, which gloo cannot cut.
+        Only a decision signed by one of this job's standbys counts: another user's `set` is ignored with a line."""
         try:
-            decided = self.store.check([generation_key(self.generation, "decision")])
+            decided = self.channel.decided(self.generation, self.world_size)
         except RuntimeError:
             return  # the store's own failure: recover() says it when the collective fails
         if decided:
@@ -318,7 +277,7 @@ class Membership:
     def join(self) -> None:
         self.watch_collectives()
         join_group(
-            self.store,
+            self.channel.group_store(self.generation),
             generation=self.generation,
             rank=self.rank,
             world_size=self.world_size,
@@ -332,7 +291,7 @@ class Membership:
         RecoveryImpossible (with the reason) when the job must restart every rank instead."""
         stages = Stages(failed=time.time())
         try:
-            self.store.add(generation_key(self.generation, "failed"), 1)  # what the standbys wait for before they judge
+            self.channel.report_failure(self.generation, self.member)  # what the standbys wait for before they judge
         except RuntimeError as exc:
             raise RecoveryImpossible(f"the store does not answer ({first_line(exc)}): its host, rank 0's node, is lost") from None
         decision = self._decision(failure)
@@ -340,6 +299,7 @@ class Membership:
         if decision.fallback is not None:
             raise RecoveryImpossible(decision.fallback)
         if decision.roster.get(self.rank) != self.member:
+            self.counted_dead = True
             raise RecoveryImpossible(f"this rank ({self.member}) was counted dead by the standbys (its heartbeat stopped for {STALE_S:g}s)")
         lost = ", ".join(f"rank {r}" for r in sorted(decision.dead))
         taken = ", ".join(f"{s} takes rank {r}" for r, s in sorted(decision.replacements.items()))
@@ -358,12 +318,11 @@ class Membership:
         self.stages = stages
 
     def _decision(self, failure: BaseException) -> Decision:
-        key = generation_key(self.generation, "decision")
         deadline = time.monotonic() + DECISION_WAIT_S
         try:
-            while not self.store.check([key]):
+            while (decision := self.channel.decision(self.generation, self.world_size)) is None:
                 if time.monotonic() > deadline:
-                    standbys = [f"s{i}" for i in range(int(self.store.add(STANDBYS_KEY, 0)))]
+                    standbys = self.channel.standbys()
                     if not standbys:
                         raise RecoveryImpossible(f"a collective failed ({first_line(failure)}) and no standby is running (start one with --standby)")
                     if dead := self._stopped(standbys):
@@ -373,7 +332,7 @@ class Membership:
                         "a hang, or a collective slower than its timeout"
                     )
                 time.sleep(HEARTBEAT_S / 5)
-            return Decision.from_json(self.store.get(key))
+            return decision
         except RecoveryImpossible:
             raise
         except RuntimeError as exc:
@@ -381,46 +340,48 @@ class Membership:
             raise RecoveryImpossible(f"the store at {where} does not answer ({first_line(exc)}): its host, rank 0's node, is lost") from None
 
     def _stopped(self, members: list[str]) -> list[str]:
-        """The members whose heartbeat counter does not move in STALE_S (the standbys watch; this is for when none did)."""
-        keys = [heartbeat_key(m) for m in members]
-        before = self.store.multi_get(keys)
+        """The members whose heartbeat count does not rise in STALE_S (the standbys watch; this is for when none did)."""
+        before = self.channel.beats(members)
         time.sleep(STALE_S)
-        return [m for m, old, new in zip(members, before, self.store.multi_get(keys), strict=True) if old == new]
+        after = self.channel.beats(members)
+        return [m for m in members if (now := after[m]) is None or ((then := before[m]) is not None and now.count <= then.count)]
 
-    def close(self) -> None:
-        """This rank's run ended (done, stopped, failed, fallen back): the standbys leave. Said before the heartbeat
-        stops, so that a rank that finished first is never taken for dead while rank 0 still evaluates."""
+    def close(self, *, run_over: bool) -> None:
+        """This rank's run ended. `run_over` (it finished, was stopped, or the job falls back to a restart): the
+        standbys leave, said before the heartbeat stops, so that a rank that finished first is never taken for
+        dead while rank 0 still evaluates. A rank that ends alone (counted dead, its own error) leaves the standbys
+        watching: the others may still need one."""
         distributed.abandon_check = None
-        with contextlib.suppress(RuntimeError):  # a store already gone has no standby left to tell
-            self.store.set(CLOSED_KEY, "1")
+        if run_over and not self.counted_dead:
+            with contextlib.suppress(RuntimeError):  # a store already gone has no standby left to tell
+                self.channel.close()
         self.heartbeat.stop()
 
 
 class Standby:
     """A warm process waiting to take a dead rank's place, watching every member's heartbeat meanwhile."""
 
-    def __init__(self, *, world_size: int, host: str) -> None:
-        self.world_size, self.host = world_size, host
-        self.store = _store(False)
-        self.index = int(self.store.add(STANDBYS_KEY, 1)) - 1
-        self.member = f"s{self.index}"
-        self.store.set(host_key(self.member), host)
-        self.heartbeat = Heartbeat(self.member)
+    def __init__(self, *, world_size: int, host: str, log: Callable[[str], None]) -> None:
+        self.world_size, self.host, self.log = world_size, host, log
+        self.channel = Channel.of_job(_store(False), os.environ, log)
+        self.member = self.channel.new_standby()
+        self.heartbeat = Heartbeat(self.channel, self.member, host)
         self.generation = 0
         self.roster = {rank: f"r{rank}" for rank in range(world_size)}
-        self._seen: dict[str, tuple[bytes, float]] = {}  # member -> (counter, when it last changed)
+        self._seen: dict[str, tuple[int | None, float]] = {}  # member -> (highest count, when it last rose)
+        self._hosts: dict[str, str] = {}  # member -> host, from its heartbeats
 
-    def wait(self, log: Callable[[str], None]) -> tuple[int, int] | None:
+    def wait(self) -> tuple[int, int] | None:
         """Watch until this standby is given a rank: (generation, rank); None when the run ended (or fell back)."""
-        self.log = log
+        log = self.log
         log(f"standby {self.member} on {self.host}: warm, watching {self.world_size} ranks")
+        failing_since: float | None = None
         while True:
             try:
-                if self.store.check([CLOSED_KEY]):
+                if self.channel.closed():
                     return None
-                key = generation_key(self.generation, "decision")
-                if self.store.check([key]):
-                    decision = Decision.from_json(self.store.get(key))
+                decision = self.channel.decision(self.generation, self.world_size)
+                if decision is not None:
                     if decision.fallback is not None:
                         log(f"standby {self.member}: the job falls back to a restart ({decision.fallback})")
                         return None
@@ -430,30 +391,36 @@ class Standby:
                         return self.generation, mine[0]
                     continue
                 self._watch()
-            except RuntimeError as exc:  # the store's host (rank 0) is gone: the run ended or failed
-                log(f"standby {self.member}: the store stopped answering ({first_line(exc)}); leaving")
-                return None
+                failing_since = None
+            except RuntimeError as exc:  # one slow answer is no reason to leave; a store gone for STORE_GONE_S is
+                failing_since = failing_since or time.monotonic()
+                if time.monotonic() - failing_since >= STORE_GONE_S:
+                    log(f"standby {self.member}: the store stopped answering ({first_line(exc)}); leaving")
+                    return None
             time.sleep(HEARTBEAT_S)
 
     def _watch(self) -> None:
-        """One sample of every counter; a roster member stale for STALE_S is dead: decide, once for the generation."""
-        standbys = [f"s{i}" for i in range(int(self.store.add(STANDBYS_KEY, 0)))]
+        """One sample of every count; a roster member whose count has not risen for STALE_S is dead once a survivor
+        has reported its collective failed: decide, once for the generation."""
+        standbys = self.channel.standbys()
         members = [*self.roster.values(), *standbys]
-        values = self.store.multi_get([heartbeat_key(m) for m in members])
         now = time.monotonic()
-        for member, value in zip(members, values, strict=True):
-            if self._seen.get(member, (None, 0.0))[0] != value:
-                self._seen[member] = (value, now)
+        for member, beat in self.channel.beats(members).items():
+            highest = self._seen.get(member, (None, 0.0))[0]
+            if beat is not None:
+                self._hosts[member] = beat.host
+            if member not in self._seen or (beat is not None and (highest is None or beat.count > highest)):
+                self._seen[member] = (beat.count if beat is not None else highest, now)
         stale = {m for m in members if now - self._seen[m][1] >= STALE_S}
         dead = {rank: m for rank, m in self.roster.items() if m in stale}
-        if not dead or not int(self.store.add(generation_key(self.generation, "failed"), 0)):
+        survivors = [m for m in self.roster.values() if m not in stale]
+        if not dead or not self.channel.failure_reported(self.generation, survivors):
             return  # a heartbeat late on a loaded node while every collective still completes is no death
         used = set(self.roster.values())
         alive = [s for s in standbys if s not in stale and s not in used]
-        hosts = {m: self.store.get(host_key(m)).decode() for m in [*dead.values(), *alive]}
-        decision = decide(self.generation, self.roster, dead, hosts, alive)
+        decision = decide(self.generation, self.roster, dead, self._hosts, alive)
         self.log(f"standby {self.member}: heartbeat of {', '.join(f'rank {r}' for r in sorted(dead))} stopped; deciding generation {self.generation}")
-        self.store.compare_set(generation_key(self.generation, "decision"), "", decision.to_json())
+        self.channel.write_decision(self.generation, decision, self.world_size)
 
 
 class CollectiveClock:
@@ -550,19 +517,19 @@ def enter(
     if standby:
         warm_up(device, watcher)
         try:
-            waiting = Standby(world_size=world, host=host)
+            waiting = Standby(world_size=world, host=host, log=log)
         except RuntimeError as exc:  # a run shorter than this standby's warm-up has ended, and its store with it
             log(f"standby: the job's store does not answer ({first_line(exc)}): the run ended before this standby was warm; leaving")
             return None
-        assigned = waiting.wait(log)
+        assigned = waiting.wait()
         if assigned is None:
             waiting.heartbeat.stop()
             return None
         generation, rank = assigned
         os.environ["RANK"] = str(rank)  # the rank it is now, for whatever reads the environment after this
-        membership = Membership(store=waiting.store, heartbeat=waiting.heartbeat, member=waiting.member, rank=rank, generation=generation, **settings)
+        membership = Membership(channel=waiting.channel, heartbeat=waiting.heartbeat, member=waiting.member, rank=rank, generation=generation, **settings)
     else:
-        membership = Membership.started(rank=rank, host=host, **settings)
+        membership = Membership.started(rank=rank, host=host, log=log, **settings)
     membership.join()
     ctx = DistContext(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world, backend=backend, device=device, host=host)
     return ctx, membership

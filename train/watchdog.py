@@ -31,8 +31,6 @@ How:
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
-import hmac
 import json
 import math
 import os
@@ -47,6 +45,7 @@ from typing import Any, TypeVar
 
 from entrypoint.plan import JOB_TOKEN_VAR, job_token
 from train.forensics import kill_workers, prepare_worker_stacks, remove_stacks_dir, write_atomic, write_rank_evidence
+from train.job_keys import BadValue, Signer, store_prefix
 from train.outcome import RunEnd
 from train.run_folder import SUMMARY, UNRESPONSIVE_NODES, rank_stacks
 
@@ -54,8 +53,6 @@ EXIT_HANG = 124  # as timeout(1): the run was ended for taking too long
 # What Slurm and DNS accept as a node name. A heartbeat's host ends up in unresponsive-nodes, which the job script
 # hands to `scontrol update ExcNodeList=`: anything else is not a host of this job.
 HOSTNAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
-# The largest value the watchdog reads: the shared summary holds a few hundred bytes per rank (1,024 ranks: ~0.4 MB).
-MAX_VALUE_BYTES = 4 << 20
 MAX_HEARTBEAT_BYTES = 4096  # one is ~200 bytes
 T = TypeVar("T")
 
@@ -173,10 +170,6 @@ class Heartbeat:
         )
 
 
-class BadValue(ValueError):
-    """A value in the store that this job's ranks did not write, or not in the shape they write it."""
-
-
 def _json_object(text: str) -> dict[str, Any]:
     try:
         data = json.loads(text)
@@ -247,14 +240,14 @@ class GuardedStore:
         self.misses = 0  # calls in a row without an answer
         self.missed = 0  # calls without an answer, ever: a reader tells "no answer" from "no value" by it
         self._pending: concurrent.futures.Future[Any] | None = None
-        self._secret = token.encode() if token is not None else None
+        self._signer = Signer(token)
         self._store = self._call(connect)
         if self._store is None:
             self.gone = True  # never connected: nothing to call again
 
     @property
     def signed(self) -> bool:
-        return self._secret is not None
+        return self._signer.signed
 
     def close(self) -> None:
         """No call from here on, the helper thread done with its last (unless one missed its deadline and is stuck:
@@ -277,14 +270,10 @@ class GuardedStore:
         self.misses = 0
         return answer
 
-    def _signature(self, key: str, value: str) -> bytes:
-        assert self._secret is not None
-        return hmac.new(self._secret, f"{key}\n{value}".encode(), hashlib.sha256).hexdigest().encode()
-
     def set(self, key: str, value: str) -> None:
         if self._store is not None:
             full = self.prefix + key
-            self._call(self._store.set, full, value if self._secret is None else f"{self._signature(full, value).decode()} {value}")
+            self._call(self._store.set, full, self._signer.seal(full, value))
 
     def get(self, key: str) -> str | None:
         """The value, or None when the key is not there (never waits for it); BadValue when what is there
@@ -292,20 +281,7 @@ class GuardedStore:
         if self._store is None or not self._call(self._store.check, [self.prefix + key]):
             return None
         raw = self._call(self._store.get, self.prefix + key)
-        if raw is None:
-            return None
-        if len(raw) > MAX_VALUE_BYTES:
-            raise BadValue(f"{len(raw):,} bytes; expected at most {MAX_VALUE_BYTES:,}")
-        try:
-            text = bytes(raw).decode()
-        except UnicodeDecodeError:
-            raise BadValue("not UTF-8 text") from None
-        if self._secret is None:
-            return text
-        signature, _, value = text.partition(" ")
-        if not hmac.compare_digest(signature.encode(), self._signature(self.prefix + key, value)):
-            raise BadValue(f"not signed with this job's {JOB_TOKEN_VAR}")
-        return value
+        return None if raw is None else self._signer.open(self.prefix + key, raw)
 
 
 def tcp_store(deadline_s: float) -> Callable[[], Any]:
@@ -319,22 +295,6 @@ def tcp_store(deadline_s: float) -> Callable[[], Any]:
         return dist.TCPStore(addr, port, None, False, timedelta(seconds=deadline_s), wait_for_workers=False)
 
     return connect
-
-
-def store_scope(environ: Mapping[str, str]) -> str:
-    """Which start of the job the keys belong to: Slurm's requeue count, the step (a restart in the same
-    allocation is a new step, under the same token) and torchrun's restart count. Every rank of a start reads
-    the same; a signed value recorded in one start does not verify under another's keys."""
-    return ".".join(environ.get(name) or "0" for name in ("SLURM_RESTART_COUNT", "SLURM_STEP_ID", "TORCHELASTIC_RESTART_COUNT"))
-
-
-def store_prefix(name: str, environ: Mapping[str, str], token: str | None) -> str:
-    """`name/<id>/<scope>/`, where `<id>` is derived from the token, never the token itself: TCPStore's
-    `list_keys` shows every key to anyone who connects. Without a token, `name/<scope>/`."""
-    if token is None:
-        return f"{name}/{store_scope(environ)}/"
-    job = hmac.new(token.encode(), b"ddpack-watchdog key names", hashlib.sha256).hexdigest()[:16]
-    return f"{name}/{job}/{store_scope(environ)}/"
 
 
 def job_store(environ: Mapping[str, str], *, name: str, deadline_s: float, connect: Callable[[], Any] | None = None) -> GuardedStore:

@@ -25,7 +25,7 @@ def main() -> None:
             started = time.monotonic()
             tear_down("nccl")
             seconds.append(time.monotonic() - started)
-        join_group(store, generation=generation, rank=0, world_size=1, backend="nccl", device=device, timeout_s=5)
+        join_group(dist.PrefixStore(f"gen{generation}/", store), generation=generation, rank=0, world_size=1, backend="nccl", device=device, timeout_s=5)
         tensor = torch.full((4,), float(generation + 1), device=device)
         dist.all_reduce(tensor)
         sums.append(tensor.sum().item())

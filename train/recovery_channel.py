@@ -1,0 +1,259 @@
+"""In-process recovery's control channel: its keys in the job's rendezvous store, every value signed, every read checked.
+
+The store answers anyone who reaches its port (torch's TCPStore has no authentication), and on a shared cluster that
+is every other user: with a port computable from the job id, one `set` of an unsigned decision used to make every
+rank give up, a deleted heartbeat to send the standbys away. So under the job's token (DDPACK_JOB_TOKEN, which the
+templates set and only the job's processes have; train.job_keys):
+- the keys lie under a prefix derived from the token and the job's start (another start's values never verify here);
+- every value this channel acts on is signed over its whole key, and read back only through `Signer.open` and a
+  parser of its shape: a value that does not verify or parse is ignored with one line (once per key and reason),
+  never acted on, never a traceback;
+- the counters that `add` keeps (the standbys' indexes, a generation's failure count) are hints that cost a read,
+  never facts: a standby is one that registered a signed host, a failure is a signed report of a member's own;
+- a key that is missing (deleted by someone else) is "no news", never an error: a heartbeat read with `check`
+  first, so that a deletion cannot make `multi_get` wait out the store's timeout and take the reader down with it.
+
+What another user can still do is deny service: delete the process group's own keys, flood the port, bump a counter
+so the readers check more keys. She cannot make a member act on anything she wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from entrypoint.plan import job_token
+from train.job_keys import BadValue, Signer, store_prefix
+
+T = TypeVar("T")
+NAME = "ddpack-recovery"
+MEMBER = re.compile(r"[rs][0-9]{1,7}")  # r<rank> for the ranks a job started with, s<n> for standbys
+HOSTNAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")  # as the watchdog's: what Slurm and DNS accept
+MAX_STANDBYS = 4096  # indexes past this are not read: a counter another user bumped costs the readers nothing more
+MAX_DECISION_BYTES = 1 << 20  # a roster of 8,192 ranks is ~150 KB
+MAX_REASON = 1000
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    """What a generation's failure leads to, written once by the first standby to see it."""
+
+    generation: int  # the next generation's number
+    roster: dict[int, str]  # rank -> member, in the next generation
+    dead: dict[int, str]  # rank -> member that died
+    replacements: dict[int, str] = field(default_factory=dict)  # rank -> standby taking it
+    fallback: str | None = None  # why recovery cannot work; then the job restarts every rank
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def parse(cls, text: str, *, generation: int, world_size: int) -> Decision:
+        """The decision that leads to `generation`, checked field by field against what a standby of this job
+        writes (BadValue otherwise): a roster of exactly the world's ranks, members by name, replacements that are
+        standbys of the roster, a one-line reason."""
+        try:
+            data = json.loads(text)
+        except (ValueError, RecursionError) as exc:
+            raise BadValue(f"not JSON ({type(exc).__name__})") from None
+        if not isinstance(data, dict) or set(data) != {"generation", "roster", "dead", "replacements", "fallback"}:
+            raise BadValue(f"fields {sorted(data)[:8] if isinstance(data, dict) else type(data).__name__}; expected a decision's")
+        if data["generation"] != generation or type(data["generation"]) is not int:
+            raise BadValue(f"generation {str(data['generation'])[:20]!r}; expected {generation}")
+        roster, dead, replacements = (_ranks(data[name], name, world_size) for name in ("roster", "dead", "replacements"))
+        if set(roster) != set(range(world_size)):
+            raise BadValue(f"a roster of ranks {sorted(roster)[:8]}; expected 0..{world_size - 1}")
+        if any(roster[rank] != member or not member.startswith("s") for rank, member in replacements.items()):
+            raise BadValue("a replacement that is not the roster's standby for its rank")
+        fallback = data["fallback"]
+        if fallback is not None and not (isinstance(fallback, str) and len(fallback) <= MAX_REASON and "\n" not in fallback):
+            raise BadValue("a fallback that is not one line of text")
+        return cls(generation=generation, roster=roster, dead=dead, replacements=replacements, fallback=fallback)
+
+
+def _ranks(value: Any, name: str, world_size: int) -> dict[int, str]:
+    """A {rank: member} map of the decision (JSON keys are strings)."""
+    if not isinstance(value, dict):
+        raise BadValue(f"{name} is not an object")
+    out: dict[int, str] = {}
+    for key, member in value.items():
+        if not (isinstance(key, str) and key.isdigit() and int(key) < world_size):
+            raise BadValue(f"{name} names rank {str(key)[:20]!r}; expected 0..{world_size - 1}")
+        if not (isinstance(member, str) and MEMBER.fullmatch(member)):
+            raise BadValue(f"{name} names member {str(member)[:20]!r}; expected r<rank> or s<n>")
+        out[int(key)] = member
+    return out
+
+
+@dataclass(frozen=True)
+class Beat:
+    """One heartbeat: a count that rises with each beat, and the member's host (re-said at every beat, so that a
+    value another user damaged is mended 50 ms later, not lost for the run)."""
+
+    count: int
+    host: str
+
+    def text(self) -> str:
+        return f"{self.count} {self.host}"
+
+    @classmethod
+    def parse(cls, text: str) -> Beat:
+        count, _, host = text.partition(" ")
+        if not (count.isdigit() and len(count) <= 18):
+            raise BadValue(f"a heartbeat {text[:20]!r}; expected a count and a host")
+        if not HOSTNAME.fullmatch(host):
+            raise BadValue(f"a heartbeat's host {host[:40]!r}; expected a host name")
+        return cls(int(count), host)
+
+
+def _marker(text: str) -> bool:
+    if text != "1":
+        raise BadValue(f"{text[:20]!r}; expected '1'")
+    return True
+
+
+class Channel:
+    """Recovery's keys in the job's store (see the module's docstring). One per store client: a heartbeat thread
+    has its own client and its own channel, on the same keys."""
+
+    def __init__(self, store: dist.Store, *, prefix: str, signer: Signer, log: Callable[[str], None]) -> None:
+        self.store, self.prefix, self.signer, self.log = store, prefix, signer, log
+        self._said: set[tuple[str, str]] = set()  # (key, reason) already logged: one line each, not one a poll
+        self._standbys: set[int] = set()  # indexes known to have registered a signed host
+
+    @classmethod
+    def of_job(cls, store: dist.Store, environ: Mapping[str, str], log: Callable[[str], None]) -> Channel:
+        """The channel of this job's start: prefix and signature from DDPACK_JOB_TOKEN (unsigned without one)."""
+        token = job_token(environ)
+        return cls(store, prefix=store_prefix(NAME, environ, token), signer=Signer(token), log=log)
+
+    def sibling(self, store: dist.Store) -> Channel:
+        """The same keys on another client of the store (the heartbeat thread's)."""
+        return Channel(store, prefix=self.prefix, signer=self.signer, log=self.log)
+
+    # -------------------------------------------------------------- the keys, each spelled once
+
+    @staticmethod
+    def heartbeat_key(member: str) -> str:
+        return f"hb/{member}"
+
+    @staticmethod
+    def generation_key(generation: int, name: str) -> str:
+        return f"gen{generation}/{name}"
+
+    STANDBYS = "standbys"  # an `add` counter: each standby takes the next index (one once its signed heartbeat is there)
+    CLOSED = "closed"  # the run ended: the standbys leave
+
+    # -------------------------------------------------------------- writing and reading
+
+    def put(self, key: str, value: str) -> None:
+        full = self.prefix + key
+        self.store.set(full, self.signer.seal(full, value))
+
+    def read(self, key: str, parse: Callable[[str], T], max_bytes: int = 4096) -> T | None:
+        """The value under `key` as `parse` makes it; None when there is none, or it does not verify or parse
+        (said in one line, once per key and reason). Store errors (RuntimeError) are the caller's."""
+        full = self.prefix + key
+        if not self.store.check([full]):
+            return None
+        return self._opened(key, self.store.get(full), parse, max_bytes)
+
+    def _opened(self, key: str, raw: bytes, parse: Callable[[str], T], max_bytes: int = 4096) -> T | None:
+        try:
+            return parse(self.signer.open(self.prefix + key, raw, max_bytes))
+        except BadValue as exc:
+            self.ignored(key, str(exc))
+            return None
+
+    def ignored(self, key: str, why: str) -> None:
+        if (key, why) not in self._said:
+            self._said.add((key, why))
+            self.log(f"recovery: ignored the store's {key!r}: {why} (not written by this job's processes: another user's, or damaged)")
+
+    # -------------------------------------------------------------- members
+
+    def beat(self, member: str, beat: Beat) -> None:
+        self.put(self.heartbeat_key(member), beat.text())
+
+    def beats(self, members: Sequence[str]) -> dict[str, Beat | None]:
+        """Each member's last signed heartbeat (None: none there, or one that does not verify). Two round trips
+        while every key is there; a missing one (not yet written, or deleted) is looked for key by key."""
+        keys = [self.prefix + self.heartbeat_key(m) for m in members]
+        if not keys:
+            return {}
+        present = keys if self.store.check(keys) else [k for k in keys if self.store.check([k])]
+        raw = dict(zip(present, self.store.multi_get(present), strict=True)) if present else {}
+        return {m: self._opened(self.heartbeat_key(m), raw[k], Beat.parse, 512) if k in raw else None for m, k in zip(members, keys, strict=True)}
+
+    def new_standby(self) -> str:
+        """A standby's name, s<index>: it counts as one once its first signed heartbeat is there."""
+        return f"s{int(self.store.add(self.prefix + self.STANDBYS, 1)) - 1}"
+
+    def standbys(self) -> list[str]:
+        """The standbys that have written a signed heartbeat, oldest first. The index counter is only where to look."""
+        count = min(int(self.store.add(self.prefix + self.STANDBYS, 0)), MAX_STANDBYS)
+        unknown = [f"s{index}" for index in range(count) if index not in self._standbys]
+        for member, beat in self.beats(unknown).items():
+            if beat is not None:
+                self._standbys.add(int(member[1:]))
+        return [f"s{index}" for index in sorted(self._standbys) if index < count]
+
+    # -------------------------------------------------------------- a generation's failure and its decision
+
+    def report_failure(self, generation: int, member: str) -> None:
+        """`member`'s collective failed in `generation`: what the standbys wait for before they judge a stale
+        heartbeat a death (a signed report of its own; the counter beside it only says one may be there)."""
+        self.put(self.generation_key(generation, f"failed/{member}"), "1")
+        self.store.add(self.prefix + self.generation_key(generation, "failed"), 1)
+
+    def failure_reported(self, generation: int, members: Sequence[str]) -> bool:
+        if not int(self.store.add(self.prefix + self.generation_key(generation, "failed"), 0)):
+            return False
+        return any(self.read(self.generation_key(generation, f"failed/{m}"), _marker) for m in members)
+
+    def decision(self, generation: int, world_size: int) -> Decision | None:
+        """Generation `generation`'s decision, when one of this job's standbys wrote it."""
+        return self.read(
+            self.generation_key(generation, "decision"),
+            lambda text: Decision.parse(text, generation=generation + 1, world_size=world_size),
+            MAX_DECISION_BYTES,
+        )
+
+    def decided(self, generation: int, world_size: int) -> bool:
+        """Whether generation `generation` has a decision (one store round trip while there is no value at all)."""
+        if not self.store.check([self.prefix + self.generation_key(generation, "decision")]):
+            return False
+        return self.decision(generation, world_size) is not None
+
+    def write_decision(self, generation: int, decision: Decision, world_size: int) -> None:
+        """Write `decision` unless one of this job's standbys wrote one first (compare-and-set: one decision a
+        generation). A value there that does not verify is replaced, not deferred to: otherwise one forged `set`
+        before the real decision would keep every member from ever reading one."""
+        full = self.prefix + self.generation_key(generation, "decision")
+        sealed = self.signer.seal(full, decision.to_json())
+        expected = ""
+        for _ in range(8):  # each turn replaces what another user wrote since the last; she cannot win for long
+            now = self.store.compare_set(full, expected, sealed)
+            if bytes(now).decode(errors="replace") == sealed or self._opened(
+                self.generation_key(generation, "decision"),
+                now,
+                lambda text: Decision.parse(text, generation=generation + 1, world_size=world_size),
+                MAX_DECISION_BYTES,
+            ):
+                return
+            expected = bytes(now).decode(errors="surrogateescape")
+
+    def close(self) -> None:
+        self.put(self.CLOSED, "1")
+
+    def closed(self) -> bool:
+        return bool(self.read(self.CLOSED, _marker))
+
+    def group_store(self, generation: int) -> dist.Store:
+        """Where generation `generation`'s process group forms (torch's own rendezvous keys, under the job's prefix)."""
+        return dist.PrefixStore(self.prefix + self.generation_key(generation, "pg/"), self.store)
