@@ -20,6 +20,7 @@ from train.affinity import bind_local_ranks, cpu_list
 from train.config import parse_config
 from train.distributed import (
     DeviceError,
+    collective_failure,
     exit_now,
     first_line,
     init_distributed,
@@ -170,11 +171,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         log(f"recovery: falling back to a restart of every rank: {exc}")
         end = ended("failed", 1, reason=why)
         run_over = True
-    except RuntimeError as exc:  # gloo/nccl report a dead or silent peer as RuntimeError subclasses
-        if watchdog is not None:
-            watchdog.yield_to_a_declared_hang()  # a peer that exited on a declared hang: the watchdog ends this rank
+    except RuntimeError as exc:  # gloo/nccl report a dead or silent peer as RuntimeError subclasses; so does an OOM
         first = first_line(exc)
-        why = f"a collective failed ({type(exc).__name__}: {first}); a peer died or did not answer within --collective-timeout={config.collective_timeout:g}s"
+        if collective_failure(exc):
+            if watchdog is not None:
+                watchdog.yield_to_a_declared_hang()  # a peer that exited on a declared hang: the watchdog ends this rank
+            why = (
+                f"a collective failed ({type(exc).__name__}: {first}); "
+                f"a peer died or did not answer within --collective-timeout={config.collective_timeout:g}s"
+            )
+        else:
+            why = f"{type(exc).__name__}: {first}"  # this rank's own error, not a peer's: said as it is
         log(f"error: {why}")
         end = ended("failed", 1, reason=why)
     finally:

@@ -3,11 +3,12 @@ intervals, checksums, state); stops are agreed inside DDP's gradient sync (`trai
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -170,19 +171,58 @@ def sum_over_ranks(loss_sum: torch.Tensor, counts: list[float], ctx: DistContext
     return tensor.tolist()
 
 
-def gather_objects(obj: Any, ctx: DistContext, group: dist.ProcessGroup | None = None) -> list[Any]:
-    """Every rank's `obj`, on every rank (picklable objects only); `group`: one spanning every rank
-    with its own timeout (the preflight's)."""
-    out: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(out, obj, group=group)
-    return out
+# What a peer sends is loaded as torch.load(weights_only=True) loads a file: tensors, numbers, text and plain containers,
+# and the dataclasses a caller names (`allowed`). pickle, which all_gather_object and broadcast_object_list unpickle
+# with, runs whatever code the bytes name: one process that joins the group (another user who wrote the rendezvous
+# keys of a store anyone can reach) would run code as every rank. Nothing that crosses between ranks is unpickled.
+def _packed(obj: Any, device: torch.device) -> torch.Tensor:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8).to(device)
 
 
-def broadcast_from_main(obj: Any, ctx: DistContext) -> Any:
+def _unpacked(data: torch.Tensor, allowed: Sequence[type], map_location: torch.device) -> Any:
+    with torch.serialization.safe_globals(list(allowed)):
+        return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), map_location=map_location, weights_only=True)
+
+
+def _wire(group: dist.ProcessGroup | None, ctx: DistContext) -> torch.device:
+    """Where the bytes travel: the rank's GPU on NCCL (which carries device tensors only), host memory otherwise."""
+    return ctx.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+
+def gather_objects(obj: Any, ctx: DistContext, group: dist.ProcessGroup | None = None, allowed: Sequence[type] = ()) -> list[Any]:
+    """Every rank's `obj`, on every rank: what weights_only loads hold, plus the dataclasses in `allowed` (see above).
+    `group`: one spanning every rank with its own timeout (the preflight's)."""
+    wire = _wire(group, ctx)
+    data = _packed(obj, wire)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=wire)
+    sizes = [torch.empty_like(size) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, size, group=group)
+    longest = max(int(s) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=wire)
+    padded[: data.numel()] = data
+    out = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(out, padded, group=group)
+    return [_unpacked(got[: int(n)], allowed, torch.device("cpu")) for got, n in zip(out, sizes, strict=True)]
+
+
+def broadcast_objects(obj: Any, ctx: DistContext, src: int, map_location: torch.device | None = None, allowed: Sequence[type] = ()) -> Any:
+    """Rank `src`'s `obj` on every rank (only `src`'s argument is read), loaded as weights_only loads are (with the
+    dataclasses in `allowed`), its tensors onto `map_location` (the receiver's own device: never the sender's index)."""
+    wire = _wire(None, ctx)
+    data = _packed(obj, wire) if ctx.rank == src else torch.empty(0, dtype=torch.uint8, device=wire)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=wire)
+    dist.broadcast(size, src=src)
+    if ctx.rank != src:
+        data = torch.empty(int(size), dtype=torch.uint8, device=wire)
+    dist.broadcast(data, src=src)
+    return obj if ctx.rank == src else _unpacked(data, allowed, map_location or torch.device("cpu"))
+
+
+def broadcast_from_main(obj: Any, ctx: DistContext, allowed: Sequence[type] = ()) -> Any:
     """Rank 0's `obj` on every rank: only rank 0 needs to see the snapshot directory."""
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, device=ctx.device if ctx.device.type == "cuda" else None)
-    return box[0]
+    return broadcast_objects(obj, ctx, src=0, allowed=allowed)
 
 
 def broadcast_buffers(module: torch.nn.Module, ctx: DistContext) -> None:
@@ -207,6 +247,20 @@ def shutdown() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+# gloo reports a dead or silent peer as a plain RuntimeError whose message names its transport (".../gloo/transport/
+# tcp/pair.cc:553] Connection closed by peer", "... Timed out waiting 5000ms for recv"); NCCL's and the store's
+# failures are torch.distributed.DistError. Nothing else that a rank raises (an OOM, a failed snapshot write, a
+# user's own RuntimeError) is a peer's failure.
+GLOO_FAILURE = ("gloo/transport", "Connection closed by peer", "Connection reset by peer", "ProcessGroupGloo")
+
+
+def collective_failure(exc: BaseException) -> bool:
+    """Whether `exc` is a collective's failure (a peer died, or did not answer in time), not this rank's own error."""
+    if isinstance(exc, dist.DistError) or getattr(exc, "peer_failure", False):
+        return True
+    return type(exc) is RuntimeError and any(marker in str(exc) for marker in GLOO_FAILURE)
 
 
 def first_line(exc: BaseException) -> str:

@@ -79,6 +79,8 @@ class PeerDeclaredDead(RuntimeError):
     """Raised in a survivor that waits on a collective once the standbys have judged a peer dead (train.distributed's
     abandon_check): the collective will not complete, and the recovery starts now rather than at its timeout."""
 
+    peer_failure = True  # train.distributed.collective_failure
+
 
 class RecoveryImpossible(Exception):
     """In-process recovery cannot go on; the message says why (one line), the job restarts every rank."""

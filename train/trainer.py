@@ -24,7 +24,16 @@ import torch.distributed as dist
 from train import run_folder
 from train.config import Config
 from train.data import Batch, EpochOrder, default_num_workers, make_batches
-from train.distributed import DistContext, broadcast_buffers, broadcast_from_main, first_line, gather_objects, sum_over_ranks
+from train.distributed import (
+    DistContext,
+    broadcast_buffers,
+    broadcast_from_main,
+    broadcast_objects,
+    collective_failure,
+    first_line,
+    gather_objects,
+    sum_over_ranks,
+)
 from train.gpu import set_tf32
 from train.grad_sync import SyncedModel
 from train.metrics import MetricsFile, RankLog, format_duration, format_share, start_fields
@@ -286,7 +295,7 @@ class Trainer:
                 self.log(f"resuming from {path}")
         if not self.config.snapshot_dir:
             return
-        snapshot = broadcast_from_main(snapshot, self.ctx)
+        snapshot = broadcast_from_main(snapshot, self.ctx, allowed=[Snapshot])
         if snapshot is not None:
             self._load_state(snapshot)
 
@@ -411,8 +420,8 @@ class Trainer:
             try:
                 return self._loop(start_step, started)
             except RuntimeError as exc:  # gloo and NCCL report a dead peer as RuntimeError subclasses
-                if self.membership is None:
-                    raise
+                if self.membership is None or not collective_failure(exc):
+                    raise  # this rank's own error (an OOM, a failed snapshot write) ends it with its own reason
                 self.membership.recover(exc, self.log)  # or RecoveryImpossible: the job restarts every rank
                 self._bind(self.ctx)
                 if self.hosts_changed is not None:
@@ -426,9 +435,8 @@ class Trainer:
         Model, optimizer and position travel; the RNG is derived from the position (train.recovery.reseed)."""
         steps = gather_objects(-1 if self.replacing else self.global_step, self.ctx)
         source = steps.index(max(steps))
-        box = [self._state([]) if self.ctx.rank == source else None]
-        dist.broadcast_object_list(box, src=source, device=self.ctx.device if self.ctx.device.type == "cuda" else None)
-        state: Snapshot = box[0]
+        mine = self._state([]) if self.ctx.rank == source else None
+        state: Snapshot = broadcast_objects(mine, self.ctx, src=source, map_location=self.ctx.device, allowed=[Snapshot])
         if self.ctx.rank != source:
             self.module.load_state_dict(state.model)
             self.optimizer.load_state_dict(state.optimizer)

@@ -37,7 +37,7 @@ from train.distributed import (
 from train.gpu import capture_nccl_log, nccl_warnings
 from train.preflight.comm import all_reduce_sweep, p2p_ring, slow_links
 from train.preflight.compute import measure_rates, stragglers
-from train.preflight.identity import collect_identity, disagreements
+from train.preflight.identity import Identity, collect_identity, disagreements
 from train.preflight.report import Report, render, write_json_atomically
 from train.preflight.storage import check_storage
 from train.preflight.transport import transport_findings
@@ -87,7 +87,7 @@ def run_checks(
     report = Report(ctx.world_size, ctx.backend, seconds)
     if ctx.backend == "nccl":
         dist.all_reduce(torch.zeros(1, device=ctx.device), group=group)
-    report.identity = gather_objects(collect_identity(ctx, nccl_log), ctx, group)
+    report.identity = gather_objects(collect_identity(ctx, nccl_log), ctx, group, allowed=[Identity])
     transport_failures, transport_warnings = transport_findings(report.identity, ctx.backend)
     hosts = [record.host for record in report.identity]
     report.all_reduce = all_reduce_sweep(ctx, group, seconds * SHARES["all_reduce"])

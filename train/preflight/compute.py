@@ -67,7 +67,7 @@ def measure_rates(ctx: DistContext, group: dist.ProcessGroup, local_ranks: int, 
         dist.barrier(group=group)
         if turns == 1 or ctx.local_rank == turn:
             gflops = matmul_gflops(ctx, seconds / turns)
-    return gather_objects(Rate(ctx.rank, ctx.host, gflops), ctx, group)
+    return gather_objects(Rate(ctx.rank, ctx.host, gflops), ctx, group, allowed=[Rate])
 
 
 def stragglers(rates: Sequence[Rate]) -> list[str]:
