@@ -408,8 +408,8 @@ def test_status_ls_logs_and_cancel_take_a_sweep_as_a_whole_and_each_point_alone(
 
 def test_every_command_submit_suggests_for_a_sweep_follows_it_to_its_end(tmp_path, slurm, monkeypatch, capfd) -> None:
     """The `next:` lines run: `status SWEEP --watch` and `logs SWEEP -f` wait while a point runs (the fake squeue lists
-    it on its first call only), end by themselves once every point has ended, exit 0 only when all COMPLETED (else the
-    first unfinished point's state) and name the points that did not; `--point I` is that point alone."""
+    it on its first call only), end by themselves once every point has ended, exit 0 only when all COMPLETED (else by
+    the worst point's state, not the first's) and name the points that did not; `--point I` is that point alone."""
     from ddpack.jobs import logs as job_logs
     from ddpack.jobs import slurm_cli
     from ddpack.jobs import sweep as sweeps
@@ -438,7 +438,7 @@ def test_every_command_submit_suggests_for_a_sweep_follows_it_to_its_end(tmp_pat
     fake(slurm, "squeue", f'echo x >>{counter}; [ "$(wc -l <{counter})" -le 1 ] && {{ echo "90_2|RUNNING"; exit 0; }}; '
                           f'grep -q step {logs[2]} || {{ printf "0: step 1\\n%s\\n" {json.dumps(ended.strip())} >>{logs[2]}; '
                           f"cat {failed} >>{sweep_dir / '2' / 'decisions.jsonl'}; }}")  # fmt: skip
-    assert cli.main([*suggested[0], "--interval", "0"]) == 4  # TIMEOUT, point 1's: the first that did not complete
+    assert cli.main([*suggested[0], "--interval", "0"]) == 6  # FAILED, point 2's: the worst, though point 1 (TIMEOUT) came first
     out = capfd.readouterr().out
     assert "1 RUNNING" in out.splitlines()[0] and len(counter.read_text().splitlines()) >= 2
     assert "2 of 3 points did not complete: 1 (lr=2) TIMEOUT, 2 (lr=3) FAILED" in out and "0 (lr=1)" not in out.splitlines()[-1]
@@ -447,7 +447,7 @@ def test_every_command_submit_suggests_for_a_sweep_follows_it_to_its_end(tmp_pat
     logs[2].write_text("0: starting\n")  # the sweep as it was before the watch: point 2 running, nothing settled
     for summary in sweep_dir.glob("*/summary.json"):
         summary.unlink()
-    assert cli.main(suggested[1]) == 4
+    assert cli.main(suggested[1]) == 6
     out = capfd.readouterr().out
     Path("/tmp/o57").write_text(out)
     assert "== point 2 (lr=3)" in out and "0: starting" in out and "[2] 0: step 1\n" in out and f"[2] {ended}" in out

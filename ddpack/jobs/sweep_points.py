@@ -33,8 +33,9 @@ CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # a newline or other control character
 
 
 INDEX = "index"  # {index}: the point's number, given by no --sweep
-# {NAME} (a value), or {{NAME}} (the text {NAME}): matched in one pass, so a value is never read again.
-PLACEHOLDER = re.compile(r"\{\{([A-Za-z_][A-Za-z0-9_]*)\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}")
+# {NAME} (a value), or {{NAME}} (the text {NAME}): matched in one pass, so a value is never read again. ${NAME} is the
+# shell's (bash -c '... ${SLURM_JOB_ID}'), never a placeholder: left as written.
+PLACEHOLDER = re.compile(r"\{\{([A-Za-z_][A-Za-z0-9_]*)\}\}|(?<!\$)\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
 def split_values(text: str) -> list[str]:
