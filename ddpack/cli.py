@@ -209,7 +209,7 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("run", help="a run folder, a sweep's folder or a job id")
     sub.add_argument("--runs", type=Path, default=None, help=runs_help)
     sub.add_argument("--json", action="store_true", help="print one object: run_dir, jobs")
-    sub = verbs.add_parser("gc", help="remove your squashfs files in the images folder that no run of yours names")
+    sub = verbs.add_parser("gc", help="remove your squashfs files in the images folder that no run and no live job of yours names")
     sub.add_argument("--images", nargs="?", const=True, type=Path, required=True, metavar="DIR",
                      help="the images folder (alone: DDPACK_IMAGES, else /fsx/images)")  # fmt: skip
     sub.add_argument("--runs", type=Path, default=None, help=runs_help + ": the runs whose images are kept")

@@ -2,7 +2,8 @@ r"""Sweeps: `ddpack submit P --sweep lr=1e-3,3e-4 --sweep seed=0,1 -- python tra
 
 The values' cross product is the sweep's points, in the order given (the last name varies fastest). Each point's
 command and `--env` values are the submitted ones with `{NAME}` replaced by its value and `{index}` by the point's
-number, in one pass (a value that holds `{other}` is never replaced again); `{{NAME}}` is the text `{NAME}`. A
+number, in one pass (a value that holds `{other}` is never replaced again); `{{NAME}}` is the text `{NAME}`, and the
+shell's `${NAME}` is left as written. A
 `{NAME}` that no `--sweep` gives, a name given twice and a sweep name nothing uses are errors: each would run
 something other than what was meant. A value holds a comma as `\,` (or any text at all in a run file's `[sweep]`
 list).
