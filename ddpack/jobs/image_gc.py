@@ -17,6 +17,7 @@ from pathlib import Path
 from ddpack.errors import HostError
 from ddpack.images.sqsh import RECORD_SUFFIX
 from ddpack.private_files import not_yours_alone
+from train.run_folder import RUN_RECORD
 
 
 @dataclass(frozen=True)
@@ -65,13 +66,12 @@ def live_images() -> tuple[set[str], str]:
         _, _, rest = line.partition("|")
         workdir, _, script = rest.partition("|")
         folder = Path(workdir.strip())
-        for run_dir in (point_dirs(folder) if is_sweep(folder) else [folder]) if folder.is_absolute() else []:
-            try:
-                sqsh = read_record(run_dir).sqsh.get("path")
-            except HostError:  # not a run folder of yours: its script may still name the image
-                continue
-            if sqsh:
-                named.add(os.path.realpath(sqsh))
+        try:
+            for run_dir in (point_dirs(folder) if is_sweep(folder) else [folder]) if folder.is_absolute() else []:
+                if (run_dir / RUN_RECORD).is_file() and (sqsh := read_record(run_dir).sqsh.get("path")):
+                    named.add(os.path.realpath(sqsh))
+        except HostError:  # not a run or sweep folder of yours: its script may still name the image
+            pass
         try:
             if (path := Path(script.strip())).is_absolute() and path.stat().st_size < 2**20:
                 texts.append(path.read_text(errors="replace"))
