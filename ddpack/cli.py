@@ -18,7 +18,8 @@
 
 Host side only: Slurm's own commands (sbatch, squeue, sacct where there is accounting, scancel) and the run folder.
 Bad input is one line and exit 2. --json prints one object (ls: a list of them) with status --json's names: run_dir,
-job_id, state, ...; `status --watch` and `logs -f` exit 0 when the run COMPLETED, else by its state (runs.EXIT_FOR_STATE).
+job_id, state, ...; `status --watch` and `logs -f` exit 0 when the run COMPLETED, else by its state (3 CANCELLED,
+4 TIMEOUT, 5 PREEMPTED, 6 FAILED: slurm_cli.EXIT_FOR_STATE), never 1, which is ddpack's own failure.
 """
 
 from __future__ import annotations
@@ -54,9 +55,30 @@ def _env_pair(text: str) -> tuple[str, str]:
     return name, value
 
 
+class _Once(argparse._StoreAction):
+    """A single-valued option (--after RUN, --time T): given twice, it is noted for main to refuse in one line, never
+    the last one kept silently (argparse's own way), which ran something other than one of the two meant."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None) -> None:
+        first = namespace.__dict__.setdefault("_given_once", {})
+        if self.dest in first and "_repeated" not in namespace:
+            namespace._repeated = f"{option_string} is given twice ({first[self.dest]}, then {values}); give it once"
+        first.setdefault(self.dest, values)
+        super().__call__(parser, namespace, values, option_string)
+
+
+class _Parser(argparse.ArgumentParser):
+    """ddpack's parser and every verb's: an option that takes one value takes it once (_Once)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.register("action", None, _Once)
+        self.register("action", "store", _Once)
+
+
 def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="ddpack", description=__doc__.splitlines()[0])
-    verbs = top.add_subparsers(dest="verb", required=True, metavar="VERB")
+    top = _Parser(prog="ddpack", description=__doc__.splitlines()[0])
+    verbs = top.add_subparsers(dest="verb", required=True, metavar="VERB", parser_class=_Parser)
     runs_help = "the runs folder (default: DDPACK_RUNS, else /fsx/<user>/ddpack-runs)"
     json_help = "print one JSON object (status --json's names: run_dir, job_id, state, ...)"
 
@@ -187,7 +209,7 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("run", help="a run folder, a sweep's folder or a job id")
     sub.add_argument("--runs", type=Path, default=None, help=runs_help)
     sub.add_argument("--json", action="store_true", help="print one object: run_dir, jobs")
-    sub = verbs.add_parser("gc", help="remove your squashfs files in the images folder that no run of yours names")
+    sub = verbs.add_parser("gc", help="remove your squashfs files in the images folder that no run and no live job of yours names")
     sub.add_argument("--images", nargs="?", const=True, type=Path, required=True, metavar="DIR",
                      help="the images folder (alone: DDPACK_IMAGES, else /fsx/images)")  # fmt: skip
     sub.add_argument("--runs", type=Path, default=None, help=runs_help + ": the runs whose images are kept")
@@ -211,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     from ddpack.jobs import find_runs, run_actions
 
     def body() -> int:
+        if getattr(opts, "_repeated", None):
+            raise HostError(opts._repeated, code=2)
         if opts.verb == "completion":
             from ddpack.completion import script
 
@@ -340,10 +364,9 @@ AFTER = {"ok": "afterok", "any": "afterany", "notok": "afternotok"}
 
 
 def dependency(after: str, runs: Path) -> str:
-    """Slurm's --dependency for --after RUN[:ok|any|notok]: the run's newest job (a sweep: its array, every point)."""
+    """Slurm's --dependency for --after RUN[:ok|any|notok]: the run's newest job (a sweep: each point's, sweep_jobs)."""
     from ddpack.jobs.find_runs import resolve_run
     from ddpack.jobs.run_json import read_record
-    from ddpack.jobs.sweep_points import read_sweep
 
     run, _, kind = after.rpartition(":") if after.rpartition(":")[2] in AFTER else (after, "", "ok")
     if not run:
@@ -352,11 +375,29 @@ def dependency(after: str, runs: Path) -> str:
         folder = resolve_run(run, runs)
     except HostError as why:
         raise HostError(f"--after {after}: {why}", code=2) from None
-    last = None if is_sweep(folder) else read_record(folder).last_job
-    job = read_sweep(folder).get("job_id") if is_sweep(folder) else (last.job_id if last else None)
-    if not job:
+    if is_sweep(folder):
+        jobs = sweep_jobs(folder)
+    else:
+        last = read_record(folder).last_job
+        jobs = [last.job_id] if last else []
+    if not jobs:
         raise HostError(f"--after {after}: {folder} has no job to wait for", code=2)
-    return f"{AFTER[kind]}:{job}"
+    return f"{AFTER[kind]}:{':'.join(jobs)}"
+
+
+def sweep_jobs(folder: Path) -> list[str]:
+    """The jobs a wait for the sweep waits for: its array while every point's newest job is its element of it, else
+    each point's newest job (a point resubmitted after it failed: the mend's element, never the failed one, which
+    would hold an afterok for good)."""
+    from ddpack.jobs.run_json import read_record
+    from ddpack.jobs.sweep_points import point_dirs, read_sweep
+
+    array, points = read_sweep(folder).get("job_id"), point_dirs(folder)
+    own = [f"{array}_{index}" if array else None for index in range(len(points))]  # a point with no job recorded: its element
+    newest = [last.job_id if (last := read_record(point).last_job) else element for point, element in zip(points, own, strict=True)]
+    if array and newest == own:
+        return [str(array)]
+    return [job for job in newest if job]
 
 
 @contextlib.contextmanager
@@ -375,7 +416,7 @@ def stdout_to_stderr() -> Iterator[None]:
 
 def status(opts: argparse.Namespace, runs: Path) -> int:
     from ddpack.jobs.find_runs import resolve_run
-    from ddpack.jobs.slurm_cli import EXIT_FOR_STATE
+    from ddpack.jobs.slurm_cli import exit_for
     from ddpack.jobs.status import render, run_status, watch
 
     run_dir = point_of(resolve_run(opts.run, runs), opts.point)
@@ -383,7 +424,7 @@ def status(opts: argparse.Namespace, runs: Path) -> int:
         return sweep_verb(opts, run_dir)
     if opts.watch:
         final = watch(run_dir, interval_s=opts.interval, tty=sys.stdout.isatty(), out=sys.stdout, as_json=opts.json)
-        return EXIT_FOR_STATE.get(final.state, 1)
+        return exit_for(final.state)
     result = run_status(run_dir)
     print(result.to_json() if opts.json else render(result))
     return 0
@@ -527,7 +568,7 @@ def report(opts: argparse.Namespace, runs: Path) -> int:
     """A run folder of any template's (or its metrics file), or a run of ddpack submit's named by a job id."""
     from ddpack.jobs import ledger as ledgers
     from ddpack.jobs.find_runs import resolve_run
-    from ddpack.jobs.report import write_report
+    from ddpack.jobs.report import NoCharts, write_report
     from train.run_folder import RUN_RECORD
 
     path = Path(opts.run)
@@ -536,8 +577,14 @@ def report(opts: argparse.Namespace, runs: Path) -> int:
         total = ledgers.sweep_ledger(run_dir)
         print(json.dumps({"run_dir": str(run_dir), "ledger": total.to_json()}, indent=2) if opts.json else ledgers.render(total, f"the sweep {run_dir}"))
         return 0
-    written = [str(p) for p in write_report(run_dir, with_png=opts.png)]
     ours = (run_dir / RUN_RECORD).is_file()
+    try:
+        written = [str(p) for p in write_report(run_dir, with_png=opts.png)]
+    except NoCharts as why:  # the host's light install: the ledger needs no chart
+        if not ours:
+            raise
+        print(f"ddpack report: warning: no page written: {why}", file=sys.stderr)
+        written = []
     ledger = ledgers.run_ledger(run_dir) if ours else None
     if opts.json:
         known = facts(run_dir) if ours else {"run_dir": str(run_dir.resolve()), "job_id": None, "state": None}

@@ -7,7 +7,8 @@ from collections.abc import Callable
 
 
 class HostError(Exception):
-    """An error the user can act on; `code` is the exit status (2 bad input, 1 failure)."""
+    """An error the user can act on; `code` is the exit status (2 bad input, 1 failure: ddpack's own, never a job's,
+    whose states exit 3 to 6, slurm_cli.EXIT_FOR_STATE)."""
 
     def __init__(self, message: str, code: int = 1) -> None:
         super().__init__(message)

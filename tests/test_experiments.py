@@ -408,8 +408,8 @@ def test_status_ls_logs_and_cancel_take_a_sweep_as_a_whole_and_each_point_alone(
 
 def test_every_command_submit_suggests_for_a_sweep_follows_it_to_its_end(tmp_path, slurm, monkeypatch, capfd) -> None:
     """The `next:` lines run: `status SWEEP --watch` and `logs SWEEP -f` wait while a point runs (the fake squeue lists
-    it on its first call only), end by themselves once every point has ended, exit 0 only when all COMPLETED (else the
-    first unfinished point's state) and name the points that did not; `--point I` is that point alone."""
+    it on its first call only), end by themselves once every point has ended, exit 0 only when all COMPLETED (else by
+    the worst point's state, not the first's) and name the points that did not; `--point I` is that point alone."""
     from ddpack.jobs import logs as job_logs
     from ddpack.jobs import slurm_cli
     from ddpack.jobs import sweep as sweeps
@@ -438,7 +438,7 @@ def test_every_command_submit_suggests_for_a_sweep_follows_it_to_its_end(tmp_pat
     fake(slurm, "squeue", f'echo x >>{counter}; [ "$(wc -l <{counter})" -le 1 ] && {{ echo "90_2|RUNNING"; exit 0; }}; '
                           f'grep -q step {logs[2]} || {{ printf "0: step 1\\n%s\\n" {json.dumps(ended.strip())} >>{logs[2]}; '
                           f"cat {failed} >>{sweep_dir / '2' / 'decisions.jsonl'}; }}")  # fmt: skip
-    assert cli.main([*suggested[0], "--interval", "0"]) == 4  # TIMEOUT, point 1's: the first that did not complete
+    assert cli.main([*suggested[0], "--interval", "0"]) == 6  # FAILED, point 2's: the worst, though point 1 (TIMEOUT) came first
     out = capfd.readouterr().out
     assert "1 RUNNING" in out.splitlines()[0] and len(counter.read_text().splitlines()) >= 2
     assert "2 of 3 points did not complete: 1 (lr=2) TIMEOUT, 2 (lr=3) FAILED" in out and "0 (lr=1)" not in out.splitlines()[-1]
@@ -447,7 +447,7 @@ def test_every_command_submit_suggests_for_a_sweep_follows_it_to_its_end(tmp_pat
     logs[2].write_text("0: starting\n")  # the sweep as it was before the watch: point 2 running, nothing settled
     for summary in sweep_dir.glob("*/summary.json"):
         summary.unlink()
-    assert cli.main(suggested[1]) == 4
+    assert cli.main(suggested[1]) == 6
     out = capfd.readouterr().out
     Path("/tmp/o57").write_text(out)
     assert "== point 2 (lr=3)" in out and "0: starting" in out and "[2] 0: step 1\n" in out and f"[2] {ended}" in out
@@ -1061,3 +1061,207 @@ def test_a_sweeps_status_reads_a_settled_points_summary_not_its_log(tmp_path, sl
     assert cli.main(["status", str(sweep_dir), "--json"]) == 0
     assert [p["state"] for p in json.loads(capfd.readouterr().out)["points"]] == ["COMPLETED", "RUNNING"]
     assert calls(slurm, "squeue")[-1] == "squeue -h -r -t all -j 90_1 -o %i|%T"  # the settled point is not asked about
+
+
+# --------------------------------------------------------------------------- the seams mended (issue 64)
+
+
+def mended_sweep(tmp_path: Path, slurm: Path, capfd) -> Path:
+    """A 4-point sweep (array 90) whose points 1 (FAILED) and 2 (TIMEOUT) were resubmitted as array 95; point 1's own
+    job number (SLURM_JOB_ID) in its records is 125."""
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
+    assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1,2,3,4", "--json", "--", "python", "t.py", "{lr}"]) == 0
+    sweep_dir = Path(submitted(capfd)["run_dir"])
+    write_decisions(sweep_dir / "1", [started(100, "90_1", slurm_job="125", log_at=0)])
+    fake(slurm, "squeue", 'case "$*" in *%i*) echo "90_0|COMPLETED"; echo "90_1|FAILED"; echo "90_2|TIMEOUT"; echo "90_3|RUNNING" ;; '
+                          '*"-j 90_1 "*) echo "FAILED||n1" ;; *"-j 90_2 "*) echo "TIMEOUT||n1" ;; esac')  # fmt: skip
+    fake(slurm, "sbatch", "echo 95")
+    assert cli.main(["resubmit", str(sweep_dir), "--failed"]) == 0
+    assert "resubmit: job array 95 queues points 1, 2" in capfd.readouterr().out
+    return sweep_dir
+
+
+def test_after_a_mended_sweep_waits_for_each_points_newest_job_not_the_failed_array(tmp_path, slurm, capfd) -> None:
+    """afterok on array 90 could never start (its point 1 FAILED): after the mend it waits for 90_0, 95_1, 95_2, 90_3."""
+    sweep_dir = mended_sweep(tmp_path, slurm, capfd)
+    assert cli.main([*sweep_args(tmp_path), "--after", str(sweep_dir), "--dry-run", "--", "p"]) == 0
+    assert "#SBATCH --dependency=afterok:90_0:95_1:95_2:90_3" in capfd.readouterr().out.splitlines()
+
+
+def test_a_mends_array_id_and_a_points_own_job_number_name_a_run(tmp_path, slurm, capfd) -> None:
+    from ddpack.jobs.find_runs import resolve_run
+
+    sweep_dir = mended_sweep(tmp_path, slurm, capfd)
+    runs = sweep_dir.parent
+    assert resolve_run("95", runs) == sweep_dir  # what resubmit printed
+    assert resolve_run("125", runs) == sweep_dir / "1"  # what Slurm's mail says of 90_1
+    assert cli.main(["status", "95", "--runs", str(runs), "--json"]) == 0 and json.loads(capfd.readouterr().out)["run_dir"] == str(sweep_dir)
+    assert cli.main(["logs", "125", "--runs", str(runs), "--json"]) == 0 and json.loads(capfd.readouterr().out)["run_dir"] == str(sweep_dir / "1")
+    assert cli.main(["status", "126", "--runs", str(runs)]) == 2 and "job 126 belongs to no run" in capfd.readouterr().err
+
+
+def test_a_sweeps_point_is_not_removed_alone_so_cancel_sweep_still_reaches_every_point(tmp_path, slurm, capfd) -> None:
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
+    assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1,2", "--json", "--", "python", "t.py", "{lr}"]) == 0
+    sweep_dir = Path(submitted(capfd)["run_dir"])
+    fake(slurm, "squeue", 'case "$*" in *%i*) echo "90_0|COMPLETED"; echo "90_1|RUNNING" ;; *"-j 90_0 "*) echo "COMPLETED||n1" ;; esac')
+    for named in (str(sweep_dir / "0"), "90_0"):
+        assert cli.main(["rm", named, "--runs", str(sweep_dir.parent)]) == 2
+        err = capfd.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"is point 0 of the sweep {sweep_dir}" in err[0] and f"ddpack rm {sweep_dir} removes the whole sweep" in err[0]
+    assert (sweep_dir / "0" / "run.json").is_file()
+    assert cli.main(["cancel", str(sweep_dir)]) == 0 and calls(slurm, "scancel") == ["scancel 90_1"]
+
+
+def test_gc_refuses_a_runs_folder_that_is_missing_or_holds_no_run_and_removes_nothing(tmp_path, slurm, capfd) -> None:
+    run_dir = make_run(tmp_path)
+    images = Path(read_record(run_dir).sqsh["path"]).parent
+    (tmp_path / "empty").mkdir()
+    for runs, why in ((tmp_path / "rnus", "is not a folder"), (tmp_path / "empty", "holds no run of yours")):
+        assert cli.main(["gc", "--images", str(images), "--runs", str(runs)]) == 2
+        err = capfd.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"--runs {runs} {why}" in err[0] and "would remove every image of yours" in err[0], err
+    assert [p.name for p in images.glob("*.sqsh")] == [Path(read_record(run_dir).sqsh["path"]).name]
+
+
+def test_gc_keeps_every_image_a_live_job_of_yours_names_wherever_its_run_folder_is(tmp_path, slurm, capfd) -> None:
+    """A job of a run under another runs folder (its run.json), and one started by hand (its script's text): both live,
+    both images kept; the one no run and no live job names goes. squeue failing removes nothing."""
+    elsewhere = make_run(tmp_path / "other")  # a run gc's --runs does not hold
+    images = tmp_path / "images"
+    images.mkdir()
+    kept_by_run = images / "run-0123.sqsh"
+    shutil.move(read_record(elsewhere).sqsh["path"], kept_by_run)
+    record = json.loads((elsewhere / "run.json").read_text())
+    (elsewhere / "run.json").write_text(json.dumps({**record, "sqsh": {**record["sqsh"], "path": str(kept_by_run)}}))
+    kept_by_script, stale = images / "by-hand.sqsh", images / "stale.sqsh"
+    for path in (kept_by_script, stale):
+        path.write_bytes(b"hsqs")
+    script = tmp_path / "by-hand.sbatch"
+    script.write_text(f"#!/bin/bash\nexport DDPACK_SQSH={kept_by_script}\n")
+    runs = make_run(tmp_path / "mine").parent  # gc's own runs folder, holding one run of an image elsewhere
+    fake(slurm, "squeue", f'case "$*" in *"-u "*) echo "77|{elsewhere}|{elsewhere}/job/ddpack.sbatch"; echo "78|{tmp_path}|{script}" ;; esac')
+    assert cli.main(["gc", "--images", str(images), "--runs", str(runs), "--json"]) == 0
+    assert json.loads(capfd.readouterr().out)["removed"] == [str(stale)]
+    assert sorted(p.name for p in images.iterdir()) == ["by-hand.sqsh", "run-0123.sqsh"]
+    stale.write_bytes(b"hsqs")
+    fake(slurm, "squeue", "echo 'squeue: error: timed out' >&2; exit 1")
+    assert cli.main(["gc", "--images", str(images), "--runs", str(runs)]) == 1
+    assert "cannot tell which of your jobs live" in capfd.readouterr().err and stale.exists()
+
+
+def test_a_waiting_run_is_not_called_a_job_of_an_older_ddpack(tmp_path, slurm) -> None:
+    """A PENDING job has no log and no records yet: no warning; once Slurm started it (its log exists) and it wrote no
+    records, it is named."""
+    from test_lifecycle import squeue_says
+
+    from ddpack.jobs.status import render, run_status
+
+    run_dir = make_run(tmp_path)
+    squeue_says(slurm, "PENDING")
+    now = run_status(run_dir)
+    assert (now.state, now.unrecorded) == ("PENDING", []) and "wrote no decision records" not in render(now)
+    (run_dir / "logs" / "slurm-41.out").write_text("0: hello\n")
+    squeue_says(slurm, "RUNNING")
+    assert run_status(run_dir).unrecorded == ["41"]
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["submit", "--after", "41", "--after=42", "--nodes", "1"], "--after is given twice (41, then 42); give it once"),
+        (["status", "--runs", "/a", "--runs", "/b"], "--runs is given twice (/a, then /b); give it once"),
+        (["resubmit", "41", "--time", "1:00:00", "--time", "2:00:00"], "--time is given twice (1:00:00, then 2:00:00)"),
+    ],
+)
+def test_a_single_valued_option_given_twice_is_refused_in_one_line(tmp_path, slurm, capfd, args: list[str], line: str) -> None:
+    assert cli.main(args) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and line in err[0], err
+    assert queued(slurm) == []
+
+
+def test_a_placeholder_needs_a_sweep_and_a_shell_variable_is_never_one(tmp_path, slurm, capfd) -> None:
+    assert cli.main([*sweep_args(tmp_path), "--dry-run", "--", "p", "--lr", "{lr}"]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the command uses {lr}, but there is no sweep: add --sweep lr=V1,V2,..., or write {{lr}}" in err[0], err
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 73')
+    assert cli.main([*sweep_args(tmp_path), "--json", "--", "p", "--name={{lr}}"]) == 0  # the text {lr}, as in a sweep
+    assert read_record(Path(submitted(capfd)["run_dir"])).command == ["p", "--name={lr}"]
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
+    assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1,2", "--json", "--", "bash", "-c", "p --lr {lr} --out o-${SLURM_JOB_ID}"]) == 0
+    sweep_dir = Path(submitted(capfd)["run_dir"])
+    assert read_record(sweep_dir / "1").command == ["bash", "-c", "p --lr 2 --out o-${SLURM_JOB_ID}"]
+
+
+def test_a_run_files_path_expands_this_shells_variables_or_is_refused(tmp_path, slurm, monkeypatch, capfd) -> None:
+    from ddpack.jobs.run_toml import read_run_file
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("SCRATCH", str(tmp_path / "scratch"))
+    path = run_file(tmp_path, 'nodes = 1\nruns = "$HOME/runs"\nimages = "${SCRATCH}/images"\n')
+    assert (read_run_file(path).values["runs"], read_run_file(path).values["images"]) == (tmp_path / "home" / "runs", tmp_path / "scratch" / "images")
+    monkeypatch.delenv("NO_SUCH_DDPACK_VAR", raising=False)
+    bad = run_file(tmp_path, 'nodes = 1\n\nruns = "$NO_SUCH_DDPACK_VAR/runs"\n')
+    assert cli.main(["submit", "--file", str(bad), "--dry-run"]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "run.toml:3: runs = '$NO_SUCH_DDPACK_VAR/runs': $NO_SUCH_DDPACK_VAR is not set in this shell" in err[0], err
+    assert not list(tmp_path.rglob("$*"))
+
+
+def killed_run(tmp_path: Path, log: str = "", time_limit: str | None = None) -> Path:
+    """A 2-node run whose job started at 100 s, wrote records until 130 s and was killed by Slurm (no decision after)."""
+    from dataclasses import replace
+
+    from test_lifecycle import progress, start
+
+    from ddpack.jobs.run_json import write_record
+
+    run_dir = make_run(tmp_path, records=[start(110, 0), progress(120, 10), progress(130, 20)], logs={"41": log} if log else None,
+                       decisions=[started(100, slurm_job="41", log_at=0)])  # fmt: skip
+    if time_limit:
+        write_record(replace(read_record(run_dir), settings={"time_limit": time_limit}))
+    return run_dir
+
+
+def test_a_job_slurm_killed_at_its_time_limit_is_charged_until_slurm_ended_it(tmp_path, slurm) -> None:
+    """Slurm's cancel line says when (its local time, this host's); without one, a TIMEOUT ran its whole limit."""
+    from ddpack.jobs.ledger import run_ledger
+
+    at = 1_800_000_000  # Slurm's line is to the second, in local time
+    line = f"slurmstepd: error: *** JOB 41 ON n1 CANCELLED AT {time.strftime('%Y-%m-%dT%H:%M:%S', time.localtime(at))} DUE TO TIME LIMIT ***\n"
+    run_dir = killed_run(tmp_path / "a", log="0: step 20\n" + line)
+    decisions = (run_dir / "decisions.jsonl").read_text().replace('"time": 100', f'"time": {at - 600}')
+    (run_dir / "decisions.jsonl").write_text(decisions)
+    ledger = run_ledger(run_dir, "TIMEOUT")
+    assert [(a["began"], a["ended"]) for a in ledger.allocations] == [(at - 600, at)] and ledger.allocated_node_s == 2 * 600
+    alone = run_ledger(killed_run(tmp_path / "b", time_limit="10"), "TIMEOUT")  # no line: the start plus its 10 minutes
+    assert [(a["began"], a["ended"]) for a in alone.allocations] == [(100.0, 700.0)] and alone.allocated_node_s == 2 * 600
+    assert run_ledger(killed_run(tmp_path / "c", time_limit="10"), "CANCELLED").allocations[0]["ended"] == 130.0  # its last record
+
+
+def test_a_sweeps_ledger_counts_only_ended_points_as_failed(tmp_path, slurm, capfd) -> None:
+    from ddpack.jobs.ledger import sweep_ledger
+
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
+    assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1,2,3", "--json", "--", "p", "{lr}"]) == 0
+    sweep_dir = Path(submitted(capfd)["run_dir"])
+    for index in range(3):
+        write_decisions(sweep_dir / str(index), [started(100, f"90_{index}", slurm_job=str(124 + index), log_at=0)])
+    write_decisions(sweep_dir / "0", [step_end(160, "end", "the step failed (exit 1)", "90_0", reason="failed", code=1)], append=True)
+    fake(slurm, "squeue", 'case "$*" in *%i*) echo "90_1|RUNNING"; echo "90_2|PENDING" ;; esac')
+    total = sweep_ledger(sweep_dir)
+    assert (total.failed_points, total.failed_point_node_s) == (1, 2 * 60.0)
+
+
+def test_report_without_matplotlib_still_shows_the_ledger(tmp_path, slurm, monkeypatch, capfd) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # the host's light install: import matplotlib fails
+    run_dir = ledger_run(tmp_path)
+    assert cli.main(["report", str(run_dir)]) == 0
+    out, err = capfd.readouterr()
+    assert "node-hours of the run" in out and "0.049 allocated over 2 allocation(s)" in out
+    assert len(err.strip().splitlines()) == 1 and "no page written: report.html needs matplotlib" in err
+    assert cli.main(["report", str(run_dir), "--json"]) == 0
+    said = json.loads(capfd.readouterr().out)
+    assert said["files"] == [] and said["ledger"]["allocated_node_hours"] == pytest.approx(178 / 3600)
+    assert not (run_dir / "report.html").exists()

@@ -562,7 +562,7 @@ def test_every_verb_takes_json_with_status_names_and_a_job_id(tmp_path, slurm, c
     assert capsys.readouterr().err.count("\n") == 1
 
 
-@pytest.mark.parametrize(("squeue", "code"), [("COMPLETED", 0), ("FAILED", 1), ("CANCELLED", 3), ("TIMEOUT", 4), ("PREEMPTED", 5)])
+@pytest.mark.parametrize(("squeue", "code"), [("COMPLETED", 0), ("CANCELLED", 3), ("TIMEOUT", 4), ("PREEMPTED", 5), ("FAILED", 6)])
 def test_status_watch_exits_as_logs_follow_does(tmp_path, slurm, monkeypatch, capsys, squeue: str, code: int) -> None:
     import ddpack.jobs.slurm_cli
 
@@ -571,6 +571,19 @@ def test_status_watch_exits_as_logs_follow_does(tmp_path, slurm, monkeypatch, ca
     run_dir = make_run(tmp_path, records=REQUEUED_RUN, logs={"41": REQUEUED_LOG}, decisions=REQUEUED_DECISIONS)
     assert cli.main(["status", str(run_dir), "--watch", "--interval", "0.01"]) == code
     assert squeue in capsys.readouterr().out
+
+
+def test_a_job_that_ended_badly_never_exits_as_ddpack_failing_or_refusing(tmp_path, slurm, monkeypatch, capsys) -> None:
+    """Exit 1 is ddpack's own failure (a HostError, a traceback) and 2 bad input: no job state shares either, so a
+    script that waits with `status --watch` tells "the job failed" from "ddpack could not tell"."""
+    import ddpack.jobs.slurm_cli
+
+    assert not {1, 2} & set(ddpack.jobs.slurm_cli.EXIT_FOR_STATE.values())
+    monkeypatch.setattr(ddpack.jobs.slurm_cli, "SETTLE_S", 0.0)
+    fake(slurm, "squeue", "echo 'FAILED|None|'")
+    run_dir = make_run(tmp_path, records=REQUEUED_RUN, logs={"41": REQUEUED_LOG}, decisions=REQUEUED_DECISIONS)
+    failed_job = cli.main(["status", str(run_dir), "--watch", "--interval", "0.01"])
+    assert failed_job != 1 and cli.main(["status", str(run_dir / "no-such-run"), "--watch"]) == 2 and failed_job != 2
 
 
 def test_preempted_is_an_end_in_every_verb(tmp_path, slurm, capsys) -> None:

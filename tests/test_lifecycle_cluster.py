@@ -259,7 +259,7 @@ def test_a_sweep_is_one_job_array_whose_points_each_run_their_own_command(shared
     sweep_dir, array = Path(result["run_dir"]), result["job_id"]
     assert "Comment=ddpack-sweep" in subprocess.run(["scontrol", "show", "job", f"{array}_0"], capture_output=True, text=True).stdout
     watched = ddpack("status", str(sweep_dir), "--watch", "--interval", "1")
-    assert watched.returncode == 1, watched.stdout + watched.stderr  # FAILED: point 1's
+    assert watched.returncode == 6, watched.stdout + watched.stderr  # FAILED: point 1's (slurm_cli.EXIT_FOR_STATE)
     assert "1 of 2 points did not complete: 1 (lr=bad) FAILED" in watched.stdout, watched.stdout
     for index, value in enumerate(("1e-3", "bad")):
         log = (sweep_dir / str(index) / run_folder.LOGS / run_folder.job_log(f"{array}_{index}")).read_text()

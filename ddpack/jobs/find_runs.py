@@ -9,6 +9,7 @@ import os
 import pwd
 import re
 from pathlib import Path
+from typing import Any
 
 from ddpack.errors import HostError
 from ddpack.jobs.run_json import RunRecord, read_record
@@ -34,7 +35,8 @@ def default_runs() -> Path:
 
 def resolve_run(run: str | None, runs: Path) -> Path:
     """The run folder `run` names: a run folder or a sweep's, a job id of a run under `runs` (a sweep's point is
-    `<array>_<index>`, the whole sweep the array's id), or (None) the newest run or sweep there."""
+    `<array>_<index>` or its own number, SLURM_JOB_ID; the whole sweep its array's id or a resubmit's), or (None) the
+    newest run or sweep there."""
     if run is None:
         newest = [*((record.created, folder) for folder, record in list_runs(runs) if record.sweep is None),
                   *((data.get("created", 0), folder) for folder, data in list_sweeps(runs))]  # fmt: skip
@@ -52,13 +54,29 @@ def resolve_run(run: str | None, runs: Path) -> Path:
         # The runs folder, then ./runs: where a job started by hand with a template keeps its run (runs/<name>-<job>
         # in the folder it was submitted from), so `ddpack status JOB` typed there finds it.
         for where in dict.fromkeys([runs, (Path.cwd() / "runs").resolve()]):
-            # Slurm reuses job ids (a new cluster, a reset): the newest run or sweep that has it, whichever it is.
-            having = [*((record.created, folder) for folder, record in list_runs(where) if any(job.job_id == run for job in record.jobs)),
-                      *((data.get("created", 0), folder) for folder, data in list_sweeps(where) if str(data.get("job_id")) == run)]  # fmt: skip
+            found = list_runs(where)
+            # Slurm reuses job ids (a new cluster, a reset): the newest run or sweep that has it, whichever it is. A
+            # sweep has its array's id and each of its mends' (resubmit --failed prints it).
+            having = [*((record.created, folder) for folder, record in found if any(job.job_id == run for job in record.jobs)),
+                      *((data.get("created", 0), folder) for folder, data in list_sweeps(where) if run in sweep_arrays(data))]  # fmt: skip
+            # A point's own number (SLURM_JOB_ID, what Slurm's mails and sacct show of <array>_<index>), from its records.
+            having = having or [(record.created, folder) for folder, record in found if record.sweep and ran_as(folder, run)]
             if having:
                 return max(having, key=lambda item: item[0])[1]
         raise HostError(f"job {run} belongs to no run under {runs} or ./runs; name the run folder, or give --runs", code=2)
     raise HostError(f"{run} is neither a run folder nor a job id", code=2)
+
+
+def sweep_arrays(data: dict[str, Any]) -> list[str]:
+    """A sweep's job arrays (sweep.json): its own, then each resubmit's."""
+    return [str(job) for job in [data.get("job_id"), *(mend.get("job_id") for mend in data.get("resubmits", []))] if job]
+
+
+def ran_as(run_dir: Path, slurm_job: str) -> bool:
+    """Whether a job of the run had Slurm's number `slurm_job` (its records' slurm_job: an array element's own id)."""
+    from ddpack.jobs.decisions import read_decisions
+
+    return any(str(entry.get("slurm_job")) == slurm_job for entry in read_decisions(run_dir))
 
 
 def list_runs(runs: Path) -> list[tuple[Path, RunRecord]]:

@@ -2,8 +2,9 @@
 
 An allocation is one start of the job's script on its nodes: from its `start` record (decisions.jsonl) to the
 decision that gave the nodes back (the step-end that ended the job or requeued it), else Slurm's cancel or time
-limit (the log's line), else the allocation's last record. Its node count is the start record's node list. Each
-allocation's span is cut into parts that follow each other, so the parts add up to the allocation by construction:
+limit (the log's line; without one, a TIMEOUT's start plus its time limit), else the allocation's last record. Its
+node count is the start record's node list. Each allocation's span is cut into parts that follow each other, so the
+parts add up to the allocation by construction:
 
 - startup: the start to the first training record (staging the image, unpacking it, the launch), less
 - preflight: the preflight's own seconds (preflight.json), ending at its record;
@@ -19,8 +20,9 @@ allocation's span is cut into parts that follow each other, so the parts add up 
 
 Beside them, never in the sum (no nodes are held): the wait in the queue before each job's first start and the
 requeue waits, from a requeue decision to the next start. A sweep adds its points' ledgers; the node-hours of a
-point that did not complete are its failed points' cost. The times are the records' (each node's clock, as the job
-wrote them); what Slurm does before the script's first line (prolog) and after its last (epilog) is not seen.
+point that ended and did not complete are its failed points' cost (a point still waiting or training is not one).
+The times are the records' (each node's clock, as the job wrote them); what Slurm does before the script's first
+line (prolog) and after its last (epilog) is not seen.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any
 from ddpack.jobs.decisions import read_decisions
 from ddpack.jobs.run_json import RunRecord, read_record
 from ddpack.jobs.run_metrics import Segment, split_segments
+from ddpack.jobs.slurm_cli import ENDED, time_limit_s
 from train import run_folder
 
 PARTS = ("kept", "redone", "startup", "preflight", "restarts", "preemptions", "hangs", "failures", "not_completed", "shutdown", "unrecorded")
@@ -147,8 +150,9 @@ def run_ledger(run_dir: Path, state: str | None = None) -> Ledger:
     for index, alloc in enumerate(allocations):
         following = allocations[index + 1].began if index + 1 < len(allocations) else None
         mine = [s for s in segments if s.began is not None and s.began >= alloc.began and (following is None or s.began < following)]
-        if alloc.ended is None:  # no decision gave the nodes back (Slurm's cancel, the time limit): its last record
-            alloc.ended = max([*(s.ended for s in mine if s.ended is not None), *(float(e["time"]) for e in alloc.stops), alloc.began])
+        if alloc.ended is None:  # no decision gave the nodes back (Slurm's cancel, the time limit): Slurm's end of it
+            last = max([*(s.ended for s in mine if s.ended is not None), *(float(e["time"]) for e in alloc.stops), alloc.began])
+            alloc.ended = slurm_end(run_dir, record, alloc, following, state if following is None else None) or last
         parts = split_allocation(alloc, mine, segments, state == "COMPLETED", preflight_s)
         span = alloc.ended - alloc.began
         for part, seconds in parts.items():
@@ -171,6 +175,22 @@ def run_ledger(run_dir: Path, state: str | None = None) -> Ledger:
     if segments:  # a completed run keeps every step it reached; another, those up to its last segment's start
         ledger.steps_kept = last_step(segments[-1]) if state == "COMPLETED" else (segments[-1].start or {}).get("global_step")
     return ledger
+
+
+def slurm_end(run_dir: Path, record: RunRecord, alloc: Allocation, following: float | None, state: str | None) -> float | None:
+    """When Slurm took back an allocation its job never gave back (scancel, the time limit, a preemption): the time of
+    Slurm's own cancel line in the job's log after the allocation began; without one, for the run's last allocation
+    ended TIMEOUT, its start plus the job's time limit (Slurm kills it then); else None (its last record answers)."""
+    from ddpack.jobs.status import slurm_cancels
+
+    job = next((job for job in reversed(record.jobs) if job.job_id == alloc.job), None)
+    if job is None:
+        return None
+    for _, cancel in slurm_cancels(job.log_path(run_dir), job.job_id):
+        if cancel.when is not None and cancel.when >= alloc.began - 1 and (following is None or cancel.when <= following):
+            return max(cancel.when, alloc.began)
+    limit = time_limit_s(job.changes.get("time_limit") or record.settings.get("time_limit"))
+    return alloc.began + limit if state == "TIMEOUT" and limit is not None else None
 
 
 def preflight_seconds(run_dir: Path) -> float:
@@ -221,7 +241,8 @@ def split_allocation(alloc: Allocation, mine: list[Segment], every: list[Segment
 
 
 def sweep_ledger(folder: Path) -> Ledger:
-    """The sweep's points' ledgers added; a point that did not complete is a failed point, its node-hours their cost."""
+    """The sweep's points' ledgers added; a point that ended and did not complete is a failed point, its node-hours
+    their cost (one still waiting or training is not)."""
     from ddpack.jobs.sweep import sweep_status
 
     status = sweep_status(folder)
@@ -234,7 +255,7 @@ def sweep_ledger(folder: Path) -> Ledger:
         for name in ("steps_redone", "preemptions", "restarts", "requeues", "queue_wait_s", "requeue_wait_s"):
             setattr(total, name, getattr(total, name) + getattr(one, name))
         total.steps_kept = (total.steps_kept or 0) + (one.steps_kept or 0) if point["state"] == "COMPLETED" else total.steps_kept
-        if point["state"] != "COMPLETED":
+        if point["state"] != "COMPLETED" and point["state"] in ENDED:  # a point waiting or training has not failed
             total.failed_points += 1
             total.failed_point_node_s += one.allocated_node_s
     return total

@@ -16,7 +16,7 @@ from typing import TextIO
 from ddpack.errors import HostError
 from ddpack.jobs import slurm_cli
 from ddpack.jobs.run_json import read_record
-from ddpack.jobs.slurm_cli import ENDED, EXIT_FOR_STATE
+from ddpack.jobs.slurm_cli import ENDED
 from ddpack.jobs.status import run_status
 
 POLL_STATE_S = 2.0  # how often `logs -f` asks Slurm for the job's state (the log itself is read every poll)
@@ -95,7 +95,7 @@ def follow(run_dir: Path, rank: int | None, out: TextIO | None = None, poll_s: f
         if last_pass:
             out.write(f"ddpack logs: job {job.job_id} {state}\n")
             out.flush()
-            return EXIT_FOR_STATE.get(state, 1)
+            return slurm_cli.exit_for(state)
         now = time.monotonic()
         if now >= next_check:
             status = run_status(run_dir)

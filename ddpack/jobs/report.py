@@ -36,11 +36,15 @@ OUTCOME_COLOURS = {"done": "tab:green", "stopped": "tab:orange", "failed": "tab:
 # ---------------------------------------------------------------- charts
 
 
+class NoCharts(HostError):
+    """matplotlib is not installed (the host's light install): no page, but what needs no chart (the ledger) still."""
+
+
 def _pyplot() -> Any:
     try:
         import matplotlib
     except ImportError:
-        raise HostError("make report needs matplotlib: run it with the host venv (make venv), or pip install matplotlib", 2) from None
+        raise NoCharts("report.html needs matplotlib: run it with the host venv (make venv), or pip install matplotlib", 2) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -138,12 +138,16 @@ def resubmit_options(changes: dict[str, Any], spares: int) -> tuple[str, ...]:
 
 def remove(folder: Path) -> list[str]:
     """Delete a run's or a sweep's folder, refused in one line while a job of it may still live (a state Slurm did not
-    settle counts as alive); the jobs it had, for the sentence."""
+    settle counts as alive) and for a sweep's point alone; the jobs it had, for the sentence."""
     import shutil
 
     from ddpack.jobs.status import run_status
     from ddpack.jobs.sweep_points import is_sweep, point_dirs
 
+    point = None if is_sweep(folder) else read_record(folder).sweep
+    if point and is_sweep(Path(point["dir"])):  # every sweep verb goes through every point: none may go missing
+        raise HostError(f"{folder} is point {point['index']} of the sweep {point['dir']}, whose verbs need every point; "
+                        f"ddpack rm {point['dir']} removes the whole sweep", code=2)  # fmt: skip
     runs = point_dirs(folder) if is_sweep(folder) else [folder]
     alive = []
     jobs = []

@@ -18,8 +18,9 @@
     [sweep]                          # one job array of the cross product, {lr} in the command's words (as --sweep)
     lr = ["1e-3", "3e-4"]
 
-A flag given on the command line wins over the file's value. A path may begin with `~` (your home). A bad key or value is one line naming the file, the line
-and the key, exit 2. The file's text is kept in the run's record (run.json) with the rest of what ran.
+A flag given on the command line wins over the file's value. A path may begin with `~` (your home) and hold `$NAME`
+or `${NAME}` (this shell's variable; one not set is refused). A bad key or value is one line naming the file, the
+line and the key, exit 2. The file's text is kept in the run's record (run.json) with the rest of what ran.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ SCALARS: dict[str, tuple[type, str]] = {
 LISTS = ("command", "pass_env", "secrets", "sbatch")  # lists of strings
 TABLES = ("env", "sweep", "tags")  # env, tags: NAME = "value"; sweep: NAME = [values]
 PATHS = ("app_dir", "runs", "images", "sqsh")
+VARIABLE = re.compile(r"\$(\{[A-Za-z_][A-Za-z0-9_]*\}|[A-Za-z_][A-Za-z0-9_]*)")  # $NAME or ${NAME} in a path, as os.path.expandvars reads it
 
 
 @dataclass(frozen=True)
@@ -135,12 +137,16 @@ def table_values(path: Path, text: str, key: str, table: dict[str, Any]) -> dict
 
 
 def run_file_path(path: Path, text: str, written: str, value: str, folder: Path) -> Path:
-    """A path key's value: `~` and `~user` expanded as a shell would, then relative to the run file's folder; one that
-    cannot be expanded (a user this host does not know) is an error, never a folder named `~`."""
-    expanded = os.path.expanduser(value)
+    """A path key's value: `~`, `~user`, `$NAME` and `${NAME}` expanded as a shell would (from this shell's
+    variables), then relative to the run file's folder; one that cannot be expanded (a user this host does not know, a
+    variable not set) is an error, never a folder named `~` or `$HOME`."""
+    where = f"{path}:{line_of(text, written)}: {written} = {value!r}"
+    unset = [name for name in VARIABLE.findall(value) if name.strip("{}") not in os.environ]
+    if unset:
+        raise HostError(f"{where}: ${unset[0].strip('{}')} is not set in this shell; export it, or write the folder's whole path", code=2)
+    expanded = os.path.expanduser(os.path.expandvars(value))
     if expanded.startswith("~"):
-        raise HostError(f"{path}:{line_of(text, written)}: {written} = {value!r}: {value.split('/')[0]} is no user's home here; "
-                        "write the folder's whole path", code=2)  # fmt: skip
+        raise HostError(f"{where}: {value.split('/')[0]} is no user's home here; write the folder's whole path", code=2)
     return (folder / expanded).resolve()
 
 

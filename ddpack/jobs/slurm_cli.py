@@ -24,15 +24,40 @@ TIMEOUT_S = 30
 # Slurm's job states as every ddpack verb reads them: the one table of them, the job's (enroot/ddpack_slurm.py, whose
 # run folder lock asks which jobs are over), loaded from there.
 JOB_STATES: dict[str, str] = module("ddpack_slurm").JOB_STATES
-# ddpack's states in which a run's job has ended for good, and the exit status `logs -f` and `status --watch` end with.
+# ddpack's states in which a run's job has ended for good, and the exit status `logs -f` and `status --watch` end with:
+# none of them 1 (ddpack itself failed: errors.HostError, a traceback) or 2 (bad input), so a script tells "the job
+# failed" from "ddpack failed". The higher, the worse: a sweep exits with its worst point's (worst_exit).
 ENDED: tuple[str, ...] = module("ddpack_slurm").ENDED
-EXIT_FOR_STATE = {"COMPLETED": 0, "FAILED": 1, "CANCELLED": 3, "TIMEOUT": 4, "PREEMPTED": 5}  # one for each of ENDED
+EXIT_FOR_STATE = {"COMPLETED": 0, "CANCELLED": 3, "TIMEOUT": 4, "PREEMPTED": 5, "FAILED": 6}  # one for each of ENDED
 # The states a run's job waits or trains in, the liveliest first (a sweep is as lively as its liveliest point).
 LIVE = ("RUNNING", "REQUEUED", "PENDING")
 SETTLE_S = 10.0  # an ended state must hold this long before a verb believes it: a requeue passes through one
 # Slurm's states in which a job has left its nodes for good (squeue -t all keeps them for MinJobAge seconds): the job
 # helper's own set, derived once there from the same table.
 OVER: frozenset[str] = frozenset(module("ddpack_slurm").OVER)
+
+
+def exit_for(state: str) -> int:
+    """The exit status of a job that ended in `state` (EXIT_FOR_STATE; a state it does not name counts as FAILED)."""
+    return EXIT_FOR_STATE.get(state, EXIT_FOR_STATE["FAILED"])
+
+
+def worst_exit(states: list[str]) -> int:
+    """The exit status of jobs that ended in `states` (a sweep's points): the worst of theirs, 0 when all COMPLETED."""
+    return max((exit_for(state) for state in states), default=0)
+
+
+def time_limit_s(text: str | None) -> float | None:
+    """Seconds of a Slurm time limit (minutes, M:S, H:M:S, D-H, D-H:M, D-H:M:S); None for none, UNLIMITED or another word."""
+    if not text or not re.fullmatch(r"(\d+-)?\d+(:\d+){0,2}", text):
+        return None
+    days, _, rest = text.rpartition("-")
+    parts = [int(part) for part in rest.split(":")]
+    if days:  # D-H[:M[:S]]
+        hours, minutes, seconds = [*parts, 0, 0][:3]
+        return float(((int(days) * 24 + hours) * 60 + minutes) * 60 + seconds)
+    hours, minutes, seconds = {1: (0, parts[0], 0), 2: (0, *parts), 3: tuple(parts)}[len(parts)]
+    return float((hours * 60 + minutes) * 60 + seconds)
 
 
 def ddpack_state(slurm_state: str) -> str:

@@ -165,13 +165,14 @@ def job_events(run_dir: Path, record: RunRecord) -> tuple[list[JobEvent], list[s
     is read, never a sentence of ddpack's, and only where a start of the job has no decision after it (the script
     ended without deciding): a job that decided after every start is not read again. A cancel goes after the last
     start that began before it in the log (each start record's `log_at`, the log's size then); a start recorded
-    without one (an older job) is placed by its time (Slurm's is the cluster's local time, taken to be this host's)."""
+    without one (an older job) is placed by its time (Slurm's is the cluster's local time, taken to be this host's).
+    A job with no log never started (Slurm opens it as the script starts): waiting, it has written no records yet."""
     recorded = decision_records(run_dir, record)
     events: list[JobEvent] = []
     unrecorded = []
     for job in record.jobs:
         mine = recorded.get(job.job_id, [])
-        if not mine:
+        if not mine and job.log_path(run_dir).exists():  # no log: Slurm never started it (pending, or cancelled so)
             unrecorded.append(job.job_id)
         # A start with no decision after it: the script was ended from outside (by Slurm), or it is running still.
         undecided = any(a.kind == "start" and (b is None or b.kind == "start") for a, b in zip(mine, [*mine[1:], None][: len(mine)], strict=True))

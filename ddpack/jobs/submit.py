@@ -215,6 +215,8 @@ class Submitted:
 
 def submit(settings: SubmitSettings, *, dry_run: bool = False, say: Any = print, run_file: dict[str, Any] | None = None) -> Submitted:
     raise_problems(setting_problems(settings))
+    if not settings.sweep:  # {{NAME}} is the text {NAME} in every command, as in a sweep's (no {NAME} is left: refused above)
+        settings = replace(settings, command=tuple(sweep_command(settings.command, {}, 0)))
     # What submit writes (the run folder, run.json, the squashfs) and the job log sbatch opens are as private as the
     # job's own files (the templates' DDPACK_UMASK); the caller's umask is its own again afterwards.
     previous = os.umask(int(settings.env.get("DDPACK_UMASK", "077"), 8))

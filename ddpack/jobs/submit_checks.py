@@ -161,8 +161,13 @@ def setting_problems(settings: SubmitSettings) -> list[str]:
         problems.extend(sweep_problems(settings.command, settings.sweep, settings.env))
         if settings.sweep_parallel is not None and settings.sweep_parallel < 1:
             problems.append(f"--sweep-parallel {settings.sweep_parallel}: at least 1 point at a time")
-    elif settings.sweep_parallel is not None:
-        problems.append("--sweep-parallel limits a sweep's points at once: it needs --sweep NAME=V1,V2,...")
+    else:
+        if settings.sweep_parallel is not None:
+            problems.append("--sweep-parallel limits a sweep's points at once: it needs --sweep NAME=V1,V2,...")
+        # {lr} with no sweep would reach the program as the text {lr}: a sweep whose --sweep was forgotten
+        for name in sorted(placeholders(list(settings.command))):
+            problems.append(f"the command uses {{{name}}}, but there is no sweep: add --sweep {name}=V1,V2,..., "
+                            f"or write {{{{{name}}}}} for the text {{{name}}}")  # fmt: skip
     problems.extend(slurm_option_problems(settings))
     if settings.name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", settings.name):
         problems.append(f"--name {settings.name!r}: letters, digits, '.', '_' and '-' only (it names the job and the run folder)")

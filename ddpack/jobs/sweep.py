@@ -89,11 +89,11 @@ def ended_line(status: dict[str, Any]) -> str:
 
 
 def sweep_exit(status: dict[str, Any]) -> int:
-    """0 when every point COMPLETED, else the exit status of the first point's state that did not (EXIT_FOR_STATE)."""
-    from ddpack.jobs.slurm_cli import EXIT_FOR_STATE
+    """0 when every point COMPLETED, else the exit status of the worst point's state (slurm_cli.worst_exit): one FAILED
+    point among TIMEOUTs is a failed sweep, whichever point came first."""
+    from ddpack.jobs.slurm_cli import worst_exit
 
-    missed = not_completed(status)
-    return EXIT_FOR_STATE.get(missed[0]["state"], 1) if missed else 0
+    return worst_exit([point["state"] for point in status["points"]])
 
 
 def one_line(status: dict[str, Any]) -> str:

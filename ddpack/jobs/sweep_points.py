@@ -2,7 +2,8 @@ r"""Sweeps: `ddpack submit P --sweep lr=1e-3,3e-4 --sweep seed=0,1 -- python tra
 
 The values' cross product is the sweep's points, in the order given (the last name varies fastest). Each point's
 command and `--env` values are the submitted ones with `{NAME}` replaced by its value and `{index}` by the point's
-number, in one pass (a value that holds `{other}` is never replaced again); `{{NAME}}` is the text `{NAME}`. A
+number, in one pass (a value that holds `{other}` is never replaced again); `{{NAME}}` is the text `{NAME}`, and the
+shell's `${NAME}` is left as written. A
 `{NAME}` that no `--sweep` gives, a name given twice and a sweep name nothing uses are errors: each would run
 something other than what was meant. A value holds a comma as `\,` (or any text at all in a run file's `[sweep]`
 list).
@@ -33,8 +34,9 @@ CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # a newline or other control character
 
 
 INDEX = "index"  # {index}: the point's number, given by no --sweep
-# {NAME} (a value), or {{NAME}} (the text {NAME}): matched in one pass, so a value is never read again.
-PLACEHOLDER = re.compile(r"\{\{([A-Za-z_][A-Za-z0-9_]*)\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}")
+# {NAME} (a value), or {{NAME}} (the text {NAME}): matched in one pass, so a value is never read again. ${NAME} is the
+# shell's (bash -c '... ${SLURM_JOB_ID}'), never a placeholder: left as written.
+PLACEHOLDER = re.compile(r"\{\{([A-Za-z_][A-Za-z0-9_]*)\}\}|(?<!\$)\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
 def split_values(text: str) -> list[str]:
