@@ -4,10 +4,12 @@ For a GPU machine with torch and pytest and nothing else (no Docker, Slurm, netw
 repository's root. In order, each step's output in its own file, a step that fails or runs out of time never
 stopping the next:
 1. the GPU tier as written (`pytest -m gpu` from the root: the modules that need host extras skip at collection);
-2. bench_gpu's GPT step, A B C A B C: the trainer eager, the bare DDP loop, the trainer `--compile`;
-3. a profile of trainer and bare loop over 100 steady steps (tables and totals);
-4. the same comparison at a batch where the GPU, not the host, sets the step;
-5. the preflight's matmul against a bare loop.
+2. the preflight with --preflight-strict on every visible GPU: the node checks (nvidia-smi's rows, /dev/shm, locked
+   memory) and the copy and all-reduce rates against the GPU model's floors, each row's value in the summary;
+3. bench_gpu's GPT step, A B C A B C: the trainer eager, the bare DDP loop, the trainer `--compile`;
+4. a profile of trainer and bare loop over 100 steady steps (tables and totals);
+5. the same comparison at a batch where the GPU, not the host, sets the step;
+6. the preflight's matmul against a bare loop.
 `summary.txt` holds the GPU's name, driver, torch, CUDA and the commit, then each step's verdict and figures: paste
 it into docs/tests-and-benchmarks.md. The whole stays inside `--budget` seconds (a step is given what is left and
 skipped when too little is).
@@ -60,11 +62,34 @@ def steps(out: Path, rounds: int, gpt_steps: int) -> list[Step]:
     return [
         Step(name="gpu-tier", argv=[sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"], needs_s=150,
              figures=("FAILED", "ERROR", "SKIPPED")),
+        Step(name="preflight", argv=preflight_argv(out), needs_s=40, figures=("preflight: PASS", "preflight: FAIL", "preflight: WARN")),
         Step(name="gpt", argv=[*bench, "--only", "gpt"], needs_s=150, figures=("GPT", "  trainer --compile")),
         Step(name="profile", argv=[*bench, "--only", "profile", "--profile", str(out)], needs_s=40, figures=("profile",)),
         Step(name="gpu-bound", argv=[*bench, "--only", "gpu-bound", "--rounds", "2"], needs_s=60, figures=("GPT",)),
         Step(name="matmul", argv=[*bench, "--only", "matmul", "--seconds", "1"], needs_s=20, figures=("matmul", "  against")),
     ]
+
+
+def preflight_argv(out: Path) -> list[str]:
+    """The strict preflight on every GPU torch sees, one rank each (torchrun --standalone), its report in `out`."""
+    import torch
+
+    gpus = max(1, torch.cuda.device_count())
+    return [sys.executable, "-m", "entrypoint", f"--nproc-per-node={gpus}", "--preflight", "--preflight-strict", "--preflight-seconds", "10",
+            "--preflight-json", str(out / "preflight.json"), "--snapshot-dir", ""]  # fmt: skip
+
+
+def preflight_figures(report: Path) -> list[str]:
+    """Each node check's row from the preflight's report (the cheap checks' time first), or why there is none."""
+    try:
+        record = json.loads(report.read_text())
+    except (OSError, ValueError) as exc:
+        return [f"no report at {report.name} ({exc})"]
+    lines = [f"node checks took {record.get('node_check_s', 0) * 1000:.1f} ms on the slowest node"]
+    for row in record.get("node_checks") or []:
+        device = f" [{row['device']}]" if row.get("device") else ""
+        lines.append(f"{row['check']}: {row['status']} {row['value']}{device} (threshold: {row['threshold']})")
+    return lines
 
 
 def run_step(step: Step, out: Path, left_s: float) -> tuple[str, list[str]]:
@@ -84,6 +109,8 @@ def run_step(step: Step, out: Path, left_s: float) -> tuple[str, list[str]]:
     figures = [line for line in lines if line.startswith(step.figures)]
     if step.name == "gpu-tier" and lines:
         figures.append(lines[-1])  # pytest's closing line: N passed, ...
+    if step.name == "preflight":
+        figures += preflight_figures(out / "preflight.json")
     return f"{verdict} in {time.monotonic() - began:.0f}s (output: {log.name})", figures
 
 

@@ -229,6 +229,20 @@ def project_dir(where: str) -> int:
     return 0
 
 
+# The fields of a failed node check the job keeps (train/preflight/verdict.py NodeCheck.key: a test holds them together).
+NODE_CHECK_FIELDS = ("node", "check", "value", "threshold", "device")
+
+
+def failed_node_checks(report: Path) -> list[dict[str, str]]:
+    """The failing node checks of a preflight's report (preflight.json's node_checks), [] where it has none or cannot be
+    read (the preflight ended before writing it)."""
+    try:
+        rows = json.loads(report.read_text()).get("node_checks") or []
+        return [{name: str(row.get(name, "")) for name in NODE_CHECK_FIELDS} for row in rows if row.get("status") == "fail"]
+    except (OSError, ValueError, AttributeError):
+        return []
+
+
 def preflight(container: str, argv: list[str]) -> int:
     """The verb: `preflight [--container NAME] -- STEP...`. DDPACK_PREFLIGHT=1 runs the template's own srun line with
     `entrypoint --preflight` as a step before training; a failed check ends the job with its code (the container
@@ -245,8 +259,16 @@ def preflight(container: str, argv: list[str]) -> int:
     if rc:
         if container:
             remove_container(JobFacts(job), container)
-        say(f"preflight failed (exit {rc}); not training. The 'preflight: FAIL' lines above name each problem; the report is {report}")
-        write_record(run_dir, "preflight", {"result": "failed", "exit": str(rc), "report": str(report)})
+        failed = failed_node_checks(report)
+        nodes = list(dict.fromkeys(check["node"] for check in failed))
+        on = "".join(
+            f" on node {node} ({', '.join(dict.fromkeys(c['check'] for c in failed if c['node'] == node))})" for node in nodes
+        )
+        say(f"preflight failed (exit {rc}){on}; not training. The 'preflight: FAIL' lines above name each problem; the report is {report}")
+        fields = {"result": "failed", "exit": str(rc), "report": str(report)}
+        if failed:  # fields, not a sentence: what a swap for a spare node reads
+            fields.update(nodes=nodes, failed_checks=failed)
+        write_record(run_dir, "preflight", fields)
         return rc
     write_record(run_dir, "preflight", {"result": "passed", "exit": "0", "report": str(report)})
     if mode == "only":

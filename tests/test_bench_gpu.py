@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from recorded_gpus import gpu_facts, recorded
+
 from testbed.env import ROOT, clean_env
 
 
@@ -42,3 +44,30 @@ def test_the_host_bench_prints_the_trainer_against_the_bare_loop_with_its_phases
     trainer, bare, overhead = (int(figures.group(i)) for i in (1, 2, 3))
     assert trainer > 0 and bare > 0 and abs(trainer - bare - overhead) <= 1, last
     assert "buckets: trainer 14, bare 14, the 92M GPT on a GPU 13" in out.stdout and "stand-in: its CUDA event" in out.stdout, out.stdout
+
+
+def test_gpu_check_s_preflight_step_is_a_strict_preflight_and_its_summary_holds_every_node_check(tmp_path: Path) -> None:
+    """make gpu-check's preflight step: argv the entrypoint accepts as a strict preflight, and each of the report's node
+    checks (value, threshold, the GPUs it names) in the summary with the time the cheap checks took."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    from entrypoint.cli import parse_args
+    from train.preflight.node import gpu_node_checks
+    from train.preflight.report import Report
+
+    argv = gpu_check.preflight_argv(tmp_path)
+    options, _ = parse_args(argv[3:])
+    assert options.command[2:] == ("-m", "train.preflight", "--preflight-strict", "--preflight-seconds", "10", "--preflight-json",
+                                   str(tmp_path / "preflight.json"), "--snapshot-dir", "")  # fmt: skip
+    rows = gpu_node_checks(gpu_facts(), recorded("failing", dmesg="failing"))
+    (tmp_path / "preflight.json").write_text(Report(8, "nccl", 10.0, node_checks=rows, node_check_s=0.412).to_json())
+    figures = gpu_check.preflight_figures(tmp_path / "preflight.json")
+    assert figures[0] == "node checks took 412.0 ms on the slowest node"
+    assert figures[1:] == [
+        f"{row.check}: {row.status} {row.value}{f' [{row.device}]' if row.device else ''} (threshold: {row.threshold})" for row in rows
+    ]
+    assert "ecc: fail GPU 3: 2 uncorrected [GPU 3 (00000000:5D:00.0)] (threshold: 0 uncorrected ECC errors since the driver loaded)" in figures
+    assert gpu_check.preflight_figures(tmp_path / "none.json")[0].startswith("no report at none.json")

@@ -1,5 +1,5 @@
 """The GPU tier (`pytest -m gpu`): the trainer, the gradient-sync hook's CUDA branch, the preflight's bf16
-matmul and the node checks on a real NVIDIA GPU. Skipped where torch sees none (CI); run on a lent GPU
+matmul, its nvidia-smi node checks and strict copy rates, and the node checks on a real NVIDIA GPU. Skipped where torch sees none (CI); run on a lent GPU
 (see the README's Tests section for how and what it last showed)."""
 
 from __future__ import annotations
@@ -95,6 +95,24 @@ def test_the_preflight_measures_bf16_matmul_and_names_the_driver(tmp_path: Path)
     assert report["ok"] and report["compute"][0]["gflops"] > 10_000, report["compute"]  # bf16 tensor cores: tens of TFLOP/s at least
     identity = report["identity"][0]
     assert identity["driver"] == driver_version() and identity["nccl"] != "-" and identity["transport"] != "-", identity
+
+
+def test_the_strict_preflight_reads_the_gpus_with_nvidia_smi_and_measures_their_copies(tmp_path: Path) -> None:
+    """The node checks on a real GPU node (nvidia-smi's formats as this driver writes them, parsed into every row) and
+    --preflight-strict's copy rates measured; the rows' values are make gpu-check's to record, not this test's to judge."""
+    report_path = tmp_path / "report.json"
+    args = ["--preflight", "--preflight-strict", "--preflight-seconds", "10", "--preflight-json", str(report_path), "--snapshot-dir", ""]
+    job = start_slurm_step(tmp_path, [1], args)
+    job.wait(300)
+    report = json.loads(report_path.read_text())
+    rows = {row["check"]: row for row in report["node_checks"]}
+    assert {"gpu-count", "persistence", "compute-mode", "ecc", "throttle", "row-remap", "nvlink", "xid", "memlock", "shm-free"} <= rows.keys()
+    for check in ("gpu-count", "persistence", "compute-mode", "ecc", "throttle", "row-remap", "nvlink"):  # read and parsed here
+        assert rows[check]["status"] != "skip", rows[check]
+    assert rows["gpu-count"]["value"].startswith(f"{torch.cuda.device_count()} ({torch.cuda.get_device_name(0)})"), rows["gpu-count"]
+    assert report["node_check_s"] < 5, report["node_check_s"]
+    measured = rows.get("h2d") or rows["gpu-floors"]  # a model without published floors says so
+    assert "GB/s" in measured["value"] or measured["check"] == "gpu-floors", measured
 
 
 def test_the_node_checks_hold_on_a_real_gpu() -> None:

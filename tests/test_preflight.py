@@ -173,6 +173,9 @@ def test_a_healthy_two_rank_slurm_step_passes_with_every_section(tmp_path: Path)
     assert sorted((link["src"], link["dst"]) for link in report["p2p"]) == [(0, 1), (1, 0)]
     assert all(rate["gflops"] > 0 for rate in report["compute"])
     assert report["storage"]["error"] is None and report["storage"]["nbytes"] > 0
+    checks = {row["check"] for row in report["node_checks"]}
+    assert {"shm-size", "shm-free", "memlock", "efa"} <= checks and "gpu-count" not in checks  # CPU ranks: no GPU rows
+    assert {row["status"] for row in report["node_checks"]} == {"ok"}
     assert not list((tmp_path / "snaps").iterdir())  # the test file is gone
     out = job.output(0)
     assert "preflight: PASS in" in out and "# Avg bus bandwidth" in out
@@ -250,6 +253,38 @@ def test_a_rank_that_starts_later_than_the_budget_still_joins(tmp_path: Path) ->
     job = start_slurm_step(tmp_path, [1, 1], args, rank_env={1: {"PYTHONPATH": f"{late}:{ROOT}"}})
     assert job.wait(120) == [0, 0], job.output()
     assert "preflight: PASS" in job.output(0)
+
+
+# The node of rank 1 has a 1 MiB /dev/shm with nothing free, as a node whose tmpfs a previous job filled.
+SMALL_SHM = """import os
+statvfs = os.statvfs
+def small_shm(path, *args, **kwargs):
+    if str(path) == "/dev/shm":
+        return os.statvfs_result((4096, 4096, 256, 0, 0, 0, 0, 0, 0, 255))
+    return statvfs(path, *args, **kwargs)
+os.statvfs = small_shm
+"""
+
+
+@dist
+def test_a_node_with_a_1_mib_dev_shm_fails_the_job_naming_the_node_the_value_and_the_threshold(tmp_path: Path) -> None:
+    small = tmp_path / "small-shm"
+    small.mkdir()
+    (small / "sitecustomize.py").write_text(SMALL_SHM)  # imported at interpreter start
+    job = start_slurm_step(tmp_path, [1, 1], preflight_args(tmp_path), rank_env={1: {"PYTHONPATH": f"{small}:{ROOT}"}})
+    assert job.wait(120) == [1, 1], job.output()
+    report = json.loads((tmp_path / "report.json").read_text())
+    host = report["identity"][1]["host"]
+    fails = [line for line in job.output(0).splitlines() if line.startswith("preflight: FAIL ")]
+    assert [line.split(" (threshold")[0] for line in fails] == [
+        f"preflight: FAIL node {host}: shm-size: /dev/shm 1.0 MiB",
+        f"preflight: FAIL node {host}: shm-free: 0 B free of 1.0 MiB",
+    ]
+    failed = [(row["node"], row["check"], row["value"], row["threshold"]) for row in report["node_checks"] if row["status"] == "fail"]
+    assert failed == [
+        (host, "shm-size", "/dev/shm 1.0 MiB", ">= 256.0 MiB (the CPU floor)"),
+        (host, "shm-free", "0 B free of 1.0 MiB", ">= 256.0 MiB (the CPU floor)"),
+    ]
 
 
 # Rank 1's matrix multiplies take SLOWDOWN times as long, as on a throttled device or slower cores: the

@@ -11,6 +11,7 @@ rank 0's verdict, so `srun`'s exit code is the check's.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import threading
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from train.config import Config, parse_config
+from train.data import default_num_workers
 from train.distributed import (
     DeviceError,
     DistContext,
@@ -34,13 +36,16 @@ from train.distributed import (
     select_device,
     shutdown,
 )
-from train.gpu import capture_nccl_log, nccl_warnings
+from train.gpu import capture_nccl_log, driver_version, gpus_promised, nccl_warnings
 from train.preflight.comm import all_reduce_sweep, p2p_ring, slow_links
 from train.preflight.compute import measure_rates, stragglers
 from train.preflight.identity import Identity, collect_identity, disagreements
+from train.preflight.node import NodeFacts, node_checks, shm_need
 from train.preflight.report import Report, render, write_json_atomically
 from train.preflight.storage import check_storage
+from train.preflight.throughput import judge, measure
 from train.preflight.transport import transport_findings
+from train.preflight.verdict import NodeCheck
 
 DEFAULT_SECONDS = 30.0
 # Shares of the budget; the rest is start-up, identity and slack.
@@ -73,10 +78,35 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Config]:
         "--preflight-strict",
         action="store_true",
         help="fail on stragglers and slow links too (default: warn; they are relative timings, which a shared or small node "
-        "can upset, while a wrong sum, an unwritable folder or ranks that disagree are failures always)",
+        "can upset, while a wrong sum, an unwritable folder, a failing node check or ranks that disagree are failures always); "
+        "on GPUs, also measure host-to-GPU and GPU-to-GPU copies and each node's all-reduce against the GPU model's floors",
     )
     own, rest = parser.parse_known_args(argv)
     return own, parse_config(rest)
+
+
+def node_facts(ctx: DistContext, config: Config) -> NodeFacts:
+    """What this node's checks compare with, from the run's own settings and what Slurm allocated."""
+    gpus = ctx.device.type == "cuda"
+    ranks_sharing = 1 if ctx.cpus_bound else ctx.local_world_size
+    workers = config.num_workers if config.num_workers is not None else default_num_workers(ranks_sharing)
+    need, why = shm_need(nccl=ctx.backend == "nccl", local_ranks=ctx.local_world_size, workers=workers, batch_size=config.batch_size, task=config.task)
+    return NodeFacts(
+        node=ctx.host,
+        gpus=gpus,
+        gpus_asked=(gpus_promised(os.environ) or ctx.local_world_size) if gpus else 0,
+        shm_need=need,
+        shm_why=why,
+        efa_expected=os.environ.get("FI_PROVIDER", "").strip().lower() == "efa",
+        driver=driver_version() if gpus else None,
+    )
+
+
+def gathered_node_checks(ctx: DistContext, group: dist.ProcessGroup, config: Config) -> tuple[list[NodeCheck], float]:
+    """Every node's rows (its first local rank reads the node), and the slowest node's seconds."""
+    own = node_checks(node_facts(ctx, config)) if ctx.local_rank == 0 else None
+    found = [result for result in gather_objects(own, ctx, group) if result is not None]
+    return [row for rows, _ in found for row in rows], max((seconds for _, seconds in found), default=0.0)
 
 
 def run_checks(
@@ -90,15 +120,19 @@ def run_checks(
     report.identity = gather_objects(collect_identity(ctx, nccl_log), ctx, group, allowed=[Identity])
     transport_failures, transport_warnings = transport_findings(report.identity, ctx.backend)
     hosts = [record.host for record in report.identity]
+    report.node_checks, report.node_check_s = gathered_node_checks(ctx, group, config)
     report.all_reduce = all_reduce_sweep(ctx, group, seconds * SHARES["all_reduce"])
     report.p2p = p2p_ring(ctx, group, hosts, seconds * SHARES["p2p"])
     local_ranks = max(record.local_world_size for record in report.identity)
     report.compute = measure_rates(ctx, group, local_ranks, seconds * SHARES["compute"])
+    if strict and ctx.device.type == "cuda":  # copy rates and each node's all-reduce against the GPU model's floors
+        report.node_checks += judge(measure(ctx, group, hosts))
     if ctx.is_main and config.snapshot_dir:
         report.storage = check_storage(config.snapshot_dir, seconds * SHARES["storage"])
     outliers = [*slow_links(report.p2p), *stragglers(report.compute)]
     report.failures = [
         *disagreements(report.identity),
+        *(row.line() for row in report.node_checks if row.status == "fail"),
         *transport_failures,
         *(
             f"all-reduce: {row.wrong} wrong elements at {row.size} B: the sums are not what every rank sent"
@@ -108,7 +142,11 @@ def run_checks(
         *([report.storage.error] if report.storage and report.storage.error else []),
         *(outliers if strict else []),
     ]
-    report.warnings = [*transport_warnings, *([] if strict else outliers)]
+    report.warnings = [
+        *(row.line() for row in report.node_checks if row.status == "warn"),
+        *transport_warnings,
+        *([] if strict else outliers),
+    ]
     report.seconds = time.monotonic() - started
     return report
 
@@ -145,7 +183,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     _watchdog(2 * seconds + 30)  # from here on the job is bounded by the budget, not by start-up
     if ctx.is_main:
-        checks = "identity, all-reduce, point-to-point, compute, storage"
+        checks = "identity, node, all-reduce, point-to-point, compute, storage"
+        if own.preflight_strict and ctx.device.type == "cuda":
+            checks += ", GPU copy and all-reduce floors"
         print(f"preflight: {ctx.world_size} ranks, backend {ctx.backend}, budget {seconds:g} s: {checks}", flush=True)
     try:
         report = run_checks(ctx, group, config, seconds, started, own.preflight_strict, nccl_log)

@@ -13,7 +13,7 @@ from train.preflight.comm import P2P_BYTES, AllReduceRow, Link
 from train.preflight.compute import Rate
 from train.preflight.identity import Identity
 from train.preflight.storage import StorageResult
-from train.preflight.verdict import verdict_line
+from train.preflight.verdict import NodeCheck, verdict_line
 
 
 @dataclass
@@ -26,6 +26,8 @@ class Report:
     p2p: list[Link] = field(default_factory=list)
     compute: list[Rate] = field(default_factory=list)
     storage: StorageResult | None = None
+    node_checks: list[NodeCheck] = field(default_factory=list)  # every node's rows, the strict throughput rows after them
+    node_check_s: float = 0.0  # the slowest node's time for its node checks
     failures: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -71,6 +73,16 @@ def identity_table(records: Sequence[Identity]) -> list[str]:
     return ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
 
 
+NODE_COLUMNS = ("node", "check", "status", "value", "threshold")
+
+
+def node_check_table(rows: Sequence[NodeCheck]) -> list[str]:
+    """One row per node and check; a GPU or NIC a value is about is named in it."""
+    cells = [NODE_COLUMNS] + [(r.node, r.check, r.status.upper() if r.status != "ok" else "ok", r.value, r.threshold) for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(NODE_COLUMNS) - 1)]
+    return ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, [*widths, 0], strict=True)).rstrip() for row in cells]
+
+
 def all_reduce_table(rows: Sequence[AllReduceRow], dtype: str = "float") -> list[str]:
     """nccl-tests' all_reduce_perf layout (one in-place column set)."""
     lines = [
@@ -93,6 +105,9 @@ def render(report: Report) -> list[str]:
     on = f"{len(hosts)} host{'s' if len(hosts) != 1 else ''} ({', '.join(hosts)})"
     lines = [f"preflight: {report.world_size} ranks on {on}, backend {report.backend}", "identity:"]
     lines += identity_table(report.identity)
+    if report.node_checks:
+        lines.append(f"node checks (each node's first rank; the slowest node took {report.node_check_s * 1000:.1f} ms):")
+        lines += node_check_table(report.node_checks)
     if report.all_reduce:
         lines.append(f"all-reduce ({report.backend}, in place; time: the median iteration, averaged over ranks):")
         lines += all_reduce_table(report.all_reduce)
