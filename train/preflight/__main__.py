@@ -105,7 +105,7 @@ def node_facts(ctx: DistContext, config: Config) -> NodeFacts:
 def gathered_node_checks(ctx: DistContext, group: dist.ProcessGroup, config: Config) -> tuple[list[NodeCheck], float]:
     """Every node's rows (its first local rank reads the node), and the slowest node's seconds."""
     own = node_checks(node_facts(ctx, config)) if ctx.local_rank == 0 else None
-    found = [result for result in gather_objects(own, ctx, group) if result is not None]
+    found = [result for result in gather_objects(own, ctx, group, allowed=[NodeCheck]) if result is not None]
     return [row for rows, _ in found for row in rows], max((seconds for _, seconds in found), default=0.0)
 
 

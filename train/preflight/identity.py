@@ -111,7 +111,7 @@ def collect_identity(ctx: DistContext, nccl_log: Path | None = None) -> Identity
         app=app_label(),
         in_image=in_image,
         python=platform.python_version(),
-        torch=torch.__version__,
+        torch=str(torch.__version__),  # a plain str: TorchVersion is not a type a weights_only load takes
         cuda=cuda,
         nccl=nccl,
         driver=(driver_version() or "?") if ctx.device.type == "cuda" else "-",

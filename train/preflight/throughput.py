@@ -207,4 +207,4 @@ def measure(ctx: DistContext, group: dist.ProcessGroup, hosts: Sequence[str]) ->
         busbw = node_busbw(ctx, subgroups[local.index(mine)], mine, size)
     own = Measured(host=ctx.host, device_name=name, gpu=gpu, h2d_gbps=h2d, d2d_peer=peer, d2d_gbps=d2d,
                    busbw_gbps=busbw if ctx.rank == mine[0] else None, all_reduce_bytes=size, node_gpus=len(mine))  # fmt: skip
-    return gather_objects(own, ctx, group)
+    return gather_objects(own, ctx, group, allowed=[Measured])
