@@ -20,7 +20,7 @@ odd names) and about `squeue`'s answer (a failure is not "no jobs"); os.lstat, O
 say that exactly, where `ls | xargs rm` split names on whitespace (docs/security.md).
 
 Trust (docs/security.md): other users of the node are not trusted; root and the Slurm admins are. The staging folder
-(DDPACK_STAGE_DIR, default /tmp/ddpack-images-<uid>) is used only when this user owns it, it is not a link, group
+(DDPACK_STAGE_DIR; the settings table's default is under /tmp) is used only when this user owns it, it is not a link, group
 and others cannot write it and every folder above it is root's or ours (and sticky where others can write it); it
 holds only ddpack's names, on a local filesystem. Inside a folder only we can write, a name only we can have made is
 trusted, and nothing is followed through a link.
@@ -136,7 +136,7 @@ def check_stage_contents(folder: Path) -> None:
             continue
         raise Refused(
             f"DDPACK_STAGE_DIR={folder} holds {entry.name!r}, which is not an image ddpack staged; "
-            "point DDPACK_STAGE_DIR at a folder of its own (the default is /tmp/ddpack-images-<uid>)"
+            "point DDPACK_STAGE_DIR at a folder of its own (or unset it: its default is a folder of your own in /tmp)"
         )
 
 

@@ -74,13 +74,15 @@ class Staging:
     recorded (decisions.jsonl); a staging that fails is never the job's end: the nodes read the shared file instead.
 
     - off: every node reads DDPACK_SQSH from the shared filesystem (pyxis 0.19's own way): N reads of the image.
-    - sbcast: one read: Slurm's sbcast sends it down a tree (fan-out DDPACK_STAGE_FANOUT, at most 8) to the nodes' local
-      disk, DDPACK_STAGE_DIR/<key>.sqsh, where <key> names the image's content; a node that already holds that key (an
-      earlier job's copy) is skipped. DDPACK_STAGE_KEEP (2) keys stay per node, and any key a live job of yours has
-      chosen (the leases). DDPACK_STAGE_DIR (default /tmp/ddpack-images-<your uid>) is yours alone (docs/security.md).
-    - auto (the default): the nodes' copies when every node holds the image already (nothing read at all); else sbcast
-      when the model (stage_by_model) says the nodes would wait less: from 5 nodes with the defaults (DDPACK_FSX_MBPS=
-      1200, DDPACK_SBCAST_MBPS=1000, DDPACK_UNPACK_MBPS=400)."""
+    - sbcast: one read: Slurm's sbcast sends it down a tree (fan-out DDPACK_STAGE_FANOUT) to the nodes' local disk,
+      DDPACK_STAGE_DIR/<key>.sqsh, where <key> names the image's content; a node that already holds that key (an
+      earlier job's copy) is skipped. DDPACK_STAGE_KEEP keys stay per node, and any key a live job of yours has chosen
+      (the leases). DDPACK_STAGE_DIR is yours alone (docs/security.md).
+    - auto: the nodes' copies when every node holds the image already (nothing read at all); else sbcast when the model
+      (stage_by_model) says the nodes would wait less: from 5 nodes with the table's rates (DDPACK_FSX_MBPS,
+      DDPACK_SBCAST_MBPS, DDPACK_UNPACK_MBPS).
+
+    Every default is the settings table's (ddpack_settings.py)."""
 
     def __init__(self, sqsh: str, run_dir: Path, facts: JobFacts) -> None:
         self.sqsh, self.run_dir, self.facts, self.job = sqsh, run_dir, facts, facts.job
