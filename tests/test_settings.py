@@ -82,8 +82,8 @@ def test_a_setting_ddpack_sets_itself_is_not_yours_to_set(tmp_path: Path) -> Non
 def written_defaults(paths: list[Path]) -> list[str]:
     """Each place in `paths` that writes a table setting's default again: a shell fallback `${NAME:-literal}` (any
     literal: the table's `ddpack_value` reads the default), a Python `.get("NAME", "literal")` or `.get("NAME") or
-    "literal"` for a setting that has a default (`or "[]"` parses an empty one), or a line of prose that names the setting beside its default value (`NAME (10)`, or with the word
-    "default" on that line or the one before)."""
+    "literal"` for a setting that has a default (`or "[]"` parses an empty one), or a line of prose that names the
+    setting beside its default value (`NAME (10)`, or with the word "default" on that line or the one before)."""
     found = []
     for path in paths:
         lines = path.read_text(errors="replace").splitlines()
@@ -116,7 +116,7 @@ def test_a_settings_default_is_written_in_the_table_alone() -> None:
 
 def test_the_check_for_a_second_default_finds_each_way_one_is_written(tmp_path: Path) -> None:
     tried = {
-        "sh": 'mask=${DDPACK_UMASK:-077}\nwait=${DDPACK_STEP_WAIT-5}\nok=${DDPACK_NPROC:-}\nhome=${DDPACK_HOME:-$(pwd)}\n',
+        "sh": "mask=${DDPACK_UMASK:-077}\nwait=${DDPACK_STEP_WAIT-5}\nok=${DDPACK_NPROC:-}\nhome=${DDPACK_HOME:-$(pwd)}\n",
         "py": 'a = env.get("DDPACK_STANDBYS", "0")\nb = env.get("DDPACK_MOUNTS") or "/fsx:/fsx"\nc = env.get("DDPACK_RUN_DIR", "")\n',
         "txt": "up to DDPACK_MAX_RESTARTS (10).\nthe folder (default\nDDPACK_STAGE_DIR /tmp/ddpack-images-1).\nDDPACK_STAGE=auto: said\n",
     }
