@@ -158,9 +158,10 @@ ddpack_remove_container() {
 
 # ddpack_prepare_nodes SQSH: one step on every node (containers of ended jobs go, the GPUs a GPU job was promised are
 # checked), then DDPACK_STAGE's choice (ddpack_staging.py's Staging): ddpack_image is SQSH itself, or its copy on each
-# node's local disk, sent there once by sbcast.
+# node's local disk, sent there once by sbcast; a node that could not stage has the job's named container made from SQSH
+# alone, so its steps reuse that container (ddpack_name_container first).
 ddpack_prepare_nodes() {
-    ddpack_ask ddpack_image stage "$1"
+    ddpack_ask ddpack_image stage --container "${ddpack_container_name}" "$1"
 }
 
 # ddpack_train CMD...: the training step (ddpack_step, then CMD) on the job's training nodes. This script becomes
