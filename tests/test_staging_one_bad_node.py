@@ -131,10 +131,16 @@ def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "images").mkdir(mode=0o755)
     (tmp_path / "images" / "x.sqsh").write_bytes(b"squashfs bytes")
     (tmp_path / "images" / "x.sqsh").chmod(0o644)
-    for name, value in {
-        "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_ROOT": str(tmp_path), "FAKE_NODES": ",".join(NODES), "SLURM_JOB_ID": "77", "DDPACK_RUN_DIR": str(tmp_path / "run"),
-        "DDPACK_STAGE": "sbcast", "DDPACK_STAGE_DIR": str(tmp_path / "stage"),
-    }.items():  # fmt: skip
+    settings = {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "FAKE_ROOT": str(tmp_path),
+        "FAKE_NODES": ",".join(NODES),
+        "SLURM_JOB_ID": "77",
+        "DDPACK_RUN_DIR": str(tmp_path / "run"),
+        "DDPACK_STAGE": "sbcast",
+        "DDPACK_STAGE_DIR": str(tmp_path / "stage"),
+    }
+    for name, value in settings.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(module("ddpack_staging"), "HOLD_DEADLINE_S", 5)  # the late node's wait; the others report at once
     return tmp_path
