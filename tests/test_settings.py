@@ -114,6 +114,26 @@ def test_a_settings_default_is_written_in_the_table_alone() -> None:
     assert written_defaults(paths) == [], "read it from enroot/ddpack_settings.py: ddpack_value (shell), value or job_side.setting_value"
 
 
+# The image's own copies (train/, entrypoint/: the image holds no enroot/, so it cannot read the table; a program run
+# outside a template needs them): these alone, each still the table's value.
+IMAGE_COPIES = {
+    ("train/config.py", "DDPACK_CPU_BIND"),
+    ("train/config.py", "DDPACK_STANDBYS"),
+    ("entrypoint/cli.py", "DDPACK_STOP_GRACE"),
+    ("entrypoint/supervise.py", "DDPACK_STOP_GRACE"),
+}
+
+
+def test_the_image_repeats_only_the_defaults_it_must_and_each_as_the_table_has_it() -> None:
+    paths = [path for folder in ("train", "entrypoint", "ddpack_run") for path in sorted((ROOT / folder).rglob("*.py"))]
+    found = written_defaults(paths)
+    copies = {(line.split(":")[0], line.split(": ")[1]) for line in found}
+    assert copies == IMAGE_COPIES, "the image writes these defaults (IMAGE_COPIES alone, each as the table has it)"
+    for line in found:
+        name, text = line.split(": ", 2)[1:]
+        assert re.search(rf"(?<![\w.-]){re.escape(TABLE[name].default)}(?!\w)", text), f"{line}: the table's default is {TABLE[name].default}"
+
+
 def test_the_check_for_a_second_default_finds_each_way_one_is_written(tmp_path: Path) -> None:
     tried = {
         "sh": "mask=${DDPACK_UMASK:-077}\nwait=${DDPACK_STEP_WAIT-5}\nok=${DDPACK_NPROC:-}\nhome=${DDPACK_HOME:-$(pwd)}\n",
