@@ -107,8 +107,12 @@ test: venv ## run every test tier available on this machine
 test-quick: venv ## run the fast tier only (no multi-process, Docker, Slurm or pyxis tests)
 	$(VPY) -m pytest -m 'not dist and not docker and not slurm and not pyxis' $(PYTEST_ARGS)
 
-lint: venv ## ruff over the whole tree
+# The product's folders, whose every file `make lint` holds to ruff's format as well as its rules (the whole tree's);
+# tests/test_lint.py runs these same commands, read from here, so CI checks what the Makefile promises.
+LINT_PATHS := ddpack train entrypoint enroot ddpack_run
+lint: venv ## ruff check over the whole tree, ruff format --check over every product file (LINT_PATHS)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 
 bench: venv ## print trainer throughput, snapshot stall vs a synchronous write, preflight vs direct all-reduce, launcher start-up, the Lightning callback's cost, recovery table (Slurm)
 	$(VPY) bench/bench_train.py

@@ -138,7 +138,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sqsh", type=Path, required=True, help="the squashfs to start (make sqsh's output)")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--fsx-mbps", type=float, default=1200.0, help="the model's shared-filesystem throughput, all nodes together")
+    parser.add_argument("--fsx-mbps", type=float, default=Site().fsx_mbps, help="the model's shared-filesystem throughput, all nodes together")
     opts = parser.parse_args()
     if shutil.which("sinfo") is None or subprocess.run(["sinfo", "-h"], capture_output=True).returncode != 0:
         print("bench_goodput: no Slurm controller answers (sinfo); start the test cluster: .venv/bin/python testbed/slurm_cluster.py", file=sys.stderr)

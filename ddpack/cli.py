@@ -34,9 +34,11 @@ from pathlib import Path
 from typing import Any
 
 from ddpack.errors import HostError, run_verb
+from ddpack.job_side import setting_value
 from ddpack.jobs.sweep_points import is_sweep
 
 TEMPLATE_CHOICES = ("per-task", "torchrun")
+IMAGES = "/fsx/images"  # the shared images folder when neither --images nor DDPACK_IMAGES names one (a host setting)
 
 
 def _whole(text: str) -> int:
@@ -80,6 +82,7 @@ def parser() -> argparse.ArgumentParser:
     top = _Parser(prog="ddpack", description=__doc__.splitlines()[0])
     verbs = top.add_subparsers(dest="verb", required=True, metavar="VERB", parser_class=_Parser)
     runs_help = "the runs folder (default: DDPACK_RUNS, else /fsx/<user>/ddpack-runs)"
+    images_help = f"DDPACK_IMAGES, else {IMAGES}"
     json_help = "print one JSON object (status --json's names: run_dir, job_id, state, ...)"
 
     # No abbreviated flags: a flag is named in full, so a run file's value is never blamed for a flag typed as --tim.
@@ -89,15 +92,15 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("--file", type=Path, help="a run file (TOML) holding these options; flags given here win over it")
     sub.add_argument("--nodes", type=_whole, help="nodes that train (required, here or in the run file)")
     sub.add_argument("--tasks-per-node", type=_whole, help="ranks per node (default: one per GPU with --gpus-per-node, else 1)")
-    sub.add_argument("--spares", type=_whole, help="spare nodes held for a restart in place (default 0)")
+    sub.add_argument("--spares", type=_whole, help=f"spare nodes held for a restart in place (default {setting_value('DDPACK_SPARE_NODES')})")
     sub.add_argument("--gpus-per-node", type=_whole, help="GPUs a node: builds the project on the CUDA image (Dockerfile.gpu), one rank per GPU")
     sub.add_argument("--efa", action="store_true", default=None, help="with --gpus-per-node: the CUDA image with AWS's EFA installer (p4d, p5)")
     sub.add_argument("--partition")
     sub.add_argument("--time", dest="time_limit", help="Slurm's time limit, e.g. 4:00:00")
     sub.add_argument("--template", choices=TEMPLATE_CHOICES, help="per-task (default): one Slurm task a rank; torchrun: one a node")
-    sub.add_argument("--mounts", help="pyxis' --container-mounts (default: DDPACK_MOUNTS, else /fsx:/fsx)")
+    sub.add_argument("--mounts", help=f"pyxis' --container-mounts (default: DDPACK_MOUNTS, else {setting_value('DDPACK_MOUNTS')})")
     sub.add_argument("--runs", type=Path, default=None, help=runs_help)
-    sub.add_argument("--images", type=Path, default=None, help="the shared images folder (default: DDPACK_IMAGES, else /fsx/images)")
+    sub.add_argument("--images", type=Path, default=None, help=f"the shared images folder (default: {images_help})")
     sub.add_argument("--sqsh", type=Path, help="a squashfs made already (make sqsh): nothing is built or converted")
     sub.add_argument("--name", help="the job's and run folder's name (default: the project folder's)")
     sub.add_argument(
@@ -211,7 +214,7 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("--json", action="store_true", help="print one object: run_dir, jobs")
     sub = verbs.add_parser("gc", help="remove your squashfs files in the images folder that no run and no live job of yours names")
     sub.add_argument("--images", nargs="?", const=True, type=Path, required=True, metavar="DIR",
-                     help="the images folder (alone: DDPACK_IMAGES, else /fsx/images)")  # fmt: skip
+                     help=f"the images folder (alone: {images_help})")  # fmt: skip
     sub.add_argument("--runs", type=Path, default=None, help=runs_help + ": the runs whose images are kept")
     sub.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
     sub.add_argument("--json", action="store_true", help="print one object: removed (or would_remove), bytes")
@@ -315,18 +318,18 @@ def submit(opts: argparse.Namespace) -> int:
         )
     env = {**run_file.passed_env(os.environ), **given.get("env", {})} if run_file else {}
     runs = pick("runs") or find_runs.default_runs()
-    images = pick("images") or Path(os.environ.get("DDPACK_IMAGES") or "/fsx/images")
+    images = pick("images") or Path(os.environ.get("DDPACK_IMAGES") or IMAGES)
     settings = SubmitSettings(
         app_dir=(opts.app_dir or given.get("app_dir") or Path(".")).resolve(),
         nodes=nodes,
         tasks_per_node=tasks if tasks is not None else (gpus or 1),
-        spares=pick("spares", default=0),
+        spares=pick("spares", default=int(setting_value("DDPACK_SPARE_NODES"))),
         gpus_per_node=gpus,
         efa=pick("efa", default=False),
         partition=pick("partition"),
         time_limit=pick("time_limit", "time"),
         template=pick("template", default="per-task"),
-        mounts=pick("mounts") or os.environ.get("DDPACK_MOUNTS") or "/fsx:/fsx",
+        mounts=pick("mounts") or setting_value("DDPACK_MOUNTS", os.environ),
         runs=Path(runs).resolve(),
         images=Path(images).resolve(),
         env={**env, **dict(opts.env)},
@@ -535,7 +538,7 @@ def collect_images(opts: argparse.Namespace, runs: Path) -> int:
     """gc --images: your squashfs files that no run of yours names, removed (or listed, --dry-run)."""
     from ddpack.jobs.image_gc import remove_images, unused_images
 
-    images = (Path(os.environ.get("DDPACK_IMAGES") or "/fsx/images") if opts.images is True else opts.images).resolve()
+    images = (Path(os.environ.get("DDPACK_IMAGES") or IMAGES) if opts.images is True else opts.images).resolve()
     unused = unused_images(images, runs)
     if not opts.dry_run:
         remove_images(unused)

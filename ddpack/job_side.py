@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import importlib
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,12 @@ def module(name: str) -> Any:
 def settings_table() -> Any:
     """enroot/ddpack_settings.py: the one table of the job's settings, which the job checks too."""
     return module("ddpack_settings")
+
+
+def setting_value(name: str, environ: Mapping[str, str] | None = None) -> str:
+    """Job setting NAME as a job sees it given `environ` (None: unset, so its default): the table's value, where each
+    default is written once; the host never writes one again."""
+    return settings_table().value(name, environ or {})
 
 
 def node_helper() -> Any:

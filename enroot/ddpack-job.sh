@@ -16,9 +16,10 @@ ddpack_die() {
 # setup: sets DDPACK_RUN_DIR); the umask and the watchdog's secret (DDPACK_JOB_TOKEN).
 ddpack_setup() {
     # What the job writes is its user's alone: run folders, snapshots (weights and optimizer state), metrics, forensics,
-    # staged images. DDPACK_UMASK (077) is the umask of the script and so of every step (srun passes it to its tasks);
-    # 027 lets your group read, for a team that shares runs.
-    local mask=${DDPACK_UMASK:-077}
+    # staged images. DDPACK_UMASK is the umask of the script and so of every step (srun passes it to its tasks); 027 lets
+    # your group read, for a team that shares runs.
+    local mask
+    ddpack_value mask DDPACK_UMASK
     [[ "${mask}" =~ ^0?[0-7]{3}$ ]] && umask "${mask}"
     ddpack_ask DDPACK_RUN_DIR setup -- "$1"   # see ddpack_job.py setup (a job name may start with -)
     export DDPACK_RUN_DIR
@@ -35,6 +36,18 @@ ddpack_setup() {
 # packages; it starts in ~20 ms). It sends the nodes the text of ddpack_node.py, what they run: they need no checkout.
 ddpack_job_file=$(CDPATH='' cd -- "$(dirname "${BASH_SOURCE[0]}")" && pwd)/ddpack_job.py
 ddpack_python=$(command -v /usr/bin/python3 || command -v python3 || echo python3)
+
+# The settings table's defaults (ddpack_settings.py defaults: the one place each is written), for ddpack_value.
+declare -gA ddpack_defaults=()
+ddpack_defaults_line=$("${ddpack_python}" -I -S "${ddpack_job_file%/*}/ddpack_settings.py" defaults) ||
+    { echo "ddpack: error: cannot read the settings table (ddpack_settings.py beside ddpack-job.sh); set DDPACK_HOME to ddpack's enroot/ folder" >&2; exit 2; }
+eval "${ddpack_defaults_line}"
+
+# ddpack_value VAR NAME: VAR set to setting NAME as the job sees it: its value, else the table's default.
+ddpack_value() {
+    local ddpack_value_given=${!2-}
+    printf -v "$1" '%s' "${ddpack_value_given:-${ddpack_defaults[$2]-}}"
+}
 ddpack_job() {
     [ -f "${ddpack_job_file}" ] || ddpack_die "cannot read ddpack_job.py beside ddpack-job.sh; set DDPACK_HOME to ddpack's enroot/ folder"
     ddpack_lc_ctype=${LC_CTYPE-"(unset)"} "${ddpack_python}" -I -S "${ddpack_job_file}" "$@"
@@ -87,7 +100,8 @@ ddpack_command() {
     # them (srun --wait, read from SLURM_WAIT). Slurm's default waits forever: a rank stopped or frozen
     # (SIGSTOP, a hung driver) outlives the watchdog's exit on the others and holds the job until its time
     # limit. Kept long enough for a rank 0 that saves after the others have left; raise it if yours saves longer.
-    export SLURM_WAIT=${DDPACK_STEP_WAIT:-120}
+    ddpack_value SLURM_WAIT DDPACK_STEP_WAIT
+    export SLURM_WAIT
     ddpack_words ddpack_cmd COMMAND
 }
 
@@ -102,7 +116,9 @@ ddpack_words() {
 
 # A template whose tasks are not each a rank (torchrun's agent starts a node's ranks) cannot start standbys: one line.
 ddpack_no_standbys() {
-    [[ "${DDPACK_STANDBYS:-0}" =~ ^0*$ ]] ||
+    local standbys
+    ddpack_value standbys DDPACK_STANDBYS
+    [[ "${standbys}" =~ ^0*$ ]] ||
         ddpack_die "DDPACK_STANDBYS=${DDPACK_STANDBYS} needs one Slurm task per rank, and $1; use pyxis-per-task.sbatch or baremetal.sbatch, or unset it"
 }
 
@@ -115,8 +131,10 @@ ddpack_require_pyxis() {
 # ddpack_preflight STEP...: DDPACK_PREFLIGHT=1 runs the template's own srun line with `entrypoint --preflight` before
 # training; a failed check ends the job with its code. DDPACK_PREFLIGHT=only: the check alone (enroot/preflight.sbatch).
 ddpack_preflight() {
+    local mode
     ddpack_job preflight --container "${ddpack_container_name}" -- "$@" || exit $?
-    [ "${DDPACK_PREFLIGHT:-0}" != only ] || exit 0
+    ddpack_value mode DDPACK_PREFLIGHT
+    [ "${mode}" != only ] || exit 0
 }
 
 # The preflight's entrypoint options (its report FOLDER/preflight.json, then DDPACK_PREFLIGHT_ARGS) in ddpack_preflight_opts.
@@ -140,9 +158,10 @@ ddpack_remove_container() {
 
 # ddpack_prepare_nodes SQSH: one step on every node (containers of ended jobs go, the GPUs a GPU job was promised are
 # checked), then DDPACK_STAGE's choice (ddpack_staging.py's Staging): ddpack_image is SQSH itself, or its copy on each
-# node's local disk, sent there once by sbcast.
+# node's local disk, sent there once by sbcast; a node that could not stage has the job's named container made from SQSH
+# alone, so its steps reuse that container (ddpack_name_container first).
 ddpack_prepare_nodes() {
-    ddpack_ask ddpack_image stage "$1"
+    ddpack_ask ddpack_image stage --container "${ddpack_container_name}" "$1"
 }
 
 # ddpack_train CMD...: the training step (ddpack_step, then CMD) on the job's training nodes. This script becomes

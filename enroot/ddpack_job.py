@@ -19,7 +19,9 @@ The verbs (a verb that answers hands the shell its answer one way: on the fd ddp
     words SETTING             answers a command setting's words (or COMMAND: what the training step runs), shell-quoted
     container-path PATH       answers PATH as the container sees it through DDPACK_MOUNTS, or one line, exit 2
     project-dir [container]   answers where --task modules are imported from
-    stage SQSH                DDPACK_STAGE's choice carried out; answers the path each node's pyxis imports
+    stage [--container NAME] SQSH
+                              DDPACK_STAGE's choice carried out; answers the path each node's pyxis imports (a node that
+                              could not stage gets container NAME made from SQSH, the shared file, alone)
     preflight [--container NAME] -- STEP...
                               DDPACK_PREFLIGHT=1|only: the template's step with `entrypoint --preflight`, first
     train [--container NAME] --step-words N -- STEP(N words)... COMMAND...
@@ -303,10 +305,10 @@ def restore_locale() -> None:
         os.environ["LC_CTYPE"] = was
 
 
-def stage(sqsh: str) -> int:
+def stage(sqsh: str, container: str) -> int:
     """The verb: answer the path each node's pyxis imports; the choice is said for people."""
     with for_people():
-        image = Staging(sqsh, Path(os.environ["DDPACK_RUN_DIR"]), JobFacts(os.environ["SLURM_JOB_ID"])).choose()
+        image = Staging(sqsh, Path(os.environ["DDPACK_RUN_DIR"]), JobFacts(os.environ["SLURM_JOB_ID"]), container).choose()
     answer(image)
     return 0
 
@@ -351,7 +353,7 @@ def verb_table() -> dict[str, tuple[Callable[[argparse.Namespace, list[str]], in
     verb("words", lambda a, _: words(a.setting), (("setting",), {}))
     verb("container-path", lambda a, _: container_path_verb(a.path), (("path",), {}))
     verb("project-dir", lambda a, _: project_dir(a.where), (("where",), {"nargs": "?", "default": "", "choices": ("", "container")}))
-    verb("stage", lambda a, _: stage(a.sqsh), sqsh)
+    verb("stage", lambda a, _: stage(a.sqsh, a.container), sqsh, container)
     verb("preflight", lambda a, words: preflight(a.container, words), container)
     verb("train", lambda a, words: train(a.container, a.step_words, words), container, (("--step-words",), {"type": int, "required": True}))
     verb("leave", lambda a, _: leave(a.container), container)

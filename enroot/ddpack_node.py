@@ -3,15 +3,16 @@
 The batch host's job program (enroot/ddpack_job.py) sends this file, and only this file, to the nodes as `python3 -I -S -c
 TEXT VERB ...` (one task per node), so it imports nothing but the standard library and nothing beside it. Its verbs:
 
-    prepare --dir D --job J --keep K [--key KEY --size BYTES] [--gpus N]
+    prepare --dir D --job J --keep K [--key KEY --size BYTES] [--gpus N] [--need BYTES]
                   remove containers of this user's jobs that are over, check the node's GPUs (a GPU job), check the
                   staging folder D (created private when missing), lease KEY for job J, drop copies no live job leases
-                  beyond the newest K, then answer `has NODE`, `lacks NODE` or `refuse NODE why` (and `nogpu NODE ...`)
+                  beyond the newest K, then answer `has NODE`, `lacks NODE` or `refuse NODE why` (and `nogpu NODE ...`);
+                  a node that lacks the copy and has less than BYTES free in D (the copy and its unpacked size) refuses
     receive --dir D --job J --keep K --incoming NAME
                   make the private folder sbcast writes into
     install --dir D --job J --keep K --key KEY --size BYTES --incoming NAME
                   check what sbcast wrote (ours, a plain file, the whole size) and rename it into place as KEY.sqsh,
-                  then the same cleanup as prepare
+                  then the same cleanup as prepare; answers `installed NODE` or `failed NODE why`
 
 The batch host imports it too, for the one "yours alone" check and the folder rules (the run folder's, the records').
 
@@ -20,7 +21,7 @@ odd names) and about `squeue`'s answer (a failure is not "no jobs"); os.lstat, O
 say that exactly, where `ls | xargs rm` split names on whitespace (docs/security.md).
 
 Trust (docs/security.md): other users of the node are not trusted; root and the Slurm admins are. The staging folder
-(DDPACK_STAGE_DIR, default /tmp/ddpack-images-<uid>) is used only when this user owns it, it is not a link, group
+(DDPACK_STAGE_DIR; the settings table's default is under /tmp) is used only when this user owns it, it is not a link, group
 and others cannot write it and every folder above it is root's or ours (and sticky where others can write it); it
 holds only ddpack's names, on a local filesystem. Inside a folder only we can write, a name only we can have made is
 trusted, and nothing is followed through a link.
@@ -136,7 +137,7 @@ def check_stage_contents(folder: Path) -> None:
             continue
         raise Refused(
             f"DDPACK_STAGE_DIR={folder} holds {entry.name!r}, which is not an image ddpack staged; "
-            "point DDPACK_STAGE_DIR at a folder of its own (the default is /tmp/ddpack-images-<uid>)"
+            "point DDPACK_STAGE_DIR at a folder of its own (or unset it: its default is a folder of your own in /tmp)"
         )
 
 
@@ -340,11 +341,24 @@ def prepare(args: argparse.Namespace) -> int:
             if trusted_copy(copy, args.size):
                 os.utime(copy, follow_symlinks=False)  # the newest DDPACK_STAGE_KEEP stay
                 print(f"has {node}")
+            elif (short := too_little_space(folder, args.need)) is not None:
+                print(f"refuse {node} {short}")
             else:
                 print(f"lacks {node}")
     except (Refused, OSError) as why:
         print(f"refuse {node} {one_line(why)}")
     return 0
+
+
+def too_little_space(folder: Path, need: int) -> str | None:
+    """Why `folder`'s filesystem cannot take `need` bytes (the copy, then what enroot unpacks from it), or None: checked
+    before anything is copied, so that a node whose disk would fill mid-copy or mid-unpack reads the shared file
+    instead, named, rather than failing the step (or every node's staging) later."""
+    info = os.statvfs(folder)
+    free = info.f_bavail * info.f_frsize
+    if free >= need:
+        return None
+    return f"has too little free space in {folder}: {free // 1048576} MiB free, {need // 1048576} MiB needed (the image and its unpacked size)"
 
 
 def receive(args: argparse.Namespace) -> int:
@@ -361,7 +375,8 @@ def receive(args: argparse.Namespace) -> int:
 
 
 def install(args: argparse.Namespace) -> int:
-    """What sbcast wrote, checked (a plain file of ours, of the source's size) and renamed into place as KEY.sqsh."""
+    """What sbcast wrote, checked (a plain file of ours, of the source's size) and renamed into place as KEY.sqsh; the
+    answer, `installed NODE` or `failed NODE why`, is this node's alone (the batch host keeps each node's)."""
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     folder = Path(args.dir)
     incoming = folder / args.incoming
@@ -370,21 +385,22 @@ def install(args: argparse.Namespace) -> int:
         private_folder(folder, "DDPACK_STAGE_DIR")
         info = os.lstat(part) if os.path.lexists(part) else None
         if info is None or not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
-            print(f"{node}: sbcast left no file of yours at {part}")
+            print(f"failed {node} sbcast left no file of yours at {part}")
             return 1
         if info.st_size != args.size:
-            print(f"{node}: received {info.st_size} of {args.size} bytes")
+            print(f"failed {node} received {info.st_size} of {args.size} bytes")
             return 1
         os.chmod(part, 0o600, follow_symlinks=False)  # sbcast copies the source's mode (a team's 664): ours alone now
         os.replace(part, folder / f"{args.key}.sqsh")
     except (Refused, OSError) as why:
-        print(f"{node}: {one_line(why)}")
+        print(f"failed {node} {one_line(why)}")
         return 1
     finally:
         remove_incoming(incoming)
     with folder_locked(folder):
         for name in clean_stage(folder, args.keep, LiveJobs(args.job)):
             warn(f"removed {folder}/{name} on {node} (no live job of yours uses it)")
+    print(f"installed {node}")
     return 0
 
 
@@ -443,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     folder_args.add_argument("--size", type=int, default=0)
     verbs.add_parser("prepare", parents=[folder_args]).set_defaults(run=prepare)
     verbs.choices["prepare"].add_argument("--gpus", type=int, default=0, help="the GPUs Slurm promised the job on each node")
+    verbs.choices["prepare"].add_argument("--need", type=int, default=0, help="bytes a node that lacks the copy needs free in --dir")
     for name, run in (("receive", receive), ("install", install)):
         sub = verbs.add_parser(name, parents=[folder_args])
         sub.add_argument("--incoming", required=True, type=incoming_name)

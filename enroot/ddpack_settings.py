@@ -2,8 +2,10 @@
 
 `ddpack submit` checks `--env` against it, and every template checks the job's environment against it first thing
 (`ddpack_setup` runs `python3 -I -S ddpack_settings.py check`), so a value is refused by both or by neither, before
-anything runs; docs/cluster.md lists the same names (a test holds it to this table). Standard library only: it runs
-with the nodes' system Python, outside any image.
+anything runs. It is the one place a default is written: the templates read them (`ddpack_settings.py defaults`, which
+ddpack-job.sh evaluates), the job's program and the host through `value` (tests/test_settings.py holds it so).
+docs/cluster.md lists the same names (a test holds it to this table). Standard library only: it runs with the nodes'
+system Python, outside any image.
 
 A pattern of None takes any text (a path, a command's words). Settings marked `own` are set by ddpack itself (the
 templates, `ddpack submit`, the images): a user's `--env` may not set them.
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -137,6 +140,13 @@ def container_path(path: str, mounts: str) -> str | None:
     return (best[1] + path[len(best[0]) :]) or "/"
 
 
+def shell_defaults() -> str:
+    """The table's defaults as one bash line, `ddpack_defaults=([NAME]=VALUE ...)` (<uid>: this user's), which
+    ddpack-job.sh evaluates when it is sourced: the templates read a default through `ddpack_value`, never write one."""
+    pairs = (f"[{name}]={shlex.quote(value(name, {}))}" for name, setting in SETTINGS.items() if setting.default)
+    return f"ddpack_defaults=({' '.join(pairs)})\n"
+
+
 def markdown() -> str:
     """The table as docs/cluster.md shows it (`python3 enroot/ddpack_settings.py markdown` writes it)."""
     rows = ["| setting | default | accepts | what it is |", "|---|---|---|---|"]
@@ -153,8 +163,11 @@ def main(argv: list[str]) -> int:
     if argv == ["markdown"]:
         print(markdown(), end="")
         return 0
+    if argv == ["defaults"]:
+        print(shell_defaults(), end="")
+        return 0
     if argv != ["check"]:
-        print("usage: ddpack_settings.py check|markdown", file=sys.stderr)
+        print("usage: ddpack_settings.py check|markdown|defaults", file=sys.stderr)
         return 2
     found = problems(os.environ)
     for line in found:

@@ -266,10 +266,10 @@ class Training:
 
     - 0 done; 2 bad input (never retried: the error line says what to fix);
     - 128+10 / 128+15 (138, 143) stopped on SIGUSR1/SIGTERM: preempted (or the time limit's warning): back to the queue,
-      requeued up to DDPACK_MAX_RESTARTS (10);
+      requeued up to DDPACK_MAX_RESTARTS;
     - anything else (124 a hang the watchdog ended, 137 a SIGKILL such as the OOM killer's or srun's for a rank still
       frozen DDPACK_STEP_WAIT seconds after the others ended, 1 a crash or a lost peer or node): a failure, retried up to
-      DDPACK_MAX_FAILURE_RESTARTS times (1) per run folder. A retry restarts the step in this allocation when enough
+      DDPACK_MAX_FAILURE_RESTARTS times per run folder. A retry restarts the step in this allocation when enough
       healthy nodes remain (a spare swapped in for a bad node; DDPACK_RESTART_IN_PLACE=0 turns that off), else requeues
       the job, keeping out the nodes a hang's forensics named unresponsive where the partition has others to spare. A
       hang is told by its exit 124 or by forensics written during this start (the frozen rank's 137 is the step's

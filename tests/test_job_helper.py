@@ -494,9 +494,10 @@ def test_a_step_slurm_ended_because_its_job_lost_a_node_is_a_failure_not_a_preem
     assert alone.stdout.startswith("ddpack: the step ended (exit 143) when the job lost ddnode2; 1 healthy node(s) left") and "requeue 77" in calls
 
 
-def staging(tmp_path: Path, answers: str, *, tres: str = "", settings: dict[str, str] | None = None):
+def staging(tmp_path: Path, answers: str, *, tres: str = "", settings: dict[str, str] | None = None, container: str = ""):
     """`ddpack_prepare_nodes SQSH` (ddpack_job.py stage) with scontrol and srun stubbed: the nodes answer `answers`
-    (prepare's lines) for a job on ddnode1 and ddnode2. Returns the run, what it printed, and its decision records."""
+    (prepare's lines) for a job on ddnode1 and ddnode2, whose template named its container `container`. Returns the
+    run, what it printed, and its decision records."""
     run_dir = tmp_path / "run"
     run_dir.mkdir(parents=True, mode=0o700)
     images = tmp_path / "images"
@@ -513,7 +514,7 @@ def staging(tmp_path: Path, answers: str, *, tres: str = "", settings: dict[str,
         (tmp_path / tool).write_text(f"#!/bin/sh\n{body}\n")
         (tmp_path / tool).chmod(0o755)
     env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "DDPACK_RUN_DIR": str(run_dir), "SLURM_JOB_ID": "77", **(settings or {})}
-    script = f'. "{HELPER}"; ddpack_recording=1; ddpack_prepare_nodes "$1"; echo "image=$ddpack_image"'
+    script = f'. "{HELPER}"; ddpack_recording=1; ddpack_container_name={container}; ddpack_prepare_nodes "$1"; echo "image=$ddpack_image"'
     out = subprocess.run(["bash", "-uc", script, "_", str(sqsh)], env=env, capture_output=True, text=True, timeout=60)
     decisions = run_dir / "decisions.jsonl"
     records = [json.loads(line) for line in decisions.read_text().splitlines()] if decisions.exists() else []
@@ -522,14 +523,24 @@ def staging(tmp_path: Path, answers: str, *, tres: str = "", settings: dict[str,
 
 def test_the_staging_choice_is_the_jobs_one_program_and_its_record(tmp_path: Path) -> None:
     """DDPACK_STAGE=auto for two nodes that lack the image: the model keeps the shared file (sbcast wins from five nodes
-    with the default rates); both holding it: their copies; a node that refuses or does not answer: the shared file,
-    with why. The path is the one answer; the choice is said once and recorded."""
+    with the table's rates); both holding it: their copies; a node that refuses or does not answer, in a job with no
+    named container to give it its own: the shared file, with why. The path is the one answer; the choice is said once
+    and recorded."""
     uid = os.getuid()
     cases = [
         ("lacks ddnode2\nlacks ddnode1\n", "shared", "DDPACK_STAGE=auto: for 2 node(s) the model has the shared filesystem ahead of sbcast"),
         ("has ddnode1\nhas ddnode2\n", "held", ""),
-        ("has ddnode1\nrefuse ddnode2 DDPACK_STAGE_DIR=/tmp/x is a link\n", "shared", "staging refused on ddnode2 DDPACK_STAGE_DIR=/tmp/x is a link"),
-        ("has ddnode1\n", "shared", "staging failed: not every node answered whether it holds the image (exit 0)"),
+        (
+            "has ddnode1\nrefuse ddnode2 DDPACK_STAGE_DIR=/tmp/x is a link\n",
+            "shared",
+            "staging failed on ddnode2 (DDPACK_STAGE_DIR=/tmp/x is a link) and the job names no container to give it its own",
+        ),
+        (
+            "has ddnode1\n",
+            "shared",
+            "staging failed on ddnode2 (did not answer the prepare step (srun exit 0)) and the job names no container to give it its own",
+        ),
+        ("refuse ddnode1 too full\nrefuse ddnode2 a link\n", "shared", "staging failed on every node; ddnode1: too full"),
     ]
     for i, (answers, choice, why) in enumerate(cases):
         sqsh, out, records = staging(tmp_path / str(i), answers)
@@ -543,7 +554,23 @@ def test_the_staging_choice_is_the_jobs_one_program_and_its_record(tmp_path: Pat
         calls = (tmp_path / str(i) / "calls.txt").read_text()
         assert calls.startswith("srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --nodelist=ddnode[1-2] ")
         assert f" prepare --dir /tmp/ddpack-images-{uid} --job 77 " in calls
-        assert f"--key {key} --size 14 --gpus 0" in calls
+        assert f"--key {key} --size 14 --gpus 0 --need {14 * 5}" in calls  # the copy and its unpack (not a squashfs: x4)
+
+
+def test_a_node_that_cannot_stage_gets_the_jobs_container_from_the_shared_file_and_the_others_their_copies(tmp_path: Path) -> None:
+    """The template's named container reaches the staging: ddnode2 refuses, so the container is made there from the
+    shared file (pyxis reuses it in every later step and never opens the local path), and ddpack_image is the copy
+    ddnode1 holds."""
+    sqsh, out, records = staging(tmp_path, "has ddnode1\nrefuse ddnode2 DDPACK_STAGE_DIR=/tmp/x is a link\n", container="ddpack-77")
+    copy = f"/tmp/ddpack-images-{os.getuid()}/{image_key(sqsh)}.sqsh"
+    assert out.returncode == 0 and out.stdout == (
+        f"ddpack: image: 1 of 2 nodes hold {copy} already\n"
+        f"ddpack: image: ddnode2 reads {sqsh} from the shared file alone (DDPACK_STAGE_DIR=/tmp/x is a link); the other nodes keep their copies\n"
+        f"image={copy}\n"
+    ), out.stdout + out.stderr
+    assert [(r["choice"], r.get("node")) for r in records] == [("held", None), ("shared", "ddnode2")]
+    calls = (tmp_path / "calls.txt").read_text().splitlines()
+    assert calls[-1] == f"srun --container-image={sqsh} --container-name=ddpack-77 --nodes=1 --ntasks=1 --ntasks-per-node=1 --nodelist=ddnode2 true"
 
 
 def test_a_gpu_job_on_a_node_without_its_gpus_ends_in_one_line_before_staging(tmp_path: Path) -> None:

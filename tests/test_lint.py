@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import re
+import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 from testbed.env import ROOT
 
@@ -39,3 +42,29 @@ def test_no_import_circle_among_ddpacks_modules() -> None:
 
     circles = sorted(f"{a} <-> {b}" for a in imports for b in imports[a] if reaches(b, a, set()))
     assert len(modules) > 30 and circles == [], circles
+
+
+def lint_commands() -> list[list[str]]:
+    """The commands `make lint` runs, as the Makefile spells them (make -n; its venv taken as built), with this
+    interpreter's ruff."""
+    venv = Path(sys.executable).parent.parent
+    shown = subprocess.run(
+        ["make", "-n", "-s", "-o", f"{venv}/.installed", "lint", f"VENV={venv}"], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    commands = [shlex.split(line) for line in shown.stdout.splitlines() if line.strip()]
+    return [[sys.executable, "-m", "ruff", *argv[1:]] if argv[0].endswith("/ruff") else argv for argv in commands]
+
+
+def test_make_lint_checks_every_product_file_with_ruffs_rules_and_its_format() -> None:
+    """CI runs what `make lint` promises, so the two cannot drift: ruff check, and ruff format --check over each product
+    folder. (It fails while a product file is not in ruff's format: the lead's one reformat of the tree mends that.)"""
+    commands = lint_commands()
+    checked = [argv[3:] for argv in commands if argv[3:4] == ["check"]]
+    formatted = [argv[5:] for argv in commands if argv[3:5] == ["format", "--check"]]
+    assert checked and formatted and all(set(PRODUCT) <= {f"{p.rstrip('/')}/" for p in paths} for paths in formatted), commands
+    for argv in commands:
+        out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
+        files = sorted(set(re.findall(r"^\s*--> (\S+?):\d+", out.stdout, re.MULTILINE)))
+        assert out.returncode == 0, (
+            f"{' '.join(argv[3:])}: {len(files)} file(s): {' '.join(files) or out.stdout[-2000:]} {out.stderr[-500:]}"
+        )

@@ -7,6 +7,7 @@ and for the node's containers. The node's /tmp is a fresh sticky, world-writable
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -58,9 +59,11 @@ def run_as(user: User, node_tmp: Path, *args: str) -> subprocess.CompletedProces
 
 
 def prepare(
-    user: User, node_tmp: Path, folder: Path, *, job: str = "500", size: int = 4, keep: int = 2
+    user: User, node_tmp: Path, folder: Path, *more: str, job: str = "500", size: int = 4, keep: int = 2
 ) -> subprocess.CompletedProcess[str]:
-    return run_as(user, node_tmp, "prepare", "--dir", str(folder), "--job", job, "--key", KEY, "--size", str(size), "--keep", str(keep))
+    return run_as(
+        user, node_tmp, "prepare", "--dir", str(folder), "--job", job, "--key", KEY, "--size", str(size), "--keep", str(keep), *more
+    )
 
 
 def plant(path: Path, owner: User, text: str = "evil", mode: int = 0o666) -> Path:
@@ -221,11 +224,29 @@ def test_what_sbcast_wrote_is_installed_only_when_it_is_the_users_whole_file(use
     os.symlink(target, folder / INCOMING / f"{KEY}.sqsh")  # were a link there, install must not follow it
     out = run_as(alice, node_tmp, "install", *stage, "--incoming", INCOMING)
     assert out.returncode == 1 and not (folder / f"{KEY}.sqsh").exists() and target.read_text() == "weights", out.stdout
+    assert out.stdout == f"failed ddnode1 sbcast left no file of yours at {folder / INCOMING / KEY}.sqsh\n"  # the node named
     assert not (folder / INCOMING).exists()
     assert run_as(alice, node_tmp, "receive", *stage, "--incoming", INCOMING).returncode == 0
     plant(folder / INCOMING / f"{KEY}.sqsh", alice, "abcd", 0o600)
     out = run_as(alice, node_tmp, "install", *stage, "--incoming", INCOMING)
     assert out.returncode == 0 and (folder / f"{KEY}.sqsh").read_text() == "abcd", out.stdout + out.stderr
+    assert out.stdout == "installed ddnode1\n"
+
+
+def test_a_node_without_room_for_the_copy_and_its_unpack_refuses_before_anything_is_copied(users, node_tmp) -> None:
+    """prepare --need BYTES: a node that lacks the copy and has less free space in its staging folder (the copy, then
+    what enroot unpacks) refuses, naming the figures, so it reads the shared file alone; one that holds its copy
+    already needs no room for another."""
+    alice, _ = users
+    fake_tools(node_tmp, squeue="500")
+    folder = node_tmp / f"ddpack-images-{alice.uid}"
+    free = shutil.disk_usage(node_tmp).free
+    assert prepare(alice, node_tmp, folder, "--need", str(free // 2)).stdout == "lacks ddnode1\n"
+    short = prepare(alice, node_tmp, folder, "--need", str(free * 4))
+    assert short.returncode == 0 and short.stdout.startswith(f"refuse ddnode1 has too little free space in {folder}: "), short.stdout
+    assert short.stdout.endswith(f" MiB free, {free * 4 // 1048576} MiB needed (the image and its unpacked size)\n")
+    plant(folder / f"{KEY}.sqsh", alice, "abcd", 0o600)
+    assert prepare(alice, node_tmp, folder, "--need", str(free * 4)).stdout == "has ddnode1\n"
 
 
 def test_a_run_folder_in_use_by_a_live_job_is_refused_naming_the_holder(users, node_tmp) -> None:

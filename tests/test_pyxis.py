@@ -420,6 +420,44 @@ def test_a_node_set_down_mid_training_is_replaced_by_the_spare_and_the_image_is_
     assert unpacks(job) == 3 and reuses(job) == 1  # ddnode1 and ddnode2, then the spare; ddnode1 reused its own
 
 
+def test_one_node_that_cannot_stage_reads_the_shared_file_alone_and_the_job_trains(sqsh: Path, shared: Path) -> None:
+    """Three nodes stage by sbcast; ddnode2's staging folder is a plain file there (a node whose local disk cannot
+    take the image: it refuses at the prepare step, before anything is copied). ddnode2 alone reads the shared
+    squashfs, named in one line and one record, its container made from it before the first step; ddnode1 and ddnode3
+    get their copies by sbcast and train from them; the run completes on all three. The shared file is read by sbcast
+    once and by ddnode2's import (K = 1 node), where the code before issue 63 sent all three nodes to it."""
+    clear_staged_images()
+    blocker = node_stage_dir("ddnode2", os.getuid())
+    blocker.write_text("not a folder")
+    folder = submission_folder(shared, "one-bad-node")
+    try:
+        with OpenCounter(sqsh) as readers:
+            job, _, log = submit(
+                folder, "one-bad-node", ("--partition=big", "--nodes=3", "--ntasks-per-node=1"), "pyxis-per-task.sbatch",
+                DDPACK_SQSH=str(sqsh), DDPACK_MOUNTS=f"{shared}:/fsx", DDPACK_STAGE="sbcast",
+                DDPACK_TRAIN_ARGS="--dataset-size 1024 --epochs 1 --log-every 10",
+            )  # fmt: skip
+            state, requeues = wait_for_end(job, log)
+        assert blocker.read_text() == "not a folder"  # refused, never used or removed
+    finally:
+        blocker.unlink(missing_ok=True)
+    text = log.read_text()
+    assert (state, requeues) == ("COMPLETED", 0), text
+    mine = stage_dir(os.getuid())
+    alone = rf"ddpack: image: ddnode2 reads {sqsh} from the shared file alone \(DDPACK_STAGE_DIR={mine} is not a folder; it is not used\); "
+    assert re.search(alone + "the other nodes keep their copies", text), text
+    assert re.search(rf"ddpack: image: sent {sqsh} \(\d+ MiB\) once, by sbcast, to ddnode1,ddnode3 as {mine}/\S+\.sqsh", text), text
+    assert all_agree(text, 3), text
+    run_dir = folder / "runs" / f"one-bad-node-{job}"
+    staged = [json.loads(line) for line in (run_dir / "decisions.jsonl").read_text().splitlines() if '"staging"' in line]
+    assert [(r["choice"], r.get("nodes", r.get("node"))) for r in staged] == [("sent", "ddnode1,ddnode3"), ("shared", "ddnode2")]
+    assert [p.suffix for p in node_stage_dir("ddnode1", os.getuid()).glob("*.sqsh")] == [".sqsh"]
+    assert [p.suffix for p in node_stage_dir("ddnode3", os.getuid()).glob("*.sqsh")] == [".sqsh"]
+    commands = [command.split()[0] for command in readers.commands.values()]
+    assert commands.count("sbcast") == 1 and len(commands) >= 2, readers.commands  # sbcast, then ddnode2's import alone
+    assert unpacks(job) == 3  # each node once: ddnode2 from the shared file (its container made first), the others from their copies
+
+
 # Two epochs of 29 steps (4096 samples, 90% trained, 4 ranks x 32): snapshots at 20 and 40, held at batch 30 of each start.
 STANDBY_ARGS = "--dataset-size 4096 --epochs 2 --log-every 1 --snapshot-every 20"
 START_LINE = re.compile(r"\[rank (\d+)/4\] start: rank \d+ world 4 .* host (\S+) task \S+ pid (\d+)")

@@ -26,16 +26,19 @@ import math
 import sys
 from dataclasses import dataclass, fields
 
+from ddpack.job_side import setting_value
+
 SBCAST_BLOCK_MB = 8.0  # sbcast's default block: the pipeline's latency per level of the tree
 
 
 @dataclass(frozen=True, kw_only=True)
 class Site:
-    fsx_mbps: float = 1200.0
+    # The staging model's rates and sbcast's fan-out default to the job's (the settings table's, written there once).
+    fsx_mbps: float = float(setting_value("DDPACK_FSX_MBPS"))
     node_mbps: float = 12500.0
-    sbcast_mbps: float = 1000.0
-    fanout: int = 8
-    unpack_mbps: float = 400.0
+    sbcast_mbps: float = float(setting_value("DDPACK_SBCAST_MBPS"))
+    fanout: int = int(setting_value("DDPACK_STAGE_FANOUT"))
+    unpack_mbps: float = float(setting_value("DDPACK_UNPACK_MBPS"))
     step_s: float = 2.0
     trainer_s: float = 10.0
     requeue_s: float = 30.0

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpack.errors import HostError
-from ddpack.job_side import module
+from ddpack.job_side import module, setting_value
 from ddpack.jobs import slurm_cli
 from ddpack.jobs.job_script import exported, render_script, write_job
 from ddpack.jobs.run_json import RunRecord, append_job, write_json_atomic, write_record
@@ -219,7 +219,7 @@ def submit(settings: SubmitSettings, *, dry_run: bool = False, say: Any = print,
         settings = replace(settings, command=tuple(sweep_command(settings.command, {}, 0)))
     # What submit writes (the run folder, run.json, the squashfs) and the job log sbatch opens are as private as the
     # job's own files (the templates' DDPACK_UMASK); the caller's umask is its own again afterwards.
-    previous = os.umask(int(settings.env.get("DDPACK_UMASK", "077"), 8))
+    previous = os.umask(int(setting_value("DDPACK_UMASK", settings.env), 8))
     try:
         return _submit(settings, dry_run=dry_run, say=say, run_file=run_file)
     finally:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddpack.errors import HostError
-from ddpack.job_side import node_helper, settings_table
+from ddpack.job_side import node_helper, setting_value, settings_table
 from ddpack.jobs import slurm_cli
 from ddpack.jobs.sweep_points import placeholders, sweep_env, sweep_points, sweep_problems
 from train import run_folder
@@ -138,7 +138,7 @@ def setting_problems(settings: SubmitSettings) -> list[str]:
             why = next((why for one in dict.fromkeys(every) if (why := table[name].problem(name, one)) is not None), None)
             if why is not None:
                 problems.append(f"--env {why}")
-    standbys = settings.env.get("DDPACK_STANDBYS", "0")
+    standbys = setting_value("DDPACK_STANDBYS", settings.env)
     if standbys.strip("0") and (settings.command or settings.template != "per-task"):
         problems.append(
             f"--env DDPACK_STANDBYS={standbys}: standbys are tasks of the bundled trainer's per-task step (docs/recovery.md); "
