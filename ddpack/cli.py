@@ -61,7 +61,9 @@ class _Once(argparse._StoreAction):
     """A single-valued option (--after RUN, --time T): given twice, it is noted for main to refuse in one line, never
     the last one kept silently (argparse's own way), which ran something other than one of the two meant."""
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None) -> None:
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None
+    ) -> None:
         first = namespace.__dict__.setdefault("_given_once", {})
         if self.dest in first and "_repeated" not in namespace:
             namespace._repeated = f"{option_string} is given twice ({first[self.dest]}, then {values}); give it once"
@@ -92,9 +94,15 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("--file", type=Path, help="a run file (TOML) holding these options; flags given here win over it")
     sub.add_argument("--nodes", type=_whole, help="nodes that train (required, here or in the run file)")
     sub.add_argument("--tasks-per-node", type=_whole, help="ranks per node (default: one per GPU with --gpus-per-node, else 1)")
-    sub.add_argument("--spares", type=_whole, help=f"spare nodes held for a restart in place (default {setting_value('DDPACK_SPARE_NODES')})")
-    sub.add_argument("--gpus-per-node", type=_whole, help="GPUs a node: builds the project on the CUDA image (Dockerfile.gpu), one rank per GPU")
-    sub.add_argument("--efa", action="store_true", default=None, help="with --gpus-per-node: the CUDA image with AWS's EFA installer (p4d, p5)")
+    sub.add_argument(
+        "--spares", type=_whole, help=f"spare nodes held for a restart in place (default {setting_value('DDPACK_SPARE_NODES')})"
+    )
+    sub.add_argument(
+        "--gpus-per-node", type=_whole, help="GPUs a node: builds the project on the CUDA image (Dockerfile.gpu), one rank per GPU"
+    )
+    sub.add_argument(
+        "--efa", action="store_true", default=None, help="with --gpus-per-node: the CUDA image with AWS's EFA installer (p4d, p5)"
+    )
     sub.add_argument("--partition")
     sub.add_argument("--time", dest="time_limit", help="Slurm's time limit, e.g. 4:00:00")
     sub.add_argument("--template", choices=TEMPLATE_CHOICES, help="per-task (default): one Slurm task a rank; torchrun: one a node")
@@ -139,7 +147,9 @@ def parser() -> argparse.ArgumentParser:
         metavar="OPTION",
         help="any other sbatch option, as one word (--sbatch-arg=--mem=0; repeatable); those ddpack sets itself are refused",
     )
-    sub.add_argument("--after", metavar="RUN[:ok|any|notok]", help="start once RUN (a run, sweep or job id) ended: ok (default), any way, or not ok")
+    sub.add_argument(
+        "--after", metavar="RUN[:ok|any|notok]", help="start once RUN (a run, sweep or job id) ended: ok (default), any way, or not ok"
+    )
     sub.add_argument("--tag", action="append", default=[], metavar="KEY=VALUE", help="a tag for the run (repeatable); ls --tag finds it")
     sub.add_argument("--note", help="a note for the run, kept in run.json (ddpack tag --note changes it)")
     sub.add_argument("--dry-run", action="store_true", help="print the job script and run the checks; build, write and queue nothing")
@@ -192,14 +202,20 @@ def parser() -> argparse.ArgumentParser:
     again.add_argument("--time", dest="time_limit", help="a new time limit for this job (after a TIMEOUT: a longer one)")
     again.add_argument("--nodes", type=_whole, help="nodes that train in this job (the run's spares come on top)")
     again.add_argument("--partition", help="the partition for this job")
-    again.add_argument("--failed", action="store_true", help="a sweep's FAILED and TIMEOUT points (NODE_FAIL, OUT_OF_MEMORY too), as one job array")
-    again.add_argument("--state", metavar="S,S,...", help="a sweep's points in these states instead (--state CANCELLED,TIMEOUT), as one job array")
+    again.add_argument(
+        "--failed", action="store_true", help="a sweep's FAILED and TIMEOUT points (NODE_FAIL, OUT_OF_MEMORY too), as one job array"
+    )
+    again.add_argument(
+        "--state", metavar="S,S,...", help="a sweep's points in these states instead (--state CANCELLED,TIMEOUT), as one job array"
+    )
     sub = verbs.add_parser("compare", help="what differed between runs (image, code, settings, command, environment) and how each ended")
     sub.add_argument("run", nargs="+", help="two run folders or job ids, or more")
     sub.add_argument("--runs", type=Path, default=None, help=runs_help)
     sub.add_argument("--json", action="store_true", help="print one object: runs (each with its outcome), differ, same")
     sub.add_argument("--html", type=Path, default=None, help="write the page overlaying their curves here (none unless asked)")
-    sub.add_argument("--sort", metavar="KEY", help="a sweep's points by a swept name or a column (train_loss, eval_loss, samples_per_s, ...)")
+    sub.add_argument(
+        "--sort", metavar="KEY", help="a sweep's points by a swept name or a column (train_loss, eval_loss, samples_per_s, ...)"
+    )
     sub.add_argument("--reverse", action="store_true", help="with --sort: highest first")
     sub = verbs.add_parser("export", help="runs' records out of ddpack: CSV (a row a record, or a run), TensorBoard event files")
     sub.add_argument("run", nargs="+", help="run folders, sweeps' (their points) or job ids")
@@ -262,11 +278,17 @@ def main(argv: list[str] | None = None) -> int:
             return export(opts, runs)
         if opts.verb == "cancel" and opts.run is None:  # what cannot be undone is never done to a run not named
             newest = find_runs.resolve_run(None, runs)
-            raise HostError(f"cancel names its run: the newest is {newest} (job {facts_of(newest)}); ddpack cancel {newest} cancels it", code=2)
+            raise HostError(
+                f"cancel names its run: the newest is {newest} (job {facts_of(newest)}); ddpack cancel {newest} cancels it", code=2
+            )
         if opts.verb == "rm":
             run_dir = find_runs.resolve_run(opts.run, runs)
             jobs = run_actions.remove(run_dir)
-            print(json.dumps({"run_dir": str(run_dir), "jobs": jobs}, indent=2) if opts.json else f"rm: removed {run_dir} (jobs {', '.join(jobs) or 'none'})")
+            print(
+                json.dumps({"run_dir": str(run_dir), "jobs": jobs}, indent=2)
+                if opts.json
+                else f"rm: removed {run_dir} (jobs {', '.join(jobs) or 'none'})"
+            )
             return 0
         run_dir = point_of(find_runs.resolve_run(opts.run, runs), getattr(opts, "point", None))
         if is_sweep(run_dir):
@@ -473,7 +495,9 @@ def listing(opts: argparse.Namespace, runs: Path) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     lines = render_list(rows)
-    print("\n".join(lines) if lines else f"no runs under {runs}{' that match' if opts.state or opts.name or opts.since or opts.tag else ''}")
+    print(
+        "\n".join(lines) if lines else f"no runs under {runs}{' that match' if opts.state or opts.name or opts.since or opts.tag else ''}"
+    )
     return 0
 
 
@@ -544,7 +568,12 @@ def collect_images(opts: argparse.Namespace, runs: Path) -> int:
         remove_images(unused)
     total = sum(item.size for item in unused)
     if opts.json:
-        print(json.dumps({"images": str(images), "would_remove" if opts.dry_run else "removed": [str(i.path) for i in unused], "bytes": total}, indent=2))
+        print(
+            json.dumps(
+                {"images": str(images), "would_remove" if opts.dry_run else "removed": [str(i.path) for i in unused], "bytes": total},
+                indent=2,
+            )
+        )
         return 0
     verb = "would remove" if opts.dry_run else "removed"
     for item in unused:
@@ -578,7 +607,11 @@ def report(opts: argparse.Namespace, runs: Path) -> int:
     run_dir = path if path.exists() else resolve_run(opts.run, runs)
     if is_sweep(run_dir):  # a sweep: its node-hour ledger (each point's report: ddpack report SWEEP/INDEX)
         total = ledgers.sweep_ledger(run_dir)
-        print(json.dumps({"run_dir": str(run_dir), "ledger": total.to_json()}, indent=2) if opts.json else ledgers.render(total, f"the sweep {run_dir}"))
+        print(
+            json.dumps({"run_dir": str(run_dir), "ledger": total.to_json()}, indent=2)
+            if opts.json
+            else ledgers.render(total, f"the sweep {run_dir}")
+        )
         return 0
     ours = (run_dir / RUN_RECORD).is_file()
     try:
@@ -657,7 +690,11 @@ def compare(opts: argparse.Namespace, runs: Path) -> int:
         names, rows, curves = comparing.sweep_table(folders[0])
         curve_of = {row["index"]: curve for row, curve in zip(rows, curves, strict=True)}
         rows = comparing.sort_rows(rows, opts.sort, names, opts.reverse) if opts.sort else rows
-        page = comparing.write_sweep_page(folders[0], names, rows, [curve_of[r["index"]] for r in rows], opts.html.resolve()) if opts.html else None
+        page = (
+            comparing.write_sweep_page(folders[0], names, rows, [curve_of[r["index"]] for r in rows], opts.html.resolve())
+            if opts.html
+            else None
+        )
         from ddpack.jobs import ledger as ledgers
 
         total = ledgers.sweep_ledger(folders[0])
@@ -666,7 +703,9 @@ def compare(opts: argparse.Namespace, runs: Path) -> int:
         return 0
     if opts.sort:
         raise HostError("--sort orders a sweep's points: compare SWEEP --sort KEY (one sweep alone)", code=2)
-    comparison, metrics = comparing.compare([point for folder in folders for point in (point_dirs(folder) if is_sweep(folder) else [folder])])
+    comparison, metrics = comparing.compare(
+        [point for folder in folders for point in (point_dirs(folder) if is_sweep(folder) else [folder])]
+    )
     page = comparing.write_page(comparison, metrics, opts.html.resolve()) if opts.html else None
     if opts.json:
         print(json.dumps({**comparison.to_json(), "html": str(page) if page else None}, indent=2))

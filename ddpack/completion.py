@@ -52,12 +52,16 @@ def bash(top: argparse.ArgumentParser) -> str:
     for verb in verbs(top):
         values = [f"        {flag}) COMPREPLY=($(compgen -W {shlex.quote(' '.join(choices))} -- \"$cur\")); return ;;"
                   for flag, _, choices, _ in verb.flags if choices]  # fmt: skip
-        takes = "|".join(flag for flag, _, choices, value in verb.flags if value and not choices and flag not in (*FOLDER_FLAGS, *FILE_FLAGS))
+        takes = "|".join(
+            flag for flag, _, choices, value in verb.flags if value and not choices and flag not in (*FOLDER_FLAGS, *FILE_FLAGS)
+        )
         words = " ".join(flag for flag, *_ in verb.flags)
         fallback = (
             f'COMPREPLY=($(compgen -W {shlex.quote(" ".join(verb.positional_choices))} -- "$cur"))'
             if verb.positional_choices
-            else ('COMPREPLY=($(compgen -W "$(_ddpack_runs)" -- "$cur"))' if verb.name in RUN_VERBS else 'COMPREPLY=($(compgen -d -- "$cur"))')
+            else (
+                'COMPREPLY=($(compgen -W "$(_ddpack_runs)" -- "$cur"))' if verb.name in RUN_VERBS else 'COMPREPLY=($(compgen -d -- "$cur"))'
+            )
         )
         cases.append(
             f"    {verb.name})\n"
@@ -74,15 +78,15 @@ def bash(top: argparse.ArgumentParser) -> str:
         "# bash completion for ddpack (ddpack completion bash), written from its parser\n"
         "_ddpack_runs() {\n"
         "    ddpack ls --json --no-slurm 2>/dev/null | python3 -c 'import json, sys\n"
-        "for run in json.load(sys.stdin): print(run[\"run_dir\"]); run.get(\"job_id\") and print(run[\"job_id\"])' 2>/dev/null\n"
+        'for run in json.load(sys.stdin): print(run["run_dir"]); run.get("job_id") and print(run["job_id"])\' 2>/dev/null\n'
         "}\n"
         "_ddpack() {\n"
-        '    local cur=${COMP_WORDS[COMP_CWORD]} prev=${COMP_WORDS[COMP_CWORD-1]} verb=${COMP_WORDS[1]}\n'
+        "    local cur=${COMP_WORDS[COMP_CWORD]} prev=${COMP_WORDS[COMP_CWORD-1]} verb=${COMP_WORDS[1]}\n"
         "    COMPREPLY=()\n"
         "    local i  # after --: your program (a command), then its own words (files)\n"
         "    for ((i = 1; i < COMP_CWORD; i++)); do\n"
         "        if [[ ${COMP_WORDS[i]} == -- ]]; then\n"
-        "            if ((i == COMP_CWORD - 1)); then COMPREPLY=($(compgen -c -- \"$cur\")); else compopt -o default; fi\n"
+        '            if ((i == COMP_CWORD - 1)); then COMPREPLY=($(compgen -c -- "$cur")); else compopt -o default; fi\n'
         "            return\n"
         "        fi\n"
         "    done\n"
@@ -128,7 +132,7 @@ def zsh(top: argparse.ArgumentParser) -> str:
         "_ddpack_runs() {\n"
         "    local -a runs\n"
         "    runs=(${(f)\"$(ddpack ls --json --no-slurm 2>/dev/null | python3 -c 'import json, sys\n"
-        "for run in json.load(sys.stdin): print(run[\"run_dir\"]); run.get(\"job_id\") and print(run[\"job_id\"])' 2>/dev/null)\"})\n"
+        'for run in json.load(sys.stdin): print(run["run_dir"]); run.get("job_id") and print(run["job_id"])\' 2>/dev/null)"})\n'
         "    compadd -a runs\n"
         "}\n"
         "_ddpack() {\n"
@@ -137,7 +141,7 @@ def zsh(top: argparse.ArgumentParser) -> str:
         "    words=(${words[2,-1]}); (( CURRENT-- ))\n"
         '    case "${words[1]}" in\n' + "".join(cases) + "    esac\n"
         "}\n"
-        '# autoloaded from $fpath (as _ddpack): complete now; sourced: register\n'
+        "# autoloaded from $fpath (as _ddpack): complete now; sourced: register\n"
         'if [[ "${funcstack[1]}" == _ddpack ]]; then _ddpack "$@"; else compdef _ddpack ddpack; fi\n'
     )
 

@@ -24,7 +24,9 @@ def enroot_folder(package: Path) -> Path:
     return checkout if (checkout / "ddpack_node.py").is_file() else package / "enroot"
 
 
-ENROOT = enroot_folder(Path(__file__).resolve().parent)  # the job templates and the job's program, which submit renders and copies into a run folder
+ENROOT = enroot_folder(
+    Path(__file__).resolve().parent
+)  # the job templates and the job's program, which submit renders and copies into a run folder
 
 
 @functools.cache

@@ -85,7 +85,10 @@ def _env_seconds(name: str, default: float) -> float:
     except ValueError:
         value = -1.0
     if not (value >= 0 and math.isfinite(value)):
-        print(f"ddpack_run: error: {name}={text!r} is not a number of seconds >= 0; set it to one (0 turns the hang watchdog off) or unset it", file=sys.stderr)
+        print(
+            f"ddpack_run: error: {name}={text!r} is not a number of seconds >= 0; set it to one (0 turns the hang watchdog off) or unset it",
+            file=sys.stderr,
+        )
         raise SystemExit(2)
     return value
 
@@ -215,7 +218,9 @@ class Run:
         backend = dist.get_backend() if self.world_size > 1 else None
         self.metrics.write(
             "start",
-            **start_fields(world_size=self.world_size, hosts=hosts, backend=backend, global_step=self.global_step, total_steps=self.total_steps),
+            **start_fields(
+                world_size=self.world_size, hosts=hosts, backend=backend, global_step=self.global_step, total_steps=self.total_steps
+            ),
             framework=self.framework,
         )
         if self.hang_timeout and self.world_size > 1 and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
@@ -280,7 +285,15 @@ class Run:
         self.watcher.restore()
         atexit.register(_destroy_process_group)
         self._record_end(
-            RunEnd(rank=self.rank, world_size=self.world_size, host=self.host, outcome=outcome, exit_code=exit_code, global_step=self.global_step, **extra)
+            RunEnd(
+                rank=self.rank,
+                world_size=self.world_size,
+                host=self.host,
+                outcome=outcome,
+                exit_code=exit_code,
+                global_step=self.global_step,
+                **extra,
+            )
         )
 
 

@@ -41,7 +41,9 @@ class DdpackCallback(TrainerCallback):
         self._stopping = False
         self._hooks: list[Any] = []
 
-    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any = None, **kwargs: Any) -> None:
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any = None, **kwargs: Any
+    ) -> None:
         self.run.install_signal_handlers()  # over accelerate's or anyone's since this callback was made
         self.run.global_step = state.global_step
         self.run.total_steps = state.max_steps or None
@@ -55,7 +57,9 @@ class DdpackCallback(TrainerCallback):
     def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self.run.phase(Phase.OPTIMIZER)
 
-    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs: dict[str, float] | None = None, **kwargs: Any) -> None:
+    def on_log(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs: dict[str, float] | None = None, **kwargs: Any
+    ) -> None:
         if logs and isinstance(logs.get("loss"), (int, float)):
             self._loss = float(logs["loss"])
 

@@ -263,9 +263,7 @@ def preflight(container: str, argv: list[str]) -> int:
             remove_container(JobFacts(job), container)
         failed = failed_node_checks(report)
         nodes = list(dict.fromkeys(check["node"] for check in failed))
-        on = "".join(
-            f" on node {node} ({', '.join(dict.fromkeys(c['check'] for c in failed if c['node'] == node))})" for node in nodes
-        )
+        on = "".join(f" on node {node} ({', '.join(dict.fromkeys(c['check'] for c in failed if c['node'] == node))})" for node in nodes)
         say(f"preflight failed (exit {rc}){on}; not training. The 'preflight: FAIL' lines above name each problem; the report is {report}")
         fields = {"result": "failed", "exit": str(rc), "report": str(report)}
         if failed:  # fields, not a sentence: what a swap for a spare node reads

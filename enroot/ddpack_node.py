@@ -358,7 +358,9 @@ def too_little_space(folder: Path, need: int) -> str | None:
     free = info.f_bavail * info.f_frsize
     if free >= need:
         return None
-    return f"has too little free space in {folder}: {free // 1048576} MiB free, {need // 1048576} MiB needed (the image and its unpacked size)"
+    return (
+        f"has too little free space in {folder}: {free // 1048576} MiB free, {need // 1048576} MiB needed (the image and its unpacked size)"
+    )
 
 
 def receive(args: argparse.Namespace) -> int:

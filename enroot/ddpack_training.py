@@ -98,7 +98,13 @@ class StepEnd:
         task that died and was replaced in process (a rank SIGKILLed, its place taken by a standby) is a task that ended
         badly in a run that went on: when every rank of the world ended with one status (their end records; a standby
         the run did not need ends 0 and says nothing), that is the step's."""
-        if standbys and self.code != 0 and self.world and sorted(self.exits) == list(range(self.world)) and len(set(self.exits.values())) == 1:
+        if (
+            standbys
+            and self.code != 0
+            and self.world
+            and sorted(self.exits) == list(range(self.world))
+            and len(set(self.exits.values())) == 1
+        ):
             return next(iter(self.exits.values()))
         return self.code
 
@@ -282,7 +288,14 @@ class Training:
         env = os.environ
         self.step, self.command, self.container = step, command, container
         self.job, self.run_dir = env["SLURM_JOB_ID"], Path(env["DDPACK_RUN_DIR"])
-        names = ("DDPACK_SPARE_NODES", "DDPACK_RESTART_IN_PLACE", "DDPACK_MAX_RESTARTS", "DDPACK_MAX_FAILURE_RESTARTS", "DDPACK_STANDBYS", "DDPACK_STEP_WAIT")
+        names = (
+            "DDPACK_SPARE_NODES",
+            "DDPACK_RESTART_IN_PLACE",
+            "DDPACK_MAX_RESTARTS",
+            "DDPACK_MAX_FAILURE_RESTARTS",
+            "DDPACK_STANDBYS",
+            "DDPACK_STEP_WAIT",
+        )
         settings = checked_settings(self.run_dir, names)
         self.spares = int(settings["DDPACK_SPARE_NODES"])
         self.in_place = settings["DDPACK_RESTART_IN_PLACE"] == "1"
@@ -325,7 +338,9 @@ class Training:
             say(f"training on {','.join(self.last_nodes)}; spare: {self.spares_now()}")
             write_record(self.run_dir, "placement", {"nodes": ",".join(self.last_nodes), "spares": self.spares_now()})
         if self.standbys:
-            say(f"{self.standbys} standby process(es) start with each training step (DDPACK_STANDBYS): a rank that dies is replaced in process")
+            say(
+                f"{self.standbys} standby process(es) start with each training step (DDPACK_STANDBYS): a rank that dies is replaced in process"
+            )
         while True:
             sys.stdout.flush()
             before = metrics_size(self.run_dir / METRICS)
@@ -416,7 +431,13 @@ class Training:
                 out.write("\n".join(hosts) + "\n")
             step_env = {name: text for name, text in env.items() if name not in ("SLURM_WAIT", "SLURM_NTASKS_PER_NODE")}
             step_env["SLURM_HOSTFILE"] = path
-            options = [f"--nodes={len(nodes)}", f"--ntasks={len(hosts)}", "--distribution=arbitrary", "--overcommit", "--kill-on-bad-exit=0"]
+            options = [
+                f"--nodes={len(nodes)}",
+                f"--ntasks={len(hosts)}",
+                "--distribution=arbitrary",
+                "--overcommit",
+                "--kill-on-bad-exit=0",
+            ]
             yield options, step_env
         finally:
             with contextlib.suppress(OSError):
@@ -500,7 +521,9 @@ class Training:
             self.short = "DDPACK_RESTART_IN_PLACE=0"
         elif self.place():
             if crashed in self.avoid:
-                without += f", without {crashed} (its task crashed)" if crashed not in self.last_nodes else f", on {crashed} again (no other node)"
+                without += (
+                    f", without {crashed} (its task crashed)" if crashed not in self.last_nodes else f", on {crashed} again (no other node)"
+                )
             left_out = ",".join(node for node in [*named, *self.avoid] if node not in self.last_nodes)
             placed = {"nodes": ",".join(self.last_nodes), "spares": self.spares_now(), "without": left_out}
             write_record(self.run_dir, "placement", placed)
@@ -644,4 +667,6 @@ class Training:
         """Where the run's charts come from, once a step has left metrics (a program of your own may write none)."""
         metrics = self.run_dir / METRICS
         if metrics.is_file() and metrics.stat().st_size:
-            say(f"metrics in {metrics}; for the run report ({self.run_dir / REPORT}) run, in the ddpack checkout: make report RUN={self.run_dir}")
+            say(
+                f"metrics in {metrics}; for the run report ({self.run_dir / REPORT}) run, in the ddpack checkout: make report RUN={self.run_dir}"
+            )

@@ -380,7 +380,11 @@ def _torchrun_plan(
     endpoint = None if rdzv_id is None else f"{url_host(addr)}:{port}"
     shutdown = _opt_int_var(inp.environ, "DDPACK_SHUTDOWN_TIMEOUT", DEFAULT_SHUTDOWN_TIMEOUT, minimum=1)
     argv = _torchrun_argv(inp.options.command, nnodes, nproc, endpoint, rdzv_id or "", shutdown)
-    env = {"DDPACK_BACKEND": inp.backend, **_omp_threads(inp.environ, inp.host, nproc, procs_per_task), **_nccl_defaults(inp.environ, inp.backend)}
+    env = {
+        "DDPACK_BACKEND": inp.backend,
+        **_omp_threads(inp.environ, inp.host, nproc, procs_per_task),
+        **_nccl_defaults(inp.environ, inp.backend),
+    }
     if "PET_SIGNALS_TO_HANDLE" not in inp.environ:
         env["PET_SIGNALS_TO_HANDLE"] = TORCHRUN_SIGNALS
     return Plan(
@@ -481,7 +485,15 @@ def _resolve_slurm(inp: _Inputs) -> Plan:
             inp, nnodes=len(hosts), nproc=nproc, node_rank=node_rank, addr=addr, port=port, rdzv_id=str(job_id), procs_per_task=nproc
         )
     return _exec_plan(
-        inp, rank=rank, world=world, local_rank=local_rank, local_world=local_world, node_rank=node_rank, nnodes=len(hosts), addr=addr, port=port
+        inp,
+        rank=rank,
+        world=world,
+        local_rank=local_rank,
+        local_world=local_world,
+        node_rank=node_rank,
+        nnodes=len(hosts),
+        addr=addr,
+        port=port,
     )
 
 
@@ -525,7 +537,15 @@ def _resolve_env(inp: _Inputs) -> Plan:
         raise PlanError(f"WORLD_SIZE={world} but MASTER_ADDR is not set; set it to rank 0's host name or address")
     nnodes = max(1, world // local_world)
     return _exec_plan(
-        inp, rank=rank, world=world, local_rank=local_rank, local_world=local_world, node_rank=node_rank, nnodes=nnodes, addr=addr or "127.0.0.1", port=port
+        inp,
+        rank=rank,
+        world=world,
+        local_rank=local_rank,
+        local_world=local_world,
+        node_rank=node_rank,
+        nnodes=nnodes,
+        addr=addr or "127.0.0.1",
+        port=port,
     )
 
 
@@ -556,6 +576,4 @@ def resolve_plan(environ: Mapping[str, str], options: Options, host: Host) -> Pl
         raise PlanError(f"DDPACK_CPU_BIND={cpu_bind!r} is not one of {', '.join(CPU_BIND_CHOICES)}; set it to one of them or unset it")
     job_token(environ)  # read by every rank's watchdog; caught here once, before any rank starts
     mode = detect_mode(environ)
-    return _RESOLVERS[mode](
-        _Inputs(mode=mode, environ=environ, options=options, host=host, backend=choose_backend(environ, options, host))
-    )
+    return _RESOLVERS[mode](_Inputs(mode=mode, environ=environ, options=options, host=host, backend=choose_backend(environ, options, host)))

@@ -168,7 +168,11 @@ def supervise(argv: Sequence[str], env: Mapping[str, str], grace_s: float) -> in
                 if stop is None:
                     stop, allowed = sig, grace_s if sig == signal.SIGUSR1 else min(grace_s, TERM_GRACE_S)
                     deadline = time.monotonic() + allowed
-                    print(f"entrypoint: {sig.name} received; the program has {allowed:g} s to stop (DDPACK_STOP_GRACE)", file=sys.stderr, flush=True)
+                    print(
+                        f"entrypoint: {sig.name} received; the program has {allowed:g} s to stop (DDPACK_STOP_GRACE)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 if sig in passed_on:
                     continue
                 passed_on.add(sig)

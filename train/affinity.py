@@ -117,7 +117,9 @@ def _split(cpus: tuple[int, ...], parts: int, cores_of: Callable[[tuple[int, ...
     units = cores_of(cpus)
     if len(units) < parts:  # fewer cores than ranks: one CPU each, a core's threads to neighbours
         units = [(cpu,) for core in units for cpu in core]
-    return [tuple(sorted(cpu for unit in units[i * len(units) // parts : (i + 1) * len(units) // parts] for cpu in unit)) for i in range(parts)]
+    return [
+        tuple(sorted(cpu for unit in units[i * len(units) // parts : (i + 1) * len(units) // parts] for cpu in unit)) for i in range(parts)
+    ]
 
 
 def gpu_local_cpus(device: torch.device, root: Path = Path("/")) -> tuple[int, ...] | None:

@@ -99,7 +99,10 @@ class TensorBatches:
             end = 0
             for indices in chunk:
                 begin, end = end, end + len(indices)
-                yield inputs[begin:end].to(self.device, non_blocking=non_blocking), targets[begin:end].to(self.device, non_blocking=non_blocking)
+                yield (
+                    inputs[begin:end].to(self.device, non_blocking=non_blocking),
+                    targets[begin:end].to(self.device, non_blocking=non_blocking),
+                )
 
     def _gather(self, tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         if tensor.device.type != "cpu":  # a dataset already on the GPU

@@ -78,7 +78,9 @@ def select_device(backend: str | None) -> tuple[str, torch.device]:
     rather than on GPU 0 from every rank."""
     if backend is None:
         if not torch.cuda.is_available() and (promised := gpus_promised(os.environ)):
-            raise DeviceError(f"Slurm gave this job {promised} GPU(s) on this node (SLURM_GPUS_ON_NODE) but torch sees none: {why_no_cuda(os.environ)}")
+            raise DeviceError(
+                f"Slurm gave this job {promised} GPU(s) on this node (SLURM_GPUS_ON_NODE) but torch sees none: {why_no_cuda(os.environ)}"
+            )
         if not torch.cuda.is_available() and gpus_expected(os.environ):
             raise DeviceError(f"this node has NVIDIA GPUs but torch sees none: {why_no_cuda(os.environ)}")
         backend = "nccl" if torch.cuda.is_available() else "gloo"

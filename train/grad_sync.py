@@ -142,7 +142,9 @@ class GradientSync:
     gradient is zeroed with every other gradient, at the start of the next step (SyncedModel.zero_grads).
     """
 
-    def __init__(self, watcher: PreemptionWatcher, world_size: int, device: torch.device, compress: bool = False, path: StepPath | None = None) -> None:
+    def __init__(
+        self, watcher: PreemptionWatcher, world_size: int, device: torch.device, compress: bool = False, path: StepPath | None = None
+    ) -> None:
         self.path = path if path is not None else StepPath.for_device(device)
         self.watcher, self.world_size, self.device, self.poll_wait = watcher, world_size, device, self.path.polled_sync
         # --bf16-grads: buckets travel as bfloat16 (half the bytes; the sum too is taken in bfloat16 by
@@ -167,7 +169,9 @@ class GradientSync:
 
     def attach(self, model: DistributedDataParallel) -> None:
         if not model.gradient_as_bucket_view:
-            raise ValueError("GradientSync needs DistributedDataParallel(..., gradient_as_bucket_view=True): it writes results into the buckets")
+            raise ValueError(
+                "GradientSync needs DistributedDataParallel(..., gradient_as_bucket_view=True): it writes results into the buckets"
+            )
         if self.flags is None or not any(p is self.flags for p in model.parameters()):
             raise ValueError("GradientSync needs DistributedDataParallel(sync.wrap(module), ...): the stop flags ride in DDP's buckets")
         if self.world_size == 1 and not self.poll_wait:

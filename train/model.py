@@ -69,10 +69,14 @@ def check_cpu_compiler() -> None:
     try:
         get_cpp_compiler()
     except inductor_exc.InvalidCxxCompiler as exc:
-        raise SetupError(f"--compile needs a C++ compiler on CPU and found none ({first_line(exc)}); install g++ or drop --compile") from None
+        raise SetupError(
+            f"--compile needs a C++ compiler on CPU and found none ({first_line(exc)}); install g++ or drop --compile"
+        ) from None
     headers = Path(torch.__file__).parent / "include" / "ATen"
     if not headers.is_dir():
-        raise SetupError(f"--compile needs torch's C++ headers and {headers} is missing (trimmed from this image?); rebuild with them or drop --compile")
+        raise SetupError(
+            f"--compile needs torch's C++ headers and {headers} is missing (trimmed from this image?); rebuild with them or drop --compile"
+        )
 
 
 def unused_parameter_names(exc: BaseException, ddp_model: nn.Module) -> list[str] | None:

@@ -86,7 +86,9 @@ class RecoveryImpossible(Exception):
     """In-process recovery cannot go on; the message says why (one line), the job restarts every rank."""
 
 
-def collective_timeout(slowest_step_s: float, *, floor_s: float = TIMEOUT_FLOOR_S, margin: float = TIMEOUT_MARGIN, ceiling_s: float) -> float:
+def collective_timeout(
+    slowest_step_s: float, *, floor_s: float = TIMEOUT_FLOOR_S, margin: float = TIMEOUT_MARGIN, ceiling_s: float
+) -> float:
     """The collective timeout after `slowest_step_s`, the longest step measured: a step's collectives end within
     the step, so `margin` x its length is a wait no healthy collective reaches; `floor_s` keeps a tiny model's
     sub-millisecond steps from a timeout that a scheduler tick could exceed; `ceiling_s` is --collective-timeout."""
@@ -100,11 +102,17 @@ def decide(generation: int, roster: Mapping[int, str], dead: Mapping[int, str], 
     roster, dead = dict(roster), dict(dead)
     after = generation + 1
     if 0 in dead:
-        return Decision(generation=after, roster=roster, dead=dead, fallback="rank 0 lost: it hosts the job's store, which the group is formed on")
+        return Decision(
+            generation=after, roster=roster, dead=dead, fallback="rank 0 lost: it hosts the job's store, which the group is formed on"
+        )
     if len(dead) > len(standbys):
         lost = ", ".join(str(r) for r in sorted(dead))
         alive = f"{len(standbys)} standby is alive" if len(standbys) == 1 else f"{len(standbys)} standbys are alive"
-        why = f"{len(dead)} rank(s) lost ({lost}) and {alive}: more ranks lost than standbys" if standbys else f"rank(s) {lost} lost and no standby is alive"
+        why = (
+            f"{len(dead)} rank(s) lost ({lost}) and {alive}: more ranks lost than standbys"
+            if standbys
+            else f"rank(s) {lost} lost and no standby is alive"
+        )
         return Decision(generation=after, roster=roster, dead=dead, fallback=why)
     free, replacements = list(standbys), {}
     for rank in sorted(dead):
@@ -177,7 +185,9 @@ def tear_down(backend: str) -> None:
         dist.destroy_process_group()
 
 
-def join_group(store: dist.Store, *, generation: int, rank: int, world_size: int, backend: str, device: torch.device, timeout_s: float) -> None:
+def join_group(
+    store: dist.Store, *, generation: int, rank: int, world_size: int, backend: str, device: torch.device, timeout_s: float
+) -> None:
     """Form generation `generation`'s process group on `store`, the generation's own prefix of the job's store
     (`Channel.group_store`: the keys of a generation that broke are never read again). On NCCL, a collective past its timeout aborts the communicators and
     raises in the training thread (TORCH_NCCL_ASYNC_ERROR_HANDLING=2, CleanUpOnly) instead of ending the process (3,
@@ -249,11 +259,21 @@ class Membership:
         """A rank of generation 0: hosts the store on rank 0, names this rank's host to the standbys and starts its
         heartbeat."""
         if os.environ.get("TORCHELASTIC_RUN_ID"):
-            raise RecoveryImpossible("--recovery needs one process per rank (srun tasks, docker -e); under torchrun its agent restarts every worker")
+            raise RecoveryImpossible(
+                "--recovery needs one process per rank (srun tasks, docker -e); under torchrun its agent restarts every worker"
+            )
         channel = Channel.of_job(_store(rank == 0, connect_s=collective_timeout_s), os.environ, log)
         member = f"r{rank}"
         heartbeat = Heartbeat(channel, member, host, connect_s=collective_timeout_s)
-        return cls(channel=channel, heartbeat=heartbeat, member=member, rank=rank, generation=0, collective_timeout_s=collective_timeout_s, **settings)
+        return cls(
+            channel=channel,
+            heartbeat=heartbeat,
+            member=member,
+            rank=rank,
+            generation=0,
+            collective_timeout_s=collective_timeout_s,
+            **settings,
+        )
 
     def abandon_if_decided(self) -> None:
         """While this rank waits on a collective (train.distributed.wait_polling): when this generation's decision is
@@ -315,7 +335,9 @@ class Membership:
         try:
             self.join()
         except (RuntimeError, ValueError) as exc:
-            raise RecoveryImpossible(f"a failure while recovering: generation {self.generation}'s group did not form ({first_line(exc)})") from None
+            raise RecoveryImpossible(
+                f"a failure while recovering: generation {self.generation}'s group did not form ({first_line(exc)})"
+            ) from None
         stages.joined = time.time()
         self.stages = stages
 
@@ -326,9 +348,13 @@ class Membership:
                 if time.monotonic() > deadline:
                     standbys = self.channel.standbys()
                     if not standbys:
-                        raise RecoveryImpossible(f"a collective failed ({first_line(failure)}) and no standby is running (start one with --standby)")
+                        raise RecoveryImpossible(
+                            f"a collective failed ({first_line(failure)}) and no standby is running (start one with --standby)"
+                        )
                     if dead := self._stopped(standbys):
-                        raise RecoveryImpossible(f"a collective failed ({first_line(failure)}) and the standby is dead ({', '.join(dead)}: heartbeat stopped)")
+                        raise RecoveryImpossible(
+                            f"a collective failed ({first_line(failure)}) and the standby is dead ({', '.join(dead)}: heartbeat stopped)"
+                        )
                     raise RecoveryImpossible(
                         f"a collective failed ({first_line(failure)}) but no standby saw a heartbeat stop within {DECISION_WAIT_S:g}s: "
                         "a hang, or a collective slower than its timeout"
@@ -339,7 +365,9 @@ class Membership:
             raise
         except RuntimeError as exc:
             where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-            raise RecoveryImpossible(f"the store at {where} does not answer ({first_line(exc)}): its host, rank 0's node, is lost") from None
+            raise RecoveryImpossible(
+                f"the store at {where} does not answer ({first_line(exc)}): its host, rank 0's node, is lost"
+            ) from None
 
     def _stopped(self, members: list[str]) -> list[str]:
         """The members whose heartbeat count does not rise in STALE_S (the standbys watch; this is for when none did)."""
@@ -421,7 +449,9 @@ class Standby:
         used = set(self.roster.values())
         alive = [s for s in standbys if s not in stale and s not in used]
         decision = decide(self.generation, self.roster, dead, self._hosts, alive)
-        self.log(f"standby {self.member}: heartbeat of {', '.join(f'rank {r}' for r in sorted(dead))} stopped; deciding generation {self.generation}")
+        self.log(
+            f"standby {self.member}: heartbeat of {', '.join(f'rank {r}' for r in sorted(dead))} stopped; deciding generation {self.generation}"
+        )
         self.channel.write_decision(self.generation, decision, self.world_size)
 
 
@@ -472,7 +502,13 @@ def warm_up(device: torch.device, watcher: PreemptionWatcher) -> None:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         model = SyncedModel(
-            torch.nn.Linear(2, 1), watcher=watcher, world_size=1, device=torch.device("cpu"), compress=False, compiled=None, find_unused_parameters=False
+            torch.nn.Linear(2, 1),
+            watcher=watcher,
+            world_size=1,
+            device=torch.device("cpu"),
+            compress=False,
+            compiled=None,
+            find_unused_parameters=False,
         )
         model.zero_grads()
         model.backward(model(torch.ones(1, 2)).sum(), syncs=True)
@@ -492,7 +528,9 @@ def launcher_role(standbys: int, environ: MutableMapping[str, str]) -> bool:
     rank, launched = int(environ["RANK"]), int(environ["WORLD_SIZE"])
     world = launched - standbys
     if world < 1:
-        raise RecoveryImpossible(f"--standbys {standbys} leaves no rank to train: the launcher started {launched} process(es) (WORLD_SIZE={launched})")
+        raise RecoveryImpossible(
+            f"--standbys {standbys} leaves no rank to train: the launcher started {launched} process(es) (WORLD_SIZE={launched})"
+        )
     environ["WORLD_SIZE"] = str(world)
     return rank >= world
 
@@ -529,9 +567,13 @@ def enter(
             return None
         generation, rank = assigned
         os.environ["RANK"] = str(rank)  # the rank it is now, for whatever reads the environment after this
-        membership = Membership(channel=waiting.channel, heartbeat=waiting.heartbeat, member=waiting.member, rank=rank, generation=generation, **settings)
+        membership = Membership(
+            channel=waiting.channel, heartbeat=waiting.heartbeat, member=waiting.member, rank=rank, generation=generation, **settings
+        )
     else:
         membership = Membership.started(rank=rank, host=host, log=log, **settings)
     membership.join()
-    ctx = DistContext(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world, backend=backend, device=device, host=host)
+    ctx = DistContext(
+        rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world, backend=backend, device=device, host=host
+    )
     return ctx, membership

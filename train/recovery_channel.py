@@ -188,7 +188,10 @@ class Channel:
             return {}
         present = keys if self.store.check(keys) else [k for k in keys if self.store.check([k])]
         raw = dict(zip(present, self.store.multi_get(present), strict=True)) if present else {}
-        return {m: self._opened(self.heartbeat_key(m), raw[k], Beat.parse, 512) if k in raw else None for m, k in zip(members, keys, strict=True)}
+        return {
+            m: self._opened(self.heartbeat_key(m), raw[k], Beat.parse, 512) if k in raw else None
+            for m, k in zip(members, keys, strict=True)
+        }
 
     def new_standby(self) -> str:
         """A standby's name, s<index>: it counts as one once its first signed heartbeat is there."""

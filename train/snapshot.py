@@ -240,7 +240,9 @@ class SnapshotWriter:
             path = self.store.save(host)
         except BaseException as exc:  # handed to the training thread at its next wait
             where = f"the snapshot of step {host.global_step} could not be written to {self.store.directory}"
-            self._error = SnapshotWriteError(f"{where}: {first_line(exc)}; make room or fix its permissions, or pass another --snapshot-dir, then resume")
+            self._error = SnapshotWriteError(
+                f"{where}: {first_line(exc)}; make room or fix its permissions, or pass another --snapshot-dir, then resume"
+            )
             return
         self.last = Written(path=path, global_step=host.global_step, stall_s=stall_s, write_s=time.monotonic() - started)
         try:

@@ -51,5 +51,9 @@ class StepPath:
         """What stands in for a CUDA-only piece when the CUDA path runs without CUDA."""
         if self.cuda or self.polled_sync:
             return []
-        return ["the stop flags' pinned host buffer: a plain CPU tensor", "its CUDA event: a stand-in whose query() is always true",
-                "the pinned chunks batches are cut from: pageable CPU tensors", "NCCL: gloo (the same C++ all-reduce hook)"]
+        return [
+            "the stop flags' pinned host buffer: a plain CPU tensor",
+            "its CUDA event: a stand-in whose query() is always true",
+            "the pinned chunks batches are cut from: pageable CPU tensors",
+            "NCCL: gloo (the same C++ all-reduce hook)",
+        ]

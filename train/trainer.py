@@ -150,8 +150,12 @@ class Trainer:
         self.trained = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = self._make_optimizer()
         order = EpochOrder(len(task.train_data), world_size=ctx.world_size, rank=ctx.rank, batch_size=config.batch_size, seed=config.seed)
-        workers = config.num_workers if config.num_workers is not None else default_num_workers(1 if ctx.cpus_bound else ctx.local_world_size)
-        self.batches = make_batches(task.train_data, order, ctx.device, num_workers=workers, seed=config.seed, rank=ctx.rank, pinned=self.path.cuda)
+        workers = (
+            config.num_workers if config.num_workers is not None else default_num_workers(1 if ctx.cpus_bound else ctx.local_world_size)
+        )
+        self.batches = make_batches(
+            task.train_data, order, ctx.device, num_workers=workers, seed=config.seed, rank=ctx.rank, pinned=self.path.cuda
+        )
         self.batches_per_epoch = order.batches_per_epoch
         self.steps_per_epoch = math.ceil(self.batches_per_epoch / config.grad_accum)
         total = config.epochs * self.steps_per_epoch
@@ -193,7 +197,11 @@ class Trainer:
         device = self.ctx.device
         return {
             **start_fields(
-                world_size=self.ctx.world_size, hosts=self.hosts, backend=self.ctx.backend, global_step=start_step, total_steps=self.total_steps
+                world_size=self.ctx.world_size,
+                hosts=self.hosts,
+                backend=self.ctx.backend,
+                global_step=start_step,
+                total_steps=self.total_steps,
             ),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             **self.mfu.start_fields(),
@@ -267,9 +275,15 @@ class Trainer:
 
     def _snapshot_written(self, written: Written) -> None:
         """On the writer's thread, once a snapshot is durable."""
-        self.log(f"snapshot saved: {written.path} (step {written.global_step}, training held {written.stall_s:.2f}s, written in {written.write_s:.2f}s)")
+        self.log(
+            f"snapshot saved: {written.path} (step {written.global_step}, training held {written.stall_s:.2f}s, written in {written.write_s:.2f}s)"
+        )
         self.metrics.write(
-            "snapshot", global_step=written.global_step, path=str(written.path), stall_s=round(written.stall_s, 4), write_s=round(written.write_s, 4)
+            "snapshot",
+            global_step=written.global_step,
+            path=str(written.path),
+            stall_s=round(written.stall_s, 4),
+            write_s=round(written.write_s, 4),
         )
 
     def _land_snapshot_in_flight(self) -> None:
@@ -411,7 +425,9 @@ class Trainer:
         steps = self.global_step - start_step
         checksum = self._agree_on_checksum()
         samples_per_s = steps * cfg.grad_accum * cfg.batch_size * self.ctx.world_size / elapsed
-        return Result(global_step=self.global_step, final_loss=last_loss, checksum=checksum, steps_per_s=steps / elapsed, samples_per_s=samples_per_s)
+        return Result(
+            global_step=self.global_step, final_loss=last_loss, checksum=checksum, steps_per_s=steps / elapsed, samples_per_s=samples_per_s
+        )
 
     def _loop_recovering(self, start_step: int, started: float) -> float | None:
         """The loop; under --recovery a failed collective is recovered from in this process (the survivors

@@ -342,13 +342,22 @@ def judge(beats: dict[int, Heartbeat], world_size: int, now: float, stale_after:
         f"(stopped, frozen or lost), last in {beats[r].phase} after step {beats[r].step}"
         for r in stale
     ]
-    behind += [f"rank {r} on {live[r].host} (pid {live[r].pid}): in {live[r].phase} after step {live[r].step} for {live[r].phase_s:.0f}s" for r in late]
+    behind += [
+        f"rank {r} on {live[r].host} (pid {live[r].pid}): in {live[r].phase} after step {live[r].step} for {live[r].phase_s:.0f}s"
+        for r in late
+    ]
     ranks = {
         str(r): {**asdict(b), "heartbeat_age_s": round(b.age(now), 1), "stalled_s": round(b.stalled_by(now, stale_after), 1)}
         for r, b in sorted(beats.items())
     }
     unresponsive = sorted({beats[r].host for r in stale})
-    summary = {"hang_timeout_s": timeout_s, "behind": behind, "behind_ranks": missing + stale + late, "unresponsive_nodes": unresponsive, "ranks": ranks}
+    summary = {
+        "hang_timeout_s": timeout_s,
+        "behind": behind,
+        "behind_ranks": missing + stale + late,
+        "unresponsive_nodes": unresponsive,
+        "ranks": ranks,
+    }
     return Verdict(behind, summary)
 
 
@@ -475,7 +484,9 @@ class Watchdog:
             text = self.store.get(key)
             return None if text is None else parse(text)
         except BadValue as exc:
-            self._warn_once("bad value", f"watchdog: ignoring the rendezvous store's value under {key!r}: {exc}; later bad ones without a line")
+            self._warn_once(
+                "bad value", f"watchdog: ignoring the rendezvous store's value under {key!r}: {exc}; later bad ones without a line"
+            )
             return None
 
     def _declared(self) -> int | None:
@@ -494,7 +505,9 @@ class Watchdog:
                 why = self._check()
             except Exception as exc:  # never a dead watchdog: a hang after this would end no rank, with no evidence
                 first = str(exc).splitlines()[0][:200] if str(exc) else ""
-                self._warn_once("check failed", f"watchdog: a check failed ({type(exc).__name__}: {first}); it goes on, later failures without a line")
+                self._warn_once(
+                    "check failed", f"watchdog: a check failed ({type(exc).__name__}: {first}); it goes on, later failures without a line"
+                )
                 continue
             if why is not None:
                 self._end_surely(why)

@@ -327,4 +327,3 @@ def describe(app: App) -> str:
     rev = f", git {app.revision[:12]}{'-dirty' if app.revision.endswith('-dirty') else ''}" if app.revision else ""
     cmd = f", runs {shlex.join(app.command)!r}" if app.command else ", default command: the bundled trainer"
     return f"app {app.name} from {app.source}: {len(app.files)} files, {deps}, digest {app.digest}{rev}{cmd}"
-

@@ -122,7 +122,9 @@ class _Folder:
         return cls(path, tuple(found), fitting, others)
 
 
-def _resolve_wheelhouse(environ: Mapping[str, str], pip: PipSettings, variant: str, torch_version: str) -> tuple[_Folder | None, str, tuple[str, ...]]:
+def _resolve_wheelhouse(
+    environ: Mapping[str, str], pip: PipSettings, variant: str, torch_version: str
+) -> tuple[_Folder | None, str, tuple[str, ...]]:
     wanted = f"torch {torch_version}{'+cpu' if variant == 'cpu' else ' (not +cpu)'}"
     if environ.get("WHEELHOUSE"):
         path = Path(environ["WHEELHOUSE"])

@@ -126,8 +126,12 @@ def _apt(args: list[str], wait_s: float) -> None:
     except OSError as exc:
         raise HostError(f"cannot run apt-get ({exc.strerror}); install the packages yourself") from None
     if result.returncode != 0:
-        errors = [line for line in result.stderr.splitlines() if line.startswith("E:")] or result.stderr.strip().splitlines() or ["no message"]
-        raise HostError(f"apt-get {' '.join(args)} failed (exit {result.returncode}): {errors[-1][:200]}; fix apt, or install them yourself and rerun")
+        errors = (
+            [line for line in result.stderr.splitlines() if line.startswith("E:")] or result.stderr.strip().splitlines() or ["no message"]
+        )
+        raise HostError(
+            f"apt-get {' '.join(args)} failed (exit {result.returncode}): {errors[-1][:200]}; fix apt, or install them yourself and rerun"
+        )
 
 
 def apt_install(packages: tuple[str, ...], locks: tuple[str, ...] = APT_LOCKS) -> None:

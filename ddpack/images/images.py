@@ -155,7 +155,9 @@ def base_python(base: str) -> tuple[str, str]:
     try:
         out = docker_client().containers.run(base, ["python3", "-c", probe], entrypoint=[], remove=True)
     except (APIError, ContainerError) as exc:
-        raise HostError(f"base image {base} has no working python3 ({str(exc).splitlines()[0][:120]}); choose a Python base image") from None
+        raise HostError(
+            f"base image {base} has no working python3 ({str(exc).splitlines()[0][:120]}); choose a Python base image"
+        ) from None
     tag, machine = out.decode().split()
     return tag, machine
 

@@ -261,7 +261,13 @@ def main(argv: list[str] | None = None) -> int:
 
     def body() -> int:
         result = push_image(
-            opts.image, opts.repository, opts.tag, region=opts.region, settings=settings, registry_override=opts.registry, attempts=opts.attempts
+            opts.image,
+            opts.repository,
+            opts.tag,
+            region=opts.region,
+            settings=settings,
+            registry_override=opts.registry,
+            attempts=opts.attempts,
         )
         host = result.reference.split("/", 1)[0]
         print(next_steps(result, host, opts.repository, opts.tag, aws_session(opts.region).region_name))

@@ -100,7 +100,9 @@ def run_smoke(image: str, variant: str, timeout_s: float, trainer_args: tuple[st
     # The project's program takes no trainer flags: the image runs it as it is.
     trainer_args = () if command else (*trainer_args, "--metrics-file", f"{RUN_MOUNT}/{run_folder.METRICS}")
     try:
-        preflight = _run_phase(client, image, variant, network.name, f"{run_id}-preflight", (*preflight_args, *trainer_args), timeout_s, run_dir)
+        preflight = _run_phase(
+            client, image, variant, network.name, f"{run_id}-preflight", (*preflight_args, *trainer_args), timeout_s, run_dir
+        )
         if not _preflight_report(variant, preflight, timeout_s, run_dir):
             return False
         training = _run_phase(client, image, variant, network.name, run_id, trainer_args, timeout_s, run_dir)
@@ -200,9 +202,7 @@ def _report(variant: str, members: list[Member], world: int, timeout_s: float) -
         print(f"smoke[{variant}]: final loss {loss}, steps/s {main.steps_per_s:.1f}, global steps {main.global_step}")
     elif main is not None:
         print(f"smoke[{variant}]: rank 0 ended {main.outcome} (exit {main.exit_code}): {main.reason or main.signal or ''}")
-    print(
-        f"smoke[{variant}]: checksums {'agree' if agree else 'DISAGREE or missing'} ({len(sums)}/{world} ranks: {sorted(set(sums))})"
-    )
+    print(f"smoke[{variant}]: checksums {'agree' if agree else 'DISAGREE or missing'} ({len(sums)}/{world} ranks: {sorted(set(sums))})")
     if not ok:
         _show_failures(variant, members, timeout_s)
     print(f"smoke[{variant}]: {'PASS' if ok else 'FAIL'}", flush=True)
@@ -233,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m ddpack.images.smoke", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--image", required=True, help="the CPU image to run, e.g. ddpack:1a2b3c4 (or a project's, from make image APP=DIR)")
+    parser.add_argument(
+        "--image", required=True, help="the CPU image to run, e.g. ddpack:1a2b3c4 (or a project's, from make image APP=DIR)"
+    )
     parser.add_argument("--variant", choices=("pair", "torchrun", "all"), default="all")
     parser.add_argument("--timeout", type=float, default=300, help="seconds each variant may take")
     opts = parser.parse_args(argv)

@@ -28,7 +28,13 @@ from ddpack.private_files import write_atomically
 from train.metrics import format_share
 
 # Fields of the record that name this run rather than what it ran: the same run twice always differs in them.
-OWN = ("settings.run_dir", "settings.runs", "environment.script.DDPACK_RUN_DIR", "environment.script.DDPACK_HOME", "environment.login_shell")
+OWN = (
+    "settings.run_dir",
+    "settings.runs",
+    "environment.script.DDPACK_RUN_DIR",
+    "environment.script.DDPACK_HOME",
+    "environment.login_shell",
+)
 
 
 def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
@@ -140,7 +146,11 @@ def compare(run_dirs: list[Path]) -> tuple[Comparison, list[Run | None]]:
         job = read_record(run_dir).last_job
         names.append(job.job_id if job else run_dir.name)
     comparison = Comparison(
-        runs=[str(run_dir) for run_dir in run_dirs], names=names, differ=differ, same=len(keys) - len(differ), outcomes=[o for o, _ in ended]
+        runs=[str(run_dir) for run_dir in run_dirs],
+        names=names,
+        differ=differ,
+        same=len(keys) - len(differ),
+        outcomes=[o for o, _ in ended],
     )
     return comparison, [run for _, run in ended]
 
@@ -184,7 +194,11 @@ def render(comparison: Comparison, page: Path | None) -> str:
     columns = [max(len(row[1][i]) for row in rows) for i in range(len(comparison.names))]
     lines = [f"{key:<{width}}  " + "  ".join(f"{v:<{columns[i]}}" for i, v in enumerate(values)) for key, values in rows]
     lines = [line.rstrip() if not line.startswith("---") else "-" * len(lines[0]) for line in lines]
-    said = f"{len(comparison.differ)} field(s) differ, {comparison.same} the same" if comparison.differ else f"what ran is the same ({comparison.same} fields)"
+    said = (
+        f"{len(comparison.differ)} field(s) differ, {comparison.same} the same"
+        if comparison.differ
+        else f"what ran is the same ({comparison.same} fields)"
+    )
     return "\n".join([*lines, said, *([f"compare: wrote {page}"] if page else [])])
 
 

@@ -110,7 +110,9 @@ def export_tensorboard(runs: list[Path], folder: Path) -> list[Path]:
         from tensorboard.compat.proto.summary_pb2 import Summary
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
     except ImportError:
-        raise HostError("export --tensorboard needs the Python package 'tensorboard', which is not installed here; pip install tensorboard", code=2) from None
+        raise HostError(
+            "export --tensorboard needs the Python package 'tensorboard', which is not installed here; pip install tensorboard", code=2
+        ) from None
     written = []
     names: dict[str, int] = {}
     for run_dir in runs:

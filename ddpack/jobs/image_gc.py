@@ -59,7 +59,9 @@ def live_images() -> tuple[set[str], str]:
     user = os.environ.get("USER") or getpass.getuser()
     answer = slurm_cli.ask(["squeue", "-h", "-u", user, "-o", "%i|%Z|%o"])
     if answer.failed:
-        raise HostError(f"cannot tell which of your jobs live, whose images gc must keep: {answer.failed}; nothing removed, try again", code=1)
+        raise HostError(
+            f"cannot tell which of your jobs live, whose images gc must keep: {answer.failed}; nothing removed, try again", code=1
+        )
     named: set[str] = set()
     texts = []
     for line in answer.stdout.splitlines():
@@ -87,7 +89,11 @@ def unused_images(images: Path, runs: Path) -> list[Unused]:
         raise HostError(f"--images {images} is not a folder (the shared images folder: --images DIR, or DDPACK_IMAGES)", code=2)
     runs_to_keep(runs)
     live, scripts = live_images()
-    named = named_images(runs) | live | {os.path.realpath(path) for path in images.glob("*.sqsh") if str(path) in scripts or os.path.realpath(path) in scripts}
+    named = (
+        named_images(runs)
+        | live
+        | {os.path.realpath(path) for path in images.glob("*.sqsh") if str(path) in scripts or os.path.realpath(path) in scripts}
+    )
     found = [Unused(path, path.stat().st_size) for path in sorted(images.glob("*.sqsh"))
              if not_yours_alone(path) is None and os.path.realpath(path) not in named]  # fmt: skip
     return sorted(found, key=lambda item: -item.size)

@@ -91,7 +91,10 @@ def sweep_block(settings: SubmitSettings, sweep_dir: Path) -> list[str]:
         f'ddpack_point=${{SLURM_ARRAY_TASK_ID:?"this script is a sweep of {len(every)} points: sbatch --array=0-{len(every) - 1} it"}}',
         "ddpack_commands=(",
         # Each command a JSON list in single quotes; the comment is the point as JSON (no newline can end it early).
-        *(f"    {shlex.quote(json.dumps(sweep_command(settings.command, point, i)))}  # {json.dumps(point)}" for i, point in enumerate(every)),
+        *(
+            f"    {shlex.quote(json.dumps(sweep_command(settings.command, point, i)))}  # {json.dumps(point)}"
+            for i, point in enumerate(every)
+        ),
         ")",
         *per_point_env(settings, every),
         f"export DDPACK_RUN_DIR={shlex.quote(str(sweep_dir))}/${{ddpack_point}}",
@@ -104,7 +107,10 @@ def per_point_env(settings: SubmitSettings, every: list[dict[str, str]]) -> list
     lines = []
     for number, (name, value) in enumerate(item for item in settings.env.items() if per_point(settings, item[1])):
         values = [sweep_env({name: value}, point, i)[name] for i, point in enumerate(every)]
-        lines += [f"ddpack_env_{number}=({' '.join(shlex.quote(v) for v in values)})", f'export {name}="${{ddpack_env_{number}[ddpack_point]}}"']
+        lines += [
+            f"ddpack_env_{number}=({' '.join(shlex.quote(v) for v in values)})",
+            f'export {name}="${{ddpack_env_{number}[ddpack_point]}}"',
+        ]
     return lines
 
 

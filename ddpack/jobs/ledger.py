@@ -38,7 +38,19 @@ from ddpack.jobs.run_metrics import Segment, split_segments
 from ddpack.jobs.slurm_cli import ENDED, time_limit_s
 from train import run_folder
 
-PARTS = ("kept", "redone", "startup", "preflight", "restarts", "preemptions", "hangs", "failures", "not_completed", "shutdown", "unrecorded")
+PARTS = (
+    "kept",
+    "redone",
+    "startup",
+    "preflight",
+    "restarts",
+    "preemptions",
+    "hangs",
+    "failures",
+    "not_completed",
+    "shutdown",
+    "unrecorded",
+)
 STOP_PART = {"preempted": "preemptions", "hung": "hangs", "done": "shutdown"}  # any other reason: failures
 
 
@@ -281,5 +293,7 @@ def render(ledger: Ledger, what: str) -> str:
     if ledger.failed_points:
         counts.append(f"failed points {ledger.failed_points} ({ledger.failed_point_node_s / 3600:.3f} node-hours)")
     lines.append("  " + ", ".join(counts))
-    lines.append(f"  not allocated: {ledger.queue_wait_s / 60:.1f} min queued before starts, {ledger.requeue_wait_s / 60:.1f} min waiting after requeues")
+    lines.append(
+        f"  not allocated: {ledger.queue_wait_s / 60:.1f} min queued before starts, {ledger.requeue_wait_s / 60:.1f} min waiting after requeues"
+    )
     return "\n".join(lines)

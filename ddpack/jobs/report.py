@@ -218,7 +218,10 @@ def summary(run: Run) -> list[tuple[str, Any]]:
         ("median samples/s", f"{median(rates):,.0f}" if rates else "n/a"),
         ("median MFU", format_share(median(mfus)) if mfus else "n/a (no FLOP count or peak)"),
         ("FLOPs per sample", f"{start['flops_per_sample']:.4g}" if start.get("flops_per_sample") else "n/a"),
-        ("peak per device", f"{start['peak_flops_per_s'] / 1e12:.4g} TFLOP/s, {start['peak_source']}" if start.get("peak_flops_per_s") else "n/a"),
+        (
+            "peak per device",
+            f"{start['peak_flops_per_s'] / 1e12:.4g} TFLOP/s, {start['peak_source']}" if start.get("peak_flops_per_s") else "n/a",
+        ),
     ]
 
 
@@ -242,7 +245,9 @@ def ledger_section(folder: Path) -> str:
     total = ledger.allocated_node_s
     if not total:
         return ""
-    rows = [[NAMES[part], ledger.node_s[part] / 3600, f"{100 * ledger.node_s[part] / total:.1f} %"] for part in PARTS if ledger.node_s[part]]
+    rows = [
+        [NAMES[part], ledger.node_s[part] / 3600, f"{100 * ledger.node_s[part] / total:.1f} %"] for part in PARTS if ledger.node_s[part]
+    ]
     said = (f"{total / 3600:.4g} node-hours over {len(ledger.allocations)} allocation(s); steps kept {ledger.steps_kept}, redone "
             f"{ledger.steps_redone}; {ledger.preemptions} preemption(s), {ledger.restarts} restart(s) in place, {ledger.requeues} requeue(s); "
             f"not allocated: {ledger.queue_wait_s:.0f} s queued, {ledger.requeue_wait_s:.0f} s waiting after requeues")  # fmt: skip
@@ -259,15 +264,21 @@ def render_html(run: Run, plt: Any) -> str:
         parts.append(f"<p><b>warning:</b> {html.escape(warning)}</p>")
     parts.append(_table(None, summary(run)))
     parts.append("<h2 id='loss'>Loss and eval</h2>" + image(figure(plt, lambda f, a: chart_loss(a, run)), "loss and eval curves"))
-    parts.append("<h2 id='throughput'>Throughput and MFU</h2>" + image(figure(plt, lambda f, a: chart_throughput(a, run)), "throughput and MFU"))
+    parts.append(
+        "<h2 id='throughput'>Throughput and MFU</h2>" + image(figure(plt, lambda f, a: chart_throughput(a, run)), "throughput and MFU")
+    )
     parts.append(
         "<h2 id='ranks'>Per-rank step time</h2><p>Busy: the step less its wait for the gradients' all-reduce. Every rank's step "
         "takes as long as the slowest's, so the straggler is the rank that waits least: its row is the brightest.</p>"
     )
     world = len(rank_matrix(run, "busy")[0])
     height = max(2.5, 0.35 * world + 1.5)
-    parts.append(image(figure(plt, lambda f, a: chart_heatmap(f, a, run, "busy", "busy ms a step, per rank"), (10, height)), "per-rank heatmap"))
-    parts.append(image(figure(plt, lambda f, a: chart_heatmap(f, a, run, "rank_data_s", "ms a step waiting for data"), (10, height)), "data wait"))
+    parts.append(
+        image(figure(plt, lambda f, a: chart_heatmap(f, a, run, "busy", "busy ms a step, per rank"), (10, height)), "per-rank heatmap")
+    )
+    parts.append(
+        image(figure(plt, lambda f, a: chart_heatmap(f, a, run, "rank_data_s", "ms a step waiting for data"), (10, height)), "data wait")
+    )
     parts.append(
         "<h2 id='timeline'>Timeline</h2>"
         + image(figure(plt, lambda f, a: chart_timeline(a, run), (10, max(2.0, 0.5 * len(run.segments) + 1.5))), "segments")
@@ -276,7 +287,11 @@ def render_html(run: Run, plt: Any) -> str:
     for index, segment in enumerate(run.segments, 1):
         start, end = segment.start or {}, segment.end or {}
         why = end.get("reason") or end.get("signal") or ""
-        where = "slurm job " + str(start["slurm_job_id"]) + f" (restart {start.get('slurm_restart_count', 0)})" if start.get("slurm_job_id") else ""
+        where = (
+            "slurm job " + str(start["slurm_job_id"]) + f" (restart {start.get('slurm_restart_count', 0)})"
+            if start.get("slurm_job_id")
+            else ""
+        )
         rows.append([index, _when(segment.began), start.get("global_step"), _when(segment.ended), end.get("global_step"), segment.outcome,
                      end.get("exit_code"), why, len(segment.snapshots), where])  # fmt: skip
     parts.append(_table(["segment", "began", "from step", "ended", "at step", "outcome", "exit", "why", "snapshots", "where"], rows))
@@ -299,7 +314,12 @@ def preflight_section(preflight: dict[str, Any], image: Any, plt: Any) -> str:
                             [[r["size"], r["time_us"], r["algbw"], r["busbw"], r["wrong"]] for r in preflight["all_reduce"]]))  # fmt: skip
     if preflight.get("p2p"):
         parts.append("<h3>Point to point</h3>")
-        parts.append(_table(["from", "to", "GB/s"], [[f"{r['src']} ({r['src_host']})", f"{r['dst']} ({r['dst_host']})", r["gbps"]] for r in preflight["p2p"]]))
+        parts.append(
+            _table(
+                ["from", "to", "GB/s"],
+                [[f"{r['src']} ({r['src_host']})", f"{r['dst']} ({r['dst_host']})", r["gbps"]] for r in preflight["p2p"]],
+            )
+        )
     if preflight.get("compute"):
         parts.append("<h3>Compute (matmul)</h3>")
         parts.append(_table(["rank", "host", "GFLOP/s"], [[r["rank"], r["host"], r["gflops"]] for r in preflight["compute"]]))
@@ -334,7 +354,9 @@ def write_report(run_dir: Path, with_png: bool = False) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ddpack.jobs.report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m ddpack.jobs.report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("run", type=Path, metavar="RUN", help="the run folder (holding metrics.jsonl), or the metrics file itself")
     parser.add_argument("--png", action="store_true", help="also write RUN/report.png, one summary image")
     opts = parser.parse_args(argv)

@@ -29,7 +29,9 @@ def cancel(run_dir: Path) -> str:
     if queue.failed:
         raise HostError(f"cannot tell whether job {job.job_id} of this run still lives: {queue.failed}; try again", code=2)
     if not queue.listed or queue.state in slurm_cli.OVER:
-        raise HostError(f"job {job.job_id}, this run's newest, has ended ({queue.state or 'Slurm no longer lists it'}); nothing to cancel", code=2)
+        raise HostError(
+            f"job {job.job_id}, this run's newest, has ended ({queue.state or 'Slurm no longer lists it'}); nothing to cancel", code=2
+        )
     slurm_cli.scancel(job.job_id)
     append_event(run_dir, {"kind": "cancel", "job_id": job.job_id})
     return job.job_id
@@ -157,6 +159,8 @@ def remove(folder: Path) -> list[str]:
         if now.job_id and now.state not in ENDED:
             alive.append(f"{now.job_id} ({now.state})")
     if alive:
-        raise HostError(f"{folder} has jobs that may still live: {', '.join(alive)}; ddpack cancel {folder} first, or wait for them", code=2)
+        raise HostError(
+            f"{folder} has jobs that may still live: {', '.join(alive)}; ddpack cancel {folder} first, or wait for them", code=2
+        )
     shutil.rmtree(folder)
     return jobs

@@ -94,10 +94,14 @@ def metrics_path(run: Path) -> Path:
     if run.is_file():
         return run
     if not run.is_dir():
-        raise HostError(f"RUN={run} is not a folder; give the run folder that holds {run_folder.METRICS} (the templates' runs/<job>-<id>)", 2)
+        raise HostError(
+            f"RUN={run} is not a folder; give the run folder that holds {run_folder.METRICS} (the templates' runs/<job>-<id>)", 2
+        )
     path = run / run_folder.METRICS
     if not path.is_file():
-        raise HostError(f"{run} holds no {run_folder.METRICS}; give the folder a run wrote it in (the trainer's --metrics-file), or the file itself", 2)
+        raise HostError(
+            f"{run} holds no {run_folder.METRICS}; give the folder a run wrote it in (the trainer's --metrics-file), or the file itself", 2
+        )
     return path
 
 

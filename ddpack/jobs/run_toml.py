@@ -66,7 +66,9 @@ SCALARS: dict[str, tuple[type, str]] = {
 LISTS = ("command", "pass_env", "secrets", "sbatch")  # lists of strings
 TABLES = ("env", "sweep", "tags")  # env, tags: NAME = "value"; sweep: NAME = [values]
 PATHS = ("app_dir", "runs", "images", "sqsh")
-VARIABLE = re.compile(r"\$(\{[A-Za-z_][A-Za-z0-9_]*\}|[A-Za-z_][A-Za-z0-9_]*)")  # $NAME or ${NAME} in a path, as os.path.expandvars reads it
+VARIABLE = re.compile(
+    r"\$(\{[A-Za-z_][A-Za-z0-9_]*\}|[A-Za-z_][A-Za-z0-9_]*)"
+)  # $NAME or ${NAME} in a path, as os.path.expandvars reads it
 
 
 @dataclass(frozen=True)

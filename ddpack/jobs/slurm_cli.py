@@ -172,14 +172,21 @@ def queued_from(folder: Path) -> str:
             f"before submitting again, look for a job working in {folder}: {look}",
             code=1,
         )
-    jobs = sorted({job for job, _, where in (line.partition("|") for line in found.stdout.splitlines()) if where == str(folder) and job.isdigit()}, key=int)
+    jobs = sorted(
+        {job for job, _, where in (line.partition("|") for line in found.stdout.splitlines()) if where == str(folder) and job.isdigit()},
+        key=int,
+    )
     if not jobs:
         raise HostError(
             f"sbatch did not answer in {SBATCH_TIMEOUT_S} s and squeue lists no job working in {folder}: it was most likely not queued "
             f"(a controller this slow may still queue it: {look} lists it then); submit again",
             code=1,
         )
-    print(f"sbatch did not answer in {SBATCH_TIMEOUT_S} s, but squeue lists job {jobs[-1]} working in {folder}: it was queued", file=sys.stderr, flush=True)
+    print(
+        f"sbatch did not answer in {SBATCH_TIMEOUT_S} s, but squeue lists job {jobs[-1]} working in {folder}: it was queued",
+        file=sys.stderr,
+        flush=True,
+    )
     return jobs[-1]
 
 

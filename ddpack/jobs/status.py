@@ -175,7 +175,9 @@ def job_events(run_dir: Path, record: RunRecord) -> tuple[list[JobEvent], list[s
         if not mine and job.log_path(run_dir).exists():  # no log: Slurm never started it (pending, or cancelled so)
             unrecorded.append(job.job_id)
         # A start with no decision after it: the script was ended from outside (by Slurm), or it is running still.
-        undecided = any(a.kind == "start" and (b is None or b.kind == "start") for a, b in zip(mine, [*mine[1:], None][: len(mine)], strict=True))
+        undecided = any(
+            a.kind == "start" and (b is None or b.kind == "start") for a, b in zip(mine, [*mine[1:], None][: len(mine)], strict=True)
+        )
         cancels = slurm_cancels(job.log_path(run_dir), job.job_id) if undecided or not mine else []
         for event in mine:
             if event.kind == "start":
@@ -515,7 +517,10 @@ def summarized(run_dir: Path, record: RunRecord, known: dict[str, Any]) -> dict[
     the whole run again: its segments, outcome, ...)."""
     from dataclasses import fields
 
-    empty = {f.name: ([] if f.name in ("segments", "unrecorded") else 0 if f.name in ("attempt", "progress_records") else None) for f in fields(Status)}
+    empty = {
+        f.name: ([] if f.name in ("segments", "unrecorded") else 0 if f.name in ("attempt", "progress_records") else None)
+        for f in fields(Status)
+    }
     job = record.last_job
     return {**empty, "run_dir": str(run_dir), "name": record.name, "job_id": job.job_id if job else None, "attempt": job.attempt if job else 0,
             "note": "from its summary (summary.json)", "final": True, **{key: known.get(key) for key in SUMMARY_FIELDS},
@@ -531,7 +536,12 @@ def keep_summary(run_dir: Path, status: Status) -> None:
 
     if not status.ended or status.state_from in ("squeue", "run folder") or status.job_id is None:
         return  # still listed, or a guess (no record says how it ended): asked again next time
-    data = {"job_id": status.job_id, "attempt": status.attempt, "written": time.time(), **{key: getattr(status, key) for key in SUMMARY_FIELDS}}
+    data = {
+        "job_id": status.job_id,
+        "attempt": status.attempt,
+        "written": time.time(),
+        **{key: getattr(status, key) for key in SUMMARY_FIELDS},
+    }
     try:
         write_json_atomic(run_dir / SUMMARY, data)
     except OSError:
@@ -624,7 +634,11 @@ def render_list(rows: list[dict[str, Any]]) -> list[str]:
         progress = f"step {row['step']}/{row['total_steps'] or '?'}" if row["step"] is not None else "-"
         if "points" in row:
             progress = f"a sweep of {row['points']} points"
-        name = f"  {Path(row['run_dir']).name} " + " ".join(f"{k}={v}" for k, v in row["values"].items()) if "sweep" in row else Path(row["run_dir"]).name
+        name = (
+            f"  {Path(row['run_dir']).name} " + " ".join(f"{k}={v}" for k, v in row["values"].items())
+            if "sweep" in row
+            else Path(row["run_dir"]).name
+        )
         tags = "  " + " ".join(f"#{k}={v}" for k, v in row["tags"].items()) if row.get("tags") else ""
         lines.append(f"{name:40} job {row['job_id'] or '-':>8}  {row['state'] or '-':10} {progress}{tags}")
     return lines

@@ -229,7 +229,9 @@ def submit(settings: SubmitSettings, *, dry_run: bool = False, say: Any = print,
 def _submit(settings: SubmitSettings, *, dry_run: bool, say: Any, run_file: dict[str, Any] | None) -> Submitted:
     # Every check that needs no image runs before anything is built: a typo costs seconds, not a build.
     planned_dir = (settings.runs / f"{settings.job_name}-<time>").resolve()
-    planned_sqsh = settings.sqsh.resolve() if settings.sqsh is not None else settings.images / f"{settings.job_name.lower()}-<image id>.sqsh"
+    planned_sqsh = (
+        settings.sqsh.resolve() if settings.sqsh is not None else settings.images / f"{settings.job_name.lower()}-<image id>.sqsh"
+    )
     problems = cluster_problems(settings, planned_sqsh if settings.sqsh is not None else None, planned_dir)
     if not problems:
         problems = slurm_problems(render_script(settings, planned_dir, planned_sqsh))
@@ -248,7 +250,9 @@ def _submit(settings: SubmitSettings, *, dry_run: bool, say: Any, run_file: dict
             image = None
         if image is None:
             bundle = f"ddpack:src-{source_digest(variant=settings.variant, efa=settings.efa)}"
-            say(f"submit: would build {settings.app_dir.resolve().name} on the bundle's {settings.variant} image ({bundle}) and convert it to {sqsh}")
+            say(
+                f"submit: would build {settings.app_dir.resolve().name} on the bundle's {settings.variant} image ({bundle}) and convert it to {sqsh}"
+            )
         else:
             say(f"submit: image {image.ref} ({image.image_id[:19]}{', built now' if image.built else ', unchanged: not rebuilt'})")
             if dry_run:
@@ -261,12 +265,20 @@ def _submit(settings: SubmitSettings, *, dry_run: bool, say: Any, run_file: dict
     if dry_run:
         if settings.sweep:
             count, at_once = len(sweep_points(settings.sweep)), settings.sweep_parallel
-            say(f"submit: a sweep of {count} points, one job array{f' (at most {at_once} at once)' if at_once else ''}, one run folder a point")
+            say(
+                f"submit: a sweep of {count} points, one job array{f' (at most {at_once} at once)' if at_once else ''}, one run folder a point"
+            )
         print(render_script(settings, planned_dir, sqsh), end="")
         raise_problems(problems)
         say("submit: dry run: every check passed (sbatch --test-only too); nothing was queued")
         return Submitted(
-            job_id=None, run_dir=str(planned_dir), sqsh=str(sqsh), image=image.ref if image else None, built=False, converted=False, script=""
+            job_id=None,
+            run_dir=str(planned_dir),
+            sqsh=str(sqsh),
+            image=image.ref if image else None,
+            built=False,
+            converted=False,
+            script="",
         )
     if settings.secrets and secrets_in_accounting():
         say(
@@ -377,11 +389,15 @@ def submit_sweep(settings: SubmitSettings, sweep_dir: Path, made: RecordParts, *
     try:  # the array first: with it in sweep.json, cancel SWEEP reaches every point whatever fails after
         write_json_atomic(sweep_dir / SWEEP_RECORD, {**record, "job_id": job_id})
     except OSError as exc:
-        raise HostError(f"job array {job_id} is queued, but recording it in {sweep_dir}/{SWEEP_RECORD} failed ({exc}); scancel {job_id}", code=1) from None
+        raise HostError(
+            f"job array {job_id} is queued, but recording it in {sweep_dir}/{SWEEP_RECORD} failed ({exc}); scancel {job_id}", code=1
+        ) from None
     for index in range(len(every)):
         record_job(sweep_dir / str(index), f"{job_id}_{index}", "submit")
     at_once = f", at most {settings.sweep_parallel} at once" if settings.sweep_parallel else ""
-    say(f"submit: job array {job_id} queued: {len(every)} points{at_once}; sweep folder {sweep_dir} (a run folder a point: 0/ to {len(every) - 1}/)")
+    say(
+        f"submit: job array {job_id} queued: {len(every)} points{at_once}; sweep folder {sweep_dir} (a run folder a point: 0/ to {len(every) - 1}/)"
+    )
     return Submitted(
         job_id=job_id,
         run_dir=str(sweep_dir),
@@ -408,7 +424,9 @@ def record_job(run_dir: Path, job_id: str, how: str, changes: dict[str, Any] | N
     try:
         append_job(run_dir, job_id, how, changes)
     except (OSError, HostError) as exc:
-        raise HostError(f"job {job_id} is queued, but recording it in {run_dir}/run.json failed ({exc}); scancel {job_id} or add it by hand", code=1) from None
+        raise HostError(
+            f"job {job_id} is queued, but recording it in {run_dir}/run.json failed ({exc}); scancel {job_id} or add it by hand", code=1
+        ) from None
 
 
 def image_key(sqsh: Path) -> str:

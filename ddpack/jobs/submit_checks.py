@@ -142,7 +142,11 @@ def setting_problems(settings: SubmitSettings) -> list[str]:
     if standbys.strip("0") and (settings.command or settings.template != "per-task"):
         problems.append(
             f"--env DDPACK_STANDBYS={standbys}: standbys are tasks of the bundled trainer's per-task step (docs/recovery.md); "
-            + ("-- COMMAND runs your own program" if settings.command else f"--template {settings.template} starts a node's ranks with torchrun")
+            + (
+                "-- COMMAND runs your own program"
+                if settings.command
+                else f"--template {settings.template} starts a node's ranks with torchrun"
+            )
         )
     for number, name in enumerate(settings.secrets, 1):
         if not ENV_NAME.fullmatch(name):  # `--secret TOKEN=value`, `--secret $TOKEN`: the text may be the value itself
@@ -152,9 +156,13 @@ def setting_problems(settings: SubmitSettings) -> list[str]:
             )
         # ALL, NONE and NIL mean something else to sbatch --export (ALL: the whole shell): never a secret's name.
         elif name.startswith(("DDPACK_", "SLURM_")) or name in LOGIN_ENV or name.upper() in ("ALL", "NONE", "NIL"):
-            problems.append(f"--secret {name}: not a variable name of your own (DDPACK_*, SLURM_* and {', '.join(LOGIN_ENV)} are not secrets)")
+            problems.append(
+                f"--secret {name}: not a variable name of your own (DDPACK_*, SLURM_* and {', '.join(LOGIN_ENV)} are not secrets)"
+            )
         elif name in settings.env:
-            problems.append(f"--secret {name} is also an --env setting, whose value is written in the job script; give it once, as --secret")
+            problems.append(
+                f"--secret {name} is also an --env setting, whose value is written in the job script; give it once, as --secret"
+            )
         elif not os.environ.get(name):
             problems.append(f"--secret {name}: {name} is not set in this environment; export it here first (its value goes to no file)")
     if settings.sweep:
@@ -195,7 +203,9 @@ def slurm_option_problems(settings: SubmitSettings) -> list[str]:
         problems.append(f"--constraint {settings.constraint!r}: node features without spaces, such as a100&ib or [rack1|rack2]")
     for option in settings.sbatch_args:
         if not re.fullmatch(r"--?[A-Za-z][^\x00-\x1f\x7f\"]*", option) or (" " in option.partition("=")[0]):
-            problems.append(f"--sbatch-arg {option!r}: an sbatch option (--mem=0, --comment=x), one a flag, on one line, without a double quote")
+            problems.append(
+                f"--sbatch-arg {option!r}: an sbatch option (--mem=0, --comment=x), one a flag, on one line, without a double quote"
+            )
         elif option_name(option) in OWNED_OPTIONS:
             problems.append(f"--sbatch-arg {option}: ddpack sets {option_name(option)} itself; use {OWNED_OPTIONS[option_name(option)]}")
     return problems

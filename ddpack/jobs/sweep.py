@@ -42,13 +42,18 @@ def sweep_status(folder: Path) -> dict[str, Any]:
 
 def render_sweep(status: dict[str, Any]) -> str:
     counts = ", ".join(f"{n} {state}" for state, n in status["counts"].items())
-    lines = [f"sweep {status['name']}: job array {status['job_id']}, {len(status['points'])} points: {counts}", f"  folder {status['run_dir']}"]
+    lines = [
+        f"sweep {status['name']}: job array {status['job_id']}, {len(status['points'])} points: {counts}",
+        f"  folder {status['run_dir']}",
+    ]
     width = max(len(point_label(p["values"])) for p in status["points"])
     lines.append(f"  {'point':>5}  {'values':<{width}}  {'job':>10}  {'state':<10} {'step':>11}  loss")
     for point in status["points"]:
         step = f"{point['step']}/{point['total_steps'] or '?'}" if point["step"] is not None else "-"
         loss = f"{point['loss']:.4g}" if point["loss"] is not None else "-"
-        lines.append(f"  {point['index']:>5}  {point_label(point['values']):<{width}}  {point['job_id'] or '-':>10}  {point['state']:<10} {step:>11}  {loss}")
+        lines.append(
+            f"  {point['index']:>5}  {point_label(point['values']):<{width}}  {point['job_id'] or '-':>10}  {point['state']:<10} {step:>11}  {loss}"
+        )
     lines.append(f"  a point on its own: ddpack status {status['run_dir']}/INDEX (or its job id, {status['job_id']}_INDEX)")
     return "\n".join(lines)
 
@@ -103,7 +108,9 @@ def one_line(status: dict[str, Any]) -> str:
     return f"{time.strftime('%H:%M:%S')} sweep {status['name']} job array {status['job_id']} {status['state']}: {counts}"
 
 
-def watch_sweep(folder: Path, *, interval_s: float, tty: bool, out: Any, as_json: bool = False, settle_s: float | None = None) -> dict[str, Any]:
+def watch_sweep(
+    folder: Path, *, interval_s: float, tty: bool, out: Any, as_json: bool = False, settle_s: float | None = None
+) -> dict[str, Any]:
     """`status SWEEP --watch`: redraw (a terminal), one line a refresh (elsewhere; one JSON object with as_json) until
     every point has ended, held for `settle_s` (a requeue passes through an ended state) unless each point's own last
     decision ended it, as a run's watch does."""

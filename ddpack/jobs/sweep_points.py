@@ -102,10 +102,14 @@ def sweep_problems(command: tuple[str, ...], values: dict[str, list[str]], env: 
             found.append(f"--sweep {name}: a value given twice ({', '.join(sorted({v for v in given if given.count(v) > 1}))})")
         if name not in used:
             where = "the command after --" if command else "the command (none given: -- COMMAND, or command in the run file)"
-            found.append(f"--sweep {name}: {where} never uses {{{name}}} (nor does an --env value), so every point would run the same thing")
+            found.append(
+                f"--sweep {name}: {where} never uses {{{name}}} (nor does an --env value), so every point would run the same thing"
+            )
     for name in sorted(used - set(values) - {INDEX}):
         where = "the command" if name in placeholders(list(command)) else "an --env value"
-        found.append(f"{where} uses {{{name}}}, which no --sweep gives: add --sweep {name}=V1,V2,..., or write {{{{{name}}}}} for the text {{{name}}}")
+        found.append(
+            f"{where} uses {{{name}}}, which no --sweep gives: add --sweep {name}=V1,V2,..., or write {{{{{name}}}}} for the text {{{name}}}"
+        )
     count = math.prod(len(given) for given in values.values())  # counted before any point is made
     if count > MAX_POINTS:
         found.append(f"the sweep has {count} points; one job array holds at most {MAX_POINTS} (Slurm's MaxArraySize): sweep fewer values")
@@ -197,5 +201,3 @@ def sweep_state(states: list[str]) -> str:
 
 
 # --------------------------------------------------------------------------- mending a sweep
-
-

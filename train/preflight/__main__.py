@@ -90,7 +90,9 @@ def node_facts(ctx: DistContext, config: Config) -> NodeFacts:
     gpus = ctx.device.type == "cuda"
     ranks_sharing = 1 if ctx.cpus_bound else ctx.local_world_size
     workers = config.num_workers if config.num_workers is not None else default_num_workers(ranks_sharing)
-    need, why = shm_need(nccl=ctx.backend == "nccl", local_ranks=ctx.local_world_size, workers=workers, batch_size=config.batch_size, task=config.task)
+    need, why = shm_need(
+        nccl=ctx.backend == "nccl", local_ranks=ctx.local_world_size, workers=workers, batch_size=config.batch_size, task=config.task
+    )
     return NodeFacts(
         node=ctx.host,
         gpus=gpus,

@@ -43,7 +43,21 @@ class Report:
 
 
 IDENTITY_COLUMNS = (
-    "rank", "host", "local", "device", "bundle", "code", "app", "image", "python", "torch", "cuda", "nccl", "driver", "network", "efa"
+    "rank",
+    "host",
+    "local",
+    "device",
+    "bundle",
+    "code",
+    "app",
+    "image",
+    "python",
+    "torch",
+    "cuda",
+    "nccl",
+    "driver",
+    "network",
+    "efa",
 )
 
 
