@@ -1,11 +1,12 @@
 """In-process recovery with real processes on this machine (gloo): a rank killed with SIGKILL is replaced by a
-warm standby that takes a survivor's state, and the run ends bit for bit as an uninterrupted one; without a
-standby the survivors fall back to today's restart and say why. No snapshots are written: the state can only
-come from a survivor."""
+warm standby that takes a survivor's state, and the run ends bit for bit as an uninterrupted one, after another user
+spent two seconds writing forged, malformed and deleted keys into its store; without a standby the survivors fall
+back to today's restart and say why. No snapshots are written: the state can only come from a survivor."""
 
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 from collections.abc import Sequence
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from ddp_jobs import ENTRYPOINT, Job, metrics_step, subdir, wait_for
+from store_attacker import run_as_another_user
 
 from testbed.env import ROOT, clean_env
 from train.distributed import free_port
@@ -20,6 +22,8 @@ from train.distributed import free_port
 pytestmark = pytest.mark.dist
 
 # 2048 samples (90% for training) / (2 ranks x 32) = 28 steps; no snapshot: a replacement's state is a survivor's.
+# The killed run's job has a token (DDPACK_JOB_TOKEN, as the templates set it) and 8192 samples (115 steps): room for
+# the attack, the steps after it and the death.
 # The ranks bind to their CPU slices (--cpu-bind auto, the default): a standby that takes a place joins past that collective.
 ARGS = ["--dataset-size", "2048", "--epochs", "1", "--batch-size", "32", "--log-every", "1", "--snapshot-dir", "", "--recovery"]
 
@@ -28,7 +32,7 @@ def start_with_standbys(tmp: Path, world: int, args: Sequence[str], standbys: in
     """`world` ranks and `standbys` standbys in the per-task shape, as a template's step starts them (DDPACK_STANDBYS):
     world + standbys processes of one command, each with its launcher RANK of WORLD_SIZE=world + standbys (srun tasks'
     SLURM_PROCID, `docker run -e`) and `--standbys`; the last ones, procs[world:], are the standbys."""
-    port = str(free_port())
+    port = extra.pop("MASTER_PORT", None) or str(free_port())
     procs, logs = [], []
     for index in range(world + standbys):
         logs.append(tmp / (f"standby{index - world}.log" if index >= world else f"rank{index}.log"))
@@ -43,22 +47,81 @@ def progress_steps(metrics: Path) -> list[int]:
     return [json.loads(line)["global_step"] for line in metrics.read_text().splitlines() if '"progress"' in line]
 
 
+# The attacked run: rank 0 sleeps 40 ms a step (tests/plugins/slow_rank.py), 115 steps, so that the attack (1 s from the
+# moment the standby joins) ends with most of the run still to train; a token, as the templates set one.
+ATTACKED = [*ARGS, "--dataset-size", "8192", "--task", "plugins.slow_rank:task"]
+SLOW = {"SLOW_RANK": "0", "SLOW_RANK_MS": "40", "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
+TOKEN = "5d41402abc4b2a76b9719d911017c592"
+
+# Another user's program (plain TCPStore calls, nothing of ddpack's): it waits for a standby's heartbeat to appear (it
+# starts beside the job), which gives it recovery's prefix, and for `seconds` cycles through what could end, disarm or steer
+# the job: a forged decision (a fallback that makes every rank give up; a roster naming its own member), made-up
+# signatures, garbage, `closed`, the members' heartbeats deleted or forged, a failure report and the counters. It leaves
+# a forged decision behind, which the real one must replace when the real death comes.
+ATTACK = r"""
+import json, os, sys, time, datetime
+import torch.distributed as dist
+
+port, seconds = int(sys.argv[1]), float(sys.argv[2])
+store = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=120), wait_for_workers=False)
+while not (found := sorted({k[: k.index("hb/s")] for k in store.list_keys() if k.startswith("ddpack-recovery/") and "/hb/s" in k})):
+    time.sleep(0.01)  # until a standby has joined: the ranks are training by then
+p = found[0]
+keys = store.list_keys()
+give_up = json.dumps({"generation": 1, "roster": {"0": "r0", "1": "r1"}, "dead": {}, "replacements": {}, "fallback": "forged"})
+mine = json.dumps({"generation": 1, "roster": {"0": "r0", "1": "s9"}, "dead": {"1": "r1"}, "replacements": {"1": "s9"}, "fallback": None})
+moves = [
+    lambda: store.set(p + "gen0/decision", give_up),
+    lambda: store.set(p + "gen0/decision", "0" * 64 + " " + mine),
+    lambda: store.set(p + "gen0/decision", "[" * 100000),
+    lambda: store.set(p + "gen0/decision", b"\xff\xfe"),
+    lambda: store.set(p + "closed", "1"),
+    lambda: store.delete_key(p + "hb/r0"),
+    lambda: store.delete_key(p + "hb/r1"),
+    lambda: store.delete_key(p + "hb/s0"),
+    lambda: store.add(p + "gen0/failed", 1),
+    lambda: store.set(p + "gen0/failed/r0", "1"),
+    lambda: store.add(p + "standbys", 3),
+    lambda: store.set(p + "hb/r1", "99999999 ddmallory-box"),
+    lambda: store.set(p + "hb/s9", "1 ddmallory-box"),
+]
+until = time.monotonic() + seconds
+while time.monotonic() < until:
+    for move in moves:
+        move()
+        time.sleep(0.01)
+store.set(p + "gen0/decision", give_up)
+print(os.getuid(), len(keys), flush=True)
+"""
+
+
 def test_a_killed_rank_is_replaced_by_the_standby_with_a_survivors_state_and_the_run_ends_bit_exact(tmp_path: Path) -> None:
     reference = subdir(tmp_path, "reference")
-    whole = start_with_standbys(reference, 2, [*ARGS, "--metrics-file", str(reference / "m.jsonl")], standbys=1)
+    whole = start_with_standbys(reference, 2, [*ATTACKED, "--metrics-file", str(reference / "m.jsonl")], standbys=1, **SLOW)
     assert whole.wait() == [0, 0, 0], whole.output()  # the standby the run did not need leaves with 0
     expected = set(whole.checksums())
     assert len(expected) == 1 and "took rank" not in whole.output(), whole.output()
 
     killed = subdir(tmp_path, "killed")
     metrics = killed / "m.jsonl"
-    job = start_with_standbys(killed, 2, [*ARGS, "--metrics-file", str(metrics)], standbys=1)
-    wait_for(lambda: metrics_step(metrics) >= 10, 120, "step 10")
-    job.send(signal.SIGKILL, [1])
+    port = free_port()
+    mallory, uid = run_as_another_user(ATTACK, port, 1.0)
+    job = start_with_standbys(
+        killed, 2, [*ATTACKED, "--metrics-file", str(metrics)], standbys=1, MASTER_PORT=str(port), DDPACK_JOB_TOKEN=TOKEN, **SLOW
+    )
+    out, _ = mallory.communicate(timeout=120)
+    assert mallory.returncode == 0 and int(out.split()[0]) == uid
+    after_attack = metrics_step(metrics)
+    wait_for(lambda: metrics_step(metrics) >= max(after_attack + 5, 10), 60, "5 steps after the attack")
+    assert [p.poll() for p in job.procs] == [None, None, None], job.output()  # nobody gave up, the standby stayed
+    ignored = [line for line in job.output().splitlines() if "recovery: ignored the store's" in line]
+    assert any("gen0/decision" in line for line in ignored) and any("closed" in line for line in ignored), job.output()
+    job.send(signal.SIGKILL, [1])  # and then a real death, recovered in process all the same
     codes = job.wait()
     assert codes[0] == 0 and codes[2] == 0 and codes[1] == -signal.SIGKILL, job.output()
     assert "[rank 1/2] standby took rank 1: state of rank 0 at epoch 1/1 step" in job.output(2)
-    assert "recovery: rank 1 lost in generation 0" in job.output(0) and "s0 takes rank 1" in job.output(0)
+    # the standby's name is its index, past the counter the attacker bumped: s<n>
+    assert re.search(r"recovery: rank 1 lost in generation 0 \(RuntimeError\); s[0-9]+ takes rank 1", job.output(0)), job.output(0)
     # The same parameters as the uninterrupted run, on the survivor and on the standby that took rank 1.
     assert [end.checksum for end in job.ends(0)] == [*expected] and [end.checksum for end in job.ends(2)] == [*expected]
     steps = progress_steps(metrics)
@@ -85,7 +148,19 @@ def test_a_slow_but_healthy_collective_is_not_taken_for_a_death(tmp_path: Path) 
     """Rank 1 takes 2.2 s a step (tests/plugins/slow_rank.py), so rank 0 waits that long in every all-reduce: above the
     timeout's floor (2 s), below the timeout the measured steps set (train.recovery.collective_timeout), which steps 6
     and 7 run under."""
-    args = ["--task", "plugins.slow_rank:task", "--max-steps", "7", "--log-every", "1", "--snapshot-dir", "", "--recovery", "--cpu-bind", "none"]
+    args = [
+        "--task",
+        "plugins.slow_rank:task",
+        "--max-steps",
+        "7",
+        "--log-every",
+        "1",
+        "--snapshot-dir",
+        "",
+        "--recovery",
+        "--cpu-bind",
+        "none",
+    ]
     job = start_with_standbys(tmp_path, 2, args, standbys=0, SLOW_RANK="1", SLOW_RANK_MS="2200", PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}")
     assert job.wait() == [0, 0], job.output()
     assert "recovery:" not in job.output() and len(set(job.checksums())) == 1, job.output()

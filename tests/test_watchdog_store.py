@@ -25,12 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import torch.distributed as dist
+from store_attacker import run_as_another_user
 
 from entrypoint.plan import JOB_TOKEN_VAR, PlanError, job_token
 from testbed.env import ROOT
-from testbed.users import UsersUnavailable, attacker
 from train.job_keys import BadValue, store_prefix
 from train.watchdog import EXIT_HANG, Progress, Watchdog, job_store, unsigned_store_note
 
@@ -73,9 +72,13 @@ def one_line_exit_2(result: subprocess.CompletedProcess[str], program: str) -> N
 
 def test_a_malformed_token_stops_the_launcher_and_the_trainer_with_exit_2(tmp_path: Path) -> None:
     env = {**os.environ, JOB_TOKEN_VAR: "xyz!?"}
-    launcher = subprocess.run([sys.executable, "-m", "entrypoint", "--print-plan"], env=env, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    launcher = subprocess.run(
+        [sys.executable, "-m", "entrypoint", "--print-plan"], env=env, capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
     one_line_exit_2(launcher, "entrypoint")
-    trainer = subprocess.run([sys.executable, "-m", "train"], env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    trainer = subprocess.run(
+        [sys.executable, "-m", "train"], env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
     one_line_exit_2(trainer, "train")
 
 
@@ -214,23 +217,8 @@ while time.monotonic() < until:
 
 
 def attack(port: int, seconds: float, host: str) -> tuple[subprocess.Popen[str], int]:
-    """The attack and the user it runs as: the unprivileged ddmallory when this runs as root (with the node's own
-    python3 and the venv's torch: root's interpreter is not readable by other users), else this user, in a
-    process of its own (the store does not tell users apart either way)."""
-    argv = [str(a) for a in (port, seconds, host)]
-    site = str(Path(torch.__file__).resolve().parents[1])
-    system_python = Path("/usr/bin/python3")
-    if os.geteuid() == 0 and system_python.exists():
-        try:
-            user = attacker()
-        except UsersUnavailable:
-            user = None
-        same = subprocess.run([str(system_python), "-c", "import sys; print(sys.version_info[:2])"], capture_output=True, text=True)
-        if user is not None and same.stdout.strip() == str(sys.version_info[:2]):
-            runs = user.runs()
-            runs["env"] = {**runs["env"], "PYTHONPATH": site}  # type: ignore[dict-item]
-            return subprocess.Popen([str(system_python), "-c", ATTACK, *argv], stdout=subprocess.PIPE, text=True, cwd="/", **runs), user.uid  # type: ignore[arg-type]
-    return subprocess.Popen([sys.executable, "-c", ATTACK, *argv], stdout=subprocess.PIPE, text=True), os.getuid()
+    """The attack, run as another user (tests/store_attacker.py)."""
+    return run_as_another_user(ATTACK, port, seconds, host)
 
 
 class Rank:
@@ -261,7 +249,10 @@ def test_another_user_cannot_end_the_job_or_name_a_node_through_the_store(server
     must not be ended. The attacker writes for 4 s; then rank 1 freezes (its heartbeats stop) while the attacker
     deletes rank 1's key and forges rank 1's heartbeat on its own host: none of that is evidence, so no verdict and no
     node named; once the key holds rank 1's own last heartbeat again, the hang is found and only node1 is named."""
-    ranks = [Rank(0, in_phase("sync", counted=False), server.port, tmp_path), Rank(1, in_phase("eval", counted=True), server.port, tmp_path)]
+    ranks = [
+        Rank(0, in_phase("sync", counted=False), server.port, tmp_path),
+        Rank(1, in_phase("eval", counted=True), server.port, tmp_path),
+    ]
     for rank in ranks:
         rank.dog.start()
     time.sleep(0.5)  # a few heartbeats in the store, for the attacker to list and copy

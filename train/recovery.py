@@ -163,12 +163,18 @@ class Heartbeat:
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
+        wait, failed = HEARTBEAT_S, 0
+        while not self._stop.wait(wait):
             self._count += 1
             try:
                 self._channel.beat(self.member, Beat(self._count, self.host))
-            except RuntimeError:
-                self.errors += 1  # the next beat tries again; a store that is gone is the readers' to notice
+                wait, failed = HEARTBEAT_S, 0
+            except RuntimeError:  # a slow answer: the next beat tries again; a broken connection: a new one
+                self.errors, failed = self.errors + 1, failed + 1
+                wait = min(1.0, HEARTBEAT_S * 2**failed)  # a store that is gone is the readers' to notice, not logged 20x a second
+                if failed % 2 == 0:
+                    with contextlib.suppress(RuntimeError):
+                        self._channel = self._channel.sibling(_store(False, STORE_TIMEOUT_S))
 
     def stop(self) -> None:
         self._stop.set()
@@ -427,6 +433,7 @@ class Standby:
                 if time.monotonic() - failing_since >= STORE_GONE_S:
                     log(f"standby {self.member}: the store stopped answering ({first_line(exc)}); leaving")
                     return None
+                time.sleep(STORE_GONE_S / 4)  # a few tries, not one a heartbeat (torch logs each failed call)
             time.sleep(HEARTBEAT_S)
 
     def _watch(self) -> None:
@@ -571,7 +578,9 @@ def enter(
             channel=waiting.channel, heartbeat=waiting.heartbeat, member=waiting.member, rank=rank, generation=generation, **settings
         )
     else:
-        membership = Membership.started(rank=rank, host=host, log=log, **settings)
+        membership = Membership.started(
+            rank=rank, host=host, log=lambda line: print(f"[rank {rank}/{world}] {line}", flush=True), **settings
+        )
     membership.join()
     ctx = DistContext(
         rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world, backend=backend, device=device, host=host
