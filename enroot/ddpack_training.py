@@ -56,7 +56,10 @@ def read_count(path: Path) -> int:
 TASK_ENDED = re.compile(rb"srun: error: ([A-Za-z0-9._-]+): tasks? ([0-9,-]+): (.*)")
 NOT_A_CRASH = (b"Terminated", b"Exited with exit code 0")  # srun's own TERM for a stop; a task that ended well
 END_MARK = b"ddpack-end "  # train/outcome.py's end record: {"rank", "host", "outcome", "reason", ...}
-LEFT_BY_A_PEER = "a collective failed"  # the trainer's reason for a rank whose peer died (train/__main__.py)
+# train/outcome.py's CAUSES of a failed rank that crashed nothing (a peer died; recovery fell back after one did). An
+# image older than the field says the first in its reason's words, LEFT_BY_A_PEER, and a fallback in FALLBACK's.
+NOT_CRASHED = ("peer", "recovery-fallback")
+LEFT_BY_A_PEER = "a collective failed"
 
 
 def task_ids(tasks: bytes) -> list[int]:
@@ -139,7 +142,7 @@ def run_step(argv: list[str], *, env: dict[str, str] | None = None, end_wait: fl
             if at >= 0:
                 with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
                     end = json.loads(line[at + len(END_MARK) :])
-                    if str(end.get("reason") or "").startswith(LEFT_BY_A_PEER):
+                    if left_by_a_peer(end):
                         left[str(end["host"])] = left.get(str(end["host"]), 0) + 1
                     step.exits[int(end["rank"])] = int(end["exit_code"])
                     step.world = int(end["world_size"])
@@ -202,6 +205,22 @@ END_RECORD = b'"kind": "end"'  # train/metrics.py's end records
 RECOVERY_FALLBACK = "in-process recovery impossible: "  # train/outcome.py RECOVERY_IMPOSSIBLE: a --recovery fallback's reason
 
 
+def left_by_a_peer(end: dict) -> bool:
+    """Whether a rank's end record says it crashed nothing: its cause, or (an older image's) its reason's words."""
+    if "cause" in end:
+        return end["cause"] in NOT_CRASHED
+    reason = str(end.get("reason") or "")
+    return reason.startswith((LEFT_BY_A_PEER, RECOVERY_FALLBACK))
+
+
+def fallback_reason(end: dict) -> str | None:
+    """Why in-process recovery fell back, from a rank's end record (None: it did not)."""
+    reason = str(end.get("reason") or "")
+    if end.get("cause", "recovery-fallback" if reason.startswith(RECOVERY_FALLBACK) else None) != "recovery-fallback":
+        return None
+    return reason.removeprefix(RECOVERY_FALLBACK)
+
+
 @dataclasses.dataclass(frozen=True)
 class StepRecords:
     """What the step wrote to the metrics file after byte `since`, read in one pass: whether it wrote progress records
@@ -224,10 +243,9 @@ class StepRecords:
                         progress = True
                     elif RECOVERY_RECORD in line:
                         recovered += 1
-                    elif END_RECORD in line and RECOVERY_FALLBACK.encode() in line:
+                    elif END_RECORD in line:
                         with contextlib.suppress(ValueError, AttributeError):
-                            reason = str(json.loads(line).get("reason", ""))
-                            fallback = reason[len(RECOVERY_FALLBACK) :] if reason.startswith(RECOVERY_FALLBACK) else fallback
+                            fallback = fallback_reason(json.loads(line)) or fallback
         except OSError:
             return cls("" if since is None else "no", "", 0)
         return cls("yes" if progress else "no", fallback, recovered)

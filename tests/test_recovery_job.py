@@ -4,13 +4,14 @@ restart decision says why, in one line and in its step-end record."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
 from ddpack.job_side import module
-from train.outcome import RECOVERY_IMPOSSIBLE
+from train.outcome import RECOVERY_IMPOSSIBLE, RunEnd
 
 
 @pytest.fixture(scope="module")
@@ -58,4 +59,51 @@ def test_the_standbys_go_one_a_node_after_the_ranks_and_rank_0_on_the_steps_firs
     that chose ddnode2 first (its last step's node) still puts rank 0 on ddnode1: every task takes the step's first node,
     as Slurm sorts it, for the store's address."""
     assert node.task_hosts(["ddnode1", "ddnode2"], 2, 1) == ["ddnode1", "ddnode1", "ddnode2", "ddnode2", "ddnode1"]
-    assert node.task_hosts(["ddnode2", "ddnode10", "ddnode1"], 1, 4) == ["ddnode1", "ddnode2", "ddnode10", "ddnode1", "ddnode2", "ddnode10", "ddnode1"]
+    assert node.task_hosts(["ddnode2", "ddnode10", "ddnode1"], 1, 4) == [
+        "ddnode1",
+        "ddnode2",
+        "ddnode10",
+        "ddnode1",
+        "ddnode2",
+        "ddnode10",
+        "ddnode1",
+    ]
+
+
+def test_a_fallback_blames_the_dead_ranks_node_never_rank_0s(node: ModuleType) -> None:
+    """Ranks 0-1 on ddnode1, 2-3 on ddnode2; rank 3 is SIGKILLed and the survivors fall back (no standby): srun names
+    ddnode1 first, but its ranks' end records say, as a field, that they crashed nothing. The crash rule (whose second
+    hit on a node puts it in ExcNodeList) names ddnode2."""
+    ends = [
+        RunEnd(rank=r, world_size=4, host=h, outcome="failed", exit_code=1, reason=f"{RECOVERY_IMPOSSIBLE}x", cause="recovery-fallback")
+        for r, h in ((0, "ddnode1"), (1, "ddnode1"), (2, "ddnode2"))
+    ]
+    lines = [end.line() for end in ends] + [
+        "srun: error: ddnode1: tasks 0-1: Exited with exit code 1",
+        "srun: error: ddnode2: task 2: Exited with exit code 1",
+        "srun: error: ddnode2: task 3: Killed",
+    ]
+    script = f"import sys; sys.stdout.write({chr(10).join(lines) + chr(10)!r}); sys.exit(1)"
+    step = node.run_step([sys.executable, "-c", script])
+    assert step.code == 1 and step.crashed == "ddnode2" and step.exits == {0: 1, 1: 1, 2: 1}
+
+
+@pytest.mark.parametrize(
+    ("end", "fallback", "crashed_nothing"),
+    [
+        ({"cause": "recovery-fallback", "reason": f"{RECOVERY_IMPOSSIBLE}rank 0 lost"}, "rank 0 lost", True),
+        ({"cause": "peer", "reason": "a collective failed (RuntimeError: x)"}, None, True),
+        ({"cause": "own", "reason": "OutOfMemoryError: CUDA out of memory"}, None, False),
+        ({"cause": "own", "reason": f"{RECOVERY_IMPOSSIBLE}this rank (r1) was counted dead"}, None, False),  # the words do not decide
+        ({"reason": f"{RECOVERY_IMPOSSIBLE}rank 0 lost"}, "rank 0 lost", True),  # an image older than the field
+    ],
+)
+def test_the_job_decides_from_the_ends_cause_not_its_words(
+    node: ModuleType, end: dict, fallback: str | None, crashed_nothing: bool
+) -> None:
+    assert node.fallback_reason(end) == fallback and node.left_by_a_peer(end) is crashed_nothing
+
+
+def test_an_end_records_cause_is_one_of_the_known_ones() -> None:
+    with pytest.raises(ValueError, match="cause 'peer died'"):
+        RunEnd(rank=0, world_size=1, host="h", outcome="failed", exit_code=1, cause="peer died")

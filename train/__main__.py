@@ -161,19 +161,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         end = ended("bad-input", 2, reason=str(exc))
     except (SnapshotWriteError, MetricsWriteError) as exc:  # rank 0 alone; the others are in their next collective
         log(f"error: {exc}")
-        end = ended("failed", 1, reason=str(exc))
+        end = ended("failed", 1, reason=str(exc), cause="own")
     except ChecksumMismatch as exc:
         log(f"error: {exc}")
-        end = ended("failed", 1, reason=str(exc))
+        end = ended("failed", 1, reason=str(exc), cause="own")
         run_over = True
     except RecoveryImpossible as exc:  # the job program restarts every rank, as without --recovery
         why = f"{RECOVERY_IMPOSSIBLE}{exc}"
         log(f"recovery: falling back to a restart of every rank: {exc}")
-        end = ended("failed", 1, reason=why)
+        end = ended("failed", 1, reason=why, cause="own" if membership is not None and membership.counted_dead else "recovery-fallback")
         run_over = True
     except RuntimeError as exc:  # gloo/nccl report a dead or silent peer as RuntimeError subclasses; so does an OOM
-        first = first_line(exc)
-        if collective_failure(exc):
+        first, cause = first_line(exc), "peer" if collective_failure(exc) else "own"
+        if cause == "peer":
             if watchdog is not None:
                 watchdog.yield_to_a_declared_hang()  # a peer that exited on a declared hang: the watchdog ends this rank
             why = (
@@ -183,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             why = f"{type(exc).__name__}: {first}"  # this rank's own error, not a peer's: said as it is
         log(f"error: {why}")
-        end = ended("failed", 1, reason=why)
+        end = ended("failed", 1, reason=why, cause=cause)
     finally:
         watcher.restore()
         if watchdog is not None:

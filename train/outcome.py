@@ -15,9 +15,14 @@ from dataclasses import asdict, dataclass, fields
 
 MARK = "ddpack-end "
 OUTCOMES = ("done", "stopped", "bad-input", "failed", "hung")
-# A failed end's reason when --recovery fell back to a restart of every rank: the job's program reads what follows it
-# (enroot/ddpack_training.py RECOVERY_FALLBACK, the same text: a test holds them together).
+# A failed end's reason when --recovery fell back to a restart of every rank (what follows says why).
 RECOVERY_IMPOSSIBLE = "in-process recovery impossible: "
+# Why a failed rank ended, as a field the job's program decides from (enroot/ddpack_training.py: which node crashed,
+# whether recovery fell back), never from the words of `reason`:
+#   peer: a collective failed (a peer died, or did not answer in time): this rank crashed nothing;
+#   recovery-fallback: in-process recovery could not replace the dead (the job restarts every rank): nor did this one;
+#   own: this rank's own error (an OOM, a failed write, a user's exception, a rank the standbys counted dead).
+CAUSES = ("peer", "recovery-fallback", "own")
 
 
 @dataclass(frozen=True)
@@ -41,11 +46,14 @@ class RunEnd:
     signal: str | None = None  # stopped: SIGTERM / SIGUSR1
     snapshot: str | None = None  # stopped: the durable snapshot to resume from
     reason: str | None = None  # bad-input, failed, hung: the one line that says why
+    cause: str | None = None  # failed: one of CAUSES
     forensics: str | None = None  # hung: the evidence folder
 
     def __post_init__(self) -> None:
         if self.outcome not in OUTCOMES:
             raise ValueError(f"outcome {self.outcome!r} is not one of {OUTCOMES}")
+        if self.cause is not None and self.cause not in CAUSES:
+            raise ValueError(f"cause {self.cause!r} is not one of {CAUSES}")
 
     def fields(self) -> dict[str, object]:
         """The fields that are set, for the metrics file's `end` record."""
