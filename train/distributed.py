@@ -142,21 +142,22 @@ def waits_by_polling(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-# In-process recovery's (train.recovery.Membership) check, called while a collective is waited on: it raises when the
-# job has already judged a peer dead, so that a survivor whose own peers are alive does not wait out the collective's
-# timeout (gloo cannot cancel a collective). None without --recovery.
-abandon_check: Callable[[], None] | None = None
+# In-process recovery's (train.recovery.Membership) check, called with the seconds waited so far while a collective is
+# waited on: it raises when the job has already judged a peer dead, so that a survivor whose own peers are alive does
+# not wait out the collective's timeout (gloo cannot cancel a collective). None without --recovery.
+abandon_check: Callable[[float], None] | None = None
 ABANDON_POLL_S = 0.02  # how often a waiting rank asks (one store round trip)
 
 
 def wait_polling(work: dist.Work) -> None:
     """Wait for a collective without letting the core go idle (see train.grad_sync for why); raises
     the collective's error (a dead peer, --collective-timeout) as work.wait() does, or `abandon_check`'s."""
-    next_check = time.monotonic() + ABANDON_POLL_S  # a collective done within the first poll asks nothing
+    started = time.monotonic()
+    next_check = started + ABANDON_POLL_S  # a collective done within the first poll asks nothing
     while not work.is_completed():
         if abandon_check is not None and (now := time.monotonic()) >= next_check:
             next_check = now + ABANDON_POLL_S
-            abandon_check()
+            abandon_check(now - started)
         os.sched_yield()  # releases the GIL and lets this node's gloo threads run
     work.wait()
 

@@ -59,6 +59,11 @@ from train.torch_compat import abort_default_group, set_collective_timeout
 
 HEARTBEAT_S = 0.05  # each member bumps its counter this often; standbys sample every counter as often
 STALE_S = 0.25  # a counter unchanged this long, once a survivor reported a failed collective, is a dead member
+# A counter unchanged this long while a survivor waits on a collective (WAITING_S and more) is a frozen rank or a lost
+# node: no connection resets, so no collective fails before its timeout (up to --collective-timeout). Wider than
+# STALE_S, since nothing has failed yet: a heartbeat thread held back by a loaded node must not be taken for one.
+FROZEN_S = 1.5
+WAITING_S = 0.5  # a survivor that has waited on one collective this long says so (its count rises while it waits)
 # The collective timeout never goes below this. A healthy collective of a tiny model takes ~1 ms (gloo, 4 local ranks),
 # but a node whose cores are shared (here: 4 ranks, a standby and a second run on 2 cores) can hold one back for
 # hundreds of ms: at 0.5 s, CI's run at be269c6 saw the first step under the tightened timeout fail with every rank
@@ -259,6 +264,7 @@ class Membership:
         self.collective_timeout_s = collective_timeout_s
         self.stages: Stages | None = None
         self.counted_dead = False  # the standbys' decision left this rank out: its end must not send the standbys away
+        self._waiting, self._next_waiting = 0, 0.0  # this rank's waiting count (report_waiting), and when to say it next
 
     @classmethod
     def started(cls, *, rank: int, host: str, collective_timeout_s: float, log: Callable[[str], None], **settings: Any) -> Membership:
@@ -281,12 +287,15 @@ class Membership:
             **settings,
         )
 
-    def abandon_if_decided(self) -> None:
+    def abandon_if_decided(self, waited_s: float = 0.0) -> None:
         """While this rank waits on a collective (train.distributed.wait_polling): when this generation's decision is
         written, a peer was judged dead (a survivor next to it failed at once and the standbys decided), so the
         collective cannot complete: raise now, instead of waiting out the collective timeout, which gloo cannot cut.
         Only a decision signed by one of this job's standbys counts: another user's `set` is ignored with a line."""
         try:
+            if waited_s >= WAITING_S and (now := time.monotonic()) >= self._next_waiting:
+                self._next_waiting, self._waiting = now + 2 * HEARTBEAT_S, self._waiting + 1
+                self.channel.report_waiting(self.generation, self.member, self._waiting)
             decided = self.channel.decided(self.generation, self.world_size)
         except RuntimeError:
             return  # the store's own failure: recover() says it when the collective fails
@@ -406,6 +415,7 @@ class Standby:
         self.roster = {rank: f"r{rank}" for rank in range(world_size)}
         self._seen: dict[str, tuple[int | None, float]] = {}  # member -> (highest count, when it last rose)
         self._hosts: dict[str, str] = {}  # member -> host, from its heartbeats
+        self._waits: dict[str, tuple[int | None, float]] = {}  # survivor -> (highest waiting count, when it last rose)
 
     def wait(self) -> tuple[int, int] | None:
         """Watch until this standby is given a rank: (generation, rank); None when the run ended (or fell back)."""
@@ -436,6 +446,14 @@ class Standby:
                 time.sleep(STORE_GONE_S / 4)  # a few tries, not one a heartbeat (torch logs each failed call)
             time.sleep(HEARTBEAT_S)
 
+    def _survivor_waiting(self, survivors: list[str], now: float) -> bool:
+        """Whether a survivor's waiting count rose in the last FROZEN_S (it waits on a collective now)."""
+        for member, count in self.channel.waiting(self.generation, survivors).items():
+            highest = self._waits.get(member, (None, 0.0))[0]
+            if count is not None and (highest is None or count > highest):
+                self._waits[member] = (count, now if highest is not None else now - FROZEN_S)  # the first sight is no rise
+        return any(now - when < FROZEN_S for member, (_, when) in self._waits.items() if member in survivors)
+
     def _watch(self) -> None:
         """One sample of every count; a roster member whose count has not risen for STALE_S is dead once a survivor
         has reported its collective failed: decide, once for the generation."""
@@ -451,14 +469,20 @@ class Standby:
         stale = {m for m in members if now - self._seen[m][1] >= STALE_S}
         dead = {rank: m for rank, m in self.roster.items() if m in stale}
         survivors = [m for m in self.roster.values() if m not in stale]
-        if not dead or not self.channel.failure_reported(self.generation, survivors):
-            return  # a heartbeat late on a loaded node while every collective still completes is no death
+        if not dead:
+            return
+        if not (reported := self.channel.failure_reported(self.generation, survivors)):
+            # No collective failed: a heartbeat late on a loaded node while every collective still completes is no
+            # death. One stopped for FROZEN_S while a survivor waits on a collective is a frozen rank or a lost node.
+            dead = {rank: m for rank, m in dead.items() if now - self._seen[m][1] >= FROZEN_S}
+            if not dead or not self._survivor_waiting(survivors, now):
+                return
         used = set(self.roster.values())
         alive = [s for s in standbys if s not in stale and s not in used]
         decision = decide(self.generation, self.roster, dead, self._hosts, alive)
-        self.log(
-            f"standby {self.member}: heartbeat of {', '.join(f'rank {r}' for r in sorted(dead))} stopped; deciding generation {self.generation}"
-        )
+        lost = ", ".join(f"rank {r}" for r in sorted(dead))
+        how = "" if reported else f" for {FROZEN_S:g}s while a survivor waits on a collective (frozen, or its node lost)"
+        self.log(f"standby {self.member}: heartbeat of {lost} stopped{how}; deciding generation {self.generation}")
         self.channel.write_decision(self.generation, decision, self.world_size)
 
 

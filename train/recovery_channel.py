@@ -111,6 +111,12 @@ class Beat:
         return cls(int(count), host)
 
 
+def _count(text: str) -> int:
+    if not (text.isdigit() and len(text) <= 18):
+        raise BadValue(f"{text[:20]!r}; expected a count")
+    return int(text)
+
+
 def _marker(text: str) -> bool:
     if text != "1":
         raise BadValue(f"{text[:20]!r}; expected '1'")
@@ -213,6 +219,22 @@ class Channel:
         heartbeat a death (a signed report of its own; the counter beside it only says one may be there)."""
         self.put(self.generation_key(generation, f"failed/{member}"), "1")
         self.store.add(self.prefix + self.generation_key(generation, "failed"), 1)
+
+    def report_waiting(self, generation: int, member: str, count: int) -> None:
+        """`member` has waited on one collective for a while in `generation`; `count` rises while it still does: with a
+        heartbeat stopped for FROZEN_S, what tells the standbys a rank froze or a node was lost (no connection reset,
+        so no collective fails until its timeout)."""
+        self.put(self.generation_key(generation, f"waiting/{member}"), str(count))
+
+    def waiting(self, generation: int, members: Sequence[str]) -> dict[str, int | None]:
+        """Each member's signed waiting count in `generation` (None: none, or one that does not verify)."""
+        keys = {m: self.prefix + self.generation_key(generation, f"waiting/{m}") for m in members}
+        present = [k for k in keys.values() if self.store.check([k])]
+        raw = dict(zip(present, self.store.multi_get(present), strict=True)) if present else {}
+        return {
+            m: self._opened(self.generation_key(generation, f"waiting/{m}"), raw[k], _count, 64) if k in raw else None
+            for m, k in keys.items()
+        }
 
     def failure_reported(self, generation: int, members: Sequence[str]) -> bool:
         if not int(self.store.add(self.prefix + self.generation_key(generation, "failed"), 0)):
