@@ -129,7 +129,9 @@ ddpack_require_pyxis() {
 }
 
 # ddpack_preflight STEP...: DDPACK_PREFLIGHT=1 runs the template's own srun line with `entrypoint --preflight` before
-# training; a failed check ends the job with its code. DDPACK_PREFLIGHT=only: the check alone (enroot/preflight.sbatch).
+# training; a node that fails only node checks is swapped for a spare (DDPACK_SPARE_NODES) and training goes on without
+# it; any other failed check, or too few spares, ends the job with its code. DDPACK_PREFLIGHT=only: the check alone
+# (enroot/preflight.sbatch).
 ddpack_preflight() {
     local mode
     ddpack_job preflight --container "${ddpack_container_name}" -- "$@" || exit $?

@@ -23,7 +23,9 @@ The verbs (a verb that answers hands the shell its answer one way: on the fd ddp
                               DDPACK_STAGE's choice carried out; answers the path each node's pyxis imports (a node that
                               could not stage gets container NAME made from SQSH, the shared file, alone)
     preflight [--container NAME] -- STEP...
-                              DDPACK_PREFLIGHT=1|only: the template's step with `entrypoint --preflight`, first
+                              DDPACK_PREFLIGHT=1|only: the template's step with `entrypoint --preflight`, first; a
+                              node that fails only node checks is swapped for a spare (DDPACK_SPARE_NODES), else the
+                              job ends naming it
     train [--container NAME] --step-words N -- STEP(N words)... COMMAND...
                               the training step, restarted in place while it can, then the job's end or its requeue
     leave [--container NAME]  the job's container leaves the nodes, and the run folder is given back
@@ -72,7 +74,7 @@ try:
     from ddpack_settings import container_path, value
     from ddpack_slurm import JobFacts, command
     from ddpack_staging import Staging, check_image, image_key
-    from ddpack_training import Training, remove_container
+    from ddpack_training import Training, newer, remove_container
 except ImportError as missing:
     print(f"ddpack: error: cannot read {missing.name}.py beside {__file__}; set DDPACK_HOME to ddpack's enroot/ folder", file=sys.stderr)
     raise SystemExit(2) from None
@@ -235,20 +237,29 @@ def project_dir(where: str) -> int:
 NODE_CHECK_FIELDS = ("node", "check", "value", "threshold", "device")
 
 
-def failed_node_checks(report: Path) -> list[dict[str, str]]:
-    """The failing node checks of a preflight's report (preflight.json's node_checks), [] where it has none or cannot be
-    read (the preflight ended before writing it)."""
+def failed_node_checks(report: Path) -> tuple[list[dict[str, str]], int]:
+    """The failing node checks of a preflight's report (preflight.json's node_checks), and how many of its failures are
+    not node checks: the preflight puts each failing row's line among its failures once (train/preflight/__main__.py
+    run_checks), so the rest is the count of the others (identity, sums, storage, ...). ([], 0) where it has none; ([],
+    1) where it cannot be read (the preflight ended before writing it): that failure is not a node's."""
     try:
-        rows = json.loads(report.read_text()).get("node_checks") or []
-        return [{name: str(row.get(name, "")) for name in NODE_CHECK_FIELDS} for row in rows if row.get("status") == "fail"]
-    except (OSError, ValueError, AttributeError):
-        return []
+        record = json.loads(report.read_text())
+        rows = [row for row in record.get("node_checks") or [] if row.get("status") == "fail"]
+        failed = [{name: str(row.get(name, "")) for name in NODE_CHECK_FIELDS} for row in rows]
+        return failed, len(record.get("failures") or []) - len(failed)
+    except (OSError, ValueError, AttributeError, TypeError):
+        return [], 1
 
 
 def preflight(container: str, argv: list[str]) -> int:
     """The verb: `preflight [--container NAME] -- STEP...`. DDPACK_PREFLIGHT=1 runs the template's own srun line with
-    `entrypoint --preflight` as a step before training; a failed check ends the job with its code (the container
-    leaves the nodes). DDPACK_PREFLIGHT=only: the check alone (enroot/preflight.sbatch, which the shell ends after it)."""
+    `entrypoint --preflight` as a step before training, over the whole allocation (spares included: every node that
+    may train is checked once). A node that fails only node checks (every failure the report holds is one) is swapped
+    for a spare when DDPACK_SPARE_NODES covers it: one line and the `preflight` record (result `swapped`) name it, the
+    check and the value, and training starts on the others in this job, the node kept out of its restarts and of a
+    requeue (`Training.swap_out`, the placement every restart uses). Any other failure, or too few spares, ends the job
+    with the preflight's code (the container leaves the nodes), naming the nodes. DDPACK_PREFLIGHT=only: the check alone
+    (enroot/preflight.sbatch, which the shell ends after it): nothing is swapped."""
     env = os.environ
     mode = value("DDPACK_PREFLIGHT", env)
     if mode == "0":
@@ -259,15 +270,33 @@ def preflight(container: str, argv: list[str]) -> int:
     code = command(argv).returncode
     rc = 128 - code if code < 0 else code
     if rc:
-        if container:
-            remove_container(JobFacts(job), container)
-        failed = failed_node_checks(report)
+        # A report older than this start is an earlier start's: nothing in it is about these nodes now.
+        failed, others = failed_node_checks(report) if newer(report, run_dir / MARKER) else ([], 1)
         nodes = list(dict.fromkeys(check["node"] for check in failed))
         on = "".join(f" on node {node} ({', '.join(dict.fromkeys(c['check'] for c in failed if c['node'] == node))})" for node in nodes)
-        say(f"preflight failed (exit {rc}){on}; not training. The 'preflight: FAIL' lines above name each problem; the report is {report}")
-        fields = {"result": "failed", "exit": str(rc), "report": str(report)}
+        fields: dict[str, object] = {"result": "failed", "exit": str(rc), "report": str(report)}
         if failed:  # fields, not a sentence: what a swap for a spare node reads
             fields.update(nodes=nodes, failed_checks=failed)
+        not_swapped = ""
+        if rc == 1 and failed and not others and mode == "1":
+            training = Training([], [], container)
+            if training.swap_out(nodes):
+                checks = "; ".join(
+                    f"{c['check']}{' ' + c['device'] if c['device'] else ''}: {c['value']} (threshold {c['threshold']})" for c in failed
+                )
+                say(
+                    f"preflight failed{on}: {checks}; swapped for a spare: training on {','.join(training.last_nodes)} in this job, "
+                    f"without {','.join(nodes)} here and in its restarts (DDPACK_SPARE_NODES={training.spares})"
+                )
+                write_record(run_dir, "preflight", {**fields, "result": "swapped", "training": ",".join(training.last_nodes)})
+                return 0
+            not_swapped = f" ({training.short})"
+            fields["swap"] = training.short
+        if container:
+            remove_container(JobFacts(job), container)
+        say(
+            f"preflight failed (exit {rc}){on}; not training{not_swapped}. The 'preflight: FAIL' lines above name each problem; the report is {report}"
+        )
         write_record(run_dir, "preflight", fields)
         return rc
     write_record(run_dir, "preflight", {"result": "passed", "exit": "0", "report": str(report)})

@@ -323,7 +323,7 @@ class Training:
         self.step_wait = int(settings["DDPACK_STEP_WAIT"])
         self.restarts = int(env.get("SLURM_RESTART_COUNT") or 0)
         self.failed = 0  # failure restarts counted during this start: the cap holds if the run folder's count is lost
-        self.bad_nodes: list[str] = []  # nodes a hang's forensics named, over the whole job
+        self.bad_nodes: list[str] = []  # nodes out for the whole job: a hang's forensics named them, the preflight failed them, ...
         self.last_nodes: list[str] = []  # the nodes the last training step ran on
         self.placement: list[str] = []  # srun's options that put the step on them (none: the whole allocation)
         self.short = ""  # why no placement was found
@@ -335,6 +335,8 @@ class Training:
         self.crashes: dict[str, int] = {}  # crashes by node during this start: a second one puts the node out for the job
         self.avoid: list[str] = []  # nodes the next placement uses only where no other healthy node is left
         self.now = JobFacts(self.job)  # what Slurm says of the job, read once a decision (after_step starts a new one)
+        self.preflight_out = self.swapped_by_preflight()  # nodes this start's preflight found bad: out for the whole job
+        self.bad_nodes += self.preflight_out
 
     @functools.cached_property
     def started(self) -> list[str] | None:
@@ -353,8 +355,10 @@ class Training:
                     self.leave("end")
                     return 1
                 job_error(self.run_dir, f"DDPACK_SPARE_NODES={self.spares}: {self.short}")
-            say(f"training on {','.join(self.last_nodes)}; spare: {self.spares_now()}")
-            write_record(self.run_dir, "placement", {"nodes": ",".join(self.last_nodes), "spares": self.spares_now()})
+            out = f"; without {','.join(self.preflight_out)} (failed the preflight's node checks)" if self.preflight_out else ""
+            say(f"training on {','.join(self.last_nodes)}; spare: {self.spares_now()}{out}")
+            placed = {"nodes": ",".join(self.last_nodes), "spares": self.spares_now()}
+            write_record(self.run_dir, "placement", {**placed, **({"without": ",".join(self.preflight_out)} if out else {})})
         if self.standbys:
             say(
                 f"{self.standbys} standby process(es) start with each training step (DDPACK_STANDBYS): a rank that dies is replaced in process"
@@ -462,9 +466,49 @@ class Training:
                 os.unlink(path)
 
     def spares_now(self) -> str:
-        """The allocation's nodes that are not the ones training uses now."""
-        spare = [node for node in self.now.nodes or [] if node not in self.last_nodes]
+        """The allocation's nodes that are not the ones training uses now, nor out of the job."""
+        spare = [node for node in self.now.nodes or [] if node not in self.last_nodes and node not in self.bad_nodes]
         return ",".join(spare) or "none"
+
+    def swap_out(self, nodes: list[str]) -> bool:
+        """The preflight verb's question, answered by the one placement every restart uses: can training start without
+        `nodes` (the ones that failed the preflight's node checks)? True when every one is the job's own and the healthy
+        nodes left, spares included, are as many as training needs (`place`); False, with self.short saying why, when
+        the job has no spare or too few. The nodes are then out of this job (`bad_nodes`): the train verb reads them
+        back from the preflight's record (`swapped_by_preflight`)."""
+        if self.spares < 1:
+            self.short = f"DDPACK_SPARE_NODES=0: no spare node to take {'its' if len(nodes) == 1 else 'their'} place"
+            return False
+        foreign = [node for node in nodes if node not in self.our_nodes()]
+        if foreign:
+            self.short = f"{','.join(foreign)} is not a node of this job as Slurm names them"
+            return False
+        self.bad_nodes += [node for node in nodes if node not in self.bad_nodes]
+        if not self.place():
+            self.short = f"DDPACK_SPARE_NODES={self.spares}: {self.short}"
+            return False
+        return True
+
+    def swapped_by_preflight(self) -> list[str]:
+        """The nodes this start's preflight swapped out (its `preflight` record with result `swapped`, of this job and
+        this restart): the train verb, a process of its own, keeps them out of every placement and of a requeue's
+        ExcNodeList. Only names of this job's nodes count, as for a hang's forensics."""
+        try:
+            lines = read_nofollow(self.run_dir / DECISIONS, limit=None).splitlines()
+        except OSError:
+            return []
+        ours, found = self.our_nodes(), []
+        for line in lines:
+            with contextlib.suppress(ValueError):
+                entry = json.loads(line)
+                if (
+                    isinstance(entry, dict)
+                    and (entry.get("kind"), entry.get("result")) == ("preflight", "swapped")
+                    and (entry.get("slurm_job"), entry.get("restart")) == (self.job, self.restarts)
+                    and isinstance(entry.get("nodes"), list)
+                ):
+                    found += [node for node in entry["nodes"] if node in ours and node not in found]
+        return found
 
     def after_step(self, rc: int) -> str:
         """end, restart or requeue, from the step's exit status; one line says which and why."""
@@ -632,9 +676,13 @@ class Training:
         self.keep_out = list(self.bad_nodes)
 
     def why_out(self, nodes: list[str], *, short: bool = False) -> str:
-        """Why `nodes` are kept out: a hang's forensics named them, or their tasks crashed twice."""
+        """Why `nodes` are kept out: they failed this start's preflight, a hang's forensics named them, or their tasks
+        crashed twice."""
         crashed = [node for node in nodes if self.crashes.get(node, 0) >= 2]
-        reasons = ["named unresponsive" + ("" if short else " by the hang's forensics")] if len(crashed) < len(nodes) else []
+        checked = [node for node in nodes if node in self.preflight_out and node not in crashed]
+        named = len(nodes) - len(crashed) - len(checked)
+        reasons = ["failed the preflight's node checks"] if checked else []
+        reasons += ["named unresponsive" + ("" if short else " by the hang's forensics")] if named else []
         if crashed:
             reasons.append(f"{'its' if len(crashed) == 1 else 'their'} tasks crashed twice")
         return "; ".join(reasons)

@@ -18,11 +18,13 @@ Idempotent: a running cluster is reused, and restarted when its configuration ch
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import stat
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 CONF = Path("/etc/slurm/slurm.conf")
@@ -207,6 +209,24 @@ PYXIS_PLUGSTACK = Path("/etc/slurm/plugstack.conf.d/pyxis.conf")
 def _slurmd_pid(node: str) -> int | None:
     out = subprocess.run(["pgrep", "-f", f"slurmd -N {node}$"], capture_output=True, text=True)
     return int(out.stdout.split()[0]) if out.returncode == 0 and out.stdout.split() else None
+
+
+@contextlib.contextmanager
+def full_shm(node: str, size: str = "1m") -> Iterator[None]:
+    """`node`'s /dev/shm a full tmpfs of `size` while the block runs: a bad node, made in its slurmd's own mount namespace
+    alone (_start_slurmd), where every step and pyxis container of that node is started, and enroot binds /dev/shm
+    into each container (its mounts.d/10-system.fstab) as it does on a real node. The other nodes keep the host's.
+    Needs root; the tmpfs is unmounted afterwards whatever happened, which gives the node its /dev/shm back."""
+    pid = _slurmd_pid(node)
+    if pid is None:
+        raise ClusterUnavailable(f"no slurmd runs for {node}")
+    inside = ["nsenter", f"--target={pid}", "--mount"]
+    subprocess.run([*inside, "mount", "-t", "tmpfs", "-o", f"size={size},mode=1777", "ddpack-full-shm", "/dev/shm"], check=True)
+    try:
+        subprocess.run([*inside, "sh", "-c", "cat /dev/zero > /dev/shm/ddpack-filler 2>/dev/null; true"], check=True)  # ENOSPC: full
+        yield
+    finally:
+        subprocess.run([*inside, "umount", "/dev/shm"], check=True)
 
 
 def _own_disk(pid: int) -> bool:

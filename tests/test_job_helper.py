@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -13,6 +14,7 @@ import pytest
 
 from ddpack.jobs import submit_checks
 from testbed.env import ROOT
+from train.preflight.verdict import NodeCheck
 
 HELPER = ROOT / "enroot" / "ddpack-job.sh"
 
@@ -132,13 +134,16 @@ def after_step(
     down: str = "",
     then: int = 0,
     step_also: str = "",
+    preflight: dict | None = None,
     **settings: str,
 ):
     """`ddpack_train x` (ddpack_job.py train) with a step that exits RC, then `then` when it is started again, and
     scontrol and sinfo stubbed (their calls recorded in calls.txt), after a start that ddpack_setup marked; forensics
     written during it, or before it (an earlier start's). `job_nodes`: the job's nodes as Slurm lists them now; `down`:
     those sinfo reports down; `step_also`: shell the step runs before it exits (it may print srun's lines, or change the
-    run folder). Returns what it printed, the calls, the run folder and each step's options."""
+    run folder); `preflight`: `ddpack_preflight` first (DDPACK_PREFLIGHT=1), its step writing this preflight.json and
+    exiting 1 (None: the report is left as an earlier start wrote it). Returns what it printed, the calls, the run folder
+    and each step's options."""
     run_dir = tmp_path / "run"
     (run_dir / "forensics").mkdir(parents=True)
     if failures is not None:
@@ -177,6 +182,11 @@ esac"""
     env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "DDPACK_RUN_DIR": str(run_dir), "SLURM_JOB_ID": "77", "SLURM_JOB_NUM_NODES": "2"}
     env |= {"SLURM_JOB_PARTITION": "debug", "SLURM_NTASKS_PER_NODE": "2", **settings}
     script = f'. "{HELPER}"; ddpack_step=(step); ddpack_train x'
+    if "DDPACK_PREFLIGHT" in settings:
+        write = f"cat > {run_dir}/preflight.json <<'EOF'\n{json.dumps(preflight)}\nEOF\n" if preflight is not None else ""
+        (tmp_path / "preflight-step").write_text(f"#!/bin/sh\n{write}exit 1\n")
+        (tmp_path / "preflight-step").chmod(0o755)
+        script = f'. "{HELPER}"; ddpack_step=(step); ddpack_preflight preflight-step; ddpack_train x'
     out = subprocess.run(["bash", "-uc", script], env=env, capture_output=True, text=True, timeout=30)
     return out, calls.read_text() if calls.exists() else "", run_dir, steps.read_text().splitlines() if steps.exists() else []
 
@@ -379,6 +389,91 @@ def test_too_few_healthy_nodes_go_back_to_the_queue(tmp_path: Path) -> None:
     assert out.stdout.startswith("ddpack: training on ddnode1,ddnode2; spare: ddnode3\n"), out.stdout
     assert "1 healthy node(s) left in the allocation and training needs 2: requeueing job 77" in out.stdout
     assert len(steps) == 1 and "scontrol requeue 77" in calls
+
+
+def preflight_report(*failing: str, others: int = 0) -> dict:
+    """A preflight.json of three nodes whose `failing` ones have a full 1 MiB /dev/shm, and `others` failures that are
+    no node check's (sums, identity, storage), as train/preflight writes it."""
+    rows = [
+        NodeCheck(node=node, check="shm-free", value="1.0 MiB free of 1.0 MiB" if node in failing else "24.0 GiB free of 24.0 GiB",
+                  threshold=">= 256.0 MiB free (the CPU floor)", status="fail" if node in failing else "ok", action="free it")
+        for node in ("ddnode1", "ddnode2", "ddnode3")
+    ]  # fmt: skip
+    failures = [row.line() for row in rows if row.status == "fail"] + ["all-reduce: 3 wrong elements at 4096 B"] * others
+    return {"ok": not failures, "failures": failures, "warnings": [], "seconds": 3.0, "node_checks": [dataclasses.asdict(r) for r in rows]}
+
+
+SWAP = {"SLURM_JOB_NUM_NODES": "3", "job_nodes": "ddnode1,ddnode2,ddnode3", "DDPACK_PREFLIGHT": "1", "DDPACK_SPARE_NODES": "1"}
+
+
+@pytest.mark.parametrize(("bad", "training"), [("ddnode2", "ddnode1,ddnode3"), ("ddnode3", "ddnode1,ddnode2")])
+def test_a_node_that_fails_the_preflights_node_checks_is_swapped_for_a_spare_and_the_same_job_trains_on_the_others(
+    tmp_path: Path, bad: str, training: str
+) -> None:
+    """A training node (ddnode2) or the spare itself (ddnode3) with a full /dev/shm: one line and one record name the
+    node, the check and the value; training starts on the others, in this job (no requeue, the container kept)."""
+    out, calls, run_dir, steps = after_step(tmp_path, 0, preflight=preflight_report(bad), **SWAP)
+    lines = out.stdout.splitlines()
+    assert out.returncode == 0 and lines[1] == (
+        f"ddpack: preflight failed on node {bad} (shm-free): shm-free: 1.0 MiB free of 1.0 MiB (threshold >= 256.0 MiB free "
+        f"(the CPU floor)); swapped for a spare: training on {training} in this job, without {bad} here and in its restarts "
+        "(DDPACK_SPARE_NODES=1)"
+    ), out.stdout
+    assert lines[2] == f"ddpack: training on {training}; spare: none; without {bad} (failed the preflight's node checks)"
+    assert steps == [f"--nodes=2 --ntasks=4 --nodelist={training} x"] and out.stdout.endswith(DONE)
+    assert "requeue" not in calls and "srun" not in calls
+    records = [json.loads(line) for line in (run_dir / "decisions.jsonl").read_text().splitlines()]
+    swapped = next(r for r in records if r["kind"] == "preflight")
+    assert (swapped["result"], swapped["nodes"], swapped["training"]) == ("swapped", [bad], training)
+    assert swapped["failed_checks"] == [
+        {
+            "node": bad,
+            "check": "shm-free",
+            "value": "1.0 MiB free of 1.0 MiB",
+            "threshold": ">= 256.0 MiB free (the CPU floor)",
+            "device": "",
+        }
+    ]
+    placed = next(r for r in records if r["kind"] == "placement")
+    assert (placed["nodes"], placed["spares"], placed["without"]) == (training, "none", bad)
+
+
+@pytest.mark.parametrize(
+    ("settings", "report", "named", "why"),
+    [
+        ({"DDPACK_SPARE_NODES": "0"}, preflight_report("ddnode2"), " on node ddnode2 (shm-free)",
+         " (DDPACK_SPARE_NODES=0: no spare node to take its place)"),
+        ({}, preflight_report("ddnode2", "ddnode3"), " on node ddnode2 (shm-free) on node ddnode3 (shm-free)",
+         " (DDPACK_SPARE_NODES=1: 1 healthy node(s) left in the allocation and training needs 2)"),
+        ({}, preflight_report("ddnode2", others=1), " on node ddnode2 (shm-free)", ""),  # a wrong sum is no node's alone
+        ({}, None, "", ""),  # no report of this start (the preflight died before writing it): an earlier start's says nothing
+    ],
+    ids=["no-spare", "too-few-spares", "not-only-node-checks", "no-report-of-this-start"],
+)  # fmt: skip
+def test_a_preflight_failure_no_spare_can_cover_ends_the_job_naming_the_node(
+    tmp_path: Path, settings: dict, report: dict | None, named: str, why: str
+) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    old = run_dir / "preflight.json"
+    old.write_text(json.dumps(preflight_report("ddnode2")))  # an earlier start's, older than this start's marker
+    os.utime(old, (time.time() - 3600,) * 2)
+    out, _, run_dir, steps = after_step(tmp_path, 0, preflight=report, **{**SWAP, **settings})
+    assert out.returncode == 1 and steps == [], out.stdout
+    assert f"ddpack: preflight failed (exit 1){named}; not training{why}. The 'preflight: FAIL' lines" in out.stdout, out.stdout
+    record = json.loads((run_dir / "decisions.jsonl").read_text().splitlines()[-1])
+    assert record["kind"] == "preflight" and record["result"] == "failed" and record.get("swap", "") == why[2:-1]
+
+
+def test_a_node_the_preflight_failed_stays_out_of_a_restart_in_place_and_out_of_a_requeue(tmp_path: Path) -> None:
+    out, calls, _, steps = after_step(tmp_path, 1, preflight=preflight_report("ddnode2"), **SWAP)
+    assert steps == ["--nodes=2 --ntasks=4 --nodelist=ddnode1,ddnode3 x"] * 2, out.stdout
+    assert "restarting it in this allocation on ddnode1,ddnode3 from its last snapshot" in out.stdout
+    out, calls, _, _ = after_step(
+        tmp_path / "requeued", 124, preflight=preflight_report("ddnode2"), partition_nodes=8, DDPACK_RESTART_IN_PLACE="0", **SWAP
+    )
+    assert "scontrol update JobId=77 ExcNodeList=ddnode2" in calls.splitlines(), calls
+    assert "ddpack: keeping ddnode2 (failed the preflight's node checks) out of the restart" in out.stdout
 
 
 def test_a_node_the_job_cannot_do_without_is_not_kept_out(tmp_path: Path) -> None:

@@ -501,6 +501,29 @@ def test_a_dry_run_of_a_good_setup_prints_the_exact_job_script(tmp_path, slurm, 
     assert [call.split()[:2] for call in calls(slurm, "sbatch")] == [["sbatch", "--test-only"]]  # the controller was asked
 
 
+@pytest.mark.parametrize(
+    ("spares", "line"),
+    [
+        ("0", "submit: the preflight checks all 2 nodes before training; a node that fails it ends the job there, named in its log and "
+              "record (no spare: --spares 0)"),
+        ("1", "submit: the preflight checks all 3 nodes before training; up to 1 node(s) that fail only its node checks are swapped for "
+              "the spares and the job trains on the others; more, or any other failure, end the job there, naming them"),
+    ],
+)  # fmt: skip
+def test_a_dry_run_with_the_preflight_says_what_a_failing_node_does_with_and_without_a_spare(
+    tmp_path, slurm, capsys, spares: str, line: str
+) -> None:
+    good = settings(tmp_path)
+    args = ["submit", "--nodes", "2", "--tasks-per-node", "2", "--spares", spares, "--dry-run", "--runs", str(good.runs),
+            "--sqsh", str(good.sqsh), "--mounts", good.mounts, "--partition", "big", str(tmp_path)]  # fmt: skip
+    assert cli.main([*args, "--env", "DDPACK_PREFLIGHT=1"]) == 0
+    out, err = capsys.readouterr()
+    assert line in (out + err).splitlines(), out + err
+    assert cli.main(args) == 0
+    out, err = capsys.readouterr()
+    assert "submit: the preflight" not in out + err
+
+
 def test_settings_are_checked_before_anything_runs(tmp_path) -> None:
     problems = setting_problems(
         settings(tmp_path, nodes=0, time_limit="soon", template="mpi", command=("python", "a b.py"), env={"DDPACK_SQSH": "/x"})

@@ -285,6 +285,9 @@ def test_a_node_with_a_1_mib_dev_shm_fails_the_job_naming_the_node_the_value_and
         (host, "shm-size", "/dev/shm 1.0 MiB", ">= 256.0 MiB (the CPU floor)"),
         (host, "shm-free", "0 B free of 1.0 MiB", ">= 256.0 MiB (the CPU floor)"),
     ]
+    # Each failing row is one failure and nothing else failed: how the job program tells a node's fault, which a spare
+    # can take over, from the others (enroot/ddpack_job.py failed_node_checks).
+    assert len(report["failures"]) == len(failed)
 
 
 # Rank 1's matrix multiplies take SLOWDOWN times as long, as on a throttled device or slower cores: the

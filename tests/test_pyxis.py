@@ -35,6 +35,7 @@ from testbed.slurm_cluster import (
     ENROOT_DATA,
     NODES,
     clear_staged_images,
+    full_shm,
     mount_device,
     mount_journaled_ext4,
     mount_options,
@@ -456,6 +457,38 @@ def test_one_node_that_cannot_stage_reads_the_shared_file_alone_and_the_job_trai
     commands = [command.split()[0] for command in readers.commands.values()]
     assert commands.count("sbcast") == 1 and len(commands) >= 2, readers.commands  # sbcast, then ddnode2's import alone
     assert unpacks(job) == 3  # each node once: ddnode2 from the shared file (its container made first), the others from their copies
+
+
+def test_a_node_with_a_full_dev_shm_is_swapped_for_the_spare_before_training_and_the_same_job_completes(sqsh: Path, shared: Path) -> None:
+    """Three nodes, one a spare (sbatch --nodes=3, DDPACK_SPARE_NODES=1), the preflight first; ddnode2's /dev/shm is a
+    full 1 MiB tmpfs in its own mount namespace, which its containers bind as enroot does. The preflight's node checks
+    fail it there (and only there); the job swaps the spare in, in one line and one record naming the node, the check
+    and the value, and trains on ddnode1 and ddnode3 to the end: the same job, no requeue."""
+    folder = submission_folder(shared, "full-shm")
+    with full_shm("ddnode2"):
+        job, metrics, log = submit(
+            folder, "full-shm", ("--partition=big", "--nodes=3", "--ntasks-per-node=1"), "pyxis-per-task.sbatch",
+            DDPACK_SQSH=str(sqsh), DDPACK_MOUNTS=f"{shared}:/fsx", DDPACK_SPARE_NODES="1", DDPACK_PREFLIGHT="1",
+            DDPACK_TRAIN_ARGS="--dataset-size 1024 --epochs 1 --log-every 10",
+        )  # fmt: skip
+        state, requeues = wait_for_end(job, log)
+    text = log.read_text()
+    assert (state, requeues) == ("COMPLETED", 0), text
+    assert "preflight: FAIL node ddnode2: shm-free: 0 B free of 1.0 MiB" in text, text
+    assert re.search(r"ddpack: preflight failed on node ddnode2 \(shm-size, shm-free\): shm-size: /dev/shm 1\.0 MiB .*; swapped for a spare: "
+                     r"training on ddnode1,ddnode3 in this job, without ddnode2 here and in its restarts \(DDPACK_SPARE_NODES=1\)", text), text  # fmt: skip
+    assert "ddpack: training on ddnode1,ddnode3; spare: none; without ddnode2 (failed the preflight's node checks)" in text, text
+    assert all_agree(text, 2), text
+    (start,) = starts_of(metrics)
+    assert sorted(set(start["hosts"])) == ["ddnode1", "ddnode3"] and start["slurm_restart_count"] == 0
+    run_dir = folder / "runs" / f"full-shm-{job}"
+    records = [json.loads(line) for line in (run_dir / "decisions.jsonl").read_text().splitlines()]
+    (swapped,) = [r for r in records if r["kind"] == "preflight"]
+    assert (swapped["result"], swapped["nodes"], swapped["training"]) == ("swapped", ["ddnode2"], "ddnode1,ddnode3"), swapped
+    assert {c["node"] for c in swapped["failed_checks"]} == {"ddnode2"} and "shm-free" in {c["check"] for c in swapped["failed_checks"]}
+    report = json.loads((run_dir / "preflight.json").read_text())
+    assert {r["node"] for r in report["node_checks"] if r["status"] == "fail"} == {"ddnode2"}
+    assert {r["host"] for r in report["identity"]} == {"ddnode1", "ddnode2", "ddnode3"}  # the spare was checked with the rest
 
 
 # Two epochs of 29 steps (4096 samples, 90% trained, 4 ranks x 32): snapshots at 20 and 40, held at batch 30 of each start.

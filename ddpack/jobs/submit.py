@@ -269,6 +269,8 @@ def _submit(settings: SubmitSettings, *, dry_run: bool, say: Any, run_file: dict
                 f"submit: a sweep of {count} points, one job array{f' (at most {at_once} at once)' if at_once else ''}, one run folder a point"
             )
         print(render_script(settings, planned_dir, sqsh), end="")
+        if (plan := preflight_plan(settings)) is not None:
+            say(plan)
         raise_problems(problems)
         say("submit: dry run: every check passed (sbatch --test-only too); nothing was queued")
         return Submitted(
@@ -432,6 +434,21 @@ def record_job(run_dir: Path, job_id: str, how: str, changes: dict[str, Any] | N
 def image_key(sqsh: Path) -> str:
     """The staging key the job helper derives for this squashfs: the same image gives the same key."""
     return module("ddpack_staging").image_key(sqsh)
+
+
+def preflight_plan(settings: SubmitSettings) -> str | None:
+    """What the job does with a node that fails the preflight (`--env DDPACK_PREFLIGHT=1`), said by the dry run: with
+    no spare it ends, naming the node; with spares it swaps the failing nodes out and trains on the others
+    (enroot/ddpack_job.py's preflight verb). None when the job runs no preflight before training."""
+    if settings.env.get("DDPACK_PREFLIGHT") != "1":
+        return None
+    first = f"submit: the preflight checks all {settings.nodes + settings.spares} nodes before training"
+    if not settings.spares:
+        return f"{first}; a node that fails it ends the job there, named in its log and record (no spare: --spares 0)"
+    return (
+        f"{first}; up to {settings.spares} node(s) that fail only its node checks are swapped for the spares and the job trains "
+        "on the others; more, or any other failure, end the job there, naming them"
+    )
 
 
 def as_json(result: Submitted) -> str:
