@@ -1265,3 +1265,58 @@ def test_report_without_matplotlib_still_shows_the_ledger(tmp_path, slurm, monke
     said = json.loads(capfd.readouterr().out)
     assert said["files"] == [] and said["ledger"]["allocated_node_hours"] == pytest.approx(178 / 3600)
     assert not (run_dir / "report.html").exists()
+
+
+# --------------------------------------------------------------- points that share nodes (issue 64 point 2)
+
+SIZED_PARTITIONS = 'echo "debug*|2|idle|gpu:8|64"; echo "small|2|idle|(null)|2"'  # sinfo's %P|%D|%T|%G|%c
+
+
+@pytest.mark.parametrize(
+    ("extra", "shares", "said"),
+    [
+        ([], (1, 0), "each point asks 1 CPU(s) and 0 GPU(s) of a node with 64 CPUs and 8 GPUs: the points share nodes"),
+        (["--sbatch-arg=--gpus-per-task=1", "--tasks-per-node", "2"], (2, 2), "charged 0.25 of a node's hours"),
+        (["--sbatch-arg=--cpus-per-task=16", "--tasks-per-node", "4"], None, "asks 64 CPU(s) and 0 GPU(s) of a node with 64 CPUs"),
+        (["--gpus-per-node", "8"], None, "asks 8 CPU(s) and 8 GPU(s) of a node with 64 CPUs and 8 GPUs: whole nodes (--exclusive)"),
+        (["--partition", "small", "--tasks-per-node", "2"], None, "of a node with 2 CPUs and 0 GPUs: whole nodes (--exclusive)"),
+        (["--template", "torchrun"], None, "torchrun starts a node's ranks in one Slurm task"),
+    ],
+)
+def test_a_sweep_point_that_asks_less_than_a_node_shares_nodes_and_a_whole_node_point_stays_exclusive(
+    tmp_path, slurm, capfd, extra: list[str], shares: tuple[int, int] | None, said: str
+) -> None:
+    fake(slurm, "sinfo", f'case "$*" in *--version*) echo "slurm-wlm 22.05.8" ;; *) {SIZED_PARTITIONS} ;; esac')
+    assert cli.main([*sweep_args(tmp_path), "--dry-run", *extra, "--sweep", "lr=1,2", "--", "p", "{lr}"]) == 0
+    dry = capfd.readouterr().out
+    assert said in dry and ("#SBATCH --exclusive" in dry) == (shares is None), dry
+    assert cli.main([*sweep_args(tmp_path), *extra, "--sweep", "lr=1,2", "--json", "--", "p", "{lr}"]) == 0
+    share = read_record(Path(submitted(capfd)["run_dir"]) / "0").settings["share"]
+    assert (share and (share["cpus"], share["gpus"])) == shares or (share is None and shares is None)
+
+
+def test_a_plain_run_and_a_partition_sinfo_does_not_size_take_whole_nodes(tmp_path, slurm, capfd) -> None:
+    assert cli.main([*sweep_args(tmp_path), "--dry-run", "--sweep", "lr=1,2", "--", "p", "{lr}"]) == 0  # sinfo without %c
+    assert "sinfo gave no node size for the partition: whole nodes (--exclusive)" in (dry := capfd.readouterr().out)
+    assert "#SBATCH --exclusive" in dry
+    fake(slurm, "sinfo", f'case "$*" in *--version*) echo "slurm-wlm 22.05.8" ;; *) {SIZED_PARTITIONS} ;; esac')
+    assert cli.main([*sweep_args(tmp_path), "--dry-run", "--", "p"]) == 0
+    assert "#SBATCH --exclusive" in capfd.readouterr().out
+
+
+def test_the_ledger_charges_a_point_that_shared_its_nodes_its_share(tmp_path, slurm) -> None:
+    from dataclasses import replace
+
+    from ddpack.jobs.ledger import run_ledger
+    from ddpack.jobs.run_json import write_record
+
+    run_dir = ledger_run(tmp_path)
+    whole = run_ledger(run_dir, "COMPLETED")
+    record = read_record(run_dir)
+    write_record(replace(record, settings={**record.settings, "share": {"cpus": 1, "gpus": 2, "node_cpus": 64, "node_gpus": 8}}))
+    shared = run_ledger(run_dir, "COMPLETED")
+    assert shared.allocated_node_s == whole.allocated_node_s / 4 == 2 * (62 + 27) / 4  # its 2 GPUs of each node's 8
+    assert shared.node_s == {part: seconds / 4 for part, seconds in whole.node_s.items()}
+    assert [a["share"] for a in shared.allocations] == [0.25, 0.25]
+    write_record(replace(record, settings={**record.settings, "share": {"cpus": 1, "gpus": 0, "node_cpus": 2, "node_gpus": 2}}))
+    assert run_ledger(run_dir, "COMPLETED").allocated_node_s == whole.allocated_node_s / 2  # no GPUs: its CPU of the node's 2

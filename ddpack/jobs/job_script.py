@@ -52,7 +52,7 @@ def sbatch_lines(settings: SubmitSettings, run_dir: Path) -> list[str]:
         *([f"--time={settings.time_limit}"] if settings.time_limit else []),
         *([f"--array=0-{count - 1}{limit}"] if count else []),
         *(f"--{key}={value}" for key, value in slurm_options(settings).items() if value),
-        "--exclusive",
+        *([] if settings.share else ["--exclusive"]),  # a point that asks less than a node shares (submit_checks.point_share)
         f"--output={log}",
         "--open-mode=append",
         "--signal=USR1@90",

@@ -3,8 +3,9 @@
 An allocation is one start of the job's script on its nodes: from its `start` record (decisions.jsonl) to the
 decision that gave the nodes back (the step-end that ended the job or requeued it), else Slurm's cancel or time
 limit (the log's line; without one, a TIMEOUT's start plus its time limit), else the allocation's last record. Its
-node count is the start record's node list. Each allocation's span is cut into parts that follow each other, so the
-parts add up to the allocation by construction:
+node count is the start record's node list, times the share of each node a sweep's point held where it shared them
+(its CPUs or GPUs over the node's, recorded at submit: submit_checks.NodeShare); whole nodes count 1. Each
+allocation's span is cut into parts that follow each other, so the parts add up to the allocation by construction:
 
 - startup: the start to the first training record (staging the image, unpacking it, the launch), less
 - preflight: the preflight's own seconds (preflight.json), ending at its record;
@@ -107,6 +108,18 @@ def node_count(nodes: str, record: RunRecord) -> int:
     return len(names) or int(record.settings.get("nodes") or 1) + int(record.settings.get("spares") or 0)
 
 
+def node_fraction(record: RunRecord) -> float:
+    """The share of each node the run held: 1 for whole nodes (--exclusive), a sharing sweep point's own otherwise
+    (its GPUs over the node's where it asks GPUs, else its CPUs over the node's: submit_checks.NodeShare)."""
+    share = record.settings.get("share") or {}
+    try:
+        if share.get("gpus") and share.get("node_gpus"):
+            return min(1.0, float(share["gpus"]) / float(share["node_gpus"]))
+        return min(1.0, float(share["cpus"]) / float(share["node_cpus"])) if share else 1.0
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return 1.0
+
+
 def allocations_of(entries: list[dict[str, Any]], record: RunRecord) -> list[Allocation]:
     """Each start of the job's script, closed by the decision that gave its nodes back (requeue, end, completed)."""
     found: list[Allocation] = []
@@ -159,6 +172,7 @@ def run_ledger(run_dir: Path, state: str | None = None) -> Ledger:
     except Exception:  # a damaged metrics file: the allocations alone
         segments = []
     preflight_s = preflight_seconds(run_dir)
+    share = node_fraction(record)
     for index, alloc in enumerate(allocations):
         following = allocations[index + 1].began if index + 1 < len(allocations) else None
         mine = [s for s in segments if s.began is not None and s.began >= alloc.began and (following is None or s.began < following)]
@@ -166,11 +180,11 @@ def run_ledger(run_dir: Path, state: str | None = None) -> Ledger:
             last = max([*(s.ended for s in mine if s.ended is not None), *(float(e["time"]) for e in alloc.stops), alloc.began])
             alloc.ended = slurm_end(run_dir, record, alloc, following, state if following is None else None) or last
         parts = split_allocation(alloc, mine, segments, state == "COMPLETED", preflight_s)
-        span = alloc.ended - alloc.began
+        span, held = alloc.ended - alloc.began, alloc.nodes * share  # a point sharing its nodes is charged its share
         for part, seconds in parts.items():
-            ledger.node_s[part] += seconds * alloc.nodes
-        ledger.allocations.append({"job": alloc.job, "nodes": alloc.nodes, "began": alloc.began, "ended": alloc.ended,
-                                   "node_s": span * alloc.nodes, "node_hours": span * alloc.nodes / 3600})  # fmt: skip
+            ledger.node_s[part] += seconds * held
+        ledger.allocations.append({"job": alloc.job, "nodes": alloc.nodes, "share": share, "began": alloc.began, "ended": alloc.ended,
+                                   "node_s": span * held, "node_hours": span * held / 3600})  # fmt: skip
         ledger.preemptions += sum(stop.get("reason") == "preempted" for stop in alloc.stops)
         ledger.restarts += sum(stop.get("verdict") == "restart" for stop in alloc.stops)
         ledger.requeues += sum(stop.get("verdict") == "requeue" for stop in alloc.stops)

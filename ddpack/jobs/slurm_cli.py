@@ -259,6 +259,23 @@ def partition_nodes(partition: str | None, gpus: int = 0) -> tuple[str, int, int
     return name, usable, other
 
 
+def node_size(partition: str | None, gpus: int = 0) -> tuple[int, int] | None:
+    """(CPUs, GPUs) of the partition's smallest node that can run the job (with `gpus` GPUs or more each, when asked):
+    what a point must ask less of to leave room for another; None where sinfo does not say (a point then takes whole
+    nodes, as before)."""
+    answer = ask(["sinfo", "-h", "-o", "%P|%D|%T|%G|%c", *(["-p", partition] if partition else [])])
+    if answer.failed:
+        return None
+    sizes = []
+    for line in answer.stdout.splitlines():
+        part, _, state, gres, cpus = [*line.split("|"), "", "", "", ""][:5]
+        mine = (partition and part.rstrip("*") == partition) or (not partition and part.endswith("*"))
+        base = state.rstrip("*~#!%$@^-")
+        if mine and cpus.strip().isdigit() and base in USABLE_NODE_STATES and gres_gpus(gres) >= gpus:
+            sizes.append((int(cpus), gres_gpus(gres)))
+    return min(sizes) if sizes else None
+
+
 def pyxis_answer() -> str:
     """Why a pyxis job cannot run here ("" when srun has pyxis' --container-image): srun missing or failing is said
     as such, not as "no pyxis"."""

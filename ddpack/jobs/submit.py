@@ -34,6 +34,7 @@ from ddpack.jobs.submit_checks import (
     LOGIN_ENV,
     SubmitSettings,
     cluster_problems,
+    point_share,
     raise_problems,
     secrets_in_accounting,
     setting_problems,
@@ -227,6 +228,10 @@ def submit(settings: SubmitSettings, *, dry_run: bool = False, say: Any = print,
 
 
 def _submit(settings: SubmitSettings, *, dry_run: bool, say: Any, run_file: dict[str, Any] | None) -> Submitted:
+    if settings.sweep:  # whole nodes, or a share of them: decided once from the partition's nodes, said, and recorded
+        share, why = point_share(settings, slurm_cli.node_size(settings.partition, settings.gpus_per_node))
+        settings = replace(settings, share=share)
+        say(f"submit: {why}")
     # Every check that needs no image runs before anything is built: a typo costs seconds, not a build.
     planned_dir = (settings.runs / f"{settings.job_name}-<time>").resolve()
     planned_sqsh = (

@@ -54,6 +54,61 @@ SLURM_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 @dataclass(frozen=True, kw_only=True)
+class NodeShare:
+    """What a sweep's point asks of each node against what the partition's smallest node has: a point that asks less
+    shares nodes as Slurm places it (no --exclusive), and the ledger charges it `fraction` of each node's hours."""
+
+    cpus: int  # a node's: its tasks times --cpus-per-task
+    gpus: int  # a node's: --gpus-per-node, or --gpus-per-task times its tasks
+    node_cpus: int
+    node_gpus: int
+
+    @property
+    def fraction(self) -> float:
+        """Its GPUs over the node's where it asks GPUs, else its CPUs over the node's: the node's share it holds."""
+        return self.gpus / self.node_gpus if self.gpus and self.node_gpus else self.cpus / self.node_cpus
+
+
+def sbatch_count(options: tuple[str, ...], long: str, short: str | None = None) -> int | None:
+    """A count an --sbatch-arg gives (`--cpus-per-task=4`, `-c4`, `-c 4`), the last one; None when not given."""
+    found = None
+    for option in options:
+        name, _, value = option.partition("=") if option.startswith("--") else (option[:2], "", option[2:].strip())
+        if name == long or (short and name == short):
+            found = int(value) if value.strip().isdigit() else found
+    return found
+
+
+def asked_of_a_node(settings: SubmitSettings) -> tuple[int, int]:
+    """(CPUs, GPUs) the job asks of each of its nodes: Slurm gives a task one CPU unless --cpus-per-task says more."""
+    tasks = settings.tasks_per_node
+    cpus = tasks * (sbatch_count(settings.sbatch_args, "--cpus-per-task", "-c") or 1)
+    gpus_per_task = sbatch_count(settings.sbatch_args, "--gpus-per-task")
+    return cpus, settings.gpus_per_node or tasks * (gpus_per_task or 0)
+
+
+def point_share(settings: SubmitSettings, node: tuple[int, int] | None) -> tuple[NodeShare | None, str]:
+    """Whether a sweep's points share nodes (a NodeShare) or take whole ones (None), and why, in words for the dry
+    run: a point shares when it asks fewer CPUs and fewer GPUs than the partition's smallest node has. A plain run,
+    torchrun's template (a node's ranks in one task of one CPU) and a partition sinfo does not size take whole nodes."""
+    if not settings.sweep:
+        return None, "a run takes whole nodes (--exclusive)"
+    if settings.template == "torchrun":
+        return None, "torchrun starts a node's ranks in one Slurm task, which Slurm would give one CPU: whole nodes (--exclusive)"
+    if node is None:
+        return None, "sinfo gave no node size for the partition: whole nodes (--exclusive)"
+    cpus, gpus = asked_of_a_node(settings)
+    asks = f"each point asks {cpus} CPU(s) and {gpus} GPU(s) of a node with {node[0]} CPUs and {node[1]} GPUs"
+    if cpus >= node[0] or (gpus and gpus >= node[1]):
+        return None, f"{asks}: whole nodes (--exclusive)"
+    share = NodeShare(cpus=cpus, gpus=gpus, node_cpus=node[0], node_gpus=node[1])
+    return (
+        share,
+        f"{asks}: the points share nodes as Slurm places them (not --exclusive), each charged {share.fraction:.3g} of a node's hours",
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
 class SubmitSettings:
     """What one `ddpack submit` asks for, by keyword (the flags, resolved)."""
 
@@ -85,6 +140,7 @@ class SubmitSettings:
     dependency: str | None = None  # afterok:<job>, afterany:<job>, afternotok:<job>
     tags: dict[str, str] = field(default_factory=dict)  # --tag KEY=VALUE: run.json's tags (ls --tag finds them)
     note: str | None = None  # --note: run.json's note
+    share: NodeShare | None = None  # a sweep's point that asks less than a whole node: not --exclusive (point_share)
 
     @property
     def exported_names(self) -> tuple[str, ...]:
