@@ -12,6 +12,9 @@ Partition `gpu` holds all three too, and every node announces two GPUs (GRES gpu
 Slurm 22.05 drops a gpu GRES without files): these nodes have no GPU, as a GPU partition's nodes whose GPUs a job
 cannot use, so a GPU job's request, script and record are real here, and so is its refusal on nodes without the
 GPUs it was promised.
+Partition `cores` holds ddnode1 and ddnode2 with Slurm's default OverSubscribe=NO (the others force oversubscription,
+which would let --exclusive jobs share a node): there a job's CPUs are its own, so jobs that each ask less than a node
+share nodes only as far as their CPUs fit, as on a real cluster.
 Idempotent: a running cluster is reused, and restarted when its configuration changed. Needs root; writes
 /etc/slurm/slurm.conf and gres.conf only when they are absent or ours.
 """
@@ -87,6 +90,7 @@ NodeName=ddnode3 NodeHostname=localhost NodeAddr=127.0.0.1 Port=6833 CPUs=2 Real
 PartitionName=debug Nodes=ddnode[1-2] Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 PartitionName=big Nodes=ddnode[1-3] MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 PartitionName=gpu Nodes=ddnode[1-3] MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
+PartitionName=cores Nodes=ddnode[1-2] MaxTime=INFINITE State=UP
 """
 # Slurm 22.05 drops a gpu GRES with no device file ("Removing file-less GPU"), so each node's GPUs are stand-in
 # character devices (copies of /dev/null) that no NVIDIA driver or torch takes for a GPU: /dev/nvidia* stays empty.
@@ -120,7 +124,7 @@ class ClusterUnavailable(RuntimeError):
     """Why a Slurm cluster cannot be had here."""
 
 
-PARTITIONS = ("debug", "big", "gpu")
+PARTITIONS = ("debug", "big", "gpu", "cores")
 
 
 def restore_cluster(timeout_s: float = 60) -> str:

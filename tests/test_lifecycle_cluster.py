@@ -279,3 +279,40 @@ def test_a_sweep_is_one_job_array_whose_points_each_run_their_own_command(shared
     assert [(r["job_id"], r["state"]) for r in rows] == [(array, "COMPLETED"), (f"{array}_0", "COMPLETED"), (f"{again['job_id']}_1", "COMPLETED")]
     table = json.loads(ddpack("compare", str(sweep_dir), "--json").stdout)
     assert [(row["index"], row["lr"], row["state"]) for row in table["points"]] == [(0, "1e-3", "COMPLETED"), (1, "bad", "COMPLETED")]
+
+
+def test_four_one_task_points_of_a_sweep_run_at_once_on_two_nodes_of_two_cpus(shared: Path, sqsh: Path) -> None:
+    """`--partition cores` (OverSubscribe=NO, 2 nodes x 2 CPUs): a sweep of 4 one-task points asks 1 CPU a point, so
+    no point is --exclusive and all 4 run together (whole nodes would run 2 at a time). Decided by construction: each
+    point waits until all 4 have checked in under /fsx, so a point completes only if all 4 were running at once; then
+    from the records, each point's start before every point's end, and one squeue that listed all 4 RUNNING."""
+    work = shared / "cores"
+    (work / "gate").mkdir(parents=True)
+    wait_all = "touch /fsx/cores/gate/{i}; n=0; while [ $(ls /fsx/cores/gate | wc -l) -lt 4 ] && [ $n -lt 600 ]; do sleep 0.1; n=$((n+1)); done; [ $n -lt 600 ]"
+    submitted = ddpack(
+        "submit", str(work), "--nodes", "1", "--partition", "cores", "--sqsh", str(sqsh), "--runs", str(work / "runs"),
+        "--mounts", f"{shared}:/fsx", "--sweep", "i=0,1,2,3", "--time", "5", "--json", "--", "sh", "-c", wait_all,
+    )  # fmt: skip
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    assert "the points share nodes as Slurm places them (not --exclusive)" in submitted.stderr + submitted.stdout
+    result = json.loads(submitted.stdout[submitted.stdout.index("{") :])
+    sweep_dir, array = Path(result["run_dir"]), result["job_id"]
+    assert "#SBATCH --exclusive" not in (sweep_dir / "job" / "ddpack.sbatch").read_text()
+
+    def all_running() -> bool:
+        rows = subprocess.run(["squeue", "-h", "-j", array, "-o", "%i|%T"], capture_output=True, text=True).stdout.split()
+        return sum(row.endswith("|RUNNING") for row in rows) == 4
+
+    wait_for("all 4 points RUNNING in one squeue", all_running, timeout=180)
+    watched = ddpack("status", str(sweep_dir), "--watch", "--interval", "1")
+    assert watched.returncode == 0, watched.stdout + watched.stderr
+    starts, ends = [], []
+    for index in range(4):
+        decisions = [json.loads(line) for line in (sweep_dir / str(index) / run_folder.DECISIONS).read_text().splitlines()]
+        starts += [d["time"] for d in decisions if d["kind"] == "start"]
+        ends += [d["time"] for d in decisions if d["kind"] == "step-end"]
+    assert len(starts) == len(ends) == 4 and max(starts) < min(ends)  # one start each, all before any point ended
+    report = ddpack("report", str(sweep_dir), "--json")
+    assert report.returncode == 0, report.stdout + report.stderr
+    allocations = json.loads(report.stdout)["ledger"]["allocations"]  # each point charged its CPU of the node's 2
+    assert sorted((a["point"], a["nodes"], a["share"]) for a in allocations) == [(i, 1, 0.5) for i in range(4)]
