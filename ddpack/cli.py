@@ -687,7 +687,7 @@ def compare(opts: argparse.Namespace, runs: Path) -> int:
 
     folders = [resolve_run(run, runs) for run in opts.run]
     if len(folders) == 1 and is_sweep(folders[0]):  # a sweep alone: one row a point, its values as columns
-        names, rows, curves = comparing.sweep_table(folders[0])
+        names, rows, curves, total = comparing.sweep_table(folders[0])
         curve_of = {row["index"]: curve for row, curve in zip(rows, curves, strict=True)}
         rows = comparing.sort_rows(rows, opts.sort, names, opts.reverse) if opts.sort else rows
         page = (
@@ -697,7 +697,6 @@ def compare(opts: argparse.Namespace, runs: Path) -> int:
         )
         from ddpack.jobs import ledger as ledgers
 
-        total = ledgers.sweep_ledger(folders[0])
         print(json.dumps({"run_dir": str(folders[0]), "names": names, "points": rows, "ledger": total.to_json(), "html": str(page) if page else None},
                          indent=2) if opts.json else comparing.render_sweep_table(names, rows, page) + "\n" + ledgers.render(total, "the sweep"))  # fmt: skip
         return 0

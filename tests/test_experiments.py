@@ -1320,3 +1320,54 @@ def test_the_ledger_charges_a_point_that_shared_its_nodes_its_share(tmp_path, sl
     assert [a["share"] for a in shared.allocations] == [0.25, 0.25]
     write_record(replace(record, settings={**record.settings, "share": {"cpus": 1, "gpus": 0, "node_cpus": 2, "node_gpus": 2}}))
     assert run_ledger(run_dir, "COMPLETED").allocated_node_s == whole.allocated_node_s / 2  # no GPUs: its CPU of the node's 2
+
+
+# --------------------------------------------------------------- big runs stay fast (issue 64 point 6)
+
+
+def test_compare_and_export_summary_read_each_points_metrics_file_once(tmp_path, slurm, capfd, monkeypatch) -> None:
+    import pathlib
+    from collections import Counter
+
+    from test_lifecycle import end, progress, start
+
+    from train import run_folder
+
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
+    assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1e-3,3e-4", "--json", "--", "p", "{lr}"]) == 0
+    sweep_dir = Path(submitted(capfd)["run_dir"])
+    for index in (0, 1):
+        records = [start(100, 0), progress(101, 10), {"time": 101.5, "kind": "eval", "global_step": 10, "eval_loss": 1.0}, end(102, 10, "done", 0)]
+        (sweep_dir / str(index) / run_folder.METRICS).write_text("".join(json.dumps(r) + "\n" for r in records))
+    opened: Counter[str] = Counter()
+    real_open = pathlib.Path.open
+
+    def counting_open(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if self.name == run_folder.METRICS:
+            opened[str(self.parent.name)] += 1
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "open", counting_open)
+    assert cli.main(["compare", str(sweep_dir), "--json"]) == 0
+    assert [row["eval_loss"] for row in json.loads(capfd.readouterr().out)["points"]] == [1.0, 1.0]
+    assert opened == {"0": 1, "1": 1}  # status, the curves and the ledger from one read
+    opened.clear()
+    assert cli.main(["export", str(sweep_dir), "--summary", str(tmp_path / "runs.csv")]) == 0
+    assert opened == {"0": 1, "1": 1}
+
+
+def test_the_csv_says_each_records_segment_and_which_steps_a_later_segment_trained_again(tmp_path, slurm, capfd) -> None:
+    import csv
+
+    from test_lifecycle import end, progress, start
+
+    from train import run_folder
+
+    run_dir = make_run(tmp_path, records=[start(10, 0), progress(20, 10), progress(30, 20), progress(35, 30),
+                                          start(40, 20, 1), progress(50, 30), end(60, 40, "done", 0)])  # fmt: skip
+    out = tmp_path / "records.csv"
+    assert cli.main(["export", str(run_dir), "--csv", str(out)]) == 0
+    rows = [(r["kind"], r["global_step"], r["segment"], r["redone"]) for r in csv.DictReader(out.open())]
+    assert rows == [("start", "0", "1", "False"), ("progress", "10", "1", "False"), ("progress", "20", "1", "False"),
+                    ("progress", "30", "1", "True"), ("start", "20", "2", "False"), ("progress", "30", "2", "False"),
+                    ("end", "40", "2", "False")]  # fmt: skip

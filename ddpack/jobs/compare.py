@@ -21,7 +21,7 @@ from statistics import median
 from typing import Any
 
 from ddpack.errors import HostError
-from ddpack.jobs.ledger import run_ledger
+from ddpack.jobs.ledger import Ledger, added_ledgers, run_ledger
 from ddpack.jobs.run_json import read_record
 from ddpack.jobs.run_metrics import Run, read_run
 from ddpack.private_files import write_atomically
@@ -78,19 +78,27 @@ class Outcome:
 
 
 def outcome(run_dir: Path) -> tuple[Outcome, Run | None]:
-    from ddpack.jobs.status import run_status
+    """How the run ended, and its metrics (None where it wrote none)."""
+    ended, run, _ = measured(run_dir)
+    return ended, run
 
-    now = run_status(run_dir)
+
+def measured(run_dir: Path) -> tuple[Outcome, Run | None, Ledger]:
+    """How the run ended, its metrics and its ledger, the metrics file read once (a 20 MB file costs its one parse:
+    status, the curves and the ledger all take it from here)."""
+    from ddpack.jobs.status import MetricsTail, run_status, tail_of
+
     try:
         run: Run | None = read_run(run_dir)
     except HostError:  # no metrics yet (queued), or a program that writes none
         run = None
+    now = run_status(run_dir, records=tail_of(run.segments) if run else MetricsTail())
     progress = run.progress if run else []
     losses = [r["loss"] for r in progress if r.get("loss") is not None]
     rates = [r["samples_per_s"] for r in progress if r.get("samples_per_s") is not None]
     mfus = [r["mfu"] for r in progress if r.get("mfu") is not None]
     spans = [s.ended - s.began for s in run.segments if s.began is not None and s.ended is not None] if run else []
-    ledger = run_ledger(run_dir, now.state)
+    ledger = run_ledger(run_dir, now.state, run.segments if run else [])
     allocated = ledger.allocated_node_s / 3600 if ledger.allocations else None
     return (
         Outcome(
@@ -107,6 +115,7 @@ def outcome(run_dir: Path) -> tuple[Outcome, Run | None]:
             kept_node_hours=ledger.node_s["kept"] / 3600 if allocated is not None else None,
         ),
         run,
+        ledger,
     )
 
 
@@ -247,24 +256,25 @@ def write_page(comparison: Comparison, runs: list[Run | None], path: Path) -> Pa
 POINT_COLUMNS = ("state", "step", "train_loss", "eval_loss", "samples_per_s", "mfu", "wall_s", "restarts", "node_hours", "kept_node_hours")
 
 
-def sweep_table(folder: Path) -> tuple[list[str], list[dict[str, Any]], list[Run | None]]:
+def sweep_table(folder: Path) -> tuple[list[str], list[dict[str, Any]], list[Run | None], Ledger]:
     """(the swept names, one row a point: index, job_id, run_dir, each swept value, then POINT_COLUMNS, each point's
-    metrics) for `compare SWEEP`."""
+    metrics, the sweep's ledger) for `compare SWEEP`: each point's metrics file read once."""
     from dataclasses import asdict
 
-    from ddpack.jobs.sweep_points import point_dirs, read_sweep
+    from ddpack.jobs.sweep_points import point_dirs, read_sweep, sweep_state
 
     data = read_sweep(folder)
     names = data.get("names") or list(data["values"])  # the order given (the file's keys are sorted)
-    rows, runs = [], []
+    rows, runs, ledgers = [], [], []
     for index, point_dir in enumerate(point_dirs(folder)):
-        ended, run = outcome(point_dir)
+        ended, run, ledger = measured(point_dir)
+        ledgers.append((index, ended.state, ledger))
         job = read_record(point_dir).last_job
         values = asdict(ended)
         rows.append({"index": index, "job_id": job.job_id if job else None, "run_dir": str(point_dir), **data["points"][index],
                      **{key: values[key] for key in POINT_COLUMNS}})  # fmt: skip
         runs.append(run)
-    return names, rows, runs
+    return names, rows, runs, added_ledgers(folder, sweep_state([state for _, state, _ in ledgers]), ledgers)
 
 
 def sort_rows(rows: list[dict[str, Any]], key: str, names: list[str], reverse: bool = False) -> list[dict[str, Any]]:

@@ -2,7 +2,9 @@
 
 - `--csv FILE`: one row a metrics record (progress and eval; start and end too, for their step and time), with the
   run's identity (`run`, `run_dir`, `job_id`), its sweep values (`value.NAME`) and tags (`tag.KEY`) on every row, so
-  one file of many runs can be grouped by them in pandas, a spreadsheet or a tracker.
+  one file of many runs can be grouped by them in pandas, a spreadsheet or a tracker; `segment` (a restart or requeue
+  starts the next) and `redone` (a later segment resumed from a snapshot below this record's step, so the step was
+  trained again: keep the rows where it is False for one value a step).
 - `--summary FILE`: one row a run: its identity, values and tags, and how it ended (`ddpack compare`'s outcome:
   state, step, last train and eval loss, median samples/s and MFU, wall time, restarts).
 - `--tensorboard DIR`: one folder a run, named by its values (`lr=3e-4,seed=1`; a run that is no sweep point by its
@@ -64,7 +66,27 @@ def records_of(run_dir: Path) -> list[dict[str, Any]]:
     if not (run_dir / run_folder.METRICS).is_file():  # still queued, or a program that writes no records
         return []
     records, _ = read_metrics(run_dir / run_folder.METRICS)
-    return [{key: value for key, value in record.items() if scalar(value)} for record in records if record.get("kind") in KINDS]
+    return with_segments([{key: value for key, value in record.items() if scalar(value)} for record in records])
+
+
+def with_segments(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records of KINDS, each with its `segment` (1, 2, ...: a start opens one, as `ddpack status` numbers them) and
+    `redone`: whether a later segment resumed from a step below this record's, so its step was trained again and the
+    later record of that step is the one the run kept (a tracker that wants one value a step drops the redone ones)."""
+    number, numbered = 0, []
+    for record in records:
+        if record.get("kind") == "start" or number == 0:
+            number += 1
+        numbered.append((number, record))
+    resumed = {n: r.get("global_step") for n, r in numbered if r.get("kind") == "start" and isinstance(r.get("global_step"), int)}
+    rows = []
+    for n, record in numbered:
+        later = [step for segment, step in resumed.items() if segment > n]
+        step = record.get("global_step")
+        redone = isinstance(step, int) and bool(later) and step > min(later)
+        if record.get("kind") in KINDS:
+            rows.append({**record, "segment": n, "redone": redone})
+    return rows
 
 
 def csv_text(rows: list[dict[str, Any]]) -> str:

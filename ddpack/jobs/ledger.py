@@ -151,8 +151,9 @@ def last_step(segment: Segment) -> int | None:
     return max(steps) if steps else None
 
 
-def run_ledger(run_dir: Path, state: str | None = None) -> Ledger:
-    """The run's ledger (module docstring); `state` is its final state (ddpack status's, asked when not given)."""
+def run_ledger(run_dir: Path, state: str | None = None, segments: list[Segment] | None = None) -> Ledger:
+    """The run's ledger (module docstring); `state` is its final state (ddpack status's, asked when not given);
+    `segments` its metrics' (run_metrics.read_run's) when the caller read them already, else read here."""
     from ddpack.jobs.run_metrics import read_metrics
 
     record = read_record(run_dir)
@@ -167,10 +168,12 @@ def run_ledger(run_dir: Path, state: str | None = None) -> Ledger:
         ledger.note = "no start records (decisions.jsonl): a job of an older ddpack, or one not started yet"
         return ledger
     metrics = run_dir / run_folder.METRICS
-    try:
-        segments = [s for s in split_segments(read_metrics(metrics)[0]) if s.began is not None] if metrics.is_file() else []
-    except Exception:  # a damaged metrics file: the allocations alone
-        segments = []
+    if segments is None:
+        try:
+            segments = split_segments(read_metrics(metrics)[0]) if metrics.is_file() else []
+        except Exception:  # a damaged metrics file: the allocations alone
+            segments = []
+    segments = [s for s in segments if s.began is not None]
     preflight_s = preflight_seconds(run_dir)
     share = node_fraction(record)
     for index, alloc in enumerate(allocations):
@@ -272,9 +275,16 @@ def sweep_ledger(folder: Path) -> Ledger:
     from ddpack.jobs.sweep import sweep_status
 
     status = sweep_status(folder)
-    total = Ledger(run_dir=str(folder), state=status["state"])
-    for point in status["points"]:
-        one = run_ledger(Path(point["run_dir"]), point["state"])
+    points = [(point["index"], point["state"], run_ledger(Path(point["run_dir"]), point["state"])) for point in status["points"]]
+    return added_ledgers(folder, status["state"], points)
+
+
+def added_ledgers(folder: Path, state: str, points: list[tuple[int, str, Ledger]]) -> Ledger:
+    """A sweep's ledger from its points' own (index, state, ledger): compare SWEEP has them from its one read of each
+    point's metrics."""
+    total = Ledger(run_dir=str(folder), state=state)
+    for index, point_state, one in points:
+        point = {"index": index, "state": point_state}
         for part, seconds in one.node_s.items():
             total.node_s[part] += seconds
         total.allocations += [{**a, "point": point["index"]} for a in one.allocations]

@@ -90,6 +90,21 @@ class MetricsTail:
     progress_count: int = 0
 
 
+def tail_of(segments: list[Segment]) -> MetricsTail:
+    """What read_metrics_tail finds, from a run's segments already read in full (run_metrics.read_run): compare and
+    export read each metrics file once, for the status, the curves and the ledger alike."""
+    records = MetricsTail()
+    offset = 0 if segments and segments[0].start is not None else -1  # records before the first start: segment -1
+    for index, segment in enumerate(segments):
+        if segment.start is not None:
+            records.starts.append(segment.start)
+        if segment.end is not None:
+            records.ends.append((index + offset, segment.end))
+        records.progress_count += len(segment.progress)
+    records.progress = list(segments[-1].progress[-KEEP_PROGRESS:]) if segments else []
+    return records
+
+
 def read_metrics_tail(metrics: Path) -> MetricsTail:
     """The records status needs, without parsing every progress line (a long run writes 100,000 of them)."""
     records = MetricsTail()
@@ -324,9 +339,10 @@ def state_of(
     return "FAILED", "run folder", "Slurm no longer lists the job and the run folder has no end record"
 
 
-def run_status(run_dir: Path, asked: Asked | None = None) -> Status:
+def run_status(run_dir: Path, asked: Asked | None = None, records: MetricsTail | None = None) -> Status:
+    """The run's status; `records` are its metrics' when the caller read them already (compare, ls's glance)."""
     record = read_record(run_dir)
-    records = read_metrics_tail(run_dir / run_folder.METRICS)
+    records = read_metrics_tail(run_dir / run_folder.METRICS) if records is None else records
     events, unrecorded = job_events(run_dir, record)
     job = record.last_job
     state, state_from, note = state_of(job.job_id if job else None, record, records, events, asked)
