@@ -1361,8 +1361,6 @@ def test_the_csv_says_each_records_segment_and_which_steps_a_later_segment_train
 
     from test_lifecycle import end, progress, start
 
-    from train import run_folder
-
     run_dir = make_run(tmp_path, records=[start(10, 0), progress(20, 10), progress(30, 20), progress(35, 30),
                                           start(40, 20, 1), progress(50, 30), end(60, 40, "done", 0)])  # fmt: skip
     out = tmp_path / "records.csv"
