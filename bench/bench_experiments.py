@@ -11,6 +11,12 @@
 - `ddpack ls` on 1,000 ended runs whose metrics files are 10 MB and logs 1 MB each (padded past their records as
   sparse files, so the bench needs no 11 GB of disk): the first ls (cold: every file read, each run's summary
   written), then the warm ones, which read run.json and summary.json alone; the target is at most 1 s warm.
+- `ddpack ls` on 1,000 runs, 100 of them running (squeue lists them) with 20 MB of real metrics records and a 20 MB
+  log each, the others ended (their summaries written): a live run's metrics are glanced at (head and tail), its
+  log not read; the target is at most 1 s.
+- `ddpack compare SWEEP` and `ddpack export SWEEP --summary` of 100 points with 20 MB of real metrics records each
+  (the trainer's fields, 8 ranks): each point's file read and parsed once; the target is at most 5 s. The floor is
+  reading the files (`cat`).
 
 Slurm's commands are stand-ins that answer at once (what is timed is ddpack, not a controller), so it needs no
 cluster. Run: make bench-experiments (BENCH_EXPERIMENTS_ARGS="--rounds 5").
@@ -133,6 +139,66 @@ def big_rounds(work: Path, count: int, rounds: int) -> dict[str, list[float]]:
     return times
 
 
+def big_metrics(path: Path, megabytes: float) -> None:
+    """A metrics file as the trainer writes one, `megabytes` long: a start, then progress records (every field the
+    trainer's carry, 8 ranks' step times), an eval every 1,000 steps, and an end."""
+    progress = {"time": 0.0, "kind": "progress", "epoch": 0, "step": 0, "global_step": 0, "loss": 0.5, "lr": 3e-4, "grad_norm": 1.2,
+                "samples_per_s": 2000.0, "tokens_per_s": 1.2e6, "mfu": 0.41, "eta_s": 100.0, "data_s": 0.001, "forward_s": 0.01,
+                "backward_s": 0.02, "optimizer_s": 0.003, "step_s": 0.04, "rank_step_s": [0.04] * 8}  # fmt: skip
+    steps = int(megabytes * 2**20 / (len(json.dumps(progress)) + 12))
+    lines = [json.dumps({"time": 1e9, "kind": "start", "global_step": 0, "total_steps": steps, "hosts": ["n1", "n2"]})]
+    for step in range(1, steps + 1):
+        lines.append(
+            json.dumps({**progress, "time": 1e9 + step, "global_step": step, "loss": 1.0 / step, "samples_per_s": 2000.0 + step % 7})
+        )
+        if step % 1000 == 0:
+            lines.append(json.dumps({"time": 1e9 + step, "kind": "eval", "global_step": step, "eval_loss": 1.0 / step}))
+    lines.append(json.dumps({"time": 1e9 + steps + 1, "kind": "end", "outcome": "done", "exit_code": 0, "global_step": steps}))
+    path.write_text("\n".join(lines) + "\n")
+
+
+def compare_rounds(work: Path, points: int, megabytes: float, rounds: int) -> dict[str, list[float]]:
+    """`compare SWEEP` and `export SWEEP --summary` of a sweep of `points` points whose metrics are `megabytes` each
+    (one file written, the points' hard links to it: the same bytes to read and parse a point, less disk)."""
+    env = fake_slurm(work, "exit 0")
+    sqsh = work / "images" / "x.sqsh"
+    sqsh.parent.mkdir()
+    sqsh.write_bytes(b"hsqs" + b"\0" * 4096)
+    (work / "project").mkdir()
+    out = subprocess.run([DDPACK, "submit", str(work / "project"), "--nodes", "1", "--runs", str(work / "runs"), "--sqsh", str(sqsh),
+                          "--mounts", f"{work}:/fsx", "--json", "--sweep", f"i={','.join(map(str, range(points)))}", "--", "p", "{i}"],
+                         capture_output=True, text=True, env=env, check=True)  # fmt: skip
+    sweep = Path(json.loads(out.stdout[out.stdout.index("{") :])["run_dir"])
+    big_metrics(work / "metrics.jsonl", megabytes)
+    for index in range(points):
+        os.link(work / "metrics.jsonl", sweep / str(index) / "metrics.jsonl")
+    times: dict[str, list[float]] = {f"compare SWEEP ({points} points)": [], "export SWEEP --summary": [], "floor: cat every metrics": []}
+    for _ in range(rounds):
+        times[f"compare SWEEP ({points} points)"].append(timed([DDPACK, "compare", str(sweep), "--json"], env))
+        times["export SWEEP --summary"].append(timed([DDPACK, "export", str(sweep), "--summary", str(work / "runs.csv")], env))
+        times["floor: cat every metrics"].append(timed(["bash", "-c", f"cat {sweep}/*/metrics.jsonl > /dev/null"], env))
+    return times
+
+
+def live_rounds(work: Path, count: int, live: int, megabytes: float, rounds: int) -> dict[str, list[float]]:
+    """`ls` of `count` runs, `live` of them running (squeue lists them) with `megabytes` of real metrics records and a
+    log as long; the others ended, their summaries written by a first ls (not timed)."""
+    runs = many_runs(work, count)
+    big_metrics(work / "metrics.jsonl", megabytes)
+    for index in range(live):
+        run_dir = runs / f"run-{index:04d}"
+        (run_dir / "metrics.jsonl").unlink()
+        os.link(work / "metrics.jsonl", run_dir / "metrics.jsonl")
+        os.truncate(run_dir / "logs" / f"slurm-{10000 + index}.out", int(megabytes * 2**20))
+    (work / "listed.txt").write_text("".join(f"{10000 + i}|RUNNING\n" for i in range(live)))
+    settle = fake_slurm(work / "first", f'case "$*" in *%i*) cat {work / "listed.txt"} ;; *) exit 0 ;; esac')
+    timed([DDPACK, "ls", "--runs", str(runs), "--json"], settle)  # the ended runs' summaries
+    times: dict[str, list[float]] = {f"ls, {live} live of {count}": []}
+    for _ in range(rounds):
+        times[f"ls, {live} live of {count}"].append(timed([DDPACK, "ls", "--runs", str(runs), "--json"], settle))
+    return times
+
+
 def report(title: str, times: dict[str, list[float]]) -> None:
     print(title)
     for name, values in times.items():
@@ -144,6 +210,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--runs", type=int, default=1000, help="run folders for ls")
     parser.add_argument("--big-runs", type=int, default=1000, help="ended run folders with 10 MB metrics and 1 MB logs, for ls")
+    parser.add_argument("--points", type=int, default=100, help="a sweep's points for compare and export --summary")
+    parser.add_argument("--point-mb", type=float, default=20, help="each point's metrics, MB")
+    parser.add_argument("--compare-rounds", type=int, default=1, help="rounds of compare (each reads points x point-mb)")
+    parser.add_argument("--live", type=int, default=100, help="of --runs, how many are running with big files, for ls")
     opts = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-experiments-") as folder:
         work = Path(folder)
@@ -159,6 +229,18 @@ def main() -> int:
         (work / "big").mkdir()
         big = big_rounds(work / "big", opts.big_runs, opts.rounds)
         report(f"ddpack ls --json on {opts.big_runs} ended runs with 10 MB metrics and 1 MB logs each (target <= 1 s warm):", big)
+        (work / "live").mkdir()
+        live = live_rounds(work / "live", opts.runs, min(opts.live, opts.runs), opts.point_mb, opts.rounds)
+        report(
+            f"ddpack ls --json on {opts.runs} runs, {min(opts.live, opts.runs)} running with {opts.point_mb:g} MB metrics and logs (target <= 1 s):",
+            live,
+        )
+        (work / "compare").mkdir()
+        compared = compare_rounds(work / "compare", opts.points, opts.point_mb, opts.compare_rounds)
+        report(
+            f"ddpack compare / export --summary of a sweep of {opts.points} points, {opts.point_mb:g} MB of metrics each (target <= 5 s):",
+            compared,
+        )
     return 0
 
 

@@ -503,10 +503,12 @@ def test_resubmit_of_a_point_is_its_element_of_the_sweeps_array(tmp_path, slurm,
 def test_the_experiments_bench_runs_and_prints_its_figures(tmp_path) -> None:
     """bench/bench_experiments.py, small (one round, 20 runs): it runs, and prints the figures it is for."""
     bench = Path(__file__).resolve().parents[1] / "bench" / "bench_experiments.py"
-    out = subprocess.run([sys.executable, str(bench), "--rounds", "1", "--runs", "20", "--big-runs", "3"], capture_output=True, text=True, timeout=300)
+    small = ["--rounds", "1", "--runs", "20", "--big-runs", "3", "--points", "2", "--point-mb", "0.05", "--live", "3"]
+    out = subprocess.run([sys.executable, str(bench), *small], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "the sweep's own work beyond one submit:" in out.stdout and "ls, squeue lists none" in out.stdout, out.stdout
     assert "ls, cold (summaries written)" in out.stdout and "ls, warm" in out.stdout, out.stdout
+    assert "ls, 3 live of 20" in out.stdout and "compare SWEEP (2 points)" in out.stdout and "export SWEEP --summary" in out.stdout, out.stdout
 
 
 def test_compare_of_a_sweep_is_one_row_a_point_with_its_values_sortable(tmp_path, slurm, capfd) -> None:
@@ -1369,3 +1371,22 @@ def test_the_csv_says_each_records_segment_and_which_steps_a_later_segment_train
     assert rows == [("start", "0", "1", "False"), ("progress", "10", "1", "False"), ("progress", "20", "1", "False"),
                     ("progress", "30", "1", "True"), ("start", "20", "2", "False"), ("progress", "30", "2", "False"),
                     ("end", "40", "2", "False")]  # fmt: skip
+
+
+def test_ls_of_a_live_run_reads_its_metrics_head_and_tail_not_the_whole_file_nor_its_log(tmp_path, slurm, capfd, monkeypatch) -> None:
+    import pathlib
+
+    from test_lifecycle import progress, squeue_says, start
+
+    run_dir = make_run(tmp_path, records=[start(10, 0, total=5000), *(progress(10 + step, step) for step in range(1, 4001))],
+                       logs={"41": "x" * 300_000 + "\n"}, decisions=[started(5.0)])  # fmt: skip
+    assert (run_dir / "metrics.jsonl").stat().st_size > 4 * 64 * 1024  # past a glance of its head and tail
+    squeue_says(slurm, "RUNNING")
+    whole: list[str] = []
+    real_read_bytes, real_read_text = pathlib.Path.read_bytes, pathlib.Path.read_text
+    monkeypatch.setattr(pathlib.Path, "read_bytes", lambda self: whole.append(self.name) or real_read_bytes(self))
+    monkeypatch.setattr(pathlib.Path, "read_text", lambda self, *a, **k: whole.append(self.name) or real_read_text(self, *a, **k))
+    assert cli.main(["ls", "--runs", str(run_dir.parent), "--json"]) == 0
+    (row,) = json.loads(capfd.readouterr().out)
+    assert (row["state"], row["step"], row["total_steps"], row["loss"]) == ("RUNNING", 4000, 5000, 1.0 / 4001)  # tail, and head's start
+    assert "metrics.jsonl" not in whole and "slurm-41.out" not in whole, whole

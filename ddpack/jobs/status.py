@@ -13,6 +13,7 @@ start, end and snapshot records and the last progress records are read as JSON.
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from collections.abc import Callable
@@ -107,11 +108,40 @@ def tail_of(segments: list[Segment]) -> MetricsTail:
 
 def read_metrics_tail(metrics: Path) -> MetricsTail:
     """The records status needs, without parsing every progress line (a long run writes 100,000 of them)."""
-    records = MetricsTail()
     try:
-        data = metrics.read_bytes()
+        return tail_from(metrics.read_bytes())
     except OSError:
-        return records
+        return MetricsTail()
+
+
+GLANCE_BYTES = 64 * 1024  # what ls reads of a live run's metrics: its head and its tail
+
+
+def glance_metrics(metrics: Path) -> MetricsTail:
+    """A live run's records for `ls` (its state is squeue's): the last records from the file's tail, and the run's
+    first start from its head where the tail holds no start; never the whole file, which grows while ls reads it. The
+    segment count and progress count are the glance's, not the run's: `ddpack status RUN` reads the whole file."""
+    try:
+        with metrics.open("rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            if size <= 2 * GLANCE_BYTES:
+                return tail_from(handle.read())
+            head = handle.read(GLANCE_BYTES)
+            handle.seek(size - GLANCE_BYTES)
+            tail = handle.read(GLANCE_BYTES)
+    except OSError:
+        return MetricsTail()
+    records = tail_from(tail[tail.find(b"\n") + 1 :])  # its first line is a part of one
+    if not records.starts:
+        records.starts = tail_from(head[: head.rfind(b"\n") + 1]).starts[:1]
+        records.ends = [(index + len(records.starts), end) for index, end in records.ends]
+    return records
+
+
+def tail_from(data: bytes) -> MetricsTail:
+    """The records status needs from the metrics' bytes: start and end records parsed, progress lines counted and the
+    last KEEP_PROGRESS of the last segment parsed."""
+    records = MetricsTail()
     last_progress: list[bytes] = []
     for line in data.splitlines():
         if b'"kind": "progress"' in line:
@@ -171,7 +201,7 @@ def decision_records(run_dir: Path, record: RunRecord) -> dict[str, list[JobEven
     return recorded
 
 
-def job_events(run_dir: Path, record: RunRecord) -> tuple[list[JobEvent], list[str]]:
+def job_events(run_dir: Path, record: RunRecord, *, logs: bool = True) -> tuple[list[JobEvent], list[str]]:
     """Each job's starts and decisions (its records), job by job in submission order, with Slurm's own cancels of its
     script placed after the start they ended; and the jobs that wrote no records (a job of a ddpack older than them).
 
@@ -181,7 +211,8 @@ def job_events(run_dir: Path, record: RunRecord) -> tuple[list[JobEvent], list[s
     ended without deciding): a job that decided after every start is not read again. A cancel goes after the last
     start that began before it in the log (each start record's `log_at`, the log's size then); a start recorded
     without one (an older job) is placed by its time (Slurm's is the cluster's local time, taken to be this host's).
-    A job with no log never started (Slurm opens it as the script starts): waiting, it has written no records yet."""
+    A job with no log never started (Slurm opens it as the script starts): waiting, it has written no records yet.
+    Without `logs` (ls of a job squeue lists: Slurm has cancelled nothing of it that counts) no log is read."""
     recorded = decision_records(run_dir, record)
     events: list[JobEvent] = []
     unrecorded = []
@@ -193,7 +224,7 @@ def job_events(run_dir: Path, record: RunRecord) -> tuple[list[JobEvent], list[s
         undecided = any(
             a.kind == "start" and (b is None or b.kind == "start") for a, b in zip(mine, [*mine[1:], None][: len(mine)], strict=True)
         )
-        cancels = slurm_cancels(job.log_path(run_dir), job.job_id) if undecided or not mine else []
+        cancels = slurm_cancels(job.log_path(run_dir), job.job_id) if logs and (undecided or not mine) else []
         for event in mine:
             if event.kind == "start":
                 before = [(at, c) for at, c in cancels if ended_before(at, c, event)]
@@ -339,11 +370,12 @@ def state_of(
     return "FAILED", "run folder", "Slurm no longer lists the job and the run folder has no end record"
 
 
-def run_status(run_dir: Path, asked: Asked | None = None, records: MetricsTail | None = None) -> Status:
-    """The run's status; `records` are its metrics' when the caller read them already (compare, ls's glance)."""
+def run_status(run_dir: Path, asked: Asked | None = None, records: MetricsTail | None = None, *, logs: bool = True) -> Status:
+    """The run's status; `records` are its metrics' when the caller read them already (compare, ls's glance); without
+    `logs` its job logs are not read for Slurm's cancel lines (ls of a job squeue lists)."""
     record = read_record(run_dir)
     records = read_metrics_tail(run_dir / run_folder.METRICS) if records is None else records
-    events, unrecorded = job_events(run_dir, record)
+    events, unrecorded = job_events(run_dir, record, logs=logs)
     job = record.last_job
     state, state_from, note = state_of(job.job_id if job else None, record, records, events, asked)
     segments = segments_of(records, events)
@@ -582,7 +614,9 @@ def list_rows(runs: Path, *, ask_slurm: bool = True) -> list[dict[str, Any]]:
         job = record.last_job
         known = summaries[str(run_dir)]
         if known is None and asked is not None:
-            now = run_status(run_dir, asked(job))
+            answer = asked(job)  # a live run (squeue lists it) is glanced at: its metrics' head and tail, not the whole
+            live = answer is not None and answer.queue.listed
+            now = run_status(run_dir, answer, records=glance_metrics(run_dir / run_folder.METRICS) if live else None, logs=not live)
             keep_summary(run_dir, now)
             known = {key: getattr(now, key) for key in SUMMARY_FIELDS}
         known = known or dict.fromkeys(SUMMARY_FIELDS)
