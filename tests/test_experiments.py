@@ -1390,3 +1390,53 @@ def test_ls_of_a_live_run_reads_its_metrics_head_and_tail_not_the_whole_file_nor
     (row,) = json.loads(capfd.readouterr().out)
     assert (row["state"], row["step"], row["total_steps"], row["loss"]) == ("RUNNING", 4000, 5000, 1.0 / 4001)  # tail, and head's start
     assert "metrics.jsonl" not in whole and "slurm-41.out" not in whole, whole
+
+
+# --------------------------------------------------------------- the README's sweep, as written (issue 64 point 7)
+
+
+def test_the_readmes_sweep_runs_as_written_from_submit_through_status_watch_to_compare(tmp_path, slurm, monkeypatch, capfd) -> None:
+    """The README's sweep block, each line as written (the shared folder /fsx is the test's own; Slurm's commands
+    stand-ins, the array's id the README's): submit, then `status --watch` follows the newest sweep to its end once
+    each point has its records, and `compare 90` sets the points side by side."""
+    import shlex
+
+    from test_lifecycle import end, progress, start
+
+    from ddpack.jobs import slurm_cli
+    from testbed.readme_examples import readme_line
+    from train import run_folder
+
+    fsx = tmp_path / "fsx"
+    (fsx / "images").mkdir(parents=True)
+    shutil.copyfile(settings(tmp_path).sqsh, fsx / "images" / "cpu-ddp.sqsh")
+    monkeypatch.setenv("DDPACK_RUNS", str(fsx / "runs"))
+    monkeypatch.setenv("DDPACK_MOUNTS", f"{fsx}:/fsx")
+    monkeypatch.setattr(slurm_cli, "SETTLE_S", 0.0)
+    monkeypatch.chdir(tmp_path)
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
+
+    def words(prefix: str) -> list[str]:
+        return [word.replace("/fsx", str(fsx)) for word in shlex.split(readme_line(prefix))[1:]]
+
+    assert cli.main(words("ddpack submit --sqsh ")) == 0
+    said = capfd.readouterr()
+    assert "submit: job array 90 queued: 4 points" in said.out, said.out + said.err
+    (sweep_dir,) = (fsx / "runs").iterdir()
+    data = json.loads((sweep_dir / "sweep.json").read_text())
+    assert data["job_id"] == "90" and data["points"] == [{"lr": lr, "bs": bs} for lr in ("1e-3", "3e-3") for bs in ("16", "32")]
+    assert read_record(sweep_dir / "3").command == ["python", "-m", "train", "--lr", "3e-3", "--batch-size", "32", "--epochs", "2"]
+    for index in range(4):
+        steps = 4 * (index + 1)
+        records = [start(100, 0, total=steps), {**progress(101 + index, steps), "loss": 0.5 / (index + 1)}, end(110, steps, "done", 0)]
+        (sweep_dir / str(index) / run_folder.METRICS).write_text("".join(json.dumps(r) + "\n" for r in records))
+        done = step_end(111, "completed", "the step completed (exit 0)", f"90_{index}")
+        write_decisions(sweep_dir / str(index), [started(99, f"90_{index}", log_at=0), done])
+    assert cli.main([*words("ddpack status --watch"), "--interval", "0"]) == 0
+    watched = capfd.readouterr().out
+    assert "sweep" in watched and "all 4 points COMPLETED" in watched, watched
+    assert cli.main(words("ddpack compare 90")) == 0
+    compared = capfd.readouterr().out
+    assert compared.splitlines()[0].split()[:4] == ["point", "lr", "bs", "state"] and "node-hours of the sweep" in compared
+    assert [line.split()[:4] for line in compared.splitlines()[1:5]] == [[str(i), lr, bs, "COMPLETED"] for i, (lr, bs) in enumerate(
+        (lr, bs) for lr in ("1e-3", "3e-3") for bs in ("16", "32"))]  # fmt: skip
