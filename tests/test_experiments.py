@@ -1440,3 +1440,46 @@ def test_the_readmes_sweep_runs_as_written_from_submit_through_status_watch_to_c
     assert compared.splitlines()[0].split()[:4] == ["point", "lr", "bs", "state"] and "node-hours of the sweep" in compared
     assert [line.split()[:4] for line in compared.splitlines()[1:5]] == [[str(i), lr, bs, "COMPLETED"] for i, (lr, bs) in enumerate(
         (lr, bs) for lr in ("1e-3", "3e-3") for bs in ("16", "32"))]  # fmt: skip
+
+
+def test_the_wandb_and_mlflow_recipes_log_each_step_once_with_the_value_the_run_kept(tmp_path, slurm, monkeypatch) -> None:
+    """docs/commands.md's recipes, run as written against stand-ins of wandb and mlflow on a run that restarted from
+    step 20 after reaching 30: each step logged once, in rising order (W&B drops a step below its current one), step
+    30's loss the second segment's, and each step's segment beside it."""
+    import types
+
+    from test_lifecycle import end, progress, start
+
+    from testbed.readme_examples import python_block
+
+    run_dir = make_run(tmp_path, records=[start(10, 0), progress(20, 10), progress(30, 20), {**progress(35, 30), "loss": 9.0},
+                                          start(40, 20, 1), {**progress(50, 30), "loss": 0.5}, end(60, 30, "done", 0)])  # fmt: skip
+    records = tmp_path / "records.csv"
+    assert cli.main(["export", str(run_dir), "--csv", str(records)]) == 0
+    logged: list[tuple[int, dict]] = []
+    wandb = types.ModuleType("wandb")
+    run = types.SimpleNamespace(finish=lambda: None)
+    wandb.init = lambda **kwargs: run  # type: ignore[attr-defined]
+    wandb.log = lambda metrics, step: logged.append((step, metrics))  # type: ignore[attr-defined]
+    mlflow = types.ModuleType("mlflow")
+    metric_steps: list[tuple[str, int, float]] = []
+
+    class Started:
+        def __enter__(self) -> None:
+            return None
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+    mlflow.start_run = lambda **kwargs: Started()  # type: ignore[attr-defined]
+    mlflow.log_params = mlflow.set_tags = lambda values: None  # type: ignore[attr-defined]
+    mlflow.log_metric = lambda key, value, step: metric_steps.append((key, step, value))  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    monkeypatch.setitem(sys.modules, "mlflow", mlflow)
+    monkeypatch.setattr(sys, "argv", ["recipe", str(records)])
+    exec(compile(python_block("# wandb_import.py"), "wandb_import.py", "exec"), {})
+    assert [(step, m["loss"], m["segment"]) for step, m in logged] == [(10, 1 / 11, 1), (20, 1 / 21, 1), (30, 0.5, 2)]
+    exec(compile(python_block("# mlflow_import.py"), "mlflow_import.py", "exec"), {})
+    losses = [(step, value) for key, step, value in metric_steps if key == "loss"]
+    assert losses == [(10, 1 / 11), (20, 1 / 21), (30, 0.5)]
+    assert [(step, value) for key, step, value in metric_steps if key == "segment"] == [(10, 1.0), (20, 1.0), (30, 2.0)]
