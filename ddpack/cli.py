@@ -687,7 +687,7 @@ def compare(opts: argparse.Namespace, runs: Path) -> int:
 
     folders = [resolve_run(run, runs) for run in opts.run]
     if len(folders) == 1 and is_sweep(folders[0]):  # a sweep alone: one row a point, its values as columns
-        names, rows, curves, total = comparing.sweep_table(folders[0])
+        names, rows, curves, total = comparing.sweep_table(folders[0], curves=bool(opts.html))
         curve_of = {row["index"]: curve for row, curve in zip(rows, curves, strict=True)}
         rows = comparing.sort_rows(rows, opts.sort, names, opts.reverse) if opts.sort else rows
         page = (
@@ -703,7 +703,7 @@ def compare(opts: argparse.Namespace, runs: Path) -> int:
     if opts.sort:
         raise HostError("--sort orders a sweep's points: compare SWEEP --sort KEY (one sweep alone)", code=2)
     comparison, metrics = comparing.compare(
-        [point for folder in folders for point in (point_dirs(folder) if is_sweep(folder) else [folder])]
+        [point for folder in folders for point in (point_dirs(folder) if is_sweep(folder) else [folder])], curves=bool(opts.html)
     )
     page = comparing.write_page(comparison, metrics, opts.html.resolve()) if opts.html else None
     if opts.json:

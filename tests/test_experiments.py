@@ -508,7 +508,8 @@ def test_the_experiments_bench_runs_and_prints_its_figures(tmp_path) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     assert "the sweep's own work beyond one submit:" in out.stdout and "ls, squeue lists none" in out.stdout, out.stdout
     assert "ls, cold (summaries written)" in out.stdout and "ls, warm" in out.stdout, out.stdout
-    assert "ls, 3 live of 20" in out.stdout and "compare SWEEP (2 points)" in out.stdout and "export SWEEP --summary" in out.stdout, out.stdout
+    assert "ls, 3 live of 20" in out.stdout and "export SWEEP --summary" in out.stdout, out.stdout
+    assert "compare SWEEP, first" in out.stdout and "compare SWEEP, again" in out.stdout, out.stdout
 
 
 def test_compare_of_a_sweep_is_one_row_a_point_with_its_values_sortable(tmp_path, slurm, capfd) -> None:
@@ -1328,6 +1329,8 @@ def test_the_ledger_charges_a_point_that_shared_its_nodes_its_share(tmp_path, sl
 
 
 def test_compare_and_export_summary_read_each_points_metrics_file_once(tmp_path, slurm, capfd, monkeypatch) -> None:
+    """Once for status and the ledger together; then never again while the file is unchanged (its digest answers the
+    same); a file that grew is read again."""
     import pathlib
     from collections import Counter
 
@@ -1351,11 +1354,21 @@ def test_compare_and_export_summary_read_each_points_metrics_file_once(tmp_path,
 
     monkeypatch.setattr(pathlib.Path, "open", counting_open)
     assert cli.main(["compare", str(sweep_dir), "--json"]) == 0
-    assert [row["eval_loss"] for row in json.loads(capfd.readouterr().out)["points"]] == [1.0, 1.0]
-    assert opened == {"0": 1, "1": 1}  # status, the curves and the ledger from one read
+    first = json.loads(capfd.readouterr().out)
+    assert [row["eval_loss"] for row in first["points"]] == [1.0, 1.0]
+    assert opened == {"0": 1, "1": 1}  # status and the ledger from one read
     opened.clear()
+    assert cli.main(["compare", str(sweep_dir), "--json"]) == 0 and json.loads(capfd.readouterr().out) == first
     assert cli.main(["export", str(sweep_dir), "--summary", str(tmp_path / "runs.csv")]) == 0
-    assert opened == {"0": 1, "1": 1}
+    assert opened == {} and "(2 rows, a run each)" in capfd.readouterr().out  # unchanged since: each point's digest answers
+    with (sweep_dir / "1" / run_folder.METRICS).open("a") as metrics:
+        metrics.write(json.dumps(start(200, 10, 1)) + "\n")
+    opened.clear()
+    assert cli.main(["compare", str(sweep_dir), "--json"]) == 0
+    assert opened == {"1": 1} and json.loads(capfd.readouterr().out)["points"][1]["restarts"] == 1  # the file that grew
+    opened.clear()
+    assert cli.main(["compare", str(sweep_dir), "--json", "--html", str(tmp_path / "page.html")]) == 0
+    assert opened == {"0": 1, "1": 1}  # --html's curves are drawn from every record: each file read, once
 
 
 def test_the_csv_says_each_records_segment_and_which_steps_a_later_segment_trained_again(tmp_path, slurm, capfd) -> None:
@@ -1483,3 +1496,31 @@ def test_the_wandb_and_mlflow_recipes_log_each_step_once_with_the_value_the_run_
     losses = [(step, value) for key, step, value in metric_steps if key == "loss"]
     assert losses == [(10, 1 / 11), (20, 1 / 21), (30, 0.5)]
     assert [(step, value) for key, step, value in metric_steps if key == "segment"] == [(10, 1.0), (20, 1.0), (30, 2.0)]
+
+
+def test_a_runs_digest_answers_as_its_whole_metrics_do_through_restarts(tmp_path, slurm) -> None:
+    """A digest keeps a segment's first and last records and the one the next segment resumed at, not every progress
+    record: the outcome, the status and the ledger from it are those of the whole file (three segments of 300 steps,
+    resumed from steps below where each stopped, by a program that records no snapshots: the progress record at the
+    step resumed from dates it)."""
+    from test_lifecycle import end, progress, start
+
+    from ddpack.jobs.compare import measured
+    from ddpack.jobs.run_metrics import DIGEST
+
+    records, decisions = [], []
+    for number, (first, last) in enumerate(((0, 300), (250, 550), (500, 800))):
+        began = 1000.0 * number
+        decisions += [{"time": began, "kind": "start", "job": "41", "nodes": "ddnode[1-2]", "restart": number}]
+        records += [start(began + 5, first, number, total=800)]
+        records += [{**progress(began + 5 + step - first, step), "samples_per_s": float(step % 17), "mfu": step / 1e4} for step in range(first + 1, last + 1)]
+        verdict = "completed" if number == 2 else "restart"
+        decisions += [{"time": began + 10 + last - first, "kind": "step-end", "job": "41", "verdict": verdict, "reason": "done" if number == 2 else "failed"}]
+    records.append(end(2306, 800, "done", 0))
+    run_dir = make_run(tmp_path, records=records, decisions=decisions)
+    whole = measured(run_dir, curves=True)
+    digested = measured(run_dir, curves=False)
+    assert (run_dir / DIGEST).is_file() and len(json.loads((run_dir / DIGEST).read_text())["records"]) < len(records) / 3
+    again = measured(run_dir, curves=False)  # from the digest file now
+    assert whole[0] == digested[0] == again[0] and whole[0].restarts == 2 and whole[0].step == 800
+    assert whole[2].node_s == again[2].node_s and whole[2].steps_redone == again[2].steps_redone == 100

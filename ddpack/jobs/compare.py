@@ -17,13 +17,12 @@ import html
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from statistics import median
 from typing import Any
 
 from ddpack.errors import HostError
 from ddpack.jobs.ledger import Ledger, added_ledgers, run_ledger
 from ddpack.jobs.run_json import read_record
-from ddpack.jobs.run_metrics import Run, read_run
+from ddpack.jobs.run_metrics import Digest, Run, read_digest, read_run
 from ddpack.private_files import write_atomically
 from train.metrics import format_share
 
@@ -77,26 +76,24 @@ class Outcome:
     kept_node_hours: float | None = None  # of which bought steps the run kept
 
 
-def outcome(run_dir: Path) -> tuple[Outcome, Run | None]:
-    """How the run ended, and its metrics (None where it wrote none)."""
-    ended, run, _ = measured(run_dir)
+def outcome(run_dir: Path, curves: bool = True) -> tuple[Outcome, Run | None]:
+    """How the run ended, and its metrics (None where it wrote none; without `curves`, its digest's records alone)."""
+    ended, run, _ = measured(run_dir, curves)
     return ended, run
 
 
-def measured(run_dir: Path) -> tuple[Outcome, Run | None, Ledger]:
-    """How the run ended, its metrics and its ledger, the metrics file read once (a 20 MB file costs its one parse:
-    status, the curves and the ledger all take it from here)."""
+def measured(run_dir: Path, curves: bool = True) -> tuple[Outcome, Run | None, Ledger]:
+    """How the run ended, its metrics and its ledger, the metrics file read at most once: status and the ledger take
+    them from here. Without `curves` (no page to draw) the run's digest answers (run_metrics.read_digest: a file
+    unchanged since an earlier compare is not read again) and the Run holds the digest's records alone."""
     from ddpack.jobs.status import MetricsTail, run_status, tail_of
 
     try:
-        run: Run | None = read_run(run_dir)
+        digest: Digest | None = read_digest(run_dir) if not curves else Digest.of(read_run(run_dir))
     except HostError:  # no metrics yet (queued), or a program that writes none
-        run = None
-    now = run_status(run_dir, records=tail_of(run.segments) if run else MetricsTail())
-    progress = run.progress if run else []
-    losses = [r["loss"] for r in progress if r.get("loss") is not None]
-    rates = [r["samples_per_s"] for r in progress if r.get("samples_per_s") is not None]
-    mfus = [r["mfu"] for r in progress if r.get("mfu") is not None]
+        digest = None
+    run = digest.run if digest else None
+    now = run_status(run_dir, records=tail_of(run.segments, digest.progress_count) if digest and run else MetricsTail())
     spans = [s.ended - s.began for s in run.segments if s.began is not None and s.ended is not None] if run else []
     ledger = run_ledger(run_dir, now.state, run.segments if run else [])
     allocated = ledger.allocated_node_s / 3600 if ledger.allocations else None
@@ -105,10 +102,10 @@ def measured(run_dir: Path) -> tuple[Outcome, Run | None, Ledger]:
             state=now.state,
             step=now.step,
             total_steps=now.total_steps,
-            train_loss=losses[-1] if losses else None,
+            train_loss=digest.train_loss if digest else None,
             eval_loss=eval_loss(run.evals if run else []),
-            samples_per_s=median(rates) if rates else None,
-            mfu=median(mfus) if mfus else None,
+            samples_per_s=digest.samples_per_s if digest else None,
+            mfu=digest.mfu if digest else None,
             wall_s=sum(spans) if spans else None,
             restarts=max(0, len(now.segments) - 1),
             node_hours=allocated,
@@ -143,13 +140,14 @@ class Comparison:
                 "differ": self.differ, "same": self.same}  # fmt: skip
 
 
-def compare(run_dirs: list[Path]) -> tuple[Comparison, list[Run | None]]:
+def compare(run_dirs: list[Path], curves: bool = True) -> tuple[Comparison, list[Run | None]]:
+    """What differed between the runs and how each ended; without `curves` (no page) each run's digest answers."""
     if len(run_dirs) < 2:
         raise HostError("compare needs two runs or more (run folders or job ids), or a sweep (its points)", code=2)
     facts = [what_ran(run_dir) for run_dir in run_dirs]
     keys = sorted({key for fact in facts for key in fact})
     differ = {key: [fact.get(key) for fact in facts] for key in keys if len({json.dumps(f.get(key), sort_keys=True) for f in facts}) > 1}
-    ended = [outcome(run_dir) for run_dir in run_dirs]
+    ended = [outcome(run_dir, curves) for run_dir in run_dirs]
     names = []
     for run_dir in run_dirs:
         job = read_record(run_dir).last_job
@@ -256,7 +254,7 @@ def write_page(comparison: Comparison, runs: list[Run | None], path: Path) -> Pa
 POINT_COLUMNS = ("state", "step", "train_loss", "eval_loss", "samples_per_s", "mfu", "wall_s", "restarts", "node_hours", "kept_node_hours")
 
 
-def sweep_table(folder: Path) -> tuple[list[str], list[dict[str, Any]], list[Run | None], Ledger]:
+def sweep_table(folder: Path, curves: bool = True) -> tuple[list[str], list[dict[str, Any]], list[Run | None], Ledger]:
     """(the swept names, one row a point: index, job_id, run_dir, each swept value, then POINT_COLUMNS, each point's
     metrics, the sweep's ledger) for `compare SWEEP`: each point's metrics file read once."""
     from dataclasses import asdict
@@ -267,7 +265,7 @@ def sweep_table(folder: Path) -> tuple[list[str], list[dict[str, Any]], list[Run
     names = data.get("names") or list(data["values"])  # the order given (the file's keys are sorted)
     rows, runs, ledgers = [], [], []
     for index, point_dir in enumerate(point_dirs(folder)):
-        ended, run, ledger = measured(point_dir)
+        ended, run, ledger = measured(point_dir, curves)
         ledgers.append((index, ended.state, ledger))
         job = read_record(point_dir).last_job
         values = asdict(ended)

@@ -160,3 +160,86 @@ def read_run(run: Path) -> Run:
         except (OSError, ValueError):
             warnings.append(f"skipped {preflight_file}: not readable JSON")
     return Run(folder=path.parent, segments=split_segments(records), preflight=preflight, warnings=warnings)
+
+
+# --------------------------------------------------------------------------- the digest: a big file read once
+
+DIGEST = "metrics-digest.json"  # the host's own cache beside metrics.jsonl: what compare and export --summary need of it
+DIGEST_FORMAT = 1
+KEEP_PROGRESS = 50  # the last progress records of each segment a digest keeps (status's rate over recent steps)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Digest:
+    """A run's metrics as `compare`, `export --summary` and the ledger need them, without every progress record: each
+    segment's start, end, evals and snapshots, its first and last KEEP_PROGRESS progress records and the last one at
+    or below the step the next segment resumed from (what the ledger splits at), and what needs them all (counted,
+    the last train loss, the medians). Kept in DIGEST beside the metrics, so a file that has not changed since (a
+    settled point of a sweep) is parsed once, ever: 20 MB of records take a second to parse, their digest a
+    millisecond."""
+
+    run: Run
+    progress_count: int
+    train_loss: float | None
+    samples_per_s: float | None  # the median over every progress record
+    mfu: float | None  # the median
+
+    @classmethod
+    def of(cls, run: Run) -> Digest:
+        from statistics import median
+
+        progress = run.progress
+        losses = [r["loss"] for r in progress if r.get("loss") is not None]
+        rates = [r["samples_per_s"] for r in progress if r.get("samples_per_s") is not None]
+        mfus = [r["mfu"] for r in progress if r.get("mfu") is not None]
+        return cls(run=run, progress_count=len(progress), train_loss=losses[-1] if losses else None,
+                   samples_per_s=median(rates) if rates else None, mfu=median(mfus) if mfus else None)  # fmt: skip
+
+
+def kept_records(segments: list[Segment]) -> list[dict[str, Any]]:
+    """The records a digest keeps, in an order split_segments reads back into the same segments (Digest)."""
+    kept: list[dict[str, Any]] = []
+    for index, segment in enumerate(segments):
+        following = segments[index + 1].start if index + 1 < len(segments) else None
+        resume = following.get("global_step") if following else None
+        below = [i for i, r in enumerate(segment.progress) if isinstance(resume, int) and isinstance(r.get("global_step"), int)
+                 and r["global_step"] <= resume]  # fmt: skip
+        picked = sorted({0, *range(max(0, len(segment.progress) - KEEP_PROGRESS), len(segment.progress)), *below[-1:]})
+        kept += [*([segment.start] if segment.start else []), *(segment.progress[i] for i in picked if i < len(segment.progress)),
+                 *segment.evals, *segment.snapshots, *([segment.end] if segment.end else [])]  # fmt: skip
+    return kept
+
+
+def digest_key(path: Path) -> list[int]:
+    info = path.stat()
+    return [DIGEST_FORMAT, info.st_size, info.st_mtime_ns, info.st_ino]
+
+
+def read_digest(run_dir: Path) -> Digest:
+    """The run's Digest: its DIGEST when that was made from the metrics file as it is now (size, time, inode), else
+    the metrics read in full once and the digest kept (best effort: a folder that cannot be written is read in full
+    next time). HostError (exit 2) where there is no metrics file or it holds no records."""
+    from ddpack.jobs.run_json import not_a_run_of_yours, write_json_atomic
+
+    path = metrics_path(run_dir)
+    key, cache = digest_key(path), path.parent / DIGEST
+    if cache.is_file() and not_a_run_of_yours(cache) is None:
+        try:
+            data = json.loads(cache.read_text())
+            if data.get("key") == key:
+                run = Run(folder=path.parent, segments=split_segments(data["records"]), preflight=data.get("preflight"),
+                          warnings=list(data.get("warnings") or []))  # fmt: skip
+                return Digest(run=run, progress_count=int(data["progress_count"]), train_loss=data.get("train_loss"),
+                              samples_per_s=data.get("samples_per_s"), mfu=data.get("mfu"))  # fmt: skip
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass  # a damaged digest: the metrics again
+    run = read_run(path)
+    digest = Digest.of(run)
+    try:
+        if digest_key(path) == key:  # not appended to while it was read
+            write_json_atomic(cache, {"key": key, "records": kept_records(run.segments), "preflight": run.preflight, "warnings": run.warnings,
+                                      "progress_count": digest.progress_count, "train_loss": digest.train_loss,
+                                      "samples_per_s": digest.samples_per_s, "mfu": digest.mfu})  # fmt: skip
+    except OSError:
+        pass
+    return digest

@@ -91,9 +91,10 @@ class MetricsTail:
     progress_count: int = 0
 
 
-def tail_of(segments: list[Segment]) -> MetricsTail:
-    """What read_metrics_tail finds, from a run's segments already read in full (run_metrics.read_run): compare and
-    export read each metrics file once, for the status, the curves and the ledger alike."""
+def tail_of(segments: list[Segment], progress_count: int | None = None) -> MetricsTail:
+    """What read_metrics_tail finds, from a run's segments already read (run_metrics.read_run, or a digest's, whose
+    `progress_count` counted them all): compare and export read each metrics file once, for the status, the curves and
+    the ledger alike."""
     records = MetricsTail()
     offset = 0 if segments and segments[0].start is not None else -1  # records before the first start: segment -1
     for index, segment in enumerate(segments):
@@ -103,6 +104,7 @@ def tail_of(segments: list[Segment]) -> MetricsTail:
             records.ends.append((index + offset, segment.end))
         records.progress_count += len(segment.progress)
     records.progress = list(segments[-1].progress[-KEEP_PROGRESS:]) if segments else []
+    records.progress_count = records.progress_count if progress_count is None else progress_count  # a digest's: counted in full
     return records
 
 
