@@ -288,7 +288,8 @@ def test_four_one_task_points_of_a_sweep_run_at_once_on_two_nodes_of_two_cpus(sh
     from the records, each point's start before every point's end, and one squeue that listed all 4 RUNNING."""
     work = shared / "cores"
     (work / "gate").mkdir(parents=True)
-    wait_all = "touch /fsx/cores/gate/{i}; n=0; while [ $(ls /fsx/cores/gate | wc -l) -lt 4 ] && [ $n -lt 1200 ]; do sleep 0.1; n=$((n+1)); done; [ $n -lt 1200 ]"
+    wait_all = ("touch /fsx/cores/gate/{i}; n=0; while [ $(ls /fsx/cores/gate | wc -l) -lt 4 ] && [ $n -lt 1200 ]; "
+                "do sleep 0.1; n=$((n+1)); done; [ $n -lt 1200 ]")  # fmt: skip
     submitted = ddpack(
         "submit", str(work), "--nodes", "1", "--partition", "cores", "--sqsh", str(sqsh), "--runs", str(work / "runs"),
         "--mounts", f"{shared}:/fsx", "--sweep", "i=0,1,2,3", "--time", "5", "--json", "--", "sh", "-c", wait_all,
