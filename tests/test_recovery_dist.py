@@ -173,7 +173,19 @@ def test_a_frozen_rank_is_replaced_from_its_stopped_heartbeat_before_the_collect
     heartbeat stopped for FROZEN_S while rank 0 waits, not on that timeout (RuntimeError). Continued, rank 1 learns it
     was counted dead and ends alone (cause own) without sending the standby away."""
     metrics = tmp_path / "m.jsonl"
-    args = [*ARGS, "--task", "plugins.slow_rank:task", "--max-steps", "16", "--metrics-file", str(metrics), "--cpu-bind", "none"]
+    snapshots = ["--snapshot-dir", str(tmp_path / "snapshots"), "--snapshot-every", "3"]  # during and after the recovery
+    args = [
+        *ARGS,
+        "--task",
+        "plugins.slow_rank:task",
+        "--max-steps",
+        "16",
+        "--metrics-file",
+        str(metrics),
+        "--cpu-bind",
+        "none",
+        *snapshots,
+    ]
     job = start_with_standbys(tmp_path, 2, args, standbys=1, SLOW_RANK="0", SLOW_RANK_MS="400", PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}")
     wait_for(lambda: metrics_step(metrics) >= 8 and "warm, watching" in job.output(2), 120, "step 8, the timeout tightened")
     job.send(signal.SIGSTOP, [1])
@@ -187,3 +199,7 @@ def test_a_frozen_rank_is_replaced_from_its_stopped_heartbeat_before_the_collect
     assert len(set(job.checksums())) == 1 and job.ends(0)[-1].global_step == 16
     steps = progress_steps(metrics)
     assert len(steps) == len(set(steps)), steps  # no global step trained twice
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    recovered_at = next(r["global_step"] for r in records if r["kind"] == "recovery")
+    written = [r["global_step"] for r in records if r["kind"] == "snapshot"]
+    assert any(step < recovered_at for step in written) and 16 in written, written

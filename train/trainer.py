@@ -444,13 +444,20 @@ class Trainer:
                     self.hosts_changed(self.hosts)  # the standby's host now stands for the dead rank's
                 self._take_state()
                 self.model.train()
+                every = self.config.snapshot_every
+                if self.config.snapshot_dir and every and self.global_step % every == 0 and self.last_snapshot_step != self.global_step:
+                    # The death came in this step's snapshot (its gather) or before it was taken: take it now, not at
+                    # the next interval, and say so (a snapshot skipped in silence is one a restart misses).
+                    self.log(f"snapshot at global step {self.global_step} was interrupted by the death: taking it now", main_only=True)
+                    self.snapshot()
 
     def _take_state(self) -> None:
         """Collective, on a new group: every rank takes the state of the rank furthest along (a survivor whose
         all-reduce completed before the death is a step ahead of one whose did not; a replacement has none).
         Model, optimizer and position travel; the RNG is derived from the position (train.recovery.reseed)."""
-        steps = gather_objects(-1 if self.replacing else self.global_step, self.ctx)
-        source = steps.index(max(steps))
+        positions = gather_objects((-1, -1) if self.replacing else (self.global_step, self.last_snapshot_step), self.ctx)
+        source = positions.index(max(positions))
+        self.last_snapshot_step = positions[source][1]  # the same on every rank: whether a snapshot is due is agreed
         mine = self._state([]) if self.ctx.rank == source else None
         state: Snapshot = broadcast_objects(mine, self.ctx, src=source, map_location=self.ctx.device, allowed=[Snapshot])
         if self.ctx.rank != source:
