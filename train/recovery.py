@@ -552,6 +552,18 @@ def warm_up(device: torch.device, watcher: PreemptionWatcher) -> None:
         dist.destroy_process_group()
 
 
+# Said once at the start of a CUDA job under --recovery (docs/recovery.md's limits).
+NCCL_UNPROVEN = (
+    "recovery: in-process recovery on NCCL has not run across two GPUs yet (one-GPU tests only): a death during an "
+    "all-reduce may leave partial gradients; the job falls back to a restart where recovery cannot form a group"
+)
+
+
+def rank_log(rank: int, world: int) -> Callable[[str], None]:
+    """Lines as the trainer's RankLog prints them, for the channel before the trainer has one."""
+    return lambda line: print(f"[rank {rank}/{world}] {line}", flush=True)
+
+
 def launcher_role(standbys: int, environ: MutableMapping[str, str]) -> bool:
     """Whether this process is one of the launcher's last `standbys` ranks (a job template's extra tasks of the step:
     `--standbys K`, DDPACK_STANDBYS), which are standbys; the others train in a world of WORLD_SIZE - K. WORLD_SIZE is
@@ -605,9 +617,9 @@ def enter(
             channel=waiting.channel, heartbeat=waiting.heartbeat, member=waiting.member, rank=rank, generation=generation, **settings
         )
     else:
-        membership = Membership.started(
-            rank=rank, host=host, log=lambda line: print(f"[rank {rank}/{world}] {line}", flush=True), **settings
-        )
+        membership = Membership.started(rank=rank, host=host, log=rank_log(rank, world), **settings)
+        if rank == 0 and backend == "nccl":
+            rank_log(rank, world)(NCCL_UNPROVEN)
     membership.join()
     ctx = DistContext(
         rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world, backend=backend, device=device, host=host
