@@ -47,7 +47,7 @@ import time
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -78,6 +78,7 @@ DECISION_WAIT_S = 5.0  # a failed survivor waits this long for a standby's decis
 JOIN_TIMEOUT_S = 20.0  # forming the next generation's group; past it, recovery failed while recovering
 STORE_TIMEOUT_S = 10.0
 NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+T = TypeVar("T")
 STORE_GONE_S = 1.0  # a standby whose store calls have all failed this long leaves: rank 0, the store's host, is gone
 
 
@@ -521,6 +522,54 @@ class CollectiveClock:
         if seconds != self.timeout_s:
             set_collective_timeout(seconds)
             self.timeout_s = seconds
+
+
+class Recovery:
+    """--recovery as the trainer sees it, its one collaborator for it: the membership (store, heartbeat, generation),
+    the collective clock, and the timeline of the recovery in progress. The trainer asks it to run a step (seeded
+    from the position, timed for the clock), to relax the clock around a pause one rank takes alone, and to recover
+    from a failed collective; it hands back the finished recovery's timeline once the first step after it is done."""
+
+    def __init__(self, membership: Membership, ceiling_s: float) -> None:
+        self.membership = membership
+        self.clock = CollectiveClock(ceiling_s)
+        self.replacing = membership.replacing  # a standby that took a dead rank's place: its state comes from the survivors
+        self.hosts_changed: Callable[[list[str]], None] | None = None  # told the ranks' hosts after a recovery (the watchdog)
+
+    @property
+    def generation(self) -> int:
+        return self.membership.generation
+
+    def relax(self) -> None:
+        """A pause one rank takes alone is next (eval, a snapshot's copy) or a new group (see CollectiveClock)."""
+        self.clock.relax()
+
+    def step(self, seed: int, rank: int, global_step: int, run: Callable[[], T]) -> T:
+        """`run` (one optimizer step) with its RNG derived from its position, its length timed for the clock."""
+        reseed(seed, rank, global_step)
+        began = time.perf_counter()
+        result = run()
+        self.clock.measured(time.perf_counter() - began)
+        return result
+
+    def recover(self, failure: BaseException, log: Callable[[str], None]) -> None:
+        """The next generation's group formed with the standbys in the dead ranks' places (RecoveryImpossible: the job
+        restarts every rank instead)."""
+        self.membership.recover(failure, log)
+
+    def took_state(self) -> None:
+        """The state every rank now holds came from the survivors: this process replaces no one any more."""
+        self.replacing = False
+        if self.membership.stages is not None:
+            self.membership.stages.state = time.time()
+
+    def finished(self) -> dict[str, float] | None:
+        """The timeline of the recovery whose first step just finished (None when none was in progress)."""
+        stages, self.membership.stages = self.membership.stages, None
+        if stages is None:
+            return None
+        stages.first_step = time.time()
+        return stages.fields()
 
 
 def warm_up(device: torch.device, watcher: PreemptionWatcher) -> None:
