@@ -58,7 +58,7 @@ NOT_A_CRASH = (b"Terminated", b"Exited with exit code 0")  # srun's own TERM for
 END_MARK = b"ddpack-end "  # train/outcome.py's end record: {"rank", "host", "outcome", "reason", ...}
 # train/outcome.py's CAUSES of a failed rank that crashed nothing (a peer died; recovery fell back after one did). An
 # image older than the field says the first in its reason's words, LEFT_BY_A_PEER, and a fallback in FALLBACK's.
-NOT_CRASHED = ("peer", "recovery-fallback")
+NOT_CRASHED = ("peer", "recovery-fallback", "counted-dead")
 LEFT_BY_A_PEER = "a collective failed"
 
 

@@ -94,7 +94,8 @@ def test_a_fallback_blames_the_dead_ranks_node_never_rank_0s(node: ModuleType) -
         ({"cause": "recovery-fallback", "reason": f"{RECOVERY_IMPOSSIBLE}rank 0 lost"}, "rank 0 lost", True),
         ({"cause": "peer", "reason": "a collective failed (RuntimeError: x)"}, None, True),
         ({"cause": "own", "reason": "OutOfMemoryError: CUDA out of memory"}, None, False),
-        ({"cause": "own", "reason": f"{RECOVERY_IMPOSSIBLE}this rank (r1) was counted dead"}, None, False),  # the words do not decide
+        ({"cause": "counted-dead", "reason": f"{RECOVERY_IMPOSSIBLE}this rank (r1) was counted dead"}, None, True),
+        ({"cause": "own", "reason": f"{RECOVERY_IMPOSSIBLE}rank 0 lost"}, None, False),  # the words do not decide
         ({"reason": f"{RECOVERY_IMPOSSIBLE}rank 0 lost"}, "rank 0 lost", True),  # an image older than the field
     ],
 )

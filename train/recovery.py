@@ -271,14 +271,16 @@ class Membership:
         self._waiting, self._next_waiting = 0, 0.0  # this rank's waiting count (report_waiting), and when to say it next
 
     @classmethod
-    def started(cls, *, rank: int, host: str, collective_timeout_s: float, log: Callable[[str], None], **settings: Any) -> Membership:
+    def started(
+        cls, *, rank: int, host: str, collective_timeout_s: float, log: Callable[[str], None], launched: int = 0, **settings: Any
+    ) -> Membership:
         """A rank of generation 0: hosts the store on rank 0, names this rank's host to the standbys and starts its
         heartbeat."""
         if os.environ.get("TORCHELASTIC_RUN_ID"):
             raise RecoveryImpossible(
                 "--recovery needs one process per rank (srun tasks, docker -e); under torchrun its agent restarts every worker"
             )
-        channel = Channel.of_job(_store(rank == 0, connect_s=collective_timeout_s), os.environ, log)
+        channel = Channel.of_job(_store(rank == 0, connect_s=collective_timeout_s), os.environ, log, launched=launched)
         member = f"r{rank}"
         heartbeat = Heartbeat(channel, member, host, connect_s=collective_timeout_s)
         return cls(
@@ -410,10 +412,11 @@ class Membership:
 class Standby:
     """A warm process waiting to take a dead rank's place, watching every member's heartbeat meanwhile."""
 
-    def __init__(self, *, world_size: int, host: str, log: Callable[[str], None]) -> None:
+    def __init__(self, *, world_size: int, host: str, log: Callable[[str], None], index: int | None = None, launched: int = 0) -> None:
+        """`index`: which of the launcher's `launched` standby tasks this is (None: started by hand, --standby)."""
         self.world_size, self.host, self.log = world_size, host, log
-        self.channel = Channel.of_job(_store(False), os.environ, log)
-        self.member = self.channel.new_standby()
+        self.channel = Channel.of_job(_store(False), os.environ, log, launched=launched)
+        self.member = self.channel.new_standby(index)
         self.heartbeat = Heartbeat(self.channel, self.member, host)
         self.generation = 0
         self.roster = {rank: f"r{rank}" for rank in range(world_size)}
@@ -644,7 +647,8 @@ def enter(
     dead rank's place (None when the run ended without needing it). `standbys`: the launcher's last ranks that are
     standbys (`launcher_role`); `standby`: this process is one whatever its rank (started by hand, --standby)."""
     default_to_one_process()
-    standby = launcher_role(standbys, os.environ) or standby
+    launched = launcher_role(standbys, os.environ)
+    standby = launched or standby
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     host = node_name()
@@ -652,7 +656,7 @@ def enter(
     if standby:
         warm_up(device, watcher)
         try:
-            waiting = Standby(world_size=world, host=host, log=log)
+            waiting = Standby(world_size=world, host=host, log=log, index=rank - world if launched else None, launched=standbys)
         except RuntimeError as exc:  # a run shorter than this standby's warm-up has ended, and its store with it
             log(f"standby: the job's store does not answer ({first_line(exc)}): the run ended before this standby was warm; leaving")
             return None
@@ -666,7 +670,7 @@ def enter(
             channel=waiting.channel, heartbeat=waiting.heartbeat, member=waiting.member, rank=rank, generation=generation, **settings
         )
     else:
-        membership = Membership.started(rank=rank, host=host, log=rank_log(rank, world), **settings)
+        membership = Membership.started(rank=rank, host=host, log=rank_log(rank, world), launched=standbys, **settings)
         if rank == 0 and backend == "nccl":
             rank_log(rank, world)(NCCL_UNPROVEN)
     membership.join()

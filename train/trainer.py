@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from train import run_folder
+from train.affinity import bind_replacement, cpu_list
 from train.config import Config
 from train.data import Batch, EpochOrder, default_num_workers, make_batches
 from train.distributed import (
@@ -442,7 +443,13 @@ class Trainer:
                 self._take_state()
                 self.model.train()
                 every = self.config.snapshot_every
-                if self.config.snapshot_dir and every and self.global_step % every == 0 and self.last_snapshot_step != self.global_step:
+                if (
+                    self.config.snapshot_dir
+                    and every
+                    and self.global_step
+                    and self.global_step % every == 0
+                    and self.last_snapshot_step != self.global_step
+                ):
                     # The death came in this step's snapshot (its gather) or before it was taken: take it now, not at
                     # the next interval, and say so (a snapshot skipped in silence is one a restart misses).
                     self.log(f"snapshot at global step {self.global_step} was interrupted by the death: taking it now", main_only=True)
@@ -453,6 +460,8 @@ class Trainer:
         all-reduce completed before the death is a step ahead of one whose did not; a replacement has none).
         Model, optimizer and position travel; the RNG is derived from the position (train.recovery.reseed)."""
         replacing = self.recovery is not None and self.recovery.replacing
+        if self.config.cpu_bind == "auto" and (bound := bind_replacement(self.ctx, replacing)) is not None:
+            self.log(f"standby took rank {self.ctx.rank}'s place on cpus {cpu_list(bound)}, left free by the rank it replaces")
         positions = gather_objects((-1, -1) if replacing else (self.global_step, self.last_snapshot_step), self.ctx)
         source = positions.index(max(positions))
         self.last_snapshot_step = positions[source][1]  # the same on every rank: whether a snapshot is due is agreed
