@@ -88,6 +88,12 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _standby_count(text: str) -> int:
+    """--standbys K, or auto (the job settings' default, DDPACK_STANDBYS): 0 here, as the job's program resolves auto
+    itself and hands each task the count it started (enroot/ddpack_training.py); a process started by hand has none."""
+    return 0 if text == "auto" else _non_negative_int(text)
+
+
 def _non_negative_float(text: str) -> float:
     value = float(text)
     if not value >= 0:
@@ -271,11 +277,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     dist.add_argument(
         "--standbys",
-        type=_non_negative_int,
-        default=os.environ.get("DDPACK_STANDBYS") or "0",
+        type=_standby_count,
+        default=os.environ.get("DDPACK_STANDBYS") or "auto",
         metavar="K",
         help="the launcher's last K processes are standbys (as --standby) and the others train in a world of WORLD_SIZE - K: "
-        "how a job template starts them as extra tasks of its step; K > 0 implies --recovery (default: $DDPACK_STANDBYS, else 0)",
+        "how a job template starts them as extra tasks of its step; K > 0 implies --recovery (default: $DDPACK_STANDBYS, else "
+        "auto: none, as the job's program hands the count it started and a process that sees auto has no standby beside it)",
     )
     return parser
 
