@@ -98,6 +98,13 @@ def parser() -> argparse.ArgumentParser:
         "--spares", type=_whole, help=f"spare nodes held for a restart in place (default {setting_value('DDPACK_SPARE_NODES')})"
     )
     sub.add_argument(
+        "--standbys",
+        type=_whole,
+        metavar="K",
+        help="warm standby processes of the bundled trainer: a rank that dies is replaced in process, the others keep "
+        "training (default: 1 where the job asks for no GPUs and runs the bundled trainer, else 0; docs/recovery.md)",
+    )
+    sub.add_argument(
         "--gpus-per-node", type=_whole, help="GPUs a node: builds the project on the CUDA image (Dockerfile.gpu), one rank per GPU"
     )
     sub.add_argument(
@@ -346,6 +353,7 @@ def submit(opts: argparse.Namespace) -> int:
         nodes=nodes,
         tasks_per_node=tasks if tasks is not None else (gpus or 1),
         spares=pick("spares", default=int(setting_value("DDPACK_SPARE_NODES"))),
+        standbys=pick("standbys"),
         gpus_per_node=gpus,
         efa=pick("efa", default=False),
         partition=pick("partition"),

@@ -39,6 +39,18 @@ def image_key(sqsh: Path) -> str:
     return hashlib_hex(f"file {info.st_size} {int(info.st_mtime)} {info.st_ino} {sqsh}")[:32]
 
 
+def image_command(sqsh: str) -> str | None:
+    """The command the squashfs's image runs when given none (its APP_CMD; "" for none, so the bundled trainer), from
+    make sqsh's record beside it while the record describes the file as it is; None when no record says (a squashfs
+    made by another tool, by an older ddpack, or changed since): the job then cannot tell what its tasks run."""
+    with contextlib.suppress(OSError, ValueError, AttributeError, TypeError, KeyError):
+        info = os.stat(sqsh)
+        record = json.loads(Path(f"{sqsh}.ddpack.json").read_text())
+        if record["size"] == info.st_size and record["mtime_ns"] == info.st_mtime_ns and isinstance(record["app_cmd"], str):
+            return record["app_cmd"]
+    return None
+
+
 def hashlib_hex(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 

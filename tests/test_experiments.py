@@ -620,10 +620,11 @@ def test_the_job_records_each_decision_beside_its_sentence(tmp_path) -> None:
               'ddpack_record start nodes="ddnode[1-2]" origin="new run" kind=forged time=0; '
               'ddpack_step=(sh -c "exit 138" _); ddpack_train x')  # fmt: skip
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "DDPACK_RUN_DIR": str(run_dir), "SLURM_JOB_ID": "125"}
-    env |= {"SLURM_ARRAY_JOB_ID": "90", "SLURM_ARRAY_TASK_ID": "1"}
+    env |= {"SLURM_ARRAY_JOB_ID": "90", "SLURM_ARRAY_TASK_ID": "1", "DDPACK_STANDBYS": "0"}
     out = subprocess.run(["bash", "-uc", script], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 138 and out.stdout == "ddpack: preempted (exit 138); requeueing job 125 (restart 1 of at most 10)\n", out.stderr
-    start, decision = (json.loads(line) for line in (run_dir / run_folder.DECISIONS).read_text().splitlines())
+    start, recovery, decision = (json.loads(line) for line in (run_dir / run_folder.DECISIONS).read_text().splitlines())
+    assert (recovery["kind"], recovery["mode"], recovery["standbys"]) == ("recovery", "restart", 0)  # which recovery, for status
     assert (start["kind"], start["job"], start["slurm_job"], start["nodes"]) == ("start", "90_1", "125", "ddnode[1-2]")
     assert start["time"] > 1e9 and "is not NAME=VALUE of a field of its own" in out.stderr  # kind=, time=: the record's own
     assert (decision["kind"], decision["verdict"], decision["reason"], decision["exit"]) == ("step-end", "requeue", "preempted", "138")

@@ -65,6 +65,9 @@ def test_a_run_from_submit_through_a_preemption_to_completion_then_resubmitted_a
     dry = ddpack(*args, "--dry-run")
     assert dry.returncode == 0, dry.stdout + dry.stderr
     assert re.search(r"submit: would build|\(would convert the image to it\)", dry.stdout) and "dry run: every check passed" in dry.stdout
+    # CPU nodes and the bundled trainer: one standby by default (issue 62), said by the dry run and held by the script.
+    assert "submit: recovery: in-process recovery with 1 standby process(es) (the default where the nodes have no GPUs" in dry.stdout
+    assert "\nexport DDPACK_STANDBYS=1\n" in dry.stdout
     assert not list((work / "images").iterdir()) and not (work / "runs").exists()
     submitted = ddpack(*args, "--json")
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
@@ -81,6 +84,7 @@ def test_a_run_from_submit_through_a_preemption_to_completion_then_resubmitted_a
     training = status_of(run_dir)
     assert training["state"] == "RUNNING" and training["step"] == 20 and training["total_steps"] == 58 and training["eta_s"] is not None
     assert len(training["segments"]) == 1
+    assert (training["recovery"]["mode"], training["recovery"]["standbys"], training["recovery"]["from"]) == ("in-process", 1, "job")
 
     failing = tmp_path / "squeue-down"
     failing.mkdir()
@@ -124,6 +128,9 @@ def test_a_run_from_submit_through_a_preemption_to_completion_then_resubmitted_a
     assert [(d["kind"], d.get("verdict"), d["restart"]) for d in decided if d["kind"] in ("start", "step-end")] == [
         ("start", None, 0), ("step-end", "requeue", 0), ("start", None, 1), ("step-end", "completed", 1)], decided
     assert {d["job"] for d in decided} == {job} and [d["choice"] for d in decided if d["kind"] == "staging"], decided
+    # Each start had its standby (a fifth task of the step, which the preemption and the completion did not count as a rank).
+    assert [(d["mode"], d["standbys"]) for d in decided if d["kind"] == "recovery"] == [("in-process", 1)] * 2, decided
+    assert followed.count("1 standby process(es) start with each training step") == 2, followed[-3000:]
     assert done["state_from"] in ("squeue", "job records")
     metrics = Path(run_dir) / "metrics.jsonl"
     private = [Path(run_dir), metrics, *Path(run_dir).glob("logs/*"), *Path(run_dir).glob("snapshots/*")]

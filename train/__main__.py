@@ -171,7 +171,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RecoveryImpossible as exc:  # the job program restarts every rank, as without --recovery
         why = f"{RECOVERY_IMPOSSIBLE}{exc}"
         log(f"recovery: falling back to a restart of every rank: {exc}")
-        end = ended("failed", 1, reason=why, cause="counted-dead" if membership is not None and membership.counted_dead else "recovery-fallback")
+        end = ended(
+            "failed", 1, reason=why, cause="counted-dead" if membership is not None and membership.counted_dead else "recovery-fallback"
+        )
         run_over = True
     except RuntimeError as exc:  # gloo/nccl report a dead or silent peer as RuntimeError subclasses; so does an OOM
         first, cause = first_line(exc), "peer" if collective_failure(exc) else "own"

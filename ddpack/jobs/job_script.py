@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ddpack.errors import HostError
 from ddpack.job_side import ENROOT
-from ddpack.jobs.submit_checks import TEMPLATES, SubmitSettings, per_point
+from ddpack.jobs.submit_checks import TEMPLATES, SubmitSettings, per_point, recovery_plan
 from ddpack.jobs.sweep_points import sweep_command, sweep_env, sweep_points
 from train import run_folder
 
@@ -78,6 +78,8 @@ def exported(settings: SubmitSettings, run_dir: Path, sqsh: Path) -> dict[str, s
         values["DDPACK_COMMAND"] = json.dumps(list(settings.command))
     if settings.spares:
         values["DDPACK_SPARE_NODES"] = str(settings.spares)
+    # The count the run has, resolved here (--standbys, else the table's default for this job): the script says it.
+    values["DDPACK_STANDBYS"] = str(recovery_plan(settings).standbys)
     if settings.template == "torchrun":
         values["DDPACK_NPROC"] = str(settings.tasks_per_node)
     return {**values, **{name: value for name, value in settings.env.items() if not per_point(settings, value)}}

@@ -65,6 +65,7 @@ class Status:
     sqsh: str | None
     unrecorded: list[str] = field(default_factory=list)  # the run's jobs that wrote no decision records (decisions.jsonl)
     final: bool = False  # the newest job's own last word, after its last start, was a decision nothing follows (completed, end)
+    recovery: dict[str, Any] | None = None  # what a rank's death does: the job's newest `recovery` record, else submit's plan
 
     @property
     def ended(self) -> bool:
@@ -324,6 +325,18 @@ def state_of(
     return "FAILED", "run folder", "Slurm no longer lists the job and the run folder has no end record"
 
 
+def recovery_of(run_dir: Path, record: RunRecord) -> dict[str, Any] | None:
+    """Which recovery the run has, and why: the job's own newest `recovery` record (what it resolved on its nodes,
+    enroot/ddpack_training.py), else what submit planned (run.json's settings), else None (a run of a ddpack older
+    than both)."""
+    recorded = [entry for entry in read_decisions(run_dir) if entry["kind"] == "recovery"]
+    found = recorded[-1] if recorded else (record.settings or {}).get("recovery")
+    if not isinstance(found, dict) or found.get("mode") not in ("in-process", "restart"):
+        return None
+    return {"mode": found["mode"], "standbys": found.get("standbys"), "why": str(found.get("why") or ""),
+            "from": "job" if recorded else "submit"}  # fmt: skip
+
+
 def run_status(run_dir: Path, asked: Asked | None = None) -> Status:
     record = read_record(run_dir)
     records = read_metrics_tail(run_dir / run_folder.METRICS)
@@ -362,6 +375,7 @@ def run_status(run_dir: Path, asked: Asked | None = None) -> Status:
         sqsh=record.sqsh.get("path"),
         unrecorded=unrecorded,
         final=final,
+        recovery=recovery_of(run_dir, record),
     )
 
 
@@ -415,6 +429,12 @@ def render(status: Status) -> str:
         lines.append(
             f"end      {status.outcome.get('outcome')} at step {status.outcome.get('global_step')} (exit {status.outcome.get('exit_code')})"
         )
+    if status.recovery:
+        how = status.recovery
+        what = (
+            f"in-process, {how['standbys']} standby(s)" if how["mode"] == "in-process" else "a restart of the step from its last snapshot"
+        )
+        lines.append(f"recovery {what} ({how['why']}{'; as submitted: the job has not said yet' if how['from'] == 'submit' else ''})")
     if status.image or status.sqsh:
         lines.append(f"image    {status.image or '-'}  {status.sqsh or ''}")
     if status.unrecorded:

@@ -35,6 +35,7 @@ from ddpack.jobs.submit_checks import (
     SubmitSettings,
     cluster_problems,
     raise_problems,
+    recovery_plan,
     secrets_in_accounting,
     setting_problems,
     slurm_problems,
@@ -269,6 +270,8 @@ def _submit(settings: SubmitSettings, *, dry_run: bool, say: Any, run_file: dict
                 f"submit: a sweep of {count} points, one job array{f' (at most {at_once} at once)' if at_once else ''}, one run folder a point"
             )
         print(render_script(settings, planned_dir, sqsh), end="")
+        for line in recovery_lines(settings):
+            say(f"submit: {line}")
         if (plan := preflight_plan(settings)) is not None:
             say(plan)
         raise_problems(problems)
@@ -282,6 +285,8 @@ def _submit(settings: SubmitSettings, *, dry_run: bool, say: Any, run_file: dict
             converted=False,
             script="",
         )
+    for line in recovery_lines(settings):
+        say(f"submit: {line}")
     if settings.secrets and secrets_in_accounting():
         say(
             f"submit: warning: this cluster stores each job's environment in its accounting database (AccountingStoreFlags=job_env), "
@@ -328,6 +333,23 @@ def _submit(settings: SubmitSettings, *, dry_run: bool, say: Any, run_file: dict
     )
 
 
+def recovery_lines(settings: SubmitSettings) -> list[str]:
+    """What the run does when a rank dies, and why (the dry run shows it before anything is queued); what its spare
+    nodes are for."""
+    plan = recovery_plan(settings)
+    lines = [f"recovery: {plan.line()}"]
+    if plan.standbys and settings.gpus_per_node:
+        lines.append(
+            "recovery: in-process recovery on NCCL has not yet run across two GPUs (docs/recovery.md): a restart is the proven path"
+        )
+    if settings.spares:
+        lines.append(
+            f"spares: {settings.spares} node(s) held back for a restart in place after a node fails; spare nodes do not host standbys "
+            "(not built yet)"
+        )
+    return lines
+
+
 @dataclass(frozen=True, kw_only=True)
 class RecordParts:
     """What every run.json of one submission shares (a sweep's points too): the image, squashfs, code, script."""
@@ -356,6 +378,7 @@ class RecordParts:
             settings={
                 **{k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(settings).items() if k not in ("tags", "note")},
                 "exported": script_env,
+                "recovery": recovery_plan(settings).fields(),
             },
             script=os.path.relpath(self.script_path, run_dir),
             script_sha256=self.script_sha256,
