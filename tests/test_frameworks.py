@@ -75,7 +75,9 @@ def test_a_program_that_will_not_stop_leaves_its_stacks_and_ends_requeueable(tmp
         "print('stuck', flush=True)\nwait_for_a_peer_that_never_answers()\n"
     )
     forensics = tmp_path / "forensics"
-    job = start_slurm_step(tmp_path, [1], ["--", sys.executable, str(script)], rank_env={0: {"DDPACK_STOP_GRACE": "2", "DDPACK_FORENSICS_DIR": str(forensics)}})
+    job = start_slurm_step(
+        tmp_path, [1], ["--", sys.executable, str(script)], rank_env={0: {"DDPACK_STOP_GRACE": "2", "DDPACK_FORENSICS_DIR": str(forensics)}}
+    )
     wait_for(lambda: "stuck" in job.output(0), 30, "the script to start")
     job.send(signal.SIGTERM, [0])
     assert job.wait(60) == [143], job.output()
@@ -84,7 +86,11 @@ def test_a_program_that_will_not_stop_leaves_its_stacks_and_ends_requeueable(tmp
     assert "Fatal Python error: Aborted" in out and "in wait_for_a_peer_that_never_answers" in out, out
     assert f"entrypoint: the stacks are in {forensics / run_folder.rank_stacks(0)}" in out  # named as the watchdog names them
     saved = (forensics / run_folder.rank_stacks(0)).read_text()
-    assert saved.startswith("rank 0 host ") and "did not stop within 2 s of SIGTERM" in saved and "in wait_for_a_peer_that_never_answers" in saved
+    assert (
+        saved.startswith("rank 0 host ")
+        and "did not stop within 2 s of SIGTERM" in saved
+        and "in wait_for_a_peer_that_never_answers" in saved
+    )
 
 
 def test_a_run_of_one_process_stops_on_its_own_signal_and_records_the_segment(tmp_path: Path) -> None:
@@ -197,7 +203,9 @@ def preempted_resumed_and_reported(tmp_path: Path, project: str) -> None:
     progress = [r for r in records(run) if r["kind"] == "progress"]
     assert all(len(r["rank_step_s"]) == 2 for r in progress) and any(r.get("samples_per_s") for r in progress)
 
-    report = subprocess.run([sys.executable, "-m", "ddpack.jobs.report", str(run)], env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    report = subprocess.run(
+        [sys.executable, "-m", "ddpack.jobs.report", str(run)], env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert report.returncode == 0, report.stderr
     page = (run / "report.html").read_text()
     assert "<tr><td>segments</td><td>2</td></tr>" in page and "<td>stopped</td>" in page and "<td>done</td>" in page
@@ -232,7 +240,9 @@ def test_lightning_without_the_adapter_never_deadlocks_past_the_grace_and_is_req
     broadcasts inside the handler and may deadlock), and is aborted with its stacks after the grace: either
     way the step ends 138, which the template requeues."""
     run = tmp_path / "run"
-    job = start_project(tmp_path, "lightning_project", run, "bare", DDPACK_ADAPTER="0", EPOCHS="50", STEP_SLEEP_S="0.01", DDPACK_STOP_GRACE="15")
+    job = start_project(
+        tmp_path, "lightning_project", run, "bare", DDPACK_ADAPTER="0", EPOCHS="50", STEP_SLEEP_S="0.01", DDPACK_STOP_GRACE="15"
+    )
     wait_for(lambda: "Initializing distributed" in job.output(1), 120, "training to start")
     job.send(signal.SIGUSR1, [0, 1])
     assert job.wait(120) == [138, 138], job.output()
@@ -291,7 +301,10 @@ def test_the_readmes_own_loop_stops_on_one_ranks_signal_resumes_and_finishes(tmp
 
 SHAPES = {
     # name: (start the job, the ranks' Lightning environment)
-    "srun-per-task": (lambda tmp, argv: start_slurm_step(tmp, [2], argv, rank_env=dict.fromkeys(range(2), SLURM_TASKS)), "SLURMEnvironment"),
+    "srun-per-task": (
+        lambda tmp, argv: start_slurm_step(tmp, [2], argv, rank_env=dict.fromkeys(range(2), SLURM_TASKS)),
+        "SLURMEnvironment",
+    ),
     "torchrun-under-slurm": (
         lambda tmp, argv: start_slurm_step(tmp, [1, 1], argv, nproc_per_node=2, rank_env=dict.fromkeys(range(2), SLURM_NODES)),
         "TorchElasticEnvironment",
@@ -299,8 +312,22 @@ SHAPES = {
     "nproc-per-node": (lambda tmp, argv: start_standalone(tmp, 2, argv, env={"NODES": "1", "DEVICES": "2"}), "TorchElasticEnvironment"),
     "docker-env": (lambda tmp, argv: start_env_mode(tmp, 2, argv, env={"NODES": "2", "DEVICES": "1"}), "LightningEnvironment"),
 }
-SLURM_TASKS = {"SLURM_JOB_NAME": "ddpack", "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NODELIST": "127.0.0.1", "NODES": "1", "DEVICES": "2"}
-SLURM_NODES = {"SLURM_JOB_NAME": "ddpack", "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "1", "SLURM_NODELIST": "127.0.0.[1-2]", "NODES": "2", "DEVICES": "2"}
+SLURM_TASKS = {
+    "SLURM_JOB_NAME": "ddpack",
+    "SLURM_NTASKS": "2",
+    "SLURM_NTASKS_PER_NODE": "2",
+    "SLURM_NODELIST": "127.0.0.1",
+    "NODES": "1",
+    "DEVICES": "2",
+}
+SLURM_NODES = {
+    "SLURM_JOB_NAME": "ddpack",
+    "SLURM_NTASKS": "2",
+    "SLURM_NTASKS_PER_NODE": "1",
+    "SLURM_NODELIST": "127.0.0.[1-2]",
+    "NODES": "2",
+    "DEVICES": "2",
+}
 
 
 @pytest.mark.dist
@@ -339,3 +366,94 @@ def test_a_program_that_recorded_its_end_then_aborted_on_its_way_out_ends_as_it_
     assert supervise([sys.executable, str(program)], env, grace_s=10) == expected
     program.write_text("import os\nos.abort()\n")
     assert supervise([sys.executable, str(program)], env, grace_s=10) == 134
+
+
+# ---------------------------------------------------------------- results from any program: eval records
+
+
+def eval_records(metrics: Path) -> list[dict]:
+    return [r for r in map(json.loads, metrics.read_text().splitlines()) if r["kind"] == "eval"]
+
+
+def test_an_own_loops_eval_done_writes_its_numbers_at_its_step_and_leaves_out_what_is_not_one(tmp_path: Path) -> None:
+    import ddpack_run
+
+    metrics = tmp_path / "m.jsonl"
+    run = ddpack_run.Run(metrics_file=str(metrics), hang_timeout=0)
+    for _ in range(3):
+        run.step_done(loss=1.0)
+    torch = pytest.importorskip("torch")
+    kept = run.eval_done(loss=torch.tensor(0.25), accuracy=0.75, tokens=1000, note="text", flag=True, nan=float("nan"))
+    run.eval_done(loss=0.125, step=10)
+    assert kept == {"loss": 0.25, "accuracy": 0.75, "tokens": 1000}
+    assert [{k: v for k, v in r.items() if k not in ("kind", "time")} for r in eval_records(metrics)] == [
+        {"global_step": 3, "loss": 0.25, "accuracy": 0.75, "tokens": 1000},
+        {"global_step": 10, "loss": 0.125},
+    ]
+
+
+LIGHTNING_WITH_VALIDATION = """
+import lightning as L, torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from ddpack_run.lightning import DdpackCallback
+
+class Regression(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(4, 1)
+    def training_step(self, batch, batch_idx):
+        return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", nn.functional.mse_loss(self.net(batch[0]), batch[1]))
+        self.log("val_mae", (self.net(batch[0]) - batch[1]).abs().mean())
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+torch.manual_seed(0)
+x = torch.randn(64, 4)
+data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=16)
+trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False, callbacks=[DdpackCallback(hang_timeout=0)])
+trainer.fit(Regression(), data, data)
+"""
+
+HF_WITH_EVALUATION = """
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from ddpack_run.hf import DdpackCallback
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, count):
+        self.data = torch.randint(0, 64, (count, 8), generator=torch.Generator().manual_seed(0))
+    def __len__(self):
+        return len(self.data)
+    def __getitem__(self, index):
+        return {"input_ids": self.data[index], "labels": self.data[index]}
+
+model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=8, n_embd=16, n_layer=1, n_head=2))
+args = TrainingArguments(output_dir="out", per_device_train_batch_size=8, max_steps=4, eval_strategy="steps", eval_steps=2,
+                         save_strategy="no", report_to=[], use_cpu=True, seed=0, disable_tqdm=True)
+Trainer(model=model, args=args, train_dataset=Tokens(32), eval_dataset=Tokens(16), callbacks=[DdpackCallback(hang_timeout=0)]).train()
+"""
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(("framework", "program", "steps", "names"), [
+    ("lightning", LIGHTNING_WITH_VALIDATION, [4, 8], {"val_loss", "val_mae", "epoch"}),
+    ("transformers", HF_WITH_EVALUATION, [2, 4], {"eval_loss", "eval_runtime", "epoch"}),
+])  # fmt: skip
+def test_a_frameworks_own_validation_metrics_are_eval_records_with_no_user_code(
+    tmp_path: Path, framework: str, program: str, steps: list[int], names: set[str]
+) -> None:
+    """The adapters alone (DdpackCallback, no eval_done in the program): each validation's own numbers, at its step;
+    Lightning's sanity check (two batches before training) is no result and writes none."""
+    pytest.importorskip(framework)
+    (tmp_path / "program.py").write_text(program)
+    metrics = tmp_path / "metrics.jsonl"
+    done = subprocess.run([sys.executable, "program.py"], cwd=tmp_path, env=clean_env(DDPACK_METRICS_FILE=str(metrics)),
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    evals = eval_records(metrics)
+    assert [r["global_step"] for r in evals] == steps, evals
+    assert all(names <= set(r) and all(isinstance(r[n], int | float) for n in names) for r in evals), evals
