@@ -75,9 +75,7 @@ def test_a_program_that_will_not_stop_leaves_its_stacks_and_ends_requeueable(tmp
         "print('stuck', flush=True)\nwait_for_a_peer_that_never_answers()\n"
     )
     forensics = tmp_path / "forensics"
-    job = start_slurm_step(
-        tmp_path, [1], ["--", sys.executable, str(script)], rank_env={0: {"DDPACK_STOP_GRACE": "2", "DDPACK_FORENSICS_DIR": str(forensics)}}
-    )
+    job = start_slurm_step(tmp_path, [1], ["--", sys.executable, str(script)], rank_env={0: {"DDPACK_STOP_GRACE": "2", "DDPACK_FORENSICS_DIR": str(forensics)}})
     wait_for(lambda: "stuck" in job.output(0), 30, "the script to start")
     job.send(signal.SIGTERM, [0])
     assert job.wait(60) == [143], job.output()
@@ -86,11 +84,7 @@ def test_a_program_that_will_not_stop_leaves_its_stacks_and_ends_requeueable(tmp
     assert "Fatal Python error: Aborted" in out and "in wait_for_a_peer_that_never_answers" in out, out
     assert f"entrypoint: the stacks are in {forensics / run_folder.rank_stacks(0)}" in out  # named as the watchdog names them
     saved = (forensics / run_folder.rank_stacks(0)).read_text()
-    assert (
-        saved.startswith("rank 0 host ")
-        and "did not stop within 2 s of SIGTERM" in saved
-        and "in wait_for_a_peer_that_never_answers" in saved
-    )
+    assert saved.startswith("rank 0 host ") and "did not stop within 2 s of SIGTERM" in saved and "in wait_for_a_peer_that_never_answers" in saved
 
 
 def test_a_run_of_one_process_stops_on_its_own_signal_and_records_the_segment(tmp_path: Path) -> None:
@@ -203,9 +197,7 @@ def preempted_resumed_and_reported(tmp_path: Path, project: str) -> None:
     progress = [r for r in records(run) if r["kind"] == "progress"]
     assert all(len(r["rank_step_s"]) == 2 for r in progress) and any(r.get("samples_per_s") for r in progress)
 
-    report = subprocess.run(
-        [sys.executable, "-m", "ddpack.jobs.report", str(run)], env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
+    report = subprocess.run([sys.executable, "-m", "ddpack.jobs.report", str(run)], env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert report.returncode == 0, report.stderr
     page = (run / "report.html").read_text()
     assert "<tr><td>segments</td><td>2</td></tr>" in page and "<td>stopped</td>" in page and "<td>done</td>" in page
@@ -240,9 +232,7 @@ def test_lightning_without_the_adapter_never_deadlocks_past_the_grace_and_is_req
     broadcasts inside the handler and may deadlock), and is aborted with its stacks after the grace: either
     way the step ends 138, which the template requeues."""
     run = tmp_path / "run"
-    job = start_project(
-        tmp_path, "lightning_project", run, "bare", DDPACK_ADAPTER="0", EPOCHS="50", STEP_SLEEP_S="0.01", DDPACK_STOP_GRACE="15"
-    )
+    job = start_project(tmp_path, "lightning_project", run, "bare", DDPACK_ADAPTER="0", EPOCHS="50", STEP_SLEEP_S="0.01", DDPACK_STOP_GRACE="15")
     wait_for(lambda: "Initializing distributed" in job.output(1), 120, "training to start")
     job.send(signal.SIGUSR1, [0, 1])
     assert job.wait(120) == [138, 138], job.output()
@@ -301,10 +291,7 @@ def test_the_readmes_own_loop_stops_on_one_ranks_signal_resumes_and_finishes(tmp
 
 SHAPES = {
     # name: (start the job, the ranks' Lightning environment)
-    "srun-per-task": (
-        lambda tmp, argv: start_slurm_step(tmp, [2], argv, rank_env=dict.fromkeys(range(2), SLURM_TASKS)),
-        "SLURMEnvironment",
-    ),
+    "srun-per-task": (lambda tmp, argv: start_slurm_step(tmp, [2], argv, rank_env=dict.fromkeys(range(2), SLURM_TASKS)), "SLURMEnvironment"),
     "torchrun-under-slurm": (
         lambda tmp, argv: start_slurm_step(tmp, [1, 1], argv, nproc_per_node=2, rank_env=dict.fromkeys(range(2), SLURM_NODES)),
         "TorchElasticEnvironment",
@@ -312,22 +299,8 @@ SHAPES = {
     "nproc-per-node": (lambda tmp, argv: start_standalone(tmp, 2, argv, env={"NODES": "1", "DEVICES": "2"}), "TorchElasticEnvironment"),
     "docker-env": (lambda tmp, argv: start_env_mode(tmp, 2, argv, env={"NODES": "2", "DEVICES": "1"}), "LightningEnvironment"),
 }
-SLURM_TASKS = {
-    "SLURM_JOB_NAME": "ddpack",
-    "SLURM_NTASKS": "2",
-    "SLURM_NTASKS_PER_NODE": "2",
-    "SLURM_NODELIST": "127.0.0.1",
-    "NODES": "1",
-    "DEVICES": "2",
-}
-SLURM_NODES = {
-    "SLURM_JOB_NAME": "ddpack",
-    "SLURM_NTASKS": "2",
-    "SLURM_NTASKS_PER_NODE": "1",
-    "SLURM_NODELIST": "127.0.0.[1-2]",
-    "NODES": "2",
-    "DEVICES": "2",
-}
+SLURM_TASKS = {"SLURM_JOB_NAME": "ddpack", "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NODELIST": "127.0.0.1", "NODES": "1", "DEVICES": "2"}
+SLURM_NODES = {"SLURM_JOB_NAME": "ddpack", "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "1", "SLURM_NODELIST": "127.0.0.[1-2]", "NODES": "2", "DEVICES": "2"}
 
 
 @pytest.mark.dist
