@@ -10,7 +10,7 @@
     ddpack resubmit SWEEP --failed|--state S,... [--time T] [--nodes N] [--partition P] [--json]
     ddpack report   RUN|SWEEP|JOB_ID [--png] [--json]
     ddpack compare  RUN|JOB_ID RUN|JOB_ID... [--json] [--html PATH]
-    ddpack compare  SWEEP [--sort KEY] [--reverse] [--json] [--html PATH]
+    ddpack compare  SWEEP [--sort KEY] [--reverse] [--best KEY [--max]] [--json] [--html PATH]
     ddpack export   RUN|SWEEP... [--csv FILE] [--summary FILE] [--tensorboard DIR] [--json]
     ddpack rm       RUN|SWEEP|JOB_ID [--json]
     ddpack gc       --images [DIR] [--runs DIR] [--dry-run] [--json]
@@ -179,7 +179,10 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("--name", metavar="GLOB", help="only runs whose name matches (shell wildcards: 'lr-*')")
     sub.add_argument("--since", metavar="WHEN", help="only runs submitted since: 30m, 6h, 2d, or a date 2026-11-26[THH:MM]")
     sub.add_argument("--tag", action="append", default=[], metavar="KEY=VALUE", help="only runs with this tag (repeatable: all of them)")
-    sub.add_argument("--sort", choices=("created", "name", "state", "step", "loss"), default="created", help="order (default: created)")
+    sub.add_argument(
+        "--sort", metavar="KEY", default="created",
+        help="order: created (default), name, state, step, loss, or any eval metric a run recorded (eval_loss, val_acc; a sweep's points too)",
+    )  # fmt: skip
     sub.add_argument("--reverse", action="store_true", help="the other way round (newest first, highest first)")
     sub.add_argument("--no-slurm", action="store_true", help="the run folders alone, no squeue or sacct (a live run's state: -)")
     sub = verbs.add_parser("tag", help="set or remove a run's (or every point of a sweep's) tags and note")
@@ -214,9 +217,13 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("--json", action="store_true", help="print one object: runs (each with its outcome), differ, same")
     sub.add_argument("--html", type=Path, default=None, help="write the page overlaying their curves here (none unless asked)")
     sub.add_argument(
-        "--sort", metavar="KEY", help="a sweep's points by a swept name or a column (train_loss, eval_loss, samples_per_s, ...)"
+        "--sort", metavar="KEY", help="a sweep's points by a swept name, a column (train_loss, eval_loss, ...) or any eval metric (val_acc)"
     )
     sub.add_argument("--reverse", action="store_true", help="with --sort: highest first")
+    sub.add_argument(
+        "--best", metavar="KEY", help="a sweep's best point by KEY (as --sort takes it): the lowest, or the highest with --max"
+    )
+    sub.add_argument("--max", dest="highest", action="store_true", help="with --best: the highest is best (accuracy)")
     sub = verbs.add_parser("export", help="runs' records out of ddpack: CSV (a row a record, or a run), TensorBoard event files")
     sub.add_argument("run", nargs="+", help="run folders, sweeps' (their points) or job ids")
     sub.add_argument("--csv", type=Path, metavar="FILE", help="one row a metrics record, with each run's values and tags")
@@ -685,11 +692,21 @@ def compare(opts: argparse.Namespace, runs: Path) -> int:
     from ddpack.jobs.find_runs import resolve_run
     from ddpack.jobs.sweep_points import point_dirs
 
+    if opts.highest and not opts.best:
+        raise HostError("--max goes with --best: compare SWEEP --best KEY --max", code=2)
     folders = [resolve_run(run, runs) for run in opts.run]
     if len(folders) == 1 and is_sweep(folders[0]):  # a sweep alone: one row a point, its values as columns
         names, rows, curves = comparing.sweep_table(folders[0])
         curve_of = {row["index"]: curve for row, curve in zip(rows, curves, strict=True)}
         rows = comparing.sort_rows(rows, opts.sort, names, opts.reverse) if opts.sort else rows
+        if opts.best:
+            top, said = comparing.best_row(rows, opts.best, names, opts.highest)
+            print(
+                json.dumps({"run_dir": str(folders[0]), "by": opts.best, "highest": opts.highest, "best": top}, indent=2)
+                if opts.json
+                else said
+            )
+            return 0
         page = (
             comparing.write_sweep_page(folders[0], names, rows, [curve_of[r["index"]] for r in rows], opts.html.resolve())
             if opts.html
@@ -701,8 +718,11 @@ def compare(opts: argparse.Namespace, runs: Path) -> int:
         print(json.dumps({"run_dir": str(folders[0]), "names": names, "points": rows, "ledger": total.to_json(), "html": str(page) if page else None},
                          indent=2) if opts.json else comparing.render_sweep_table(names, rows, page) + "\n" + ledgers.render(total, "the sweep"))  # fmt: skip
         return 0
-    if opts.sort:
-        raise HostError("--sort orders a sweep's points: compare SWEEP --sort KEY (one sweep alone)", code=2)
+    if opts.sort or opts.best:
+        raise HostError(
+            f"{'--sort' if opts.sort else '--best'} ranks a sweep's points: compare SWEEP {'--sort' if opts.sort else '--best'} KEY (one sweep alone)",
+            code=2,
+        )
     comparison, metrics = comparing.compare(
         [point for folder in folders for point in (point_dirs(folder) if is_sweep(folder) else [folder])]
     )

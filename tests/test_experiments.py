@@ -1265,3 +1265,56 @@ def test_report_without_matplotlib_still_shows_the_ledger(tmp_path, slurm, monke
     said = json.loads(capfd.readouterr().out)
     assert said["files"] == [] and said["ledger"]["allocated_node_hours"] == pytest.approx(178 / 3600)
     assert not (run_dir / "report.html").exists()
+
+
+# --------------------------------------------------------------------------- results from any program (issue 64 point 3)
+
+
+def test_a_sweep_is_ranked_by_any_eval_metric_in_compare_ls_export_and_its_best_point(tmp_path, slurm, capfd) -> None:
+    """Points whose programs recorded their own metrics (Lightning's val_loss and val_acc, as its adapter writes
+    them): compare sorts and shows them, --best names the winner (highest with --max), ls orders the points under
+    their sweep, export --summary carries each as a column; a metric no point has is one line and exit 2."""
+    import csv
+
+    from test_lifecycle import end, progress, start
+
+    from train import run_folder
+
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
+    assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1,2,3", "--json", "--", "python", "t.py", "{lr}"]) == 0
+    sweep_dir = Path(submitted(capfd)["run_dir"])
+    fake(slurm, "squeue", "exit 0")
+    for index, acc in enumerate((0.5, 0.9, 0.7)):
+        evals = [{"time": 101.0, "kind": "eval", "global_step": 5, "epoch": 0, "val_loss": 2.0, "val_acc": 0.1},
+                 {"time": 101.5, "kind": "eval", "global_step": 10, "epoch": 1, "val_loss": 1 - acc, "val_acc": acc}]  # fmt: skip
+        records = [start(100, 0), progress(101, 10), *evals, end(102, 10, "done", 0)]
+        (sweep_dir / str(index) / run_folder.METRICS).write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert cli.main(["compare", str(sweep_dir), "--json", "--sort", "val_acc", "--reverse"]) == 0
+    points = json.loads(capfd.readouterr().out)["points"]
+    assert [(p["index"], p["evals"]["val_acc"], p["eval_loss"]) for p in points] == [(1, 0.9, 1 - 0.9), (2, 0.7, 1 - 0.7), (0, 0.5, 0.5)]
+    assert cli.main(["compare", str(sweep_dir)]) == 0
+    table = capfd.readouterr().out.splitlines()
+    assert table[0].split()[:6] == ["point", "lr", "state", "step", "train", "loss"] and "val_acc" in table[0] and "0.9" in table[2].split()
+    assert cli.main(["compare", str(sweep_dir), "--best", "val_acc", "--max"]) == 0
+    assert capfd.readouterr().out.startswith(
+        f"best by val_acc (highest of 3 point(s)): point 1 (lr=2) val_acc 0.9, COMPLETED at step 10; {sweep_dir}/1"
+    )
+    assert cli.main(["compare", str(sweep_dir), "--best", "eval.val_loss", "--json"]) == 0
+    assert json.loads(capfd.readouterr().out)["best"]["index"] == 1
+    assert cli.main(["ls", "--runs", str(sweep_dir.parent), "--sort", "val_acc", "--json"]) == 0
+    assert [Path(r["run_dir"]).name for r in json.loads(capfd.readouterr().out)] == [sweep_dir.name, "0", "2", "1"]
+    assert cli.main(["ls", "--runs", str(sweep_dir.parent), "--sort", "val_acc", "--reverse", "--json"]) == 0
+    assert [Path(r["run_dir"]).name for r in json.loads(capfd.readouterr().out)][1:] == ["1", "2", "0"]
+    summary = tmp_path / "runs.csv"
+    assert cli.main(["export", str(sweep_dir), "--summary", str(summary)]) == 0
+    capfd.readouterr()
+    assert [(r["point"], r["eval.val_acc"], r["eval.val_loss"]) for r in csv.DictReader(summary.open())] == [
+        ("0", "0.5", "0.5"), ("1", "0.9", str(1 - 0.9)), ("2", "0.7", str(1 - 0.7))]  # fmt: skip
+    assert cli.main(["compare", str(sweep_dir), "--best", "val_acu"]) == 2
+    assert "--best val_acu: expected one of index, lr, state" in capfd.readouterr().err
+    assert cli.main(["ls", "--runs", str(sweep_dir.parent), "--sort", "val_acu"]) == 2
+    assert (
+        "--sort val_acu: expected one of created, name, state, step, loss, or an eval metric a run recorded (val_acc, val_loss)"
+        in capfd.readouterr().err
+    )
+    assert cli.main(["compare", str(sweep_dir), "--max"]) == 2 and "--max goes with --best" in capfd.readouterr().err
