@@ -1,6 +1,7 @@
 """`ddpack`: one command from your project to a running job and back (docs/commands.md).
 
     ddpack submit   [APP_DIR] [--file run.toml] --nodes N [...] [--dry-run] [--json] [-- COMMAND...]
+                    [--sweep NAME=V1,V2 | --point NAME=V,NAME=V... | --points FILE | --sample N [--sample-seed S]]
     ddpack status   [RUN|SWEEP|JOB_ID] [--point I] [--json] [--watch]
     ddpack logs     [RUN|SWEEP|JOB_ID] [--point I] [-f] [--rank R] [--json]
     ddpack cancel   RUN|SWEEP|JOB_ID [--json]
@@ -134,6 +135,16 @@ def parser() -> argparse.ArgumentParser:
         metavar="NAME=V1,V2,...",
         help="run the command once per value, {NAME} in its words replaced (repeatable: the cross product), as one job array",
     )
+    sub.add_argument(
+        "--point", action="append", default=[], metavar="NAME=V,NAME=V",
+        help="one point of a sweep, listed (repeatable: the points in order, no grid)",
+    )  # fmt: skip
+    sub.add_argument("--points", type=Path, metavar="FILE", help='a sweep\'s points listed in a file: JSON lines of {"NAME": value}')
+    sub.add_argument(
+        "--sample", type=_whole, metavar="N",
+        help="N points drawn at random from the --sweep names (NAME=V1,V2 a choice, NAME=loguniform(A,B), uniform(A,B), randint(A,B))",
+    )  # fmt: skip
+    sub.add_argument("--sample-seed", type=int, metavar="S", help="--sample's seed (default: one chosen, printed and kept in sweep.json)")
     sub.add_argument("--sweep-parallel", type=_whole, help="at most this many of the sweep's points at once (the array's %%)")
     for flag, text in (("--account", "Slurm's account to charge"), ("--qos", "Slurm's quality of service"),
                        ("--constraint", "node features the job needs (Slurm's --constraint, such as a100&ib)"),
@@ -321,10 +332,10 @@ def submit(opts: argparse.Namespace) -> int:
     """The flags over the run file (--file) over the defaults, then ddpack.jobs.submit."""
     from ddpack.jobs import find_runs
     from ddpack.jobs.run_toml import read_run_file
+    from ddpack.jobs.search import sweep_space
     from ddpack.jobs.submit import as_json
     from ddpack.jobs.submit import submit as do_submit
     from ddpack.jobs.submit_checks import SubmitSettings, raise_problems, setting_problems
-    from ddpack.jobs.sweep_points import sweep_values
 
     run_file = read_run_file(opts.file) if opts.file else None
     argv_flags = {word.split("=")[0] for word in opts.given if word.startswith("--")}
@@ -348,6 +359,8 @@ def submit(opts: argparse.Namespace) -> int:
     env = {**run_file.passed_env(os.environ), **given.get("env", {})} if run_file else {}
     runs = pick("runs") or find_runs.default_runs()
     images = pick("images") or Path(os.environ.get("DDPACK_IMAGES") or IMAGES)
+    space = sweep_space(opts.sweep, given.get("sweep", {}), point_flags=opts.point, points_file=opts.points, sample=opts.sample,
+                        seed=opts.sample_seed, say=lambda line: print(line, file=sys.stderr if opts.json else sys.stdout))  # fmt: skip
     settings = SubmitSettings(
         app_dir=(opts.app_dir or given.get("app_dir") or Path(".")).resolve(),
         nodes=nodes,
@@ -366,7 +379,9 @@ def submit(opts: argparse.Namespace) -> int:
         sqsh=pick("sqsh"),
         name=pick("name"),
         secrets=tuple(dict.fromkeys([*given.get("secrets", []), *opts.secret])),
-        sweep=sweep_values(opts.sweep, given.get("sweep", {})),
+        sweep=space.values,
+        sweep_listed=space.listed,
+        sweep_search=space.search,
         sweep_parallel=pick("sweep_parallel"),
         account=pick("account"),
         qos=pick("qos"),

@@ -1318,3 +1318,67 @@ def test_a_sweep_is_ranked_by_any_eval_metric_in_compare_ls_export_and_its_best_
         in capfd.readouterr().err
     )
     assert cli.main(["compare", str(sweep_dir), "--max"]) == 2 and "--max goes with --best" in capfd.readouterr().err
+
+
+# --------------------------------------------------------------------------- search beyond a grid (issue 64 point 4)
+
+
+def test_listed_points_are_the_sweep_in_their_order_from_flags_or_a_file(tmp_path, slurm, capfd) -> None:
+    """--point twice: those two points, no product; --points FILE (JSON lines): its points, numbers as text."""
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
+    assert cli.main([*sweep_args(tmp_path), "--point", "lr=0.1,bs=32", "--point", "lr=0.01,bs=8", "--json", "--", "p", "{lr}", "{bs}"]) == 0
+    sweep_dir = Path(submitted(capfd)["run_dir"])
+    data = json.loads((sweep_dir / "sweep.json").read_text())
+    assert data["points"] == [{"lr": "0.1", "bs": "32"}, {"lr": "0.01", "bs": "8"}] and data["search"] == {"kind": "list"}
+    assert [read_record(sweep_dir / str(i)).command for i in (0, 1)] == [["p", "0.1", "32"], ["p", "0.01", "8"]]
+    assert "#SBATCH --array=0-1" in (sweep_dir / "job" / "ddpack.sbatch").read_text()
+    listed = tmp_path / "points.jsonl"
+    listed.write_text('{"lr": 0.3, "arch": "small"}\n\n{"lr": 3e-4, "arch": "big"}\n{"lr": 1, "arch": "big"}\n')
+    assert cli.main([*sweep_args(tmp_path), "--points", str(listed), "--json", "--", "p", "{lr}", "{arch}"]) == 0
+    sweep_dir = Path(submitted(capfd)["run_dir"])
+    assert json.loads((sweep_dir / "sweep.json").read_text())["points"] == [
+        {"lr": "0.3", "arch": "small"}, {"lr": "0.0003", "arch": "big"}, {"lr": "1", "arch": "big"}]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("extra", "line"),
+    [
+        (["--point", "lr=1", "--point", "bs=2", "--", "p", "{lr}"], "point 1 names bs; point 0 names lr: every point gives the same names"),
+        (["--point", "lr=1", "--point", "lr=1", "--", "p", "{lr}"], "point 1 is point 0 again"),
+        (["--point", "lr=1", "--sweep", "bs=1,2", "--", "p", "{lr}{bs}"], "--point and --points list the points themselves"),
+        (["--point", "lr", "--", "p", "{lr}"], "--point lr: expected NAME=VALUE,NAME=VALUE"),
+        (["--point", "lr=1", "--", "p", "{lr}", "{bs}"], "the command uses {bs}, which no --sweep gives"),
+        (["--sample", "4", "--sweep", "lr=loguniform(1,0.1)", "--", "p", "{lr}"], "loguniform(A,B) needs 0 < A < B"),
+        (["--sample", "4", "--sweep", "lr=normal(0,1)", "--", "p", "{lr}"], "expected loguniform(A,B), uniform(A,B) or randint(A,B)"),
+        (["--sample", "4", "--", "p"], "--sample N draws from the --sweep names"),
+        (["--sample-seed", "4", "--sweep", "lr=1,2", "--", "p", "{lr}"], "--sample-seed goes with --sample N"),
+        (["--sample", "1001", "--sweep", "lr=1,2", "--", "p", "{lr}"], "--sample 1001: draw 1 to 1000 points"),
+    ],
+)
+def test_a_point_list_or_random_draw_that_cannot_run_as_meant_is_one_line_and_exit_2(tmp_path, slurm, capfd, extra, line) -> None:
+    assert cli.main([*sweep_args(tmp_path), "--dry-run", *extra]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and line in err[0], err
+    assert queued(slurm) == []
+
+
+def test_a_random_search_draws_n_points_from_its_distributions_seeded_and_kept_in_the_sweeps_record(tmp_path, slurm, capfd) -> None:
+    """--sample 5: five points, lr from loguniform(1e-4,1e-1), bs a choice, layers randint(2,4) (ends included); the
+    seed and the space are in sweep.json; the same seed draws the same points; without one a seed is chosen and said."""
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
+    args = [*sweep_args(tmp_path), "--sample", "5", "--sweep", "lr=loguniform(1e-4,1e-1)", "--sweep", "bs=16,32", "--sweep", "layers=randint(2,4)"]
+    command = ["--", "p", "{lr}", "{bs}", "{layers}"]
+    assert cli.main([*args, "--sample-seed", "7", "--json", *command]) == 0
+    first = json.loads((Path(submitted(capfd)["run_dir"]) / "sweep.json").read_text())
+    assert first["search"] == {"kind": "random", "sample": 5, "seed": 7,
+                               "space": {"lr": "loguniform(0.0001,0.1)", "bs": ["16", "32"], "layers": "randint(2,4)"}}  # fmt: skip
+    points = first["points"]
+    assert len(points) == 5 and all(1e-4 <= float(p["lr"]) <= 1e-1 and p["bs"] in ("16", "32") and p["layers"] in ("2", "3", "4") for p in points)
+    assert len({p["lr"] for p in points}) == 5  # drawn, not a grid
+    assert cli.main([*args, "--sample-seed", "7", "--json", *command]) == 0
+    assert json.loads((Path(submitted(capfd)["run_dir"]) / "sweep.json").read_text())["points"] == points
+    assert cli.main([*args, *command]) == 0
+    said = capfd.readouterr().out
+    seed = int(said.split("drawn with --sample-seed ")[1].split()[0])
+    sweep_dir = Path(said.split("sweep folder ")[1].split()[0])
+    assert json.loads((sweep_dir / "sweep.json").read_text())["search"]["seed"] == seed

@@ -1,0 +1,244 @@
+r"""Search beyond a grid: a sweep's points listed, drawn at random, and losing points paused by successive halving.
+
+- `--point lr=0.1,bs=32` (repeatable) and `--points FILE` (JSON lines, or one JSON list, of objects NAME -> value):
+  exactly these points, in this order, each a point of the job array (`\,` is a comma inside a --point value).
+- `--sample N [--sample-seed S]`: N points drawn from the `--sweep` names, each `NAME=V1,V2,...` a choice among its
+  values and `NAME=loguniform(A,B)`, `uniform(A,B)` or `randint(A,B)` (both ends included) a distribution. The seed
+  (one is chosen and printed when none is given) and the drawn points are kept in sweep.json, so a resubmit of a
+  point runs that point again, and the same seed draws the same points.
+- `ddpack halve SWEEP --rungs 20,40,80 --by eval_loss [--max]`: successive halving. When every live point has reached
+  a rung (a record at that step or past it), the worse half by the metric's value at the rung (its last record at
+  or before it) is paused: its job is cancelled, which the trainer meets with its stop snapshot (SIGTERM), so
+  `ddpack resubmit SWEEP/I` later continues it from where it stopped, no step trained twice. The better half trains
+  on untouched. `decide_rung` is the decision alone, a function of the points' values.
+
+Each sweep's record (sweep.json) keeps how its points were made (`search`) and the halving's rungs and decisions
+(`halving`), so `halve` can be stopped and started again and decides each rung once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ddpack.errors import HostError
+from ddpack.jobs.sweep_points import MAX_POINTS, NAME, parse_flag, split_values
+
+# --------------------------------------------------------------------------- listed points
+
+
+def parse_point(text: str) -> dict[str, str]:
+    """One --point: NAME=VALUE,NAME=VALUE (`\\,` a comma inside a value)."""
+    point: dict[str, str] = {}
+    for pair in split_values(text):
+        name, sep, value = pair.partition("=")
+        if not sep or not NAME.fullmatch(name) or not value:
+            raise HostError(
+                f"--point {text}: expected NAME=VALUE,NAME=VALUE,... (each name of letters, digits and _, then its value)", code=2
+            )
+        if name in point:
+            raise HostError(f"--point {text}: {name} is given twice; give each name once", code=2)
+        point[name] = value
+    return point
+
+
+def read_points_file(path: Path) -> list[dict[str, str]]:
+    """--points FILE: JSON lines of objects, or one JSON list of them; a value may be a string or a number."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise HostError(f"--points {path}: cannot read it ({exc.strerror}); give a file of JSON objects, one a line", code=2) from None
+    try:
+        loaded = json.loads(text) if text.lstrip().startswith("[") else [json.loads(line) for line in text.splitlines() if line.strip()]
+    except ValueError as exc:
+        raise HostError(
+            f'--points {path}: not JSON lines nor a JSON list ({exc}); write one object a line: {{"lr": 0.1}}', code=2
+        ) from None
+    points = []
+    for number, point in enumerate(loaded, 1):
+        if not isinstance(point, dict) or not point or not all(type(v) in (str, int, float) for v in point.values()):
+            raise HostError(f"--points {path}: point {number} is not an object of names to strings or numbers", code=2)
+        points.append({str(name): str(value) for name, value in point.items()})
+    return points
+
+
+def listed_problems(points: list[dict[str, str]]) -> list[str]:
+    """Listed points that cannot run as meant: none, different names, one given twice, more than an array holds."""
+    if not points:
+        return ["--points: the file holds no point"]
+    found = []
+    names = list(points[0])
+    for index, point in enumerate(points):
+        if sorted(point) != sorted(names):
+            found.append(
+                f"point {index} names {', '.join(sorted(point))}; point 0 names {', '.join(sorted(names))}: every point gives the same names"
+            )
+        elif point in points[:index]:
+            found.append(f"point {index} is point {points.index(point)} again; list each point once")
+    if len(points) > MAX_POINTS:
+        found.append(f"{len(points)} points; one job array holds at most {MAX_POINTS} (Slurm's MaxArraySize)")
+    return found
+
+
+# --------------------------------------------------------------------------- random search
+
+DISTRIBUTION = re.compile(r"(loguniform|uniform|randint)\(\s*([^,()\s]+)\s*,\s*([^,()\s]+)\s*\)")
+
+
+@dataclass(frozen=True)
+class Dimension:
+    """One name of a random search: a choice among `values`, or a distribution `kind`(low, high)."""
+
+    name: str
+    kind: str  # "choice", "loguniform", "uniform", "randint"
+    values: tuple[str, ...] = ()
+    low: float = 0.0
+    high: float = 0.0
+
+    def draw(self, rng: random.Random) -> str:
+        if self.kind == "choice":
+            return rng.choice(self.values)
+        if self.kind == "randint":
+            return str(rng.randint(int(self.low), int(self.high)))
+        value = (
+            math.exp(rng.uniform(math.log(self.low), math.log(self.high)))
+            if self.kind == "loguniform"
+            else rng.uniform(self.low, self.high)
+        )
+        return f"{value:.6g}"  # what the command gets, and what sweep.json keeps: six significant digits
+
+    def to_json(self) -> Any:
+        return list(self.values) if self.kind == "choice" else f"{self.kind}({self.low:g},{self.high:g})"
+
+
+def parse_dimension(name: str, text: str) -> Dimension:
+    """NAME=V1,V2,... (a choice) or NAME=loguniform(A,B) / uniform(A,B) / randint(A,B)."""
+    found = DISTRIBUTION.fullmatch(text.strip())
+    if found is None:
+        if "(" in text and text.split("(")[0] in ("loguniform", "uniform", "randint", "log_uniform", "normal", "choice"):
+            raise HostError(f"--sweep {name}={text}: expected loguniform(A,B), uniform(A,B) or randint(A,B), or values V1,V2,...", code=2)
+        return Dimension(name, "choice", tuple(split_values(text)))
+    kind, low_text, high_text = found.groups()
+    try:
+        low, high = float(low_text), float(high_text)
+    except ValueError:
+        raise HostError(f"--sweep {name}={text}: {kind}'s ends are numbers", code=2) from None
+    if not (low < high) or (kind == "loguniform" and low <= 0) or (kind == "randint" and not (low.is_integer() and high.is_integer())):
+        need = {"loguniform": "0 < A < B", "uniform": "A < B", "randint": "whole numbers A < B"}[kind]
+        raise HostError(f"--sweep {name}={text}: {kind}(A,B) needs {need}", code=2)
+    return Dimension(name, kind, low=low, high=high)
+
+
+def dimensions(flags: list[str], table: dict[str, list[str]]) -> list[Dimension]:
+    """The run file's [sweep] lists (choices), then the flags (a flag's name replaces the file's)."""
+    found = {name: Dimension(name, "choice", tuple(values)) for name, values in table.items()}
+    for text in flags:
+        name, _ = parse_flag(text)
+        found[name] = parse_dimension(name, text.partition("=")[2])
+    return list(found.values())
+
+
+def draw_points(space: list[Dimension], count: int, seed: int) -> list[dict[str, str]]:
+    """`count` points from `space`, the same for the same seed (Python's Mersenne Twister, one stream for all)."""
+    rng = random.Random(seed)
+    return [{dim.name: dim.draw(rng) for dim in space} for _ in range(count)]
+
+
+def new_seed() -> int:
+    return int.from_bytes(os.urandom(4), "big")
+
+
+# --------------------------------------------------------------------------- what submit gets
+
+
+@dataclass(frozen=True, kw_only=True)
+class Space:
+    """A sweep's points as submit takes them: `values` (each name's distinct values, in order: what the checks and
+    sweep.json's `values` read), the points themselves (`listed`; empty for a grid: the product of `values`), and
+    how they were made (`search`, kept in sweep.json)."""
+
+    values: dict[str, list[str]]
+    listed: tuple[dict[str, str], ...] = ()
+    search: dict[str, Any] | None = None
+
+
+def values_of(points: list[dict[str, str]]) -> dict[str, list[str]]:
+    names = list(dict.fromkeys(name for point in points for name in point))
+    return {name: list(dict.fromkeys(point[name] for point in points if name in point)) for name in names}
+
+
+def sweep_space(
+    flags: list[str], table: dict[str, list[str]], *, point_flags: list[str], points_file: Path | None, sample: int | None,
+    seed: int | None, say: Callable[[str], None] = print,
+) -> Space:  # fmt: skip
+    """The grid (--sweep alone), the listed points (--point, --points) or the random draw (--sample N) submit runs."""
+    from ddpack.jobs.sweep_points import sweep_values
+
+    listed = [parse_point(text) for text in point_flags] + (read_points_file(points_file) if points_file else [])
+    if seed is not None and sample is None:
+        raise HostError("--sample-seed goes with --sample N: the seed of its random draw", code=2)
+    if listed and (sample is not None or flags or table):
+        raise HostError("--point and --points list the points themselves; give them without --sweep, [sweep] or --sample", code=2)
+    if listed:
+        if problems := listed_problems(listed):
+            raise HostError("; ".join(problems), code=2)
+        return Space(values=values_of(listed), listed=tuple(listed), search={"kind": "list"})
+    if sample is None:
+        return Space(values=sweep_values(flags, table))
+    if sample < 1 or sample > MAX_POINTS:
+        raise HostError(f"--sample {sample}: draw 1 to {MAX_POINTS} points (one job array's most)", code=2)
+    space = dimensions(flags, table)
+    if not space:
+        raise HostError("--sample N draws from the --sweep names: give --sweep NAME=loguniform(A,B) or NAME=V1,V2,...", code=2)
+    if seed is None:
+        seed = new_seed()
+        say(f"submit: --sample {sample} drawn with --sample-seed {seed} (kept in sweep.json; give it again to draw the same points)")
+    drawn = draw_points(space, sample, seed)
+    search = {"kind": "random", "sample": sample, "seed": seed, "space": {dim.name: dim.to_json() for dim in space}}
+    return Space(values=values_of(drawn), listed=tuple(drawn), search=search)
+
+
+# --------------------------------------------------------------------------- successive halving: the decision
+
+
+def keep_count(live: int, keep: float = 0.5) -> int:
+    """How many of `live` points go on past a rung: the better `keep` share, rounded up, at least one (6 -> 3 -> 2 -> 1)."""
+    return max(1, math.ceil(live * keep)) if live else 0
+
+
+def decide_rung(values: dict[int, float | None], *, highest: bool = False, keep: float = 0.5) -> list[int]:
+    """Which points to pause at a rung: of the live points (index -> their metric at the rung), all but the better
+    keep_count, by value (the lowest unless `highest`), ties to the lower index. A point with no value (it recorded
+    no such metric by the rung) ranks last. Sorted indices."""
+
+    def rank(index: int) -> tuple[int, float, int]:
+        value = values[index]
+        if value is None or not math.isfinite(value):
+            return (1, 0.0, index)
+        return (0, -value if highest else value, index)
+
+    ranked = sorted(values, key=rank)
+    return sorted(ranked[keep_count(len(ranked), keep) :])
+
+
+def metric_at(records: list[dict[str, Any]], key: str, rung: int) -> float | None:
+    """The metric's value at a rung: the last record (progress or eval) at or before that step that holds it."""
+    found = None
+    for record in records:
+        step = record.get("global_step")
+        value = record.get(key) if key not in ("train_loss",) else record.get("loss") if record.get("kind") == "progress" else None
+        if isinstance(step, int) and step <= rung and isinstance(value, int | float) and not isinstance(value, bool):
+            found = float(value)
+    return found
+
+
+def reached(records: list[dict[str, Any]], rung: int) -> bool:
+    """Whether a point has trained to the rung: a record at that step or past it."""
+    return any(isinstance(r.get("global_step"), int) and r["global_step"] >= rung for r in records)
