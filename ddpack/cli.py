@@ -13,6 +13,7 @@
     ddpack compare  RUN|JOB_ID RUN|JOB_ID... [--json] [--html PATH]
     ddpack compare  SWEEP [--sort KEY] [--reverse] [--best KEY [--max]] [--json] [--html PATH]
     ddpack export   RUN|SWEEP... [--csv FILE] [--summary FILE] [--tensorboard DIR] [--json]
+    ddpack halve    SWEEP --rungs STEP,STEP,... --by KEY [--max] [--interval S] [--once] [--json]
     ddpack rm       RUN|SWEEP|JOB_ID [--json]
     ddpack gc       --images [DIR] [--runs DIR] [--dry-run] [--json]
     ddpack completion bash|zsh
@@ -30,6 +31,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -242,6 +244,17 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("--tensorboard", type=Path, metavar="DIR", help="one folder a run (named by its values) of TensorBoard event files")
     sub.add_argument("--runs", type=Path, default=None, help=runs_help)
     sub.add_argument("--json", action="store_true", help="print one object: runs, and each file or folder written")
+    sub = verbs.add_parser("halve", help="successive halving: at each rung (step) pause the worse half of a sweep's live points")
+    sub.add_argument("run", help="a sweep's folder or its array's job id")
+    sub.add_argument("--rungs", required=True, metavar="STEP,STEP,...", help="the steps at which to halve, rising (20,40,80)")
+    sub.add_argument(
+        "--by", required=True, metavar="KEY", help="the metric that ranks the points: an eval metric (eval_loss, val_acc) or loss"
+    )
+    sub.add_argument("--max", dest="highest", action="store_true", help="the highest is best (accuracy); default: the lowest")
+    sub.add_argument("--interval", type=float, default=30.0, help="seconds between looks at the sweep (default 30)")
+    sub.add_argument("--once", action="store_true", help="one look: decide what can be decided now, then exit (for cron)")
+    sub.add_argument("--runs", type=Path, default=None, help=runs_help)
+    sub.add_argument("--json", action="store_true", help="print each decision as one JSON line")
     sub = verbs.add_parser("rm", help="delete a run's or a sweep's folder, once none of its jobs lives")
     sub.add_argument("run", help="a run folder, a sweep's folder or a job id")
     sub.add_argument("--runs", type=Path, default=None, help=runs_help)
@@ -294,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
             return collect_images(opts, runs)
         if opts.verb == "export":
             return export(opts, runs)
+        if opts.verb == "halve":
+            return halve(opts, runs)
         if opts.verb == "cancel" and opts.run is None:  # what cannot be undone is never done to a run not named
             newest = find_runs.resolve_run(None, runs)
             raise HostError(
@@ -578,6 +593,33 @@ def export(opts: argparse.Namespace, runs: Path) -> int:
         where = opts.tensorboard.resolve()
         print(f"export: wrote {len(said['tensorboard'])} TensorBoard run folder(s) under {where}: tensorboard --logdir {where}")
     return 0
+
+
+def halve(opts: argparse.Namespace, runs: Path) -> int:
+    """halve: look at the sweep every --interval seconds, decide each rung once every point in the race reached it,
+    pause the losers (cancel: the trainer's stop snapshot), until every rung is decided or no point is left."""
+    from ddpack.jobs import run_actions, search
+    from ddpack.jobs.find_runs import resolve_run
+    from ddpack.jobs.status import run_status
+
+    folder = resolve_run(opts.run, runs)
+    if not is_sweep(folder):
+        raise HostError(f"halve ranks a sweep's points; {folder} is one run", code=2)
+    if opts.interval <= 0:
+        raise HostError(f"--interval {opts.interval}: expected seconds > 0", code=2)
+    asked = search.Halving(rungs=search.parse_rungs(opts.rungs), by=opts.by, highest=opts.highest)
+
+    def pause(point: Path) -> None:
+        with contextlib.suppress(HostError):  # it ended between the look and the cancel: nothing left to pause
+            run_actions.cancel(point)
+
+    while True:
+        new, over = search.halve_pass(folder, asked, state_of=lambda point: run_status(point).state, pause=pause, now=time.time)
+        for decision in new:
+            print(json.dumps(decision) if opts.json else search.decision_line(decision, asked.by).replace("SWEEP", str(folder)), flush=True)
+        if over or opts.once:
+            return 0
+        time.sleep(opts.interval)
 
 
 def collect_images(opts: argparse.Namespace, runs: Path) -> int:

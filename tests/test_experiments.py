@@ -1382,3 +1382,43 @@ def test_a_random_search_draws_n_points_from_its_distributions_seeded_and_kept_i
     seed = int(said.split("drawn with --sample-seed ")[1].split()[0])
     sweep_dir = Path(said.split("sweep folder ")[1].split()[0])
     assert json.loads((sweep_dir / "sweep.json").read_text())["search"]["seed"] == seed
+
+
+def test_halve_pauses_the_worse_half_at_a_rung_once_every_point_reached_it_and_keeps_its_decisions(tmp_path, slurm, capfd) -> None:
+    """Four running points (stand-in squeue); point 3 short of the rung: nothing decided. All at it: the two worse by
+    eval_loss are cancelled (the trainer's stop snapshot) and the decision is kept in sweep.json; a second look
+    decides nothing again; the paused point continues with resubmit, its own element of the array; another plan is
+    refused."""
+    from test_lifecycle import start
+
+    from train import run_folder
+
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
+    assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1,2,3,4", "--json", "--", "python", "t.py", "{lr}"]) == 0
+    sweep_dir = Path(submitted(capfd)["run_dir"])
+    fake(slurm, "squeue", 'case "$*" in *%i*) for i in 0 1 2 3; do echo "90_$i|RUNNING"; done ;; *) echo "RUNNING|None|ddnode1" ;; esac')
+
+    def write(index: int, step: int, loss: float) -> None:
+        records = [start(100, 0), *({"time": 100.0 + s, "kind": "progress", "global_step": s, "loss": loss} for s in range(5, step + 1, 5)),
+                   {"time": 100.0 + step, "kind": "eval", "global_step": step, "eval_loss": loss}]  # fmt: skip
+        (sweep_dir / str(index) / run_folder.METRICS).write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    for index, loss in enumerate((0.4, 0.1, 0.3, 0.2)):
+        write(index, 20 if index != 3 else 15, loss)
+    halve = ["halve", str(sweep_dir), "--rungs", "20,40", "--by", "loss", "--once"]
+    assert cli.main(halve) == 0 and capfd.readouterr().out == "" and calls(slurm, "scancel") == []
+    write(3, 25, 0.2)
+    assert cli.main(halve) == 0
+    assert capfd.readouterr().out.startswith("halve: rung 20 by loss (1: 0.1, 3: 0.2, 0: 0.4, 2: 0.3): points 1, 3 go on, 0, 2 paused")
+    assert calls(slurm, "scancel") == ["scancel 90_0", "scancel 90_2"]
+    (decision,) = json.loads((sweep_dir / "sweep.json").read_text())["halving"]["decided"]
+    assert (decision["rung"], decision["kept"], decision["paused"]) == (20, [1, 3], [0, 2])
+    assert cli.main([*halve, "--json"]) == 0 and capfd.readouterr().out == "" and len(calls(slurm, "scancel")) == 2  # decided once
+    assert cli.main(["halve", str(sweep_dir), "--rungs", "20,40", "--by", "eval_loss", "--once"]) == 2
+    assert "this sweep is halved at rungs 20,40 by loss already" in capfd.readouterr().err
+    assert cli.main(["halve", str(sweep_dir), "--rungs", "40,20", "--by", "loss"]) == 2
+    assert "--rungs 40,20: expected steps in rising order" in capfd.readouterr().err
+    fake(slurm, "squeue", "exit 0")
+    fake(slurm, "sbatch", "echo 95")
+    assert cli.main(["resubmit", str(sweep_dir / "2"), "--json"]) == 0  # a paused point continues: its own folder, its snapshot
+    assert json.loads(capfd.readouterr().out)["job_id"] == "95_2" and " --array=2 " in calls(slurm, "sbatch")[-1]

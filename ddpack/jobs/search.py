@@ -242,3 +242,122 @@ def metric_at(records: list[dict[str, Any]], key: str, rung: int) -> float | Non
 def reached(records: list[dict[str, Any]], rung: int) -> bool:
     """Whether a point has trained to the rung: a record at that step or past it."""
     return any(isinstance(r.get("global_step"), int) and r["global_step"] >= rung for r in records)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Halving:
+    """`ddpack halve`'s plan, kept in sweep.json's `halving` with its decisions: the rungs (steps), the metric, which
+    end of it is better, and the share kept at each rung."""
+
+    rungs: tuple[int, ...]
+    by: str
+    highest: bool = False
+    keep: float = 0.5
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rungs": list(self.rungs), "by": self.by, "highest": self.highest, "keep": self.keep}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PointNow:
+    """A sweep's point as a halving pass sees it: its state (ddpack's: RUNNING, COMPLETED, ...) and its records."""
+
+    index: int
+    state: str
+    records: list[dict[str, Any]]
+
+
+def halving_step(plan: Halving, decided: list[dict[str, Any]], points: list[PointNow]) -> list[dict[str, Any]]:
+    """The rungs that can be decided now, in order, each as {rung, values, paused, kept}: a rung is decided once every
+    point still in the race has reached it (a point paused at an earlier rung, or ended before this one, is out);
+    the next rung waits for its turn. Nothing is decided twice: `decided` are the rungs done before."""
+    from ddpack.jobs.slurm_cli import ENDED
+
+    out = {index for decision in decided for index in decision["paused"]}
+    new: list[dict[str, Any]] = []
+    for rung in plan.rungs[len(decided) :]:
+        racing = [p for p in points if p.index not in out and (p.state not in ENDED or reached(p.records, rung))]
+        if not racing or any(not reached(p.records, rung) for p in racing):
+            break
+        values = {p.index: metric_at(p.records, plan.by, rung) for p in racing}
+        paused = decide_rung(values, highest=plan.highest, keep=plan.keep)
+        new.append({"rung": rung, "values": {str(i): v for i, v in values.items()}, "paused": paused,
+                    "kept": sorted(set(values) - set(paused))})  # fmt: skip
+        out |= set(paused)
+    return new
+
+
+def parse_rungs(text: str) -> tuple[int, ...]:
+    try:
+        rungs = tuple(int(word) for word in text.split(","))
+    except ValueError:
+        rungs = ()
+    if not rungs or any(r < 1 for r in rungs) or list(rungs) != sorted(set(rungs)):
+        raise HostError(f"--rungs {text}: expected steps in rising order, such as 20,40,80", code=2)
+    return rungs
+
+
+def halving_plan(data: dict[str, Any], asked: Halving) -> tuple[Halving, list[dict[str, Any]]]:
+    """The sweep's halving: the one asked for, or the one it runs already (asked the same way: a halving changed
+    half-way would decide its next rungs by another rule than its first)."""
+    kept = data.get("halving")
+    if not kept:
+        return asked, []
+    plan = Halving(rungs=tuple(kept["rungs"]), by=kept["by"], highest=bool(kept.get("highest")), keep=float(kept.get("keep", 0.5)))
+    if plan != asked:
+        raise HostError(
+            f"this sweep is halved at rungs {','.join(map(str, plan.rungs))} by {plan.by}{' --max' if plan.highest else ''} already; "
+            "halve it the same way (or submit the sweep again for another halving)",
+            code=2,
+        )
+    return plan, list(kept.get("decided", []))
+
+
+def point_records(point_dir: Path) -> list[dict[str, Any]]:
+    """A point's metrics records, none while it has written none."""
+    from ddpack.jobs.run_metrics import read_metrics
+    from train import run_folder
+
+    path = point_dir / run_folder.METRICS
+    if not path.is_file():
+        return []
+    try:
+        return read_metrics(path)[0]
+    except HostError:  # an empty file: the point is starting
+        return []
+
+
+def halve_pass(
+    folder: Path, asked: Halving, *, state_of: Callable[[Path], str], pause: Callable[[Path], Any], now: Callable[[], float]
+) -> tuple[list[dict[str, Any]], bool]:
+    """One look at the sweep: decide what can be decided, pause each paused point that still lives (its job
+    cancelled: the trainer stops with its snapshot on SIGTERM), keep the decisions in sweep.json. (the new decisions,
+    whether the halving is over: every rung decided, or no point left in the race)."""
+    from ddpack.jobs.run_json import write_json_atomic
+    from ddpack.jobs.slurm_cli import ENDED
+    from ddpack.jobs.sweep_points import SWEEP_RECORD, point_dirs, read_sweep
+
+    data = read_sweep(folder)
+    plan, decided = halving_plan(data, asked)
+    dirs = point_dirs(folder)
+    points = [PointNow(index=i, state=state_of(d), records=point_records(d)) for i, d in enumerate(dirs)]
+    new = halving_step(plan, decided, points)
+    for decision in new:
+        decision["time"] = now()
+        for index in decision["paused"]:
+            if points[index].state not in ENDED:
+                pause(dirs[index])
+    decided = decided + new
+    write_json_atomic(folder / SWEEP_RECORD, {**read_sweep(folder), "halving": {**plan.to_json(), "decided": decided}})
+    out = {index for decision in decided for index in decision["paused"]}
+    over = len(decided) == len(plan.rungs) or all(p.state in ENDED for p in points if p.index not in out)
+    return new, over
+
+
+def decision_line(decision: dict[str, Any], by: str) -> str:
+    values = decision["values"]
+    shown = ", ".join(
+        f"{i}: {values[str(i)]:.4g}" if values[str(i)] is not None else f"{i}: -" for i in decision["kept"] + decision["paused"]
+    )
+    return (f"halve: rung {decision['rung']} by {by} ({shown}): points {', '.join(map(str, decision['kept']))} go on, "
+            f"{', '.join(map(str, decision['paused'])) or 'none'} paused at their snapshot (continue one: ddpack resubmit SWEEP/I)")  # fmt: skip
