@@ -287,6 +287,7 @@ def test_the_readmes_own_loop_stops_on_one_ranks_signal_resumes_and_finishes(tmp
     ends = second.ends()
     assert [end.global_step for end in ends] == [2000, 2000] and ends[0].checksum == ends[1].checksum, ends
     assert [r["global_step"] for r in records(run) if r["kind"] == "start"] == [0, *stopped]
+    assert [r["global_step"] for r in records(run) if r["kind"] == "eval"] == [500, 1000, 1500, 2000]  # its run.eval_done, once a step
 
 
 SHAPES = {
