@@ -614,10 +614,16 @@ def halve(opts: argparse.Namespace, runs: Path) -> int:
             run_actions.cancel(point)
 
     while True:
-        new, over = search.halve_pass(folder, asked, state_of=lambda point: run_status(point).state, pause=pause, now=time.time)
-        for decision in new:
+        done = search.halve_pass(folder, asked, state_of=lambda point: run_status(point).state, pause=pause,
+                                 resume=run_actions.resubmit, now=time.time)  # fmt: skip
+        for decision in done.decisions:
             print(json.dumps(decision) if opts.json else search.decision_line(decision, asked.by).replace("SWEEP", str(folder)), flush=True)
-        if over or opts.once:
+        for index in done.held:
+            print(json.dumps({"held": index}) if opts.json else f"halve: point {index} reached the next rung while another waits "
+                  "for a node: held at its snapshot until the rung is decided", flush=True)  # fmt: skip
+        for index in done.resumed:
+            print(json.dumps({"resumed": index}) if opts.json else f"halve: point {index} goes on from its snapshot", flush=True)
+        if done.over or opts.once:
             return 0
         time.sleep(opts.interval)
 

@@ -1422,3 +1422,43 @@ def test_halve_pauses_the_worse_half_at_a_rung_once_every_point_reached_it_and_k
     fake(slurm, "sbatch", "echo 95")
     assert cli.main(["resubmit", str(sweep_dir / "2"), "--json"]) == 0  # a paused point continues: its own folder, its snapshot
     assert json.loads(capfd.readouterr().out)["job_id"] == "95_2" and " --array=2 " in calls(slurm, "sbatch")[-1]
+
+
+def test_a_point_held_at_a_rung_while_another_waits_for_a_node_is_continued_when_it_wins_and_left_paused_when_it_loses(
+    tmp_path, slurm, capfd
+) -> None:
+    """Three points, one node free: 0 and 1 reach rung 20 while 2 waits in the queue; both are held (paused), the rung
+    waits for 2; once 2 reached it, the decision keeps 0 and 2 (lowest loss): held 0 goes on (resume), held 1 stays
+    paused, 2 is never touched."""
+    from test_lifecycle import start
+
+    from ddpack.jobs import search
+    from train import run_folder
+
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
+    assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1,2,3", "--json", "--", "python", "t.py", "{lr}"]) == 0
+    sweep_dir = Path(submitted(capfd)["run_dir"])
+
+    def write(index: int, step: int, loss: float) -> None:
+        records = [start(100, 0), *({"time": 100.0 + s, "kind": "progress", "global_step": s, "loss": loss} for s in range(5, step + 1, 5))]
+        (sweep_dir / str(index) / run_folder.METRICS).write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    states = {"0": "RUNNING", "1": "RUNNING", "2": "PENDING"}
+    acted: list[tuple[str, str]] = []
+
+    def look() -> search.HalvePass:
+        return search.halve_pass(sweep_dir, search.Halving(rungs=(20, 40), by="loss"), state_of=lambda d: states[d.name],
+                                 pause=lambda d: acted.append(("pause", d.name)), resume=lambda d: acted.append(("resume", d.name)),
+                                 now=lambda: 1.0)  # fmt: skip
+
+    write(0, 20, 0.1)
+    write(1, 25, 0.5)
+    done = look()
+    assert (done.held, done.decisions, done.over, acted) == ([0, 1], [], False, [("pause", "0"), ("pause", "1")])
+    assert json.loads((sweep_dir / "sweep.json").read_text())["halving"]["held"] == [0, 1]
+    states.update({"0": "CANCELLED", "1": "CANCELLED", "2": "RUNNING"})
+    write(2, 20, 0.3)
+    done = look()
+    assert ([(d["kept"], d["paused"]) for d in done.decisions], done.resumed) == ([([0, 2], [1])], [0])
+    assert acted[2:] == [("resume", "0")]  # 1 stays paused, 2 runs on untouched
+    assert json.loads((sweep_dir / "sweep.json").read_text())["halving"]["held"] == []

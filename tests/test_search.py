@@ -76,3 +76,16 @@ def test_a_random_draw_is_the_same_for_the_same_seed_and_stays_inside_its_distri
     assert 100 < below < 170
     with pytest.raises(HostError, match="randint\\(A,B\\) needs whole numbers A < B"):
         dimensions(["n=randint(1.5,3)"], {})
+
+
+def test_points_at_an_undecided_rung_are_held_only_while_a_point_of_the_race_waits_for_a_node() -> None:
+    from ddpack.jobs.search import hold_now
+
+    plan = Halving(rungs=(20, 40), by="loss")
+    points = [PointNow(index=0, state="RUNNING", records=records_to(20, 0.1)), PointNow(index=1, state="RUNNING", records=records_to(10, 0.2)),
+              PointNow(index=2, state="PENDING", records=[])]  # fmt: skip
+    assert hold_now(plan, [], points, held=set()) == [0]  # 0 is at 20, 1 is still on its way: 0 frees its node for 2
+    assert hold_now(plan, [], points, held={0}) == []  # held already
+    assert hold_now(plan, [], points[:2], held=set()) == []  # nobody queued: the race runs on
+    first = {"rung": 20, "paused": [2], "kept": [0, 1]}
+    assert hold_now(plan, [first], points, held=set()) == []  # 2 is out: its queue is nobody's wait; 40 not reached

@@ -327,31 +327,74 @@ def point_records(point_dir: Path) -> list[dict[str, Any]]:
         return []
 
 
+def hold_now(plan: Halving, decided: list[dict[str, Any]], points: list[PointNow], held: set[int]) -> list[int]:
+    """The points to hold at the next rung before it is decided: those still running that reached it while a point
+    in the race waits in the queue (PENDING) for a node. Held (paused at their snapshot), they free their nodes for
+    it; the decision then continues the held winners. Without a queued point nobody is held: the race runs on."""
+    from ddpack.jobs.slurm_cli import ENDED
+
+    if len(decided) >= len(plan.rungs):
+        return []
+    out = {index for decision in decided for index in decision["paused"]}
+    rung = plan.rungs[len(decided)]
+    racing = [p for p in points if p.index not in out and (p.state not in ENDED or reached(p.records, rung))]
+    if not any(p.state == "PENDING" for p in racing):
+        return []
+    return [p.index for p in racing if p.state not in ENDED and p.index not in held and reached(p.records, rung)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class HalvePass:
+    """What one look at a sweep did: the rungs decided, the points held at a rung and those continued."""
+
+    decisions: list[dict[str, Any]]
+    held: list[int]
+    resumed: list[int]
+    over: bool
+
+
 def halve_pass(
-    folder: Path, asked: Halving, *, state_of: Callable[[Path], str], pause: Callable[[Path], Any], now: Callable[[], float]
-) -> tuple[list[dict[str, Any]], bool]:
-    """One look at the sweep: decide what can be decided, pause each paused point that still lives (its job
-    cancelled: the trainer stops with its snapshot on SIGTERM), keep the decisions in sweep.json. (the new decisions,
-    whether the halving is over: every rung decided, or no point left in the race)."""
+    folder: Path, asked: Halving, *, state_of: Callable[[Path], str], pause: Callable[[Path], Any], resume: Callable[[Path], Any],
+    now: Callable[[], float],
+) -> HalvePass:  # fmt: skip
+    """One look at the sweep: decide what can be decided; pause each loser that still lives (its job cancelled: the
+    trainer stops with its snapshot on SIGTERM) and continue each held winner (`resume`: a resubmit from its
+    snapshot); hold the points at an undecided rung while a point of the race waits for a node (hold_now); keep it
+    all in sweep.json. Over once every rung is decided, or no point is left in the race."""
     from ddpack.jobs.run_json import write_json_atomic
     from ddpack.jobs.slurm_cli import ENDED
     from ddpack.jobs.sweep_points import SWEEP_RECORD, point_dirs, read_sweep
 
     data = read_sweep(folder)
     plan, decided = halving_plan(data, asked)
+    held = set((data.get("halving") or {}).get("held", []))
     dirs = point_dirs(folder)
     points = [PointNow(index=i, state=state_of(d), records=point_records(d)) for i, d in enumerate(dirs)]
     new = halving_step(plan, decided, points)
+    resumed: list[int] = []
     for decision in new:
         decision["time"] = now()
         for index in decision["paused"]:
-            if points[index].state not in ENDED:
+            if points[index].state not in ENDED and index not in held:
                 pause(dirs[index])
+            held.discard(index)  # a held loser stays where it is: paused
+        for index in decision["kept"]:
+            if index in held:
+                resume(dirs[index])
+                held.discard(index)
+                resumed.append(index)
     decided = decided + new
-    write_json_atomic(folder / SWEEP_RECORD, {**read_sweep(folder), "halving": {**plan.to_json(), "decided": decided}})
+    holding = [] if new else hold_now(plan, decided, points, held)  # after a decision the states are stale: next look
+    for index in holding:
+        pause(dirs[index])
+        held.add(index)
+    halving = {**plan.to_json(), "decided": decided, "held": sorted(held)}
+    write_json_atomic(folder / SWEEP_RECORD, {**read_sweep(folder), "halving": halving})
     out = {index for decision in decided for index in decision["paused"]}
-    over = len(decided) == len(plan.rungs) or all(p.state in ENDED for p in points if p.index not in out)
-    return new, over
+    over = len(decided) == len(plan.rungs) or (
+        not new and not held and all(p.state in ENDED for p in points if p.index not in out)
+    )  # fmt: skip
+    return HalvePass(decisions=new, held=holding, resumed=resumed, over=over)
 
 
 def decision_line(decision: dict[str, Any], by: str) -> str:
