@@ -82,7 +82,7 @@ class DdpackCallback(TrainerCallback):
     ) -> None:
         """The Trainer's own evaluation results (eval_loss, and what compute_metrics returns, eval_ prefixed) as an
         eval record at this step: no user code."""
-        self.run.eval_done(step=state.global_step, **(metrics or {}))
+        self.run.eval_done(step=state.global_step, **{name: value for name, value in (metrics or {}).items() if name != "step"})
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any = None, **kwargs: Any) -> None:
         for hook in self._hooks:

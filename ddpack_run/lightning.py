@@ -81,7 +81,8 @@ class DdpackCallback(Callback):
         result and are left out."""
         if trainer.sanity_checking:
             return
-        self.run.eval_done(step=trainer.global_step, **{**trainer.callback_metrics, "epoch": trainer.current_epoch})
+        logged = {name: value for name, value in trainer.callback_metrics.items() if name != "step"}  # `step` places the record
+        self.run.eval_done(step=trainer.global_step, **{**logged, "epoch": trainer.current_epoch})
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.run.done(checksum=parameter_checksum(pl_module))
