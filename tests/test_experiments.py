@@ -1318,6 +1318,8 @@ def test_a_sweep_is_ranked_by_any_eval_metric_in_compare_ls_export_and_its_best_
         in capfd.readouterr().err
     )
     assert cli.main(["compare", str(sweep_dir), "--max"]) == 2 and "--max goes with --best" in capfd.readouterr().err
+    assert cli.main(["compare", str(sweep_dir / "0"), str(sweep_dir / "1")]) == 0  # two runs: a row a metric
+    assert [line.split()[2:] for line in capfd.readouterr().out.splitlines() if line.startswith("eval val_acc")] == [["0.5", "0.9"]]
 
 
 # --------------------------------------------------------------------------- search beyond a grid (issue 64 point 4)

@@ -185,6 +185,7 @@ def outcome_rows(comparison: Comparison) -> list[tuple[str, list[str]]]:
         ("step", [f"{_cell(o.step)} of {_cell(o.total_steps)}" for o in out]),
         ("last train loss", [_cell(o.train_loss) for o in out]),
         ("last eval loss", [_cell(o.eval_loss) for o in out]),
+        *((f"eval {name}", [_cell(o.evals.get(name)) for o in out]) for name in metric_columns([{"evals": o.evals} for o in out])),
         ("samples/s (median)", [f"{o.samples_per_s:,.0f}" if o.samples_per_s is not None else "-" for o in out]),
         ("MFU (median)", [format_share(o.mfu) if o.mfu is not None else "-" for o in out]),
         ("wall time", [_duration(o.wall_s) for o in out]),
