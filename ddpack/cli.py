@@ -613,9 +613,17 @@ def halve(opts: argparse.Namespace, runs: Path) -> int:
         with contextlib.suppress(HostError):  # it ended between the look and the cancel: nothing left to pause
             run_actions.cancel(point)
 
+    def resume(point: Path) -> bool:
+        try:
+            run_actions.resubmit(point)
+        except HostError as exc:  # its cancelled job is still ending (Slurm lists it): the next look tries again
+            print(f"halve: point {point.name} cannot go on yet ({exc}); trying again at the next look", file=sys.stderr, flush=True)
+            return False
+        return True
+
     while True:
-        done = search.halve_pass(folder, asked, state_of=lambda point: run_status(point).state, pause=pause,
-                                 resume=run_actions.resubmit, now=time.time)  # fmt: skip
+        done = search.halve_pass(folder, asked, state_of=lambda point: run_status(point).state, pause=pause, resume=resume,
+                                 now=time.time)  # fmt: skip
         for decision in done.decisions:
             print(json.dumps(decision) if opts.json else search.decision_line(decision, asked.by).replace("SWEEP", str(folder)), flush=True)
         for index in done.held:

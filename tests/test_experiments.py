@@ -1447,10 +1447,11 @@ def test_a_point_held_at_a_rung_while_another_waits_for_a_node_is_continued_when
 
     states = {"0": "RUNNING", "1": "RUNNING", "2": "PENDING"}
     acted: list[tuple[str, str]] = []
+    ready = True
 
     def look() -> search.HalvePass:
         return search.halve_pass(sweep_dir, search.Halving(rungs=(20, 40), by="loss"), state_of=lambda d: states[d.name],
-                                 pause=lambda d: acted.append(("pause", d.name)), resume=lambda d: acted.append(("resume", d.name)),
+                                 pause=lambda d: acted.append(("pause", d.name)), resume=lambda d: acted.append(("resume", d.name)) or ready,
                                  now=lambda: 1.0)  # fmt: skip
 
     write(0, 20, 0.1)
@@ -1460,7 +1461,11 @@ def test_a_point_held_at_a_rung_while_another_waits_for_a_node_is_continued_when
     assert json.loads((sweep_dir / "sweep.json").read_text())["halving"]["held"] == [0, 1]
     states.update({"0": "CANCELLED", "1": "CANCELLED", "2": "RUNNING"})
     write(2, 20, 0.3)
+    ready = False  # 0's cancelled job still ending: its resubmit is refused, and tried again at the next look
     done = look()
-    assert ([(d["kept"], d["paused"]) for d in done.decisions], done.resumed) == ([([0, 2], [1])], [0])
-    assert acted[2:] == [("resume", "0")]  # 1 stays paused, 2 runs on untouched
-    assert json.loads((sweep_dir / "sweep.json").read_text())["halving"]["held"] == []
+    assert ([(d["kept"], d["paused"]) for d in done.decisions], done.resumed, done.over) == ([([0, 2], [1])], [], False)
+    assert json.loads((sweep_dir / "sweep.json").read_text())["halving"]["waking"] == [0]
+    ready = True
+    done = look()
+    assert (done.decisions, done.resumed) == ([], [0]) and acted[2:] == [("resume", "0"), ("resume", "0")]  # 1 stays paused, 2 untouched
+    assert tuple(json.loads((sweep_dir / "sweep.json").read_text())["halving"][key] for key in ("held", "waking")) == ([], [])

@@ -354,13 +354,14 @@ class HalvePass:
 
 
 def halve_pass(
-    folder: Path, asked: Halving, *, state_of: Callable[[Path], str], pause: Callable[[Path], Any], resume: Callable[[Path], Any],
+    folder: Path, asked: Halving, *, state_of: Callable[[Path], str], pause: Callable[[Path], Any], resume: Callable[[Path], bool],
     now: Callable[[], float],
 ) -> HalvePass:  # fmt: skip
     """One look at the sweep: decide what can be decided; pause each loser that still lives (its job cancelled: the
     trainer stops with its snapshot on SIGTERM) and continue each held winner (`resume`: a resubmit from its
-    snapshot); hold the points at an undecided rung while a point of the race waits for a node (hold_now); keep it
-    all in sweep.json. Over once every rung is decided, or no point is left in the race."""
+    snapshot; False when it cannot be yet, tried again at the next look); hold the points at an undecided rung while
+    a point of the race waits for a node (hold_now); keep it all in sweep.json. Over once every rung is decided and
+    every held winner continued, or no point is left in the race."""
     from ddpack.jobs.run_json import write_json_atomic
     from ddpack.jobs.slurm_cli import ENDED
     from ddpack.jobs.sweep_points import SWEEP_RECORD, point_dirs, read_sweep
@@ -368,6 +369,7 @@ def halve_pass(
     data = read_sweep(folder)
     plan, decided = halving_plan(data, asked)
     held = set((data.get("halving") or {}).get("held", []))
+    waking = set((data.get("halving") or {}).get("waking", []))  # held winners not yet continued (a resubmit refused: again)
     dirs = point_dirs(folder)
     points = [PointNow(index=i, state=state_of(d), records=point_records(d)) for i, d in enumerate(dirs)]
     new = halving_step(plan, decided, points)
@@ -378,22 +380,23 @@ def halve_pass(
             if points[index].state not in ENDED and index not in held:
                 pause(dirs[index])
             held.discard(index)  # a held loser stays where it is: paused
-        for index in decision["kept"]:
-            if index in held:
-                resume(dirs[index])
-                held.discard(index)
-                resumed.append(index)
+        waking |= held & set(decision["kept"])
+        held -= set(decision["kept"])
+    for index in sorted(waking):
+        if resume(dirs[index]):  # False: not now (its cancelled job still ending): the next look tries again
+            waking.discard(index)
+            resumed.append(index)
     decided = decided + new
     holding = [] if new else hold_now(plan, decided, points, held)  # after a decision the states are stale: next look
     for index in holding:
         pause(dirs[index])
         held.add(index)
-    halving = {**plan.to_json(), "decided": decided, "held": sorted(held)}
+    halving = {**plan.to_json(), "decided": decided, "held": sorted(held), "waking": sorted(waking)}
     write_json_atomic(folder / SWEEP_RECORD, {**read_sweep(folder), "halving": halving})
     out = {index for decision in decided for index in decision["paused"]}
-    over = len(decided) == len(plan.rungs) or (
-        not new and not held and all(p.state in ENDED for p in points if p.index not in out)
-    )  # fmt: skip
+    over = not waking and (
+        len(decided) == len(plan.rungs) or (not new and not held and all(p.state in ENDED for p in points if p.index not in out))
+    )
     return HalvePass(decisions=new, held=holding, resumed=resumed, over=over)
 
 
