@@ -87,6 +87,8 @@ class SubmitSettings:
     secrets: tuple[str, ...] = ()  # names only: Slurm hands their values from this shell to the job (sbatch --export)
     sweep: dict[str, list[str]] = field(default_factory=dict)  # NAME -> values: one job array of their cross product
     sweep_parallel: int | None = None  # at most this many of the sweep's points at once (the array's %)
+    sweep_listed: tuple[dict[str, str], ...] = ()  # the points themselves (--point, --points, --sample), else sweep's product
+    sweep_search: dict[str, Any] | None = None  # how the points were made (search.sweep_space), kept in sweep.json
     account: str | None = None  # Slurm's own: --account, --qos, --constraint, --reservation
     qos: str | None = None
     constraint: str | None = None
@@ -96,6 +98,11 @@ class SubmitSettings:
     dependency: str | None = None  # afterok:<job>, afterany:<job>, afternotok:<job>
     tags: dict[str, str] = field(default_factory=dict)  # --tag KEY=VALUE: run.json's tags (ls --tag finds them)
     note: str | None = None  # --note: run.json's note
+
+    @property
+    def points(self) -> list[dict[str, str]]:
+        """The sweep's points: those listed or drawn, else the product of the --sweep values, in order."""
+        return [dict(point) for point in self.sweep_listed] if self.sweep_listed else sweep_points(self.sweep)
 
     @property
     def exported_names(self) -> tuple[str, ...]:
@@ -144,7 +151,7 @@ def setting_problems(settings: SubmitSettings) -> list[str]:
         elif table[name].own:
             problems.append(f"--env {name}: set by ddpack itself ({table[name].meaning}), not by you")
         else:  # a sweep's value with {NAME} in it: each point's value is checked
-            points = enumerate(sweep_points(settings.sweep)) if per_point(settings, value) else ()
+            points = enumerate(settings.points) if per_point(settings, value) else ()
             every = [sweep_env({name: value}, point, i)[name] for i, point in points] or [value]
             why = next((why for one in dict.fromkeys(every) if (why := table[name].problem(name, one)) is not None), None)
             if why is not None:
