@@ -3,37 +3,43 @@
 With `--recovery`, the ranks keep their processes when a peer dies; a standby (`--standby`: a process that has
 started Python, imported torch and built the model, and waits on the store) takes the dead rank's place.
 
-Who learns what, and how (the store is the one channel that never waits on a collective):
+Who learns what, and how (the store is the one channel that never waits on a collective; every key on it is signed
+with the job's token and read back checked: train/recovery_channel.py):
 - Every process (rank or standby) is a *member* of the job, named `r<rank>` for the ranks it started with and
-  `s<n>` for standbys, and bumps a heartbeat counter in the rendezvous store every HEARTBEAT_S.
-- Standbys watch: each samples every member's counter (one `multi_get`) every HEARTBEAT_S. A member whose
-  counter has not moved for STALE_S, once a survivor has reported a failed collective (a counter of the
-  generation's: a late heartbeat on a loaded node while every collective completes is no death), is dead.
-  The first standby to see a death writes the generation's
-  *decision* (compare-and-set, so there is one): the new roster, which standby takes which rank (a standby on
-  another host than the dead rank's when one is alive), or why recovery cannot work (`fallback`).
+  `s<n>` for standbys (the launcher's by their task), and writes a heartbeat (a rising count and its host) every
+  HEARTBEAT_S.
+- Standbys watch: each reads every member's heartbeat every HEARTBEAT_S. A member whose count has not risen for
+  STALE_S, once a survivor has reported a failed collective (a late heartbeat on a loaded node while every collective
+  completes is no death), is dead; so is one whose count has not risen for FROZEN_S while a survivor has waited on one
+  collective for WAITING_S (a frozen rank or a lost node: nothing resets a connection, nothing fails before the
+  collective timeout). The first standby to see a death writes the generation's *decision* (compare-and-set, so there
+  is one): the new roster, which standby takes which rank (a standby on another host than the dead rank's when one is
+  alive), or why recovery cannot work (`fallback`).
 - A survivor learns nothing until its collective fails, or, waiting on one (gloo's polled waits), until it sees this
   generation's decision in the store (asked every 20 ms: `abandon_if_decided`): gloo cannot cancel a collective in
   flight, so without that its timeout would be how long a survivor whose own peers live waits on a dead one.
   `CollectiveClock` sets the timeout from the steps' own measured times: `max(TIMEOUT_FLOOR_S, TIMEOUT_MARGIN x the
   slowest step seen)`, never above --collective-timeout, and the long --collective-timeout around what one rank does
-  alone while the others wait (rank 0's eval and snapshot copy, the first steps of a generation). A slow but healthy collective raises the timeout with it.
+  alone while the others wait (rank 0's eval and snapshot copy, the first steps of a generation). A slow but healthy
+  collective raises the timeout with it.
 - A failed survivor reads the decision (waiting up to DECISION_WAIT_S for it), destroys its process group
   (NCCL's communicator is aborted first, never left to its watchdog) and joins the next generation's, of the
-  same world size, under the store prefix `gen<g>/`; the assigned standby joins it as the dead rank.
+  same world size, under the generation's own prefix; the assigned standby joins it as the dead rank.
 - The state comes from a survivor: the trainer broadcasts model, optimizer and position from the rank furthest
-  along (a survivor whose all-reduce completed before the death may be one step ahead of one whose did not);
-  per-step RNG is derived from (seed, rank, global step), so the dead rank's stream is rebuilt, not lost.
+  along (a survivor whose all-reduce completed before the death may be one step ahead of one whose did not), as
+  weights_only loads read (nothing from a peer is unpickled); per-step RNG is derived from a hash of (seed, rank,
+  global step), so the dead rank's stream is rebuilt, not lost.
 
-Falls back (the rank ends `failed`, exit 1, with the reason; the job program restarts every rank from the
-newest snapshot, as without --recovery): more ranks lost than live standbys; no standby running; the store's
-host (rank 0's node) lost; a collective failed but no member's heartbeat stopped (a hang, or a collective
+Falls back (the rank ends `failed`, exit 1, cause recovery-fallback, with the reason; the job program restarts every
+rank from the newest snapshot, as without --recovery): more ranks lost than live standbys; no standby running; the
+store's host (rank 0's node) lost; a collective failed but no member's heartbeat stopped (a hang, or a collective
 slower than its timeout); a failure while re-forming the group (the chosen standby died, another rank died).
 
 Limits: the store host is rank 0 (MASTER_ADDR), so rank 0's death always falls back; torchrun restarts its
-workers itself, so --recovery needs one process per rank (srun tasks, docker -e); the recovery keys are not
-signed (the process group's own rendezvous keys are not either); a rank hung with a live heartbeat is the
-watchdog's to end (--hang-timeout), not recovery's.
+workers itself, so --recovery needs one process per rank (srun tasks, docker -e); the process group's own rendezvous
+keys are torch's and not signed, and another user who reaches the store can hide a live member's heartbeat (a denial
+of service: docs/security.md); on NCCL a frozen peer costs the collective timeout (its waits are not polled) and the
+path has not run across two GPUs; a rank hung with a live heartbeat is the watchdog's to end (--hang-timeout).
 """
 
 from __future__ import annotations
