@@ -22,6 +22,7 @@ REPORT_ARGS   ?=
 BENCH_SQSH_ARGS ?=
 BENCH_GPU_ARGS ?=
 BENCH_HOST_ARGS ?=
+BENCH_MEMBERS_ARGS ?=
 GPU_CHECK_ARGS ?=
 
 # Images: $(IMAGE):$(TAG) (CPU) and $(IMAGE):$(TAG)-gpu.
@@ -69,7 +70,7 @@ APP_OPTS = $(if $(APP),--app '$(APP)' --app-cmd "$$APP_CMD" --bundle-tag $(IMAGE
 AWS_ENV := AWS_REGION='$(AWS_REGION)' DDPACK_REGISTRY='$(DDPACK_REGISTRY)'
 IMAGE_ENV := BASE_IMAGE='$(BASE_IMAGE)' WHEELHOUSE='$(WHEELHOUSE)' CA_BUNDLE='$(CA_BUNDLE)' TORCH_VERSION='$(TORCH_VERSION)'
 
-.PHONY: help venv test test-quick lint bench bench-images bench-sqsh bench-start bench-goodput bench-lifecycle bench-experiments bench-restart bench-gpu bench-host gpu-check clean engine base image image-gpu smoke push push-gpu enroot-credentials sqsh sqsh-gpu report
+.PHONY: help venv test test-quick lint bench bench-members bench-images bench-sqsh bench-start bench-goodput bench-lifecycle bench-experiments bench-restart bench-gpu bench-host gpu-check clean engine base image image-gpu smoke push push-gpu enroot-credentials sqsh sqsh-gpu report
 
 help: ## list targets and variables
 	@echo "ddpack - build, ship and launch PyTorch DDP in containers on Slurm"
@@ -165,6 +166,9 @@ bench-lifecycle: venv ## print ddpack submit with nothing changed vs plain sbatc
 
 bench-experiments: venv ## print a 100-point sweep's own cost beyond one submit, and ddpack ls on 1,000 runs (fake Slurm: ddpack's own work)
 	$(VPY) bench/bench_experiments.py $(BENCH_EXPERIMENTS_ARGS)
+
+bench-members: venv ## print in-process recovery's protocol with simulated members against one store on this host: the store's capacity, heartbeat writes/s and death -> decision p50/p99 (BENCH_MEMBERS_ARGS: --nodes N --ranks R --trials T)
+	$(VPY) bench/bench_members.py $(BENCH_MEMBERS_ARGS)
 
 bench-restart: venv ## print a killed rank's restart in place, the job program at fa34be6 against now, A B A B, and where the seconds go (root, Slurm); BENCH_RESTART_ARGS=--standbys: today's path against in-process recovery on the cluster, --local: on this host
 	$(VPY) bench/bench_restart.py $(BENCH_RESTART_ARGS)

@@ -1,6 +1,7 @@
 """`ddpack`: one command from your project to a running job and back (docs/commands.md).
 
     ddpack submit   [APP_DIR] [--file run.toml] --nodes N [...] [--dry-run] [--json] [-- COMMAND...]
+                    [--sweep NAME=V1,V2 | --point NAME=V,NAME=V... | --points FILE | --sample N [--sample-seed S]]
     ddpack status   [RUN|SWEEP|JOB_ID] [--point I] [--json] [--watch]
     ddpack logs     [RUN|SWEEP|JOB_ID] [--point I] [-f] [--rank R] [--json]
     ddpack cancel   RUN|SWEEP|JOB_ID [--json]
@@ -10,8 +11,9 @@
     ddpack resubmit SWEEP --failed|--state S,... [--time T] [--nodes N] [--partition P] [--json]
     ddpack report   RUN|SWEEP|JOB_ID [--png] [--json]
     ddpack compare  RUN|JOB_ID RUN|JOB_ID... [--json] [--html PATH]
-    ddpack compare  SWEEP [--sort KEY] [--reverse] [--json] [--html PATH]
+    ddpack compare  SWEEP [--sort KEY] [--reverse] [--best KEY [--max]] [--json] [--html PATH]
     ddpack export   RUN|SWEEP... [--csv FILE] [--summary FILE] [--tensorboard DIR] [--json]
+    ddpack halve    SWEEP --rungs STEP,STEP,... --by KEY [--max] [--interval S] [--once] [--json]
     ddpack rm       RUN|SWEEP|JOB_ID [--json]
     ddpack gc       --images [DIR] [--runs DIR] [--dry-run] [--json]
     ddpack completion bash|zsh
@@ -29,6 +31,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -98,6 +101,13 @@ def parser() -> argparse.ArgumentParser:
         "--spares", type=_whole, help=f"spare nodes held for a restart in place (default {setting_value('DDPACK_SPARE_NODES')})"
     )
     sub.add_argument(
+        "--standbys",
+        type=_whole,
+        metavar="K",
+        help="warm standby processes of the bundled trainer: a rank that dies is replaced in process, the others keep "
+        "training (default: 1 where the job asks for no GPUs and runs the bundled trainer, else 0; docs/recovery.md)",
+    )
+    sub.add_argument(
         "--gpus-per-node", type=_whole, help="GPUs a node: builds the project on the CUDA image (Dockerfile.gpu), one rank per GPU"
     )
     sub.add_argument(
@@ -134,6 +144,16 @@ def parser() -> argparse.ArgumentParser:
         metavar="NAME=V1,V2,...",
         help="run the command once per value, {NAME} in its words replaced (repeatable: the cross product), as one job array",
     )
+    sub.add_argument(
+        "--point", action="append", default=[], metavar="NAME=V,NAME=V",
+        help="one point of a sweep, listed (repeatable: the points in order, no grid)",
+    )  # fmt: skip
+    sub.add_argument("--points", type=Path, metavar="FILE", help='a sweep\'s points listed in a file: JSON lines of {"NAME": value}')
+    sub.add_argument(
+        "--sample", type=_whole, metavar="N",
+        help="N points drawn at random from the --sweep names (NAME=V1,V2 a choice, NAME=loguniform(A,B), uniform(A,B), randint(A,B))",
+    )  # fmt: skip
+    sub.add_argument("--sample-seed", type=int, metavar="S", help="--sample's seed (default: one chosen, printed and kept in sweep.json)")
     sub.add_argument("--sweep-parallel", type=_whole, help="at most this many of the sweep's points at once (the array's %%)")
     for flag, text in (("--account", "Slurm's account to charge"), ("--qos", "Slurm's quality of service"),
                        ("--constraint", "node features the job needs (Slurm's --constraint, such as a100&ib)"),
@@ -179,7 +199,10 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("--name", metavar="GLOB", help="only runs whose name matches (shell wildcards: 'lr-*')")
     sub.add_argument("--since", metavar="WHEN", help="only runs submitted since: 30m, 6h, 2d, or a date 2026-11-26[THH:MM]")
     sub.add_argument("--tag", action="append", default=[], metavar="KEY=VALUE", help="only runs with this tag (repeatable: all of them)")
-    sub.add_argument("--sort", choices=("created", "name", "state", "step", "loss"), default="created", help="order (default: created)")
+    sub.add_argument(
+        "--sort", metavar="KEY", default="created",
+        help="order: created (default), name, state, step, loss, or any eval metric a run recorded (eval_loss, val_acc; a sweep's points too)",
+    )  # fmt: skip
     sub.add_argument("--reverse", action="store_true", help="the other way round (newest first, highest first)")
     sub.add_argument("--no-slurm", action="store_true", help="the run folders alone, no squeue or sacct (a live run's state: -)")
     sub = verbs.add_parser("tag", help="set or remove a run's (or every point of a sweep's) tags and note")
@@ -214,9 +237,13 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("--json", action="store_true", help="print one object: runs (each with its outcome), differ, same")
     sub.add_argument("--html", type=Path, default=None, help="write the page overlaying their curves here (none unless asked)")
     sub.add_argument(
-        "--sort", metavar="KEY", help="a sweep's points by a swept name or a column (train_loss, eval_loss, samples_per_s, ...)"
+        "--sort", metavar="KEY", help="a sweep's points by a swept name, a column (train_loss, eval_loss, ...) or any eval metric (val_acc)"
     )
     sub.add_argument("--reverse", action="store_true", help="with --sort: highest first")
+    sub.add_argument(
+        "--best", metavar="KEY", help="a sweep's best point by KEY (as --sort takes it): the lowest, or the highest with --max"
+    )
+    sub.add_argument("--max", dest="highest", action="store_true", help="with --best: the highest is best (accuracy)")
     sub = verbs.add_parser("export", help="runs' records out of ddpack: CSV (a row a record, or a run), TensorBoard event files")
     sub.add_argument("run", nargs="+", help="run folders, sweeps' (their points) or job ids")
     sub.add_argument("--csv", type=Path, metavar="FILE", help="one row a metrics record, with each run's values and tags")
@@ -224,6 +251,17 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("--tensorboard", type=Path, metavar="DIR", help="one folder a run (named by its values) of TensorBoard event files")
     sub.add_argument("--runs", type=Path, default=None, help=runs_help)
     sub.add_argument("--json", action="store_true", help="print one object: runs, and each file or folder written")
+    sub = verbs.add_parser("halve", help="successive halving: at each rung (step) pause the worse half of a sweep's live points")
+    sub.add_argument("run", help="a sweep's folder or its array's job id")
+    sub.add_argument("--rungs", required=True, metavar="STEP,STEP,...", help="the steps at which to halve, rising (20,40,80)")
+    sub.add_argument(
+        "--by", required=True, metavar="KEY", help="the metric that ranks the points: an eval metric (eval_loss, val_acc) or loss"
+    )
+    sub.add_argument("--max", dest="highest", action="store_true", help="the highest is best (accuracy); default: the lowest")
+    sub.add_argument("--interval", type=float, default=30.0, help="seconds between looks at the sweep (default 30)")
+    sub.add_argument("--once", action="store_true", help="one look: decide what can be decided now, then exit (for cron)")
+    sub.add_argument("--runs", type=Path, default=None, help=runs_help)
+    sub.add_argument("--json", action="store_true", help="print each decision as one JSON line")
     sub = verbs.add_parser("rm", help="delete a run's or a sweep's folder, once none of its jobs lives")
     sub.add_argument("run", help="a run folder, a sweep's folder or a job id")
     sub.add_argument("--runs", type=Path, default=None, help=runs_help)
@@ -276,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
             return collect_images(opts, runs)
         if opts.verb == "export":
             return export(opts, runs)
+        if opts.verb == "halve":
+            return halve(opts, runs)
         if opts.verb == "cancel" and opts.run is None:  # what cannot be undone is never done to a run not named
             newest = find_runs.resolve_run(None, runs)
             raise HostError(
@@ -314,10 +354,10 @@ def submit(opts: argparse.Namespace) -> int:
     """The flags over the run file (--file) over the defaults, then ddpack.jobs.submit."""
     from ddpack.jobs import find_runs
     from ddpack.jobs.run_toml import read_run_file
+    from ddpack.jobs.search import sweep_space
     from ddpack.jobs.submit import as_json
     from ddpack.jobs.submit import submit as do_submit
     from ddpack.jobs.submit_checks import SubmitSettings, raise_problems, setting_problems
-    from ddpack.jobs.sweep_points import sweep_values
 
     run_file = read_run_file(opts.file) if opts.file else None
     argv_flags = {word.split("=")[0] for word in opts.given if word.startswith("--")}
@@ -341,11 +381,14 @@ def submit(opts: argparse.Namespace) -> int:
     env = {**run_file.passed_env(os.environ), **given.get("env", {})} if run_file else {}
     runs = pick("runs") or find_runs.default_runs()
     images = pick("images") or Path(os.environ.get("DDPACK_IMAGES") or IMAGES)
+    space = sweep_space(opts.sweep, given.get("sweep", {}), point_flags=opts.point, points_file=opts.points, sample=opts.sample,
+                        seed=opts.sample_seed, say=lambda line: print(line, file=sys.stderr if opts.json else sys.stdout))  # fmt: skip
     settings = SubmitSettings(
         app_dir=(opts.app_dir or given.get("app_dir") or Path(".")).resolve(),
         nodes=nodes,
         tasks_per_node=tasks if tasks is not None else (gpus or 1),
         spares=pick("spares", default=int(setting_value("DDPACK_SPARE_NODES"))),
+        standbys=pick("standbys"),
         gpus_per_node=gpus,
         efa=pick("efa", default=False),
         partition=pick("partition"),
@@ -359,7 +402,9 @@ def submit(opts: argparse.Namespace) -> int:
         sqsh=pick("sqsh"),
         name=pick("name"),
         secrets=tuple(dict.fromkeys([*given.get("secrets", []), *opts.secret])),
-        sweep=sweep_values(opts.sweep, given.get("sweep", {})),
+        sweep=space.values,
+        sweep_listed=space.listed,
+        sweep_search=space.search,
         sweep_parallel=pick("sweep_parallel"),
         account=pick("account"),
         qos=pick("qos"),
@@ -558,6 +603,47 @@ def export(opts: argparse.Namespace, runs: Path) -> int:
     return 0
 
 
+def halve(opts: argparse.Namespace, runs: Path) -> int:
+    """halve: look at the sweep every --interval seconds, decide each rung once every point in the race reached it,
+    pause the losers (cancel: the trainer's stop snapshot), until every rung is decided or no point is left."""
+    from ddpack.jobs import run_actions, search
+    from ddpack.jobs.find_runs import resolve_run
+    from ddpack.jobs.status import run_status
+
+    folder = resolve_run(opts.run, runs)
+    if not is_sweep(folder):
+        raise HostError(f"halve ranks a sweep's points; {folder} is one run", code=2)
+    if opts.interval <= 0:
+        raise HostError(f"--interval {opts.interval}: expected seconds > 0", code=2)
+    asked = search.Halving(rungs=search.parse_rungs(opts.rungs), by=opts.by, highest=opts.highest)
+
+    def pause(point: Path) -> None:
+        with contextlib.suppress(HostError):  # it ended between the look and the cancel: nothing left to pause
+            run_actions.cancel(point)
+
+    def resume(point: Path) -> bool:
+        try:
+            run_actions.resubmit(point)
+        except HostError as exc:  # its cancelled job is still ending (Slurm lists it): the next look tries again
+            print(f"halve: point {point.name} cannot go on yet ({exc}); trying again at the next look", file=sys.stderr, flush=True)
+            return False
+        return True
+
+    while True:
+        done = search.halve_pass(folder, asked, state_of=lambda point: run_status(point).state, pause=pause, resume=resume,
+                                 now=time.time)  # fmt: skip
+        for decision in done.decisions:
+            print(json.dumps(decision) if opts.json else search.decision_line(decision, asked.by).replace("SWEEP", str(folder)), flush=True)
+        for index in done.held:
+            print(json.dumps({"held": index}) if opts.json else f"halve: point {index} reached the next rung while another waits "
+                  "for a node: held at its snapshot until the rung is decided", flush=True)  # fmt: skip
+        for index in done.resumed:
+            print(json.dumps({"resumed": index}) if opts.json else f"halve: point {index} goes on from its snapshot", flush=True)
+        if done.over or opts.once:
+            return 0
+        time.sleep(opts.interval)
+
+
 def collect_images(opts: argparse.Namespace, runs: Path) -> int:
     """gc --images: your squashfs files that no run of yours names, removed (or listed, --dry-run)."""
     from ddpack.jobs.image_gc import remove_images, unused_images
@@ -685,11 +771,21 @@ def compare(opts: argparse.Namespace, runs: Path) -> int:
     from ddpack.jobs.find_runs import resolve_run
     from ddpack.jobs.sweep_points import point_dirs
 
+    if opts.highest and not opts.best:
+        raise HostError("--max goes with --best: compare SWEEP --best KEY --max", code=2)
     folders = [resolve_run(run, runs) for run in opts.run]
     if len(folders) == 1 and is_sweep(folders[0]):  # a sweep alone: one row a point, its values as columns
         names, rows, curves, total = comparing.sweep_table(folders[0], curves=bool(opts.html))
         curve_of = {row["index"]: curve for row, curve in zip(rows, curves, strict=True)}
         rows = comparing.sort_rows(rows, opts.sort, names, opts.reverse) if opts.sort else rows
+        if opts.best:
+            top, said = comparing.best_row(rows, opts.best, names, opts.highest)
+            print(
+                json.dumps({"run_dir": str(folders[0]), "by": opts.best, "highest": opts.highest, "best": top}, indent=2)
+                if opts.json
+                else said
+            )
+            return 0
         page = (
             comparing.write_sweep_page(folders[0], names, rows, [curve_of[r["index"]] for r in rows], opts.html.resolve())
             if opts.html
@@ -700,8 +796,11 @@ def compare(opts: argparse.Namespace, runs: Path) -> int:
         print(json.dumps({"run_dir": str(folders[0]), "names": names, "points": rows, "ledger": total.to_json(), "html": str(page) if page else None},
                          indent=2) if opts.json else comparing.render_sweep_table(names, rows, page) + "\n" + ledgers.render(total, "the sweep"))  # fmt: skip
         return 0
-    if opts.sort:
-        raise HostError("--sort orders a sweep's points: compare SWEEP --sort KEY (one sweep alone)", code=2)
+    if opts.sort or opts.best:
+        raise HostError(
+            f"{'--sort' if opts.sort else '--best'} ranks a sweep's points: compare SWEEP {'--sort' if opts.sort else '--best'} KEY (one sweep alone)",
+            code=2,
+        )
     comparison, metrics = comparing.compare(
         [point for folder in folders for point in (point_dirs(folder) if is_sweep(folder) else [folder])], curves=bool(opts.html)
     )

@@ -8,6 +8,7 @@
         if run.step_done(samples=len(batch), loss=loss.item()):
             save_your_checkpoint()              # every rank is here, at the same step
             run.exit_stopped()                  # exits 128+N: the job templates requeue it
+    run.eval_done(loss=val_loss, accuracy=acc)  # your evaluation: what `ddpack compare SWEEP --sort` ranks by
     run.done()
 
 What it does, with the same machinery as `python -m train`:
@@ -19,7 +20,8 @@ What it does, with the same machinery as `python -m train`:
   (DDPACK_HANG_TIMEOUT, 180 s; the first step is untimed), every live rank writes its stacks to the run
   folder's forensics (DDPACK_FORENSICS_DIR), one summary names the ranks that fell behind, and all exit 124.
 - Metrics (rank 0, DDPACK_METRICS_FILE): a `start` record per segment, `progress` records with every rank's
-  step, data and backward times, and the `end` record, so `make report` draws the run.
+  step, data and backward times, `eval` records of your evaluation's numbers (`eval_done`), and the `end`
+  record, so `make report` draws the run and `ddpack compare` ranks it.
 
 The adapters (`ddpack_run.lightning`, `ddpack_run.hf`) drive a Run from the frameworks' hooks. Runs inside the
 container, beside `train/`; torch is imported when the process group is.
@@ -68,7 +70,7 @@ from train.perf import RankTimes, SlowRanks  # noqa: E402
 from train.signals import PreemptionWatcher  # noqa: E402
 from train.watchdog import EXIT_HANG, PHASES, Phase, Progress, Watchdog, start_watchdog  # noqa: E402
 
-__all__ = ["EXIT_HANG", "Phase", "Run"]
+__all__ = ["EXIT_HANG", "Phase", "Run", "eval_number"]
 
 # The ranks agree (stop flag, per-rank times) about this often: one small all-reduce (~1 ms on gloo between
 # two local processes) a second of training costs about 0.1%, and a stop lands well inside SIGUSR1@90's warning.
@@ -176,6 +178,18 @@ class Run:
         elif self.world_size == 1:  # nobody to agree with: a signal stops this rank at once
             self.stop_signal = self.watcher.received
         return self.stop_signal is not None
+
+    def eval_done(self, loss: Any = None, *, step: int | None = None, **more: Any) -> dict[str, float]:
+        """Your evaluation's results: one `eval` record (rank 0 writes it; call on every rank or on rank 0 alone) at
+        `step` (default: the last finished step), with `loss` and every other named number (`accuracy=...`; a tensor
+        of one value is read with .item()). `ddpack compare`, `ls --sort` and `export` rank runs by any of them.
+        A value that is not one finite number (a string, a list, NaN) is left out: the record holds numbers only.
+        Returns what it recorded."""
+        if not self._started:
+            self._start()
+        results = {name: number for name, value in {"loss": loss, **more}.items() if (number := eval_number(value)) is not None}
+        self.metrics.write("eval", global_step=self.global_step if step is None else int(step), **results)
+        return results
 
     def exit_stopped(self, checkpoint: str | None = None) -> None:
         """After an agreed stop and your save: record the end and exit 128+N (138 for SIGUSR1, 143 for
@@ -343,6 +357,19 @@ def _destroy_process_group() -> None:
             dist.destroy_process_group()
     except Exception:  # leaving anyway: a peer may be gone already
         pass
+
+
+def eval_number(value: Any) -> float | int | None:
+    """A metric as the eval record holds it: an int or a finite float (a one-value tensor or numpy scalar read
+    with .item()), else None (left out). A bool is no metric."""
+    if hasattr(value, "item") and callable(value.item):
+        try:
+            value = value.item()
+        except (ValueError, RuntimeError):  # a tensor of more than one value
+            return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return value if isinstance(value, int) or math.isfinite(value) else None
 
 
 def batch_size(batch: Any) -> int | None:

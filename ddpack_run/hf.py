@@ -8,7 +8,8 @@ On a preemption signal (SIGUSR1 from `--signal=USR1@90`, SIGTERM) the ranks agre
 Trainer saves its checkpoint there (model, optimizer, scheduler, RNG, `checkpoint-<step>` in output_dir, on
 every rank's schedule), and the process exits 128+N, which the job template requeues; the next start resumes
 from that checkpoint. Hangs end with every rank's stacks and a summary naming the rank that fell behind;
-progress records go to the run folder's metrics.jsonl for `make report`.
+progress records go to the run folder's metrics.jsonl for `make report`, and each evaluation's metrics
+(eval_loss, compute_metrics' own) as an eval record that `ddpack compare SWEEP --sort eval_loss` ranks by.
 """
 
 from __future__ import annotations
@@ -75,6 +76,13 @@ class DdpackCallback(TrainerCallback):
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if self._stopping:
             self.run.exit_stopped(os.path.abspath(os.path.join(args.output_dir, f"checkpoint-{state.global_step}")))
+
+    def on_evaluate(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, metrics: dict[str, float] | None = None, **kwargs: Any
+    ) -> None:
+        """The Trainer's own evaluation results (eval_loss, and what compute_metrics returns, eval_ prefixed) as an
+        eval record at this step: no user code."""
+        self.run.eval_done(step=state.global_step, **{name: value for name, value in (metrics or {}).items() if name != "step"})
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any = None, **kwargs: Any) -> None:
         for hook in self._hooks:

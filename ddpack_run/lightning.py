@@ -13,8 +13,9 @@ What it changes:
   from the newest HPC checkpoint by itself; elsewhere pass `ckpt_path=last_hpc_checkpoint(root)` to fit.
 - Hangs: a rank that finishes no step for DDPACK_HANG_TIMEOUT seconds ends the job with every rank's stacks
   and a summary naming the rank that fell behind (stuck in training_step, in data loading, or frozen).
-- Metrics: the run folder's metrics.jsonl gets the same start, progress and end records as the bundled
-  trainer's, so `make report` draws the run.
+- Metrics: the run folder's metrics.jsonl gets the same start, progress, eval and end records as the bundled
+  trainer's, so `make report` draws the run; each validation's `trainer.callback_metrics` (what `self.log`
+  gave: val_loss, val_acc, ...) is an eval record, which `ddpack compare SWEEP --sort val_loss` ranks by.
 """
 
 from __future__ import annotations
@@ -73,6 +74,15 @@ class DdpackCallback(Callback):
         path = trainer.strategy.broadcast(trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir))
         trainer.save_checkpoint(path)
         self.run.exit_stopped(path)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Lightning's own validation results (what `self.log` gave, as `trainer.callback_metrics` holds them at the
+        end of a validation) as an eval record at this step: no user code. The sanity check's two batches are no
+        result and are left out."""
+        if trainer.sanity_checking:
+            return
+        logged = {name: value for name, value in trainer.callback_metrics.items() if name != "step"}  # `step` places the record
+        self.run.eval_done(step=trainer.global_step, **{**logged, "epoch": trainer.current_epoch})
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.run.done(checksum=parameter_checksum(pl_module))

@@ -114,12 +114,15 @@ ddpack_words() {
     eval "$1=(${ddpack_words_quoted})"
 }
 
-# A template whose tasks are not each a rank (torchrun's agent starts a node's ranks) cannot start standbys: one line.
+# A template whose tasks are not each a rank (torchrun's agent starts a node's ranks) cannot start standbys: one line
+# for a count asked for; the default (auto) is none here, which ddpack_train tells the job's program.
+ddpack_tasks_are_ranks=1
 ddpack_no_standbys() {
     local standbys
     ddpack_value standbys DDPACK_STANDBYS
-    [[ "${standbys}" =~ ^0*$ ]] ||
+    [[ "${standbys}" =~ ^(0*|auto)$ ]] ||
         ddpack_die "DDPACK_STANDBYS=${DDPACK_STANDBYS} needs one Slurm task per rank, and $1; use pyxis-per-task.sbatch or baremetal.sbatch, or unset it"
+    ddpack_tasks_are_ranks=0
 }
 
 # Fail at once when this cluster's srun has no pyxis (--container-image).
@@ -171,8 +174,10 @@ ddpack_prepare_nodes() {
 # one), then ends the job or requeues it, keeping out the nodes a hang's forensics named (ddpack_training.py has the rules).
 # Nothing after ddpack_train runs (an EXIT trap neither): the program outlives the requeue's SIGTERM only as itself.
 ddpack_train() {
+    local shape=()
+    [ "${ddpack_tasks_are_ranks}" = 1 ] || shape=(--tasks-not-ranks)
     ddpack_lc_ctype=${LC_CTYPE-"(unset)"} exec "${ddpack_python}" -I -S "${ddpack_job_file}" train --container "${ddpack_container_name}" \
-        --step-words "${#ddpack_step[@]}" -- "${ddpack_step[@]}" "$@"
+        ${shape[@]+"${shape[@]}"} --step-words "${#ddpack_step[@]}" -- "${ddpack_step[@]}" "$@"
 }
 
 # The job's container leaves every node, and the run folder is free for another job (a script that trains no step).

@@ -184,7 +184,7 @@ def words(name: str) -> int:
                 "DDPACK_COMMAND and DDPACK_TRAIN_ARGS are both set; DDPACK_TRAIN_ARGS is for the bundled trainer: "
                 "put your program's arguments in DDPACK_COMMAND",
             )
-        if env.get("DDPACK_COMMAND") and int(value("DDPACK_STANDBYS", env)):
+        if env.get("DDPACK_COMMAND") and value("DDPACK_STANDBYS", env) != "auto" and int(value("DDPACK_STANDBYS", env)):
             job_error(
                 Path(env["DDPACK_RUN_DIR"]) if env.get("DDPACK_RUN_DIR") else None,
                 f"DDPACK_STANDBYS={env['DDPACK_STANDBYS']} starts standbys of the bundled trainer, which DDPACK_COMMAND does not run: "
@@ -340,12 +340,13 @@ def stage(sqsh: str, container: str) -> int:
     return 0
 
 
-def train(container: str, step_words: int, argv: list[str]) -> int:
+def train(container: str, step_words: int, argv: list[str], *, tasks_are_ranks: bool = True) -> int:
     """The verb: the step's srun and its options (`step_words` words) come first, the placement goes between them and
-    the command. Ends with the last step's status."""
+    the command. Ends with the last step's status. `tasks_are_ranks` False: a template whose task starts a node's ranks
+    (torchrun's agent, a docker run), where no task can be a standby."""
     if step_words > len(argv):
         die(f"train: --step-words {step_words} is more than the {len(argv)} words given")
-    return Training(argv[:step_words], argv[step_words:], container).run()
+    return Training(argv[:step_words], argv[step_words:], container, tasks_are_ranks=tasks_are_ranks).run()
 
 
 def leave(container: str) -> int:
@@ -382,7 +383,8 @@ def verb_table() -> dict[str, tuple[Callable[[argparse.Namespace, list[str]], in
     verb("project-dir", lambda a, _: project_dir(a.where), (("where",), {"nargs": "?", "default": "", "choices": ("", "container")}))
     verb("stage", lambda a, _: stage(a.sqsh, a.container), sqsh, container)
     verb("preflight", lambda a, words: preflight(a.container, words), container)
-    verb("train", lambda a, words: train(a.container, a.step_words, words), container, (("--step-words",), {"type": int, "required": True}))
+    verb("train", lambda a, words: train(a.container, a.step_words, words, tasks_are_ranks=not a.tasks_not_ranks), container,
+         (("--step-words",), {"type": int, "required": True}), (("--tasks-not-ranks",), {"action": "store_true"}))  # fmt: skip
     verb("leave", lambda a, _: leave(a.container), container)
     verb("remove-container", lambda a, _: remove_container(JobFacts(os.environ["SLURM_JOB_ID"]), a.container) or 0, container)
     verb("record", lambda a, _: record_words(a.run_dir, a.kind, a.fields) or 0, run_dir, (("kind",), {"choices": DECISION_KINDS}),

@@ -37,7 +37,7 @@ FORENSICS, METRICS, SUMMARY, UNRESPONSIVE_NODES, REPORT = "forensics", "metrics.
 
 
 DECISIONS = "decisions.jsonl"  # ddpack/jobs/decisions.py reads it, for status and the ledger
-DECISION_KINDS = ("start", "placement", "staging", "preflight", "step-end", "keep-out")
+DECISION_KINDS = ("start", "placement", "staging", "preflight", "step-end", "keep-out", "recovery")
 VERDICTS = ("completed", "end", "requeue", "restart")  # a step-end's: what follows the step
 RESERVED = ("time", "kind", "job", "slurm_job", "restart")  # every record's own fields, which no caller sets
 

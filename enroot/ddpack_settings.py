@@ -73,7 +73,10 @@ SETTINGS: dict[str, Setting] = {
     "DDPACK_RESTART_IN_PLACE": Setting(r"0|1", "1", "1: a failed step restarts in this allocation; 0: the job is requeued"),
     "DDPACK_SPARE_NODES": Setting(WHOLE, "0", "nodes held back to replace a bad one"),
     "DDPACK_STANDBYS": Setting(
-        WHOLE, "0", "pyxis-per-task, baremetal: warm standby processes of the bundled trainer; a rank that dies is replaced in process"
+        r"auto|\d+",
+        "auto",
+        "pyxis-per-task, baremetal: warm standby processes of the bundled trainer; a rank that dies is replaced in process "
+        "(auto: 1 where the job asks for no GPUs and runs the bundled trainer, else 0)",
     ),
     "DDPACK_STEP_WAIT": Setting(
         WHOLE, "120", "seconds srun gives a step's other tasks once one has ended; with standbys, once rank 0 has (0: for ever)"
@@ -121,6 +124,71 @@ def value(name: str, environ: Mapping[str, str]) -> str:
     """NAME as a job sees it: its value in `environ`, else the table's default (<uid>: this user's), the one place a
     default is written."""
     return environ.get(name) or SETTINGS[name].default.replace("<uid>", str(os.getuid()))
+
+
+# What a training step runs, as far as the standbys are concerned (`step_program`).
+TRAINER, OWN, IMAGE, TORCHRUN, UNKNOWN = "trainer", "own", "image", "torchrun", "unknown"
+
+
+def step_program(*, command: bool, train_args: bool, torchrun: bool, image_command: str | None) -> str:
+    """What a training step runs: TORCHRUN (torchrun starts a node's ranks: a task is no rank), OWN (a program of the
+    user's: DDPACK_COMMAND, `ddpack submit -- CMD`), TRAINER (the bundled trainer: its flags are given, or the image's
+    own command is none), IMAGE (the image's own command, its APP_CMD), or UNKNOWN (no record says which the image
+    runs). `image_command`: the image's APP_CMD ("" for none, None when not known)."""
+    if torchrun:
+        return TORCHRUN
+    if command:
+        return OWN
+    if train_args or image_command == "":
+        return TRAINER
+    return UNKNOWN if image_command is None else IMAGE
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """Which recovery a run's training step has, and why: `standbys` warm standby processes of the bundled trainer (a
+    rank that dies is replaced in process, the others keep training), or none (a rank's death ends the step, which
+    restarts from the last snapshot under DDPACK_MAX_FAILURE_RESTARTS)."""
+
+    standbys: int
+    why: str
+
+    @property
+    def mode(self) -> str:
+        return "in-process" if self.standbys else "restart"
+
+    def line(self) -> str:
+        """One line for people: which recovery and why."""
+        if self.standbys:
+            return f"in-process recovery with {self.standbys} standby process(es) ({self.why})"
+        return f"a restart of the step from its last snapshot ({self.why})"
+
+    def fields(self) -> dict[str, object]:
+        """As a record holds it (the job's `recovery` decision, run.json's settings)."""
+        return {"mode": self.mode, "standbys": self.standbys, "why": self.why}
+
+
+def recovery(given: str, *, gpus: int, program: str) -> Recovery:
+    """The standbys a training step starts, from DDPACK_STANDBYS as the job sees it (`given`: a count, or auto, the
+    default) and the facts: the one place the default's rule is written (the job's program and `ddpack submit` both
+    ask it). A count given is taken as given (the callers refuse one that cannot hold, each in one line). auto: one
+    standby where it is free, none where it is not: a standby is a task of the bundled trainer's per-task step, so
+    none for any other program; on GPU nodes it would hold a GPU of its own on a node that trains, idle until a rank
+    dies, so a CUDA job has none unless it asks; on CPU nodes it is one process that sleeps while it waits."""
+    if given != "auto":
+        count = int(given)
+        return Recovery(count, f"{'asked for' if count else 'none asked for'}: DDPACK_STANDBYS={count} (ddpack submit --standbys {count})")
+    if program == TORCHRUN:
+        return Recovery(0, "torchrun starts a node's ranks itself, so a task is no rank and none can be a standby")
+    if program == OWN:
+        return Recovery(0, "your own program runs, and standbys are tasks of the bundled trainer's per-task step")
+    if program == IMAGE:
+        return Recovery(0, "the image runs its own command (its APP_CMD), and standbys are tasks of the bundled trainer")
+    if program == UNKNOWN:
+        return Recovery(0, "no make sqsh record says the image runs the bundled trainer; DDPACK_STANDBYS=1 asks for a standby if it does")
+    if gpus:
+        return Recovery(0, "a CUDA job: a standby would hold a GPU of its own, idle until a rank dies; DDPACK_STANDBYS=K asks for K")
+    return Recovery(1, "the default where the nodes have no GPUs: one standby, a process that sleeps while it waits")
 
 
 def container_path(path: str, mounts: str) -> str | None:

@@ -39,6 +39,18 @@ def image_key(sqsh: Path) -> str:
     return hashlib_hex(f"file {info.st_size} {int(info.st_mtime)} {info.st_ino} {sqsh}")[:32]
 
 
+def image_command(sqsh: str) -> str | None:
+    """The command the squashfs's image runs when given none (its APP_CMD; "" for none, so the bundled trainer), from
+    make sqsh's record beside it while the record describes the file as it is; None when no record says (a squashfs
+    made by another tool, by an older ddpack, or changed since): the job then cannot tell what its tasks run."""
+    with contextlib.suppress(OSError, ValueError, AttributeError, TypeError, KeyError):
+        info = os.stat(sqsh)
+        record = json.loads(Path(f"{sqsh}.ddpack.json").read_text())
+        if record["size"] == info.st_size and record["mtime_ns"] == info.st_mtime_ns and isinstance(record["app_cmd"], str):
+            return record["app_cmd"]
+    return None
+
+
 def hashlib_hex(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -76,7 +88,14 @@ SBCAST_NODE_ERROR = re.compile(r"REQUEST_FILE_BCAST\(([^)]+)\): (.*)")  # sbcast
 
 def unpacked_bytes(sqsh: str, size: int) -> int:
     """What enroot takes on a node's disk to unpack the image, for the free-space check: its own size when the squashfs
-    stores its data uncompressed (its superblock's flag 0x0002; make sqsh's default), else UNPACK_FACTOR times it."""
+    stores its data uncompressed (make sqsh's default), else UNPACK_FACTOR times it. Told by make sqsh's record beside
+    it (its squash options, `-noD`: data not compressed) while the record describes the file, so that a start whose
+    nodes all hold a copy never opens the shared file; else by the superblock's flag 0x0002 (32 bytes read)."""
+    with contextlib.suppress(OSError, ValueError, AttributeError, TypeError, KeyError):
+        info = os.stat(sqsh)
+        record = json.loads(Path(f"{sqsh}.ddpack.json").read_text())
+        if record["size"] == info.st_size and record["mtime_ns"] == info.st_mtime_ns:
+            return size if "-noD" in str(record["squash_options"]).split() else size * UNPACK_FACTOR
     with contextlib.suppress(OSError), open(sqsh, "rb") as image:
         head = image.read(32)
         if head[:4] == b"hsqs" and int.from_bytes(head[24:26], "little") & 0x0002:

@@ -39,7 +39,9 @@ from ddpack_records import (
     say,
     write_record,
 )
+from ddpack_settings import Recovery, recovery, step_program, value
 from ddpack_slurm import SQUEUE_TIMEOUT_S, JobFacts, command, hostnames, natural, on_each_node
+from ddpack_staging import image_command
 
 
 def read_count(path: Path) -> int:
@@ -58,7 +60,7 @@ NOT_A_CRASH = (b"Terminated", b"Exited with exit code 0")  # srun's own TERM for
 END_MARK = b"ddpack-end "  # train/outcome.py's end record: {"rank", "host", "outcome", "reason", ...}
 # train/outcome.py's CAUSES of a failed rank that crashed nothing (a peer died; recovery fell back after one did). An
 # image older than the field says the first in its reason's words, LEFT_BY_A_PEER, and a fallback in FALLBACK's.
-NOT_CRASHED = ("peer", "recovery-fallback")
+NOT_CRASHED = ("peer", "recovery-fallback", "counted-dead")
 LEFT_BY_A_PEER = "a collective failed"
 
 
@@ -302,7 +304,7 @@ class Training:
     DDPACK_SPARE_NODES=K: the job's last K nodes are spares; training runs on the others, and a restart swaps a spare
     in for a node that failed. Each decision is one line for people and a record for `ddpack status`."""
 
-    def __init__(self, step: list[str], command: list[str], container: str = "") -> None:
+    def __init__(self, step: list[str], command: list[str], container: str = "", *, tasks_are_ranks: bool = True) -> None:
         env = os.environ
         self.step, self.command, self.container = step, command, container
         self.job, self.run_dir = env["SLURM_JOB_ID"], Path(env["DDPACK_RUN_DIR"])
@@ -319,7 +321,9 @@ class Training:
         self.in_place = settings["DDPACK_RESTART_IN_PLACE"] == "1"
         self.max_restarts = int(settings["DDPACK_MAX_RESTARTS"])
         self.max_failed = int(settings["DDPACK_MAX_FAILURE_RESTARTS"])
-        self.standbys = int(settings["DDPACK_STANDBYS"])
+        self.now = JobFacts(self.job)  # what Slurm says of the job, read once a decision (after_step starts a new one)
+        self.recovery = self.choose_recovery(settings["DDPACK_STANDBYS"], tasks_are_ranks)
+        self.standbys = self.recovery.standbys
         self.step_wait = int(settings["DDPACK_STEP_WAIT"])
         self.restarts = int(env.get("SLURM_RESTART_COUNT") or 0)
         self.failed = 0  # failure restarts counted during this start: the cap holds if the run folder's count is lost
@@ -337,6 +341,20 @@ class Training:
         self.now = JobFacts(self.job)  # what Slurm says of the job, read once a decision (after_step starts a new one)
         self.preflight_out = self.swapped_by_preflight()  # nodes this start's preflight found bad: out for the whole job
         self.bad_nodes += self.preflight_out
+
+    def choose_recovery(self, given: str, tasks_are_ranks: bool) -> Recovery:
+        """The standbys each training step starts (DDPACK_STANDBYS: a count, or auto, the table's rule: one where the job
+        asks for no GPUs and its tasks run the bundled trainer). What the tasks run: DDPACK_COMMAND (your program), the
+        trainer's flags, or the image's own command as make sqsh's record beside DDPACK_SQSH names it (pyxis templates; a
+        bare-metal job runs the bundle's entrypoint, whose command is the trainer). Slurm is asked for the GPUs only
+        when the rule needs them."""
+        env = os.environ
+        launcher = self.command[: self.command.index("--")] if "--" in self.command else self.command
+        torchrun = not tasks_are_ranks or any(word.split("=")[0] in ("--nproc-per-node", "--nproc_per_node") for word in launcher)
+        image = image_command(value("DDPACK_SQSH", env)) if self.container else ""
+        has_words = bool(env.get("DDPACK_TRAIN_ARGS", "").strip().strip("[]").strip())
+        program = step_program(command=bool(env.get("DDPACK_COMMAND")), train_args=has_words, torchrun=torchrun, image_command=image)
+        return recovery(given, gpus=self.now.gpus_per_node if given == "auto" else 0, program=program)
 
     @functools.cached_property
     def started(self) -> list[str] | None:
@@ -363,6 +381,7 @@ class Training:
             say(
                 f"{self.standbys} standby process(es) start with each training step (DDPACK_STANDBYS): a rank that dies is replaced in process"
             )
+        write_record(self.run_dir, "recovery", self.recovery.fields())
         while True:
             sys.stdout.flush()
             before = metrics_size(self.run_dir / METRICS)
@@ -436,15 +455,22 @@ class Training:
         --wait (SLURM_WAIT), which kills the step DDPACK_STEP_WAIT seconds after its first task ended, is replaced by
         the same wait after rank 0 has ended (`run_step`): the first task to end is now a rank the others outlive."""
         env = os.environ
+        # The tasks are handed the count this step starts (the trainer reads its --standbys there): a count asked for
+        # that this step cannot start would otherwise make its last ranks standbys that nobody started as such.
+        asked = value("DDPACK_STANDBYS", env)
+        none = None if asked == "auto" or not int(asked) else {**env, "DDPACK_STANDBYS": "0"}
         if not self.standbys:
-            yield self.placement, None
+            yield self.placement, none
             return
         per_node = self.per_node
         nodes = self.last_nodes or self.now.nodes or self.started
         if per_node is None or not nodes:
             why = f"SLURM_NTASKS_PER_NODE={env.get('SLURM_NTASKS_PER_NODE', '')}" if nodes else "Slurm did not list the job's nodes"
             say(f"training without standbys this step: they need the job's nodes and --ntasks-per-node ({why})")
-            yield self.placement, None
+            write_record(
+                self.run_dir, "recovery", {"mode": "restart", "standbys": 0, "why": f"this step could not start its standbys ({why})"}
+            )
+            yield self.placement, none
             return
         hosts = task_hosts(nodes, per_node, self.standbys)
         fd, path = tempfile.mkstemp(prefix="ddpack-step-hosts-", text=True)  # 0600, a new name: ours alone
@@ -453,6 +479,7 @@ class Training:
                 out.write("\n".join(hosts) + "\n")
             step_env = {name: text for name, text in env.items() if name not in ("SLURM_WAIT", "SLURM_NTASKS_PER_NODE")}
             step_env["SLURM_HOSTFILE"] = path
+            step_env["DDPACK_STANDBYS"] = str(self.standbys)
             options = [
                 f"--nodes={len(nodes)}",
                 f"--ntasks={len(hosts)}",

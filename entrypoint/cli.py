@@ -155,9 +155,11 @@ def supervised(plan: Plan) -> bool:
 
 def standbys_refused(plan: Plan, environ: Mapping[str, str]) -> str | None:
     """Why DDPACK_STANDBYS cannot hold for this plan, or None. It makes the bundled trainer's last ranks standbys
-    (`--standbys`); any other program would take them for ranks, and under torchrun a task is not a rank."""
+    (`--standbys`); any other program would take them for ranks, and under torchrun a task is not a rank. auto (the
+    settings table's default) asks nothing of a task: the job's program resolves it and hands the step the count it
+    started, so a task that still sees auto was started with no standby beside it."""
     value = environ.get("DDPACK_STANDBYS", "").strip()
-    if not value.strip("0"):
+    if not value.strip("0") or value == "auto":
         return None
     if plan.launcher == "torchrun":
         return f"DDPACK_STANDBYS={value} needs one process a rank, and torchrun (--nproc-per-node) starts a node's ranks itself; unset it"

@@ -47,8 +47,11 @@ def stuck(log: Path | str) -> str:
 
 
 def env(**extra: str) -> dict[str, str]:
-    """A job's environment: the bundle's venv, and the submitting user's staging folder on each node's own /tmp."""
-    return clean_env(DDPACK_VENV=str(VENV), DDPACK_STAGE_DIR=str(stage_dir(os.getuid())), **extra)
+    """A job's environment: the bundle's venv, and the submitting user's staging folder on each node's own /tmp. No
+    standby unless a test asks (DDPACK_STANDBYS: on these CPU nodes the default is one, a task more in every step of
+    the bundled trainer): a job submitted by hand keeps the shape its test was written for. `ddpack submit` takes no
+    DDPACK_* of its shell, so a run it submits has the default (tests/test_lifecycle_cluster.py)."""
+    return clean_env(DDPACK_VENV=str(VENV), DDPACK_STAGE_DIR=str(stage_dir(os.getuid())), **{"DDPACK_STANDBYS": "0", **extra})
 
 
 def as_user(user: User | None, job_env: dict[str, str]) -> dict[str, object]:

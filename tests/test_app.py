@@ -75,6 +75,35 @@ def test_likely_secrets_beside_the_code_stay_out_of_the_image_unless_asked_for_b
     assert left_out_note(read_app(write_cpu_ddp(tmp_path / "clean"))) is None
 
 
+def test_the_token_files_of_cloud_and_hub_tools_stay_out_of_the_image_and_their_folders_other_files_do_not(tmp_path: Path) -> None:
+    """A home folder copied into a project brings its tools' tokens: gcloud's, Azure's, Hugging Face's (the cache's
+    token and stored_tokens, the older ~/.huggingface/), Docker's and Kubernetes' configs, git's credentials, direnv's
+    .envrc and a credentials.json, at any depth; left out and named like the rest. The rest of a .cache/huggingface/
+    (models) or a .config/ is not a secret, nor a module named like one."""
+    project = write_cpu_ddp(tmp_path / "proj")
+    tokens = (".envrc", "credentials.json", "conf/credentials.json", ".huggingface/token", ".cache/huggingface/token",
+              ".cache/huggingface/stored_tokens", ".config/gcloud/application_default_credentials.json", ".azure/msal_token_cache.json",
+              ".git-credentials", ".docker/config.json", ".kube/config", "home/.config/gcloud/credentials.db")  # fmt: skip
+    for name in tokens:
+        (project / name).parent.mkdir(parents=True, exist_ok=True)
+        (project / name).write_text("hf_hunter2\n")
+    for kept in ("credentials.py", ".cache/huggingface/hub/config.json", ".config/app.yaml"):
+        (project / kept).parent.mkdir(parents=True, exist_ok=True)
+        (project / kept).write_text("x = 1\n")
+    app = read_app(project)
+    assert {f.as_posix() for f in app.files} == {
+        "ddp.py", "requirements.txt", "credentials.py", ".cache/huggingface/hub/config.json", ".config/app.yaml",
+    }  # fmt: skip
+    assert [p.as_posix() for p in app.left_out] == [
+        ".azure", ".cache/huggingface/stored_tokens", ".cache/huggingface/token", ".config/gcloud", ".docker", ".envrc", ".git-credentials",
+        ".huggingface", ".kube", "conf/credentials.json", "credentials.json", "home/.config/gcloud",
+    ]  # fmt: skip
+    stage_app(app, tmp_path / "context")
+    assert "hf_hunter2" not in "".join(p.read_text() for p in (tmp_path / "context" / "app").rglob("*") if p.is_file())
+    (project / ".dockerignore").write_text("!.cache/huggingface/token\n")  # shipped on purpose, by name
+    assert ".cache/huggingface/token" in {f.as_posix() for f in read_app(project).files}
+
+
 def test_the_digest_follows_code_and_requirements(tmp_path: Path) -> None:
     project = write_cpu_ddp(tmp_path / "proj")
     first = read_app(project).digest

@@ -126,3 +126,5 @@ def test_standbys_for_a_program_that_is_not_the_bundled_trainer_are_one_line(arg
     assert out.returncode == 2 and out.stderr == f"entrypoint: error: DDPACK_STANDBYS=1 {line}\n", out.stderr
     for ok in (["--epochs", "1"], ["--preflight"]):
         assert run(["--print-plan", *ok], DDPACK_STANDBYS="1", **SLURM_RANK3).returncode == 0
+    # auto, the settings' default, asks nothing of a task: the job's program hands a step the count it started.
+    assert run(["--print-plan", *args], DDPACK_STANDBYS="auto", **env).returncode == 0

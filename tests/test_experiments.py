@@ -623,10 +623,11 @@ def test_the_job_records_each_decision_beside_its_sentence(tmp_path) -> None:
               'ddpack_record start nodes="ddnode[1-2]" origin="new run" kind=forged time=0; '
               'ddpack_step=(sh -c "exit 138" _); ddpack_train x')  # fmt: skip
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "DDPACK_RUN_DIR": str(run_dir), "SLURM_JOB_ID": "125"}
-    env |= {"SLURM_ARRAY_JOB_ID": "90", "SLURM_ARRAY_TASK_ID": "1"}
+    env |= {"SLURM_ARRAY_JOB_ID": "90", "SLURM_ARRAY_TASK_ID": "1", "DDPACK_STANDBYS": "0"}
     out = subprocess.run(["bash", "-uc", script], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 138 and out.stdout == "ddpack: preempted (exit 138); requeueing job 125 (restart 1 of at most 10)\n", out.stderr
-    start, decision = (json.loads(line) for line in (run_dir / run_folder.DECISIONS).read_text().splitlines())
+    start, recovery, decision = (json.loads(line) for line in (run_dir / run_folder.DECISIONS).read_text().splitlines())
+    assert (recovery["kind"], recovery["mode"], recovery["standbys"]) == ("recovery", "restart", 0)  # which recovery, for status
     assert (start["kind"], start["job"], start["slurm_job"], start["nodes"]) == ("start", "90_1", "125", "ddnode[1-2]")
     assert start["time"] > 1e9 and "is not NAME=VALUE of a field of its own" in out.stderr  # kind=, time=: the record's own
     assert (decision["kind"], decision["verdict"], decision["reason"], decision["exit"]) == ("step-end", "requeue", "preempted", "138")
@@ -1270,6 +1271,210 @@ def test_report_without_matplotlib_still_shows_the_ledger(tmp_path, slurm, monke
     assert not (run_dir / "report.html").exists()
 
 
+# --------------------------------------------------------------------------- results from any program (issue 64 point 3)
+
+
+def test_a_sweep_is_ranked_by_any_eval_metric_in_compare_ls_export_and_its_best_point(tmp_path, slurm, capfd) -> None:
+    """Points whose programs recorded their own metrics (Lightning's val_loss and val_acc, as its adapter writes
+    them): compare sorts and shows them, --best names the winner (highest with --max), ls orders the points under
+    their sweep, export --summary carries each as a column; a metric no point has is one line and exit 2."""
+    import csv
+
+    from test_lifecycle import end, progress, start
+
+    from train import run_folder
+
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
+    assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1,2,3", "--json", "--", "python", "t.py", "{lr}"]) == 0
+    sweep_dir = Path(submitted(capfd)["run_dir"])
+    fake(slurm, "squeue", "exit 0")
+    for index, acc in enumerate((0.5, 0.9, 0.7)):
+        evals = [{"time": 101.0, "kind": "eval", "global_step": 5, "epoch": 0, "val_loss": 2.0, "val_acc": 0.1},
+                 {"time": 101.5, "kind": "eval", "global_step": 10, "epoch": 1, "val_loss": 1 - acc, "val_acc": acc}]  # fmt: skip
+        records = [start(100, 0), progress(101, 10), *evals, end(102, 10, "done", 0)]
+        (sweep_dir / str(index) / run_folder.METRICS).write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert cli.main(["compare", str(sweep_dir), "--json", "--sort", "val_acc", "--reverse"]) == 0
+    points = json.loads(capfd.readouterr().out)["points"]
+    assert [(p["index"], p["evals"]["val_acc"], p["eval_loss"]) for p in points] == [(1, 0.9, 1 - 0.9), (2, 0.7, 1 - 0.7), (0, 0.5, 0.5)]
+    assert cli.main(["compare", str(sweep_dir)]) == 0
+    table = capfd.readouterr().out.splitlines()
+    assert table[0].split()[:6] == ["point", "lr", "state", "step", "train", "loss"] and "val_acc" in table[0] and "0.9" in table[2].split()
+    assert cli.main(["compare", str(sweep_dir), "--best", "val_acc", "--max"]) == 0
+    assert capfd.readouterr().out.startswith(
+        f"best by val_acc (highest of 3 point(s)): point 1 (lr=2) val_acc 0.9, COMPLETED at step 10; {sweep_dir}/1"
+    )
+    assert cli.main(["compare", str(sweep_dir), "--best", "eval.val_loss", "--json"]) == 0
+    assert json.loads(capfd.readouterr().out)["best"]["index"] == 1
+    assert cli.main(["ls", "--runs", str(sweep_dir.parent), "--sort", "val_acc", "--json"]) == 0
+    assert [Path(r["run_dir"]).name for r in json.loads(capfd.readouterr().out)] == [sweep_dir.name, "0", "2", "1"]
+    assert cli.main(["ls", "--runs", str(sweep_dir.parent), "--sort", "val_acc", "--reverse", "--json"]) == 0
+    assert [Path(r["run_dir"]).name for r in json.loads(capfd.readouterr().out)][1:] == ["1", "2", "0"]
+    summary = tmp_path / "runs.csv"
+    assert cli.main(["export", str(sweep_dir), "--summary", str(summary)]) == 0
+    capfd.readouterr()
+    assert [(r["point"], r["eval.val_acc"], r["eval.val_loss"]) for r in csv.DictReader(summary.open())] == [
+        ("0", "0.5", "0.5"), ("1", "0.9", str(1 - 0.9)), ("2", "0.7", str(1 - 0.7))]  # fmt: skip
+    assert cli.main(["compare", str(sweep_dir), "--best", "val_acu"]) == 2
+    assert "--best val_acu: expected one of index, lr, state" in capfd.readouterr().err
+    assert cli.main(["ls", "--runs", str(sweep_dir.parent), "--sort", "val_acu"]) == 2
+    assert (
+        "--sort val_acu: expected one of created, name, state, step, loss, or an eval metric a run recorded (val_acc, val_loss)"
+        in capfd.readouterr().err
+    )
+    assert cli.main(["compare", str(sweep_dir), "--max"]) == 2 and "--max goes with --best" in capfd.readouterr().err
+    assert cli.main(["compare", str(sweep_dir / "0"), str(sweep_dir / "1")]) == 0  # two runs: a row a metric
+    assert [line.split()[2:] for line in capfd.readouterr().out.splitlines() if line.startswith("eval val_acc")] == [["0.5", "0.9"]]
+
+
+# --------------------------------------------------------------------------- search beyond a grid (issue 64 point 4)
+
+
+def test_listed_points_are_the_sweep_in_their_order_from_flags_or_a_file(tmp_path, slurm, capfd) -> None:
+    """--point twice: those two points, no product; --points FILE (JSON lines): its points, numbers as text."""
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
+    assert cli.main([*sweep_args(tmp_path), "--point", "lr=0.1,bs=32", "--point", "lr=0.01,bs=8", "--json", "--", "p", "{lr}", "{bs}"]) == 0
+    sweep_dir = Path(submitted(capfd)["run_dir"])
+    data = json.loads((sweep_dir / "sweep.json").read_text())
+    assert data["points"] == [{"lr": "0.1", "bs": "32"}, {"lr": "0.01", "bs": "8"}] and data["search"] == {"kind": "list"}
+    assert [read_record(sweep_dir / str(i)).command for i in (0, 1)] == [["p", "0.1", "32"], ["p", "0.01", "8"]]
+    assert "#SBATCH --array=0-1" in (sweep_dir / "job" / "ddpack.sbatch").read_text()
+    listed = tmp_path / "points.jsonl"
+    listed.write_text('{"lr": 0.3, "arch": "small"}\n\n{"lr": 3e-4, "arch": "big"}\n{"lr": 1, "arch": "big"}\n')
+    assert cli.main([*sweep_args(tmp_path), "--points", str(listed), "--json", "--", "p", "{lr}", "{arch}"]) == 0
+    sweep_dir = Path(submitted(capfd)["run_dir"])
+    assert json.loads((sweep_dir / "sweep.json").read_text())["points"] == [
+        {"lr": "0.3", "arch": "small"}, {"lr": "0.0003", "arch": "big"}, {"lr": "1", "arch": "big"}]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("extra", "line"),
+    [
+        (["--point", "lr=1", "--point", "bs=2", "--", "p", "{lr}"], "point 1 names bs; point 0 names lr: every point gives the same names"),
+        (["--point", "lr=1", "--point", "lr=1", "--", "p", "{lr}"], "point 1 is point 0 again"),
+        (["--point", "lr=1", "--sweep", "bs=1,2", "--", "p", "{lr}{bs}"], "--point and --points list the points themselves"),
+        (["--point", "lr", "--", "p", "{lr}"], "--point lr: expected NAME=VALUE,NAME=VALUE"),
+        (["--point", "lr=1", "--", "p", "{lr}", "{bs}"], "the command uses {bs}, which no --sweep gives"),
+        (["--sample", "4", "--sweep", "lr=loguniform(1,0.1)", "--", "p", "{lr}"], "loguniform(A,B) needs 0 < A < B"),
+        (["--sample", "4", "--sweep", "lr=normal(0,1)", "--", "p", "{lr}"], "expected loguniform(A,B), uniform(A,B) or randint(A,B)"),
+        (["--sample", "4", "--", "p"], "--sample N draws from the --sweep names"),
+        (["--sample-seed", "4", "--sweep", "lr=1,2", "--", "p", "{lr}"], "--sample-seed goes with --sample N"),
+        (["--sample", "1001", "--sweep", "lr=1,2", "--", "p", "{lr}"], "--sample 1001: draw 1 to 1000 points"),
+    ],
+)
+def test_a_point_list_or_random_draw_that_cannot_run_as_meant_is_one_line_and_exit_2(tmp_path, slurm, capfd, extra, line) -> None:
+    assert cli.main([*sweep_args(tmp_path), "--dry-run", *extra]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and line in err[0], err
+    assert queued(slurm) == []
+
+
+def test_a_random_search_draws_n_points_from_its_distributions_seeded_and_kept_in_the_sweeps_record(tmp_path, slurm, capfd) -> None:
+    """--sample 5: five points, lr from loguniform(1e-4,1e-1), bs a choice, layers randint(2,4) (ends included); the
+    seed and the space are in sweep.json; the same seed draws the same points; without one a seed is chosen and said."""
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
+    args = [*sweep_args(tmp_path), "--sample", "5", "--sweep", "lr=loguniform(1e-4,1e-1)", "--sweep", "bs=16,32", "--sweep", "layers=randint(2,4)"]
+    command = ["--", "p", "{lr}", "{bs}", "{layers}"]
+    assert cli.main([*args, "--sample-seed", "7", "--json", *command]) == 0
+    first = json.loads((Path(submitted(capfd)["run_dir"]) / "sweep.json").read_text())
+    assert first["search"] == {"kind": "random", "sample": 5, "seed": 7,
+                               "space": {"lr": "loguniform(0.0001,0.1)", "bs": ["16", "32"], "layers": "randint(2,4)"}}  # fmt: skip
+    points = first["points"]
+    assert len(points) == 5 and all(1e-4 <= float(p["lr"]) <= 1e-1 and p["bs"] in ("16", "32") and p["layers"] in ("2", "3", "4") for p in points)
+    assert len({p["lr"] for p in points}) == 5  # drawn, not a grid
+    assert cli.main([*args, "--sample-seed", "7", "--json", *command]) == 0
+    assert json.loads((Path(submitted(capfd)["run_dir"]) / "sweep.json").read_text())["points"] == points
+    assert cli.main([*args, *command]) == 0
+    said = capfd.readouterr().out
+    seed = int(said.split("drawn with --sample-seed ")[1].split()[0])
+    sweep_dir = Path(said.split("sweep folder ")[1].split()[0])
+    assert json.loads((sweep_dir / "sweep.json").read_text())["search"]["seed"] == seed
+
+
+def test_halve_pauses_the_worse_half_at_a_rung_once_every_point_reached_it_and_keeps_its_decisions(tmp_path, slurm, capfd) -> None:
+    """Four running points (stand-in squeue); point 3 short of the rung: nothing decided. All at it: the two worse by
+    eval_loss are cancelled (the trainer's stop snapshot) and the decision is kept in sweep.json; a second look
+    decides nothing again; the paused point continues with resubmit, its own element of the array; another plan is
+    refused."""
+    from test_lifecycle import start
+
+    from train import run_folder
+
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
+    assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1,2,3,4", "--json", "--", "python", "t.py", "{lr}"]) == 0
+    sweep_dir = Path(submitted(capfd)["run_dir"])
+    fake(slurm, "squeue", 'case "$*" in *%i*) for i in 0 1 2 3; do echo "90_$i|RUNNING"; done ;; *) echo "RUNNING|None|ddnode1" ;; esac')
+
+    def write(index: int, step: int, loss: float) -> None:
+        records = [start(100, 0), *({"time": 100.0 + s, "kind": "progress", "global_step": s, "loss": loss} for s in range(5, step + 1, 5)),
+                   {"time": 100.0 + step, "kind": "eval", "global_step": step, "eval_loss": loss}]  # fmt: skip
+        (sweep_dir / str(index) / run_folder.METRICS).write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    for index, loss in enumerate((0.4, 0.1, 0.3, 0.2)):
+        write(index, 20 if index != 3 else 15, loss)
+    halve = ["halve", str(sweep_dir), "--rungs", "20,40", "--by", "loss", "--once"]
+    assert cli.main(halve) == 0 and capfd.readouterr().out == "" and calls(slurm, "scancel") == []
+    write(3, 25, 0.2)
+    assert cli.main(halve) == 0
+    assert capfd.readouterr().out.startswith("halve: rung 20 by loss (1: 0.1, 3: 0.2, 0: 0.4, 2: 0.3): points 1, 3 go on, 0, 2 paused")
+    assert calls(slurm, "scancel") == ["scancel 90_0", "scancel 90_2"]
+    (decision,) = json.loads((sweep_dir / "sweep.json").read_text())["halving"]["decided"]
+    assert (decision["rung"], decision["kept"], decision["paused"]) == (20, [1, 3], [0, 2])
+    assert cli.main([*halve, "--json"]) == 0 and capfd.readouterr().out == "" and len(calls(slurm, "scancel")) == 2  # decided once
+    assert cli.main(["halve", str(sweep_dir), "--rungs", "20,40", "--by", "eval_loss", "--once"]) == 2
+    assert "this sweep is halved at rungs 20,40 by loss already" in capfd.readouterr().err
+    assert cli.main(["halve", str(sweep_dir), "--rungs", "40,20", "--by", "loss"]) == 2
+    assert "--rungs 40,20: expected steps in rising order" in capfd.readouterr().err
+    fake(slurm, "squeue", "exit 0")
+    fake(slurm, "sbatch", "echo 95")
+    assert cli.main(["resubmit", str(sweep_dir / "2"), "--json"]) == 0  # a paused point continues: its own folder, its snapshot
+    assert json.loads(capfd.readouterr().out)["job_id"] == "95_2" and " --array=2 " in calls(slurm, "sbatch")[-1]
+
+
+def test_a_point_held_at_a_rung_while_another_waits_for_a_node_is_continued_when_it_wins_and_left_paused_when_it_loses(
+    tmp_path, slurm, capfd
+) -> None:
+    """Three points, one node free: 0 and 1 reach rung 20 while 2 waits in the queue; both are held (paused), the rung
+    waits for 2; once 2 reached it, the decision keeps 0 and 2 (lowest loss): held 0 goes on (resume), held 1 stays
+    paused, 2 is never touched."""
+    from test_lifecycle import start
+
+    from ddpack.jobs import search
+    from train import run_folder
+
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
+    assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1,2,3", "--json", "--", "python", "t.py", "{lr}"]) == 0
+    sweep_dir = Path(submitted(capfd)["run_dir"])
+
+    def write(index: int, step: int, loss: float) -> None:
+        records = [start(100, 0), *({"time": 100.0 + s, "kind": "progress", "global_step": s, "loss": loss} for s in range(5, step + 1, 5))]
+        (sweep_dir / str(index) / run_folder.METRICS).write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    states = {"0": "RUNNING", "1": "RUNNING", "2": "PENDING"}
+    acted: list[tuple[str, str]] = []
+    ready = True
+
+    def look() -> search.HalvePass:
+        return search.halve_pass(sweep_dir, search.Halving(rungs=(20, 40), by="loss"), state_of=lambda d: states[d.name],
+                                 pause=lambda d: acted.append(("pause", d.name)), resume=lambda d: acted.append(("resume", d.name)) or ready,
+                                 now=lambda: 1.0)  # fmt: skip
+
+    write(0, 20, 0.1)
+    write(1, 25, 0.5)
+    done = look()
+    assert (done.held, done.decisions, done.over, acted) == ([0, 1], [], False, [("pause", "0"), ("pause", "1")])
+    assert json.loads((sweep_dir / "sweep.json").read_text())["halving"]["held"] == [0, 1]
+    states.update({"0": "CANCELLED", "1": "CANCELLED", "2": "RUNNING"})
+    write(2, 20, 0.3)
+    ready = False  # 0's cancelled job still ending: its resubmit is refused, and tried again at the next look
+    done = look()
+    assert ([(d["kept"], d["paused"]) for d in done.decisions], done.resumed, done.over) == ([([0, 2], [1])], [], False)
+    assert json.loads((sweep_dir / "sweep.json").read_text())["halving"]["waking"] == [0]
+    ready = True
+    done = look()
+    assert (done.decisions, done.resumed) == ([], [0]) and acted[2:] == [("resume", "0"), ("resume", "0")]  # 1 stays paused, 2 untouched
+    assert tuple(json.loads((sweep_dir / "sweep.json").read_text())["halving"][key] for key in ("held", "waking")) == ([], [])
+
+
 # --------------------------------------------------------------- points that share nodes (issue 64 point 2)
 
 SIZED_PARTITIONS = 'echo "debug*|2|idle|gpu:8|64"; echo "small|2|idle|(null)|2"'  # sinfo's %P|%D|%T|%G|%c
@@ -1524,3 +1729,16 @@ def test_a_runs_digest_answers_as_its_whole_metrics_do_through_restarts(tmp_path
     again = measured(run_dir, curves=False)  # from the digest file now
     assert whole[0] == digested[0] == again[0] and whole[0].restarts == 2 and whole[0].step == 800
     assert whole[2].node_s == again[2].node_s and whole[2].steps_redone == again[2].steps_redone == 100
+
+
+def test_compares_status_of_a_point_from_its_one_read_has_its_eval_metrics(tmp_path, slurm) -> None:
+    """The status compare builds from its one read (status.tail_of) carries the eval metrics, as one read from the
+    file does."""
+    from test_lifecycle import end, progress, start
+
+    from ddpack.jobs.run_metrics import read_run
+    from ddpack.jobs.status import run_status, tail_of
+
+    evals = {"time": 21.0, "kind": "eval", "global_step": 10, "val_acc": 0.75}
+    run_dir = make_run(tmp_path, records=[start(10, 0), progress(20, 10), evals, end(30, 10, "done", 0)])
+    assert run_status(run_dir, records=tail_of(read_run(run_dir).segments)).evals == run_status(run_dir).evals == {"val_acc": 0.75}

@@ -287,6 +287,7 @@ def test_the_readmes_own_loop_stops_on_one_ranks_signal_resumes_and_finishes(tmp
     ends = second.ends()
     assert [end.global_step for end in ends] == [2000, 2000] and ends[0].checksum == ends[1].checksum, ends
     assert [r["global_step"] for r in records(run) if r["kind"] == "start"] == [0, *stopped]
+    assert [r["global_step"] for r in records(run) if r["kind"] == "eval"] == [500, 1000, 1500, 2000]  # its run.eval_done, once a step
 
 
 SHAPES = {
@@ -339,3 +340,94 @@ def test_a_program_that_recorded_its_end_then_aborted_on_its_way_out_ends_as_it_
     assert supervise([sys.executable, str(program)], env, grace_s=10) == expected
     program.write_text("import os\nos.abort()\n")
     assert supervise([sys.executable, str(program)], env, grace_s=10) == 134
+
+
+# ---------------------------------------------------------------- results from any program: eval records
+
+
+def eval_records(metrics: Path) -> list[dict]:
+    return [r for r in map(json.loads, metrics.read_text().splitlines()) if r["kind"] == "eval"]
+
+
+def test_an_own_loops_eval_done_writes_its_numbers_at_its_step_and_leaves_out_what_is_not_one(tmp_path: Path) -> None:
+    import ddpack_run
+
+    metrics = tmp_path / "m.jsonl"
+    run = ddpack_run.Run(metrics_file=str(metrics), hang_timeout=0)
+    for _ in range(3):
+        run.step_done(loss=1.0)
+    torch = pytest.importorskip("torch")
+    kept = run.eval_done(loss=torch.tensor(0.25), accuracy=0.75, tokens=1000, note="text", flag=True, nan=float("nan"))
+    run.eval_done(loss=0.125, step=10)
+    assert kept == {"loss": 0.25, "accuracy": 0.75, "tokens": 1000}
+    assert [{k: v for k, v in r.items() if k not in ("kind", "time")} for r in eval_records(metrics)] == [
+        {"global_step": 3, "loss": 0.25, "accuracy": 0.75, "tokens": 1000},
+        {"global_step": 10, "loss": 0.125},
+    ]
+
+
+LIGHTNING_WITH_VALIDATION = """
+import lightning as L, torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from ddpack_run.lightning import DdpackCallback
+
+class Regression(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(4, 1)
+    def training_step(self, batch, batch_idx):
+        return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", nn.functional.mse_loss(self.net(batch[0]), batch[1]))
+        self.log("val_mae", (self.net(batch[0]) - batch[1]).abs().mean())
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+torch.manual_seed(0)
+x = torch.randn(64, 4)
+data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=16)
+trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False, callbacks=[DdpackCallback(hang_timeout=0)])
+trainer.fit(Regression(), data, data)
+"""
+
+HF_WITH_EVALUATION = """
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from ddpack_run.hf import DdpackCallback
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, count):
+        self.data = torch.randint(0, 64, (count, 8), generator=torch.Generator().manual_seed(0))
+    def __len__(self):
+        return len(self.data)
+    def __getitem__(self, index):
+        return {"input_ids": self.data[index], "labels": self.data[index]}
+
+model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=8, n_embd=16, n_layer=1, n_head=2))
+args = TrainingArguments(output_dir="out", per_device_train_batch_size=8, max_steps=4, eval_strategy="steps", eval_steps=2,
+                         save_strategy="no", report_to=[], use_cpu=True, seed=0, disable_tqdm=True)
+Trainer(model=model, args=args, train_dataset=Tokens(32), eval_dataset=Tokens(16), callbacks=[DdpackCallback(hang_timeout=0)]).train()
+"""
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(("framework", "program", "steps", "names"), [
+    ("lightning", LIGHTNING_WITH_VALIDATION, [4, 8], {"val_loss", "val_mae", "epoch"}),
+    ("transformers", HF_WITH_EVALUATION, [2, 4], {"eval_loss", "eval_runtime", "epoch"}),
+])  # fmt: skip
+def test_a_frameworks_own_validation_metrics_are_eval_records_with_no_user_code(
+    tmp_path: Path, framework: str, program: str, steps: list[int], names: set[str]
+) -> None:
+    """The adapters alone (DdpackCallback, no eval_done in the program): each validation's own numbers, at its step;
+    Lightning's sanity check (two batches before training) is no result and writes none."""
+    pytest.importorskip(framework)
+    (tmp_path / "program.py").write_text(program)
+    metrics = tmp_path / "metrics.jsonl"
+    done = subprocess.run([sys.executable, "program.py"], cwd=tmp_path, env=clean_env(DDPACK_METRICS_FILE=str(metrics)),
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    evals = eval_records(metrics)
+    assert [r["global_step"] for r in evals] == steps, evals
+    assert all(names <= set(r) and all(isinstance(r[n], int | float) for n in names) for r in evals), evals

@@ -15,6 +15,7 @@ import torch
 from ddp_jobs import grad_sync_pair_reports, metrics_step, reference_checksum, start_slurm_step, subdir, wait_for
 
 import testbed.env
+from train import recovery
 from train.gpu import driver_version, required_driver, set_tf32, version_tuple
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -141,3 +142,4 @@ def test_recovery_aborts_the_nccl_group_and_forms_the_next_generation_on_the_sam
     job = start_slurm_step(tmp_path, [1], [*SHORT, "--recovery", "--snapshot-dir", "", "--metrics-file", str(metrics)])
     assert job.wait(300) == [0], job.output()
     assert "backend nccl device cuda:0" in job.output(0) and "checksums agree across 1 ranks" in job.output(0), job.output()
+    assert recovery.NCCL_UNPROVEN in job.output(0)  # until the NCCL path has run across two GPUs

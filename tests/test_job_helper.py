@@ -135,6 +135,8 @@ def after_step(
     then: int = 0,
     step_also: str = "",
     preflight: dict | None = None,
+    tres: str = "",
+    before_train: str = "",
     **settings: str,
 ):
     """`ddpack_train x` (ddpack_job.py train) with a step that exits RC, then `then` when it is started again, and
@@ -142,8 +144,9 @@ def after_step(
     written during it, or before it (an earlier start's). `job_nodes`: the job's nodes as Slurm lists them now; `down`:
     those sinfo reports down; `step_also`: shell the step runs before it exits (it may print srun's lines, or change the
     run folder); `preflight`: `ddpack_preflight` first (DDPACK_PREFLIGHT=1), its step writing this preflight.json and
-    exiting 1 (None: the report is left as an earlier start wrote it). Returns what it printed, the calls, the run folder
-    and each step's options."""
+    exiting 1 (None: the report is left as an earlier start wrote it); `tres`: the job's TresPerNode (its GPUs);
+    `before_train`: the template's lines before ddpack_train. Returns what it printed, the calls, the run folder and each
+    step's options."""
     run_dir = tmp_path / "run"
     (run_dir / "forensics").mkdir(parents=True)
     if failures is not None:
@@ -166,7 +169,7 @@ def after_step(
     # up; once it ran, `job_nodes`, with `down` down: what happened to them during the step.
     first = settings.get("SLURM_JOB_NODELIST", job_nodes)
     scontrol = f"""case "$1 $2" in
-"show job") if [ -f "{steps}" ]; then echo "   NodeList={job_nodes}"; else echo "   NodeList={first}"; fi ;;
+"show job") if [ -f "{steps}" ]; then echo "   NodeList={job_nodes}"; else echo "   NodeList={first}"; fi; echo "   TresPerNode={tres}" ;;
 "show hostnames") echo "$3" | tr , '\\n' ;;
 esac"""
     states = " ".join(f"{n}:{'down*' if n in down.split(',') else 'alloc'}" for n in job_nodes.split(","))
@@ -180,13 +183,15 @@ esac"""
     (tmp_path / "step").write_text(f'#!/bin/sh\necho "$*" >> "{steps}"\n{step_also}\n[ "$(wc -l < "{steps}")" -eq 1 ] && exit {rc}\nexit {then}\n')
     (tmp_path / "step").chmod(0o755)
     env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "DDPACK_RUN_DIR": str(run_dir), "SLURM_JOB_ID": "77", "SLURM_JOB_NUM_NODES": "2"}
-    env |= {"SLURM_JOB_PARTITION": "debug", "SLURM_NTASKS_PER_NODE": "2", **settings}
-    script = f'. "{HELPER}"; ddpack_step=(step); ddpack_train x'
+    # No standby unless a test asks (the default on CPU nodes is one): each decision here is about the step alone.
+    env |= {"SLURM_JOB_PARTITION": "debug", "SLURM_NTASKS_PER_NODE": "2", "DDPACK_STANDBYS": "0", **settings}
+    before = f"{before_train}; " if before_train else ""
+    script = f'. "{HELPER}"; {before}ddpack_step=(step); ddpack_train x'
     if "DDPACK_PREFLIGHT" in settings:
         write = f"cat > {run_dir}/preflight.json <<'EOF'\n{json.dumps(preflight)}\nEOF\n" if preflight is not None else ""
         (tmp_path / "preflight-step").write_text(f"#!/bin/sh\n{write}exit 1\n")
         (tmp_path / "preflight-step").chmod(0o755)
-        script = f'. "{HELPER}"; ddpack_step=(step); ddpack_preflight preflight-step; ddpack_train x'
+        script = f'. "{HELPER}"; {before}ddpack_step=(step); ddpack_preflight preflight-step; ddpack_train x'
     out = subprocess.run(["bash", "-uc", script], env=env, capture_output=True, text=True, timeout=30)
     return out, calls.read_text() if calls.exists() else "", run_dir, steps.read_text().splitlines() if steps.exists() else []
 
@@ -702,7 +707,7 @@ def test_the_steps_get_the_jobs_locale_not_pythons_coerced_one(tmp_path: Path, l
     its steps LC_CTYPE as the job's shell had it, unset included (pyxis carries it into the container)."""
     (tmp_path / "scontrol").write_text("#!/bin/sh\n")
     (tmp_path / "scontrol").chmod(0o755)
-    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "DDPACK_RUN_DIR": str(tmp_path), "SLURM_JOB_ID": "77"}
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "DDPACK_RUN_DIR": str(tmp_path), "SLURM_JOB_ID": "77", "DDPACK_STANDBYS": "0"}
     if lc_ctype:
         env["LC_CTYPE"] = lc_ctype
     script = f'. "{HELPER}"; ddpack_step=(sh -c \'echo "lc=${{LC_CTYPE-unset}} $(env | grep -c ^ddpack_)"\' _); ddpack_train'
@@ -713,7 +718,13 @@ def test_the_steps_get_the_jobs_locale_not_pythons_coerced_one(tmp_path: Path, l
 def test_a_missing_slurm_command_is_a_failed_one_not_a_traceback(tmp_path: Path) -> None:
     """No srun on the PATH: the step fails as the shell would say it (127), the decision is made and said, and no
     Python traceback reaches the job's log."""
-    env = {"PATH": "/usr/bin:/bin", "DDPACK_RUN_DIR": str(tmp_path), "SLURM_JOB_ID": "77", "DDPACK_MAX_FAILURE_RESTARTS": "0"}
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "DDPACK_RUN_DIR": str(tmp_path),
+        "SLURM_JOB_ID": "77",
+        "DDPACK_MAX_FAILURE_RESTARTS": "0",
+        "DDPACK_STANDBYS": "0",
+    }
     script = f'. "{HELPER}"; ddpack_step=(srun-that-is-not-here); ddpack_train x'
     out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=30)
     assert out.returncode == 127 and "Traceback" not in out.stderr, out.stderr
@@ -756,7 +767,7 @@ def test_a_slurm_that_does_not_answer_is_never_read_as_lost_nodes(tmp_path: Path
     for tool in ("scontrol", "sinfo", "step"):
         (tmp_path / tool).chmod(0o755)
     env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "DDPACK_RUN_DIR": str(tmp_path), "SLURM_JOB_ID": "77", "SLURM_JOB_NUM_NODES": "3"}
-    env |= {"SLURM_NTASKS_PER_NODE": "2", "DDPACK_SPARE_NODES": "1"}
+    env |= {"SLURM_NTASKS_PER_NODE": "2", "DDPACK_SPARE_NODES": "1", "DDPACK_STANDBYS": "0"}
     out = subprocess.run(["bash", "-c", f'. "{HELPER}"; ddpack_step=(step); ddpack_train x'], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 138 and "Traceback" not in out.stderr, out.stderr
     assert out.stdout.splitlines()[-1] == "ddpack: preempted (exit 138); requeueing job 77 (restart 1 of at most 10)", out.stdout
@@ -767,7 +778,7 @@ def test_a_full_log_costs_its_lines_not_the_steps_status(tmp_path: Path) -> None
     step's own status, decided and recorded (Python's exit flush would otherwise make it 120)."""
     (tmp_path / "scontrol").write_text("#!/bin/sh\n")
     (tmp_path / "scontrol").chmod(0o755)
-    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "DDPACK_RUN_DIR": str(tmp_path), "SLURM_JOB_ID": "77"}
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "DDPACK_RUN_DIR": str(tmp_path), "SLURM_JOB_ID": "77", "DDPACK_STANDBYS": "0"}
     script = f'. "{HELPER}"; ddpack_step=(sh -c "exit 143" _); ddpack_train >/dev/full'
     out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=30)
     assert out.returncode == 143, out.stderr
@@ -829,6 +840,38 @@ def test_with_standbys_a_task_still_alive_after_rank_0_ended_is_ended_after_the_
     assert len(steps) == 1 and out.returncode == 137, out.stdout + out.stderr
     assert "ddpack: rank 0 ended 1 s ago and the step has not (a task frozen, or a standby that cannot leave): ending it (DDPACK_STEP_WAIT)" in out.stdout
     assert "ddpack: the step failed (exit 137) after 0 failure restarts" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize(
+    ("settings", "tres", "before_train", "options", "seen", "why"),
+    [
+        ({"DDPACK_TRAIN_ARGS": "--epochs 1"}, "", "", "--nodes=2 --ntasks=5 --distribution=arbitrary --overcommit --kill-on-bad-exit=0 x",
+         "1", "the default where the nodes have no GPUs"),
+        ({"DDPACK_TRAIN_ARGS": "--epochs 1"}, "gres/gpu:2", "", "x", "auto", "a CUDA job: a standby would hold a GPU of its own"),
+        ({"DDPACK_COMMAND": "python ddp.py"}, "", "", "x", "auto", "your own program runs"),
+        ({"DDPACK_TRAIN_ARGS": "--epochs 1"}, "", 'ddpack_no_standbys "torchrun starts them"', "x", "auto", "torchrun starts a node's ranks"),
+        ({"DDPACK_TRAIN_ARGS": "--epochs 1", "DDPACK_STANDBYS": "1", "SLURM_NTASKS_PER_NODE": ""}, "", "", "x", "0",
+         "this step could not start its standbys"),
+    ],
+    ids=["cpu", "gpu", "own-command", "tasks-not-ranks", "asked-but-cannot"],
+)  # fmt: skip
+def test_by_default_a_cpu_job_of_the_bundled_trainer_has_one_standby_and_any_other_none_and_the_tasks_see_the_count(
+    tmp_path: Path, settings: dict[str, str], tres: str, before_train: str, options: str, seen: str, why: str
+) -> None:
+    """DDPACK_STANDBYS unset is auto (the settings table's rule): one standby task where the job asks for no GPUs and
+    runs the bundled trainer, none otherwise; the tasks get the count the step started (auto reaches them only where it
+    started none, and a count asked for that the step cannot start reaches them as 0); the job records which recovery
+    it has and why, for `ddpack status`."""
+    shows = f'echo "standbys=${{DDPACK_STANDBYS-unset}}" >> "{tmp_path}/seen.txt"'
+    out, _, run_dir, steps = after_step(
+        tmp_path, 0, step_also=shows, tres=tres, before_train=before_train, SLURM_JOB_NODELIST="ddnode1,ddnode2",
+        **{"DDPACK_STANDBYS": "auto", **settings},
+    )  # fmt: skip
+    assert out.returncode == 0 and steps == [options], out.stdout + out.stderr
+    assert (tmp_path / "seen.txt").read_text() == f"standbys={seen}\n"
+    recorded = [json.loads(line) for line in (run_dir / "decisions.jsonl").read_text().splitlines()]
+    recovery = [entry for entry in recorded if entry["kind"] == "recovery"][-1]
+    assert recovery["mode"] == ("in-process" if seen == "1" else "restart") and recovery["why"].startswith(why), recovery
 
 
 @pytest.mark.parametrize(

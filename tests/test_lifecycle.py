@@ -12,11 +12,11 @@ import io
 import json
 import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
-from job_records import started, step_end, write_decisions
+from job_records import decision, started, step_end, write_decisions
 
 from ddpack import cli
 from ddpack.errors import HostError
@@ -146,6 +146,26 @@ REQUEUED_DECISIONS = [
 
 
 # --------------------------------------------------------------------------- status
+
+
+def test_status_says_which_recovery_the_run_has_from_the_jobs_record_else_from_submits_plan(tmp_path, slurm) -> None:
+    """Before the job says (pending), status shows what submit planned (run.json); once the job's program has resolved
+    it on its nodes (its `recovery` record), that; a run with neither (an older ddpack) shows no recovery line."""
+    run_dir = make_run(tmp_path, records=[], decisions=[started(99, log_at=0)])
+    assert status.run_status(run_dir).recovery is None and "recovery" not in status.render(status.run_status(run_dir))
+    planned = {"mode": "in-process", "standbys": 1, "why": "the default where the nodes have no GPUs"}
+    write_record(replace(read_record(run_dir), settings={"recovery": planned}))
+    said = status.run_status(run_dir)
+    assert said.recovery == {**planned, "from": "submit"}
+    assert (
+        "recovery in-process, 1 standby(s) (the default where the nodes have no GPUs; as submitted: the job has not said yet)"
+        in status.render(said)
+    )
+    resolved = {"mode": "restart", "standbys": 0, "why": "this step could not start its standbys (SLURM_NTASKS_PER_NODE=)"}
+    write_decisions(run_dir, [decision(100, "recovery", **resolved)], append=True)
+    said = status.run_status(run_dir)
+    assert said.recovery == {**resolved, "from": "job"} and json.loads(said.to_json())["recovery"]["mode"] == "restart"
+    assert "recovery a restart of the step from its last snapshot (this step could not start its standbys" in status.render(said)
 
 
 def test_a_running_requeued_job_shows_both_segments_the_step_of_the_total_an_eta_and_the_slowest_rank(tmp_path, slurm) -> None:
@@ -417,10 +437,90 @@ def test_a_run_folder_or_record_that_is_not_the_users_own_is_never_listed_or_act
 def settings(tmp_path: Path, **changes) -> SubmitSettings:
     sqsh = tmp_path / "fsx" / "images" / "x.sqsh"
     sqsh.parent.mkdir(parents=True, exist_ok=True)
-    sqsh.write_bytes(b"hsqs")
+    if not sqsh.exists():  # kept as it is: make sqsh's record beside it names its size and time
+        sqsh.write_bytes(b"hsqs")
     base = {"app_dir": tmp_path, "nodes": 2, "tasks_per_node": 2, "runs": tmp_path / "fsx" / "runs", "images": sqsh.parent,
             "sqsh": sqsh, "mounts": f"{tmp_path / 'fsx'}:/fsx", "name": "cpu-ddp"}  # fmt: skip
     return SubmitSettings(**{**base, **changes})
+
+
+def made_by_sqsh(sqsh: Path, app_cmd: str) -> None:
+    """make sqsh's record beside `sqsh` (ddpack/images/sqsh.py write_record), naming the image's own command."""
+    info = sqsh.stat()
+    record = {"image": "x:1", "app_cmd": app_cmd, "image_id": "sha256:" + "a" * 64, "squash_options": "-comp lz4", "size": info.st_size,
+              "mtime_ns": info.st_mtime_ns}  # fmt: skip
+    Path(f"{sqsh}.ddpack.json").write_text(json.dumps(record))
+
+
+def dry_run_says(tmp_path: Path, capsys, *args: str) -> tuple[list[str], str]:
+    """A good setup's dry run with `args` added: (its `submit: ` lines after the script, the script)."""
+    good = settings(tmp_path)
+    assert cli.main(["submit", "--nodes", "2", "--dry-run", "--runs", str(good.runs), "--sqsh", str(good.sqsh), "--mounts", good.mounts,
+                     str(tmp_path), *args]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    return [line for line in out.splitlines() if line.startswith(("submit: recovery", "submit: spares"))], out
+
+
+@pytest.mark.parametrize(
+    ("args", "app_cmd", "said", "exported"),
+    [
+        ((), "", "in-process recovery with 1 standby process(es) (the default where the nodes have no GPUs: one standby", "1"),
+        (
+            ("--standbys", "2"),
+            "",
+            "in-process recovery with 2 standby process(es) (asked for: DDPACK_STANDBYS=2 (ddpack submit --standbys 2))",
+            "2",
+        ),
+        (("--standbys", "0"), "", "a restart of the step from its last snapshot (none asked for: DDPACK_STANDBYS=0", "0"),
+        (
+            ("--gpus-per-node", "2", "--partition", "gpu"),
+            "",
+            "a restart of the step from its last snapshot (a CUDA job: a standby would hold a GPU",
+            "0",
+        ),
+        (
+            ("--", "python", "ddp.py"),
+            "",
+            "a restart of the step from its last snapshot (your own program runs, and standbys are tasks",
+            "0",
+        ),
+        (("--template", "torchrun"), "", "a restart of the step from its last snapshot (torchrun starts a node's ranks itself", "0"),
+        ((), "python train.py", "a restart of the step from its last snapshot (the image runs its own command (its APP_CMD)", "0"),
+        ((), None, "a restart of the step from its last snapshot (no make sqsh record says the image runs the bundled trainer", "0"),
+        (("--env", "DDPACK_TRAIN_ARGS=--epochs 2"), None, "in-process recovery with 1 standby process(es) (the default where", "1"),
+    ],
+    ids=["cpu-default", "asked", "none-asked", "cuda", "own-command", "torchrun", "image-command", "image-unknown", "trainer-flags"],
+)
+def test_a_dry_run_says_which_recovery_the_run_has_and_why_and_the_script_holds_its_count(
+    tmp_path, slurm, capsys, args: tuple[str, ...], app_cmd: str | None, said: str, exported: str
+) -> None:
+    """One standby is the default where the job asks for no GPUs and its tasks run the bundled trainer (the settings
+    table's rule, which the job applies too); anything else has the restart, and the dry run says why in one line."""
+    if app_cmd is not None:
+        made_by_sqsh(settings(tmp_path).sqsh, app_cmd=app_cmd)
+    lines, out = dry_run_says(tmp_path, capsys, *args)
+    assert lines[0].startswith(f"submit: recovery: {said}"), out
+    assert f"export DDPACK_STANDBYS={exported}\n" in out
+
+
+def test_a_dry_run_says_spare_nodes_are_for_restarts_and_an_nccl_standby_is_not_yet_proven(tmp_path, slurm, capsys) -> None:
+    made_by_sqsh(settings(tmp_path).sqsh, app_cmd="")
+    lines, out = dry_run_says(tmp_path, capsys, "--spares", "1", "--gpus-per-node", "2", "--partition", "gpu", "--standbys", "1")
+    assert lines == [
+        "submit: recovery: in-process recovery with 1 standby process(es) (asked for: DDPACK_STANDBYS=1 (ddpack submit --standbys 1))",
+        "submit: recovery: in-process recovery on NCCL has not yet run across two GPUs (docs/recovery.md): a restart is the proven path",
+        "submit: spares: 1 node(s) held back for a restart in place after a node fails; spare nodes do not host standbys (not built yet)",
+    ], out
+
+
+def test_a_run_files_standbys_is_the_flags_and_the_flag_wins(tmp_path, slurm, capsys) -> None:
+    good = settings(tmp_path)
+    made_by_sqsh(good.sqsh, app_cmd="")
+    (tmp_path / "run.toml").write_text(f'nodes = 2\nstandbys = 3\nsqsh = "{good.sqsh}"\nmounts = "{good.mounts}"\nruns = "{good.runs}"\n')
+    assert cli.main(["submit", "--file", str(tmp_path / "run.toml"), "--dry-run"]) == 0
+    assert "export DDPACK_STANDBYS=3\n" in capsys.readouterr().out
+    assert cli.main(["submit", "--file", str(tmp_path / "run.toml"), "--standbys", "0", "--dry-run"]) == 0
+    assert "export DDPACK_STANDBYS=0\n" in capsys.readouterr().out
 
 
 def test_submit_writes_the_record_before_sbatch_and_appends_the_job(tmp_path, slurm) -> None:
@@ -450,7 +550,9 @@ def test_submit_writes_the_record_before_sbatch_and_appends_the_job(tmp_path, sl
         ("unwritable log folder", "cannot be written:"),
         ("bad setting", "--env DDPACK_STAGE=sbcats: expected auto, sbcast, off"),
         ("a typo in a setting's name", "--env DDPACK_STAEG: not a ddpack setting (a typo?)"),
-        ("standbys for your own program", "--env DDPACK_STANDBYS=1: standbys are tasks of the bundled trainer's per-task step (docs/recovery.md); -- COMMAND"),
+        ("standbys for your own program", "--standbys 1: standbys are tasks of the bundled trainer's per-task step (docs/recovery.md); -- COMMAND"),
+        ("standbys for the image's own command", "--standbys 1: the image in"),
+        ("standbys through --env", "--env DDPACK_STANDBYS: set by submit's own flag --standbys; give that instead"),
         ("run folder outside the mounts", "is under none of --mounts"),
         ("runs folder another user owns", "who could replace what lies under it; use a folder of your own"),
     ],
@@ -471,7 +573,12 @@ def test_a_dry_run_names_each_broken_setup_in_one_line_exits_2_and_queues_nothin
     elif broken == "a typo in a setting's name":
         args += ["--env", "DDPACK_STAEG=sbcast"]
     elif broken == "standbys for your own program":
-        args += ["--env", "DDPACK_STANDBYS=1", "--", "python", "ddp.py"]
+        args += ["--standbys", "1", "--", "python", "ddp.py"]
+    elif broken == "standbys for the image's own command":
+        made_by_sqsh(settings(tmp_path).sqsh, app_cmd="python train.py")
+        args += ["--standbys", "1"]
+    elif broken == "standbys through --env":
+        args += ["--env", "DDPACK_STANDBYS=1"]
     elif broken == "runs folder another user owns":
         from testbed.users import UsersUnavailable, attacker
 

@@ -65,6 +65,9 @@ def test_a_run_from_submit_through_a_preemption_to_completion_then_resubmitted_a
     dry = ddpack(*args, "--dry-run")
     assert dry.returncode == 0, dry.stdout + dry.stderr
     assert re.search(r"submit: would build|\(would convert the image to it\)", dry.stdout) and "dry run: every check passed" in dry.stdout
+    # CPU nodes and the bundled trainer: one standby by default (issue 62), said by the dry run and held by the script.
+    assert "submit: recovery: in-process recovery with 1 standby process(es) (the default where the nodes have no GPUs" in dry.stdout
+    assert "\nexport DDPACK_STANDBYS=1\n" in dry.stdout
     assert not list((work / "images").iterdir()) and not (work / "runs").exists()
     submitted = ddpack(*args, "--json")
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
@@ -81,6 +84,7 @@ def test_a_run_from_submit_through_a_preemption_to_completion_then_resubmitted_a
     training = status_of(run_dir)
     assert training["state"] == "RUNNING" and training["step"] == 20 and training["total_steps"] == 58 and training["eta_s"] is not None
     assert len(training["segments"]) == 1
+    assert (training["recovery"]["mode"], training["recovery"]["standbys"], training["recovery"]["from"]) == ("in-process", 1, "job")
 
     failing = tmp_path / "squeue-down"
     failing.mkdir()
@@ -124,6 +128,9 @@ def test_a_run_from_submit_through_a_preemption_to_completion_then_resubmitted_a
     assert [(d["kind"], d.get("verdict"), d["restart"]) for d in decided if d["kind"] in ("start", "step-end")] == [
         ("start", None, 0), ("step-end", "requeue", 0), ("start", None, 1), ("step-end", "completed", 1)], decided
     assert {d["job"] for d in decided} == {job} and [d["choice"] for d in decided if d["kind"] == "staging"], decided
+    # Each start had its standby (a fifth task of the step, which the preemption and the completion did not count as a rank).
+    assert [(d["mode"], d["standbys"]) for d in decided if d["kind"] == "recovery"] == [("in-process", 1)] * 2, decided
+    assert followed.count("1 standby process(es) start with each training step") == 2, followed[-3000:]
     assert done["state_from"] in ("squeue", "job records")
     metrics = Path(run_dir) / "metrics.jsonl"
     private = [Path(run_dir), metrics, *Path(run_dir).glob("logs/*"), *Path(run_dir).glob("snapshots/*")]
@@ -317,3 +324,84 @@ def test_four_one_task_points_of_a_sweep_run_at_once_on_two_nodes_of_two_cpus(sh
     assert report.returncode == 0, report.stdout + report.stderr
     allocations = json.loads(report.stdout)["ledger"]["allocations"]  # each point charged its CPU of the node's 2
     assert sorted((a["point"], a["nodes"], a["share"]) for a in allocations) == [(i, 1, 0.5) for i in range(4)]
+
+
+# The regression task, each batch fetched in the training process a little slowly (STEP_SLEEP_S), so that a point is
+# still training when `halve` looks; the trainer imports it from the submission folder (as testbed/held_task.py).
+SLOW_TASK = """
+import os, time
+from train.tasks import regression
+
+
+class Slow:
+    def __init__(self, data):
+        self.data = data
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, index):
+        return self.data[index]
+
+    def __getitems__(self, indices):
+        time.sleep(float(os.environ.get("STEP_SLEEP_S", "0.3")))
+        inputs, targets = (tensor[indices] for tensor in self.data.tensors)
+        return list(zip(inputs, targets))
+
+
+def regression_slow(config):
+    task = regression(config)
+    task.train_data = Slow(task.train_data)
+    return task
+"""
+
+
+@pytest.mark.skipif(os.environ.get("DDPACK_LONG_TESTS") != "1", reason="minutes of cluster time: DDPACK_LONG_TESTS=1 runs it")
+def test_successive_halving_pauses_losers_at_their_snapshots_and_every_point_continued_ends_as_if_never_paused(shared: Path, sqsh: Path) -> None:
+    """Six points (one node each, three nodes: three wait in the queue), `halve --rungs 20,40,80 --by loss`: 3, 2 and
+    1 points go on past the rungs, the others paused at their snapshots (held ones while another waited for a node).
+    Every paused point is then continued (`resubmit SWEEP --state CANCELLED`) to its end: each starts where it stopped
+    (no step trained twice), and every point's checksum equals the same point's in a sweep that was never halved."""
+    work = shared / "halving"
+    (work / "project").mkdir(parents=True)
+    (work / "project" / "slow_task.py").write_text(SLOW_TASK)
+    (work / "project" / "slow_task.py").chmod(0o644)
+    train = "--task slow_task:regression_slow --num-workers 0 --lr {lr} --max-steps 100 --log-every 1 --snapshot-every 20 --hang-timeout 0"
+
+    def sweep(name: str) -> Path:
+        submitted = ddpack(
+            "submit", str(work / "project"), "--nodes", "1", "--partition", "big", "--sqsh", str(sqsh), "--runs", str(work / "runs"),
+            "--mounts", f"{shared}:/fsx", "--name", name, "--sweep", "lr=0.001,0.003,0.01,0.03,0.1,0.3",
+            f"--env=DDPACK_PROJECT_DIR={work / 'project'}", f"--env=DDPACK_TRAIN_ARGS={train}", "--env=STEP_SLEEP_S=0.3", "--json",
+        )  # fmt: skip
+        assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+        return Path(json.loads(submitted.stdout)["run_dir"])
+
+    began = time.monotonic()
+    halved = sweep("halved")
+    halving = ddpack("halve", str(halved), "--rungs", "20,40,80", "--by", "loss", "--interval", "1", "--json")
+    assert halving.returncode == 0, halving.stdout + halving.stderr
+    decisions = json.loads((halved / "sweep.json").read_text())["halving"]["decided"]
+    assert [(d["rung"], len(d["kept"])) for d in decisions] == [(20, 3), (40, 2), (80, 1)], decisions
+    assert ddpack("status", str(halved), "--watch", "--interval", "2").returncode in (0, 3)  # the winner completes; the paused are CANCELLED
+    paused = sorted(i for d in decisions for i in d["paused"])
+    stopped = {i: [r for r in map(json.loads, (halved / str(i) / run_folder.METRICS).read_text().splitlines()) if r["kind"] == "end"]
+               for i in paused}  # fmt: skip
+    assert any(ends and ends[-1]["outcome"] == "stopped" for ends in stopped.values()), stopped  # at least one was paused mid-run
+    mended = ddpack("resubmit", str(halved), "--state", "CANCELLED", "--json")
+    assert mended.returncode == 0, mended.stdout + mended.stderr
+    watched = ddpack("status", str(halved), "--watch", "--interval", "2")
+    assert watched.returncode == 0, watched.stdout + watched.stderr
+    baseline = sweep("whole")
+    assert ddpack("status", str(baseline), "--watch", "--interval", "2").returncode == 0
+
+    def ends_of(point: Path) -> tuple[list[int], list[dict]]:
+        records = [json.loads(line) for line in (point / run_folder.METRICS).read_text().splitlines()]
+        return [r["global_step"] for r in records if r["kind"] == "start"], [r for r in records if r["kind"] == "end"]
+
+    for index in range(6):
+        starts, ends = ends_of(halved / str(index))
+        assert starts == [0, *(end["global_step"] for end in ends[:-1])], (index, starts, ends)  # each start where the last stopped
+        assert ends[-1]["outcome"] == "done" and ends[-1]["global_step"] == 100, ends
+        assert ends[-1]["checksum"] == ends_of(baseline / str(index))[1][-1]["checksum"], index
+    print(f"halving test: {time.monotonic() - began:.0f} s; decisions {[(d['rung'], d['kept'], d['paused']) for d in decisions]}")

@@ -115,6 +115,16 @@ def test_a_port_down_and_missing_efa_devices_are_named(tmp_path: Path) -> None:
     assert by_check(rdma_checks("ib-7", root, efa_expected=False))["efa"].status == "ok"
 
 
+def test_a_gloo_job_on_a_node_with_an_idle_infiniband_card_is_not_failed(tmp_path: Path) -> None:
+    """A CPU job (gloo, no EFA) registers no memory with a NIC: a finite memlock and a port with no cable are said, not
+    a reason to fail the node (with DDPACK_PREFLIGHT=1 every such node would otherwise end the job)."""
+    root = fake_sys(tmp_path, {"mlx5_0": ("mlx5_core", "1: DOWN")})
+    facts = NodeFacts(node="cpu-3", gpus=False, gpus_asked=0, shm_need=MIB, shm_why="x", efa_expected=False)
+    rows, _ = node_checks(facts, statvfs=fake_statvfs(1 << 30, 1 << 30), root=root, memlock=64 << 10)
+    assert not [row for row in rows if row.status == "fail"], rows
+    assert by_check(rows)["rdma-ports"].status == "warn" and by_check(rows)["memlock"].status == "ok"
+
+
 # ---------------------------------------------------------------------------- GPUs, from recorded nvidia-smi outputs
 
 

@@ -79,10 +79,12 @@ def test_the_clock_tightens_after_measured_steps_relaxes_around_one_rank_pauses_
     assert set_to[-1] == pytest.approx(0.2 * recovery.TIMEOUT_MARGIN)
 
 
-def test_each_rank_and_step_has_its_own_seed() -> None:
-    seeds = {step_seed(0, rank, step) for rank in range(4) for step in range(100)}
-    assert len(seeds) == 400
-    assert step_seed(3, 1, 7) == step_seed(3, 1, 7)
+def test_each_rank_and_step_has_its_own_seed_over_a_long_run() -> None:
+    """32 ranks x 12,000 steps: no two (rank, step) pairs share a seed (a sum of weighted terms repeats once the step
+    count passes the rank's weight), and a seed is a pure function of the position."""
+    seeds = {step_seed(0, rank, step) for rank in range(32) for step in range(12_000)}
+    assert len(seeds) == 32 * 12_000
+    assert step_seed(3, 1, 7) == step_seed(3, 1, 7) != step_seed(4, 1, 7)
 
 
 @pytest.mark.parametrize(("rank", "standby"), [(0, False), (3, False), (4, True), (5, True)])

@@ -58,7 +58,7 @@ def test_the_keys_lie_under_a_prefix_of_the_token_and_the_start_never_the_token_
         (lambda key, signed: a_decision().to_json(), "not signed with this job's DDPACK_JOB_TOKEN"),  # as a standby writes it, unsigned
         (lambda key, signed: "0" * 64 + " " + a_decision().to_json(), "not signed"),  # a made-up signature
         (lambda key, signed: b"\xff\xfe not text", "not UTF-8 text"),
-        (lambda key, signed: "[" * (2 << 20), "expected at most"),
+        (lambda key, signed: "[" * ((1 << 20) + 1000), "expected at most"),  # past the 1 MiB bound
         (lambda key, signed: signed(key, "[" * 5000), "not JSON (RecursionError)"),  # signed by the job: still parsed
         (lambda key, signed: signed(key, '{"generation": 1}'), "expected a decision's"),
         (lambda key, signed: signed(key, a_decision(3).to_json()), "generation '4'; expected 1"),
@@ -195,3 +195,24 @@ def test_a_rank_waiting_on_a_collective_gives_up_only_on_the_jobs_own_decision(s
     threading.Thread(target=job.write_decision, args=(0, a_decision(), 4)).run()
     with pytest.raises(recovery.PeerDeclaredDead):
         member.abandon_if_decided()
+
+
+def test_the_launchers_standbys_are_found_by_name_whatever_the_counter_says(server: dist.TCPStore) -> None:
+    """Another user who bumps the standbys' counter before the standbys have warmed up cannot hide them: the launcher's
+    K standby tasks are s0..s<K-1> by their task; only a standby started by hand takes an index from the counter."""
+    job, _ = channel(server)
+    job.launched = 2
+    server.add(job.prefix + job.STANDBYS, 5000)  # another user's add, before anyone registered
+    for index in range(2):
+        job.beat(job.new_standby(index), Beat(1, f"n{index}"))
+    by_hand = job.new_standby()
+    job.beat(by_hand, Beat(1, "n9"))
+    assert job.standbys() == ["s0", "s1"] and by_hand == "s5002"  # past the cap of indexes read: not listed, not hidden
+
+
+def test_a_signed_waiting_report_reads_back(server: dist.TCPStore) -> None:
+    """The report that tells the standbys a survivor waits on a collective (a frozen peer's only sign) fits its size
+    bound once signed: a 64-hex signature, a space and the count."""
+    job, lines = channel(server)
+    job.report_waiting(0, "r1", 7)
+    assert job.waiting(0, ["r1", "r2"]) == {"r1": 7, "r2": None} and not lines

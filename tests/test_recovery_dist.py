@@ -171,10 +171,23 @@ def test_a_frozen_rank_is_replaced_from_its_stopped_heartbeat_before_the_collect
     collective just waits). Every step takes 400 ms (rank 0 sleeps, plugins/slow_rank.py), so the measured collective
     timeout is 8 s: the survivor leaves its wait on the standbys' decision (PeerDeclaredDead) made from rank 1's
     heartbeat stopped for FROZEN_S while rank 0 waits, not on that timeout (RuntimeError). Continued, rank 1 learns it
-    was counted dead and ends alone (cause own) without sending the standby away."""
+    was counted dead and ends alone (cause counted-dead) without sending the standby away."""
     metrics = tmp_path / "m.jsonl"
-    args = [*ARGS, "--task", "plugins.slow_rank:task", "--max-steps", "16", "--metrics-file", str(metrics), "--cpu-bind", "none"]
-    job = start_with_standbys(tmp_path, 2, args, standbys=1, SLOW_RANK="0", SLOW_RANK_MS="400", PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}")
+    snapshots = ["--snapshot-dir", str(tmp_path / "snapshots"), "--snapshot-every", "3"]  # during and after the recovery
+    args = [
+        *ARGS,
+        "--task",
+        "plugins.slow_rank:task",
+        "--max-steps",
+        "16",
+        "--metrics-file",
+        str(metrics),
+        "--cpu-bind",
+        "none",
+        *snapshots,
+    ]
+    slow = {"SLOW_RANK": "0", "SLOW_RANK_MS": "400", "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
+    job = start_with_standbys(tmp_path, 2, args, standbys=1, DDPACK_JOB_TOKEN=TOKEN, **slow)  # signed, as every templated job
     wait_for(lambda: metrics_step(metrics) >= 8 and "warm, watching" in job.output(2), 120, "step 8, the timeout tightened")
     job.send(signal.SIGSTOP, [1])
     wait_for(lambda: "recovery: rank 1 lost in generation 0" in job.output(0), 60, "the recovery")
@@ -183,7 +196,11 @@ def test_a_frozen_rank_is_replaced_from_its_stopped_heartbeat_before_the_collect
     assert "recovery: rank 1 lost in generation 0 (PeerDeclaredDead)" in job.output(0), job.output(0)
     assert "heartbeat of rank 1 stopped for 1.5s while a survivor waits on a collective" in job.output(2), job.output(2)
     frozen = job.ends(1)[-1]
-    assert frozen.cause == "own" and "was counted dead by the standbys" in (frozen.reason or ""), frozen
+    assert frozen.cause == "counted-dead" and "was counted dead by the standbys" in (frozen.reason or ""), frozen
     assert len(set(job.checksums())) == 1 and job.ends(0)[-1].global_step == 16
     steps = progress_steps(metrics)
     assert len(steps) == len(set(steps)), steps  # no global step trained twice
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    recovered_at = next(r["global_step"] for r in records if r["kind"] == "recovery")
+    written = [r["global_step"] for r in records if r["kind"] == "snapshot"]
+    assert any(step < recovered_at for step in written) and 16 in written, written

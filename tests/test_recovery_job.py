@@ -94,7 +94,8 @@ def test_a_fallback_blames_the_dead_ranks_node_never_rank_0s(node: ModuleType) -
         ({"cause": "recovery-fallback", "reason": f"{RECOVERY_IMPOSSIBLE}rank 0 lost"}, "rank 0 lost", True),
         ({"cause": "peer", "reason": "a collective failed (RuntimeError: x)"}, None, True),
         ({"cause": "own", "reason": "OutOfMemoryError: CUDA out of memory"}, None, False),
-        ({"cause": "own", "reason": f"{RECOVERY_IMPOSSIBLE}this rank (r1) was counted dead"}, None, False),  # the words do not decide
+        ({"cause": "counted-dead", "reason": f"{RECOVERY_IMPOSSIBLE}this rank (r1) was counted dead"}, None, True),
+        ({"cause": "own", "reason": f"{RECOVERY_IMPOSSIBLE}rank 0 lost"}, None, False),  # the words do not decide
         ({"reason": f"{RECOVERY_IMPOSSIBLE}rank 0 lost"}, "rank 0 lost", True),  # an image older than the field
     ],
 )
@@ -107,3 +108,47 @@ def test_the_job_decides_from_the_ends_cause_not_its_words(
 def test_an_end_records_cause_is_one_of_the_known_ones() -> None:
     with pytest.raises(ValueError, match="cause 'peer died'"):
         RunEnd(rank=0, world_size=1, host="h", outcome="failed", exit_code=1, cause="peer died")
+
+
+class Facts:
+    """JobFacts as far as the standby rule asks: the GPUs a node the job asked for."""
+
+    def __init__(self, gpus: int) -> None:
+        self.gpus_per_node = gpus
+
+
+@pytest.mark.parametrize(
+    ("app_cmd", "env", "command", "standbys", "why"),
+    [
+        ("", {}, ["entrypoint"], 1, "the default where the nodes have no GPUs"),
+        ("python train.py", {}, ["entrypoint"], 0, "the image runs its own command"),
+        ("python train.py", {"DDPACK_TRAIN_ARGS": "--epochs 2"}, ["entrypoint", "--epochs", "2"], 1, "the default where"),
+        (None, {}, ["entrypoint"], 0, "no make sqsh record says the image runs the bundled trainer"),
+        ("", {}, ["entrypoint", "--nproc-per-node", "2"], 0, "torchrun starts a node's ranks itself"),
+        ("", {"DDPACK_STANDBYS": "2"}, ["entrypoint"], 2, "asked for: DDPACK_STANDBYS=2"),
+    ],
+    ids=["trainer-image", "image-command", "trainer-flags", "no-record", "nproc-per-node", "asked"],
+)
+def test_a_pyxis_job_reads_what_its_image_runs_from_make_sqshs_record_before_it_starts_a_standby(
+    node: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, app_cmd: str | None, env: dict[str, str], command: list[str],
+    standbys: int, why: str,
+) -> None:  # fmt: skip
+    """An image whose own command is not the bundled trainer (its APP_CMD) would take a standby task for a rank, and one
+    no record speaks for might: auto starts a standby only where the tasks run the trainer for sure."""
+    sqsh = tmp_path / "x.sqsh"
+    sqsh.write_bytes(b"hsqs")
+    if app_cmd is not None:
+        info = sqsh.stat()
+        record = {"image": "x:1", "app_cmd": app_cmd, "image_id": "sha256:" + "a" * 64, "size": info.st_size, "mtime_ns": info.st_mtime_ns}
+        Path(f"{sqsh}.ddpack.json").write_text(json.dumps(record))
+    for name in ("DDPACK_COMMAND", "DDPACK_TRAIN_ARGS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("DDPACK_SQSH", str(sqsh))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    training = object.__new__(node.Training)
+    training.container, training.command, training.now = "ddpack-77", command, Facts(0)
+    chosen = training.choose_recovery(env.get("DDPACK_STANDBYS", "auto"), True)
+    assert (chosen.standbys, chosen.why[: len(why)]) == (standbys, why)
+    sqsh.write_bytes(b"hsqs, changed since make sqsh wrote its record")
+    assert training.choose_recovery("auto", True).standbys == (1 if env.get("DDPACK_TRAIN_ARGS") else 0)

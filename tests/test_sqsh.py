@@ -209,6 +209,26 @@ def test_a_second_conversion_of_the_same_image_is_a_no_op(sqsh: Path, tmp_path: 
     out = subprocess.run(other, env=clean_env(ENROOT_SQUASH_OPTIONS="-comp lz4"), cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert "sqsh: wrote" in out.stdout and "# other 1" in cat(target, "etc/rc"), out.stdout
     assert json.loads(record_path(target).read_text())["image"] == "ddpack-sqsh-other:pytest"
+    assert json.loads(record_path(target).read_text())["app_cmd"] == ""  # the bundle: the trainer is its command
+
+
+def test_the_record_names_the_images_own_command_for_the_job_and_a_reuse_does_not_depend_on_it(tmp_path: Path) -> None:
+    """make sqsh's record keeps the image's APP_CMD ("" for the bundled trainer), which the job reads to choose its
+    standbys (enroot/ddpack_staging.py image_command); whether a conversion is reused still depends on the image id,
+    options and file alone."""
+    from ddpack.images.sqsh import holds, image_app_command, write_record
+    from ddpack.job_side import module
+
+    assert image_app_command({"Env": ["PATH=/usr/bin", "DDPACK_APP_CMD=python train.py --lr 3e-4"]}) == "python train.py --lr 3e-4"
+    assert image_app_command({"Env": ["PATH=/usr/bin"]}) == image_app_command({}) == ""
+    sqsh = tmp_path / "x.sqsh"
+    sqsh.write_bytes(b"hsqs")
+    sqsh.chmod(0o644)
+    write_record(sqsh, "x:1", "sha256:" + "a" * 64, "-comp lz4", "python train.py")
+    assert module("ddpack_staging").image_command(str(sqsh)) == "python train.py"
+    assert holds(sqsh, "sha256:" + "a" * 64, "-comp lz4")
+    sqsh.write_bytes(b"hsqs, another file now")
+    assert module("ddpack_staging").image_command(str(sqsh)) is None  # the record no longer describes the file
 
 
 @docker

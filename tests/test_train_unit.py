@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -223,6 +224,30 @@ def test_a_failed_background_write_is_raised_at_the_next_wait_and_leaves_the_las
         writer.wait()
     assert [p.name for p in list_snapshots(tmp_path)] == [snapshot_name(10)]
     assert writer.wait().global_step == 10  # reported once; the last durable snapshot stays known
+
+
+@pytest.mark.parametrize("kind", ["/dev/zero", "/dev/full", "fifo", "directory", "link to /dev/zero"])
+def test_a_metrics_file_that_is_not_a_regular_file_is_refused_in_one_line_before_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """Rank 0 reads its metrics file back on a resume: /dev/zero (or /dev/full) would feed it zeros until the OOM
+    killer ends it, a FIFO would block its first record. Refused at set-up, on every rank, exit 2, from the flag or
+    from the template's DDPACK_METRICS_FILE; a regular file, or none there yet, is taken."""
+    path = {"fifo": tmp_path / "metrics.fifo", "directory": tmp_path, "link to /dev/zero": tmp_path / "m.jsonl"}.get(kind, Path(kind))
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "link to /dev/zero":
+        path.symlink_to("/dev/zero")
+    what = {"fifo": "a FIFO (a named pipe)", "directory": "a directory"}.get(kind, "a character device")
+    for argv in (["--metrics-file", str(path)], []):
+        monkeypatch.setenv("DDPACK_METRICS_FILE", str(path))
+        with pytest.raises(SystemExit) as ended:
+            parse_config(argv)
+        err = capsys.readouterr().err
+        assert ended.value.code == 2 and err.startswith(f"train: error: --metrics-file {path} is {what}, not a file:") and err.count("\n") == 1
+    for fine in (tmp_path / "new" / "metrics.jsonl", tmp_path / "kept.jsonl"):
+        (tmp_path / "kept.jsonl").write_text("")
+        assert parse_config(["--metrics-file", str(fine)]).metrics_file == str(fine)
 
 
 def test_a_metrics_file_on_a_full_disk_is_one_error_naming_it_and_the_next_record_is_tried_afresh(tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ from train.distributed import (
 from train.metrics import MetricsFile, MetricsWriteError, RankLog
 from train.model import SetupError
 from train.outcome import RECOVERY_IMPOSSIBLE, RunEnd
-from train.recovery import Membership, RecoveryImpossible, enter
+from train.recovery import Membership, Recovery, RecoveryImpossible, enter
 from train.signals import PreemptionWatcher
 from train.snapshot import SnapshotsUnreadable, SnapshotWriteError
 from train.tasks import TaskError, load_task
@@ -123,10 +123,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return RunEnd(rank=ctx.rank, world_size=ctx.world_size, host=ctx.host, outcome=outcome, exit_code=exit_code, **{**where, **extra})
 
     try:
-        trainer = Trainer(config, task, ctx, log, metrics, watcher, progress, membership=membership)
+        recovery = Recovery(membership, config.collective_timeout) if membership is not None else None
+        trainer = Trainer(config, task, ctx, log, metrics, watcher, progress, recovery=recovery)
         if watchdog is not None:
             watchdog.know_hosts(trainer.hosts)  # gathered through the process group: heartbeats must agree
-            trainer.hosts_changed = watchdog.know_hosts  # and again after an in-process recovery
+            if recovery is not None:
+                recovery.hosts_changed = watchdog.know_hosts  # and again after an in-process recovery
         result = trainer.fit()
         loss = f"{result.final_loss:.5f}" if result.final_loss is not None else "n/a"
         log(
@@ -169,7 +171,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RecoveryImpossible as exc:  # the job program restarts every rank, as without --recovery
         why = f"{RECOVERY_IMPOSSIBLE}{exc}"
         log(f"recovery: falling back to a restart of every rank: {exc}")
-        end = ended("failed", 1, reason=why, cause="own" if membership is not None and membership.counted_dead else "recovery-fallback")
+        end = ended(
+            "failed", 1, reason=why, cause="counted-dead" if membership is not None and membership.counted_dead else "recovery-fallback"
+        )
         run_over = True
     except RuntimeError as exc:  # gloo/nccl report a dead or silent peer as RuntimeError subclasses; so does an OOM
         first, cause = first_line(exc), "peer" if collective_failure(exc) else "own"

@@ -173,3 +173,25 @@ def bind_local_ranks(ctx: DistContext) -> tuple[int, ...] | None:
     if mine is not None:
         bind_process(mine)
     return mine
+
+
+def left_free(seen: list[tuple[str, tuple[int, ...]]], rank: int) -> tuple[int, ...] | None:
+    """For `rank` (a standby that took a dead rank's place), from every rank's (machine, allowed CPUs): the CPUs of its
+    own allowed set that no other rank on its machine may run on, which is the slice of the rank it replaced when that
+    rank ran here; None when nothing is left free (the others unbound, or the dead rank's slice on another machine)."""
+    machine, mine = seen[rank]
+    taken = {cpu for other, (where, cpus) in enumerate(seen) if other != rank and where == machine for cpu in cpus}
+    free = tuple(cpu for cpu in mine if cpu not in taken)
+    return free if free and len(free) < len(mine) else None
+
+
+def bind_replacement(ctx: DistContext, replacing: bool) -> tuple[int, ...] | None:
+    """Collective, after an in-process recovery: the standby that took a rank's place binds itself to the CPUs the
+    bound ranks beside it leave free (the dead rank's slice), instead of running across all of them: unbound, it and
+    the survivors' gloo threads queue on each other's cores (the recovered world trained at 0.66x before). Returns the
+    CPUs it bound to, None elsewhere."""
+    seen = gather_objects((machine_id(), allowed_cpus()), ctx)
+    mine = left_free(seen, ctx.rank) if replacing else None
+    if mine is not None:
+        bind_process(mine)
+    return mine

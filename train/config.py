@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import stat
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import NoReturn
@@ -85,6 +86,12 @@ def _non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not >= 0")
     return value
+
+
+def _standby_count(text: str) -> int:
+    """--standbys K, or auto (the job settings' default, DDPACK_STANDBYS): 0 here, as the job's program resolves auto
+    itself and hands each task the count it started (enroot/ddpack_training.py); a process started by hand has none."""
+    return 0 if text == "auto" else _non_negative_int(text)
 
 
 def _non_negative_float(text: str) -> float:
@@ -270,13 +277,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     dist.add_argument(
         "--standbys",
-        type=_non_negative_int,
-        default=os.environ.get("DDPACK_STANDBYS") or "0",
+        type=_standby_count,
+        default=os.environ.get("DDPACK_STANDBYS") or "auto",
         metavar="K",
         help="the launcher's last K processes are standbys (as --standby) and the others train in a world of WORLD_SIZE - K: "
-        "how a job template starts them as extra tasks of its step; K > 0 implies --recovery (default: $DDPACK_STANDBYS, else 0)",
+        "how a job template starts them as extra tasks of its step; K > 0 implies --recovery (default: $DDPACK_STANDBYS, else "
+        "auto: none, as the job's program hands the count it started and a process that sees auto has no standby beside it)",
     )
     return parser
+
+
+def not_a_regular_file(path: str) -> str | None:
+    """What `path` is when it exists and is no regular file (a directory, a device such as /dev/zero, a FIFO, a socket,
+    followed through links), in a few words; None for a regular file or nothing there yet (created at the first
+    record). Checked before training, on every rank: read back, /dev/zero would feed rank 0 zeros until the node's
+    memory is gone, and a FIFO would block the first record until someone reads it."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None  # not there yet (or not reachable: the first record names that error)
+    if stat.S_ISREG(mode):
+        return None
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISFIFO, "a FIFO (a named pipe)"), (stat.S_ISSOCK, "a socket"))  # fmt: skip
+    return next((kind for test, kind in kinds if test(mode)), "not a regular file")
 
 
 def parse_config(argv: Sequence[str] | None = None) -> Config:
@@ -292,6 +316,12 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
             2,
             f"train: error: --tensorboard {ns.tensorboard} needs the tensorboard package, which this Python does not have; "
             "add tensorboard to your project's requirements.txt (make image APP=...) or pip install tensorboard\n",
+        )
+    if ns.metrics_file and (why := not_a_regular_file(ns.metrics_file)) is not None:
+        parser.exit(
+            2,
+            f"train: error: --metrics-file {ns.metrics_file} is {why}, not a file: rank 0 appends a JSON line a record there "
+            "and reads it back on a resume (a device never ends, a pipe blocks); name a regular file, or leave the flag out\n",
         )
     ns.recovery = ns.recovery or ns.standby or ns.standbys > 0
     if ns.hang_timeout is None:

@@ -21,8 +21,10 @@ RECOVERY_IMPOSSIBLE = "in-process recovery impossible: "
 # whether recovery fell back), never from the words of `reason`:
 #   peer: a collective failed (a peer died, or did not answer in time): this rank crashed nothing;
 #   recovery-fallback: in-process recovery could not replace the dead (the job restarts every rank): nor did this one;
-#   own: this rank's own error (an OOM, a failed write, a user's exception, a rank the standbys counted dead).
-CAUSES = ("peer", "recovery-fallback", "own")
+#   counted-dead: the standbys judged this rank dead (its heartbeat stopped: frozen, or suppressed by someone who can
+#     reach the store) and gave its place to a standby; it was alive, so its node is not blamed for a crash;
+#   own: this rank's own error (an OOM, a failed write, a user's exception).
+CAUSES = ("peer", "recovery-fallback", "counted-dead", "own")
 
 
 @dataclass(frozen=True)

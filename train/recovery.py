@@ -3,42 +3,49 @@
 With `--recovery`, the ranks keep their processes when a peer dies; a standby (`--standby`: a process that has
 started Python, imported torch and built the model, and waits on the store) takes the dead rank's place.
 
-Who learns what, and how (the store is the one channel that never waits on a collective):
+Who learns what, and how (the store is the one channel that never waits on a collective; every key on it is signed
+with the job's token and read back checked: train/recovery_channel.py):
 - Every process (rank or standby) is a *member* of the job, named `r<rank>` for the ranks it started with and
-  `s<n>` for standbys, and bumps a heartbeat counter in the rendezvous store every HEARTBEAT_S.
-- Standbys watch: each samples every member's counter (one `multi_get`) every HEARTBEAT_S. A member whose
-  counter has not moved for STALE_S, once a survivor has reported a failed collective (a counter of the
-  generation's: a late heartbeat on a loaded node while every collective completes is no death), is dead.
-  The first standby to see a death writes the generation's
-  *decision* (compare-and-set, so there is one): the new roster, which standby takes which rank (a standby on
-  another host than the dead rank's when one is alive), or why recovery cannot work (`fallback`).
+  `s<n>` for standbys (the launcher's by their task), and writes a heartbeat (a rising count and its host) every
+  HEARTBEAT_S.
+- Standbys watch: each reads every member's heartbeat every HEARTBEAT_S. A member whose count has not risen for
+  STALE_S, once a survivor has reported a failed collective (a late heartbeat on a loaded node while every collective
+  completes is no death), is dead; so is one whose count has not risen for FROZEN_S while a survivor has waited on one
+  collective for WAITING_S (a frozen rank or a lost node: nothing resets a connection, nothing fails before the
+  collective timeout). The first standby to see a death writes the generation's *decision* (compare-and-set, so there
+  is one): the new roster, which standby takes which rank (a standby on another host than the dead rank's when one is
+  alive), or why recovery cannot work (`fallback`).
 - A survivor learns nothing until its collective fails, or, waiting on one (gloo's polled waits), until it sees this
   generation's decision in the store (asked every 20 ms: `abandon_if_decided`): gloo cannot cancel a collective in
   flight, so without that its timeout would be how long a survivor whose own peers live waits on a dead one.
   `CollectiveClock` sets the timeout from the steps' own measured times: `max(TIMEOUT_FLOOR_S, TIMEOUT_MARGIN x the
   slowest step seen)`, never above --collective-timeout, and the long --collective-timeout around what one rank does
-  alone while the others wait (rank 0's eval and snapshot copy, the first steps of a generation). A slow but healthy collective raises the timeout with it.
+  alone while the others wait (rank 0's eval and snapshot copy, the first steps of a generation). A slow but healthy
+  collective raises the timeout with it.
 - A failed survivor reads the decision (waiting up to DECISION_WAIT_S for it), destroys its process group
   (NCCL's communicator is aborted first, never left to its watchdog) and joins the next generation's, of the
-  same world size, under the store prefix `gen<g>/`; the assigned standby joins it as the dead rank.
+  same world size, under the generation's own prefix; the assigned standby joins it as the dead rank.
 - The state comes from a survivor: the trainer broadcasts model, optimizer and position from the rank furthest
-  along (a survivor whose all-reduce completed before the death may be one step ahead of one whose did not);
-  per-step RNG is derived from (seed, rank, global step), so the dead rank's stream is rebuilt, not lost.
+  along (a survivor whose all-reduce completed before the death may be one step ahead of one whose did not), as
+  weights_only loads read (nothing from a peer is unpickled); per-step RNG is derived from a hash of (seed, rank,
+  global step), so the dead rank's stream is rebuilt, not lost.
 
-Falls back (the rank ends `failed`, exit 1, with the reason; the job program restarts every rank from the
-newest snapshot, as without --recovery): more ranks lost than live standbys; no standby running; the store's
-host (rank 0's node) lost; a collective failed but no member's heartbeat stopped (a hang, or a collective
+Falls back (the rank ends `failed`, exit 1, cause recovery-fallback, with the reason; the job program restarts every
+rank from the newest snapshot, as without --recovery): more ranks lost than live standbys; no standby running; the
+store's host (rank 0's node) lost; a collective failed but no member's heartbeat stopped (a hang, or a collective
 slower than its timeout); a failure while re-forming the group (the chosen standby died, another rank died).
 
 Limits: the store host is rank 0 (MASTER_ADDR), so rank 0's death always falls back; torchrun restarts its
-workers itself, so --recovery needs one process per rank (srun tasks, docker -e); the recovery keys are not
-signed (the process group's own rendezvous keys are not either); a rank hung with a live heartbeat is the
-watchdog's to end (--hang-timeout), not recovery's.
+workers itself, so --recovery needs one process per rank (srun tasks, docker -e); the process group's own rendezvous
+keys are torch's and not signed, and another user who reaches the store can hide a live member's heartbeat (a denial
+of service: docs/security.md); on NCCL a frozen peer costs the collective timeout (its waits are not polled) and the
+path has not run across two GPUs; a rank hung with a live heartbeat is the watchdog's to end (--hang-timeout).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import random
 import threading
@@ -46,7 +53,7 @@ import time
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -77,6 +84,7 @@ DECISION_WAIT_S = 5.0  # a failed survivor waits this long for a standby's decis
 JOIN_TIMEOUT_S = 20.0  # forming the next generation's group; past it, recovery failed while recovering
 STORE_TIMEOUT_S = 10.0
 NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+T = TypeVar("T")
 STORE_GONE_S = 1.0  # a standby whose store calls have all failed this long leaves: rank 0, the store's host, is gone
 
 
@@ -131,8 +139,10 @@ def decide(generation: int, roster: Mapping[int, str], dead: Mapping[int, str], 
 
 def step_seed(seed: int, rank: int, global_step: int) -> int:
     """The RNG seed of `rank`'s step `global_step` under --recovery: a pure function, so a replacement rebuilds
-    the dead rank's stream (dropout...) from its position alone."""
-    return (seed * 1_000_003 + rank * 7_919 + global_step) % (2**63)
+    the dead rank's stream (dropout...) from its position alone. A hash, not a sum: `seed*a + rank*b + step` gave
+    rank r's step s + b the seed of rank r + 1's step s (the same dropout masks on two ranks, b = 7,919 steps apart)."""
+    digest = hashlib.blake2b(f"{seed}/{rank}/{global_step}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1  # 63 bits: what torch.manual_seed takes
 
 
 def reseed(seed: int, rank: int, global_step: int) -> None:
@@ -267,14 +277,16 @@ class Membership:
         self._waiting, self._next_waiting = 0, 0.0  # this rank's waiting count (report_waiting), and when to say it next
 
     @classmethod
-    def started(cls, *, rank: int, host: str, collective_timeout_s: float, log: Callable[[str], None], **settings: Any) -> Membership:
+    def started(
+        cls, *, rank: int, host: str, collective_timeout_s: float, log: Callable[[str], None], launched: int = 0, **settings: Any
+    ) -> Membership:
         """A rank of generation 0: hosts the store on rank 0, names this rank's host to the standbys and starts its
         heartbeat."""
         if os.environ.get("TORCHELASTIC_RUN_ID"):
             raise RecoveryImpossible(
                 "--recovery needs one process per rank (srun tasks, docker -e); under torchrun its agent restarts every worker"
             )
-        channel = Channel.of_job(_store(rank == 0, connect_s=collective_timeout_s), os.environ, log)
+        channel = Channel.of_job(_store(rank == 0, connect_s=collective_timeout_s), os.environ, log, launched=launched)
         member = f"r{rank}"
         heartbeat = Heartbeat(channel, member, host, connect_s=collective_timeout_s)
         return cls(
@@ -406,10 +418,11 @@ class Membership:
 class Standby:
     """A warm process waiting to take a dead rank's place, watching every member's heartbeat meanwhile."""
 
-    def __init__(self, *, world_size: int, host: str, log: Callable[[str], None]) -> None:
+    def __init__(self, *, world_size: int, host: str, log: Callable[[str], None], index: int | None = None, launched: int = 0) -> None:
+        """`index`: which of the launcher's `launched` standby tasks this is (None: started by hand, --standby)."""
         self.world_size, self.host, self.log = world_size, host, log
-        self.channel = Channel.of_job(_store(False), os.environ, log)
-        self.member = self.channel.new_standby()
+        self.channel = Channel.of_job(_store(False), os.environ, log, launched=launched)
+        self.member = self.channel.new_standby(index)
         self.heartbeat = Heartbeat(self.channel, self.member, host)
         self.generation = 0
         self.roster = {rank: f"r{rank}" for rank in range(world_size)}
@@ -520,6 +533,54 @@ class CollectiveClock:
             self.timeout_s = seconds
 
 
+class Recovery:
+    """--recovery as the trainer sees it, its one collaborator for it: the membership (store, heartbeat, generation),
+    the collective clock, and the timeline of the recovery in progress. The trainer asks it to run a step (seeded
+    from the position, timed for the clock), to relax the clock around a pause one rank takes alone, and to recover
+    from a failed collective; it hands back the finished recovery's timeline once the first step after it is done."""
+
+    def __init__(self, membership: Membership, ceiling_s: float) -> None:
+        self.membership = membership
+        self.clock = CollectiveClock(ceiling_s)
+        self.replacing = membership.replacing  # a standby that took a dead rank's place: its state comes from the survivors
+        self.hosts_changed: Callable[[list[str]], None] | None = None  # told the ranks' hosts after a recovery (the watchdog)
+
+    @property
+    def generation(self) -> int:
+        return self.membership.generation
+
+    def relax(self) -> None:
+        """A pause one rank takes alone is next (eval, a snapshot's copy) or a new group (see CollectiveClock)."""
+        self.clock.relax()
+
+    def step(self, seed: int, rank: int, global_step: int, run: Callable[[], T]) -> T:
+        """`run` (one optimizer step) with its RNG derived from its position, its length timed for the clock."""
+        reseed(seed, rank, global_step)
+        began = time.perf_counter()
+        result = run()
+        self.clock.measured(time.perf_counter() - began)
+        return result
+
+    def recover(self, failure: BaseException, log: Callable[[str], None]) -> None:
+        """The next generation's group formed with the standbys in the dead ranks' places (RecoveryImpossible: the job
+        restarts every rank instead)."""
+        self.membership.recover(failure, log)
+
+    def took_state(self) -> None:
+        """The state every rank now holds came from the survivors: this process replaces no one any more."""
+        self.replacing = False
+        if self.membership.stages is not None:
+            self.membership.stages.state = time.time()
+
+    def finished(self) -> dict[str, float] | None:
+        """The timeline of the recovery whose first step just finished (None when none was in progress)."""
+        stages, self.membership.stages = self.membership.stages, None
+        if stages is None:
+            return None
+        stages.first_step = time.time()
+        return stages.fields()
+
+
 def warm_up(device: torch.device, watcher: PreemptionWatcher) -> None:
     """What a standby does before it waits, so that taking a rank costs no first-time work: DDP's first
     construction imports and sets up ~2 s of torch (measured here: 2.1 s, against 0.01 s for the next one),
@@ -547,6 +608,18 @@ def warm_up(device: torch.device, watcher: PreemptionWatcher) -> None:
         dist.all_gather_object([None], "warm")
     finally:
         dist.destroy_process_group()
+
+
+# Said once at the start of a CUDA job under --recovery (docs/recovery.md's limits).
+NCCL_UNPROVEN = (
+    "recovery: in-process recovery on NCCL has not run across two GPUs yet (one-GPU tests only): a death during an "
+    "all-reduce may leave partial gradients; the job falls back to a restart where recovery cannot form a group"
+)
+
+
+def rank_log(rank: int, world: int) -> Callable[[str], None]:
+    """Lines as the trainer's RankLog prints them, for the channel before the trainer has one."""
+    return lambda line: print(f"[rank {rank}/{world}] {line}", flush=True)
 
 
 def launcher_role(standbys: int, environ: MutableMapping[str, str]) -> bool:
@@ -580,7 +653,8 @@ def enter(
     dead rank's place (None when the run ended without needing it). `standbys`: the launcher's last ranks that are
     standbys (`launcher_role`); `standby`: this process is one whatever its rank (started by hand, --standby)."""
     default_to_one_process()
-    standby = launcher_role(standbys, os.environ) or standby
+    launched = launcher_role(standbys, os.environ)
+    standby = launched or standby
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     host = node_name()
@@ -588,7 +662,7 @@ def enter(
     if standby:
         warm_up(device, watcher)
         try:
-            waiting = Standby(world_size=world, host=host, log=log)
+            waiting = Standby(world_size=world, host=host, log=log, index=rank - world if launched else None, launched=standbys)
         except RuntimeError as exc:  # a run shorter than this standby's warm-up has ended, and its store with it
             log(f"standby: the job's store does not answer ({first_line(exc)}): the run ended before this standby was warm; leaving")
             return None
@@ -602,9 +676,9 @@ def enter(
             channel=waiting.channel, heartbeat=waiting.heartbeat, member=waiting.member, rank=rank, generation=generation, **settings
         )
     else:
-        membership = Membership.started(
-            rank=rank, host=host, log=lambda line: print(f"[rank {rank}/{world}] {line}", flush=True), **settings
-        )
+        membership = Membership.started(rank=rank, host=host, log=rank_log(rank, world), launched=standbys, **settings)
+        if rank == 0 and backend == "nccl":
+            rank_log(rank, world)(NCCL_UNPROVEN)
     membership.join()
     ctx = DistContext(
         rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world, backend=backend, device=device, host=host

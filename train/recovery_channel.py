@@ -127,20 +127,22 @@ class Channel:
     """Recovery's keys in the job's store (see the module's docstring). One per store client: a heartbeat thread
     has its own client and its own channel, on the same keys."""
 
-    def __init__(self, store: dist.Store, *, prefix: str, signer: Signer, log: Callable[[str], None]) -> None:
+    def __init__(self, store: dist.Store, *, prefix: str, signer: Signer, log: Callable[[str], None], launched: int = 0) -> None:
         self.store, self.prefix, self.signer, self.log = store, prefix, signer, log
+        self.launched = launched  # the launcher's standbys (DDPACK_STANDBYS): s0..s<launched-1>, named by their task
         self._said: set[tuple[str, str]] = set()  # (key, reason) already logged: one line each, not one a poll
         self._standbys: set[int] = set()  # indexes known to have registered a signed host
 
     @classmethod
-    def of_job(cls, store: dist.Store, environ: Mapping[str, str], log: Callable[[str], None]) -> Channel:
-        """The channel of this job's start: prefix and signature from DDPACK_JOB_TOKEN (unsigned without one)."""
+    def of_job(cls, store: dist.Store, environ: Mapping[str, str], log: Callable[[str], None], launched: int = 0) -> Channel:
+        """The channel of this job's start: prefix and signature from DDPACK_JOB_TOKEN (unsigned without one);
+        `launched`: the standbys the launcher started as the last tasks of the step."""
         token = job_token(environ)
-        return cls(store, prefix=store_prefix(NAME, environ, token), signer=Signer(token), log=log)
+        return cls(store, prefix=store_prefix(NAME, environ, token), signer=Signer(token), log=log, launched=launched)
 
     def sibling(self, store: dist.Store) -> Channel:
         """The same keys on another client of the store (the heartbeat thread's)."""
-        return Channel(store, prefix=self.prefix, signer=self.signer, log=self.log)
+        return Channel(store, prefix=self.prefix, signer=self.signer, log=self.log, launched=self.launched)
 
     # -------------------------------------------------------------- the keys, each spelled once
 
@@ -152,7 +154,7 @@ class Channel:
     def generation_key(generation: int, name: str) -> str:
         return f"gen{generation}/{name}"
 
-    STANDBYS = "standbys"  # an `add` counter: each standby takes the next index (one once its signed heartbeat is there)
+    STANDBYS = "standbys"  # an `add` counter: a standby started by hand takes the next index past the launcher's
     CLOSED = "closed"  # the run ended: the standbys leave
 
     # -------------------------------------------------------------- writing and reading
@@ -167,7 +169,21 @@ class Channel:
         full = self.prefix + key
         if not self.store.check([full]):
             return None
-        return self._opened(key, self.store.get(full), parse, max_bytes)
+        try:
+            raw = self.store.get(full)
+        except dist.DistStoreError:  # deleted between the check and the get: the get waited out the timeout
+            return None
+        return self._opened(key, raw, parse, max_bytes)
+
+    def _fetched(self, keys: list[str]) -> dict[str, bytes]:
+        """The values of those of `keys` that are there (a missing one is looked for key by key, never waited on)."""
+        if not keys:
+            return {}
+        present = keys if self.store.check(keys) else [k for k in keys if self.store.check([k])]
+        try:
+            return dict(zip(present, self.store.multi_get(present), strict=True)) if present else {}
+        except dist.DistStoreError:  # one deleted between the check and the read: fetch the rest one by one
+            return {k: self.store.get(k) for k in present if self.store.check([k])}
 
     def _opened(self, key: str, raw: bytes, parse: Callable[[str], T], max_bytes: int = 4096) -> T | None:
         try:
@@ -190,22 +206,23 @@ class Channel:
         """Each member's last signed heartbeat (None: none there, or one that does not verify). Two round trips
         while every key is there; a missing one (not yet written, or deleted) is looked for key by key."""
         keys = [self.prefix + self.heartbeat_key(m) for m in members]
-        if not keys:
-            return {}
-        present = keys if self.store.check(keys) else [k for k in keys if self.store.check([k])]
-        raw = dict(zip(present, self.store.multi_get(present), strict=True)) if present else {}
+        raw = self._fetched(keys)
         return {
             m: self._opened(self.heartbeat_key(m), raw[k], Beat.parse, 512) if k in raw else None
             for m, k in zip(members, keys, strict=True)
         }
 
-    def new_standby(self) -> str:
-        """A standby's name, s<index>: it counts as one once its first signed heartbeat is there."""
-        return f"s{int(self.store.add(self.prefix + self.STANDBYS, 1)) - 1}"
+    def new_standby(self, index: int | None = None) -> str:
+        """A standby's name, s<index>: the launcher's `index`-th standby task's, or (started by hand) the next index past
+        the launcher's from the counter. It counts as a standby once its first signed heartbeat is there."""
+        if index is not None:
+            return f"s{index}"
+        return f"s{self.launched + int(self.store.add(self.prefix + self.STANDBYS, 1)) - 1}"
 
     def standbys(self) -> list[str]:
-        """The standbys that have written a signed heartbeat, oldest first. The index counter is only where to look."""
-        count = min(int(self.store.add(self.prefix + self.STANDBYS, 0)), MAX_STANDBYS)
+        """The standbys that have written a signed heartbeat, oldest first. The launcher's are looked for by name, so
+        a counter another user bumped cannot hide them; the counter says only where to look for standbys by hand."""
+        count = self.launched + min(int(self.store.add(self.prefix + self.STANDBYS, 0)), MAX_STANDBYS)
         unknown = [f"s{index}" for index in range(count) if index not in self._standbys]
         for member, beat in self.beats(unknown).items():
             if beat is not None:
@@ -229,10 +246,9 @@ class Channel:
     def waiting(self, generation: int, members: Sequence[str]) -> dict[str, int | None]:
         """Each member's signed waiting count in `generation` (None: none, or one that does not verify)."""
         keys = {m: self.prefix + self.generation_key(generation, f"waiting/{m}") for m in members}
-        present = [k for k in keys.values() if self.store.check([k])]
-        raw = dict(zip(present, self.store.multi_get(present), strict=True)) if present else {}
+        raw = self._fetched(list(keys.values()))
         return {
-            m: self._opened(self.generation_key(generation, f"waiting/{m}"), raw[k], _count, 64) if k in raw else None
+            m: self._opened(self.generation_key(generation, f"waiting/{m}"), raw[k], _count, 512) if k in raw else None
             for m, k in keys.items()
         }
 
@@ -271,7 +287,9 @@ class Channel:
                 MAX_DECISION_BYTES,
             ):
                 return
-            expected = bytes(now).decode(errors="surrogateescape")
+            # What is there now is what to replace; when the key went missing (deleted since), compare_set hands back the
+            # expected value without writing, and the next turn writes over nothing.
+            expected = "" if bytes(now).decode(errors="surrogateescape") == expected else bytes(now).decode(errors="surrogateescape")
 
     def close(self) -> None:
         self.put(self.CLOSED, "1")

@@ -12,7 +12,6 @@ import math
 import random
 import signal
 import time
-from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from train import run_folder
+from train.affinity import bind_replacement, cpu_list
 from train.config import Config
 from train.data import Batch, EpochOrder, default_num_workers, make_batches
 from train.distributed import (
@@ -40,7 +40,7 @@ from train.metrics import MetricsFile, RankLog, format_duration, format_share, s
 from train.model import compile_module, explain_setup_failure, prepare_module
 from train.perf import CPU_MEASURE_S, MfuMeter, RankTimes, SlowRanks, precision
 from train.preflight.compute import matmul_gflops
-from train.recovery import CollectiveClock, Membership, reseed
+from train.recovery import Recovery
 from train.signals import PreemptionWatcher
 from train.snapshot import Snapshot, SnapshotStore, SnapshotWriter, Written
 from train.step_path import StepPath
@@ -128,11 +128,11 @@ class Trainer:
         watcher: PreemptionWatcher,
         progress: Progress | None = None,
         path: StepPath | None = None,
-        membership: Membership | None = None,
+        recovery: Recovery | None = None,
     ) -> None:
         """`path`: the step's device-dependent branches; the device's own unless given (bench/bench_host.py runs
-        the CUDA path's on a CPU). `membership`: --recovery's (train/recovery.py); a standby that took a dead rank's place
-        (`membership.replacing`) takes its state from the survivors instead of a snapshot."""
+        the CUDA path's on a CPU). `recovery`: --recovery's collaborator (train/recovery.py); a standby that took a dead rank's
+        place (`recovery.replacing`) takes its state from the survivors instead of a snapshot."""
         self.config, self.task, self.ctx, self.log, self.metrics, self.watcher = config, task, ctx, log, metrics, watcher
         self.path = path if path is not None else StepPath.for_device(ctx.device)
         # Where this rank is, for the hang watchdog (train.watchdog): a few attribute stores a step.
@@ -140,9 +140,7 @@ class Trainer:
         self.module = prepare_module(task.model, config, ctx.device)
         set_tf32(ctx.device, config.tf32)  # before the peak is found: it is looked up in the precision trained in
         self.autocast = (lambda: torch.autocast(ctx.device.type, dtype=torch.bfloat16)) if config.amp else nullcontext
-        self.membership, self.replacing = membership, membership is not None and membership.replacing
-        self.hosts_changed: Callable[[list[str]], None] | None = None  # told the ranks' hosts after a recovery (the watchdog)
-        self.clock = CollectiveClock(config.collective_timeout) if membership is not None else None
+        self.recovery = recovery
         # Rank 0 finds the device's peak at start and counts the model's FLOPs at its first step.
         self.mfu = MfuMeter(log)
         self.counted = not ctx.is_main
@@ -188,8 +186,8 @@ class Trainer:
             find_unused_parameters=self.config.find_unused_parameters,
             path=self.path,
         )
-        if self.clock is not None:
-            self.clock.relax()
+        if self.recovery is not None:
+            self.recovery.relax()
 
     def _start_fields(self, start_step: int) -> dict[str, Any]:
         """The metrics file's `start` record: one a segment (a requeued or restarted run appends another),
@@ -256,8 +254,8 @@ class Trainer:
         the end of training) waits until the newest snapshot is on disk."""
         if not self.config.snapshot_dir:
             return
-        if self.clock is not None:
-            self.clock.relax()  # the other ranks wait in their next collective for rank 0's copy
+        if self.recovery is not None:
+            self.recovery.relax()  # the other ranks wait in their next collective for rank 0's copy
         rng_all, held_since = None, time.monotonic()
         if self.last_snapshot_step != self.global_step:
             # Timed, as every collective is: a peer frozen before the gather is a hang. Were it counted as
@@ -402,7 +400,7 @@ class Trainer:
         if self.ctx.is_main:
             preflight = Path(cfg.metrics_file).parent / run_folder.PREFLIGHT if cfg.metrics_file else None
             self.mfu.find_peak(self.ctx.device, cfg.amp, preflight, lambda: matmul_gflops(self.ctx, CPU_MEASURE_S))
-        if self.replacing:
+        if self.recovery is not None and self.recovery.replacing:
             self._take_state()
         else:
             self.restore()
@@ -436,48 +434,58 @@ class Trainer:
             try:
                 return self._loop(start_step, started)
             except RuntimeError as exc:  # gloo and NCCL report a dead peer as RuntimeError subclasses
-                if self.membership is None or not collective_failure(exc):
+                if self.recovery is None or not collective_failure(exc):
                     raise  # this rank's own error (an OOM, a failed snapshot write) ends it with its own reason
-                self.membership.recover(exc, self.log)  # or RecoveryImpossible: the job restarts every rank
+                self.recovery.recover(exc, self.log)  # or RecoveryImpossible: the job restarts every rank
                 self._bind(self.ctx)
-                if self.hosts_changed is not None:
-                    self.hosts_changed(self.hosts)  # the standby's host now stands for the dead rank's
+                if self.recovery.hosts_changed is not None:
+                    self.recovery.hosts_changed(self.hosts)  # the standby's host now stands for the dead rank's
                 self._take_state()
                 self.model.train()
+                every = self.config.snapshot_every
+                if (
+                    self.config.snapshot_dir
+                    and every
+                    and self.global_step
+                    and self.global_step % every == 0
+                    and self.last_snapshot_step != self.global_step
+                ):
+                    # The death came in this step's snapshot (its gather) or before it was taken: take it now, not at
+                    # the next interval, and say so (a snapshot skipped in silence is one a restart misses).
+                    self.log(f"snapshot at global step {self.global_step} was interrupted by the death: taking it now", main_only=True)
+                    self.snapshot()
 
     def _take_state(self) -> None:
         """Collective, on a new group: every rank takes the state of the rank furthest along (a survivor whose
         all-reduce completed before the death is a step ahead of one whose did not; a replacement has none).
         Model, optimizer and position travel; the RNG is derived from the position (train.recovery.reseed)."""
-        steps = gather_objects(-1 if self.replacing else self.global_step, self.ctx)
-        source = steps.index(max(steps))
+        replacing = self.recovery is not None and self.recovery.replacing
+        if self.config.cpu_bind == "auto" and (bound := bind_replacement(self.ctx, replacing)) is not None:
+            self.log(f"standby took rank {self.ctx.rank}'s place on cpus {cpu_list(bound)}, left free by the rank it replaces")
+        positions = gather_objects((-1, -1) if replacing else (self.global_step, self.last_snapshot_step), self.ctx)
+        source = positions.index(max(positions))
+        self.last_snapshot_step = positions[source][1]  # the same on every rank: whether a snapshot is due is agreed
         mine = self._state([]) if self.ctx.rank == source else None
         state: Snapshot = broadcast_objects(mine, self.ctx, src=source, map_location=self.ctx.device, allowed=[Snapshot])
         if self.ctx.rank != source:
             self.module.load_state_dict(state.model)
             self.optimizer.load_state_dict(state.optimizer)
             self.epoch, self.step_in_epoch, self.global_step = state.epoch, state.step_in_epoch, state.global_step
-        if self.replacing:
+        if replacing:
             self.log(f"standby took rank {self.ctx.rank}: state of rank {source} at {self._position()}")
-            self.replacing = False
-        stages = self.membership.stages if self.membership is not None else None
-        if stages is not None:
-            stages.state = time.time()
+        if self.recovery is not None:
+            self.recovery.took_state()
 
-    def _recovered(self) -> None:
+    def _recovered(self, generation: int, times: dict[str, float]) -> None:
         """The first step after a recovery finished: its timeline, on rank 0's log and metrics."""
-        assert self.membership is not None and self.membership.stages is not None
-        stages, self.membership.stages = self.membership.stages, None
-        stages.first_step = time.time()
-        times = stages.fields()
         step = self.global_step + 1  # this step, counted once it is done (the loop counts it next)
         self.log(
-            f"recovery: trained global step {step} in generation {self.membership.generation}, "
+            f"recovery: trained global step {step} in generation {generation}, "
             f"{times['total_s']:.3f}s after the failed collective (decision {times['decide_s']:.3f}s, abort {times['abort_s']:.3f}s, "
             f"new group {times['new_group_s']:.3f}s, state {times['state_s']:.3f}s, first step {times['first_step_s']:.3f}s)",
             main_only=True,
         )
-        self.metrics.write("recovery", global_step=step, generation=self.membership.generation, **times)
+        self.metrics.write("recovery", global_step=step, generation=generation, **times)
 
     def position(self) -> dict[str, int]:
         """Where training stands, numbered as the progress lines number it (epochs from 1), in the end
@@ -565,7 +573,7 @@ class Trainer:
                         counting, self.counted = time.monotonic(), True
                         self.mfu.count(self.module, micro_batches[0], self.task.loss_fn, self.autocast)
                         window.started += time.monotonic() - counting  # not this rank's step time
-                    if self.clock is None:
+                    if self.recovery is None:
                         window.add(*self._train_step(micro_batches))
                     else:
                         window.add(*self._recoverable_step(micro_batches))
@@ -594,21 +602,18 @@ class Trainer:
         return last_loss
 
     def _recoverable_step(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, int, torch.Tensor | None, float]:
-        """`_train_step` under --recovery: the step's RNG derived from its position, its length timed for the
-        collective timeout, and the timeline written after the first step of a recovery."""
-        assert self.clock is not None and self.membership is not None
-        reseed(self.config.seed, self.ctx.rank, self.global_step)
-        began = time.perf_counter()
-        done = self._train_step(micro_batches)
-        self.clock.measured(time.perf_counter() - began)
-        if self.membership.stages is not None:
-            self._recovered()
+        """`_train_step` under --recovery (seeded from its position, timed for the collective timeout), and the
+        timeline written after the first step of a recovery."""
+        assert self.recovery is not None
+        done = self.recovery.step(self.config.seed, self.ctx.rank, self.global_step, lambda: self._train_step(micro_batches))
+        if (times := self.recovery.finished()) is not None:
+            self._recovered(self.recovery.generation, times)
         return done
 
     def _end_epoch(self) -> None:
         finished = self.epoch
-        if self.clock is not None:
-            self.clock.relax()  # the other ranks wait in their next collective for rank 0's eval
+        if self.recovery is not None:
+            self.recovery.relax()  # the other ranks wait in their next collective for rank 0's eval
         self.epoch, self.step_in_epoch = self.epoch + 1, 0
         if self.ctx.is_main and self.task.eval_data is not None and self.task.metric is not None:
             self.progress.enter_counted(Phase.EVAL)

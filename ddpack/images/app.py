@@ -42,9 +42,16 @@ ALWAYS_EXCLUDED = (
 # Left out of the code layer unless the project asks for one on purpose (a `!NAME` line in its .dockerignore): files
 # that hold credentials by convention. An image is copied to the squashfs, the registry and every node, and a
 # git-ignored .env beside the code is not a file anyone meant to ship. A line at the build names what was left out.
+# The cloud and hub tools' own files too, where a home folder copied into a project brings them: AWS (.aws/credentials,
+# config), Google Cloud (.config/gcloud/: application_default_credentials.json, credentials.db, access_tokens.db),
+# Azure (.azure/: msal_token_cache.json), Hugging Face (~/.cache/huggingface/token and stored_tokens; the older
+# ~/.huggingface/token), Docker (.docker/config.json), Kubernetes (.kube/config), direnv's .envrc, and the
+# credentials.json of Google's OAuth samples. A pattern with a slash matches from the project's top, `**/` at any depth.
 SECRET_PATTERNS = (
-    ".env", ".env.*", "*.pem", "*.key", "*.p12", "*.pfx", "*.jks", "*.keystore", ".netrc", ".pypirc", ".npmrc",
+    ".env", ".env.*", ".envrc", "*.pem", "*.key", "*.p12", "*.pfx", "*.jks", "*.keystore", ".netrc", ".pypirc", ".npmrc",
     ".git-credentials", ".htpasswd", "id_rsa", "id_dsa", "id_ecdsa", "id_ed25519", ".aws", ".ssh", ".gnupg", ".docker", ".kube",
+    "credentials.json", "application_default_credentials.json", ".azure", ".huggingface", "**/.config/gcloud",
+    "**/.cache/huggingface/token", "**/.cache/huggingface/stored_tokens",
 )  # fmt: skip
 # What the app's requirements may not change: torch and the wheels a CUDA torch is built against.
 HELD_PACKAGES = ("torch", "triton", "nvidia-*")

@@ -336,15 +336,28 @@ def holds(output: Path, image_id: str, options: str) -> bool:
     try:
         recorded = json.loads(record_path(output).read_text())
         recorded.pop("image", None)
+        recorded.pop("app_cmd", None)  # what the image runs, from its id: the same image, the same command
         return recorded == _record(output, image_id, options)
     except (OSError, ValueError):
         return False
 
 
-def write_record(output: Path, image: str, image_id: str, options: str) -> None:
+def image_app_command(config: dict) -> str:
+    """The command the image runs when given none: its DDPACK_APP_CMD (`make image APP=DIR APP_CMD=...`), "" for none
+    (the bundled trainer). The record keeps it so that a job can tell, without opening the squashfs, whether its
+    tasks run the bundled trainer, whose standbys are on by default on CPU nodes (enroot/ddpack_staging.py
+    image_command)."""
+    for entry in config.get("Env") or []:
+        name, _, value = str(entry).partition("=")
+        if name == "DDPACK_APP_CMD":
+            return value.strip()
+    return ""
+
+
+def write_record(output: Path, image: str, image_id: str, options: str, app_cmd: str = "") -> None:
     """The record beside `output`, through a temp file mkstemp makes there (readable by the users whose jobs
     read it, like the squashfs)."""
-    record = {"image": image, **_record(output, image_id, options)}
+    record = {"image": image, "app_cmd": app_cmd, **_record(output, image_id, options)}
     write_atomically(record_path(output), json.dumps(record, indent=1) + "\n", mode=0o644)
 
 
@@ -394,7 +407,7 @@ def convert(image: str, output: Path, converter: str = "auto", force: bool = Fal
         os.chmod(tmp_out, os.stat(tmp_out).st_mode & 0o7755)
         record_path(output).unlink(missing_ok=True)
         os.replace(tmp_out, output)
-        write_record(output, image, attrs["Id"], options)
+        write_record(output, image, attrs["Id"], options, image_app_command(attrs.get("Config") or {}))
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
             raise HostError(

@@ -15,14 +15,14 @@ from __future__ import annotations
 import base64
 import html
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ddpack.errors import HostError
 from ddpack.jobs.ledger import Ledger, added_ledgers, run_ledger
 from ddpack.jobs.run_json import read_record
-from ddpack.jobs.run_metrics import Digest, Run, read_digest, read_run
+from ddpack.jobs.run_metrics import Digest, Run, eval_metrics, metric_of, read_digest, read_run
 from ddpack.private_files import write_atomically
 from train.metrics import format_share
 
@@ -74,6 +74,7 @@ class Outcome:
     restarts: int
     node_hours: float | None = None  # the node-hour ledger's allocation (ddpack.jobs.ledger), None without start records
     kept_node_hours: float | None = None  # of which bought steps the run kept
+    evals: dict[str, float] = field(default_factory=dict)  # each eval metric's last value (eval_metrics)
 
 
 def outcome(run_dir: Path, curves: bool = True) -> tuple[Outcome, Run | None]:
@@ -110,16 +111,24 @@ def measured(run_dir: Path, curves: bool = True) -> tuple[Outcome, Run | None, L
             restarts=max(0, len(now.segments) - 1),
             node_hours=allocated,
             kept_node_hours=ledger.node_s["kept"] / 3600 if allocated is not None else None,
+            evals=eval_metrics(run.evals if run else []),
         ),
         run,
         ledger,
     )
 
 
+EVAL_LOSSES = (
+    "eval_loss",
+    "val_loss",
+    "loss",
+)  # the eval loss as the bundled trainer and HF (eval_loss), Lightning (val_loss), eval_done name it
+
+
 def eval_loss(evals: list[dict[str, Any]]) -> float | None:
-    """The last eval record's loss (eval_loss, or loss), None where the run wrote no eval."""
+    """The last eval record's loss (eval_loss, val_loss, or loss), None where the run wrote no eval."""
     for record in reversed(evals):
-        for key in ("eval_loss", "loss"):
+        for key in EVAL_LOSSES:
             if isinstance(record.get(key), int | float):
                 return float(record[key])
     return None
@@ -183,6 +192,7 @@ def outcome_rows(comparison: Comparison) -> list[tuple[str, list[str]]]:
         ("step", [f"{_cell(o.step)} of {_cell(o.total_steps)}" for o in out]),
         ("last train loss", [_cell(o.train_loss) for o in out]),
         ("last eval loss", [_cell(o.eval_loss) for o in out]),
+        *((f"eval {name}", [_cell(o.evals.get(name)) for o in out]) for name in metric_columns([{"evals": o.evals} for o in out])),
         ("samples/s (median)", [f"{o.samples_per_s:,.0f}" if o.samples_per_s is not None else "-" for o in out]),
         ("MFU (median)", [format_share(o.mfu) if o.mfu is not None else "-" for o in out]),
         ("wall time", [_duration(o.wall_s) for o in out]),
@@ -251,7 +261,19 @@ def write_page(comparison: Comparison, runs: list[Run | None], path: Path) -> Pa
 
 # --------------------------------------------------------------------------- a sweep: one row a point
 
-POINT_COLUMNS = ("state", "step", "train_loss", "eval_loss", "samples_per_s", "mfu", "wall_s", "restarts", "node_hours", "kept_node_hours")
+POINT_COLUMNS = (
+    "state",
+    "step",
+    "train_loss",
+    "eval_loss",
+    "samples_per_s",
+    "mfu",
+    "wall_s",
+    "restarts",
+    "node_hours",
+    "kept_node_hours",
+    "evals",
+)
 
 
 def sweep_table(folder: Path, curves: bool = True) -> tuple[list[str], list[dict[str, Any]], list[Run | None], Ledger]:
@@ -275,11 +297,16 @@ def sweep_table(folder: Path, curves: bool = True) -> tuple[list[str], list[dict
     return names, rows, runs, added_ledgers(folder, sweep_state([state for _, state, _ in ledgers]), ledgers)
 
 
-def sort_rows(rows: list[dict[str, Any]], key: str, names: list[str], reverse: bool = False) -> list[dict[str, Any]]:
-    """Rows by `key` (a swept name or a column; a value that reads as a number sorts as one), rows without it last."""
-    known = ["index", *names, *POINT_COLUMNS]
-    if key not in known:
-        raise HostError(f"--sort {key}: expected one of {', '.join(known)}", code=2)
+def sort_rows(rows: list[dict[str, Any]], key: str, names: list[str], reverse: bool = False, flag: str = "--sort") -> list[dict[str, Any]]:
+    """Rows by `key` (a swept name, a column or an eval metric; a value that reads as a number sorts as one), rows
+    without it last."""
+    known = ["index", *names, *(c for c in POINT_COLUMNS if c != "evals")]
+    metrics = list(dict.fromkeys(name for row in rows for name in row.get("evals") or {}))
+    if key not in known and metric_of({"evals": dict.fromkeys(metrics, 0)}, key) is None:
+        raise HostError(
+            f"{flag} {key}: expected one of {', '.join(known)}, or an eval metric a point recorded ({', '.join(metrics) or 'none yet'})",
+            code=2,
+        )
 
     def number(value: Any) -> tuple[int, Any]:
         try:
@@ -287,14 +314,34 @@ def sort_rows(rows: list[dict[str, Any]], key: str, names: list[str], reverse: b
         except (TypeError, ValueError):
             return (1, str(value))
 
-    present = sorted((row for row in rows if row.get(key) is not None), key=lambda row: number(row[key]), reverse=reverse)
-    return present + [row for row in rows if row.get(key) is None]
+    present = sorted((row for row in rows if metric_of(row, key) is not None), key=lambda row: number(metric_of(row, key)), reverse=reverse)
+    return present + [row for row in rows if metric_of(row, key) is None]
+
+
+def metric_columns(rows: list[dict[str, Any]]) -> list[str]:
+    """The eval metrics a sweep's table shows beside its fixed columns: every one a point recorded but the eval loss
+    (its own column)."""
+    return [name for name in dict.fromkeys(name for row in rows for name in row.get("evals") or {}) if name not in EVAL_LOSSES]
+
+
+def best_row(rows: list[dict[str, Any]], key: str, names: list[str], highest: bool) -> tuple[dict[str, Any], str]:
+    """`compare SWEEP --best KEY`: the point with the lowest KEY (highest with --max) and its one-line verdict."""
+    ranked = sort_rows(rows, key, names, reverse=highest, flag="--best")
+    top = ranked[0] if ranked else None
+    if top is None or metric_of(top, key) is None:
+        raise HostError(f"--best {key}: no point has recorded it yet; compare SWEEP shows what each has", code=2)
+    values = " ".join(f"{name}={top[name]}" for name in names)
+    of = sum(1 for row in rows if metric_of(row, key) is not None)
+    return top, (f"best by {key} ({'highest' if highest else 'lowest'} of {of} point(s)): point {top['index']} ({values}) {key} "
+                 f"{_cell(metric_of(top, key))}, {top['state']} at step {_cell(top['step'])}; {top['run_dir']}")  # fmt: skip
 
 
 def render_sweep_table(names: list[str], rows: list[dict[str, Any]], page: Path | None) -> str:
-    heads = ["point", *names, "state", "step", "train loss", "eval loss", "samples/s", "MFU", "wall", "restarts", "node-h (kept)"]
+    extra = metric_columns(rows)
+    heads = ["point", *names, "state", "step", "train loss", "eval loss", *extra, "samples/s", "MFU", "wall", "restarts", "node-h (kept)"]
     body = [[str(row["index"]), *(str(row[name]) for name in names), row["state"], _cell(row["step"]), _cell(row["train_loss"]),
-             _cell(row["eval_loss"]), f"{row['samples_per_s']:,.0f}" if row["samples_per_s"] is not None else "-",
+             _cell(row["eval_loss"]), *(_cell((row.get("evals") or {}).get(name)) for name in extra),
+             f"{row['samples_per_s']:,.0f}" if row["samples_per_s"] is not None else "-",
              format_share(row["mfu"]) if row["mfu"] is not None else "-", _duration(row["wall_s"]), str(row["restarts"]),
              f"{row['node_hours']:.3f} ({row['kept_node_hours']:.3f})" if row["node_hours"] is not None else "-"]
             for row in rows]  # fmt: skip

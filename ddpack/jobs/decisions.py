@@ -1,6 +1,6 @@
 """The job's decision records, `decisions.jsonl` in the run folder: one JSON object a line, appended by the job's
 program (enroot/ddpack_records.py `write_record`: every record's time, kind, job, slurm_job and restart, then the fields
-of its kind: start, placement, staging, preflight, step-end, keep-out). One reader for every verb that reads them
+of its kind: start, placement, staging, preflight, step-end, keep-out, recovery). One reader for every verb that reads them
 (`status`, the ledger of `report` and `compare`), never the log's sentences."""
 
 from __future__ import annotations

@@ -6,7 +6,8 @@
   starts the next) and `redone` (a later segment resumed from a snapshot below this record's step, so the step was
   trained again: keep the rows where it is False for one value a step).
 - `--summary FILE`: one row a run: its identity, values and tags, and how it ended (`ddpack compare`'s outcome:
-  state, step, last train and eval loss, median samples/s and MFU, wall time, restarts).
+  state, step, last train and eval loss, median samples/s and MFU, wall time, restarts), and each eval metric the
+  run recorded at its last value (`eval.NAME`: the bundled trainer's, `run.eval_done`'s, Lightning's, HF's).
 - `--tensorboard DIR`: one folder a run, named by its values (`lr=3e-4,seed=1`; a run that is no sweep point by its
   name), holding TensorBoard event files of the same scalars the trainer's --tensorboard writes (train/loss, ...,
   eval/...), each at its global step and time. Written with the `tensorboard` package's own event writer (pip
@@ -112,7 +113,11 @@ def export_summary(runs: list[Path], path: Path) -> int:
 
     from ddpack.jobs.compare import outcome
 
-    rows = [{**identity(run_dir), **asdict(outcome(run_dir, curves=False)[0])} for run_dir in runs]  # a digest: no curves
+    rows = []
+    for run_dir in runs:
+        ended = asdict(outcome(run_dir, curves=False)[0])  # a digest: no curves
+        evals = ended.pop("evals")  # each eval metric a column of its own (eval.val_acc): a spreadsheet ranks by any
+        rows.append({**identity(run_dir), **ended, **{f"eval.{name}": value for name, value in evals.items()}})
     write_atomically(path, csv_text(rows), mode=0o600)
     return len(rows)
 

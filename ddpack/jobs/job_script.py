@@ -15,8 +15,8 @@ from pathlib import Path
 
 from ddpack.errors import HostError
 from ddpack.job_side import ENROOT
-from ddpack.jobs.submit_checks import TEMPLATES, SubmitSettings, per_point
-from ddpack.jobs.sweep_points import sweep_command, sweep_env, sweep_points
+from ddpack.jobs.submit_checks import TEMPLATES, SubmitSettings, per_point, recovery_plan
+from ddpack.jobs.sweep_points import sweep_command, sweep_env
 from train import run_folder
 
 # The job's files beside its script (enroot/ddpack_job.py's docstring says what each holds).
@@ -40,7 +40,7 @@ def slurm_options(settings: SubmitSettings) -> dict[str, str | None]:
 def sbatch_lines(settings: SubmitSettings, run_dir: Path) -> list[str]:
     """The job's #SBATCH options; a sweep's array writes each point's log in that point's run folder (`%a`)."""
     per_node = 1 if settings.template == "torchrun" else settings.tasks_per_node
-    count = len(sweep_points(settings.sweep)) if settings.sweep else 0
+    count = len(settings.points) if settings.sweep else 0
     limit = f"%{settings.sweep_parallel}" if settings.sweep_parallel else ""
     log = run_dir / "%a" / run_folder.LOGS / run_folder.job_log("%A_%a") if count else run_dir / run_folder.LOGS / run_folder.job_log("%j")
     lines = [
@@ -78,6 +78,8 @@ def exported(settings: SubmitSettings, run_dir: Path, sqsh: Path) -> dict[str, s
         values["DDPACK_COMMAND"] = json.dumps(list(settings.command))
     if settings.spares:
         values["DDPACK_SPARE_NODES"] = str(settings.spares)
+    # The count the run has, resolved here (--standbys, else the table's default for this job): the script says it.
+    values["DDPACK_STANDBYS"] = str(recovery_plan(settings).standbys)
     if settings.template == "torchrun":
         values["DDPACK_NPROC"] = str(settings.tasks_per_node)
     return {**values, **{name: value for name, value in settings.env.items() if not per_point(settings, value)}}
@@ -85,7 +87,7 @@ def exported(settings: SubmitSettings, run_dir: Path, sqsh: Path) -> dict[str, s
 
 def sweep_block(settings: SubmitSettings, sweep_dir: Path) -> list[str]:
     """A sweep's script: each array task picks its point's run folder and command (a JSON list, as DDPACK_COMMAND is)."""
-    every = sweep_points(settings.sweep)
+    every = settings.points
     return [
         f"# A sweep of {len(every)} points, one a task of the array: the point's run folder and command.",
         f'ddpack_point=${{SLURM_ARRAY_TASK_ID:?"this script is a sweep of {len(every)} points: sbatch --array=0-{len(every) - 1} it"}}',

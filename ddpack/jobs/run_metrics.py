@@ -162,6 +162,28 @@ def read_run(run: Path) -> Run:
     return Run(folder=path.parent, segments=split_segments(records), preflight=preflight, warnings=warnings)
 
 
+NOT_METRICS = ("kind", "time", "global_step", "epoch")  # an eval record's fields that place it, not what it measured
+
+
+def eval_metrics(evals: list[dict[str, Any]]) -> dict[str, float]:
+    """Each metric the run's eval records hold (any program's: the bundled trainer's, ddpack_run's eval_done, the
+    Lightning and Hugging Face adapters'), at its last value: what a sweep is ranked by."""
+    last: dict[str, float] = {}
+    for record in evals:
+        last.update({key: value for key, value in record.items()
+                     if key not in NOT_METRICS and isinstance(value, int | float) and not isinstance(value, bool)})  # fmt: skip
+    return last
+
+
+def metric_of(row: dict[str, Any], key: str) -> Any:
+    """A row's value for `key`: its own column (a swept name, state, eval_loss, ...), else its eval metric `key`
+    (also written eval.KEY, for a metric whose name a column has)."""
+    evals = row.get("evals") or {}
+    if key in row and key != "evals":
+        return row[key]
+    return evals.get(key.removeprefix("eval.") if key.startswith("eval.") else key)
+
+
 # --------------------------------------------------------------------------- the digest: a big file read once
 
 DIGEST = "metrics-digest.json"  # the host's own cache beside metrics.jsonl: what compare and export --summary need of it

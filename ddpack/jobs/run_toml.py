@@ -2,8 +2,8 @@
 
     app_dir = "."                    # relative to this file (default: this file's folder)
     nodes = 2
-    tasks_per_node = 2               # gpus_per_node, spares, efa, partition, time, template, mounts, runs, images,
-    partition = "big"                # sqsh, name: as the flags of the same name (dashes or underscores)
+    tasks_per_node = 2               # gpus_per_node, spares, standbys, efa, partition, time, template, mounts, runs,
+    partition = "big"                # images, sqsh, name: as the flags of the same name (dashes or underscores)
     time = "4:00:00"
     command = ["python", "train.py", "--lr", "3e-4"]
     pass_env = ["NCCL_DEBUG"]        # variables the job takes from this shell, value recorded (as --env NAME)
@@ -46,6 +46,7 @@ SCALARS: dict[str, tuple[type, str]] = {
     "nodes": (int, "a whole number"),
     "tasks_per_node": (int, "a whole number"),
     "spares": (int, "a whole number"),
+    "standbys": (int, "a whole number"),
     "gpus_per_node": (int, "a whole number"),
     "efa": (bool, "true or false"),
     "partition": (str, "a partition's name"),

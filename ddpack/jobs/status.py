@@ -22,7 +22,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ddpack.jobs import slurm_cli
+from ddpack.errors import HostError
+from ddpack.jobs import run_metrics, slurm_cli
 from ddpack.jobs.decisions import read_decisions
 from ddpack.jobs.find_runs import list_runs
 from ddpack.jobs.run_json import RunRecord, read_record
@@ -65,7 +66,9 @@ class Status:
     image: str | None
     sqsh: str | None
     unrecorded: list[str] = field(default_factory=list)  # the run's jobs that wrote no decision records (decisions.jsonl)
+    evals: dict[str, float] = field(default_factory=dict)  # each eval metric's last value: what ls --sort ranks by
     final: bool = False  # the newest job's own last word, after its last start, was a decision nothing follows (completed, end)
+    recovery: dict[str, Any] | None = None  # what a rank's death does: the job's newest `recovery` record, else submit's plan
 
     @property
     def ended(self) -> bool:
@@ -89,6 +92,7 @@ class MetricsTail:
     ends: list[tuple[int, dict[str, Any]]] = field(default_factory=list)  # (segment index, end record)
     progress: list[dict[str, Any]] = field(default_factory=list)  # the last KEEP_PROGRESS of the last segment
     progress_count: int = 0
+    evals: dict[str, float] = field(default_factory=dict)  # each eval metric's last value (compare.eval_metrics)
 
 
 def tail_of(segments: list[Segment], progress_count: int | None = None) -> MetricsTail:
@@ -103,6 +107,7 @@ def tail_of(segments: list[Segment], progress_count: int | None = None) -> Metri
         if segment.end is not None:
             records.ends.append((index + offset, segment.end))
         records.progress_count += len(segment.progress)
+        records.evals.update(run_metrics.eval_metrics(segment.evals))
     records.progress = list(segments[-1].progress[-KEEP_PROGRESS:]) if segments else []
     records.progress_count = records.progress_count if progress_count is None else progress_count  # a digest's: counted in full
     return records
@@ -122,7 +127,8 @@ GLANCE_BYTES = 64 * 1024  # what ls reads of a live run's metrics: its head and 
 def glance_metrics(metrics: Path) -> MetricsTail:
     """A live run's records for `ls` (its state is squeue's): the last records from the file's tail, and the run's
     first start from its head where the tail holds no start; never the whole file, which grows while ls reads it. The
-    segment count and progress count are the glance's, not the run's: `ddpack status RUN` reads the whole file."""
+    segment count, progress count and eval metrics are the glance's (an eval before the tail is not seen), not the
+    run's: `ddpack status RUN` reads the whole file."""
     try:
         with metrics.open("rb") as handle:
             size = os.fstat(handle.fileno()).st_size
@@ -152,7 +158,7 @@ def tail_from(data: bytes) -> MetricsTail:
             if len(last_progress) > 2 * KEEP_PROGRESS:
                 del last_progress[:KEEP_PROGRESS]
             continue
-        if b'"kind": "start"' not in line and b'"kind": "end"' not in line:
+        if b'"kind": "start"' not in line and b'"kind": "end"' not in line and b'"kind": "eval"' not in line:
             continue
         try:
             record = json.loads(line)
@@ -163,6 +169,8 @@ def tail_from(data: bytes) -> MetricsTail:
             last_progress = []
         elif record.get("kind") == "end":
             records.ends.append((len(records.starts) - 1, record))
+        elif record.get("kind") == "eval":
+            records.evals.update(run_metrics.eval_metrics([record]))
     for line in last_progress[-KEEP_PROGRESS:]:
         try:
             records.progress.append(json.loads(line))
@@ -372,6 +380,18 @@ def state_of(
     return "FAILED", "run folder", "Slurm no longer lists the job and the run folder has no end record"
 
 
+def recovery_of(run_dir: Path, record: RunRecord) -> dict[str, Any] | None:
+    """Which recovery the run has, and why: the job's own newest `recovery` record (what it resolved on its nodes,
+    enroot/ddpack_training.py), else what submit planned (run.json's settings), else None (a run of a ddpack older
+    than both)."""
+    recorded = [entry for entry in read_decisions(run_dir) if entry["kind"] == "recovery"]
+    found = recorded[-1] if recorded else (record.settings or {}).get("recovery")
+    if not isinstance(found, dict) or found.get("mode") not in ("in-process", "restart"):
+        return None
+    return {"mode": found["mode"], "standbys": found.get("standbys"), "why": str(found.get("why") or ""),
+            "from": "job" if recorded else "submit"}  # fmt: skip
+
+
 def run_status(run_dir: Path, asked: Asked | None = None, records: MetricsTail | None = None, *, logs: bool = True) -> Status:
     """The run's status; `records` are its metrics' when the caller read them already (compare, ls's glance); without
     `logs` its job logs are not read for Slurm's cancel lines (ls of a job squeue lists)."""
@@ -408,10 +428,12 @@ def run_status(run_dir: Path, asked: Asked | None = None, records: MetricsTail |
         updated=(last or {}).get("time"),
         segments=[segment.row(number) for number, segment in enumerate(segments, 1)],
         outcome=end,
+        evals=records.evals,
         image=record.image.get("ref"),
         sqsh=record.sqsh.get("path"),
         unrecorded=unrecorded,
         final=final,
+        recovery=recovery_of(run_dir, record),
     )
 
 
@@ -465,6 +487,12 @@ def render(status: Status) -> str:
         lines.append(
             f"end      {status.outcome.get('outcome')} at step {status.outcome.get('global_step')} (exit {status.outcome.get('exit_code')})"
         )
+    if status.recovery:
+        how = status.recovery
+        what = (
+            f"in-process, {how['standbys']} standby(s)" if how["mode"] == "in-process" else "a restart of the step from its last snapshot"
+        )
+        lines.append(f"recovery {what} ({how['why']}{'; as submitted: the job has not said yet' if how['from'] == 'submit' else ''})")
     if status.image or status.sqsh:
         lines.append(f"image    {status.image or '-'}  {status.sqsh or ''}")
     if status.unrecorded:
@@ -544,7 +572,7 @@ def asked_for(jobs: list[Any]) -> Any:
 
 
 SUMMARY = "summary.json"  # an ended run's state and progress, so ls and completion never read its metrics and logs again
-SUMMARY_FIELDS = ("state", "state_from", "step", "total_steps", "loss", "samples_per_s")
+SUMMARY_FIELDS = ("state", "state_from", "step", "total_steps", "loss", "samples_per_s", "evals")
 
 
 def read_summary(run_dir: Path, record: RunRecord) -> dict[str, Any] | None:
@@ -627,6 +655,7 @@ def list_rows(runs: Path, *, ask_slurm: bool = True) -> list[dict[str, Any]]:
             "name": record.name,
             "job_id": job.job_id if job else None,
             **{key: known.get(key) for key in ("state", "step", "total_steps", "loss")},
+            "evals": known.get("evals") or {},
             "created": record.created,
             "tags": record.tags,
             "note": record.note,
@@ -640,7 +669,7 @@ def list_rows(runs: Path, *, ask_slurm: bool = True) -> list[dict[str, Any]]:
                     data = None
                 if data is not None:
                     sweeps[folder] = {"run_dir": folder, "name": data["name"], "job_id": data.get("job_id"), "state": None,
-                                      "step": None, "total_steps": None, "loss": None, "created": data.get("created", record.created),
+                                      "step": None, "total_steps": None, "loss": None, "evals": {}, "created": data.get("created", record.created),
                                       "tags": data.get("tags", {}), "note": data.get("note"), "points": len(data["points"])}  # fmt: skip
                     rows.append(sweeps[folder])
             row.update(sweep=folder, values=record.sweep["values"])
@@ -657,26 +686,46 @@ SORT_KEYS = ("created", "name", "state", "step", "loss")
 def pick_rows(rows: list[dict[str, Any]], *, states: tuple[str, ...] = (), name: str | None = None, since: float | None = None,
               tags: dict[str, str] | None = None, sort: str = "created", reverse: bool = False) -> list[dict[str, Any]]:  # fmt: skip
     """ls's filters (each must hold: a state of `states`, a name matching the glob `name`, made at `since` or after,
-    every tag of `tags`) and order (`sort`, one of SORT_KEYS; runs with no value for it last). A sweep's points are
-    filtered as runs; a sweep is listed, before its points, when any of its points is."""
+    every tag of `tags`) and order (`sort`, one of SORT_KEYS or an eval metric some run recorded, eval.NAME too; runs
+    with no value for it last). A sweep's points are filtered as runs, and ordered the same way under their sweep; a
+    sweep is listed, before its points, when any of its points is."""
     from fnmatch import fnmatch
+
+    from ddpack.jobs.run_metrics import metric_of
 
     def keeps(row: dict[str, Any]) -> bool:
         return ((not states or row["state"] in states) and (name is None or fnmatch(row["name"], name) or fnmatch(Path(row["run_dir"]).name, name))
                 and (since is None or row["created"] >= since)
                 and all(row["tags"].get(key) == value for key, value in (tags or {}).items()))  # fmt: skip
 
+    if sort not in SORT_KEYS and rows and all(metric_of({"evals": row.get("evals") or {}}, sort) is None for row in rows):
+        metrics = sorted({name for row in rows for name in row.get("evals") or {}})
+        raise HostError(
+            f"--sort {sort}: expected one of {', '.join(SORT_KEYS)}, or an eval metric a run recorded ({', '.join(metrics) or 'none yet'})",
+            2,
+        )
+
     def order(row: dict[str, Any]) -> tuple[bool, Any]:
-        value = row.get(sort)
+        value = row.get(sort) if sort in SORT_KEYS else metric_of({"evals": row.get("evals") or {}}, sort)
         return (value is None, value if value is not None else 0)
+
+    def ordered(found: list[dict[str, Any]]) -> list[dict[str, Any]]:  # those with no value last, whichever way round
+        return sorted([r for r in found if not order(r)[0]], key=order, reverse=reverse) + [r for r in found if order(r)[0]]
 
     points: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
         if "sweep" in row and keeps(row):
             points.setdefault(row["sweep"], []).append(row)
     top = [row for row in rows if "sweep" not in row and (row["run_dir"] in points if "points" in row else keeps(row))]
-    top.sort(key=order, reverse=reverse)
-    return [item for row in top for item in [row, *points.get(row["run_dir"], [])]]
+    if sort in SORT_KEYS:
+        top.sort(key=order, reverse=reverse)
+    else:
+        top = ordered(top)
+    return [
+        item
+        for row in top
+        for item in [row, *(ordered(points.get(row["run_dir"], [])) if sort not in SORT_KEYS else points.get(row["run_dir"], []))]
+    ]
 
 
 def render_list(rows: list[dict[str, Any]]) -> list[str]:

@@ -36,11 +36,12 @@ from ddpack.jobs.submit_checks import (
     cluster_problems,
     point_share,
     raise_problems,
+    recovery_plan,
     secrets_in_accounting,
     setting_problems,
     slurm_problems,
 )
-from ddpack.jobs.sweep_points import SWEEP_RECORD, sweep_command, sweep_env, sweep_points
+from ddpack.jobs.sweep_points import SWEEP_RECORD, sweep_command, sweep_env
 from ddpack.private_files import not_yours_alone
 from train import run_folder
 
@@ -269,11 +270,13 @@ def _submit(settings: SubmitSettings, *, dry_run: bool, say: Any, run_file: dict
                 say(f"submit: squashfs {sqsh} ({'converted now' if converted else 'already holds it: not copied'})")
     if dry_run:
         if settings.sweep:
-            count, at_once = len(sweep_points(settings.sweep)), settings.sweep_parallel
+            count, at_once = len(settings.points), settings.sweep_parallel
             say(
                 f"submit: a sweep of {count} points, one job array{f' (at most {at_once} at once)' if at_once else ''}, one run folder a point"
             )
         print(render_script(settings, planned_dir, sqsh), end="")
+        for line in recovery_lines(settings):
+            say(f"submit: {line}")
         if (plan := preflight_plan(settings)) is not None:
             say(plan)
         raise_problems(problems)
@@ -287,6 +290,8 @@ def _submit(settings: SubmitSettings, *, dry_run: bool, say: Any, run_file: dict
             converted=False,
             script="",
         )
+    for line in recovery_lines(settings):
+        say(f"submit: {line}")
     if settings.secrets and secrets_in_accounting():
         say(
             f"submit: warning: this cluster stores each job's environment in its accounting database (AccountingStoreFlags=job_env), "
@@ -333,6 +338,23 @@ def _submit(settings: SubmitSettings, *, dry_run: bool, say: Any, run_file: dict
     )
 
 
+def recovery_lines(settings: SubmitSettings) -> list[str]:
+    """What the run does when a rank dies, and why (the dry run shows it before anything is queued); what its spare
+    nodes are for."""
+    plan = recovery_plan(settings)
+    lines = [f"recovery: {plan.line()}"]
+    if plan.standbys and settings.gpus_per_node:
+        lines.append(
+            "recovery: in-process recovery on NCCL has not yet run across two GPUs (docs/recovery.md): a restart is the proven path"
+        )
+    if settings.spares:
+        lines.append(
+            f"spares: {settings.spares} node(s) held back for a restart in place after a node fails; spare nodes do not host standbys "
+            "(not built yet)"
+        )
+    return lines
+
+
 @dataclass(frozen=True, kw_only=True)
 class RecordParts:
     """What every run.json of one submission shares (a sweep's points too): the image, squashfs, code, script."""
@@ -361,6 +383,7 @@ class RecordParts:
             settings={
                 **{k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(settings).items() if k not in ("tags", "note")},
                 "exported": script_env,
+                "recovery": recovery_plan(settings).fields(),
             },
             script=os.path.relpath(self.script_path, run_dir),
             script_sha256=self.script_sha256,
@@ -376,13 +399,13 @@ class RecordParts:
 def submit_sweep(settings: SubmitSettings, sweep_dir: Path, made: RecordParts, *, say: Any, image: Any, converted: bool) -> Submitted:
     """One job array for the sweep's points: a run folder a point (its own run.json: its command and values), then
     sweep.json naming them all and the array's job id, which each point records as `<array>_<index>`."""
-    every = sweep_points(settings.sweep)
+    every = settings.points
     points = []
     for index, point in enumerate(every):
         point_dir = sweep_dir / str(index)
         (point_dir / run_folder.LOGS).mkdir(parents=True)
         alone = replace(settings, command=tuple(sweep_command(settings.command, point, index)), env=sweep_env(settings.env, point, index),
-                        sweep={}, sweep_parallel=None)  # fmt: skip
+                        sweep={}, sweep_parallel=None, sweep_listed=(), sweep_search=None)  # fmt: skip
         where = {"dir": str(sweep_dir), "index": index, "values": point, "points": len(every)}
         write_record(made.record(alone, point_dir, f"{sweep_dir.name}/{index}", sweep=where))
         points.append(point)
@@ -390,6 +413,7 @@ def submit_sweep(settings: SubmitSettings, sweep_dir: Path, made: RecordParts, *
         "format": 1, "name": sweep_dir.name, "created": time.time(), "values": settings.sweep, "names": list(settings.sweep), "points": points,
         "parallel": settings.sweep_parallel, "script": os.path.relpath(made.script_path, sweep_dir), "job_id": None,
         "run_file": made.run_file, "tags": dict(settings.tags), "note": settings.note,
+        **({"search": settings.sweep_search} if settings.sweep_search else {}),
     }  # fmt: skip
     write_json_atomic(sweep_dir / SWEEP_RECORD, record)
     job_id = slurm_cli.sbatch(made.script_path, sweep_dir, export=settings.exported_names)

@@ -13,15 +13,25 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ddpack.errors import HostError
-from ddpack.job_side import node_helper, setting_value, settings_table
+from ddpack.job_side import module, node_helper, setting_value, settings_table
 from ddpack.jobs import slurm_cli
 from ddpack.jobs.sweep_points import placeholders, sweep_env, sweep_points, sweep_problems
 from train import run_folder
 
-# Settings submit sets itself from its flags: --env may not set them behind the flags' back.
-OWN_SETTINGS = ("DDPACK_SQSH", "DDPACK_RUN_DIR", "DDPACK_HOME", "DDPACK_MOUNTS", "DDPACK_COMMAND", "DDPACK_SPARE_NODES", "DDPACK_NPROC")
+# Settings submit sets itself from its flags: --env may not set them behind the flags' back (each with its flag).
+OWN_SETTINGS = {
+    "DDPACK_SQSH": "--sqsh",
+    "DDPACK_RUN_DIR": "--runs",
+    "DDPACK_HOME": "--runs (its run folder's job/)",
+    "DDPACK_MOUNTS": "--mounts",
+    "DDPACK_COMMAND": "-- COMMAND",
+    "DDPACK_SPARE_NODES": "--spares",
+    "DDPACK_NPROC": "--tasks-per-node",
+    "DDPACK_STANDBYS": "--standbys",
+}
 
 
 SLURM_TIME = re.compile(r"\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|\d+-\d+:\d{1,2}:\d{1,2}|UNLIMITED|INFINITE")
@@ -116,6 +126,7 @@ class SubmitSettings:
     nodes: int
     tasks_per_node: int = 1
     spares: int = 0
+    standbys: int | None = None  # warm standby processes of the bundled trainer (None: the settings table's default, auto)
     gpus_per_node: int = 0  # > 0: the CUDA image (Dockerfile.gpu), and Slurm's --gpus-per-node
     efa: bool = False  # with GPUs: the image carries AWS's EFA installer (libfabric, aws-ofi-nccl)
     partition: str | None = None
@@ -131,6 +142,8 @@ class SubmitSettings:
     secrets: tuple[str, ...] = ()  # names only: Slurm hands their values from this shell to the job (sbatch --export)
     sweep: dict[str, list[str]] = field(default_factory=dict)  # NAME -> values: one job array of their cross product
     sweep_parallel: int | None = None  # at most this many of the sweep's points at once (the array's %)
+    sweep_listed: tuple[dict[str, str], ...] = ()  # the points themselves (--point, --points, --sample), else sweep's product
+    sweep_search: dict[str, Any] | None = None  # how the points were made (search.sweep_space), kept in sweep.json
     account: str | None = None  # Slurm's own: --account, --qos, --constraint, --reservation
     qos: str | None = None
     constraint: str | None = None
@@ -141,6 +154,11 @@ class SubmitSettings:
     tags: dict[str, str] = field(default_factory=dict)  # --tag KEY=VALUE: run.json's tags (ls --tag finds them)
     note: str | None = None  # --note: run.json's note
     share: NodeShare | None = None  # a sweep's point that asks less than a whole node: not --exclusive (point_share)
+
+    @property
+    def points(self) -> list[dict[str, str]]:
+        """The sweep's points: those listed or drawn, else the product of the --sweep values, in order."""
+        return [dict(point) for point in self.sweep_listed] if self.sweep_listed else sweep_points(self.sweep)
 
     @property
     def exported_names(self) -> tuple[str, ...]:
@@ -181,7 +199,7 @@ def setting_problems(settings: SubmitSettings) -> list[str]:
         if not ENV_NAME.fullmatch(name):
             problems.append(f"--env {name}={value}: {name!r} is not a variable name")
         elif name in OWN_SETTINGS:
-            problems.append(f"--env {name}: set by submit's own flags (--sqsh, --runs, --mounts, -- COMMAND, --spares, --tasks-per-node)")
+            problems.append(f"--env {name}: set by submit's own flag {OWN_SETTINGS[name]}; give that instead")
         elif not name.startswith("DDPACK_"):
             continue
         elif name not in table:
@@ -189,15 +207,16 @@ def setting_problems(settings: SubmitSettings) -> list[str]:
         elif table[name].own:
             problems.append(f"--env {name}: set by ddpack itself ({table[name].meaning}), not by you")
         else:  # a sweep's value with {NAME} in it: each point's value is checked
-            points = enumerate(sweep_points(settings.sweep)) if per_point(settings, value) else ()
+            points = enumerate(settings.points) if per_point(settings, value) else ()
             every = [sweep_env({name: value}, point, i)[name] for i, point in points] or [value]
             why = next((why for one in dict.fromkeys(every) if (why := table[name].problem(name, one)) is not None), None)
             if why is not None:
                 problems.append(f"--env {why}")
-    standbys = setting_value("DDPACK_STANDBYS", settings.env)
-    if standbys.strip("0") and (settings.command or settings.template != "per-task"):
+    if settings.standbys is not None and settings.standbys < 0:
+        problems.append(f"--standbys {settings.standbys}: a whole number from 0")
+    elif settings.standbys and (settings.command or settings.template != "per-task"):
         problems.append(
-            f"--env DDPACK_STANDBYS={standbys}: standbys are tasks of the bundled trainer's per-task step (docs/recovery.md); "
+            f"--standbys {settings.standbys}: standbys are tasks of the bundled trainer's per-task step (docs/recovery.md); "
             + (
                 "-- COMMAND runs your own program"
                 if settings.command
@@ -311,9 +330,34 @@ def shared_folder_problem(folder: Path, flag: str) -> str | None:
     return None
 
 
+def recovery_plan(settings: SubmitSettings) -> Any:
+    """Which recovery the run's training step has, and why (enroot/ddpack_settings.py `recovery`, the rule the job's
+    program applies too): --standbys as given, else the table's default from what the job asks for (its GPUs) and what
+    its tasks run (-- COMMAND, the torchrun template, the trainer's flags, or the image's own command: an image submit
+    builds has none, a --sqsh's is named by make sqsh's record beside it)."""
+    table = settings_table()
+    given = setting_value("DDPACK_STANDBYS") if settings.standbys is None else str(settings.standbys)
+    if settings.sqsh is None:
+        image: str | None = ""
+    else:
+        image = module("ddpack_staging").image_command(str(settings.sqsh))
+    has_words = bool(settings.env.get("DDPACK_TRAIN_ARGS", "").strip().strip("[]").strip())
+    program = table.step_program(
+        command=bool(settings.command), train_args=has_words, torchrun=settings.template != "per-task", image_command=image
+    )
+    return table.recovery(given, gpus=settings.gpus_per_node, program=program)
+
+
 def cluster_problems(settings: SubmitSettings, sqsh: Path | None, run_dir: Path) -> list[str]:
     """What would fail in the queue or on the nodes, each as one line."""
     problems = []
+    if settings.standbys and settings.sqsh is not None and not settings.env.get("DDPACK_TRAIN_ARGS"):
+        command = module("ddpack_staging").image_command(str(settings.sqsh))
+        if command:  # the entrypoint in each task would refuse it, on the nodes
+            problems.append(
+                f"--standbys {settings.standbys}: the image in {settings.sqsh} runs its own command ({command}), and standbys are tasks "
+                "of the bundled trainer; give the trainer's flags (--env DDPACK_TRAIN_ARGS=...) or leave --standbys out"
+            )
     pyxis = slurm_cli.pyxis_answer()
     if pyxis:
         problems.append(pyxis)

@@ -185,9 +185,10 @@ def port_states(root: Path, device: str) -> dict[str, str]:
     return states
 
 
-def rdma_checks(node: str, root: Path, efa_expected: bool) -> list[NodeCheck]:
-    """The EFA devices the job expects, and every RDMA port ACTIVE (a port down is a link down: NCCL falls back or
-    hangs at its first collective)."""
+def rdma_checks(node: str, root: Path, efa_expected: bool, used: bool = True) -> list[NodeCheck]:
+    """The EFA devices the job expects, and the RDMA ports up (a device with no port ACTIVE is a link down: NCCL falls
+    back or hangs at its first collective). `used`: the job uses RDMA (NCCL or EFA); a gloo job on a node with an
+    InfiniBand card, or a second port with no cable, is no reason to fail a node, only to say so (warn)."""
     devices = rdma_devices(root)
     efa = [name for name, driver in devices.items() if driver == "efa"]
     rows = [
@@ -198,12 +199,16 @@ def rdma_checks(node: str, root: Path, efa_expected: bool) -> list[NodeCheck]:
             "(pyxis does; docker --device /dev/infiniband) and check the instance has EFA enabled, or drain the node",
         )
     ]  # fmt: skip
-    down = [f"{name} port {port} {state}" for name in devices for port, state in port_states(root, name).items() if state != "ACTIVE"]
+    states = {name: port_states(root, name) for name in devices}
+    down = [f"{name} port {port} {state}" for name, ports in states.items() for port, state in ports.items() if state != "ACTIVE"]
+    dead = [name for name, ports in states.items() if ports and "ACTIVE" not in ports.values()]  # not one port up
     if devices:
+        status = "fail" if used and dead else "warn" if down else "ok"
         rows.append(
             NodeCheck(
                 node=node, check="rdma-ports", value="; ".join(down) if down else f"all ACTIVE on {len(devices)} devices",
-                threshold="every port ACTIVE", status="fail" if down else "ok", device=", ".join(d.split(" port")[0] for d in down),
+                threshold="a port ACTIVE on every device the job uses" if used else "not used by this job (gloo, no EFA)",
+                status=status, device=", ".join(d.split(" port")[0] for d in down),
                 action="a NIC link is down (cable, switch port or the NIC): " + DRAIN,
             )
         )  # fmt: skip
@@ -426,8 +431,9 @@ def node_checks(
     """Every check of this node, and the seconds they took."""
     started = time.perf_counter()
     rows = shm_checks(facts.node, facts.shm_need, facts.shm_why, shm, statvfs)
-    rows.append(memlock_check(facts.node, list(rdma_devices(root)), memlock_limit() if memlock is None else memlock))
-    rows += rdma_checks(facts.node, root, facts.efa_expected)
+    rdma_used = facts.gpus or facts.efa_expected  # NCCL or EFA: a gloo job registers no memory with a NIC
+    rows.append(memlock_check(facts.node, list(rdma_devices(root)) if rdma_used else [], memlock_limit() if memlock is None else memlock))
+    rows += rdma_checks(facts.node, root, facts.efa_expected, used=rdma_used)
     if facts.gpus:
         rows += gpu_node_checks(facts, runner)
     return rows, time.perf_counter() - started
