@@ -1617,12 +1617,13 @@ def test_the_readmes_sweep_runs_as_written_from_submit_through_status_watch_to_c
     """The README's sweep block, each line as written (the shared folder /fsx is the test's own; Slurm's commands
     stand-ins, the array's id the README's): submit, then `status --watch` follows the newest sweep to its end once
     each point has its records, and `compare 90` sets the points side by side."""
+    import re
     import shlex
 
     from test_lifecycle import end, progress, start
 
     from ddpack.jobs import slurm_cli
-    from testbed.readme_examples import readme_line
+    from testbed.readme_examples import README, readme_line
     from train import run_folder
 
     fsx = tmp_path / "fsx"
@@ -1643,10 +1644,12 @@ def test_the_readmes_sweep_runs_as_written_from_submit_through_status_watch_to_c
     (sweep_dir,) = (fsx / "runs").iterdir()
     data = json.loads((sweep_dir / "sweep.json").read_text())
     assert data["job_id"] == "90" and data["points"] == [{"lr": lr, "bs": bs} for lr in ("1e-3", "3e-3") for bs in ("16", "32")]
-    assert read_record(sweep_dir / "3").command == ["python", "-m", "train", "--lr", "3e-3", "--batch-size", "32", "--epochs", "2"]
+    assert read_record(sweep_dir / "3").command == ["python", "-m", "train", "--task", "classification", "--lr", "3e-3", "--batch-size", "32",
+                                                    "--epochs", "2"]  # fmt: skip
     for index in range(4):
         steps = 4 * (index + 1)
-        records = [start(100, 0, total=steps), {**progress(101 + index, steps), "loss": 0.5 / (index + 1)}, end(110, steps, "done", 0)]
+        accuracy = {"time": 105.0, "kind": "eval", "epoch": 1, "global_step": steps, "eval_loss": 1.0 / (index + 1), "eval_accuracy": 0.25 * index}
+        records = [start(100, 0, total=steps), {**progress(101 + index, steps), "loss": 0.5 / (index + 1)}, accuracy, end(110, steps, "done", 0)]
         (sweep_dir / str(index) / run_folder.METRICS).write_text("".join(json.dumps(r) + "\n" for r in records))
         done = step_end(111, "completed", "the step completed (exit 0)", f"90_{index}")
         write_decisions(sweep_dir / str(index), [started(99, f"90_{index}", log_at=0), done])
@@ -1655,7 +1658,8 @@ def test_the_readmes_sweep_runs_as_written_from_submit_through_status_watch_to_c
     assert "sweep" in watched and "all 4 points COMPLETED" in watched, watched
     assert cli.main(words("ddpack compare 90")) == 0
     compared = capfd.readouterr().out
-    assert compared.splitlines()[0].split()[:4] == ["point", "lr", "bs", "state"] and "node-hours of the sweep" in compared
+    readme_head = re.findall(r"```\n(point .*?)\n", README.read_text())[0]
+    assert compared.splitlines()[0].split() == readme_head.split() and "node-hours of the sweep" in compared  # the README's columns
     assert [line.split()[:4] for line in compared.splitlines()[1:5]] == [[str(i), lr, bs, "COMPLETED"] for i, (lr, bs) in enumerate(
         (lr, bs) for lr in ("1e-3", "3e-3") for bs in ("16", "32"))]  # fmt: skip
 
