@@ -27,8 +27,10 @@ Needs root, the test cluster's munged, pyxis and enroot; hold /tmp/ddpack-cluste
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -37,8 +39,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ddpack.jobs.goodput_model import SBCAST_BLOCK_MB, Site, sbcast_levels, stage_by_sbcast
 from testbed import emulated_cluster as ec
 from testbed.scale_jobs import Result, ScaleJobs, build_stub
+from testbed.slurm_cluster import NODE_TMP
 
 
 class Host:
@@ -96,6 +100,135 @@ def median(results: list[Result], attr: str) -> float:
     return statistics.median(getattr(r, attr) for r in results)
 
 
+SBCAST_DEST = "sbcast-law"  # the file each node receives, in its NODE_TMP
+
+
+def sbcast_points(work: Path, node_counts: list[int], fanouts: list[int], sizes_mb: list[int], rounds: int, tree_width: int) -> list[dict]:
+    """sbcast timed on the emulated cluster (up at TreeWidth `tree_width`): for each node count a job holds the nodes
+    with a step of `sleep` tasks, and each image size is sent at each fan-out to its nodes' tmpfs, removed after."""
+    points = []
+    env = ec.client_env()
+    for nodes in node_counts:
+        out = subprocess.run(
+            ["sbatch", "--parsable", f"--nodes={nodes}", "--ntasks-per-node=1", "--output=/dev/null", "--wrap", "srun sleep 900"],
+            env=env, capture_output=True, text=True, check=True, timeout=60,
+        )  # fmt: skip
+        job = out.stdout.strip().split(";")[0]
+        try:
+            deadline = time.monotonic() + 120
+            while subprocess.run(["scontrol", "show", "step", f"{job}.0"], env=env, capture_output=True, timeout=30).returncode != 0:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"sbcast law: the holder job {job} of {nodes} nodes did not start its step")
+                time.sleep(0.2)
+            time.sleep(0.5)  # every node's sleep task is up
+            for size_mb in sizes_mb:
+                source = work / f"sbcast-{size_mb}.bin"
+                if not source.exists():
+                    with open(source, "wb") as out_file:
+                        for _ in range(size_mb):
+                            out_file.write(os.urandom(1 << 20))
+                for fanout in fanouts:
+                    for _ in range(rounds):
+                        cpu0, t0 = ec.cgroup_usage(), time.monotonic()
+                        sent = subprocess.run(
+                            ["sbcast", "-f", f"--fanout={fanout}", f"--jobid={job}.0", str(source), f"{NODE_TMP}/{SBCAST_DEST}"],
+                            env=env, capture_output=True, text=True, timeout=600,
+                        )  # fmt: skip
+                        seconds, cpu1 = time.monotonic() - t0, ec.cgroup_usage()
+                        used = sorted((cpu1[n] - cpu0.get(n, 0)) / 1e9 for n in ec.node_names(nodes) if n in cpu1)
+                        queued = (sum(used) - (used[-1] if used else 0)) / (os.cpu_count() or 1)  # what a cluster's nodes do side by side
+                        if sent.returncode != 0:
+                            raise RuntimeError(f"sbcast to {nodes} nodes failed: {sent.stderr.strip()}")
+                        for node in ec.node_names(nodes):
+                            (ec.DISKS / node / SBCAST_DEST).unlink(missing_ok=True)
+                        points.append(
+                            {
+                                "nodes": nodes,
+                                "fanout": fanout,
+                                "tree_width": tree_width,
+                                "size_mb": size_mb,
+                                "raw": seconds,
+                                "s": max(seconds - queued, 0.01),
+                            }
+                        )
+        finally:
+            subprocess.run(["scancel", job], env=env, capture_output=True, timeout=30)
+            deadline = time.monotonic() + 60
+            while subprocess.run(["squeue", "-h", "-j", job], env=env, capture_output=True, text=True, timeout=30).stdout.strip():
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.3)
+    return points
+
+
+def fit_sbcast(points: list[dict], key: str = "s") -> dict[str, float]:
+    """The stop-and-wait law, T = blocks x sum over levels (a + c x children) + d, and the pipelined law,
+    T = S / r + depth x B / r + d, fitted by least squares to each point's `key` (s: corrected, the nodes' queued CPU
+    taken out; raw: as timed); each law's RMS relative residual."""
+    import numpy as np
+
+    blocks = [math.ceil(p["size_mb"] * 1.048576 / SBCAST_BLOCK_MB) for p in points]
+    levels = [sbcast_levels(p["nodes"], p["fanout"], p["tree_width"]) for p in points]
+    seconds = np.array([p[key] for p in points])
+    stop = np.array([[b * len(lv), b * sum(lv), 1.0] for b, lv in zip(blocks, levels, strict=True)])
+    piped = np.array([[p["size_mb"], len(lv), 1.0] for p, lv in zip(points, levels, strict=True)])
+    (a, c, d), *_ = np.linalg.lstsq(stop, seconds, rcond=None)
+    (x, y, e), *_ = np.linalg.lstsq(piped, seconds, rcond=None)
+
+    def rms(predicted: np.ndarray) -> float:
+        return float(np.sqrt(np.mean(((predicted - seconds) / seconds) ** 2)))
+
+    return {
+        "a_ms": a * 1000,
+        "c_ms": c * 1000,
+        "d_s": d,
+        "stop_rms": rms(stop @ [a, c, d]),
+        "piped_rms": rms(piped @ [x, y, e]),
+        "mbps": 1 / x if x > 0 else 0.0,
+    }
+
+
+def sbcast_law(work: Path, node_counts: list[int], rounds: int) -> None:
+    """sbcast's law on the emulated nodes: TreeWidth 50 (22.05's default) and 4 (a deeper tree), fan-out 2 and 8 (the
+    first hop on 22.05), 8 and 32 MiB; the fit, and the model's prediction beside each measurement at 16 and 64 nodes."""
+    points = []
+    for tree_width in (50, 4):
+        ec.up(max(node_counts), busy_ok=True, tree_width=tree_width)
+        try:
+            points += sbcast_points(work, node_counts, [2, 8], [8, 32], rounds, tree_width)
+        finally:
+            ec.down()
+    fit, raw = fit_sbcast(points), fit_sbcast(points, "raw")
+    timed_law = f"hop {raw['a_ms']:.1f} ms, {raw['c_ms']:.2f} ms a child, residual {raw['stop_rms']:.0%}"
+    print(f"scale: sbcast law as timed (the nodes' CPU queued on this host's CPUs): {timed_law}")
+    print(
+        f"scale: sbcast law, corrected (loopback, {len(points)} sends): T = blocks x sum over levels ({fit['a_ms']:.1f} ms + {fit['c_ms']:.2f} ms x children) "
+        f"+ {fit['d_s']:.2f} s, residual {fit['stop_rms']:.0%}; pipelined law (S / {fit['mbps']:.0f} MB/s + depth x B) residual {fit['piped_rms']:.0%}"
+    )
+    site = Site(sbcast_hop_ms=fit["a_ms"], fanout=8, tree_width=50)
+    for nodes in [n for n in node_counts if n >= 16]:
+        for size_mb in (8, 32):
+            same = [p for p in points if (p["nodes"], p["fanout"], p["tree_width"], p["size_mb"]) == (nodes, 8, 50, size_mb)]
+            measured, timed = statistics.median(p["s"] for p in same), statistics.median(p["raw"] for p in same)
+            lv = sbcast_levels(nodes, 8, 50)
+            law = (
+                math.ceil(size_mb * 1.048576 / SBCAST_BLOCK_MB) * sum(fit["a_ms"] / 1000 + fit["c_ms"] / 1000 * k for k in lv) + fit["d_s"]
+            )
+            model = stage_by_sbcast(size_mb * 1.048576, nodes, site)
+            print(
+                f"scale: sbcast {size_mb} MiB to {nodes} nodes (fan-out 8, TreeWidth 50, levels {lv}): measured {measured:.2f} s corrected "
+                f"({timed:.2f} s raw), fitted law {law:.2f} s, goodput_model {model:.2f} s (its link {site.node_mbps:.0f} MB/s, not loopback's)"
+            )
+    for version, width in (("22.05", 50), ("23.11", 16)):
+        at = {
+            n: stage_by_sbcast(5400, n, Site(sbcast_hop_ms=fit["a_ms"], tree_width=width, fanout=8 if version == "22.05" else 16))
+            for n in (64, 1000)
+        }
+        print(
+            f"scale: model, 5.4 GB image on Slurm {version}: sbcast {at[64]:.0f} s at 64 nodes, {at[1000]:.0f} s at 1,000 (hop {fit['a_ms']:.1f} ms)"
+        )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="2,16,64", help="node counts of the starts (the first is the baseline)")
@@ -103,6 +236,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--pad-mb", type=int, default=0, help="random bytes added to the stub image (MiB)")
     parser.add_argument("--busy-ok", action="store_true", help="run on a loaded host too (figures labelled 'busy host')")
+    parser.add_argument("--sbcast-law", action="store_true", help="after the starts, time sbcast at TreeWidth 50 and 4 and fit its law")
+    parser.add_argument("--sbcast-only", action="store_true", help="the sbcast law alone (at --sizes)")
     opts = parser.parse_args()
     sizes = [int(n) for n in opts.sizes.split(",")]
     swaps = [int(n) for n in opts.swap_sizes.split(",")]
@@ -114,6 +249,11 @@ def main() -> int:
     if ec.refusal(largest) is not None:
         busy = " (busy host)"
     before = ec.test_cluster_now()
+    if opts.sbcast_only:
+        with tempfile.TemporaryDirectory(prefix="ddpack-scale-", dir="/tmp") as tmp:
+            sbcast_law(Path(tmp), sizes, opts.rounds)
+        print(f"scale  test cluster {'untouched' if ec.test_cluster_now() == before else 'CHANGED'}")
+        return 0
     host = Host()
     load0 = os.getloadavg()[0]
     results: list[Result] = []
@@ -147,6 +287,8 @@ def main() -> int:
         finally:
             left = ec.down()
             host.stop.set()
+        if opts.sbcast_law:
+            sbcast_law(work, sizes, opts.rounds)
     after = ec.test_cluster_now()
     untouched = "untouched" if after == before else f"CHANGED: {', '.join(k for k in before if before[k] != after[k])}"
     print(f"scale  torn down ({'; '.join(left)}); test cluster {untouched}; load {os.getloadavg()[0]:.2f} after")
