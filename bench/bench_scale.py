@@ -229,6 +229,26 @@ def sbcast_law(work: Path, node_counts: list[int], rounds: int) -> None:
         )
 
 
+def calibrate(bench: ScaleJobs, nodes: int, rounds: int) -> str:
+    """The correction checked: the same warm start of `nodes` nodes with every node on one CPU and on both, interleaved;
+    W(1 CPU) - W(2 CPUs) should be what the nodes' CPU queued on the second CPU adds, sum of node CPU / 2, within 20 %."""
+    one, two = [], []
+    try:
+        for _ in range(rounds):
+            for cpus, into in (("0", one), ("", two)):
+                ec.pin_cpus(cpus)
+                into.append(bench.start("warm", nodes))
+    finally:
+        ec.pin_cpus("")
+    gap = statistics.median(r.w for r in one) - statistics.median(r.w for r in two)
+    expected = statistics.median(sum(r.node_cpu.values()) for r in two) / 2
+    trusted = abs(gap - expected) <= 0.2 * expected
+    return (
+        f"scale: calibration, {nodes} nodes warm ({rounds} rounds): W(1 CPU) - W(2 CPUs) = {gap:.2f} s against the nodes' CPU / 2 = "
+        f"{expected:.2f} s ({'within 20 %: the correction holds' if trusted else 'not within 20 %: R is not trusted on this host now'})"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="2,16,64", help="node counts of the starts (the first is the baseline)")
@@ -238,6 +258,8 @@ def main() -> int:
     parser.add_argument("--busy-ok", action="store_true", help="run on a loaded host too (figures labelled 'busy host')")
     parser.add_argument("--sbcast-law", action="store_true", help="after the starts, time sbcast at TreeWidth 50 and 4 and fit its law")
     parser.add_argument("--sbcast-only", action="store_true", help="the sbcast law alone (at --sizes)")
+    parser.add_argument("--calibrate", action="store_true", help="after the starts, check the correction: 16 nodes warm on 1 CPU and on 2")
+    calibration = ""
     opts = parser.parse_args()
     sizes = [int(n) for n in opts.sizes.split(",")]
     swaps = [int(n) for n in opts.swap_sizes.split(",")]
@@ -284,11 +306,16 @@ def main() -> int:
                 for nodes in swaps:
                     results.append(bench.swap(nodes))
                     print(row(results[-1]), flush=True)
+            if opts.calibrate:
+                calibration = calibrate(bench, min(16, largest), max(opts.rounds, 2))
+                print(calibration, flush=True)
         finally:
             left = ec.down()
             host.stop.set()
         if opts.sbcast_law:
             sbcast_law(work, sizes, opts.rounds)
+    if calibration:
+        print(calibration)
     after = ec.test_cluster_now()
     untouched = "untouched" if after == before else f"CHANGED: {', '.join(k for k in before if before[k] != after[k])}"
     print(f"scale  torn down ({'; '.join(left)}); test cluster {untouched}; load {os.getloadavg()[0]:.2f} after")

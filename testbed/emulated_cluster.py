@@ -47,6 +47,7 @@ CTLD_PID = Path("/run/slurmctld-ddscale.pid")
 DISKS = Path("/var/lib/ddpack-scale-nodes")  # a tmpfs: DISKS/dsI is node I's NODE_TMP; bin/, shim/, enroot/ and calls.log
 DISK_SIZE = "3g"
 CGROUP = Path("/sys/fs/cgroup/cpuacct") / NAME  # cgroup v1 cpuacct: CGROUP/dsI, CGROUP/ctld
+CPUSET = Path("/sys/fs/cgroup/cpuset") / NAME  # every node's slurmd (and what it forks): narrowed for the 1-CPU calibration
 WRAPPERS = Path("/usr/local/lib/enroot-nodes")  # WRAPPERS/dsI/enroot: the dispatcher /usr/local/sbin/enroot picks it
 CALLS = DISKS / "calls.log"
 SHIM = DISKS / "shim"
@@ -262,6 +263,10 @@ def up(count: int, busy_ok: bool = True, tree_width: int = 50, timeout_s: float 
     for daemon in ("slurmctld", "slurmd"):
         (DISKS / "bin" / f"{NAME}-{daemon}").symlink_to(shutil.which(daemon) or daemon)
     CGROUP.mkdir(exist_ok=True)
+    if CPUSET.parent.is_dir():
+        CPUSET.mkdir(exist_ok=True)
+        for name in ("cpuset.mems", "cpuset.cpus"):
+            (CPUSET / name).write_text((CPUSET.parent / name).read_text())
     started = time.monotonic()
     (CGROUP / "ctld").mkdir(exist_ok=True)
     ctld = f"echo $$ > {CGROUP}/ctld/cgroup.procs && exec {DISKS}/bin/{NAME}-slurmctld -c -f {CONF}"
@@ -292,13 +297,21 @@ def _start_node(node: str) -> None:
     NODE_TMP.mkdir(parents=True, exist_ok=True)
     real = DISKS / "bin" / "python3.11.real"
     script = (
-        f"echo $$ > {CGROUP}/{node}/cgroup.procs && mount --bind {disk} {NODE_TMP} && mount --bind {PYTHON} {real} && "
+        f"echo $$ > {CGROUP}/{node}/cgroup.procs && {{ [ ! -d {CPUSET} ] || echo $$ > {CPUSET}/cgroup.procs; }} && "
+        f"mount --bind {disk} {NODE_TMP} && mount --bind {PYTHON} {real} && "
         f"mount --bind {DISKS}/bin/python3-counted {PYTHON} && exec {DISKS}/bin/{NAME}-slurmd -f {CONF} -N {node}"
     )
     env = clean_env(MALLOC_ARENA_MAX="2")
     env["PATH"] = f"{wrapper}:{env.get('PATH', '/usr/sbin:/usr/bin:/sbin:/bin')}"
     env.pop("PYTHONPATH", None)
     _run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script], check=True, env=env)
+
+
+def pin_cpus(cpus: str = "") -> str:
+    """Narrow every emulated node (and all it runs) to `cpus` (a cpuset list, "0"), or give them back the host's
+    ("" ); the CPUs they have now. The calibration runs the same job on one CPU and on two."""
+    (CPUSET / "cpuset.cpus").write_text(cpus or (CPUSET.parent / "cpuset.cpus").read_text())
+    return (CPUSET / "cpuset.cpus").read_text().strip()
 
 
 def _ours() -> list[int]:
@@ -339,6 +352,8 @@ def down(timeout_s: float = 30) -> list[str]:
     with contextlib.suppress(OSError):
         CGROUP.rmdir()
         done.append("cgroups removed")
+    with contextlib.suppress(OSError):
+        CPUSET.rmdir()
     for wrapper in WRAPPERS.glob("ds[0-9]*"):
         shutil.rmtree(wrapper, ignore_errors=True)
     shutil.rmtree(SPOOL, ignore_errors=True)
