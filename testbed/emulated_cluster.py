@@ -52,7 +52,7 @@ WRAPPERS = Path("/usr/local/lib/enroot-nodes")  # WRAPPERS/dsI/enroot: the dispa
 CALLS = DISKS / "calls.log"
 SHIM = DISKS / "shim"
 SLURM_COMMANDS = ("sbatch", "scontrol", "sinfo", "squeue", "srun", "sbcast", "scancel")
-PYTHON = Path("/usr/bin/python3.11")  # what /usr/bin/python3 (the job program's interpreter) links to
+PYTHON = Path(os.path.realpath("/usr/bin/python3"))  # the job program's interpreter (/usr/bin/python3), the file it links to
 DEFAULT_NODES = 16
 MEMORY_PER_NODE = 64 << 20  # an idle slurmd takes 2-38 MB (the design's measurement); a node's share of a job's steps
 MEMORY_FLOOR = 4 << 30
@@ -228,16 +228,18 @@ def _mounted(path: Path) -> bool:
     return any(line.split()[1] == str(path) for line in Path("/proc/mounts").read_text().splitlines())
 
 
-def up(count: int, busy_ok: bool = True, tree_width: int = 50, timeout_s: float = 180) -> Emulated:
+def up(count: int, busy_ok: bool = True, tree_width: int = 50, timeout_s: float = 180, need_cpu: bool = True) -> Emulated:
     """Bring up `count` emulated nodes (after `down` of any left from before); raises ClusterUnavailable with one line
-    where this host cannot have them (not root, no Slurm, too little memory, too busy unless `busy_ok`)."""
+    where this host cannot have them (not root, no Slurm, too little memory, too busy unless `busy_ok`, no cgroup v1
+    cpuacct to count each node's CPU unless not `need_cpu`: the counts need none, and without it the daemons are
+    found by their pid files alone)."""
     if os.geteuid() != 0:
         raise ClusterUnavailable("the emulated cluster needs root (its daemons, mounts and cgroups)")
     if shutil.which("slurmctld") is None or shutil.which("slurmd") is None:
         raise ClusterUnavailable("slurm-wlm is not installed (apt-get install -y slurm-wlm munge)")
     if _run(["pgrep", "-x", "munged"]).returncode != 0:
         raise ClusterUnavailable("munged is not running: start the test cluster first (python testbed/slurm_cluster.py)")
-    if not (Path("/sys/fs/cgroup/cpuacct") / "cpuacct.usage").exists():
+    if need_cpu and not CGROUP.parent.is_dir():
         raise ClusterUnavailable("no cgroup v1 cpuacct hierarchy at /sys/fs/cgroup/cpuacct: each node's CPU cannot be accounted here")
     if (why := refusal(count, busy_ok)) is not None:
         raise ClusterUnavailable(why)
@@ -262,14 +264,15 @@ def up(count: int, busy_ok: bool = True, tree_width: int = 50, timeout_s: float 
     _write(DISKS / "bin" / "python3-counted", PYTHON_WRAPPER.format(calls=CALLS, real=real))
     for daemon in ("slurmctld", "slurmd"):
         (DISKS / "bin" / f"{NAME}-{daemon}").symlink_to(shutil.which(daemon) or daemon)
-    CGROUP.mkdir(exist_ok=True)
+    if CGROUP.parent.is_dir():
+        CGROUP.mkdir(exist_ok=True)
+        (CGROUP / "ctld").mkdir(exist_ok=True)
     if CPUSET.parent.is_dir():
         CPUSET.mkdir(exist_ok=True)
         for name in ("cpuset.mems", "cpuset.cpus"):
             (CPUSET / name).write_text((CPUSET.parent / name).read_text())
     started = time.monotonic()
-    (CGROUP / "ctld").mkdir(exist_ok=True)
-    ctld = f"echo $$ > {CGROUP}/ctld/cgroup.procs && exec {DISKS}/bin/{NAME}-slurmctld -c -f {CONF}"
+    ctld = f"{{ [ ! -d {CGROUP} ] || echo $$ > {CGROUP}/ctld/cgroup.procs; }} && exec {DISKS}/bin/{NAME}-slurmctld -c -f {CONF}"
     _run(["sh", "-c", ctld], check=True, env=clean_env())
     for node in nodes:
         _start_node(node)
@@ -293,11 +296,12 @@ def _start_node(node: str) -> None:
     wrapper = WRAPPERS / node
     wrapper.mkdir(parents=True, exist_ok=True)
     _write(wrapper / "enroot", ENROOT_WRAPPER.format(node=node, disks=DISKS, calls=CALLS))
-    (CGROUP / node).mkdir(exist_ok=True)
+    if CGROUP.is_dir():
+        (CGROUP / node).mkdir(exist_ok=True)
     NODE_TMP.mkdir(parents=True, exist_ok=True)
     real = DISKS / "bin" / "python3.11.real"
     script = (
-        f"echo $$ > {CGROUP}/{node}/cgroup.procs && {{ [ ! -d {CPUSET} ] || echo $$ > {CPUSET}/cgroup.procs; }} && "
+        f"{{ [ ! -d {CGROUP} ] || echo $$ > {CGROUP}/{node}/cgroup.procs; }} && {{ [ ! -d {CPUSET} ] || echo $$ > {CPUSET}/cgroup.procs; }} && "
         f"mount --bind {disk} {NODE_TMP} && mount --bind {PYTHON} {real} && "
         f"mount --bind {DISKS}/bin/python3-counted {PYTHON} && exec {DISKS}/bin/{NAME}-slurmd -f {CONF} -N {node}"
     )
