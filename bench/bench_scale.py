@@ -19,7 +19,11 @@ correction takes out what a cluster runs side by side and this host queues: delt
 CPUs, bounded by the time both CPUs were saturated; R = W - delta. slurmctld's CPU is its cgroup's, munged's from /proc
 (the host's one munged: the test cluster's use in the window is in it too).
 
-    python bench/bench_scale.py [--sizes 2,16,64] [--rounds 1] [--pad-mb 0] [--busy-ok]
+    python bench/bench_scale.py [--sizes 2,16,64] [--swap-sizes 3,16,64] [--rounds 1] [--pad-mb 0] [--busy-ok]
+                                [--sbcast-law | --sbcast-only] [--calibrate]
+
+--sbcast-law: sbcast timed at TreeWidth 50 and 4, fan-out 2 and 8, 8 and 32 MiB, and its stop-and-wait law fitted
+beside the pipelined one (docs/scale.md); --calibrate: the correction checked, one CPU against two.
 
 Needs root, the test cluster's munged, pyxis and enroot; hold /tmp/ddpack-cluster.lock around it (make bench-scale does).
 """
