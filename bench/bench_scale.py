@@ -311,8 +311,7 @@ def main() -> int:
                     results.append(bench.swap(nodes))
                     print(row(results[-1]), flush=True)
             if opts.calibrate:
-                calibration = calibrate(bench, min(16, largest), max(opts.rounds, 2))
-                print(calibration, flush=True)
+                calibration = calibrate(bench, min(16, largest), max(opts.rounds, 2))  # printed again before the summary
         finally:
             left = ec.down()
             host.stop.set()
