@@ -23,6 +23,8 @@ BENCH_SQSH_ARGS ?=
 BENCH_GPU_ARGS ?=
 BENCH_HOST_ARGS ?=
 BENCH_MEMBERS_ARGS ?=
+# e.g. --rounds 3, --busy-ok (a loaded host: figures labelled), --sizes 2,16 --swap-sizes 3,16 (no 64), --pad-mb 64
+BENCH_SCALE_ARGS ?=
 GPU_CHECK_ARGS ?=
 
 # Images: $(IMAGE):$(TAG) (CPU) and $(IMAGE):$(TAG)-gpu.
@@ -70,7 +72,7 @@ APP_OPTS = $(if $(APP),--app '$(APP)' --app-cmd "$$APP_CMD" --bundle-tag $(IMAGE
 AWS_ENV := AWS_REGION='$(AWS_REGION)' DDPACK_REGISTRY='$(DDPACK_REGISTRY)'
 IMAGE_ENV := BASE_IMAGE='$(BASE_IMAGE)' WHEELHOUSE='$(WHEELHOUSE)' CA_BUNDLE='$(CA_BUNDLE)' TORCH_VERSION='$(TORCH_VERSION)'
 
-.PHONY: help venv test test-quick lint bench bench-members bench-images bench-sqsh bench-start bench-goodput bench-lifecycle bench-experiments bench-restart bench-gpu bench-host gpu-check clean engine base image image-gpu smoke push push-gpu enroot-credentials sqsh sqsh-gpu report
+.PHONY: help venv test test-quick lint bench bench-members bench-images bench-sqsh bench-start bench-goodput bench-lifecycle bench-experiments bench-restart bench-scale bench-gpu bench-host gpu-check clean engine base image image-gpu smoke push push-gpu enroot-credentials sqsh sqsh-gpu report
 
 help: ## list targets and variables
 	@echo "ddpack - build, ship and launch PyTorch DDP in containers on Slurm"
@@ -172,6 +174,9 @@ bench-members: venv ## print in-process recovery's protocol with simulated membe
 
 bench-restart: venv ## print a killed rank's restart in place, the job program at fa34be6 against now, A B A B, and where the seconds go (root, Slurm); BENCH_RESTART_ARGS=--standbys: today's path against in-process recovery on the cluster, --local: on this host
 	$(VPY) bench/bench_restart.py $(BENCH_RESTART_ARGS)
+
+bench-scale: venv ## print a start's and a spare swap's time at 2, 16 and 64 emulated nodes (a second Slurm instance), where it goes, corrected for this host's CPUs, and the job's Slurm calls (root, Slurm+pyxis; under the cluster lock)
+	flock /tmp/ddpack-cluster.lock $(VPY) bench/bench_scale.py $(BENCH_SCALE_ARGS)
 
 push: engine ## push IMAGE:TAG to ECR (boto3 + docker SDK; AWS_REGION, ECR_REPOSITORY, PUSH_ARGS)
 	$(AWS_ENV) $(VPY) -m ddpack.images.push --image $(CPU_REF) --repository $(ECR_REPOSITORY) --tag $(TAG) $(PUSH_ARGS)

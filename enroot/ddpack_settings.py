@@ -92,7 +92,9 @@ SETTINGS: dict[str, Setting] = {
     "DDPACK_STAGE": Setting(r"auto|sbcast|off", "auto", "how the nodes get the squashfs: sbcast to local disk, or read it where it is"),
     "DDPACK_STAGE_DIR": Setting(r"/.*", "/tmp/ddpack-images-<uid>", "the nodes' local folder for staged images (yours alone)"),
     "DDPACK_STAGE_KEEP": Setting(POSITIVE, "2", "staged images kept a node"),
-    "DDPACK_STAGE_FANOUT": Setting(r"[1-8]", "8", "sbcast's fan-out (Slurm 22.05 allows 8 at most)"),
+    "DDPACK_STAGE_FANOUT": Setting(
+        r"[1-9]|[1-5][0-9]|6[0-4]", "8", "sbcast's fan-out: up to 64 on Slurm 23.11+ (every hop); 8 at most before (its first hop only)"
+    ),
     "DDPACK_FSX_MBPS": Setting(POSITIVE, "1200", "the shared filesystem's read rate, MB/s, for the staging model"),
     "DDPACK_SBCAST_MBPS": Setting(POSITIVE, "1000", "sbcast's rate, MB/s, for the staging model"),
     "DDPACK_UNPACK_MBPS": Setting(POSITIVE, "400", "a node's unpack rate, MB/s, for the staging model"),

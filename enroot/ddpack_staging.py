@@ -83,6 +83,9 @@ def stage_by_model(nodes: int, fsx: int, bcast: int, unpack: int) -> str:
 HOLD_DEADLINE_S = 120  # seconds the holder step's nodes get to make their receiving folders
 SEND_ROUNDS = 3  # sbcast rounds at most: a round that fails on named nodes is sent again to the others
 UNPACK_FACTOR = 4  # a compressed squashfs's unpacked size, at most, as a multiple of its own (zstd's here: 3.2)
+# sbcast's fan-out before Slurm 23.11: 8 at most, and it sets the first hop alone (every later hop forwards to slurm.conf's
+# TreeWidth, 50 by default); from 23.11 it sets every hop (--treewidth, which --fanout names too), up to 64.
+SBCAST_FANOUT_BEFORE_23_11 = 8
 SBCAST_NODE_ERROR = re.compile(r"REQUEST_FILE_BCAST\(([^)]+)\): (.*)")  # sbcast's line for a node it could not write to
 
 
@@ -101,6 +104,29 @@ def unpacked_bytes(sqsh: str, size: int) -> int:
         if head[:4] == b"hsqs" and int.from_bytes(head[24:26], "little") & 0x0002:
             return size
     return size * UNPACK_FACTOR
+
+
+def slurm_version(text: str) -> tuple[int, int] | None:
+    """(major, minor) from `sbcast --version`'s line ("slurm 23.11.4", "slurm-wlm 22.05.8"), None when it names none."""
+    found = re.search(r"\b(\d+)\.(\d+)(?:\.\d+)?\b", text)
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+def sbcast_fanout(wanted: int) -> tuple[int, str]:
+    """The fan-out sbcast is given for DDPACK_STAGE_FANOUT=`wanted`, and a line for people when it is not `wanted`. Up to
+    8 every Slurm takes it (and asks nothing); above 8, sbcast's version is asked once: 23.11 and later take up to 64 (on
+    every hop); before, 8 at most, for the first hop only."""
+    if wanted <= SBCAST_FANOUT_BEFORE_23_11:
+        return wanted, ""
+    said = command(["sbcast", "--version"], capture_output=True, text=True, timeout=30).stdout.strip()
+    version = slurm_version(said)
+    if version is not None and version >= (23, 11):
+        return wanted, ""
+    which = f"Slurm {version[0]}.{version[1]:02d}" if version else f"this sbcast ({said or 'no version given'})"
+    return SBCAST_FANOUT_BEFORE_23_11, (
+        f"DDPACK_STAGE_FANOUT={wanted}: {which} takes a fan-out of {SBCAST_FANOUT_BEFORE_23_11} at most, for sbcast's first hop only "
+        f"(later hops use slurm.conf's TreeWidth); sending with {SBCAST_FANOUT_BEFORE_23_11}"
+    )
 
 
 def by_node(lines: list[str], word: str) -> dict[str, str]:
@@ -254,6 +280,9 @@ class Staging:
         sent again to the rest, so that one node's failure is that node's alone. Returns the nodes that got no copy, each
         with why; the ones that did are said and recorded."""
         started = time.monotonic()
+        self.fanout, capped = sbcast_fanout(self.fanout)
+        if capped:
+            say(capped)
         failing: dict[str, str] = {}
         pending = lacking
         for _ in range(SEND_ROUNDS):

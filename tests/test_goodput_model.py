@@ -5,7 +5,17 @@ from __future__ import annotations
 import pytest
 
 from ddpack.job_side import module
-from ddpack.jobs.goodput_model import Site, auto_stages, ddpack, main, read_and_unpack_shared, stage_by_sbcast, today, tree_depth
+from ddpack.jobs.goodput_model import (
+    Site,
+    auto_stages,
+    ddpack,
+    main,
+    read_and_unpack_shared,
+    sbcast_levels,
+    stage_by_sbcast,
+    today,
+    tree_depth,
+)
 
 
 def test_the_issue_arithmetic_128_nodes_reading_a_5_4_gb_image_from_a_1_2_gb_per_s_filesystem() -> None:
@@ -32,10 +42,19 @@ def test_ddpack_starts_a_small_job_as_today_does_where_auto_keeps_the_shared_fil
     assert [ddpack(5400, n, site).path for n in (2, 4, 5, 8, 128)] == ["shared", "shared", "sbcast", "sbcast", "sbcast"]
 
 
-def test_sbcast_costs_one_read_whatever_the_node_count_plus_a_block_per_level() -> None:
+def test_sbcast_is_stop_and_wait_per_block_down_a_tree_whose_first_hop_is_the_fan_out_and_later_ones_tree_width() -> None:
+    """Slurm 22.05's sbcast: each 8 MiB block is read, then sent down the whole tree, every reply back before the next
+    block; the fan-out sets the first hop alone, TreeWidth (50) the later ones. A block costs the read, then at each level
+    a hop plus the block to each child of the busiest sender over its one link. From 23.11 the fan-out sets every hop."""
+    assert [sbcast_levels(n, 8, 50) for n in (2, 8, 9, 64, 1000)] == [[2], [8], [8, 1], [8, 7], [8, 50, 2]]
+    assert sbcast_levels(64, 2, 50) == [2, 31] and sbcast_levels(1000, 16, 16) == [16, 16, 3]
     site = Site()
-    assert [tree_depth(n, 8) for n in (1, 2, 8, 9, 64, 65, 1024)] == [0, 1, 1, 2, 2, 3, 4]
-    assert stage_by_sbcast(5400, 1024, site) - stage_by_sbcast(5400, 2, site) == pytest.approx(3 * 8 / 1000)
+    per_block = 8 / site.fsx_mbps + 2 * site.sbcast_hop_ms / 1000 + (8 + 7) * 8 / site.node_mbps
+    assert stage_by_sbcast(5400, 64, site) == pytest.approx(675 * per_block)
+    assert stage_by_sbcast(5400, 1000, site) > stage_by_sbcast(5400, 64, site) > stage_by_sbcast(5400, 2, site)
+    assert stage_by_sbcast(5400, 1000, Site(fanout=16, tree_width=16)) < stage_by_sbcast(5400, 1000, site)  # 23.11's tree
+    slow = Site(sbcast_mbps=10)  # never less than the pipelined bound: size / rate plus a block a level
+    assert stage_by_sbcast(5400, 64, slow) == pytest.approx(5400 / 10 + tree_depth(64, 8) * 8 / 10)
 
 
 @pytest.mark.parametrize("rates", [(1200, 1000, 400), (300, 1000, 400), (5000, 800, 250), (1200, 100, 2000)])

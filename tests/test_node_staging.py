@@ -358,3 +358,30 @@ def test_the_unpacked_size_comes_from_make_sqshs_record_without_opening_the_shar
     assert staging.unpacked_bytes(str(sqsh), 1032) == 1032
     sqsh.write_bytes(b"hsqs" + bytes(30))  # changed since the record: the record no longer describes it
     assert staging.unpacked_bytes(str(sqsh), 34) == 34 * staging.UNPACK_FACTOR
+
+
+@pytest.mark.parametrize(
+    ("wanted", "version", "given", "said"),
+    [
+        (8, "", 8, ""),  # up to 8: every Slurm takes it, and sbcast is not asked
+        (16, "slurm 23.11.4", 16, ""),
+        (64, "slurm 24.05.1", 64, ""),
+        (16, "slurm-wlm 22.05.8", 8, "DDPACK_STAGE_FANOUT=16: Slurm 22.05 takes a fan-out of 8 at most, for sbcast's first hop only"),
+        (16, "", 8, "DDPACK_STAGE_FANOUT=16: this sbcast (no version given) takes a fan-out of 8 at most"),
+    ],
+)
+def test_the_fan_out_above_8_is_sbcasts_on_slurm_23_11_and_later_and_capped_at_8_with_one_line_before(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wanted: int, version: str, given: int, said: str
+) -> None:
+    """Slurm 22.05's sbcast takes --fanout 8 at most and only for its first hop; 23.11 and later take up to 64 on every
+    hop: the job asks sbcast's version only for a fan-out above 8, and caps it at 8 below 23.11, saying so."""
+    from ddpack.job_side import module
+
+    staging = module("ddpack_staging")
+    sbcast = tmp_path / "sbcast"
+    sbcast.write_text(f'#!/bin/sh\necho "$*" >> "{tmp_path}/asked"\n' + (f'echo "{version}"\n' if version else ""))
+    sbcast.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    fanout, line = staging.sbcast_fanout(wanted)
+    assert fanout == given and line.startswith(said) and bool(line) == bool(said)
+    assert (tmp_path / "asked").exists() == (wanted > 8)

@@ -52,7 +52,8 @@ def job_side_refuses(name: str, value: str) -> str:
     ("name", "value", "refused"),
     [
         ("DDPACK_STAGE_FANOUT", "8", False),
-        ("DDPACK_STAGE_FANOUT", "9", True),  # passed submit's old table, then killed the job
+        ("DDPACK_STAGE_FANOUT", "64", False),  # Slurm 23.11+ takes it (the job caps it at 8 on older ones)
+        ("DDPACK_STAGE_FANOUT", "65", True),
         ("DDPACK_STAGE", "sbcats", True),
         ("DDPACK_UMASK", "027", False),
         ("DDPACK_STOP_GRACE", "0", True),

@@ -10,8 +10,14 @@ feeds it the per-node ones it measures on the test cluster. Assumptions, each a 
 - the shared filesystem serves `fsx_mbps` in all (FSx for Lustre: throughput per TiB times the TiB; 1,200 MB/s is
   a 1.2 TiB PERSISTENT-1000 file system), shared by every node reading at once, each node at most `node_mbps`
   (its network: 100 Gb/s ~ 12,500 MB/s);
-- sbcast reads the file once and pipelines it down a tree of `fanout` (at most 8 in Slurm 22.05) at
-  `sbcast_mbps` per hop: the last node has it after size / rate plus one block per level of the tree;
+- sbcast reads the file once and sends it down a tree, stop and wait per 8 MiB block (each block goes down the
+  whole tree and every reply comes back before the next is read: Slurm's src/bcast/file_bcast.c). The tree: in Slurm
+  before 23.11 the fan-out (at most 8) sets the first hop and slurm.conf's TreeWidth (`tree_width`, 50) every
+  later one; from 23.11 the fan-out (up to 64) sets every hop (give `tree_width` the fan-out). A block costs the
+  read of it, then at each level `sbcast_hop_ms` (a slurmd's receive, write and reply: 5 ms assumed;
+  bench/bench_scale.py fits it on emulated nodes) plus the block sent to each child over one sender's link
+  (`node_mbps`): T = blocks x sum over levels (hop + children x block / link). Never less than the pipelined bound,
+  size / `sbcast_mbps` plus a block per level;
 - a node unpacks (`enroot create`) at `unpack_mbps` of squashfs from its local disk, and in parallel with the
   others when they each read their own copy; reading from the shared filesystem it can go no faster than its
   share of `fsx_mbps`;
@@ -38,6 +44,10 @@ class Site:
     node_mbps: float = 12500.0
     sbcast_mbps: float = float(setting_value("DDPACK_SBCAST_MBPS"))
     fanout: int = int(setting_value("DDPACK_STAGE_FANOUT"))
+    tree_width: int = 50  # slurm.conf's TreeWidth: every hop of sbcast's tree after the first before Slurm 23.11
+    # One level of the tree, one block: a slurmd's receive, write and reply (assumed; bench_scale's fit on this 2-CPU host
+    # is an upper bound, its nodes' CPU queued: docs/scale.md).
+    sbcast_hop_ms: float = 5.0
     unpack_mbps: float = float(setting_value("DDPACK_UNPACK_MBPS"))
     step_s: float = 2.0
     trainer_s: float = 10.0
@@ -57,6 +67,18 @@ def tree_depth(nodes: int, fanout: int) -> int:
     return max(1, math.ceil(math.log(max(nodes, 2), fanout))) if nodes > 1 else 0
 
 
+def sbcast_levels(nodes: int, fanout: int, tree_width: int) -> list[int]:
+    """The children of the busiest sender at each level of sbcast's tree to `nodes` nodes: the first hop `fanout`
+    wide, each later one `tree_width` wide (Slurm before 23.11; from 23.11 both are the fan-out). The first hop
+    splits the nodes into `fanout` groups; a group's head forwards to the rest of its group."""
+    levels, width, left = [], fanout, nodes
+    while left > 0:
+        heads = min(width, left)
+        levels.append(heads)
+        left, width = math.ceil(left / heads) - 1, tree_width
+    return levels
+
+
 def read_and_unpack_shared(size_mb: float, nodes: int, site: Site) -> float:
     """Every node unpacks from the shared filesystem at once: each at the slower of its unpack rate and its share."""
     share = min(site.node_mbps, site.fsx_mbps / nodes)
@@ -64,9 +86,15 @@ def read_and_unpack_shared(size_mb: float, nodes: int, site: Site) -> float:
 
 
 def stage_by_sbcast(size_mb: float, nodes: int, site: Site) -> float:
-    """One read of the shared file, piped down the tree: the last node holds it after this long."""
+    """One read of the shared file sent down the tree, stop and wait per block: the last node holds it after this
+    long (the fitted law; never less than the pipelined bound at `sbcast_mbps`)."""
     rate = min(site.sbcast_mbps, site.fsx_mbps, site.node_mbps)
-    return size_mb / rate + tree_depth(nodes, site.fanout) * SBCAST_BLOCK_MB / rate
+    pipelined = size_mb / rate + tree_depth(nodes, site.fanout) * SBCAST_BLOCK_MB / rate
+    levels = sbcast_levels(nodes, site.fanout, site.tree_width)
+    per_block = SBCAST_BLOCK_MB / site.fsx_mbps + sum(
+        site.sbcast_hop_ms / 1000 + children * SBCAST_BLOCK_MB / site.node_mbps for children in levels
+    )
+    return max(pipelined, math.ceil(size_mb / SBCAST_BLOCK_MB) * per_block)
 
 
 def auto_stages(nodes: int, site: Site) -> bool:
