@@ -90,18 +90,15 @@ SBCAST_NODE_ERROR = re.compile(r"REQUEST_FILE_BCAST\(([^)]+)\): (.*)")  # sbcast
 
 
 def unpacked_bytes(sqsh: str, size: int) -> int:
-    """What enroot takes on a node's disk to unpack the image, for the free-space check: its own size when the squashfs
-    stores its data uncompressed (make sqsh's default), else UNPACK_FACTOR times it. Told by make sqsh's record beside
-    it (its squash options, `-noD`: data not compressed) while the record describes the file, so that a start whose
-    nodes all hold a copy never opens the shared file; else by the superblock's flag 0x0002 (32 bytes read)."""
+    """What enroot takes on a node's disk to unpack the image, for the free-space check, without opening the shared
+    file (a start whose nodes all hold a copy reads nothing from it): its own size when make sqsh's record beside it
+    says its data is stored uncompressed (`-noD`, make sqsh's default) while the record describes the file, else
+    UNPACK_FACTOR times it, the bound for a compressed image (a squashfs copied without its record, as the README's
+    `cp` does, is taken as compressed: a node short of room for that reads the shared file alone, with a line)."""
     with contextlib.suppress(OSError, ValueError, AttributeError, TypeError, KeyError):
         info = os.stat(sqsh)
         record = json.loads(Path(f"{sqsh}.ddpack.json").read_text())
-        if record["size"] == info.st_size and record["mtime_ns"] == info.st_mtime_ns:
-            return size if "-noD" in str(record["squash_options"]).split() else size * UNPACK_FACTOR
-    with contextlib.suppress(OSError), open(sqsh, "rb") as image:
-        head = image.read(32)
-        if head[:4] == b"hsqs" and int.from_bytes(head[24:26], "little") & 0x0002:
+        if record["size"] == info.st_size and record["mtime_ns"] == info.st_mtime_ns and "-noD" in str(record["squash_options"]).split():
             return size
     return size * UNPACK_FACTOR
 

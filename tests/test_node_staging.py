@@ -342,16 +342,16 @@ def test_a_copy_of_a_team_writable_image_is_made_private_and_staged(users, node_
 
 def test_the_unpacked_size_comes_from_make_sqshs_record_without_opening_the_shared_file(tmp_path: Path) -> None:
     """A start whose nodes all hold a copy must not open the shared file at all (tests/test_pyxis.py counts its readers):
-    the free-space need is told by make sqsh's record while it describes the file; only without one is the superblock
-    read. Here the superblock says compressed and the record says `-noD`: the record decides."""
+    the free-space need is told by make sqsh's record while it describes the file, and without one it is the bound for
+    a compressed image; the file itself is never read."""
     import json
 
     from ddpack.job_side import module
 
     staging = module("ddpack_staging")
     sqsh = tmp_path / "x.sqsh"
-    sqsh.write_bytes(b"hsqs" + bytes(28) + bytes(1000))  # flags 0: compressed data
-    assert staging.unpacked_bytes(str(sqsh), 1032) == 1032 * staging.UNPACK_FACTOR  # no record: the superblock
+    sqsh.write_bytes(b"hsqs" + bytes(28) + bytes(1000))
+    assert staging.unpacked_bytes(str(sqsh), 1032) == 1032 * staging.UNPACK_FACTOR  # no record: the compressed bound
     info = sqsh.stat()
     record = {"image_id": "sha256:" + "a" * 64, "squash_options": "-comp lzo -noI -noD -noF -noX", "size": info.st_size, "mtime_ns": info.st_mtime_ns}
     (tmp_path / "x.sqsh.ddpack.json").write_text(json.dumps(record))
