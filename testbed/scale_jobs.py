@@ -156,12 +156,16 @@ class ScaleJobs:
         given = {"DDPACK_SQSH": str(self.image), "DDPACK_MOUNTS": f"{self.work}:/fsx", "DDPACK_STAGE_DIR": str(self.stage), **settings}
         exports = ",".join(["ALL", *(f"{k}={v}" for k, v in given.items())])
         template = str(ROOT / "enroot" / "pyxis-per-task.sbatch")
-        t0 = time.time()
-        out = subprocess.run(
-            ["sbatch", "--parsable", "--job-name=scale", f"--nodes={nodes}", "--ntasks-per-node=1", f"--export={exports}", template],
-            cwd=self.work, env=self.env, capture_output=True, text=True, check=True, timeout=60,
-        )  # fmt: skip
-        return out.stdout.strip().split(";")[0], t0
+        argv = ["sbatch", "--parsable", "--job-name=scale", f"--nodes={nodes}", "--ntasks-per-node=1", f"--export={exports}", template]
+        for attempt in range(10):  # a node resumed just before (the last swap's victim) may not be schedulable yet
+            t0 = time.time()
+            out = subprocess.run(argv, cwd=self.work, env=self.env, capture_output=True, text=True, timeout=60)
+            if out.returncode == 0:
+                return out.stdout.strip().split(";")[0], t0
+            time.sleep(1 + attempt)
+        raise RuntimeError(
+            f"sbatch of {nodes} emulated nodes failed (exit {out.returncode}): {out.stderr.strip()}; {self.slurm('sinfo', check=False).stdout}"
+        )
 
     def ready(self, job: str) -> dict[str, dict[int, float]]:
         """{step: {rank: ready time}} of job `job`, from the stub's files."""

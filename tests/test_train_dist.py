@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
+import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -144,17 +147,39 @@ def test_killed_peer_ends_the_survivor_within_the_timeout(tmp_path: Path) -> Non
     assert end.outcome == "failed" and end.exit_code == 1 and "a collective failed" in end.reason and end.global_step >= 5
 
 
+@contextlib.contextmanager
+def full_disk(folder: Path) -> Iterator[Path]:
+    """A 64 KiB tmpfs at `folder`, filled: a run folder on a full disk (--metrics-file refuses a device such as /dev/full,
+    which is no file a run could have). Root mounts it, as CI runs; elsewhere a skip, under CI a failure."""
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "ddpack-full", str(folder)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must be able to mount a tmpfs: {mounted.stderr.strip()}")
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        with contextlib.suppress(OSError), open(folder / "filler", "wb") as filler:
+            while True:
+                filler.write(b"\0" * 4096)
+                filler.flush()
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
 def test_a_full_run_folder_ends_every_rank_at_once_with_an_end_record(tmp_path: Path) -> None:
-    """The metrics file on a full disk (/dev/full refuses every write): rank 0 ends as failed with one line naming the
-    file, and its peer, left in the next collective, ends within seconds, not the collective timeout (300 s here)."""
-    args = [*LONG, "--snapshot-dir", "", "--metrics-file", "/dev/full", "--collective-timeout", "300"]
-    job = start_slurm_step(tmp_path, [2], args)
-    assert [job.procs[rank].wait(timeout=120) for rank in range(2)] == [1, 1], job.output()
+    """The metrics file on a full disk: rank 0 ends as failed with one line naming the file, and its peer, left in the
+    next collective, ends within seconds, not the collective timeout (300 s here)."""
+    with full_disk(tmp_path / "full") as full:
+        metrics = full / "metrics.jsonl"
+        args = [*LONG, "--snapshot-dir", "", "--metrics-file", str(metrics), "--collective-timeout", "300"]
+        job = start_slurm_step(tmp_path, [2], args)
+        assert [job.procs[rank].wait(timeout=120) for rank in range(2)] == [1, 1], job.output()
     out = job.output(0)
-    assert "error: the start record could not be written to /dev/full: [Errno 28] No space left on device" in out and "Traceback" not in out
+    assert f"error: the start record could not be written to {metrics}: [Errno 28] No space left on device" in out and "Traceback" not in out
     end = job.ends(0)[-1]
-    assert end.outcome == "failed" and "/dev/full" in end.reason and job.ends(1)[-1].outcome == "failed"
-    assert "warning: the end record could not be written to /dev/full" in out
+    assert end.outcome == "failed" and str(metrics) in end.reason and job.ends(1)[-1].outcome == "failed"
+    assert f"warning: the end record could not be written to {metrics}" in out
 
 
 def test_a_stopped_rank_is_named_by_the_hang_watchdog_which_ends_the_job_with_evidence(tmp_path: Path) -> None:
