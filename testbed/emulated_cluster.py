@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from testbed.env import clean_env
+from testbed.slurm_cluster import COMMON_SETTINGS, NODE_TMP, ClusterUnavailable
 from testbed.slurm_cluster import CONF as TEST_CONF
-from testbed.slurm_cluster import NODE_TMP, ClusterUnavailable
 
 NAME = "ddscale"
 CONF_DIR = Path("/etc/slurm-ddscale")
@@ -96,19 +96,7 @@ SlurmdPidFile=/run/slurmd-ddscale-%n.pid
 SlurmctldLogFile={LOGS}/slurmctld.log
 SlurmdLogFile={LOGS}/slurmd-%n.log
 PlugStackConfig=/etc/slurm/plugstack.conf
-SlurmdParameters=config_overrides
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SchedulerParameters=bf_interval=1,sched_interval=2
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-MpiDefault=none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-ReturnToService=2
-KillWait=5
-MinJobAge=30
-TreeWidth={tree_width}
+{COMMON_SETTINGS}TreeWidth={tree_width}
 {nodes}
 PartitionName=scale Nodes=ds[1-{count}] Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 """

@@ -49,6 +49,26 @@ def node_stage_dir(node: str, uid: int) -> Path:
     return NODE_DISKS / node / stage_dir(uid).name
 
 
+# What the test cluster and the emulated one (testbed/emulated_cluster.py) share, written once: no cgroups, the
+# scheduler's pace, core selection, no accounting. A requeued job waits out the credential lifetime (cred_expire) before
+# it may start again; once that wait is over, no event wakes the scheduler for it: the backfill pass (every bf_interval
+# seconds, 30 by default) or the main loop (every sched_interval, 60 by default) starts it. With bf_interval=1 alone the
+# main loop still started most of them, on its minute: a requeue cost 12 to 68 s (28 on average over 25 in this host's
+# slurmctld log, 49 s for one Lightning preemption) where cred_expire's 10 s is the floor.
+COMMON_SETTINGS = """SlurmdParameters=config_overrides
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SchedulerParameters=bf_interval=1,sched_interval=2
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+MpiDefault=none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+ReturnToService=2
+KillWait=5
+MinJobAge=30
+"""
+
 SLURM_CONF = f"""{MARKER}
 ClusterName=ddpack
 SlurmctldHost=localhost
@@ -67,23 +87,7 @@ SlurmctldPidFile=/run/slurmctld.pid
 SlurmdPidFile=/run/slurmd-%n.pid
 SlurmctldLogFile=/var/log/slurm/slurmctld.log
 SlurmdLogFile=/var/log/slurm/slurmd-%n.log
-SlurmdParameters=config_overrides
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-# Once that wait is over, no event wakes the scheduler for the requeued job: the backfill pass (every bf_interval
-# seconds, 30 by default) or the main loop (every sched_interval, 60 by default) starts it. With bf_interval=1
-# alone the main loop still started most of them, on its minute: a requeue cost 12 to 68 s (28 on average over
-# 25 in this host's slurmctld log, 49 s for one Lightning preemption) where cred_expire's 10 s is the floor.
-SchedulerParameters=bf_interval=1,sched_interval=2
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-MpiDefault=none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-ReturnToService=2
-KillWait=5
-MinJobAge=30
-GresTypes=gpu
+{COMMON_SETTINGS}GresTypes=gpu
 NodeName=ddnode1 NodeHostname=localhost NodeAddr=127.0.0.1 Port=6831 CPUs=2 RealMemory=4000 Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN
 NodeName=ddnode2 NodeHostname=localhost NodeAddr=127.0.0.1 Port=6832 CPUs=2 RealMemory=4000 Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN
 NodeName=ddnode3 NodeHostname=localhost NodeAddr=127.0.0.1 Port=6833 CPUs=2 RealMemory=4000 Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN
