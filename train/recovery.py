@@ -60,6 +60,7 @@ import torch.distributed as dist
 
 from train import distributed
 from train.distributed import DistContext, default_to_one_process, first_line, node_name, turn_on_flight_recorder
+from train.metrics import RankLog
 from train.recovery_channel import Beat, Channel, Decision
 from train.signals import PreemptionWatcher
 from train.torch_compat import abort_default_group, set_collective_timeout
@@ -617,11 +618,6 @@ NCCL_UNPROVEN = (
 )
 
 
-def rank_log(rank: int, world: int) -> Callable[[str], None]:
-    """Lines as the trainer's RankLog prints them, for the channel before the trainer has one."""
-    return lambda line: print(f"[rank {rank}/{world}] {line}", flush=True)
-
-
 def launcher_role(standbys: int, environ: MutableMapping[str, str]) -> bool:
     """Whether this process is one of the launcher's last `standbys` ranks (a job template's extra tasks of the step:
     `--standbys K`, DDPACK_STANDBYS), which are standbys; the others train in a world of WORLD_SIZE - K. WORLD_SIZE is
@@ -676,9 +672,10 @@ def enter(
             channel=waiting.channel, heartbeat=waiting.heartbeat, member=waiting.member, rank=rank, generation=generation, **settings
         )
     else:
-        membership = Membership.started(rank=rank, host=host, log=rank_log(rank, world), launched=standbys, **settings)
-        if rank == 0 and backend == "nccl":
-            rank_log(rank, world)(NCCL_UNPROVEN)
+        log = RankLog(rank, world)  # the trainer's own lines, before the trainer has one
+        membership = Membership.started(rank=rank, host=host, log=log, launched=standbys, **settings)
+        if backend == "nccl":
+            log(NCCL_UNPROVEN, main_only=True)
     membership.join()
     ctx = DistContext(
         rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world, backend=backend, device=device, host=host

@@ -28,12 +28,11 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from entrypoint.plan import job_token
-from train.job_keys import BadValue, Signer, store_prefix
+from train.job_keys import HOSTNAME, BadValue, Signer, store_prefix
 
 T = TypeVar("T")
 NAME = "ddpack-recovery"
 MEMBER = re.compile(r"[rs][0-9]{1,7}")  # r<rank> for the ranks a job started with, s<n> for standbys
-HOSTNAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")  # as the watchdog's: what Slurm and DNS accept
 MAX_STANDBYS = 4096  # indexes past this are not read: a counter another user bumped costs the readers nothing more
 MAX_DECISION_BYTES = 1 << 20  # a roster of 8,192 ranks is ~150 KB
 MAX_REASON = 1000

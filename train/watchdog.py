@@ -34,7 +34,6 @@ import concurrent.futures
 import json
 import math
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -45,14 +44,11 @@ from typing import Any, TypeVar
 
 from entrypoint.plan import JOB_TOKEN_VAR, job_token
 from train.forensics import kill_workers, prepare_worker_stacks, remove_stacks_dir, write_atomic, write_rank_evidence
-from train.job_keys import BadValue, Signer, store_prefix
+from train.job_keys import HOSTNAME, BadValue, Signer, store_prefix
 from train.outcome import RunEnd
 from train.run_folder import SUMMARY, UNRESPONSIVE_NODES, rank_stacks
 
 EXIT_HANG = 124  # as timeout(1): the run was ended for taking too long
-# What Slurm and DNS accept as a node name. A heartbeat's host ends up in unresponsive-nodes, which the job script
-# hands to `scontrol update ExcNodeList=`: anything else is not a host of this job.
-HOSTNAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
 MAX_HEARTBEAT_BYTES = 4096  # one is ~200 bytes
 T = TypeVar("T")
 
