@@ -2,6 +2,7 @@
 
     ddpack submit   [APP_DIR] [--file run.toml] --nodes N [...] [--dry-run] [--json] [-- COMMAND...]
                     [--sweep NAME=V1,V2 | --point NAME=V,NAME=V... | --points FILE | --sample N [--sample-seed S]]
+    ddpack try      [APP_DIR] [submit's options] [--index I] [--timeout S] [--lines N] [--dry-run] [--json] [-- COMMAND...]
     ddpack status   [RUN|SWEEP|JOB_ID] [--point I] [--json] [--watch]
     ddpack logs     [RUN|SWEEP|JOB_ID] [--point I] [-f] [--rank R] [--json]
     ddpack cancel   RUN|SWEEP|JOB_ID [--json]
@@ -175,6 +176,9 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("--dry-run", action="store_true", help="print the job script and run the checks; build, write and queue nothing")
     sub.add_argument("--json", action="store_true", help="print one JSON object (job_id, run_dir, ...)")
     sub.epilog = "-- COMMAND...: your program, run by every rank (default: the image's own command)"
+    from ddpack.jobs.try_point import TRY_HELP, add_try_options  # try takes submit's options (its parser's parent) and its own
+
+    add_try_options(verbs.add_parser("try", parents=[sub], add_help=False, allow_abbrev=False, help=TRY_HELP, description=TRY_HELP))
 
     for name, text in (
         ("status", "a run's state, segments, progress and ETA"),
@@ -299,6 +303,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if opts.verb == "submit":
             return submit(opts)
+        if opts.verb == "try":
+            from ddpack.jobs.try_point import try_point
+
+            return try_point(opts, submit_settings(opts)[0])
         runs = (opts.runs if getattr(opts, "runs", None) else find_runs.default_runs()).resolve()
         if opts.verb == "status":
             return status(opts, runs)
@@ -352,11 +360,28 @@ def main(argv: list[str] | None = None) -> int:
 
 def submit(opts: argparse.Namespace) -> int:
     """The flags over the run file (--file) over the defaults, then ddpack.jobs.submit."""
+    from ddpack.jobs.submit import as_json
+    from ddpack.jobs.submit import submit as do_submit
+
+    settings, run_file = submit_settings(opts)
+    kept = run_file.record() if run_file else None
+    if opts.json:  # stdout holds the one JSON object: what the build and conversion print (their tools too) goes to stderr
+        with stdout_to_stderr():
+            result = do_submit(settings, dry_run=opts.dry_run, say=print, run_file=kept)
+        print(as_json(result))
+        return 0
+    result = do_submit(settings, dry_run=opts.dry_run, say=print, run_file=kept)
+    if result.job_id:
+        print("next:\n" + "\n".join(f"  {line}" for line in result.next_commands()))
+    return 0
+
+
+def submit_settings(opts: argparse.Namespace) -> tuple[Any, Any]:
+    """(SubmitSettings, the run file or None): submit's flags over the run file (--file) over the defaults, a value from
+    the file that the checks refuse named by its line there. `submit` and `try` read their arguments so."""
     from ddpack.jobs import find_runs
     from ddpack.jobs.run_toml import read_run_file
     from ddpack.jobs.search import sweep_space
-    from ddpack.jobs.submit import as_json
-    from ddpack.jobs.submit import submit as do_submit
     from ddpack.jobs.submit_checks import SubmitSettings, raise_problems, setting_problems
 
     run_file = read_run_file(opts.file) if opts.file else None
@@ -418,16 +443,7 @@ def submit(opts: argparse.Namespace) -> int:
     )
     if run_file is not None:  # a value from the file that the checks refuse is named by its line there
         raise_problems([run_file.where(problem, argv_flags) for problem in setting_problems(settings)])
-    kept = run_file.record() if run_file else None
-    if opts.json:  # stdout holds the one JSON object: what the build and conversion print (their tools too) goes to stderr
-        with stdout_to_stderr():
-            result = do_submit(settings, dry_run=opts.dry_run, say=print, run_file=kept)
-        print(as_json(result))
-        return 0
-    result = do_submit(settings, dry_run=opts.dry_run, say=print, run_file=kept)
-    if result.job_id:
-        print("next:\n" + "\n".join(f"  {line}" for line in result.next_commands()))
-    return 0
+    return settings, run_file
 
 
 AFTER = {"ok": "afterok", "any": "afterany", "notok": "afternotok"}

@@ -195,8 +195,7 @@ def words(name: str) -> int:
     setting = ddpack_settings.SETTINGS.get(name)
     if setting is not None and (why := setting.problem(name, text)) is not None:
         die(why)
-    found = json.loads(text) if text.startswith("[") else text.split()
-    answer(" ".join(shlex.quote(word) for word in [*prefix, *found]))
+    answer(" ".join(shlex.quote(word) for word in [*prefix, *ddpack_settings.command_words(text)]))
     return 0
 
 

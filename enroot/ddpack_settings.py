@@ -128,6 +128,13 @@ def value(name: str, environ: Mapping[str, str]) -> str:
     return environ.get(name) or SETTINGS[name].default.replace("<uid>", str(os.getuid()))
 
 
+def command_words(text: str) -> list[str]:
+    """A command setting's words (DDPACK_COMMAND, DDPACK_TRAIN_ARGS, ...), its pattern checked first: a value that
+    starts with [ is a JSON list of strings, each word exactly as given (what `ddpack submit -- CMD` writes); any other
+    is split on whitespace, the hand-made form. The job's `words` verb and `ddpack try` read them so."""
+    return json.loads(text) if text.startswith("[") else text.split()
+
+
 # What a training step runs, as far as the standbys are concerned (`step_program`).
 TRAINER, OWN, IMAGE, TORCHRUN, UNKNOWN = "trainer", "own", "image", "torchrun", "unknown"
 

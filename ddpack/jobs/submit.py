@@ -41,7 +41,7 @@ from ddpack.jobs.submit_checks import (
     setting_problems,
     slurm_problems,
 )
-from ddpack.jobs.sweep_points import SWEEP_RECORD, sweep_command, sweep_env
+from ddpack.jobs.sweep_points import SWEEP_RECORD
 from ddpack.private_files import not_yours_alone
 from train import run_folder
 
@@ -218,7 +218,7 @@ class Submitted:
 def submit(settings: SubmitSettings, *, dry_run: bool = False, say: Any = print, run_file: dict[str, Any] | None = None) -> Submitted:
     raise_problems(setting_problems(settings))
     if not settings.sweep:  # {{NAME}} is the text {NAME} in every command, as in a sweep's (no {NAME} is left: refused above)
-        settings = replace(settings, command=tuple(sweep_command(settings.command, {}, 0)))
+        settings = settings.one_point(0)
     # What submit writes (the run folder, run.json, the squashfs) and the job log sbatch opens are as private as the
     # job's own files (the templates' DDPACK_UMASK); the caller's umask is its own again afterwards.
     previous = os.umask(int(setting_value("DDPACK_UMASK", settings.env), 8))
@@ -404,8 +404,7 @@ def submit_sweep(settings: SubmitSettings, sweep_dir: Path, made: RecordParts, *
     for index, point in enumerate(every):
         point_dir = sweep_dir / str(index)
         (point_dir / run_folder.LOGS).mkdir(parents=True)
-        alone = replace(settings, command=tuple(sweep_command(settings.command, point, index)), env=sweep_env(settings.env, point, index),
-                        sweep={}, sweep_parallel=None, sweep_listed=(), sweep_search=None)  # fmt: skip
+        alone = settings.one_point(index)
         where = {"dir": str(sweep_dir), "index": index, "values": point, "points": len(every)}
         write_record(made.record(alone, point_dir, f"{sweep_dir.name}/{index}", sweep=where))
         points.append(point)

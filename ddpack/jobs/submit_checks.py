@@ -11,14 +11,14 @@ import os
 import re
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ddpack.errors import HostError
 from ddpack.job_side import module, node_helper, setting_value, settings_table
 from ddpack.jobs import slurm_cli
-from ddpack.jobs.sweep_points import placeholders, sweep_env, sweep_points, sweep_problems
+from ddpack.jobs.sweep_points import placeholders, sweep_command, sweep_env, sweep_points, sweep_problems
 from train import run_folder
 
 # Settings submit sets itself from its flags: --env may not set them behind the flags' back (each with its flag).
@@ -159,6 +159,16 @@ class SubmitSettings:
     def points(self) -> list[dict[str, str]]:
         """The sweep's points: those listed or drawn, else the product of the --sweep values, in order."""
         return [dict(point) for point in self.sweep_listed] if self.sweep_listed else sweep_points(self.sweep)
+
+    def one_point(self, index: int) -> SubmitSettings:
+        """What the sweep's point `index` runs, as a run of its own (its command and --env values with the point's values
+        in place, no sweep left): submit's record of each point and `ddpack try`'s run. Not a sweep: the command with
+        each `{{NAME}}` as the text `{NAME}` (no `{NAME}` is left: setting_problems refuses it)."""
+        if not self.sweep:
+            return replace(self, command=tuple(sweep_command(self.command, {}, 0)))
+        point = self.points[index]
+        return replace(self, command=tuple(sweep_command(self.command, point, index)), env=sweep_env(self.env, point, index), sweep={},
+                       sweep_parallel=None, sweep_listed=(), sweep_search=None)  # fmt: skip
 
     @property
     def exported_names(self) -> tuple[str, ...]:
