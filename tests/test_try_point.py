@@ -165,3 +165,20 @@ def test_a_point_runs_for_real_in_the_cpu_image(tmp_path, capfd, cpu_image) -> N
     }
     assert Path(seen["cwd"]).name.startswith("ddpack-try-")  # the scratch run folder, the job's working directory
     assert "exit 0 after" in out[-1]
+
+
+def test_the_readmes_try_line_plans_the_sweeps_last_point(tmp_path, capfd) -> None:
+    """The README's `ddpack try` line, its squashfs one with make sqsh's record: point 3 of 4, its command in place."""
+    import shlex
+
+    from testbed.readme_examples import readme_line
+
+    line = readme_line(".venv/bin/ddpack try ")
+    made = "build/cpu-ddp+$(git describe --always --dirty).sqsh"  # make sqsh's output, its record beside it
+    assert made in line
+    words = shlex.split(line.replace(made, str(squashfs(tmp_path / "build"))))[1:]
+    assert cli.main([*words[: words.index("--")], "--dry-run", "--json", *words[words.index("--") :]]) == 0
+    said = json.loads(capfd.readouterr().out)
+    assert (said["index"], said["points"]) == (3, 4)
+    assert said["argv"][said["argv"].index(IMAGE_ID) + 1 :] == ["--", "python", "-m", "train", "--task", "classification", "--lr", "3e-3",
+                                                                 "--batch-size", "32", "--epochs", "2"]  # fmt: skip
