@@ -37,11 +37,12 @@ def planned(tmp_path: Path, capfd, *args: str) -> dict:
     return json.loads(capfd.readouterr().out)
 
 
-def test_a_sweeps_point_runs_with_its_command_its_env_the_one_task_rendezvous_and_the_jobs_mounts(tmp_path, capfd) -> None:
-    said = planned(
-        tmp_path, capfd, "--sweep", "lr=1e-3,3e-4", "--env", "TAG=run-{lr}", "--index", "1", "--", "python", "t.py", "--lr", "{lr}"
-    )
+def test_a_sweeps_point_runs_with_its_command_its_env_the_one_task_rendezvous_and_the_jobs_mounts(tmp_path, capfd, monkeypatch) -> None:
+    monkeypatch.setenv("HF_TOKEN", "s3cr3t-value")
+    said = planned(tmp_path, capfd, "--sweep", "lr=1e-3,3e-4", "--env", "TAG=run-{lr}", "--index", "1", "--secret", "HF_TOKEN", "--",
+                   "python", "t.py", "--lr", "{lr}")  # fmt: skip
     argv, env = said["argv"], said["env"]
+    assert argv[argv.index("HF_TOKEN") - 1] == "-e" and "s3cr3t-value" not in json.dumps(said)  # by name: printed nowhere
     assert (said["index"], said["points"], said["image"]) == (1, 2, IMAGE_ID)  # the image the squashfs was made from
     assert argv[argv.index("--entrypoint") :] == ["--entrypoint", "entrypoint", IMAGE_ID, "--", "python", "t.py", "--lr", "3e-4"]
     assert env["TAG"] == "run-3e-4" and json.loads(env["DDPACK_COMMAND"]) == ["python", "t.py", "--lr", "3e-4"]
@@ -52,7 +53,9 @@ def test_a_sweeps_point_runs_with_its_command_its_env_the_one_task_rendezvous_an
     assert f"type=bind,source={tmp_path / 'data'},target=/data" in argv
     assert argv[argv.index("--user") + 1] == f"{os.getuid()}:{os.getgid()}" and argv[argv.index("--network") + 1] == "host"
     # Each variable by name: its value reaches docker run's environment, never its argv (which `ps` shows everyone).
-    assert [argv[i + 1] for i, word in enumerate(argv) if word == "-e"] == list(env) and not any("run-3e-4" in word for word in argv)
+    assert [argv[i + 1] for i, word in enumerate(argv) if word == "-e"] == [*env, "HF_TOKEN"] and not any(
+        "run-3e-4" in word for word in argv
+    )
     assert said["command"].startswith("env ") and "TAG=run-3e-4" in said["command"]
 
 

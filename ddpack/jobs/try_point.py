@@ -175,13 +175,15 @@ def docker_argv(
 ) -> tuple[str, ...]:
     """`docker run` as pyxis runs the job's container: the user's uid, the host's network and IPC (/dev/shm), the mounts,
     the run folder as the working directory, `entrypoint` (pyxis runs no image ENTRYPOINT: the templates name it), and
-    each variable by name alone (its value from this process's environment)."""
+    each variable by name alone (its value from this process's environment: `env`'s, and a --secret's from this shell,
+    which `env` does not hold, so that neither the dry run nor --json prints it)."""
     gpus = ["--gpus", "1"] if settings.gpus_per_node else []  # one task: one GPU, as the per-task template gives a rank
     return (
         docker, "run", "--rm", "--name", name, "--label", "io.ddpack.try=1", "--user", f"{os.getuid()}:{os.getgid()}",
         "--network", "host", "--ipc", "host", *gpus, *mounts,
         "--mount", f"type=bind,source={scratch},target={scratch}", "--workdir", str(scratch),
-        *(word for variable in env for word in ("-e", variable)), "--entrypoint", "entrypoint", image, *step_words(settings),
+        *(word for variable in [*env, *settings.secrets] for word in ("-e", variable)), "--entrypoint", "entrypoint", image,
+        *step_words(settings),
     )  # fmt: skip
 
 
