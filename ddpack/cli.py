@@ -304,9 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         if opts.verb == "submit":
             return submit(opts)
         if opts.verb == "try":
-            from ddpack.jobs.try_point import try_point
-
-            return try_point(opts, submit_settings(opts)[0])
+            return try_verb(opts)
         runs = (opts.runs if getattr(opts, "runs", None) else find_runs.default_runs()).resolve()
         if opts.verb == "status":
             return status(opts, runs)
@@ -374,6 +372,13 @@ def submit(opts: argparse.Namespace) -> int:
     if result.job_id:
         print("next:\n" + "\n".join(f"  {line}" for line in result.next_commands()))
     return 0
+
+
+def try_verb(opts: argparse.Namespace) -> int:
+    """try: submit's arguments read as submit reads them, then one point run here (ddpack.jobs.try_point)."""
+    from ddpack.jobs.try_point import try_point
+
+    return try_point(opts, submit_settings(opts)[0])
 
 
 def submit_settings(opts: argparse.Namespace) -> tuple[Any, Any]:
