@@ -35,11 +35,15 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ddpack.errors import HostError, run_verb
 from ddpack.job_side import setting_value
 from ddpack.jobs.sweep_points import is_sweep
+
+if TYPE_CHECKING:
+    from ddpack.jobs.run_toml import RunFile
+    from ddpack.jobs.submit_checks import SubmitSettings
 
 TEMPLATE_CHOICES = ("per-task", "torchrun")
 IMAGES = "/fsx/images"  # the shared images folder when neither --images nor DDPACK_IMAGES names one (a host setting)
@@ -381,7 +385,7 @@ def try_verb(opts: argparse.Namespace) -> int:
     return try_point(opts, submit_settings(opts)[0])
 
 
-def submit_settings(opts: argparse.Namespace) -> tuple[Any, Any]:
+def submit_settings(opts: argparse.Namespace) -> tuple[SubmitSettings, RunFile | None]:
     """(SubmitSettings, the run file or None): submit's flags over the run file (--file) over the defaults, a value from
     the file that the checks refuse named by its line there. `submit` and `try` read their arguments so."""
     from ddpack.jobs import find_runs
