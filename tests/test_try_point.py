@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,12 @@ from ddpack.images.sqsh import write_record
 from ddpack.jobs import try_point
 
 IMAGE_ID = "sha256:" + "ab" * 32
+
+
+@pytest.fixture(autouse=True)
+def scratch_in_tmp_path(tmp_path, monkeypatch) -> None:
+    """try's scratch run folders (made in the temporary folder, kept for the user to read) go with the test's."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 
 def squashfs(folder: Path, image: str = "cpu-ddp:abc", image_id: str = IMAGE_ID) -> Path:
