@@ -459,24 +459,10 @@ def tag_pairs(words: list[str], flag: str) -> dict[str, str]:
     return pairs
 
 
-def since_time(text: str) -> float:
-    """--since: 30m, 6h, 2d (ago), or a date (2026-11-26, 2026-11-26T10:00) in this host's time zone."""
-    import re
-    import time
-    from datetime import datetime
-
-    if found := re.fullmatch(r"(\d+)([mhd])", text):
-        return time.time() - int(found.group(1)) * {"m": 60, "h": 3600, "d": 86400}[found.group(2)]
-    try:
-        return datetime.fromisoformat(text).timestamp()
-    except ValueError:
-        raise HostError(f"--since {text}: expected 30m, 6h, 2d, or a date such as 2026-11-26 or 2026-11-26T10:00", code=2) from None
-
-
 def listing(opts: argparse.Namespace) -> int:
     """ls: the runs, filtered and sorted, as lines or one JSON list."""
+    from ddpack.jobs.listing import list_rows, pick_rows, render_list, since_time
     from ddpack.jobs.slurm_cli import ddpack_state
-    from ddpack.jobs.status import list_rows, pick_rows, render_list
 
     runs = runs_folder(opts)
     states = tuple(ddpack_state(word.strip().upper()) for word in opts.state.split(",") if word.strip()) if opts.state else ()
