@@ -278,6 +278,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse the words, then run the verb's function (VERBS); a HostError is one line and its exit code (run_verb)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command: list[str] = []
     if "--" in argv:  # submit's program: everything after --, never read as ddpack's own arguments
