@@ -138,7 +138,7 @@ image-gpu: engine ## build the CUDA image IMAGE:TAG-gpu (nccl); APP=DIR: your pr
 	$(IMAGE_ENV) $(VPY) -m ddpack.images.images --variant gpu --tag $(GPU_REF) --version $(TAG) $(call APP_OPTS,-gpu) $(BUILD_ARGS)
 
 smoke: image ## two-container gloo DDP run (pair, then torchrun 2x2), each after its preflight, with plain docker; APP=DIR: your program
-	$(VPY) -m ddpack.images.smoke --image $(CPU_REF)
+	$(VPY) -m ddpack.jobs.smoke --image $(CPU_REF)
 
 bench-gpu: venv ## print the preflight's bf16 matmul vs a bare loop and the trainer's GPT (~92M, bf16) step vs a bare DDP loop, on one GPU
 	$(VPY) bench/bench_gpu.py $(BENCH_GPU_ARGS)

@@ -33,7 +33,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -286,6 +286,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse the words, then run the verb's function (VERBS); a HostError is one line and its exit code (run_verb)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command: list[str] = []
     if "--" in argv:  # submit's program: everything after --, never read as ddpack's own arguments
@@ -295,67 +296,11 @@ def main(argv: list[str] | None = None) -> int:
         argv[i : i + 2] = [f"--sbatch-arg={argv[i + 1]}"]
     opts = parser().parse_args(argv)
     opts.command, opts.given = command, argv
-    from ddpack.jobs import find_runs, run_actions
 
     def body() -> int:
         if getattr(opts, "_repeated", None):
             raise HostError(opts._repeated, code=2)
-        if opts.verb == "completion":
-            from ddpack.completion import script
-
-            print(script(parser(), opts.shell), end="")
-            return 0
-        if opts.verb == "submit":
-            return submit(opts)
-        if opts.verb == "try":
-            return try_verb(opts)
-        runs = (opts.runs if getattr(opts, "runs", None) else find_runs.default_runs()).resolve()
-        if opts.verb == "status":
-            return status(opts, runs)
-        if opts.verb == "ls":
-            return listing(opts, runs)
-        if opts.verb == "tag":
-            return tag(opts, runs)
-        if opts.verb == "report":
-            return report(opts, runs)
-        if opts.verb == "compare":
-            return compare(opts, runs)
-        if opts.verb == "gc":
-            return collect_images(opts, runs)
-        if opts.verb == "export":
-            return export(opts, runs)
-        if opts.verb == "halve":
-            return halve(opts, runs)
-        if opts.verb == "cancel" and opts.run is None:  # what cannot be undone is never done to a run not named
-            newest = find_runs.resolve_run(None, runs)
-            raise HostError(
-                f"cancel names its run: the newest is {newest} (job {facts_of(newest)}); ddpack cancel {newest} cancels it", code=2
-            )
-        if opts.verb == "rm":
-            run_dir = find_runs.resolve_run(opts.run, runs)
-            jobs = run_actions.remove(run_dir)
-            print(
-                json.dumps({"run_dir": str(run_dir), "jobs": jobs}, indent=2)
-                if opts.json
-                else f"rm: removed {run_dir} (jobs {', '.join(jobs) or 'none'})"
-            )
-            return 0
-        run_dir = point_of(find_runs.resolve_run(opts.run, runs), getattr(opts, "point", None))
-        if is_sweep(run_dir):
-            return sweep_verb(opts, run_dir)
-        if opts.verb == "logs":
-            return logs(opts, run_dir)
-        if opts.verb == "cancel":
-            job = run_actions.cancel(run_dir)
-            say = f"cancel: job {job} of {run_dir} cancelled (scancel); ddpack status {run_dir} shows CANCELLED once Slurm has ended it"
-            return answer(opts, run_dir, say, job_id=job)
-        if opts.failed or opts.state:
-            raise HostError(f"--failed and --state pick a sweep's points; {run_dir} is one run (resubmit it without them)", code=2)
-        changes = {"time_limit": opts.time_limit, "nodes": opts.nodes, "partition": opts.partition}
-        job = run_actions.resubmit(run_dir, changes)
-        changed = ", ".join(f"--{key.removesuffix('_limit')} {value}" for key, value in changes.items() if value is not None)
-        say = f"resubmit: job {job} continues {run_dir} with the same image and job script{f' ({changed})' if changed else ''}"
-        return answer(opts, run_dir, say, job_id=job)
+        return VERBS[opts.verb](opts)
 
     return run_verb(opts.verb, body)
 
@@ -509,14 +454,14 @@ def stdout_to_stderr() -> Iterator[None]:
         os.close(saved)
 
 
-def status(opts: argparse.Namespace, runs: Path) -> int:
-    from ddpack.jobs.find_runs import resolve_run
+def status(opts: argparse.Namespace) -> int:
+    """status: a run's state, segments, progress and ETA (--watch: until it ends); a sweep's, one line a point."""
     from ddpack.jobs.slurm_cli import exit_for
     from ddpack.jobs.status import render, run_status, watch
 
-    run_dir = point_of(resolve_run(opts.run, runs), opts.point)
+    run_dir = named_run(opts)
     if is_sweep(run_dir):
-        return sweep_verb(opts, run_dir)
+        return sweep_status(opts, run_dir)
     if opts.watch:
         final = watch(run_dir, interval_s=opts.interval, tty=sys.stdout.isatty(), out=sys.stdout, as_json=opts.json)
         return exit_for(final.state)
@@ -538,25 +483,12 @@ def tag_pairs(words: list[str], flag: str) -> dict[str, str]:
     return pairs
 
 
-def since_time(text: str) -> float:
-    """--since: 30m, 6h, 2d (ago), or a date (2026-11-26, 2026-11-26T10:00) in this host's time zone."""
-    import re
-    import time
-    from datetime import datetime
-
-    if found := re.fullmatch(r"(\d+)([mhd])", text):
-        return time.time() - int(found.group(1)) * {"m": 60, "h": 3600, "d": 86400}[found.group(2)]
-    try:
-        return datetime.fromisoformat(text).timestamp()
-    except ValueError:
-        raise HostError(f"--since {text}: expected 30m, 6h, 2d, or a date such as 2026-11-26 or 2026-11-26T10:00", code=2) from None
-
-
-def listing(opts: argparse.Namespace, runs: Path) -> int:
+def listing(opts: argparse.Namespace) -> int:
     """ls: the runs, filtered and sorted, as lines or one JSON list."""
+    from ddpack.jobs.listing import list_rows, pick_rows, render_list, since_time
     from ddpack.jobs.slurm_cli import ddpack_state
-    from ddpack.jobs.status import list_rows, pick_rows, render_list
 
+    runs = runs_folder(opts)
     states = tuple(ddpack_state(word.strip().upper()) for word in opts.state.split(",") if word.strip()) if opts.state else ()
     rows = pick_rows(list_rows(runs, ask_slurm=not opts.no_slurm), states=states, name=opts.name,
                      since=since_time(opts.since) if opts.since else None, tags=tag_pairs(opts.tag, "--tag"), sort=opts.sort,
@@ -571,14 +503,14 @@ def listing(opts: argparse.Namespace, runs: Path) -> int:
     return 0
 
 
-def tag(opts: argparse.Namespace, runs: Path) -> int:
+def tag(opts: argparse.Namespace) -> int:
     """ddpack tag: a run's tags and note (a sweep's: sweep.json's and every point's)."""
     from ddpack.jobs.find_runs import resolve_run
     from ddpack.jobs.run_json import update_tags
     from ddpack.jobs.sweep import tag_sweep
     from ddpack.jobs.sweep_points import point_dirs
 
-    folder = resolve_run(opts.run, runs)
+    folder = resolve_run(opts.run, runs_folder(opts))
     pairs = tag_pairs(opts.tags, "tag")
     if not pairs and not opts.rm and opts.note is None:
         raise HostError("tag: give KEY=VALUE tags, --rm KEY or --note TEXT", code=2)
@@ -601,14 +533,14 @@ def facts_of(folder: Path) -> str:
     return str(job or "none")
 
 
-def export(opts: argparse.Namespace, runs: Path) -> int:
+def export(opts: argparse.Namespace) -> int:
     """export: the runs' records as CSV (a row a record; --summary a row a run) and TensorBoard event files."""
     from ddpack.jobs import export as exporting
     from ddpack.jobs.find_runs import resolve_run
 
     if not (opts.csv or opts.summary or opts.tensorboard):
         raise HostError("export writes --csv FILE, --summary FILE or --tensorboard DIR: name one or more", code=2)
-    points = exporting.runs_of([resolve_run(run, runs) for run in opts.run])
+    points = exporting.runs_of([resolve_run(run, runs_folder(opts)) for run in opts.run])
     said: dict[str, Any] = {"runs": [str(point) for point in points]}
     if opts.csv:
         said["csv"] = {"file": str(opts.csv.resolve()), "rows": exporting.export_csv(points, opts.csv.resolve())}
@@ -628,14 +560,14 @@ def export(opts: argparse.Namespace, runs: Path) -> int:
     return 0
 
 
-def halve(opts: argparse.Namespace, runs: Path) -> int:
+def halve(opts: argparse.Namespace) -> int:
     """halve: look at the sweep every --interval seconds, decide each rung once every point in the race reached it,
     pause the losers (cancel: the trainer's stop snapshot), until every rung is decided or no point is left."""
     from ddpack.jobs import run_actions, search
     from ddpack.jobs.find_runs import resolve_run
     from ddpack.jobs.status import run_status
 
-    folder = resolve_run(opts.run, runs)
+    folder = resolve_run(opts.run, runs_folder(opts))
     if not is_sweep(folder):
         raise HostError(f"halve ranks a sweep's points; {folder} is one run", code=2)
     if opts.interval <= 0:
@@ -669,10 +601,11 @@ def halve(opts: argparse.Namespace, runs: Path) -> int:
         time.sleep(opts.interval)
 
 
-def collect_images(opts: argparse.Namespace, runs: Path) -> int:
+def collect_images(opts: argparse.Namespace) -> int:
     """gc --images: your squashfs files that no run of yours names, removed (or listed, --dry-run)."""
     from ddpack.jobs.image_gc import remove_images, unused_images
 
+    runs = runs_folder(opts)
     images = (Path(os.environ.get("DDPACK_IMAGES") or IMAGES) if opts.images is True else opts.images).resolve()
     unused = unused_images(images, runs)
     if not opts.dry_run:
@@ -707,7 +640,7 @@ def point_of(folder: Path, point: int | None) -> Path:
     return points[point]
 
 
-def report(opts: argparse.Namespace, runs: Path) -> int:
+def report(opts: argparse.Namespace) -> int:
     """A run folder of any template's (or its metrics file), or a run of ddpack submit's named by a job id."""
     from ddpack.jobs import ledger as ledgers
     from ddpack.jobs.find_runs import resolve_run
@@ -715,7 +648,7 @@ def report(opts: argparse.Namespace, runs: Path) -> int:
     from train.run_folder import RUN_RECORD
 
     path = Path(opts.run)
-    run_dir = path if path.exists() else resolve_run(opts.run, runs)
+    run_dir = path if path.exists() else resolve_run(opts.run, runs_folder(opts))
     if is_sweep(run_dir):  # a sweep: its node-hour ledger (each point's report: ddpack report SWEEP/INDEX)
         total = ledgers.sweep_ledger(run_dir)
         print(
@@ -741,41 +674,39 @@ def report(opts: argparse.Namespace, runs: Path) -> int:
     return 0
 
 
-def sweep_verb(opts: argparse.Namespace, folder: Path) -> int:
-    """status, logs and cancel of a sweep as a whole; a point is a run of its own for every verb."""
-    from ddpack.jobs import logs as job_logs
+def sweep_status(opts: argparse.Namespace, folder: Path) -> int:
+    """status of a sweep as a whole: one line a point (--watch: until every point ended, exit by the worst)."""
     from ddpack.jobs import sweep
 
-    one = f"name one point: {folder}/INDEX, or its job id (<array>_INDEX)"
-    if opts.verb == "resubmit":
-        if not (opts.failed or opts.state):
-            raise HostError(f"{folder} is a sweep; resubmit --failed (or --state S,...) queues its failed points again, or {one}", code=2)
-        changes = {"time_limit": opts.time_limit, "nodes": opts.nodes, "partition": opts.partition}
-        job, picked = sweep.resubmit_points(folder, sweep.mend_states(opts.state), changes)
-        said = (f"resubmit: job array {job} queues points {', '.join(map(str, picked))} of the sweep {folder} again, each in its own run "
-                f"folder (the others untouched); ddpack status {folder} --watch follows them")  # fmt: skip
-        print(json.dumps({"run_dir": str(folder), "job_id": job, "points": picked}, indent=2) if opts.json else said)
-        return 0
-    if opts.verb not in ("status", "logs", "cancel"):
-        raise HostError(f"{folder} is a sweep; {opts.verb} takes one of its runs: {one}", code=2)
-    if opts.verb == "status" and opts.watch:
+    if opts.watch:
         final = sweep.watch_sweep(folder, interval_s=opts.interval, tty=sys.stdout.isatty(), out=sys.stdout, as_json=opts.json)
         print(sweep.ended_line(final), file=sys.stderr if opts.json else sys.stdout)
         return sweep.sweep_exit(final)
-    if opts.verb == "status":
-        now = sweep.sweep_status(folder)
-        print(json.dumps(now, indent=2) if opts.json else sweep.render_sweep(now))
-        return 0
-    if opts.verb == "cancel":
-        jobs = sweep.cancel_sweep(folder)
-        now = sweep.sweep_status(folder)
-        facts_now = {**{key: now[key] for key in ("run_dir", "name", "job_id", "state")}, "cancelled": jobs}
-        said = f"cancel: {', '.join(jobs)} of the sweep {folder} cancelled (scancel): every point still waiting or running"
-        print(json.dumps(facts_now, indent=2) if opts.json else said)
-        return 0
+    now = sweep.sweep_status(folder)
+    print(json.dumps(now, indent=2) if opts.json else sweep.render_sweep(now))
+    return 0
+
+
+def sweep_cancel(opts: argparse.Namespace, folder: Path) -> int:
+    """cancel of a sweep as a whole: every point still waiting or running."""
+    from ddpack.jobs import sweep
+
+    jobs = sweep.cancel_sweep(folder)
+    now = sweep.sweep_status(folder)
+    facts_now = {**{key: now[key] for key in ("run_dir", "name", "job_id", "state")}, "cancelled": jobs}
+    said = f"cancel: {', '.join(jobs)} of the sweep {folder} cancelled (scancel): every point still waiting or running"
+    print(json.dumps(facts_now, indent=2) if opts.json else said)
+    return 0
+
+
+def sweep_logs(opts: argparse.Namespace, folder: Path) -> int:
+    """logs of a sweep as a whole: each point's, under a line naming it (-f: until every point ended)."""
+    from ddpack.jobs import logs as job_logs
+    from ddpack.jobs import sweep
+
     if opts.follow:
         if opts.json:
-            raise HostError("logs --json prints the logs once, as one object; follow them with logs -f (without --json)", code=2)
+            raise HostError(LOGS_JSON_FOLLOW, code=2)
         final = sweep.follow_sweep(folder, opts.rank, sys.stdout)
         print(sweep.ended_line(final))
         return sweep.sweep_exit(final)
@@ -791,14 +722,31 @@ def sweep_verb(opts: argparse.Namespace, folder: Path) -> int:
     return 0
 
 
-def compare(opts: argparse.Namespace, runs: Path) -> int:
+def sweep_resubmit(opts: argparse.Namespace, folder: Path) -> int:
+    """resubmit of a sweep: its points in the states asked (--failed, --state) again, as one job array."""
+    from ddpack.jobs import sweep
+
+    if not (opts.failed or opts.state):
+        raise HostError(
+            f"{folder} is a sweep; resubmit --failed (or --state S,...) queues its failed points again, or name one point: "
+            f"{folder}/INDEX, or its job id (<array>_INDEX)",
+            code=2,
+        )
+    job, picked = sweep.resubmit_points(folder, sweep.mend_states(opts.state), changes_of(opts))
+    said = (f"resubmit: job array {job} queues points {', '.join(map(str, picked))} of the sweep {folder} again, each in its own run "
+            f"folder (the others untouched); ddpack status {folder} --watch follows them")  # fmt: skip
+    print(json.dumps({"run_dir": str(folder), "job_id": job, "points": picked}, indent=2) if opts.json else said)
+    return 0
+
+
+def compare(opts: argparse.Namespace) -> int:
     from ddpack.jobs import compare as comparing
     from ddpack.jobs.find_runs import resolve_run
     from ddpack.jobs.sweep_points import point_dirs
 
     if opts.highest and not opts.best:
         raise HostError("--max goes with --best: compare SWEEP --best KEY --max", code=2)
-    folders = [resolve_run(run, runs) for run in opts.run]
+    folders = [resolve_run(run, runs_folder(opts)) for run in opts.run]
     if len(folders) == 1 and is_sweep(folders[0]):  # a sweep alone: one row a point, its values as columns
         names, rows, curves, total = comparing.sweep_table(folders[0], curves=bool(opts.html))
         curve_of = {row["index"]: curve for row, curve in zip(rows, curves, strict=True)}
@@ -837,18 +785,99 @@ def compare(opts: argparse.Namespace, runs: Path) -> int:
     return 0
 
 
-def logs(opts: argparse.Namespace, run_dir: Path) -> int:
+LOGS_JSON_FOLLOW = "logs --json prints the logs once, as one object; follow them with logs -f (without --json)"
+
+
+def logs(opts: argparse.Namespace) -> int:
+    """logs: a run's job logs across requeues (-f: until it ends); a sweep's, point by point."""
     from ddpack.jobs import logs as job_logs
 
+    run_dir = named_run(opts)
+    if is_sweep(run_dir):
+        return sweep_logs(opts, run_dir)
     if opts.json:
         if opts.follow:
-            raise HostError("logs --json prints the logs once, as one object; follow them with logs -f (without --json)", code=2)
+            raise HostError(LOGS_JSON_FOLLOW, code=2)
         print(json.dumps({**facts(run_dir), "jobs": job_logs.log_lines(run_dir, opts.rank)}, indent=2))
         return 0
     if opts.follow:
         return job_logs.follow(run_dir, opts.rank)
     job_logs.print_logs(run_dir, opts.rank)
     return 0
+
+
+def cancel(opts: argparse.Namespace) -> int:
+    """cancel: scancel a run's job (a sweep's: every point still waiting or running); never a run not named."""
+    from ddpack.jobs import run_actions
+    from ddpack.jobs.find_runs import resolve_run
+
+    if opts.run is None:  # what cannot be undone is never done to a run not named
+        newest = resolve_run(None, runs_folder(opts))
+        raise HostError(f"cancel names its run: the newest is {newest} (job {facts_of(newest)}); ddpack cancel {newest} cancels it", code=2)
+    run_dir = named_run(opts)
+    if is_sweep(run_dir):
+        return sweep_cancel(opts, run_dir)
+    job = run_actions.cancel(run_dir)
+    say = f"cancel: job {job} of {run_dir} cancelled (scancel); ddpack status {run_dir} shows CANCELLED once Slurm has ended it"
+    return answer(opts, run_dir, say, job_id=job)
+
+
+def resubmit(opts: argparse.Namespace) -> int:
+    """resubmit: a new job continuing a run with the same job script and image (a sweep: its failed points, one array)."""
+    from ddpack.jobs import run_actions
+
+    run_dir = named_run(opts)
+    if is_sweep(run_dir):
+        return sweep_resubmit(opts, run_dir)
+    if opts.failed or opts.state:
+        raise HostError(f"--failed and --state pick a sweep's points; {run_dir} is one run (resubmit it without them)", code=2)
+    changes = changes_of(opts)
+    job = run_actions.resubmit(run_dir, changes)
+    changed = ", ".join(f"--{key.removesuffix('_limit')} {value}" for key, value in changes.items() if value is not None)
+    say = f"resubmit: job {job} continues {run_dir} with the same image and job script{f' ({changed})' if changed else ''}"
+    return answer(opts, run_dir, say, job_id=job)
+
+
+def changes_of(opts: argparse.Namespace) -> dict[str, Any]:
+    """What resubmit changes for the new job (None: as the run had it)."""
+    return {"time_limit": opts.time_limit, "nodes": opts.nodes, "partition": opts.partition}
+
+
+def remove(opts: argparse.Namespace) -> int:
+    """rm: a run's or a sweep's folder deleted, once none of its jobs lives."""
+    from ddpack.jobs import run_actions
+    from ddpack.jobs.find_runs import resolve_run
+
+    run_dir = resolve_run(opts.run, runs_folder(opts))
+    jobs = run_actions.remove(run_dir)
+    print(
+        json.dumps({"run_dir": str(run_dir), "jobs": jobs}, indent=2)
+        if opts.json
+        else f"rm: removed {run_dir} (jobs {', '.join(jobs) or 'none'})"
+    )
+    return 0
+
+
+def completion(opts: argparse.Namespace) -> int:
+    """completion: the shell's completion script, made from this parser."""
+    from ddpack.completion import script
+
+    print(script(parser(), opts.shell), end="")
+    return 0
+
+
+def runs_folder(opts: argparse.Namespace) -> Path:
+    """The runs folder a verb looks in: --runs, else DDPACK_RUNS, else the shared default (find_runs.default_runs)."""
+    from ddpack.jobs.find_runs import default_runs
+
+    return (opts.runs or default_runs()).resolve()
+
+
+def named_run(opts: argparse.Namespace) -> Path:
+    """The run folder (or sweep) a verb's RUN argument names under the runs folder; with --point, that point's."""
+    from ddpack.jobs.find_runs import resolve_run
+
+    return point_of(resolve_run(opts.run, runs_folder(opts)), getattr(opts, "point", None))
 
 
 def facts(run_dir: Path) -> dict[str, Any]:
@@ -863,6 +892,26 @@ def answer(opts: argparse.Namespace, run_dir: Path, sentence: str, **extra: Any)
     """A verb's result: its sentence, or with --json one object of facts() and `extra`."""
     print(json.dumps({**facts(run_dir), **extra}, indent=2) if opts.json else sentence)
     return 0
+
+
+# Every verb the parser knows, and what runs it: a verb is a parser entry (parser()) and a line here.
+VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "submit": submit,
+    "try": try_verb,
+    "status": status,
+    "logs": logs,
+    "cancel": cancel,
+    "ls": listing,
+    "tag": tag,
+    "resubmit": resubmit,
+    "report": report,
+    "compare": compare,
+    "export": export,
+    "halve": halve,
+    "rm": remove,
+    "gc": collect_images,
+    "completion": completion,
+}
 
 
 if __name__ == "__main__":

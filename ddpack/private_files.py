@@ -6,26 +6,16 @@ what was not just made before it is trusted. Standard library only.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
+
+from entrypoint import atomic_file
 
 
 def write_atomically(path: Path, content: str | bytes, mode: int = 0o600) -> None:
-    """Replace `path` with `content` all at once (a reader never sees half a file); the file never
-    exists with other permissions, and a link at `path` is replaced, never followed."""
+    """Replace `path` with `content` all at once (entrypoint/atomic_file.py, on disk before the rename); a folder
+    that is not there yet is made this user's alone (0700)."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(content.encode() if isinstance(content, str) else content)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_file.write_atomically(path, content, mode, durable=True)
 
 
 def not_yours_alone(path: Path, want: str = "file") -> str | None:

@@ -14,6 +14,7 @@ import socket
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from entrypoint.hostlist import HostlistError, expand_hostlist, expand_tasks_per_node
 
@@ -339,6 +340,19 @@ class _Inputs:
     backend: str
 
 
+def _plan(inp: _Inputs, launcher: str, argv: tuple[str, ...], env: dict[str, str], **where: Any) -> Plan:
+    """The one build of a Plan, whichever the launch: the mode and backend as resolved, `launcher`'s command and
+    variables, and where the ranks stand (`where`: Plan's rank, world_size, local_rank, local_world_size, node_rank,
+    nnodes, master_addr and master_port)."""
+    return Plan(mode=inp.mode, launcher=launcher, backend=inp.backend, argv=argv, env=env, **where)
+
+
+def _launch_env(inp: _Inputs, local_procs: int, procs_per_task: int = 1) -> dict[str, str]:
+    """What every launch sets beside its own variables: the CPU threads of the `local_procs` processes started here
+    (_omp_threads) and NCCL's defaults."""
+    return {**_omp_threads(inp.environ, inp.host, local_procs, procs_per_task), **_nccl_defaults(inp.environ, inp.backend)}
+
+
 def _exec_plan(
     inp: _Inputs, *, rank: int, world: int, local_rank: int, local_world: int, node_rank: int, nnodes: int, addr: str, port: int
 ) -> Plan:
@@ -353,24 +367,10 @@ def _exec_plan(
         "MASTER_ADDR": addr,
         "MASTER_PORT": str(port),
         "DDPACK_BACKEND": inp.backend,
-        **_omp_threads(inp.environ, inp.host, local_world),
-        **_nccl_defaults(inp.environ, inp.backend),
+        **_launch_env(inp, local_world),
     }
-    return Plan(
-        mode=inp.mode,
-        launcher="exec",
-        rank=rank,
-        world_size=world,
-        local_rank=local_rank,
-        local_world_size=local_world,
-        node_rank=node_rank,
-        nnodes=nnodes,
-        master_addr=addr,
-        master_port=port,
-        backend=inp.backend,
-        argv=inp.options.command,
-        env=env,
-    )
+    return _plan(inp, "exec", inp.options.command, env, rank=rank, world_size=world, local_rank=local_rank,
+                 local_world_size=local_world, node_rank=node_rank, nnodes=nnodes, master_addr=addr, master_port=port)  # fmt: skip
 
 
 def _torchrun_plan(
@@ -380,28 +380,11 @@ def _torchrun_plan(
     endpoint = None if rdzv_id is None else f"{url_host(addr)}:{port}"
     shutdown = _opt_int_var(inp.environ, "DDPACK_SHUTDOWN_TIMEOUT", DEFAULT_SHUTDOWN_TIMEOUT, minimum=1)
     argv = _torchrun_argv(inp.options.command, nnodes, nproc, endpoint, rdzv_id or "", shutdown)
-    env = {
-        "DDPACK_BACKEND": inp.backend,
-        **_omp_threads(inp.environ, inp.host, nproc, procs_per_task),
-        **_nccl_defaults(inp.environ, inp.backend),
-    }
+    env = {"DDPACK_BACKEND": inp.backend, **_launch_env(inp, nproc, procs_per_task)}
     if "PET_SIGNALS_TO_HANDLE" not in inp.environ:
         env["PET_SIGNALS_TO_HANDLE"] = TORCHRUN_SIGNALS
-    return Plan(
-        mode=inp.mode,
-        launcher="torchrun",
-        rank=None,
-        world_size=nnodes * nproc,
-        local_rank=None,
-        local_world_size=nproc,
-        node_rank=node_rank,
-        nnodes=nnodes,
-        master_addr=addr,
-        master_port=port,
-        backend=inp.backend,
-        argv=argv,
-        env=env,
-    )
+    return _plan(inp, "torchrun", argv, env, rank=None, world_size=nnodes * nproc, local_rank=None,
+                 local_world_size=nproc, node_rank=node_rank, nnodes=nnodes, master_addr=addr, master_port=port)  # fmt: skip
 
 
 def _resolve_torchelastic(inp: _Inputs) -> Plan:
@@ -410,23 +393,11 @@ def _resolve_torchelastic(inp: _Inputs) -> Plan:
     world = _opt_int_var(environ, "WORLD_SIZE", 1, 1)
     local_world = _opt_int_var(environ, "LOCAL_WORLD_SIZE", 1, 1)
     env = {"DDPACK_BACKEND": inp.backend} if "DDPACK_BACKEND" not in environ else {}
-    env.update(_omp_threads(environ, inp.host, local_world))
-    env.update(_nccl_defaults(environ, inp.backend))
-    return Plan(
-        mode="torchelastic",
-        launcher="exec",
-        rank=_opt_int_var(environ, "RANK", 0),
-        world_size=world,
-        local_rank=_opt_int_var(environ, "LOCAL_RANK", 0),
-        local_world_size=local_world,
-        node_rank=_opt_int_var(environ, "GROUP_RANK", 0),
-        nnodes=max(1, world // local_world),
-        master_addr=environ.get("MASTER_ADDR", ""),
-        master_port=_port_var(environ, "MASTER_PORT", 0),
-        backend=inp.backend,
-        argv=inp.options.command,
-        env=env,
-    )
+    env.update(_launch_env(inp, local_world))
+    return _plan(inp, "exec", inp.options.command, env, rank=_opt_int_var(environ, "RANK", 0), world_size=world,
+                 local_rank=_opt_int_var(environ, "LOCAL_RANK", 0), local_world_size=local_world,
+                 node_rank=_opt_int_var(environ, "GROUP_RANK", 0), nnodes=max(1, world // local_world),
+                 master_addr=environ.get("MASTER_ADDR", ""), master_port=_port_var(environ, "MASTER_PORT", 0))  # fmt: skip
 
 
 def _resolve_slurm(inp: _Inputs) -> Plan:

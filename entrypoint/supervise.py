@@ -45,6 +45,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from entrypoint.atomic_file import write_atomically
 from entrypoint.plan import seconds_up_to_an_hour
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
@@ -121,7 +122,7 @@ class StderrTail:
 
 
 def save_stacks(stacks: str, env: Mapping[str, str], why: str) -> Path | None:
-    """`stacks` as DDPACK_FORENSICS_DIR/rank-R.txt (through a temp file), or None where no folder is set or writable."""
+    """`stacks` as DDPACK_FORENSICS_DIR/rank-R.txt (written at once: atomic_file), or None where no folder is set or writable."""
     folder, rank = env.get("DDPACK_FORENSICS_DIR"), env.get("RANK", "0")
     if not folder:
         return None
@@ -130,9 +131,7 @@ def save_stacks(stacks: str, env: Mapping[str, str], why: str) -> Path | None:
     path = Path(folder) / f"rank-{rank}.txt"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(f"rank {rank} host {os.uname().nodename} pid {os.getpid()}: {why}\n\n{stacks}")
-        tmp.replace(path)
+        write_atomically(path, f"rank {rank} host {os.uname().nodename} pid {os.getpid()}: {why}\n\n{stacks}")
     except OSError:
         return None
     return path

@@ -50,3 +50,12 @@ def test_an_installed_ddpack_renders_and_ships_the_job_from_its_own_copy_of_enro
     ran = subprocess.run([sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, sys.argv[1])\n{check}", str(target)], cwd=tmp_path,
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert ran.returncode == 0, ran.stderr
+
+
+def test_every_verb_the_parser_knows_is_run_by_one_entry_of_the_verb_table_and_the_table_holds_no_other() -> None:
+    import argparse
+
+    from ddpack import cli
+
+    parsed = next(action for action in cli.parser()._actions if isinstance(action, argparse._SubParsersAction))
+    assert sorted(parsed.choices) == sorted(cli.VERBS)

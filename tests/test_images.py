@@ -13,7 +13,7 @@ from docker_support import engine_or_skip, host_ca_bundle
 
 import docker
 from ddpack.errors import HostError
-from ddpack.images.smoke import SHM_SIZE, run_smoke
+from ddpack.jobs.smoke import SHM_SIZE, run_smoke
 from testbed.readme_examples import write_mytask
 
 pytestmark = pytest.mark.docker

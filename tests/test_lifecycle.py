@@ -20,7 +20,7 @@ from job_records import decision, started, step_end, write_decisions
 
 from ddpack import cli
 from ddpack.errors import HostError
-from ddpack.jobs import status
+from ddpack.jobs import listing, status
 from ddpack.jobs.find_runs import list_runs, resolve_run
 from ddpack.jobs.job_script import render_script
 from ddpack.jobs.logs import follow, print_logs
@@ -213,7 +213,7 @@ def test_an_squeue_that_fails_never_loses_a_run_and_a_run_with_no_end_record_is_
     run_dir = make_run(tmp_path, records=REQUEUED_RUN, logs={"41": REQUEUED_LOG}, decisions=REQUEUED_DECISIONS)
     got = status.run_status(run_dir)
     assert (got.state, got.state_from) == ("UNKNOWN", "run folder") and got.step == 50
-    assert [line.split()[0] for line in status.render_list(status.list_rows(tmp_path / "runs"))] == [run_dir.name]
+    assert [line.split()[0] for line in listing.render_list(listing.list_rows(tmp_path / "runs"))] == [run_dir.name]
     assert (run_dir / run_folder.RUN_RECORD).exists()
     fake(slurm, "squeue", "exit 0")
     assert status.run_status(run_dir).state == "FAILED"
@@ -722,7 +722,7 @@ def test_preempted_is_an_end_in_every_verb(tmp_path, slurm, capsys) -> None:
     run_dir = make_run(tmp_path, records=REQUEUED_RUN, logs={"41": REQUEUED_LOG}, decisions=REQUEUED_DECISIONS)
     got = status.run_status(run_dir)
     assert (got.state, got.ended, got.eta_s) == ("PREEMPTED", True, None)
-    assert status.list_rows(tmp_path / "runs")[0]["state"] == "PREEMPTED"
+    assert listing.list_rows(tmp_path / "runs")[0]["state"] == "PREEMPTED"
     assert cli.main(["cancel", str(run_dir)]) == 2 and "has ended (PREEMPTED)" in capsys.readouterr().err
     fake(slurm, "sbatch", "echo 57")
     assert resubmit(run_dir) == "57"

@@ -21,9 +21,8 @@ def test_ruff_sees_every_tracked_python_file_of_the_product() -> None:
     assert len(product) > 60 and product <= seen, sorted(product - seen)
 
 
-def test_no_import_circle_among_ddpacks_modules() -> None:
-    """ddpack's modules import one way, imports inside functions included (a circle hidden in a function is still one:
-    neither module can be read, tested or moved without the other)."""
+def ddpack_imports() -> dict[str, set[str]]:
+    """Each of ddpack's modules and the modules of ddpack's it imports, imports inside functions included."""
     import ast
 
     modules = {".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): path for path in (ROOT / "ddpack").rglob("*.py")}
@@ -36,12 +35,28 @@ def test_no_import_circle_among_ddpacks_modules() -> None:
             elif isinstance(node, ast.Import):
                 found |= {a.name for a in node.names if a.name in modules}
         imports[name] = found - {name}
+    return imports
+
+
+def test_no_import_circle_among_ddpacks_modules() -> None:
+    """ddpack's modules import one way, imports inside functions included (a circle hidden in a function is still one:
+    neither module can be read, tested or moved without the other)."""
+    imports = ddpack_imports()
 
     def reaches(start: str, goal: str, seen: set[str]) -> bool:
         return any(nxt == goal or (nxt not in seen and not seen.add(nxt) and reaches(nxt, goal, seen)) for nxt in imports[start])
 
     circles = sorted(f"{a} <-> {b}" for a in imports for b in imports[a] if reaches(b, a, set()))
-    assert len(modules) > 30 and circles == [], circles
+    assert len(imports) > 30 and circles == [], circles
+
+
+def test_the_images_wing_imports_nothing_of_the_jobs_wing() -> None:
+    """Jobs build on images (submit builds and converts), never the other way: a module of ddpack/images/ that needs
+    a run folder's reading belongs with the jobs."""
+    imports = ddpack_imports()
+    upward = sorted(f"{name} -> {target}" for name, targets in imports.items() if name.startswith("ddpack.images")
+                    for target in targets if target.startswith("ddpack.jobs"))  # fmt: skip
+    assert [name for name in imports if name.startswith("ddpack.images.")] and upward == [], upward
 
 
 def lint_commands() -> list[list[str]]:

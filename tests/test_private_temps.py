@@ -28,6 +28,7 @@ import pytest
 from ddpack.errors import HostError
 from ddpack.images import credentials, push, sqsh
 from ddpack.images.ecr import REGISTRY_SETTING, RegistryCredential, registry_override_from
+from entrypoint.atomic_file import write_atomically
 from testbed.env import ROOT
 from testbed.users import User
 from train import forensics
@@ -313,7 +314,7 @@ def test_a_folder_of_another_user_even_at_the_ranks_own_name_is_neither_read_nor
 
 
 def test_evidence_files_never_go_through_a_planted_temp_name(users, tmp_path: Path) -> None:
-    """write_atomic (rank-R.txt, summary.json, the NCCL trace) used `.NAME.tmp-<pid>` in the run folder."""
+    """The evidence writer (rank-R.txt, summary.json, the NCCL trace: entrypoint/atomic_file.py) used `.NAME.tmp-<pid>` in the run folder."""
     _, mallory = users
     target = tmp_path / "victims-file"
     target.write_text("precious")
@@ -325,9 +326,9 @@ def test_evidence_files_never_go_through_a_planted_temp_name(users, tmp_path: Pa
             link = folder / f".{name}.tmp-{pid}"
             link.symlink_to(target)
             owned(link, mallory, 0)
-    assert forensics.write_atomic(folder / "rank-0.txt", "stacks\n")
-    assert forensics.write_atomic(folder / "summary.json", "{}\n", exclusive=True)
-    assert not forensics.write_atomic(folder / "summary.json", "{}\n", exclusive=True)
+    assert write_atomically(folder / "rank-0.txt", "stacks\n")
+    assert write_atomically(folder / "summary.json", "{}\n", exclusive=True)
+    assert not write_atomically(folder / "summary.json", "{}\n", exclusive=True)
     assert target.read_text() == "precious"
     assert (folder / "rank-0.txt").read_text() == "stacks\n" and not (folder / "rank-0.txt").is_symlink()
     assert len(list(folder.iterdir())) == 2 + 2 * len(pids)  # ours, and the planted links, untouched

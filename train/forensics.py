@@ -20,6 +20,7 @@ import time
 import traceback
 from pathlib import Path
 
+from entrypoint.atomic_file import write_atomically
 from train.run_folder import rank_stacks
 
 WORKER_DUMP_SIGNAL = signal.SIGUSR2
@@ -32,7 +33,7 @@ def write_rank_evidence(folder: Path, rank: int, header: str) -> list[int]:
     nccl = _dump_nccl_trace(folder / f"rank-{rank}.nccl-trace.pickle")
     workers, worker_pids = _worker_stacks()
     recorder = f"NCCL flight recorder: {nccl}\n" if nccl else ""
-    write_atomic(folder / rank_stacks(rank), header + recorder + "\n" + thread_stacks() + ("\n" + workers if workers else ""))
+    write_atomically(folder / rank_stacks(rank), header + recorder + "\n" + thread_stacks() + ("\n" + workers if workers else ""))
     return worker_pids
 
 
@@ -225,34 +226,5 @@ def _dump_nccl_trace(path: Path) -> str | None:
         data = _dump_nccl_trace()
     except Exception:
         return None
-    write_atomic(path, data)
+    write_atomically(path, data)
     return path.name
-
-
-def write_atomic(path: Path, data: str | bytes, exclusive: bool = False) -> bool:
-    """Write through a temp file that mkstemp makes beside `path` (a random name, created by this process:
-    never a link or a file another user planted in the run folder), with the mode open() would give it under
-    the umask; `exclusive`: only if `path` does not exist yet (False when it did)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            os.fchmod(handle.fileno(), 0o666 & ~_umask())
-            handle.write(data.encode() if isinstance(data, str) else data)
-        if exclusive:
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                return False
-        else:
-            os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-    return True
-
-
-def _umask() -> int:
-    """This process's umask, read without changing it (os.umask would, for every thread at once)."""
-    with contextlib.suppress(OSError, ValueError, StopIteration):
-        return int(next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("Umask:")).split()[1], 8)
-    return 0o077  # unknown: the private choice

@@ -42,8 +42,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
+from entrypoint.atomic_file import write_atomically
 from entrypoint.plan import JOB_TOKEN_VAR, job_token
-from train.forensics import kill_workers, prepare_worker_stacks, remove_stacks_dir, write_atomic, write_rank_evidence
+from train.forensics import kill_workers, prepare_worker_stacks, remove_stacks_dir, write_rank_evidence
 from train.job_keys import HOSTNAME, BadValue, Signer, store_prefix
 from train.outcome import RunEnd
 from train.run_folder import SUMMARY, UNRESPONSIVE_NODES, rank_stacks
@@ -586,10 +587,10 @@ class Watchdog:
                 verdict = judge(beats, self.world_size, now, self.stale_after, self.timeout_s)
                 stacks = {str(r): rank_stacks(r) for r in range(self.world_size) if (self.forensics_dir / rank_stacks(r)).exists()}
                 summary = {**verdict.summary, "reason": why, "written_by": self.rank, "time": now, "stacks": stacks}
-                if not write_atomic(path, json.dumps(summary, indent=1) + "\n", exclusive=True):
+                if not write_atomically(path, json.dumps(summary, indent=1) + "\n", exclusive=True):
                     continue  # another rank's came first: that one stands
                 if summary["unresponsive_nodes"]:  # for the job script, which keeps them out of a retry
-                    write_atomic(self.forensics_dir / UNRESPONSIVE_NODES, "".join(f"{n}\n" for n in summary["unresponsive_nodes"]))
+                    write_atomically(self.forensics_dir / UNRESPONSIVE_NODES, "".join(f"{n}\n" for n in summary["unresponsive_nodes"]))
                 self.on_hang(summary)
                 self.store.set("summary", json.dumps(summary))
                 others = [r for r in live if r != self.rank]

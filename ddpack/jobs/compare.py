@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpack.errors import HostError
+from ddpack.jobs.cells import cell, duration
 from ddpack.jobs.ledger import Ledger, added_ledgers, run_ledger
 from ddpack.jobs.run_json import read_record
 from ddpack.jobs.run_metrics import Digest, Run, eval_metrics, metric_of, read_digest, read_run
@@ -171,31 +172,17 @@ def compare(run_dirs: list[Path], curves: bool = True) -> tuple[Comparison, list
     return comparison, [run for _, run in ended]
 
 
-def _cell(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
-
-
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
-
-
 def outcome_rows(comparison: Comparison) -> list[tuple[str, list[str]]]:
     out = comparison.outcomes
     return [
         ("state", [o.state for o in out]),
-        ("step", [f"{_cell(o.step)} of {_cell(o.total_steps)}" for o in out]),
-        ("last train loss", [_cell(o.train_loss) for o in out]),
-        ("last eval loss", [_cell(o.eval_loss) for o in out]),
-        *((f"eval {name}", [_cell(o.evals.get(name)) for o in out]) for name in metric_columns([{"evals": o.evals} for o in out])),
+        ("step", [f"{cell(o.step)} of {cell(o.total_steps)}" for o in out]),
+        ("last train loss", [cell(o.train_loss) for o in out]),
+        ("last eval loss", [cell(o.eval_loss) for o in out]),
+        *((f"eval {name}", [cell(o.evals.get(name)) for o in out]) for name in metric_columns([{"evals": o.evals} for o in out])),
         ("samples/s (median)", [f"{o.samples_per_s:,.0f}" if o.samples_per_s is not None else "-" for o in out]),
         ("MFU (median)", [format_share(o.mfu) if o.mfu is not None else "-" for o in out]),
-        ("wall time", [_duration(o.wall_s) for o in out]),
+        ("wall time", [duration(o.wall_s) for o in out]),
         ("restarts", [str(o.restarts) for o in out]),
         ("node-hours (kept)", [f"{o.node_hours:.3f} ({o.kept_node_hours:.3f})" if o.node_hours is not None else "-" for o in out]),
     ]
@@ -205,7 +192,7 @@ def render(comparison: Comparison, page: Path | None) -> str:
     """The two tables as text: what differed (or that nothing did), then how each run ended."""
     rows = [("", comparison.names)]
     if comparison.differ:
-        rows += [(key, [_cell(v) for v in values]) for key, values in comparison.differ.items()]
+        rows += [(key, [cell(v) for v in values]) for key, values in comparison.differ.items()]
     rows += [("---", ["" for _ in comparison.names]), *outcome_rows(comparison)]
     width = max(len(key) for key, _ in rows)
     columns = [max(len(row[1][i]) for row in rows) for i in range(len(comparison.names))]
@@ -221,9 +208,9 @@ def render(comparison: Comparison, page: Path | None) -> str:
 
 def write_page(comparison: Comparison, runs: list[Run | None], path: Path) -> Path:
     """One self-contained HTML page: the tables, then the runs' loss and throughput overlaid (one colour a run)."""
-    from ddpack.jobs.report import STYLE, _pyplot, _table, png
+    from ddpack.jobs.report import STYLE, html_table, png, pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     colours = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:gray", "tab:olive", "tab:cyan"]
     fig, (loss_ax, rate_ax) = plt.subplots(2, 1, figsize=(10, 8))
     for index, (name, run) in enumerate(zip(comparison.names, runs, strict=True)):
@@ -244,15 +231,15 @@ def write_page(comparison: Comparison, runs: list[Run | None], path: Path) -> Pa
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
     image = base64.b64encode(png(plt, fig)).decode()
-    differ = [[key, *[_cell(v) for v in values]] for key, values in comparison.differ.items()]
+    differ = [[key, *[cell(v) for v in values]] for key, values in comparison.differ.items()]
     page = (
         f"<!doctype html><html><head><meta charset='utf-8'><title>ddpack compare</title><style>{STYLE}</style></head><body>"
         f"<h1>ddpack compare: {html.escape(', '.join(comparison.names))}</h1>"
-        + _table(["run", "folder"], zip(comparison.names, comparison.runs, strict=True))
+        + html_table(["run", "folder"], zip(comparison.names, comparison.runs, strict=True))
         + "<h2>What differed</h2>"
-        + (_table(["field", *comparison.names], differ) if differ else "<p>Nothing: the same image, code, settings and command.</p>")
+        + (html_table(["field", *comparison.names], differ) if differ else "<p>Nothing: the same image, code, settings and command.</p>")
         + "<h2>How each ended</h2>"
-        + _table(["", *comparison.names], [[key, *values] for key, values in outcome_rows(comparison)])
+        + html_table(["", *comparison.names], [[key, *values] for key, values in outcome_rows(comparison)])
         + f'<img alt="loss and throughput" src="data:image/png;base64,{image}"></body></html>'
     )
     write_atomically(path, page, mode=0o600)  # it shows settings and --env values: the user's alone, as run.json is
@@ -333,16 +320,16 @@ def best_row(rows: list[dict[str, Any]], key: str, names: list[str], highest: bo
     values = " ".join(f"{name}={top[name]}" for name in names)
     of = sum(1 for row in rows if metric_of(row, key) is not None)
     return top, (f"best by {key} ({'highest' if highest else 'lowest'} of {of} point(s)): point {top['index']} ({values}) {key} "
-                 f"{_cell(metric_of(top, key))}, {top['state']} at step {_cell(top['step'])}; {top['run_dir']}")  # fmt: skip
+                 f"{cell(metric_of(top, key))}, {top['state']} at step {cell(top['step'])}; {top['run_dir']}")  # fmt: skip
 
 
 def render_sweep_table(names: list[str], rows: list[dict[str, Any]], page: Path | None) -> str:
     extra = metric_columns(rows)
     heads = ["point", *names, "state", "step", "train loss", "eval loss", *extra, "samples/s", "MFU", "wall", "restarts", "node-h (kept)"]
-    body = [[str(row["index"]), *(str(row[name]) for name in names), row["state"], _cell(row["step"]), _cell(row["train_loss"]),
-             _cell(row["eval_loss"]), *(_cell((row.get("evals") or {}).get(name)) for name in extra),
+    body = [[str(row["index"]), *(str(row[name]) for name in names), row["state"], cell(row["step"]), cell(row["train_loss"]),
+             cell(row["eval_loss"]), *(cell((row.get("evals") or {}).get(name)) for name in extra),
              f"{row['samples_per_s']:,.0f}" if row["samples_per_s"] is not None else "-",
-             format_share(row["mfu"]) if row["mfu"] is not None else "-", _duration(row["wall_s"]), str(row["restarts"]),
+             format_share(row["mfu"]) if row["mfu"] is not None else "-", duration(row["wall_s"]), str(row["restarts"]),
              f"{row['node_hours']:.3f} ({row['kept_node_hours']:.3f})" if row["node_hours"] is not None else "-"]
             for row in rows]  # fmt: skip
     widths = [max(len(line[i]) for line in [heads, *body]) for i in range(len(heads))]

@@ -33,6 +33,7 @@ import sys
 from dataclasses import dataclass, fields
 
 from ddpack.job_side import setting_value
+from ddpack.jobs.cells import duration
 
 SBCAST_BLOCK_MB = 8.0  # sbcast's default block: the pipeline's latency per level of the tree
 
@@ -139,10 +140,10 @@ def table(site: Site, sizes_gb: tuple[float, ...] = (0.9, 5.4), node_counts: tup
         for nodes in node_counts:
             old, new = today(size_mb, nodes, site), ddpack(size_mb, nodes, site)
             forced, held = ddpack(size_mb, nodes, site, stage="sbcast"), ddpack(size_mb, nodes, site, held=True)
-            chosen = f"{_duration(new.start_s)} ({new.path})"
+            chosen = f"{duration(new.start_s)} ({new.path})"
             lines.append(
-                f"{size_gb:>4.1f}GB {nodes:>6} | {_duration(old.start_s):>13} {chosen:>20} {_duration(forced.start_s):>9} "
-                f"{_duration(held.start_s):>8} | {_duration(old.recovery_s):>16} {_duration(new.recovery_s):>8}"
+                f"{size_gb:>4.1f}GB {nodes:>6} | {duration(old.start_s):>13} {chosen:>20} {duration(forced.start_s):>9} "
+                f"{duration(held.start_s):>8} | {duration(old.recovery_s):>16} {duration(new.recovery_s):>8}"
             )
     lines += [
         "start: sbatch -> first step. ddpack (auto): DDPACK_STAGE=auto's path where the nodes lack the image (shared: each reads",
@@ -150,10 +151,6 @@ def table(site: Site, sizes_gb: tuple[float, ...] = (0.9, 5.4), node_counts: tup
         "the image already (auto uses it). recovery: a killed rank -> training again (today: a requeue; ddpack: a restart in place).",
     ]
     return "\n".join(lines)
-
-
-def _duration(seconds: float) -> str:
-    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,6 +25,7 @@ from statistics import median
 from typing import Any
 
 from ddpack.errors import HostError, run_verb
+from ddpack.jobs.cells import cell
 from ddpack.jobs.run_metrics import Run, read_run
 from ddpack.private_files import write_atomically
 from train import run_folder
@@ -40,7 +41,9 @@ class NoCharts(HostError):
     """matplotlib is not installed (the host's light install): no page, but what needs no chart (the ledger) still."""
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
+    """matplotlib's pyplot drawing to files (Agg: no display on a login node), or NoCharts where it is not installed;
+    every page of the host's (report, compare) draws through it."""
     try:
         import matplotlib
     except ImportError:
@@ -187,16 +190,12 @@ def figure(plt: Any, draw: Any, size: tuple[float, float] = (10, 4)) -> bytes:
 # ---------------------------------------------------------------- the page
 
 
-def _table(header: list[str] | None, rows: Iterable[Iterable[Any]]) -> str:
+def html_table(header: list[str] | None, rows: Iterable[Iterable[Any]]) -> str:
+    """An HTML table of `rows` (escaped; an empty value a blank cell), under `header` where one is given: every
+    page's tables (report, compare)."""
     head = "<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>" if header else ""
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(_cell(c))}</td>" for c in row) + "</tr>" for row in rows)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(cell(c, empty=''))}</td>" for c in row) + "</tr>" for row in rows)
     return f"<table>{head}{body}</table>"
-
-
-def _cell(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return "" if value is None else str(value)
 
 
 def _when(seconds: float | None) -> str:
@@ -251,7 +250,7 @@ def ledger_section(folder: Path) -> str:
     said = (f"{total / 3600:.4g} node-hours over {len(ledger.allocations)} allocation(s); steps kept {ledger.steps_kept}, redone "
             f"{ledger.steps_redone}; {ledger.preemptions} preemption(s), {ledger.restarts} restart(s) in place, {ledger.requeues} requeue(s); "
             f"not allocated: {ledger.queue_wait_s:.0f} s queued, {ledger.requeue_wait_s:.0f} s waiting after requeues")  # fmt: skip
-    return f"<h2 id='ledger'>Node-hours</h2><p>{html.escape(said)}</p>" + _table(["part", "node-hours", "share"], rows)
+    return f"<h2 id='ledger'>Node-hours</h2><p>{html.escape(said)}</p>" + html_table(["part", "node-hours", "share"], rows)
 
 
 def render_html(run: Run, plt: Any) -> str:
@@ -262,7 +261,7 @@ def render_html(run: Run, plt: Any) -> str:
     parts.append(f"<style>{STYLE}</style></head><body><h1>ddpack run report: {html.escape(run.folder.name)}</h1>")
     for warning in run.warnings:
         parts.append(f"<p><b>warning:</b> {html.escape(warning)}</p>")
-    parts.append(_table(None, summary(run)))
+    parts.append(html_table(None, summary(run)))
     parts.append("<h2 id='loss'>Loss and eval</h2>" + image(figure(plt, lambda f, a: chart_loss(a, run)), "loss and eval curves"))
     parts.append(
         "<h2 id='throughput'>Throughput and MFU</h2>" + image(figure(plt, lambda f, a: chart_throughput(a, run)), "throughput and MFU")
@@ -294,13 +293,13 @@ def render_html(run: Run, plt: Any) -> str:
         )
         rows.append([index, _when(segment.began), start.get("global_step"), _when(segment.ended), end.get("global_step"), segment.outcome,
                      end.get("exit_code"), why, len(segment.snapshots), where])  # fmt: skip
-    parts.append(_table(["segment", "began", "from step", "ended", "at step", "outcome", "exit", "why", "snapshots", "where"], rows))
+    parts.append(html_table(["segment", "began", "from step", "ended", "at step", "outcome", "exit", "why", "snapshots", "where"], rows))
     parts.append(ledger_section(run.folder))
     if run.preflight is not None:
         parts.append(preflight_section(run.preflight, lambda data, alt: image(data, alt), plt))
     config = (run.last_start or {}).get("config") or {}
     if config:
-        parts.append("<h2 id='settings'>Settings (the last segment's)</h2>" + _table(["setting", "value"], sorted(config.items())))
+        parts.append("<h2 id='settings'>Settings (the last segment's)</h2>" + html_table(["setting", "value"], sorted(config.items())))
     parts.append("</body></html>\n")
     return "".join(parts)
 
@@ -310,19 +309,19 @@ def preflight_section(preflight: dict[str, Any], image: Any, plt: Any) -> str:
     parts = [f"<h2 id='preflight'>Preflight ({html.escape(verdict)})</h2>"]
     if preflight.get("all_reduce"):
         parts.append(image(figure(plt, lambda f, a: chart_bus_bandwidth(a, preflight)), "all-reduce bus bandwidth"))
-        parts.append(_table(["size (B)", "time (us)", "algbw (GB/s)", "busbw (GB/s)", "wrong"],
+        parts.append(html_table(["size (B)", "time (us)", "algbw (GB/s)", "busbw (GB/s)", "wrong"],
                             [[r["size"], r["time_us"], r["algbw"], r["busbw"], r["wrong"]] for r in preflight["all_reduce"]]))  # fmt: skip
     if preflight.get("p2p"):
         parts.append("<h3>Point to point</h3>")
         parts.append(
-            _table(
+            html_table(
                 ["from", "to", "GB/s"],
                 [[f"{r['src']} ({r['src_host']})", f"{r['dst']} ({r['dst_host']})", r["gbps"]] for r in preflight["p2p"]],
             )
         )
     if preflight.get("compute"):
         parts.append("<h3>Compute (matmul)</h3>")
-        parts.append(_table(["rank", "host", "GFLOP/s"], [[r["rank"], r["host"], r["gflops"]] for r in preflight["compute"]]))
+        parts.append(html_table(["rank", "host", "GFLOP/s"], [[r["rank"], r["host"], r["gflops"]] for r in preflight["compute"]]))
     for warning in preflight.get("warnings") or []:
         parts.append(f"<p>{html.escape(warning)}</p>")
     return "".join(parts)
@@ -342,7 +341,7 @@ def render_png(run: Run, plt: Any) -> bytes:
 
 def write_report(run_dir: Path, with_png: bool = False) -> list[Path]:
     run = read_run(run_dir)
-    plt = _pyplot()
+    plt = pyplot()
     for warning in run.warnings:
         print(f"report: warning: {warning}", file=sys.stderr)
     written = [run.folder / run_folder.REPORT]

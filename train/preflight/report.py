@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from entrypoint.atomic_file import write_atomically
 from train.preflight.comm import P2P_BYTES, AllReduceRow, Link
 from train.preflight.compute import Rate
 from train.preflight.identity import Identity
@@ -148,14 +147,7 @@ def render(report: Report) -> list[str]:
 
 
 def write_json_atomically(path: str, text: str) -> None:
-    """Write next to the target, then rename: a reader never sees half a report."""
+    """Write next to the target, then rename: a reader never sees half a report (this user's alone, 0600)."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text + "\n")
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomically(target, text + "\n", 0o600)

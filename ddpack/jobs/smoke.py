@@ -231,7 +231,7 @@ def _show_failures(variant: str, members: list[Member], timeout_s: float) -> Non
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m ddpack.images.smoke", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m ddpack.jobs.smoke", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
         "--image", required=True, help="the CPU image to run, e.g. ddpack:1a2b3c4 (or a project's, from make image APP=DIR)"
