@@ -96,11 +96,8 @@ print(os.getuid(), len(keys), flush=True)
 
 
 def test_a_killed_rank_is_replaced_by_the_standby_with_a_survivors_state_and_the_run_ends_bit_exact(tmp_path: Path) -> None:
-    reference = subdir(tmp_path, "reference")
+    reference = subdir(tmp_path, "reference")  # runs beside the attacked job (its own port and store): the test's time is one run's
     whole = start_with_standbys(reference, 2, [*ATTACKED, "--metrics-file", str(reference / "m.jsonl")], standbys=1, **SLOW)
-    assert whole.wait() == [0, 0, 0], whole.output()  # the standby the run did not need leaves with 0
-    expected = set(whole.checksums())
-    assert len(expected) == 1 and "took rank" not in whole.output(), whole.output()
 
     killed = subdir(tmp_path, "killed")
     metrics = killed / "m.jsonl"
@@ -118,6 +115,9 @@ def test_a_killed_rank_is_replaced_by_the_standby_with_a_survivors_state_and_the
     assert any("gen0/decision" in line for line in ignored) and any("closed" in line for line in ignored), job.output()
     job.send(signal.SIGKILL, [1])  # and then a real death, recovered in process all the same
     codes = job.wait()
+    assert whole.wait() == [0, 0, 0], whole.output()  # the standby the run did not need leaves with 0
+    expected = set(whole.checksums())
+    assert len(expected) == 1 and "took rank" not in whole.output(), whole.output()
     assert codes[0] == 0 and codes[2] == 0 and codes[1] == -signal.SIGKILL, job.output()
     assert "[rank 1/2] standby took rank 1: state of rank 0 at epoch 1/1 step" in job.output(2)
     # the standby's name is its index, past the counter the attacker bumped: s<n>
