@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import replace
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,7 +21,7 @@ from train.grad_sync import IncompleteSync, SyncedModel
 from train.recovery import RecoveryImpossible
 from train.signals import PreemptionWatcher
 from train.step_path import StepPath
-from train.trainer import state_source
+from train.trainer import Trainer, state_source
 
 CPU = torch.device("cpu")
 
@@ -94,3 +95,16 @@ def test_the_state_comes_from_a_rank_whose_confirmed_step_is_the_greatest_the_lo
 def test_survivors_more_than_a_step_apart_fall_back() -> None:
     with pytest.raises(RecoveryImpossible, match="range from 10 to 12"):
         state_source([10, 12, -1, 12])
+
+
+def test_rank_0s_buffers_after_a_recovery_are_those_it_held_after_the_sources_step() -> None:
+    """BatchNorm's statistics are rank 0's; a step's forward moves them before its sync can fail."""
+    kept, own = [torch.tensor([1.0])], [torch.tensor([2.0])]  # the copy from the step's start, and the buffers now
+
+    def buffers(at: int, *, global_step: int, kept_at: int) -> float:
+        rank_0 = SimpleNamespace(_kept=kept, _buffers=own, _kept_at=kept_at, global_step=global_step)
+        return Trainer._boundary_buffers(rank_0, at)[0].item()  # type: ignore[arg-type]
+
+    assert buffers(12, global_step=12, kept_at=12) == 1.0  # it failed inside step 12, after that step's forward
+    assert buffers(12, global_step=12, kept_at=11) == 2.0  # between steps: 12 counted, step 12 not begun
+    assert buffers(12, global_step=11, kept_at=11) == 2.0  # a step behind the source: step 11's forward ran, its sync failed
