@@ -16,6 +16,9 @@ GPU (named in the output: a stand-in too).
 Each round is a fresh process that runs both, a step of each in turn (A B A B at the finest grain: one core, one
 allocator, the same caches); a side's figure is the median of the rounds' median steady step, in the process's CPU
 time (every thread's), which a busy shared machine inflates less than wall time.
+`--confirmed`: the trainer's step as --recovery runs it (train/step_path.py's `confirmed`: ddpack's Python hook keeps
+each bucket's work, and the host waits for the step's end and checks every work before the optimizer), to measure
+what a confirmed step costs against the same bare loop; its stand-ins are named as the others are.
 The last line: `bench-host: trainer T µs/step, bare B µs/step, overhead D µs/step (goal <= 150)`, then the trainer's
 time less the bare loop's by phase (data, zero_grad, forward, backward, hook, sync, optimizer, poll, the rest; a
 phase's own line above gives each side's).
@@ -24,6 +27,7 @@ phase's own line above gives each side's).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -184,7 +188,7 @@ class BareLoop:
         self.step += 1
 
 
-def interleaved(steps: int, cuda_path: bool = True) -> dict[str, Any]:
+def interleaved(steps: int, cuda_path: bool = True, confirmed: bool = False) -> dict[str, Any]:
     """train.Trainer on its CUDA path's branches, in this process, and after each of its steps one step of the bare
     loop (its time left out of the trainer's): A B A B at the finest grain, the same core, caches and allocator."""
     from testbed.gpt import next_token_loss
@@ -247,6 +251,8 @@ def interleaved(steps: int, cuda_path: bool = True) -> dict[str, Any]:
     task = Task("bench-host", host_model(), host_tokens(BATCH * steps), next_token_loss, tokens_per_sample=HOST_SHAPE["block_size"])
     watcher = PreemptionWatcher()
     path = StepPath.cuda_shaped(device) if cuda_path else StepPath.for_device(device)
+    if confirmed:
+        path = dataclasses.replace(path, confirmed=True)
     progress = TimedProgress(bare)
     with open(os.devnull, "w") as quiet:
         trainer = Trainer(config, task, ctx, RankLog(0, 1, quiet), MetricsFile(None), watcher, progress, path=path)
@@ -273,10 +279,10 @@ def interleaved(steps: int, cuda_path: bool = True) -> dict[str, Any]:
     return result
 
 
-def side_main(steps: int, cuda_path: bool) -> None:
+def side_main(steps: int, cuda_path: bool, confirmed: bool) -> None:
     one_core()
     buckets, scale = scale_buckets()
-    result = interleaved(steps, cuda_path)
+    result = interleaved(steps, cuda_path, confirmed)
     result.update(gpu_buckets=buckets, bucket_scale=scale)
     print(json.dumps(result), flush=True)
 
@@ -284,12 +290,13 @@ def side_main(steps: int, cuda_path: bool) -> None:
 # ---------------------------------------------------------------- A B A B
 
 
-def run_round(steps: int, path: str) -> dict[str, Any]:
+def run_round(steps: int, path: str, confirmed: bool) -> dict[str, Any]:
     from train.distributed import free_port
 
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{BENCH}", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}  # fmt: skip
     argv = [sys.executable, str(Path(__file__).resolve()), "--round", "--steps", str(steps), "--path", path]
+    argv += ["--confirmed"] if confirmed else []
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         raise SystemExit(f"bench_host: a round failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
@@ -302,17 +309,19 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=STEPS, help=f"steps a side runs (the first {WARMUP} are warm-up)")
     parser.add_argument("--path", choices=("cuda", "cpu"), default="cuda",
                         help="the trainer's branches: the CUDA path's (default; what a GPU runs) or the CPU path's (what a CPU node runs)")
+    parser.add_argument("--confirmed", action="store_true", help="the trainer's step as --recovery runs it: confirmed before the optimizer")
     parser.add_argument("--round", action="store_true", help=argparse.SUPPRESS)  # one round's own process
     args = parser.parse_args()
     if args.steps <= WARMUP + 10:
         parser.error(f"--steps must be above {WARMUP + 10}: the first {WARMUP} are warm-up")
     if args.round:
-        side_main(args.steps, args.path == "cuda")
+        side_main(args.steps, args.path == "cuda", args.confirmed)
         return 0
-    rounds = [run_round(args.steps, args.path) for _ in range(args.rounds)]
+    rounds = [run_round(args.steps, args.path, args.confirmed) for _ in range(args.rounds)]
     seen = {side: [r[side] for r in rounds] for side in ("trainer", "bare")}
     first = rounds[0]
-    print(f"bench-host: the trainer's {args.path.upper()} path, torch {torch.__version__}, one core, one-rank gloo, "
+    confirmed = ", confirmed (--recovery)" if args.confirmed else ""
+    print(f"bench-host: the trainer's {args.path.upper()} path{confirmed}, torch {torch.__version__}, one core, one-rank gloo, "
           f"GPT {HOST_SHAPE['layers']} layers (bench_gpu's op graph, widths {HOST_SHAPE['dim']}), batch {BATCH} x {HOST_SHAPE['block_size']} "
           f"tokens, bf16 autocast, {args.steps} steps ({WARMUP} warm-up), {args.rounds} rounds A B A B")  # fmt: skip
     print(f"  buckets: trainer {first['trainer']['buckets']}, bare {first['bare']['buckets']}, the 92M GPT on a GPU {first['gpu_buckets']} "

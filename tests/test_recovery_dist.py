@@ -96,11 +96,8 @@ print(os.getuid(), len(keys), flush=True)
 
 
 def test_a_killed_rank_is_replaced_by_the_standby_with_a_survivors_state_and_the_run_ends_bit_exact(tmp_path: Path) -> None:
-    reference = subdir(tmp_path, "reference")
+    reference = subdir(tmp_path, "reference")  # runs beside the attacked job (its own port and store): the test's time is one run's
     whole = start_with_standbys(reference, 2, [*ATTACKED, "--metrics-file", str(reference / "m.jsonl")], standbys=1, **SLOW)
-    assert whole.wait() == [0, 0, 0], whole.output()  # the standby the run did not need leaves with 0
-    expected = set(whole.checksums())
-    assert len(expected) == 1 and "took rank" not in whole.output(), whole.output()
 
     killed = subdir(tmp_path, "killed")
     metrics = killed / "m.jsonl"
@@ -118,6 +115,9 @@ def test_a_killed_rank_is_replaced_by_the_standby_with_a_survivors_state_and_the
     assert any("gen0/decision" in line for line in ignored) and any("closed" in line for line in ignored), job.output()
     job.send(signal.SIGKILL, [1])  # and then a real death, recovered in process all the same
     codes = job.wait()
+    assert whole.wait() == [0, 0, 0], whole.output()  # the standby the run did not need leaves with 0
+    expected = set(whole.checksums())
+    assert len(expected) == 1 and "took rank" not in whole.output(), whole.output()
     assert codes[0] == 0 and codes[2] == 0 and codes[1] == -signal.SIGKILL, job.output()
     assert "[rank 1/2] standby took rank 1: state of rank 0 at epoch 1/1 step" in job.output(2)
     # the standby's name is its index, past the counter the attacker bumped: s<n>
@@ -204,3 +204,61 @@ def test_a_frozen_rank_is_replaced_from_its_stopped_heartbeat_before_the_collect
     recovered_at = next(r["global_step"] for r in records if r["kind"] == "recovery")
     written = [r["global_step"] for r in records if r["kind"] == "snapshot"]
     assert any(step < recovered_at for step in written) and 16 in written, written
+
+
+# Four ranks and a standby on a user's task with BatchNorm, dropout and a DataLoader with a worker, AdamW, two buckets a
+# step (--bucket-cap-mb 0.01: plugins/recovery_task.py) and a snapshot every 3 steps: 768 samples / (4 ranks x 8) = 24 steps.
+EXACT = [
+    *["--task", "plugins.recovery_task:make", "--dataset-size", "768", "--epochs", "1", "--batch-size", "8", "--bucket-cap-mb", "0.01"],
+    *["--num-workers", "1", "--optimizer", "adamw", "--log-every", "1", "--snapshot-every", "3", "--keep-snapshots", "9"],
+    *["--recovery", "--cpu-bind", "none"],
+]
+
+
+def snapshot_state(path: Path) -> dict:
+    """A snapshot's model (parameters and buffers) and optimizer state (AdamW's moments and step counts)."""
+    import torch
+
+    saved = torch.load(path, map_location="cpu", weights_only=False)
+    return {"model": saved["model"], "optimizer": saved["optimizer"]["state"]}
+
+
+def same_tensors(a: object, b: object) -> bool:
+    import torch
+
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_tensors(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return torch.equal(a, b)
+    return a == b
+
+
+def test_a_rank_killed_between_two_buckets_of_a_step_costs_no_exactness_at_four_ranks(tmp_path: Path) -> None:
+    """Rank 2 SIGKILLs itself in its comm hook at global step 11 once the step's first bucket completed, before the
+    second (DDPACK_TEST_DIE_IN_SYNC, tests only): every survivor's first bucket is summed, its second fails, its
+    optimizer must not run (train/grad_sync.py: confirmed steps), the redone step starts from zeroed gradients and from
+    rank 0's BatchNorm statistics as they stood before step 11's forward moved them (Trainer._boundary_buffers). The
+    run, and the snapshot at step 12 (the first boundary after the recovery), equal the uninterrupted run's."""
+    runs = {}
+    for name, standbys, extra in (("reference", 0, {}), ("killed", 1, {"DDPACK_TEST_DIE_IN_SYNC": "2:11"})):
+        folder = subdir(tmp_path, name)
+        args = [*EXACT, "--metrics-file", str(folder / "m.jsonl"), "--snapshot-dir", str(folder / "snapshots")]
+        runs[name] = (folder, start_with_standbys(folder, 4, args, standbys, PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}", **extra))
+    reference, killed = runs["reference"][1], runs["killed"][1]
+    assert reference.wait() == [0, 0, 0, 0], reference.output()
+    assert killed.wait() == [0, 0, -signal.SIGKILL, 0, 0], killed.output()
+    expected = set(reference.checksums())
+    assert len(expected) == 1, reference.output()
+    assert "recovery: rank 2 lost in generation 0" in killed.output(0), killed.output(0)
+    assert "standby took rank 2: state of rank 0 at epoch 1/1 step 11/24" in killed.output(4), killed.output(4)
+    survivors = [end.checksum for i in (0, 1, 3, 4) for end in killed.ends(i)]
+    assert survivors == [*expected] * 4, killed.output()
+    metrics = runs["killed"][0] / "m.jsonl"
+    steps = progress_steps(metrics)
+    assert steps == list(range(1, 25)), steps  # no global step trained twice, none skipped
+    record = next(r for r in map(json.loads, metrics.read_text().splitlines()) if r["kind"] == "recovery")
+    assert record["global_step"] == 12
+    for step in (9, 12, 24):  # before, right after the recovery, and at the end
+        name = f"snapshots/snapshot-{step:010d}.pt"
+        got, want = snapshot_state(runs["killed"][0] / name), snapshot_state(runs["reference"][0] / name)
+        assert same_tensors(got, want), f"the snapshot of step {step} differs from the uninterrupted run's"

@@ -64,6 +64,7 @@ class Config:
     recovery: bool = field(default=False, metadata=TRAJECTORY)
     standby: bool = False
     standbys: int = 0  # the launcher's last this-many ranks are standbys (the templates' DDPACK_STANDBYS)
+    bucket_cap_mb: float | None = None  # DDP's gradient buckets, MiB (None: train/step_path.py's for the device)
 
     @classmethod
     def trajectory_fields(cls) -> tuple[str, ...]:
@@ -262,6 +263,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("DDPACK_CPU_BIND") or "auto",
         help="auto: ranks that share one machine's CPUs each bind to a disjoint slice of them (see train/affinity.py); "
         "none: leave CPU placement to the OS and Slurm (default: $DDPACK_CPU_BIND, else auto)",
+    )
+    dist.add_argument(
+        "--bucket-cap-mb",
+        type=_positive_float,
+        default=None,
+        metavar="MB",
+        help="DDP's gradient bucket size in MiB: smaller buckets start their all-reduce earlier in backward, larger ones "
+        "make fewer collectives (default: 25 on CPU, every bucket; DDP's own on CUDA, 25 with a first bucket of 1)",
     )
     dist.add_argument(
         "--recovery",

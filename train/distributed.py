@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -149,7 +149,15 @@ abandon_check: Callable[[float], None] | None = None
 ABANDON_POLL_S = 0.02  # how often a waiting rank asks (one store round trip)
 
 
-def wait_polling(work: dist.Work) -> None:
+class Waitable(Protocol):
+    """What `wait_polling` waits on: a collective's dist.Work, or a CUDA event seen as one (train.grad_sync)."""
+
+    def is_completed(self) -> bool: ...
+
+    def wait(self) -> Any: ...
+
+
+def wait_polling(work: Waitable) -> None:
     """Wait for a collective without letting the core go idle (see train.grad_sync for why); raises
     the collective's error (a dead peer, --collective-timeout) as work.wait() does, or `abandon_check`'s."""
     started = time.monotonic()

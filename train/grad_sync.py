@@ -34,9 +34,28 @@ ranks, the very sum the all-reduce computes). Between two local ranks here, benc
 loop of one local step and the sync of 21 floats takes 0.64 ms exchanged against 0.84 ms with the
 polled all-reduce; a sweep of bucket sizes put the exchange ~5% ahead at 32 KiB and the all-reduce
 ahead at 128 KiB, hence 64 KiB gathered (two ranks x 32 KiB).
+
+Confirmed steps (--recovery, StepPath.confirmed): a step's update is applied whole or not at all. When a peer dies in
+the middle of a step's sync, some buckets may have completed and others not (or, on NCCL, an all-reduce aborted on a
+dead peer returns with partial sums and no error on the stream); an optimizer step over those gradients would put a
+half-summed update into the parameters and the optimizer state, on some ranks and not others. So `finish()` raises
+(a collective failure, recovered from as one) before the optimizer can run unless every bucket's collective completed
+on this rank: on the CPU path each polled wait raises on a failed collective; on the CUDA path the Python hook keeps
+each bucket's work (instead of DDP's C++ hook), and `finish()` makes the stream wait on each, has the host wait for
+the step's end (a CUDA event, polled with recovery's abandon check), then checks that no work ended in an error
+(ProcessGroupNCCL's watchdog sets the work's exception before it aborts the communicator). A completed ring
+all-reduce on a rank holds every rank's contribution, so a confirmed step is the uninterrupted run's step. The
+gradients a failed step left in the buckets are zeroed at the redone step's start (SyncedModel.zero_grads).
+The cost is the host's wait for the device each step (it no longer runs a step ahead) and a Python call a bucket.
+
+DDPACK_TEST_DIE_IN_SYNC=<rank>:<global step> (tests only: tests/test_recovery_dist.py): the rank of that number
+SIGKILLs itself in its comm hook of that step once its first bucket's collective has completed, before it launches
+the second, so that the survivors see the first bucket complete and the second fail (a death *between* buckets; the
+model needs two buckets or more: --bucket-cap-mb). Armed by the trainer (Trainer._recoverable_step), never otherwise.
 """
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations as real objects.
+import os
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -102,6 +121,27 @@ class _DoneEvent:
         pass
 
 
+class _Reached:
+    """A recorded CUDA event (or its stand-in) as something `wait_polling` waits on: the host polls it, with recovery's
+    abandon check, instead of blocking in cudaEventSynchronize until the collective timeout."""
+
+    def __init__(self, event: Any) -> None:
+        self.event = event
+
+    def is_completed(self) -> bool:
+        return bool(self.event.query())
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+
+class IncompleteSync(RuntimeError):
+    """A bucket's collective ended in an error on the confirmed CUDA path (an NCCL communicator aborted on a dead
+    peer): the step's gradients may be partial sums, so its update is not applied; recovered from as a peer's death."""
+
+    peer_failure = True  # train.distributed.collective_failure
+
+
 class _LateRead:
     """The stop flags' sum, read on the host a step late without waiting for the device: each step queues a copy
     of the flags' gradient into one host buffer (pinned on CUDA, reused) and records one event after it; the next
@@ -155,6 +195,9 @@ class GradientSync:
         self._marked = False
         self._pending: list[_Pending] = []
         self._late: _LateRead | None = None
+        self.confirm = self.path.confirmed  # --recovery: the optimizer runs only after the step's sync is confirmed
+        self._end: Any = None  # the confirmed CUDA path's event at the step's end (made at the first step)
+        self.die_after_first_bucket = False  # DDPACK_TEST_DIE_IN_SYNC, armed by the trainer for one step (tests only)
 
     def wrap(self, module: nn.Module, forward: Callable[..., Any] | None = None, find_unused_parameters: bool = False) -> nn.Module:
         """The module to build DDP on: `module` plus the stop-flag parameter, in the dtype of the
@@ -174,9 +217,9 @@ class GradientSync:
             )
         if self.flags is None or not any(p is self.flags for p in model.parameters()):
             raise ValueError("GradientSync needs DistributedDataParallel(sync.wrap(module), ...): the stop flags ride in DDP's buckets")
-        if self.world_size == 1 and not self.poll_wait:
+        if self.world_size == 1 and not self.poll_wait and not self.confirm:
             model.register_comm_hook(None, self.alone)
-        elif self.poll_wait or self.compress:
+        elif self.poll_wait or self.compress or self.confirm:
             model.register_comm_hook(None, self.hook)
         else:
             # DDP's C++ hook: divide the bucket by the world size, all-reduce it; the gradients are its views.
@@ -204,11 +247,13 @@ class GradientSync:
         if self.world_size > 1:
             buffer.div_(self.world_size)
         sent = buffer.to(torch.bfloat16) if self.compress else buffer
-        if not self.poll_wait:  # the CUDA path comes here only to pack --bf16-grads (attach)
+        if not self.poll_wait and not self.confirm:  # the unconfirmed CUDA path comes here only to pack --bf16-grads
             future = dist.all_reduce(sent, async_op=True).get_future()
             return future.then(lambda fut: buffer.copy_(fut.value()[0]))
+        if self.die_after_first_bucket and bucket.index() == 1:
+            self._die_between_buckets()
         gathered = None
-        if sent.numel() * sent.element_size() * self.world_size <= EXCHANGE_MAX_BYTES:
+        if self.poll_wait and sent.numel() * sent.element_size() * self.world_size <= EXCHANGE_MAX_BYTES:
             gathered = sent.new_empty(self.world_size * sent.numel())
             work = all_gather_into(gathered, sent, async_op=True)
         else:
@@ -219,16 +264,40 @@ class GradientSync:
         return done
 
     def finish(self) -> None:
-        """Wait for this step's collectives (polling); an exchanged bucket's rows are summed into the
-        bucket, that is into the gradients. A no-op on CUDA and in no_sync() micro-batches."""
+        """Wait for this step's collectives (polling on CPU; on the confirmed CUDA path the stream waits, then the
+        host: `_confirm`); an exchanged bucket's rows are summed into the bucket, that is into the gradients. Raises
+        a collective failure, before the optimizer can run, when any bucket's collective did not complete. A no-op
+        on the unconfirmed CUDA path and in no_sync() micro-batches."""
         pending, self._pending = self._pending, []
         for item in pending:
-            wait_polling(item.work)
+            if self.poll_wait:
+                wait_polling(item.work)
+            else:
+                item.work.wait()  # NCCL: the current stream waits on the collective, the host does not
             if item.gathered is not None:
                 # Rows are summed in rank order, the same on every rank, so the ranks' gradients stay identical.
                 torch.sum(item.gathered.view(self.world_size, -1).to(item.bucket.dtype), 0, out=item.bucket)
             elif item.packed is not None:
                 item.bucket.copy_(item.packed)
+        if pending and self.confirm and not self.poll_wait:
+            self._confirm(pending)
+
+    def _confirm(self, pending: list[_Pending]) -> None:
+        """The confirmed CUDA path: the host waits until the stream has passed every bucket's collective, then
+        raises IncompleteSync when any of them ended in an error (an aborted kernel returns with partial sums)."""
+        if self._end is None:
+            self._end = torch.cuda.Event() if self.path.cuda else _DoneEvent()
+        self._end.record()
+        wait_polling(_Reached(self._end))
+        for item in pending:
+            if (error := item.work.exception()) is not None:
+                raise IncompleteSync(f"a gradient bucket's all-reduce did not complete ({error}): the step's update is not applied")
+
+    def _die_between_buckets(self) -> None:
+        """DDPACK_TEST_DIE_IN_SYNC (tests only): once the first bucket's collective has completed here (and so on
+        every rank that waits for it), this process dies before it launches the second."""
+        self._pending[0].work.wait()
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def poll(self) -> signal.Signals | None:
         summed = self.flags.grad if self.flags is not None else None  # every rank's marks, divided by the world size

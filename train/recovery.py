@@ -25,8 +25,9 @@ with the job's token and read back checked: train/recovery_channel.py):
 - A failed survivor reads the decision (waiting up to DECISION_WAIT_S for it), destroys its process group
   (NCCL's communicator is aborted first, never left to its watchdog) and joins the next generation's, of the
   same world size, under the generation's own prefix; the assigned standby joins it as the dead rank.
-- The state comes from a survivor: the trainer broadcasts model, optimizer and position from the rank furthest
-  along (a survivor whose all-reduce completed before the death may be one step ahead of one whose did not), as
+- The state comes from a survivor: the trainer broadcasts model, optimizer and position from a rank whose last
+  *confirmed* step is the greatest (a step's optimizer runs only once its all-reduce completed on that rank:
+  train/grad_sync.py; a survivor whose all-reduce completed may be one step ahead of one whose did not), as
   weights_only loads read (nothing from a peer is unpickled); per-step RNG is derived from a hash of (seed, rank,
   global step), so the dead rank's stream is rebuilt, not lost.
 
@@ -613,8 +614,9 @@ def warm_up(device: torch.device, watcher: PreemptionWatcher) -> None:
 
 # Said once at the start of a CUDA job under --recovery (docs/recovery.md's limits).
 NCCL_UNPROVEN = (
-    "recovery: in-process recovery on NCCL has not run across two GPUs yet (one-GPU tests only): a death during an "
-    "all-reduce may leave partial gradients; the job falls back to a restart where recovery cannot form a group"
+    "recovery: in-process recovery on NCCL has not run across two GPUs yet (one-GPU tests only): the check that a "
+    "step's all-reduce completed before its optimizer runs is built but unproven there; the job falls back to a "
+    "restart where recovery cannot form a group"
 )
 
 

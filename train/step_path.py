@@ -7,6 +7,12 @@ A step takes one of two paths, and the device decides which:
   the stop flags copied to the host a step late, read with no wait in the steady state; batches gathered a chunk
   at a time into pinned memory and copied without blocking.
 
+Under --recovery a step is *confirmed* (`confirmed`): the optimizer runs only once every bucket's collective is
+known to have completed on this rank, so that a step is applied whole or not at all (train/grad_sync.py's
+`GradientSync.finish`). The CPU path's polled waits confirm by construction; on the CUDA path ddpack's Python hook
+keeps each bucket's work, and `finish()` has the host wait for the step's collectives and checks that none was
+aborted (an NCCL kernel aborted on a dead peer returns with partial sums).
+
 `StepPath.cuda_shaped()` takes the CUDA path's branches on any device: bench/bench_host.py measures the host
 work of the GPU step on a CPU with it, and the quick tier counts that work's calls. Where a branch cannot exist
 without CUDA (pinned memory, CUDA events) its stand-in is named in `stand_ins`.
@@ -34,6 +40,7 @@ class StepPath:
     late_stop_read: bool  # the stop flags read a step late through a host copy (CUDA), else at once
     bucket_cap_mb: float | None  # None: DDP's own (25 MiB, the first bucket 1 MiB)
     cuda: bool  # the device is a GPU: pinned memory and CUDA events exist
+    confirmed: bool = False  # --recovery: the optimizer runs only after the step's collectives are confirmed complete
 
     @classmethod
     def for_device(cls, device: torch.device) -> StepPath:
@@ -55,5 +62,7 @@ class StepPath:
             "the stop flags' pinned host buffer: a plain CPU tensor",
             "its CUDA event: a stand-in whose query() is always true",
             "the pinned chunks batches are cut from: pageable CPU tensors",
-            "NCCL: gloo (the same C++ all-reduce hook)",
+            "NCCL: gloo (the same C++ all-reduce hook)"
+            if not self.confirmed
+            else "NCCL: gloo (ddpack's confirming Python hook; the host's wait for the step's end: a CUDA event, stood in for)",
         ]

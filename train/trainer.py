@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import random
 import signal
 import time
+from collections.abc import Mapping
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import default_collate
 
 from train import run_folder
 from train.affinity import bind_replacement, cpu_list
@@ -40,7 +43,7 @@ from train.metrics import MetricsFile, RankLog, format_duration, format_share, s
 from train.model import compile_module, explain_setup_failure, prepare_module
 from train.perf import CPU_MEASURE_S, MfuMeter, RankTimes, SlowRanks, precision
 from train.preflight.compute import matmul_gflops
-from train.recovery import Recovery
+from train.recovery import Recovery, RecoveryImpossible
 from train.signals import PreemptionWatcher
 from train.snapshot import Snapshot, SnapshotStore, SnapshotWriter, Written
 from train.step_path import StepPath
@@ -117,6 +120,40 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
+# Tests only (tests/test_recovery_dist.py): `<rank>:<global step>` makes that rank SIGKILL itself between the first and
+# the second gradient bucket of that step, under --recovery (train/grad_sync.py's DDPACK_TEST_DIE_IN_SYNC).
+DIE_IN_SYNC = "DDPACK_TEST_DIE_IN_SYNC"
+
+
+def _death_in_sync(environ: Mapping[str, str]) -> tuple[int, int] | None:
+    """DIE_IN_SYNC's (rank, global step), or None when unset; bad input is one line naming what is expected."""
+    text = environ.get(DIE_IN_SYNC)
+    if not text:
+        return None
+    rank, _, step = text.partition(":")
+    if not (rank.isdigit() and step.isdigit()):
+        raise ValueError(f"{DIE_IN_SYNC}={text!r} is not <rank>:<global step>; expected two numbers such as 1:12")
+    return int(rank), int(step)
+
+
+def state_source(steps: list[int]) -> int:
+    """The rank whose state every rank takes after a recovery: one whose last *confirmed* step (train.grad_sync: a
+    step's optimizer runs only once its all-reduce completed on that rank) is the greatest, the lowest such rank.
+    `steps`: each rank's, -1 for a replacement (it has none). Survivors differ by one step at most: completing step s
+    on any rank needs every rank's contribution to it, so no rank can have started step s + 1's sync while another
+    had not yet contributed to step s's; a spread of more says the ranks' states cannot be trusted (RecoveryImpossible).
+    Taking the state of a rank one step ahead is exact: its step s applied the whole sum of every rank's gradients,
+    computed from the one state all held at s, which is the uninterrupted run's step s; a rank behind never applied
+    its half of step s (its optimizer did not run) and takes the state after s whole."""
+    ahead = max(steps)
+    behind = min((s for s in steps if s >= 0), default=ahead)
+    if ahead - behind > 1:
+        raise RecoveryImpossible(
+            f"the survivors' confirmed steps range from {behind} to {ahead}: a step apart at most is what a death mid-sync leaves"
+        )
+    return steps.index(ahead)
+
+
 class Trainer:
     def __init__(
         self,
@@ -134,7 +171,11 @@ class Trainer:
         the CUDA path's on a CPU). `recovery`: --recovery's collaborator (train/recovery.py); a standby that took a dead rank's
         place (`recovery.replacing`) takes its state from the survivors instead of a snapshot."""
         self.config, self.task, self.ctx, self.log, self.metrics, self.watcher = config, task, ctx, log, metrics, watcher
-        self.path = path if path is not None else StepPath.for_device(ctx.device)
+        path = path if path is not None else StepPath.for_device(ctx.device)
+        if config.bucket_cap_mb is not None:
+            path = replace(path, bucket_cap_mb=config.bucket_cap_mb)
+        # Under --recovery a step's update is applied whole or not at all (train/grad_sync.py: confirmed steps).
+        self.path = replace(path, confirmed=True) if recovery is not None else path
         # Where this rank is, for the hang watchdog (train.watchdog): a few attribute stores a step.
         self.progress = progress if progress is not None else Progress()
         self.module = prepare_module(task.model, config, ctx.device)
@@ -164,6 +205,13 @@ class Trainer:
         self.step_in_epoch = 0
         self.global_step = 0
         self.last_snapshot_step = -1
+        # Under --recovery, rank 0 keeps its buffers (BatchNorm's running statistics) as they stood at the start of the
+        # step it is in: the run's buffers are rank 0's, and a step's forward moves them before its sync can fail, so
+        # the step that is redone after a recovery must start from this copy, not from buffers it already moved.
+        self._buffers = [b for b in self.module.buffers() if b.numel()] if recovery is not None and ctx.rank == 0 else []
+        self._kept = [b.clone() for b in self._buffers]
+        self._kept_at = -1  # the global step whose start `_kept` holds
+        self._die_at = _death_in_sync(os.environ) if recovery is not None and not recovery.replacing else None
 
     # ------------------------------------------------------------------ set-up
 
@@ -456,25 +504,57 @@ class Trainer:
                     self.snapshot()
 
     def _take_state(self) -> None:
-        """Collective, on a new group: every rank takes the state of the rank furthest along (a survivor whose
-        all-reduce completed before the death is a step ahead of one whose did not; a replacement has none).
-        Model, optimizer and position travel; the RNG is derived from the position (train.recovery.reseed)."""
+        """Collective, on a new group: every rank takes the state of the rank whose confirmed step is the greatest
+        (`state_source`: a survivor whose all-reduce completed before the death is a step ahead of one whose did not; a
+        replacement has none). Model, optimizer and position travel from it; the buffers are rank 0's at that step
+        (`_boundary_buffers`); the RNG is derived from the position (train.recovery.reseed)."""
         replacing = self.recovery is not None and self.recovery.replacing
         if self.config.cpu_bind == "auto" and (bound := bind_replacement(self.ctx, replacing)) is not None:
             self.log(f"standby took rank {self.ctx.rank}'s place on cpus {cpu_list(bound)}, left free by the rank it replaces")
+        # global_step counts confirmed steps only: the optimizer of a step runs once its sync completed on this rank.
         positions = gather_objects((-1, -1) if replacing else (self.global_step, self.last_snapshot_step), self.ctx)
-        source = positions.index(max(positions))
+        source = state_source([step for step, _ in positions])
         self.last_snapshot_step = positions[source][1]  # the same on every rank: whether a snapshot is due is agreed
+        boundary = self._boundary_buffers(positions[source][0]) if self.ctx.rank == 0 and not replacing else None
+        self._settle_buckets()  # moves the buffers (taken above) and leaves gradients that the redone step zeroes
         mine = self._state([]) if self.ctx.rank == source else None
         state: Snapshot = broadcast_objects(mine, self.ctx, src=source, map_location=self.ctx.device, allowed=[Snapshot])
         if self.ctx.rank != source:
             self.module.load_state_dict(state.model)
             self.optimizer.load_state_dict(state.optimizer)
             self.epoch, self.step_in_epoch, self.global_step = state.epoch, state.step_in_epoch, state.global_step
+        if positions[0][0] >= 0:  # rank 0 survived: its buffers at the source's step are the run's (a replacement has none)
+            if boundary:
+                torch._foreach_copy_(self._buffers, boundary)
+            broadcast_buffers(self.module, self.ctx)
         if replacing:
             self.log(f"standby took rank {self.ctx.rank}: state of rank {source} at {self._position()}")
         if self.recovery is not None:
             self.recovery.took_state()
+
+    def _settle_buckets(self) -> None:
+        """Collective, on a new group, before the state arrives: one forward and backward of no consequence (a loss
+        times zero, no optimizer), so that the redone step syncs its gradients in the buckets the run had. A new DDP
+        syncs its first step in one bucket of every gradient and lays out its buckets from the second step on (in the
+        order backward made the gradients ready, rank 0's layout sent to all); the buckets decide how a gradient's sum
+        is taken (an exchanged bucket is summed in rank order, an all-reduced one around the ring from a place set by
+        its offset), so past two ranks a redone step summed in one bucket differs from the uninterrupted run's in the
+        last bits. After this step the redone step's forward lays the buckets out as the run's were."""
+        data = self.task.train_data
+        inputs, targets = default_collate([data[i] for i in range(min(len(data), self.config.batch_size))])
+        self.model.zero_grads()
+        with self.autocast():
+            loss = self.task.loss_fn(self.model(inputs.to(self.ctx.device)), targets.to(self.ctx.device))
+        self.model.backward(loss * 0, syncs=True)
+        self.model.finish()
+
+    def _boundary_buffers(self, at: int) -> list[torch.Tensor]:
+        """On rank 0: its buffers as they stood after `at` confirmed steps, the run's at that step. Inside step `at`
+        (it failed in that step's sync, after its forward moved them) that is the copy kept at the step's start; else
+        its own: between steps, or one step behind the source, failed in step `at - 1`'s sync after that step's
+        forward, which is what moves rank 0's buffers from step `at - 1`'s to step `at`'s."""
+        held = self._kept if self._kept_at == at == self.global_step else self._buffers
+        return [b.clone() for b in held]
 
     def _recovered(self, generation: int, times: dict[str, float]) -> None:
         """The first step after a recovery finished: its timeline, on rank 0's log and metrics."""
@@ -605,6 +685,11 @@ class Trainer:
         """`_train_step` under --recovery (seeded from its position, timed for the collective timeout), and the
         timeline written after the first step of a recovery."""
         assert self.recovery is not None
+        if self._buffers:
+            torch._foreach_copy_(self._kept, self._buffers)
+            self._kept_at = self.global_step
+        if self._die_at is not None and self._die_at == (self.ctx.rank, self.global_step):
+            self.model.sync.die_after_first_bucket = True
         done = self.recovery.step(self.config.seed, self.ctx.rank, self.global_step, lambda: self._train_step(micro_batches))
         if (times := self.recovery.finished()) is not None:
             self._recovered(self.recovery.generation, times)

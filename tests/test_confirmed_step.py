@@ -1,0 +1,110 @@
+"""Recovery's exactness, the parts that need no second process: a step's update is applied whole or not at all
+(train/grad_sync.py's confirmed steps, here through the CUDA path's code with the CPU and gloo standing in for the GPU
+and NCCL), and the state after a recovery comes from a rank whose confirmed step is the greatest (train/trainer.py's
+state_source). The real thing, a rank killed between two buckets at four ranks, is tests/test_recovery_dist.py's."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import train.grad_sync
+from train.distributed import collective_failure, free_port
+from train.grad_sync import IncompleteSync, SyncedModel
+from train.recovery import RecoveryImpossible
+from train.signals import PreemptionWatcher
+from train.step_path import StepPath
+from train.trainer import Trainer, state_source
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def watcher(monkeypatch: pytest.MonkeyPatch) -> Iterator[PreemptionWatcher]:
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    watching = PreemptionWatcher()
+    yield watching
+    watching.restore()
+    dist.destroy_process_group()
+
+
+class Aborted:
+    """A bucket's all-reduce whose communicator was aborted under it, as ProcessGroupNCCL's watchdog leaves the work:
+    it has completed (the aborted kernel returned, with partial sums) and holds an error, which no stream wait raises."""
+
+    def __init__(self, work: dist.Work) -> None:
+        self.work = work
+
+    def wait(self) -> bool:
+        return self.work.wait()
+
+    def is_completed(self) -> bool:
+        return True
+
+    def exception(self) -> Any:
+        return RuntimeError("NCCL communicator was aborted on rank 0")
+
+
+def confirmed_step(watcher: PreemptionWatcher) -> tuple[SyncedModel, torch.optim.Optimizer]:
+    """The CUDA path's step as --recovery runs it (its Python hook, its host wait), on a CPU; gradients synced, not yet applied."""
+    torch.manual_seed(0)
+    module = nn.Linear(4, 1)
+    path = replace(StepPath.cuda_shaped(CPU), confirmed=True)
+    model = SyncedModel(
+        module, watcher=watcher, world_size=1, device=CPU, compress=False, compiled=None, find_unused_parameters=False, path=path
+    )
+    model.zero_grads()
+    model.backward(model(torch.ones(2, 4)).sum(), syncs=True)
+    return model, torch.optim.SGD(module.parameters(), lr=0.1)
+
+
+def test_a_confirmed_step_whose_all_reduce_completed_is_applied(watcher: PreemptionWatcher) -> None:
+    model, optimizer = confirmed_step(watcher)
+    before = model.ddp.module.module.weight.detach().clone()
+    model.finish()  # the host waited for the step's end (the stand-in event) and found every work whole
+    optimizer.step()
+    assert not torch.equal(before, model.ddp.module.module.weight)
+
+
+def test_a_confirmed_step_whose_all_reduce_was_aborted_raises_a_collective_failure_before_the_optimizer(
+    watcher: PreemptionWatcher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    launch = dist.all_reduce
+    monkeypatch.setattr(train.grad_sync.dist, "all_reduce", lambda tensor, async_op: Aborted(launch(tensor, async_op=async_op)))
+    model, _ = confirmed_step(watcher)
+    with pytest.raises(IncompleteSync, match="the step's update is not applied") as raised:
+        model.finish()  # the trainer's optimizer.step() comes after finish(): it does not run
+    assert collective_failure(raised.value)  # recovered from as a peer's death, not this rank's own error
+
+
+def test_the_state_comes_from_a_rank_whose_confirmed_step_is_the_greatest_the_lowest_such() -> None:
+    assert state_source([12, 12, -1, 12]) == 0
+    assert state_source([11, 12, -1, 12]) == 1  # rank 1's all-reduce of step 11 completed, rank 0's did not
+    assert state_source([-1, 11, 11, 12]) == 3  # a replacement (-1) has no state
+
+
+def test_survivors_more_than_a_step_apart_fall_back() -> None:
+    with pytest.raises(RecoveryImpossible, match="range from 10 to 12"):
+        state_source([10, 12, -1, 12])
+
+
+def test_rank_0s_buffers_after_a_recovery_are_those_it_held_after_the_sources_step() -> None:
+    """BatchNorm's statistics are rank 0's; a step's forward moves them before its sync can fail."""
+    kept, own = [torch.tensor([1.0])], [torch.tensor([2.0])]  # the copy from the step's start, and the buffers now
+
+    def buffers(at: int, *, global_step: int, kept_at: int) -> float:
+        rank_0 = SimpleNamespace(_kept=kept, _buffers=own, _kept_at=kept_at, global_step=global_step)
+        return Trainer._boundary_buffers(rank_0, at)[0].item()  # type: ignore[arg-type]
+
+    assert buffers(12, global_step=12, kept_at=12) == 1.0  # it failed inside step 12, after that step's forward
+    assert buffers(12, global_step=12, kept_at=11) == 2.0  # between steps: 12 counted, step 12 not begun
+    assert buffers(12, global_step=11, kept_at=11) == 2.0  # a step behind the source: step 11's forward ran, its sync failed
