@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from ddpack.jobs.metrics_scan import scan_digest
-from ddpack.jobs.run_metrics import DIGEST, Digest, kept_records, read_digest, read_run
+from ddpack.jobs.metrics_scan import read_digest, scan_digest
+from ddpack.jobs.run_metrics import DIGEST, Digest, kept_records, read_run
 
 
 def progress(step: int, **more: Any) -> dict[str, Any]:
