@@ -376,8 +376,8 @@ def uninterrupted(work: Path) -> subprocess.Popen[str]:
     )
 
 
-# About two minutes of the cluster (128 s here, past the pyxis tier's set-up): the halving needs five waves of
-# container starts one after another (four points, the two queued behind them once the four are held, the held
+# About two minutes of the cluster (118 and 128 s here, past the pyxis tier's set-up): the halving needs five
+# waves of container starts one after another (four points, the two queued behind them once the four are held, the held
 # winners continued, then the five paused points continued, four and one), and each start (the image unpacked,
 # python and torch imported) took 15-25 s on this 2-core host; CI, at its limit, cannot pay it, hence the opt-in.
 @pytest.mark.skipif(os.environ.get("DDPACK_LONG_TESTS") != "1", reason="about 2 minutes of cluster time: DDPACK_LONG_TESTS=1 runs it")
