@@ -58,6 +58,8 @@ CASES = {
     "no newline at all": line(progress(1)).rstrip("\n"),
     "not ascii": restarted_run().replace(line(progress(5)), line(progress(5, note="é"))).replace("\\u00e9", "é"),
     "a lone start": line({"time": 1e9, "kind": "start", "global_step": 0, "total_steps": 3}),
+    "windows line ends": restarted_run().replace("\n", "\r\n"),
+    "padded with NULs": restarted_run() + "\0" * 64,  # a crash's sparse tail
 }
 PLAIN = {"restarted", "truncated last line", "records before the first start", "another program's progress", "odd values",
          "no newline at all", "a lone start"}  # fmt: skip

@@ -16,7 +16,7 @@ The progress records the digest keeps (each segment's first, its last KEEP_PROGR
 the next segment resumed from) are parsed whole, found by counting lines from the ends of their stretch of the file.
 A file in any other shape (not ASCII, a control character, a backslash or an inner brace in a progress line, a value
 that is not plain JSON) gives None, and read_digest parses it in full: the scan is a faster way to the same digest,
-never another answer (tests/test_experiments.py holds it against the full parse).
+never another answer (tests/test_metrics_scan.py holds it against the full parse).
 """
 
 from __future__ import annotations
@@ -47,8 +47,9 @@ PLAIN_HEAD = re.compile(HEAD)
 ODD_SEAM = re.compile(rb"\n(?:(?<!\}\n)|(?!" + HEAD + rb"))")
 FIELDS = {name: re.compile(b'"' + name.encode() + rb'": ([^,}\n]*)') for name in ("samples_per_s", "mfu", "global_step")}
 LOSS = b'"loss": '
-NOT_PLAIN = (b"\0", b"\r", b"\x0b", b"\x0c", b"\x1c", b"\x1d", b"\x1e", b"\\")  # what json.dumps never writes (and
-# what str.splitlines would split at): a file holding any is parsed in full.
+# Bytes json.dumps never writes, some of which str.splitlines splits at (so the full parse's lines are not the
+# newline's): a file holding any is parsed in full.
+CONTROL = (b"\0", b"\r", b"\x0b", b"\x0c", b"\x1c", b"\x1d", b"\x1e")
 
 
 class NotPlain(Exception):
@@ -227,7 +228,7 @@ def _last_loss(data: bytes, parts: list[_Part]) -> Any:
 def scan_digest(path: Path, data: bytes) -> Digest | None:
     """The digest of the metrics file `path` whose bytes are `data`, equal to Digest.of(read_run(path)) reduced to
     its kept records; None where the file is not in the shape the scan reads (the caller parses it in full)."""
-    if not data.isascii() or any(data.find(mark) >= 0 for mark in NOT_PLAIN[:-1]):
+    if not data.isascii() or any(data.find(mark) >= 0 for mark in CONTROL):
         return None
     warnings: list[str] = []
     try:
