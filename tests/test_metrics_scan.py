@@ -25,7 +25,8 @@ def line(record: dict[str, Any]) -> str:
 
 
 def restarted_run() -> str:
-    """Two segments (the second resumed from the snapshot at 60, so steps 61-150 were trained twice), evals, a
+    """Two segments (the second resumed from step 45, more than KEEP_PROGRESS lines before the eval that ends its
+    stretch of plain lines, so steps 46-150 were trained twice), evals, a
     snapshot, a torn line of its own, a blank line, a record whose loss is null, MFU missing on some steps."""
     text = line({"time": 1e9, "kind": "start", "global_step": 0, "total_steps": 300, "hosts": ["n1", "n2"], "config": {"lr": 3e-4}})
     for step in range(1, 151):
@@ -33,15 +34,15 @@ def restarted_run() -> str:
         if step % 3 == 0:
             del record["mfu"]
         text += line(record)
-        if step % 60 == 0:
+        if step % 100 == 0:
             text += line({"time": 1e9 + step, "kind": "eval", "global_step": step, "eval_loss": 2.0 / step, "acc": 0.5})
-        if step == 60:
-            text += line({"time": 1e9 + step, "kind": "snapshot", "global_step": step, "path": "snapshots/step-60"})
-        if step == 77:
-            text += '{"time": 1000000077.5, "kind": "progress", "epoch": 0, "st\n\n'  # killed mid-write; the writer's newline
+        if step == 100:
+            text += line({"time": 1e9 + step, "kind": "snapshot", "global_step": step, "path": "snapshots/step-100"})
+        if step == 120:
+            text += '{"time": 1000000120.5, "kind": "progress", "epoch": 0, "st\n\n'  # killed mid-write; the writer's newline
     text += line({"time": 1e9 + 151, "kind": "end", "outcome": "stopped", "global_step": 150})
-    text += line({"time": 1e9 + 200, "kind": "start", "global_step": 60, "total_steps": 300, "hosts": ["n3", "n4"]})
-    for step in range(61, 301):
+    text += line({"time": 1e9 + 200, "kind": "start", "global_step": 45, "total_steps": 300, "hosts": ["n3", "n4"]})
+    for step in range(46, 301):
         text += line(progress(step, samples_per_s=200 + step % 4, **({"loss": None} if step >= 299 else {})))  # ints: json's int
     text += line({"time": 1e9 + 400, "kind": "end", "outcome": "done", "global_step": 300, "checksum": "ab12"})
     return text
@@ -87,12 +88,12 @@ def test_the_scan_digests_a_metrics_file_exactly_as_the_full_parse_does(tmp_path
 
 def test_the_restarted_runs_digest_keeps_the_step_the_resume_went_back_to_and_warns_of_the_torn_line(tmp_path: Path) -> None:
     """What the equality above rests on, said outright for the restarted file: the scan found the progress record at
-    the resumed step (60) in the middle of the first segment, counted every record, and named the torn line."""
+    the resumed step (45) in the middle of the first segment, counted every record, and named the torn line."""
     path = tmp_path / "metrics.jsonl"
     path.write_text(restarted_run())
     scanned = scan_digest(path, path.read_bytes())
     assert scanned is not None
     first, second = scanned.run.segments
-    assert [r["global_step"] for r in first.progress] == [1, 60, *range(101, 151)] and len(second.progress) == 51
-    assert scanned.progress_count == 150 + 240 and scanned.train_loss == 1 / 298
-    assert scanned.run.warnings == [f"skipped line 81 of {path}: not a metrics record (torn: a start was killed while writing it)"]
+    assert [r["global_step"] for r in first.progress] == [1, 45, *range(101, 151)] and len(second.progress) == 51
+    assert scanned.progress_count == 150 + 255 and scanned.train_loss == 1 / 298
+    assert scanned.run.warnings == [f"skipped line 124 of {path}: not a metrics record (torn: a start was killed while writing it)"]
