@@ -16,7 +16,7 @@
   log not read; the target is at most 1 s.
 - `ddpack compare SWEEP` and `ddpack export SWEEP --summary` of 100 points with 20 MB of real metrics records each
   (the trainer's fields, 8 ranks): the first compare reads and parses each point's file once and keeps its digest
-  (run_metrics.read_digest); compare again and export --summary read the digests of the files unchanged since. The
+  (metrics_scan.read_digest); compare again and export --summary read the digests of the files unchanged since. The
   target is at most 5 s. The floor is reading the files (`cat`).
 
 Slurm's commands are stand-ins that answer at once (what is timed is ddpack, not a controller), so it needs no

@@ -298,6 +298,20 @@ def test_a_sweep_is_one_job_array_with_a_run_folder_a_point(tmp_path, slurm, cap
     assert alone.returncode != 0 and "this script is a sweep of 4 points: sbatch --array=0-3 it" in alone.stderr
 
 
+def test_a_sweep_of_the_bundled_trainer_sets_no_command_beside_its_points_train_args(tmp_path, slurm, capfd) -> None:
+    """No command, the points told apart by DDPACK_TRAIN_ARGS: the script sets each point's arguments and no
+    DDPACK_COMMAND (the job refuses the two together, and an empty command list is one: every point failed)."""
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
+    assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=0.1,0.3", "--env=DDPACK_TRAIN_ARGS=--lr {lr}", "--json"]) == 0
+    sweep_dir = Path(submitted(capfd)["run_dir"])
+    script = (sweep_dir / "job" / "ddpack.sbatch").read_text()
+    start = script.index("# ddpack submit: this run's settings")
+    block = script[start : script.index("\n\n", start)]  # the whole settings block, to the blank line after it
+    probe = block + '\nprintf "%s|%s\\n" "$DDPACK_TRAIN_ARGS" "${DDPACK_COMMAND-unset}"\n'
+    out = subprocess.run(["bash", "-c", probe], env={**os.environ, "SLURM_ARRAY_TASK_ID": "1"}, capture_output=True, text=True, check=True)
+    assert out.stdout == "--lr 0.3|unset\n", out.stdout
+
+
 @pytest.mark.parametrize(
     ("extra", "line"),
     [

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -356,52 +357,77 @@ def regression_slow(config):
 """
 
 
-@pytest.mark.skipif(os.environ.get("DDPACK_LONG_TESTS") != "1", reason="minutes of cluster time: DDPACK_LONG_TESTS=1 runs it")
-def test_successive_halving_pauses_losers_at_their_snapshots_and_every_point_continued_ends_as_if_never_paused(shared: Path, sqsh: Path) -> None:
-    """Six points (one node each, three nodes: three wait in the queue), `halve --rungs 20,40,80 --by loss`: 3, 2 and
-    1 points go on past the rungs, the others paused at their snapshots (held ones while another waited for a node).
-    Every paused point is then continued (`resubmit SWEEP --state CANCELLED`) to its end: each starts where it stopped
-    (no step trained twice), and every point's checksum equals the same point's in a sweep that was never halved."""
+LRS = ("0.001", "0.003", "0.01", "0.03", "0.1", "0.3")
+TRAIN_ARGS = "--task slow_task:regression_slow --num-workers 0 --lr {lr} --max-steps 100 --log-every 1 --snapshot-every 20 --hang-timeout 0"
+
+
+def uninterrupted(work: Path) -> subprocess.Popen[str]:
+    """Each point trained straight through on this host, one after another in the background while the cluster runs
+    the halving (which mostly waits on the points' slow steps): the bundled trainer of this tree, as the image has it,
+    in one process a point, with the point's arguments and no slowing (the sleep is not in the arithmetic)."""
+    loop = " && ".join(
+        f"{shlex.quote(sys.executable)} -m train {TRAIN_ARGS.format(lr=lr)} --snapshot-dir {work / 'reference' / lr} "
+        f"--metrics-file {work / 'reference' / lr / 'metrics.jsonl'} > {work / 'reference' / lr}.log 2>&1"
+        for lr in LRS
+    )
+    (work / "reference").mkdir()
+    return subprocess.Popen(
+        ["nice", "-n", "10", "bash", "-c", loop], cwd=work / "project", env=env(STEP_SLEEP_S="0", OMP_NUM_THREADS="1"), text=True
+    )
+
+
+# About two minutes of the cluster (118 and 128 s here, past the pyxis tier's set-up): the halving needs five
+# waves of container starts one after another (four points, the two queued behind them once the four are held, the held
+# winners continued, then the five paused points continued, four and one), and each start (the image unpacked,
+# python and torch imported) took 15-25 s on this 2-core host; CI, at its limit, cannot pay it, hence the opt-in.
+@pytest.mark.skipif(os.environ.get("DDPACK_LONG_TESTS") != "1", reason="about 2 minutes of cluster time: DDPACK_LONG_TESTS=1 runs it")
+def test_successive_halving_pauses_losers_at_their_snapshots_and_every_point_continued_ends_as_if_never_paused(
+    shared: Path, sqsh: Path
+) -> None:
+    """Six one-task points on partition `cores` (2 nodes x 2 CPUs: four at once, two wait in the queue), `halve
+    --rungs 20,40,80 --by loss`: 3, 2 and 1 points go on past the rungs, the others paused at their snapshots (held
+    ones while another waited for a CPU). Every paused point is then continued (`resubmit SWEEP --state CANCELLED`)
+    to its end: each starts where it stopped (no step trained twice), and every point's checksum equals the same
+    point's trained straight through (on this host, meanwhile: uninterrupted)."""
     work = shared / "halving"
     (work / "project").mkdir(parents=True)
     (work / "project" / "slow_task.py").write_text(SLOW_TASK)
     (work / "project" / "slow_task.py").chmod(0o644)
-    train = "--task slow_task:regression_slow --num-workers 0 --lr {lr} --max-steps 100 --log-every 1 --snapshot-every 20 --hang-timeout 0"
-
-    def sweep(name: str) -> Path:
-        submitted = ddpack(
-            "submit", str(work / "project"), "--nodes", "1", "--partition", "big", "--sqsh", str(sqsh), "--runs", str(work / "runs"),
-            "--mounts", f"{shared}:/fsx", "--name", name, "--sweep", "lr=0.001,0.003,0.01,0.03,0.1,0.3",
-            f"--env=DDPACK_PROJECT_DIR={work / 'project'}", f"--env=DDPACK_TRAIN_ARGS={train}", "--env=STEP_SLEEP_S=0.3", "--json",
-        )  # fmt: skip
-        assert submitted.returncode == 0, submitted.stdout + submitted.stderr
-        return Path(json.loads(submitted.stdout)["run_dir"])
-
     began = time.monotonic()
-    halved = sweep("halved")
+    submitted = ddpack(
+        "submit", str(work / "project"), "--nodes", "1", "--partition", "cores", "--standbys", "0", "--sqsh", str(sqsh),
+        "--runs", str(work / "runs"), "--mounts", f"{shared}:/fsx", "--time", "10", "--sweep", f"lr={','.join(LRS)}",
+        f"--env=DDPACK_PROJECT_DIR={work / 'project'}", f"--env=DDPACK_TRAIN_ARGS={TRAIN_ARGS}", "--env=STEP_SLEEP_S=0.1", "--json",
+    )  # fmt: skip
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    halved = Path(json.loads(submitted.stdout[submitted.stdout.index("{") :])["run_dir"])
+    references = uninterrupted(work)
     halving = ddpack("halve", str(halved), "--rungs", "20,40,80", "--by", "loss", "--interval", "1", "--json")
+    halved_s = time.monotonic() - began
     assert halving.returncode == 0, halving.stdout + halving.stderr
     decisions = json.loads((halved / "sweep.json").read_text())["halving"]["decided"]
-    assert [(d["rung"], len(d["kept"])) for d in decisions] == [(20, 3), (40, 2), (80, 1)], decisions
-    assert ddpack("status", str(halved), "--watch", "--interval", "2").returncode in (0, 3)  # the winner completes; the paused are CANCELLED
+    logs = "\n".join(f"{log}:\n{log.read_text()[-1500:]}" for log in sorted(halved.glob("*/logs/*")))
+    assert [(d["rung"], len(d["kept"])) for d in decisions] == [(20, 3), (40, 2), (80, 1)], (decisions, halving.stdout, logs)
+    watched = ddpack("status", str(halved), "--watch", "--interval", "1")
+    assert watched.returncode in (0, 3), watched.stdout + watched.stderr  # the winner completes; the paused are CANCELLED
     paused = sorted(i for d in decisions for i in d["paused"])
     stopped = {i: [r for r in map(json.loads, (halved / str(i) / run_folder.METRICS).read_text().splitlines()) if r["kind"] == "end"]
                for i in paused}  # fmt: skip
     assert any(ends and ends[-1]["outcome"] == "stopped" for ends in stopped.values()), stopped  # at least one was paused mid-run
     mended = ddpack("resubmit", str(halved), "--state", "CANCELLED", "--json")
     assert mended.returncode == 0, mended.stdout + mended.stderr
-    watched = ddpack("status", str(halved), "--watch", "--interval", "2")
+    watched = ddpack("status", str(halved), "--watch", "--interval", "1")
     assert watched.returncode == 0, watched.stdout + watched.stderr
-    baseline = sweep("whole")
-    assert ddpack("status", str(baseline), "--watch", "--interval", "2").returncode == 0
+    assert references.wait(timeout=300) == 0, "\n".join((work / "reference" / f"{lr}.log").read_text()[-1000:] for lr in LRS)
 
-    def ends_of(point: Path) -> tuple[list[int], list[dict]]:
-        records = [json.loads(line) for line in (point / run_folder.METRICS).read_text().splitlines()]
+    def ends_of(metrics: Path) -> tuple[list[int], list[dict]]:
+        records = [json.loads(line) for line in metrics.read_text().splitlines()]
         return [r["global_step"] for r in records if r["kind"] == "start"], [r for r in records if r["kind"] == "end"]
 
-    for index in range(6):
-        starts, ends = ends_of(halved / str(index))
+    for index, lr in enumerate(LRS):
+        starts, ends = ends_of(halved / str(index) / run_folder.METRICS)
         assert starts == [0, *(end["global_step"] for end in ends[:-1])], (index, starts, ends)  # each start where the last stopped
         assert ends[-1]["outcome"] == "done" and ends[-1]["global_step"] == 100, ends
-        assert ends[-1]["checksum"] == ends_of(baseline / str(index))[1][-1]["checksum"], index
-    print(f"halving test: {time.monotonic() - began:.0f} s; decisions {[(d['rung'], d['kept'], d['paused']) for d in decisions]}")
+        assert ends[-1]["checksum"] == ends_of(work / "reference" / lr / "metrics.jsonl")[1][-1]["checksum"], index
+    print(f"halving test: {time.monotonic() - began:.0f} s (the halving {halved_s:.0f} s); "
+          f"decisions {[(d['rung'], d['kept'], d['paused']) for d in decisions]}")  # fmt: skip

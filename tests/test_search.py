@@ -53,6 +53,17 @@ def test_a_rung_waits_for_every_point_in_the_race_then_decides_and_the_paused_ar
     assert halving_step(plan, [first, second], later) == []  # 80 not reached by 1 and 3: waits, and 20 and 40 are never decided again
 
 
+def test_a_winner_held_at_a_rung_stays_in_the_race_so_the_next_rung_waits_for_it() -> None:
+    """Points 1 and 3 were held at 20 (their jobs cancelled while point 5 waited for a node) and kept there: until
+    they are continued their state is CANCELLED, yet the next rung is theirs too. Without `waiting`, point 5 alone
+    decided rung 40 (found on the cluster, a sweep bigger than its nodes)."""
+    plan = Halving(rungs=(20, 40, 80), by="loss")
+    first = {"rung": 20, "kept": [1, 3, 5], "paused": [0, 2, 4]}
+    points = [PointNow(index=i, state="CANCELLED" if i != 5 else "RUNNING", records=records_to(40 if i == 5 else 20, 0.1 * i)) for i in range(6)]
+    assert halving_step(plan, [first], points, waiting={1, 3}) == []  # 1 and 3 are at 20: rung 40 waits
+    assert [(d["rung"], d["kept"]) for d in halving_step(plan, [first], points)] == [(40, [5])]  # what it was: 40 by point 5 alone
+
+
 def test_a_point_that_ended_before_a_rung_is_out_of_it_and_rungs_reached_at_once_are_decided_in_one_look() -> None:
     plan = Halving(rungs=(20, 40), by="loss")
     points = [

@@ -22,8 +22,9 @@ from typing import Any
 from ddpack.errors import HostError
 from ddpack.jobs.cells import cell, duration
 from ddpack.jobs.ledger import Ledger, added_ledgers, run_ledger
+from ddpack.jobs.metrics_scan import read_digest
 from ddpack.jobs.run_json import read_record
-from ddpack.jobs.run_metrics import Digest, Run, eval_metrics, metric_of, read_digest, read_run
+from ddpack.jobs.run_metrics import Digest, Run, eval_metrics, metric_of, read_run
 from ddpack.private_files import write_atomically
 from train.metrics import format_share
 
@@ -86,7 +87,7 @@ def outcome(run_dir: Path, curves: bool = True) -> tuple[Outcome, Run | None]:
 
 def measured(run_dir: Path, curves: bool = True) -> tuple[Outcome, Run | None, Ledger]:
     """How the run ended, its metrics and its ledger, the metrics file read at most once: status and the ledger take
-    them from here. Without `curves` (no page to draw) the run's digest answers (run_metrics.read_digest: a file
+    them from here. Without `curves` (no page to draw) the run's digest answers (metrics_scan.read_digest: a file
     unchanged since an earlier compare is not read again) and the Run holds the digest's records alone."""
     from ddpack.jobs.status import MetricsTail, run_status, tail_of
 

@@ -86,11 +86,11 @@ def exported(settings: SubmitSettings, run_dir: Path, sqsh: Path) -> dict[str, s
 
 
 def sweep_block(settings: SubmitSettings, sweep_dir: Path) -> list[str]:
-    """A sweep's script: each array task picks its point's run folder and command (a JSON list, as DDPACK_COMMAND is)."""
+    """A sweep's script: each array task picks its point's run folder and command (a JSON list, as DDPACK_COMMAND is).
+    A sweep with no command (the bundled trainer, its points told apart by an --env value such as DDPACK_TRAIN_ARGS)
+    sets no DDPACK_COMMAND: the job refuses one beside DDPACK_TRAIN_ARGS, and `[]` would be one."""
     every = settings.points
-    return [
-        f"# A sweep of {len(every)} points, one a task of the array: the point's run folder and command.",
-        f'ddpack_point=${{SLURM_ARRAY_TASK_ID:?"this script is a sweep of {len(every)} points: sbatch --array=0-{len(every) - 1} it"}}',
+    commands = [
         "ddpack_commands=(",
         # Each command a JSON list in single quotes; the comment is the point as JSON (no newline can end it early).
         *(
@@ -98,9 +98,14 @@ def sweep_block(settings: SubmitSettings, sweep_dir: Path) -> list[str]:
             for i, point in enumerate(every)
         ),
         ")",
+    ]
+    return [
+        f"# A sweep of {len(every)} points, one a task of the array: the point's run folder{' and command' if settings.command else ''}.",
+        f'ddpack_point=${{SLURM_ARRAY_TASK_ID:?"this script is a sweep of {len(every)} points: sbatch --array=0-{len(every) - 1} it"}}',
+        *(commands if settings.command else []),
         *per_point_env(settings, every),
         f"export DDPACK_RUN_DIR={shlex.quote(str(sweep_dir))}/${{ddpack_point}}",
-        'export DDPACK_COMMAND="${ddpack_commands[ddpack_point]}"',
+        *(['export DDPACK_COMMAND="${ddpack_commands[ddpack_point]}"'] if settings.command else []),
     ]
 
 

@@ -149,16 +149,21 @@ def split_segments(records: Iterable[dict[str, Any]]) -> list[Segment]:
     return segments
 
 
+def read_preflight(folder: Path, warnings: list[str]) -> dict[str, Any] | None:
+    """The run's preflight record, None where it ran none (or a warning where it cannot be read)."""
+    preflight_file = folder / run_folder.PREFLIGHT
+    if preflight_file.is_file():
+        try:
+            return json.loads(preflight_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            warnings.append(f"skipped {preflight_file}: not readable JSON")
+    return None
+
+
 def read_run(run: Path) -> Run:
     path = metrics_path(run)
     records, warnings = read_metrics(path)
-    preflight = None
-    preflight_file = path.parent / run_folder.PREFLIGHT
-    if preflight_file.is_file():
-        try:
-            preflight = json.loads(preflight_file.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            warnings.append(f"skipped {preflight_file}: not readable JSON")
+    preflight = read_preflight(path.parent, warnings)
     return Run(folder=path.parent, segments=split_segments(records), preflight=preflight, warnings=warnings)
 
 
@@ -208,14 +213,20 @@ class Digest:
 
     @classmethod
     def of(cls, run: Run) -> Digest:
-        from statistics import median
-
         progress = run.progress
         losses = [r["loss"] for r in progress if r.get("loss") is not None]
         rates = [r["samples_per_s"] for r in progress if r.get("samples_per_s") is not None]
         mfus = [r["mfu"] for r in progress if r.get("mfu") is not None]
-        return cls(run=run, progress_count=len(progress), train_loss=losses[-1] if losses else None,
-                   samples_per_s=median(rates) if rates else None, mfu=median(mfus) if mfus else None)  # fmt: skip
+        return cls.summed(run, progress_count=len(progress), train_loss=losses[-1] if losses else None, rates=rates, mfus=mfus)
+
+    @classmethod
+    def summed(cls, run: Run, *, progress_count: int, train_loss: Any, rates: list[Any], mfus: list[Any]) -> Digest:
+        """The digest from what every progress record gave (the rates and MFUs in file order, the last loss): the one
+        place its medians are taken, for the full parse and the scan (metrics_scan) alike."""
+        from statistics import median
+
+        return cls(run=run, progress_count=progress_count, train_loss=train_loss, samples_per_s=median(rates) if rates else None,
+                   mfu=median(mfus) if mfus else None)  # fmt: skip
 
 
 def kept_records(segments: list[Segment]) -> list[dict[str, Any]]:
@@ -235,33 +246,3 @@ def kept_records(segments: list[Segment]) -> list[dict[str, Any]]:
 def digest_key(path: Path) -> list[int]:
     info = path.stat()
     return [DIGEST_FORMAT, info.st_size, info.st_mtime_ns, info.st_ino]
-
-
-def read_digest(run_dir: Path) -> Digest:
-    """The run's Digest: its DIGEST when that was made from the metrics file as it is now (size, time, inode), else
-    the metrics read in full once and the digest kept (best effort: a folder that cannot be written is read in full
-    next time). HostError (exit 2) where there is no metrics file or it holds no records."""
-    from ddpack.jobs.run_json import not_a_run_of_yours, write_json_atomic
-
-    path = metrics_path(run_dir)
-    key, cache = digest_key(path), path.parent / DIGEST
-    if cache.is_file() and not_a_run_of_yours(cache) is None:
-        try:
-            data = json.loads(cache.read_text())
-            if data.get("key") == key:
-                run = Run(folder=path.parent, segments=split_segments(data["records"]), preflight=data.get("preflight"),
-                          warnings=list(data.get("warnings") or []))  # fmt: skip
-                return Digest(run=run, progress_count=int(data["progress_count"]), train_loss=data.get("train_loss"),
-                              samples_per_s=data.get("samples_per_s"), mfu=data.get("mfu"))  # fmt: skip
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            pass  # a damaged digest: the metrics again
-    run = read_run(path)
-    digest = Digest.of(run)
-    try:
-        if digest_key(path) == key:  # not appended to while it was read
-            write_json_atomic(cache, {"key": key, "records": kept_records(run.segments), "preflight": run.preflight, "warnings": run.warnings,
-                                      "progress_count": digest.progress_count, "train_loss": digest.train_loss,
-                                      "samples_per_s": digest.samples_per_s, "mfu": digest.mfu})  # fmt: skip
-    except OSError:
-        pass
-    return digest

@@ -267,16 +267,19 @@ class PointNow:
     records: list[dict[str, Any]]
 
 
-def halving_step(plan: Halving, decided: list[dict[str, Any]], points: list[PointNow]) -> list[dict[str, Any]]:
+def halving_step(
+    plan: Halving, decided: list[dict[str, Any]], points: list[PointNow], waiting: set[int] | frozenset[int] = frozenset()
+) -> list[dict[str, Any]]:
     """The rungs that can be decided now, in order, each as {rung, values, paused, kept}: a rung is decided once every
-    point still in the race has reached it (a point paused at an earlier rung, or ended before this one, is out);
-    the next rung waits for its turn. Nothing is decided twice: `decided` are the rungs done before."""
+    point still in the race has reached it (a point paused at an earlier rung, or ended before this one, is out;
+    one the halving itself paused to go on later, `waiting`: held, or kept and not yet continued, is in, though its
+    job ended); the next rung waits for its turn. Nothing is decided twice: `decided` are the rungs done before."""
     from ddpack.jobs.slurm_cli import ENDED
 
     out = {index for decision in decided for index in decision["paused"]}
     new: list[dict[str, Any]] = []
     for rung in plan.rungs[len(decided) :]:
-        racing = [p for p in points if p.index not in out and (p.state not in ENDED or reached(p.records, rung))]
+        racing = [p for p in points if p.index not in out and (p.state not in ENDED or p.index in waiting or reached(p.records, rung))]
         if not racing or any(not reached(p.records, rung) for p in racing):
             break
         values = {p.index: metric_at(p.records, plan.by, rung) for p in racing}
@@ -372,7 +375,7 @@ def halve_pass(
     waking = set((data.get("halving") or {}).get("waking", []))  # held winners not yet continued (a resubmit refused: again)
     dirs = point_dirs(folder)
     points = [PointNow(index=i, state=state_of(d), records=point_records(d)) for i, d in enumerate(dirs)]
-    new = halving_step(plan, decided, points)
+    new = halving_step(plan, decided, points, waiting=held | waking)
     resumed: list[int] = []
     for decision in new:
         decision["time"] = now()

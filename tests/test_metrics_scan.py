@@ -1,0 +1,99 @@
+"""The metrics scan (ddpack/jobs/metrics_scan.py) against the full parse it stands in for: the same digest on files
+with restarts, evals, torn and truncated lines, records before the first start and other programs' progress lines;
+and the plain files, the trainer's own, taken by the fast path (not handed to the full parse)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ddpack.jobs.metrics_scan import read_digest, scan_digest
+from ddpack.jobs.run_metrics import DIGEST, Digest, kept_records, read_run
+
+
+def progress(step: int, **more: Any) -> dict[str, Any]:
+    fields = {"epoch": 0, "step": step, "global_step": step, "loss": 1.0 / step, "lr": 3e-4, "samples_per_s": 100.0 + step % 7,
+              "mfu": 0.25 + step % 5 / 100, "rank_step_s": [0.04, 0.05]}  # fmt: skip
+    return {"time": 1e9 + step, "kind": "progress", **fields, **more}
+
+
+def line(record: dict[str, Any]) -> str:
+    return json.dumps(record) + "\n"  # as train.metrics writes it
+
+
+def restarted_run() -> str:
+    """Two segments (the second resumed from step 45, more than KEEP_PROGRESS lines before the eval that ends its
+    stretch of plain lines, so steps 46-150 were trained twice), evals, a
+    snapshot, a torn line of its own, a blank line, a record whose loss is null, MFU missing on some steps."""
+    text = line({"time": 1e9, "kind": "start", "global_step": 0, "total_steps": 300, "hosts": ["n1", "n2"], "config": {"lr": 3e-4}})
+    for step in range(1, 151):
+        record = progress(step, loss=None) if step == 150 else progress(step)
+        if step % 3 == 0:
+            del record["mfu"]
+        text += line(record)
+        if step % 100 == 0:
+            text += line({"time": 1e9 + step, "kind": "eval", "global_step": step, "eval_loss": 2.0 / step, "acc": 0.5})
+        if step == 100:
+            text += line({"time": 1e9 + step, "kind": "snapshot", "global_step": step, "path": "snapshots/step-100"})
+        if step == 120:
+            text += '{"time": 1000000120.5, "kind": "progress", "epoch": 0, "st\n\n'  # killed mid-write; the writer's newline
+    text += line({"time": 1e9 + 151, "kind": "end", "outcome": "stopped", "global_step": 150})
+    text += line({"time": 1e9 + 200, "kind": "start", "global_step": 45, "total_steps": 300, "hosts": ["n3", "n4"]})
+    for step in range(46, 301):
+        text += line(progress(step, samples_per_s=200 + step % 4, **({"loss": None} if step >= 299 else {})))  # ints: json's int
+    text += line({"time": 1e9 + 400, "kind": "end", "outcome": "done", "global_step": 300, "checksum": "ab12"})
+    return text
+
+
+CASES = {
+    "restarted": restarted_run(),
+    "truncated last line": restarted_run() + line(progress(301))[:40],
+    "records before the first start": "".join(line(progress(s)) for s in range(1, 80)) + restarted_run(),
+    # An older trainer appended the next start's record to a torn line: one line, no record, a warning.
+    "torn line with a record appended": restarted_run().replace(line(progress(91)), line(progress(91))[:60] + line(progress(91))),
+    "another program's progress": restarted_run().replace(line(progress(100)), json.dumps(progress(100), separators=(",", ":")) + "\n"),
+    "odd values": restarted_run().replace(line(progress(10)), line(progress(10, samples_per_s=None, mfu=float("nan")))),
+    "no newline at all": line(progress(1)).rstrip("\n"),
+    "not ascii": restarted_run().replace(line(progress(5)), line(progress(5, note="é"))).replace("\\u00e9", "é"),
+    "a lone start": line({"time": 1e9, "kind": "start", "global_step": 0, "total_steps": 3}),
+    "windows line ends": restarted_run().replace("\n", "\r\n"),
+    "padded with NULs": restarted_run() + "\0" * 64,  # a crash's sparse tail
+}
+PLAIN = {"restarted", "truncated last line", "records before the first start", "another program's progress", "odd values",
+         "no newline at all", "a lone start"}  # fmt: skip
+
+
+def digest_fields(digest: Digest) -> str:
+    """What read_digest keeps of a digest, as JSON (NaN equal to NaN; 200 and 200.0 told apart)."""
+    return json.dumps((kept_records(digest.run.segments), digest.progress_count, digest.train_loss, digest.samples_per_s, digest.mfu,
+                 digest.run.warnings, digest.run.preflight), sort_keys=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_scan_digests_a_metrics_file_exactly_as_the_full_parse_does(tmp_path: Path, case: str) -> None:
+    assert case == "restarted" or CASES[case] != restarted_run()  # each case's change was made
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(CASES[case], encoding="utf-8")
+    (tmp_path / "preflight.json").write_text('{"ok": true}')
+    scanned = scan_digest(path, path.read_bytes())
+    assert (scanned is not None) == (case in PLAIN), case  # the trainer's files take the fast path; the others the full parse
+    full = Digest.of(read_run(path))
+    assert scanned is None or digest_fields(scanned) == digest_fields(full)
+    assert digest_fields(read_digest(tmp_path)) == digest_fields(full)  # the first read: scanned (or parsed), then kept
+    assert (tmp_path / DIGEST).is_file() and digest_fields(read_digest(tmp_path)) == digest_fields(full)  # the kept digest
+
+
+def test_the_restarted_runs_digest_keeps_the_step_the_resume_went_back_to_and_warns_of_the_torn_line(tmp_path: Path) -> None:
+    """What the equality above rests on, said outright for the restarted file: the scan found the progress record at
+    the resumed step (45) in the middle of the first segment, counted every record, and named the torn line."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(restarted_run())
+    scanned = scan_digest(path, path.read_bytes())
+    assert scanned is not None
+    first, second = scanned.run.segments
+    assert [r["global_step"] for r in first.progress] == [1, 45, *range(101, 151)] and len(second.progress) == 51
+    assert scanned.progress_count == 150 + 255 and scanned.train_loss == 1 / 298
+    assert scanned.run.warnings == [f"skipped line 124 of {path}: not a metrics record (torn: a start was killed while writing it)"]
