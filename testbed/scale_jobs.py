@@ -266,14 +266,21 @@ class ScaleJobs:
 
     def swap(self, nodes: int) -> Result:
         """`nodes` nodes, one a spare: the ranks hold, a training node that is not the batch host goes DOWN; the time until
-        every rank of the restarted step is ready."""
+        every rank of the restarted step is ready.
+
+        Without standbys (DDPACK_STANDBYS=0), as a GPU job's swap runs (the rule's auto gives a CUDA job none; this stub
+        job asks for no GPUs, so auto would give it one). With a standby the training step is 3 tasks on 2 nodes
+        (--distribution=arbitrary, --overcommit), and Slurm 22.05's controller, on this node's DOWN, found the job's
+        nodes' run_job_cnt already 0 (make_node_idle and make_node_comp: run_job_cnt underflow) and dumped core in
+        select_nodes (bit_copy) at the next sbatch: every swap of two tries with a standby, none of the runs without
+        (docs/scale.md, "The swap's crash")."""
         names = ec.node_names(nodes)
         self.idle()
         self.empty_nodes(names, staged_too=False)
         gate = self.work / "gate"
         gate.unlink(missing_ok=True)
         os.mkfifo(gate, 0o666)
-        job, _ = self.submit(nodes, DDPACK_SPARE_NODES="1", DDPACK_STAGE="auto", DDPACK_TRAIN_ARGS="--hold")
+        job, _ = self.submit(nodes, DDPACK_SPARE_NODES="1", DDPACK_STAGE="auto", DDPACK_TRAIN_ARGS="--hold", DDPACK_STANDBYS="0")
         train = nodes - 1
         steps = self.wait(f"{train} ranks held", job, lambda: [s for s, ranks in self.ready(job).items() if len(ranks) >= train])
         victim = names[train - 1]
