@@ -110,11 +110,19 @@ class Result:
     shared_readers: int = 0
     job: str = ""
     ranks_on: tuple[list[str], list[str]] = ([], [])  # a swap's: the nodes of the step before the DOWN, and after
+    share: float = 1.0  # of the queued node CPU, the part on the critical path (bench_scale's calibration; 1: all of it)
+
+    @property
+    def queued(self) -> float:
+        """The nodes' CPU this host queued that a cluster runs side by side: all but the busiest node's, over the CPUs."""
+        cpus = sorted(self.node_cpu.values())
+        return (sum(cpus) - (cpus[-1] if cpus else 0)) / (os.cpu_count() or 1)
 
     @property
     def delta(self) -> float:
-        cpus = sorted(self.node_cpu.values())
-        return min((sum(cpus) - (cpus[-1] if cpus else 0)) / (os.cpu_count() or 1), self.saturated)
+        """What the correction takes out: the queued CPU's critical-path share, never more than the seconds both CPUs
+        were saturated."""
+        return min(self.share * self.queued, self.saturated)
 
     @property
     def r(self) -> float:
