@@ -47,7 +47,7 @@ def emulated() -> Iterator[ScaleJobs]:
 
 @pytest.mark.slurm
 @pytest.mark.pyxis
-def test_emulated_nodes_cost_the_same_slurm_calls_steps_and_python_starts_a_start_at_2_as_at_16_and_one_bad_node_costs_one(
+def test_emulated_nodes_cost_the_same_slurm_calls_steps_and_python_starts_at_2_as_at_16_one_bad_node_costs_one_and_a_spare_swaps_in(
     emulated: ScaleJobs,
 ) -> None:
     """Cold starts (prepare, the holder step, sbcast, install, training) at 2 and at N nodes: the batch host's Slurm
