@@ -249,6 +249,7 @@ def calibrate(bench: ScaleJobs, nodes: int, rounds: int) -> tuple[list[str], dic
     cases = {"warm start": lambda: bench.start("warm", nodes), "swap": lambda: bench.swap(nodes)}
     lines, shares = [], {}
     for label, run in cases.items():
+        load0 = os.getloadavg()[0]
         one: list[Result] = []
         two: list[Result] = []
         try:
@@ -262,9 +263,15 @@ def calibrate(bench: ScaleJobs, nodes: int, rounds: int) -> tuple[list[str], dic
         beyond = statistics.median(sum(r.node_cpu.values()) - max(r.node_cpu.values(), default=0) for r in two)
         share = min(max(2 * gap / beyond, 0.0), 1.0) if beyond > 0 else 1.0
         shares[label.split()[-1]] = share
+        load = max(load0, os.getloadavg()[0])
+        busy = (
+            f" (busy host: load {load:.1f} on {os.cpu_count()} CPUs, other work shared both runs' CPUs: not trusted)"
+            if load > (os.cpu_count() or 1)
+            else ""
+        )
         lines.append(
             f"scale: calibration, {nodes} nodes {label} ({rounds} rounds): W(1 CPU) - W(2 CPUs) = {gap:.2f} s against the queued node CPU "
-            f"(beyond the busiest node's) / 2 = {beyond / 2:.2f} s: share on the critical path {share:.2f}"
+            f"(beyond the busiest node's) / 2 = {beyond / 2:.2f} s: share on the critical path {share:.2f}{busy}"
         )
     return lines, shares
 
