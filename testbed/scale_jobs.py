@@ -280,7 +280,7 @@ class ScaleJobs:
         job asks for no GPUs, so auto would give it one). With a standby the training step is 3 tasks on 2 nodes
         (--distribution=arbitrary, --overcommit), and Slurm 22.05's controller, on this node's DOWN, found the job's
         nodes' run_job_cnt already 0 (make_node_idle and make_node_comp: run_job_cnt underflow) and dumped core in
-        select_nodes (bit_copy) at the next sbatch: two swaps of two with a standby, none of 15 without (docs/scale.md,
+        select_nodes (bit_copy) at the next sbatch: two swaps of two with a standby, none of 23 without (docs/scale.md,
         "The swap's crash, found")."""
         names = ec.node_names(nodes)
         self.idle()
