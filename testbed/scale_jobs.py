@@ -110,11 +110,19 @@ class Result:
     shared_readers: int = 0
     job: str = ""
     ranks_on: tuple[list[str], list[str]] = ([], [])  # a swap's: the nodes of the step before the DOWN, and after
+    share: float = 1.0  # of the queued node CPU, the part on the critical path (bench_scale's calibration; 1: all of it)
+
+    @property
+    def queued(self) -> float:
+        """The nodes' CPU this host queued that a cluster runs side by side: all but the busiest node's, over the CPUs."""
+        cpus = sorted(self.node_cpu.values())
+        return (sum(cpus) - (cpus[-1] if cpus else 0)) / (os.cpu_count() or 1)
 
     @property
     def delta(self) -> float:
-        cpus = sorted(self.node_cpu.values())
-        return min((sum(cpus) - (cpus[-1] if cpus else 0)) / (os.cpu_count() or 1), self.saturated)
+        """What the correction takes out: the queued CPU's critical-path share, never more than the seconds both CPUs
+        were saturated."""
+        return min(self.share * self.queued, self.saturated)
 
     @property
     def r(self) -> float:
@@ -266,14 +274,21 @@ class ScaleJobs:
 
     def swap(self, nodes: int) -> Result:
         """`nodes` nodes, one a spare: the ranks hold, a training node that is not the batch host goes DOWN; the time until
-        every rank of the restarted step is ready."""
+        every rank of the restarted step is ready.
+
+        Without standbys (DDPACK_STANDBYS=0), as a GPU job's swap runs (the rule's auto gives a CUDA job none; this stub
+        job asks for no GPUs, so auto would give it one). With a standby the training step is 3 tasks on 2 nodes
+        (--distribution=arbitrary, --overcommit), and Slurm 22.05's controller, on this node's DOWN, found the job's
+        nodes' run_job_cnt already 0 (make_node_idle and make_node_comp: run_job_cnt underflow) and dumped core in
+        select_nodes (bit_copy) at the next sbatch: two swaps of two with a standby, none of 23 without (docs/scale.md,
+        "The swap's crash, found")."""
         names = ec.node_names(nodes)
         self.idle()
         self.empty_nodes(names, staged_too=False)
         gate = self.work / "gate"
         gate.unlink(missing_ok=True)
         os.mkfifo(gate, 0o666)
-        job, _ = self.submit(nodes, DDPACK_SPARE_NODES="1", DDPACK_STAGE="auto", DDPACK_TRAIN_ARGS="--hold")
+        job, _ = self.submit(nodes, DDPACK_SPARE_NODES="1", DDPACK_STAGE="auto", DDPACK_TRAIN_ARGS="--hold", DDPACK_STANDBYS="0")
         train = nodes - 1
         steps = self.wait(f"{train} ranks held", job, lambda: [s for s, ranks in self.ready(job).items() if len(ranks) >= train])
         victim = names[train - 1]

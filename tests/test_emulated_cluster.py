@@ -47,14 +47,15 @@ def emulated() -> Iterator[ScaleJobs]:
 
 @pytest.mark.slurm
 @pytest.mark.pyxis
-def test_emulated_nodes_cost_the_same_slurm_calls_steps_and_python_starts_a_start_at_2_as_at_16_and_one_bad_node_costs_one(
+def test_emulated_nodes_cost_the_same_slurm_calls_steps_and_python_starts_at_2_as_at_16_one_bad_node_costs_one_and_a_spare_swaps_in(
     emulated: ScaleJobs,
 ) -> None:
     """Cold starts (prepare, the holder step, sbcast, install, training) at 2 and at N nodes: the batch host's Slurm
     commands by command, its steps and Python starts, each node's Python starts and the nodes' own Slurm calls are equal.
     Then at N nodes, one node's staging folder a plain file: that node alone reads the shared squashfs (K = 1 node's
-    enroot create from it), named in one line and one record; the others unpack their own copies. The spare swap is
-    bench-scale's (see the note at the end)."""
+    enroot create from it), named in one line and one record; the others unpack their own copies. Then a spare swap at 3
+    and at N nodes (one a spare): a training node set DOWN is replaced by the spare, and the swap's Slurm calls, steps and
+    Python starts are equal at both sizes."""
     nodes = ec.nodes_wanted()
     small, big = emulated.start("cold", 2), emulated.start("cold", nodes)
     counts = ("calls", "steps", "python_batch", "python_per_node", "node_side_calls")
@@ -72,10 +73,15 @@ def test_emulated_nodes_cost_the_same_slurm_calls_steps_and_python_starts_a_star
     staged = [node for node in ec.node_names(nodes) if list((ec.DISKS / node / emulated.stage.name).glob("*.sqsh"))]
     assert staged == [node for node in ec.node_names(nodes) if node != bad_node]
 
-    # The spare swap is out of this test: Slurm 22.05's emulated slurmctld dumped core after a swap's cleanup in three
-    # runs of four here (make_node_comp: run_job_cnt underflow), and a swap after it found no controller or a node
-    # state it left; the swap's counts at 3, 16 and 64 nodes are bench-scale's (docs/scale.md). A spare swap on real
-    # daemons is tests/test_pyxis.py's (a node set DOWN mid-training).
+    # A spare swap at 3 and at N nodes (one a spare): a training node set DOWN is replaced by the spare, and the swap's
+    # Slurm calls, steps and Python starts are equal at both sizes.
+    three, many = emulated.swap(3), emulated.swap(nodes)
+    for swap, size in ((three, 3), (many, nodes)):
+        before, after = swap.ranks_on
+        victim, spare = f"ds{size - 1}", f"ds{size}"
+        assert victim in before and spare not in before and victim not in after and spare in after, swap.ranks_on
+    assert three.calls and three.steps, three
+    assert {c: getattr(three, c) for c in counts} == {c: getattr(many, c) for c in counts}
 
 
 def test_the_emulated_cluster_has_its_own_name_ports_and_files_and_never_writes_the_test_clusters() -> None:
