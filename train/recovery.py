@@ -6,11 +6,12 @@ started Python, imported torch and built the model, and waits on the store) take
 Who learns what, and how (the store is the one channel that never waits on a collective; every key on it is signed
 with the job's token and read back checked: train/recovery_channel.py):
 - Every process (rank or standby) is a *member* of the job, named `r<rank>` for the ranks it started with and
-  `s<n>` for standbys (the launcher's by their task), and writes a heartbeat (a rising count and its host) every
-  HEARTBEAT_S.
-- Standbys watch: each reads every member's heartbeat every HEARTBEAT_S. A member whose count has not risen for
+  `s<n>` for standbys (the launcher's by their task), and beats every HEARTBEAT_S on its node; the node's two writers
+  put one signed value for the node in the store (every member's count, its age on the node's clock, its waiting
+  count: train/node_beats.py), so the store's traffic grows with nodes, not ranks.
+- Standbys watch: each reads every node's heartbeat every HEARTBEAT_S. A member that has not beaten for
   STALE_S, once a survivor has reported a failed collective (a late heartbeat on a loaded node while every collective
-  completes is no death), is dead; so is one whose count has not risen for FROZEN_S while a survivor has waited on one
+  completes is no death), is dead; so is one that has not beaten for FROZEN_S while a survivor has waited on one
   collective for WAITING_S (a frozen rank or a lost node: nothing resets a connection, nothing fails before the
   collective timeout). The first standby to see a death writes the generation's *decision* (compare-and-set, so there
   is one): the new roster, which standby takes which rank (a standby on another host than the dead rank's when one is
