@@ -17,7 +17,7 @@ from entrypoint.plan import JOB_TOKEN_VAR
 from train import recovery
 from train.node_beats import TAKEOVER_S, LocalBeat, LocalBeats
 from train.recovery import Heartbeat
-from train.recovery_channel import Channel
+from train.recovery_channel import Beat, Channel, NodeBeat
 
 TOKEN = "3f9a0c1d5e7b2468ace013579bdf8642"
 ENV = {JOB_TOKEN_VAR: TOKEN, "SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": "0", "SLURM_STEP_ID": "0", "MASTER_PORT": "29500"}
@@ -93,3 +93,30 @@ def test_three_members_make_one_store_key_and_a_dead_writers_place_is_taken(
     finally:
         for heart in hearts.values():
             heart.stop()
+
+
+def test_a_standby_judges_a_member_by_its_age_on_its_node_and_reads_a_young_nodes_head_only(
+    server: dist.TCPStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two nodes of two ranks. r3's node still writes (its value is fresh) but r3 has not beaten there for 300 ms: once a
+    survivor reports a failed collective, the standby's one look decides r3 dead and only r3 (no wait for its own
+    clock: the age is the node's); before the report, nobody."""
+    for name, value in {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port)}.items():
+        monkeypatch.setenv(name, value)
+    job = Channel.of_job(server, ENV, print)
+    nodes = {"0000000000000001": {"r0": 0, "r1": 10}, "0000000000000002": {"r2": 20, "r3": 300}}
+    for node, ages in nodes.items():
+        for member in ages:
+            job.register(member, node)
+        job.beat_node(node, NodeBeat.of("n" + node[-1], NOW, {m: Beat(50, "n" + node[-1], age) for m, age in ages.items()}))
+    lines: list[str] = []
+    standby = recovery.Standby(world_size=4, host="spare", log=lines.append, index=0, launched=1)
+    try:
+        standby._watch()
+        assert job.decision(0, 4) is None and not lines
+        job.report_failure(0, "r0")
+        standby._watch()
+        decision = job.decision(0, 4)
+        assert decision is not None and decision.dead == {3: "r3"} and decision.replacements == {3: "s0"}, (decision, lines)
+    finally:
+        standby.heartbeat.stop()
