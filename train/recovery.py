@@ -64,6 +64,7 @@ from train import distributed
 from train.distributed import DistContext, default_to_one_process, first_line, node_name, turn_on_flight_recorder
 from train.metrics import RankLog
 from train.node_beats import LocalBeat, LocalBeats
+from train.outcome import StandbyEnd
 from train.recovery_channel import Beat, Channel, Decision, NodeBeat
 from train.signals import PreemptionWatcher
 from train.torch_compat import abort_default_group, set_collective_timeout
@@ -470,20 +471,24 @@ class Standby:
         self._on_node: dict[str, list[str]] = {}  # node -> the members located there
         self._located = (0, 0)  # (members located, the channel's moves) when _on_node was built
         self._waits: dict[str, tuple[int | None, float]] = {}  # survivor -> (highest waiting count, when it last rose)
+        self.left: tuple[str, str] | None = None  # why `wait` ended without a rank: (a STANDBY_REASONS, a line)
 
     def wait(self) -> tuple[int, int] | None:
-        """Watch until this standby is given a rank: (generation, rank); None when the run ended (or fell back)."""
+        """Watch until this standby is given a rank: (generation, rank); None when it leaves without one (`left` says
+        why: train/outcome.py's STANDBY_REASONS and a line)."""
         log = self.log
         log(f"standby {self.member} on {self.host}: warm, watching {self.world_size} ranks")
         failing_since: float | None = None
         while True:
             try:
                 if self.channel.closed():
+                    self.left = ("run-over", "the run ended without needing it")
                     return None
                 decision = self.channel.decision(self.generation, self.world_size)
                 if decision is not None:
                     if decision.fallback is not None:
                         log(f"standby {self.member}: the job falls back to a restart ({decision.fallback})")
+                        self.left = ("fallback", f"the job falls back to a restart ({decision.fallback})")
                         return None
                     self.generation, self.roster = decision.generation, decision.roster
                     mine = [rank for rank, member in decision.replacements.items() if member == self.member]
@@ -496,6 +501,10 @@ class Standby:
                 failing_since = failing_since or time.monotonic()
                 if time.monotonic() - failing_since >= STORE_GONE_S:
                     log(f"standby {self.member}: the store stopped answering ({first_line(exc)}); leaving")
+                    self.left = (
+                        "store-gone",
+                        f"the job's store stopped answering ({first_line(exc)}): rank 0's node lost, or the run over",
+                    )
                     return None
                 time.sleep(STORE_GONE_S / 4)  # a few tries, not one a heartbeat (torch logs each failed call)
             time.sleep(HEARTBEAT_S)
@@ -724,15 +733,24 @@ def enter(
     host = node_name()
     settings: dict[str, Any] = {"world_size": world, "backend": backend, "device": device, "collective_timeout_s": collective_timeout_s}
     if standby:
-        warm_up(device, watcher)
+        # Every way a standby leaves without a rank ends in its record (StandbyEnd), which the job's program says.
+        index = rank - world if launched else None
+        name = f"s{index}" if index is not None else "standby"
         try:
-            waiting = Standby(world_size=world, host=host, log=log, index=rank - world if launched else None, launched=standbys)
+            warm_up(device, watcher)
+        except Exception as exc:  # an import, the device: this standby cannot start, the run goes on without it
+            log(StandbyEnd(name, host, "cannot-start", f"its warm-up failed ({type(exc).__name__}: {first_line(exc)})").line())
+            return None
+        try:
+            waiting = Standby(world_size=world, host=host, log=log, index=index, launched=standbys)
         except RuntimeError as exc:  # a run shorter than this standby's warm-up has ended, and its store with it
             log(f"standby: the job's store does not answer ({first_line(exc)}): the run ended before this standby was warm; leaving")
+            log(StandbyEnd(name, host, "store-gone", f"the job's store does not answer ({first_line(exc)})").line())
             return None
         assigned = waiting.wait()
         if assigned is None:
             waiting.heartbeat.stop()
+            log(StandbyEnd(waiting.member, host, *(waiting.left or ("run-over", "its wait ended"))).line())
             return None
         generation, rank = assigned
         os.environ["RANK"] = str(rank)  # the rank it is now, for whatever reads the environment after this
