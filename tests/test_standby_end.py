@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Callable, Iterator
 from datetime import timedelta
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -31,9 +33,11 @@ def server() -> Iterator[dist.TCPStore]:
     del store
 
 
-def leave(monkeypatch: pytest.MonkeyPatch, port: int) -> list[StandbyEnd]:
-    """`python -m train --standbys 1` as the launcher's last task (RANK 2 of 3) on node ddnode2, entered until it leaves:
-    the records among its lines."""
+def leave(monkeypatch: pytest.MonkeyPatch, port: int, store: Callable[..., dist.Store] | None = None) -> list[StandbyEnd]:
+    """`python -m train --standbys 1` as the launcher's last task (RANK 2 of 3) on node ddnode2, entered until it leaves
+    (`store`: the store clients it gets): the records among its lines."""
+    if store is not None:
+        monkeypatch.setattr(recovery, "_store", store)
     env = {"RANK": "2", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "SLURMD_NODENAME": "ddnode2"}
     for name, value in {**env, JOB_TOKEN_VAR: TOKEN, "SLURM_STEP_ID": "0"}.items():
         monkeypatch.setenv(name, value)
@@ -91,3 +95,10 @@ def test_the_job_program_says_which_standby_left_on_which_node_and_why(node: Mod
     assert step.code == 0 and [r["member"] for r in step.standbys_left] == ["s1"]
     assert "ddpack: standby s1 on ddnode3 left (store-gone): the job's store stopped answering (Broken pipe): rank 0's node lost" in said
     assert len([line for line in said if line.startswith("ddpack: standby")]) == 1, said  # a damaged line says nothing
+
+
+def test_a_standby_whose_node_has_no_temp_directory_says_it_cannot_start(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(recovery, "warm_up", lambda device, watcher: None)
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path / "gone"))
+    [end] = leave(monkeypatch, 1, store=lambda is_master, connect_s=0: dist.HashStore())
+    assert (end.member, end.why) == ("s0", "cannot-start") and "temp directory (TMPDIR)" in end.detail, end

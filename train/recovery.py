@@ -184,7 +184,13 @@ class Heartbeat:
         self.waiting: tuple[int, int] | None = None  # (generation, a count that rises while this rank waits on a collective)
         self._stop = threading.Event()
         self._channel = channel.sibling(_store(False, connect_s))
-        self._local = local or LocalBeats.open(os.environ, job_token(os.environ))
+        try:
+            self._local = local or LocalBeats.open(os.environ, job_token(os.environ))
+        except OSError as exc:
+            raise RecoveryImpossible(
+                f"in-process recovery's heartbeats cannot be written on this node ({first_line(exc)}): they live in its temp "
+                "directory (TMPDIR)"
+            ) from None
         self._count = 1
         self._channel.register(member, self._local.node)  # a store that does not answer: the caller's RuntimeError
         self._registered = time.monotonic()
@@ -746,6 +752,9 @@ def enter(
         except RuntimeError as exc:  # a run shorter than this standby's warm-up has ended, and its store with it
             log(f"standby: the job's store does not answer ({first_line(exc)}): the run ended before this standby was warm; leaving")
             log(StandbyEnd(name, host, "store-gone", f"the job's store does not answer ({first_line(exc)})").line())
+            return None
+        except RecoveryImpossible as exc:  # its heartbeat cannot be written on this node
+            log(StandbyEnd(name, host, "cannot-start", str(exc)).line())
             return None
         assigned = waiting.wait()
         if assigned is None:
