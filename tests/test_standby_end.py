@@ -42,10 +42,14 @@ def leave(monkeypatch: pytest.MonkeyPatch, port: int, store: Callable[..., dist.
     for name, value in {**env, JOB_TOKEN_VAR: TOKEN, "SLURM_STEP_ID": "0"}.items():
         monkeypatch.setenv(name, value)
     lines: list[str] = []
-    entered = recovery.enter(
-        standby=False, standbys=1, backend="gloo", device=torch.device("cpu"), collective_timeout_s=5,
-        log=lines.append, watcher=PreemptionWatcher(),
-    )  # fmt: skip
+    watcher = PreemptionWatcher()
+    try:
+        entered = recovery.enter(
+            standby=False, standbys=1, backend="gloo", device=torch.device("cpu"), collective_timeout_s=5,
+            log=lines.append, watcher=watcher,
+        )  # fmt: skip
+    finally:
+        watcher.restore()  # SIGTERM ends the test process again
     assert entered is None
     assert lines[-1].startswith(STANDBY_MARK), lines  # its last line
     return read_standby_ends("\n".join(lines))
