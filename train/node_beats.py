@@ -152,9 +152,9 @@ class LocalBeats:
     def leave(self, member: str) -> None:
         """`member` stops beating: its file goes; the last member out (every other file stale) takes the directory with it."""
         with contextlib.suppress(OSError):
-            (self.path / member).unlink()
+            (self.path / member).unlink(missing_ok=True)
             if self.writers(self.read()):
                 return
             for name in os.listdir(self.path):
-                (self.path / name).unlink()
+                (self.path / name).unlink(missing_ok=True)  # another leaver may have taken it first
             self.path.rmdir()
