@@ -5,8 +5,8 @@ two writers (train/node_beats.py) write one signed value for the node, with ever
 standby reads one key per node as often. This drives the real code (train/recovery_channel.py's Channel and NodeBeat,
 train/recovery.py's Standby) with `--nodes` x `--ranks` simulated members: a few writer processes each write their nodes'
 values, WRITERS times a node each HEARTBEAT_S (each `set` a request of its own, as a node's writer process sends it; the
-node-local files, each node's own business, are counts in memory here), after every member registered its node; one real
-standby watches:
+value built and signed once for the node's writers, and the node-local files, each node's own business, counts in
+memory: this host's two cores simulate 2,048 writers), after every member registered its node; one real standby watches:
 - capacity: what the store answers on this machine, `set`s back to back from the writer processes (ops/s);
 - each trial: the members beat for --warm-s, one member stops and a survivor reports its collective failed (as a
   SIGKILLed rank's survivor does); the time from that moment to the standby's decision in the store is one sample.
@@ -83,9 +83,10 @@ def beat(
             stopped, last_ns = count, now_ns  # the stopping member's last beat on its node
         for node in nodes:
             beats = {m: Beat(stopped, f"n{node}", (now_ns - last_ns) // 1_000_000) if m == stop_member else Beat(count, f"n{node}") for m in members[node]}
-            value = NodeBeat.of(f"n{node}", now_ns, beats).text()
-            for _ in range(WRITERS):  # as each writer's beat_node sends it: signed, one `set`
-                channel.put(channel.node_key(node_id(node)), value)
+            key = channel.prefix + channel.node_key(node_id(node))
+            sealed = channel.signer.seal(key, NodeBeat.of(f"n{node}", now_ns, beats).text())  # as beat_node makes it
+            for _ in range(WRITERS):  # each writer's `set` of the node's value, a request of its own (made once here)
+                channel.store.set(key, sealed)
                 sent += 1
         time.sleep(max(0.0, recovery.HEARTBEAT_S - (time.monotonic() - began)))
     out.put(sent)
