@@ -58,6 +58,7 @@ def read_count(path: Path) -> int:
 TASK_ENDED = re.compile(rb"srun: error: ([A-Za-z0-9._-]+): tasks? ([0-9,-]+): (.*)")
 NOT_A_CRASH = (b"Terminated", b"Exited with exit code 0")  # srun's own TERM for a stop; a task that ended well
 END_MARK = b"ddpack-end "  # train/outcome.py's end record: {"rank", "host", "outcome", "reason", ...}
+STANDBY_END_MARK = b"ddpack-standby-end "  # train/outcome.py's StandbyEnd: {"member", "host", "why", "detail", ...}
 # train/outcome.py's CAUSES of a failed rank that crashed nothing (a peer died; recovery fell back after one did). An
 # image older than the field says the first in its reason's words, LEFT_BY_A_PEER, and a fallback in FALLBACK's.
 NOT_CRASHED = ("peer", "recovery-fallback", "counted-dead")
@@ -97,6 +98,7 @@ class StepEnd:
     crashed: str = ""
     exits: dict[int, int] = dataclasses.field(default_factory=dict)
     world: int = 0
+    standbys_left: list[dict] = dataclasses.field(default_factory=list)  # the standbys' leaving records (StandbyEnd)
 
     def status(self, standbys: int) -> int:
         """The step's exit status for the restart decision. srun's own is the worst of its tasks', and with standbys a
@@ -140,6 +142,8 @@ def run_step(argv: list[str], *, env: dict[str, str] | None = None, end_wait: fl
                 ended.append((found.group(1).decode("ascii"), len(task_ids(found.group(2)))))
             if found and 0 in task_ids(found.group(2)):
                 rank0_ended.set()
+            if (at := line.find(STANDBY_END_MARK)) >= 0:
+                standby_left(step, line[at + len(STANDBY_END_MARK) :])
             at = line.find(END_MARK)
             if at >= 0:
                 with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
@@ -168,6 +172,18 @@ def run_step(argv: list[str], *, env: dict[str, str] | None = None, end_wait: fl
         reader.join(timeout=5)  # a process the step left behind may hold a pipe open: never wait on it for long
     step.crashed = crashed_node(ended, left)
     return step
+
+
+def standby_left(step: StepEnd, text: bytes) -> None:
+    """A standby's leaving record (it never took a rank): one line of the job's log naming it, its node and why, and the
+    record kept with the step's end. A line that is not one is passed through as it came, and nothing more."""
+    try:
+        record = json.loads(text)
+        member, host, why, detail = (" ".join(str(record[k]).split())[:200] for k in ("member", "host", "why", "detail"))
+    except (ValueError, KeyError, TypeError):
+        return
+    step.standbys_left.append(record)
+    say(f"standby {member} on {host} left ({why}): {detail}")
 
 
 def end_after_rank0(proc: subprocess.Popen, rank0_ended: threading.Event, wait_s: float, ended: list[bool]) -> None:

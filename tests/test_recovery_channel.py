@@ -9,18 +9,21 @@ import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
 from entrypoint.plan import JOB_TOKEN_VAR
 from train import recovery
+from train.node_beats import LocalBeats
 from train.recovery import Heartbeat, Membership, decide
-from train.recovery_channel import Beat, Channel, Decision
+from train.recovery_channel import Beat, Channel, Decision, NodeBeat
 
 TOKEN = "3f9a0c1d5e7b2468ace013579bdf8642"
 ENV = {JOB_TOKEN_VAR: TOKEN, "SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": "0", "SLURM_STEP_ID": "0"}
 ROSTER = {0: "r0", 1: "r1", 2: "r2", 3: "r3"}
+NODE, OTHER_NODE, THIRD_NODE = "0123456789abcdef", "fedcba9876543210", "00000000000000aa"
 
 
 @pytest.fixture
@@ -48,7 +51,8 @@ def test_the_keys_lie_under_a_prefix_of_the_token_and_the_start_never_the_token_
     other_token, _ = channel(server, {**ENV, JOB_TOKEN_VAR: "0" * 32})
     next_step, _ = channel(server, {**ENV, "SLURM_STEP_ID": "1"})
     assert len({mine.prefix, other_token.prefix, next_step.prefix}) == 3
-    mine.beat("r0", Beat(1, "n1"))
+    mine.register("r0", NODE)
+    mine.beat_node(NODE, NodeBeat.of("n1", 1, {"r0": Beat(1, "n1")}))
     assert all(TOKEN not in key for key in server.list_keys())
 
 
@@ -89,25 +93,43 @@ def test_the_real_decision_replaces_a_forged_one_and_one_decision_stands(server:
 
 def test_a_deleted_or_forged_heartbeat_is_no_news_and_never_waits_on_the_store(server: dist.TCPStore) -> None:
     """A missing key read with multi_get waits out the store's timeout and raises: the standby that did that left the
-    job. Read through the channel, a deleted key is None at once (the client's timeout is an hour here)."""
+    job. Read through the channel, a deleted key is None at once (the client's timeout is an hour here): a node's
+    heartbeat deleted, another forged, a registration forged."""
     writer, _ = channel(server)
     reader = Channel(client(server.port, seconds=3600), prefix=writer.prefix, signer=writer.signer, log=print)
-    writer.beat("r0", Beat(5, "n1"))
-    writer.beat("r1", Beat(9, "n1"))
-    server.delete_key(writer.prefix + writer.heartbeat_key("r1"))
-    server.set(writer.prefix + writer.heartbeat_key("r2"), "99999 ddmallory-box")
-    assert reader.beats(["r0", "r1", "r2"]) == {"r0": Beat(5, "n1"), "r1": None, "r2": None}
+    for member, node in (("r0", NODE), ("r1", OTHER_NODE), ("r2", THIRD_NODE)):
+        writer.register(member, node)
+    writer.beat_node(NODE, NodeBeat.of("n1", 1, {"r0": Beat(5, "n1")}))
+    writer.beat_node(OTHER_NODE, NodeBeat.of("n2", 1, {"r1": Beat(9, "n2")}))
+    server.delete_key(writer.prefix + writer.node_key(OTHER_NODE))
+    server.set(writer.prefix + writer.node_key(THIRD_NODE), "ddmallory-box 1 0 r2:99999:0")
+    server.set(writer.prefix + writer.member_key("r3"), NODE)  # unsigned: r3 is not where this says
+    assert reader.beats(["r0", "r1", "r2", "r3"]) == {"r0": Beat(5, "n1"), "r1": None, "r2": None, "r3": None}
 
 
-def test_a_standby_is_one_that_wrote_a_signed_heartbeat_not_an_index_someone_bumped(server: dist.TCPStore) -> None:
+def test_the_store_holds_one_heartbeat_a_node_that_names_every_member_and_a_members_registration_is_not_needed(
+    server: dist.TCPStore,
+) -> None:
+    """Eight members on a node: one signed value for the node, one read of it for all eight. A member whose
+    registration another user deleted is found in its node's value all the same."""
+    job, _ = channel(server)
+    members = {f"r{rank}": Beat(rank + 1, "n1", 40, (0, 3) if rank == 5 else None) for rank in range(8)}
+    job.register("r0", NODE)
+    job.beat_node(NODE, NodeBeat.of("n1", 1, members))
+    assert [k for k in server.list_keys() if "/hb/" in k] == [job.prefix + job.node_key(NODE)]
+    reader, lines = channel(server)
+    assert reader.beats(list(members)) == members and not lines  # the waiting count of r5 too, for the frozen rule
+
+
+def test_a_standby_is_one_that_registered_a_signed_node_not_an_index_someone_bumped(server: dist.TCPStore) -> None:
     job, _ = channel(server)
     first = job.new_standby()
-    job.beat(first, Beat(1, "n2"))
+    job.register(first, NODE)
     server.add(job.prefix + job.STANDBYS, 1000)  # another user's add
-    server.set(job.prefix + job.heartbeat_key("s7"), "1 ddmallory-box")
+    server.set(job.prefix + job.member_key("s7"), OTHER_NODE)
     second = job.new_standby()
-    assert job.standbys() == [first]  # the second has not beaten yet
-    job.beat(second, Beat(1, "n3"))
+    assert job.standbys() == [first]  # the second has not registered yet
+    job.register(second, OTHER_NODE)
     assert job.standbys() == [first, second] == ["s0", "s1001"]
 
 
@@ -147,11 +169,11 @@ class FlakyStore:
         self.store.set(key, value)
 
 
-def test_a_heartbeat_goes_on_after_store_errors(server: dist.TCPStore, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_heartbeat_goes_on_after_store_errors(server: dist.TCPStore, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     job, _ = channel(server)
     flaky = FlakyStore(client(server.port), fails=0)
     monkeypatch.setattr(recovery, "_store", lambda is_master, connect_s=0: flaky)
-    heart = Heartbeat(job, "r1", "n1")
+    heart = Heartbeat(job, "r1", "n1", local=LocalBeats.open(ENV, TOKEN, tmp_path))
     try:
         flaky.fails = 3
         deadline = time.monotonic() + 60
@@ -163,6 +185,8 @@ def test_a_heartbeat_goes_on_after_store_errors(server: dist.TCPStore, monkeypat
 
 
 class StoppedHeart:
+    waiting: tuple[int, int] | None = None
+
     def stop(self) -> None:
         pass
 
@@ -204,15 +228,19 @@ def test_the_launchers_standbys_are_found_by_name_whatever_the_counter_says(serv
     job.launched = 2
     server.add(job.prefix + job.STANDBYS, 5000)  # another user's add, before anyone registered
     for index in range(2):
-        job.beat(job.new_standby(index), Beat(1, f"n{index}"))
+        job.register(job.new_standby(index), NODE)
     by_hand = job.new_standby()
-    job.beat(by_hand, Beat(1, "n9"))
+    job.register(by_hand, OTHER_NODE)
     assert job.standbys() == ["s0", "s1"] and by_hand == "s5002"  # past the cap of indexes read: not listed, not hidden
 
 
-def test_a_signed_waiting_report_reads_back(server: dist.TCPStore) -> None:
-    """The report that tells the standbys a survivor waits on a collective (a frozen peer's only sign) fits its size
-    bound once signed: a 64-hex signature, a space and the count."""
+def test_a_rank_that_waits_on_a_collective_says_so_in_its_heartbeat(server: dist.TCPStore) -> None:
+    """The waiting count (a frozen peer's only sign) travels in the waiting rank's own beats, not in a key a rank."""
     job, lines = channel(server)
-    job.report_waiting(0, "r1", 7)
-    assert job.waiting(0, ["r1", "r2"]) == {"r1": 7, "r2": None} and not lines
+    heart = StoppedHeart()
+    member = Membership(
+        channel=job, heartbeat=heart, member="r1", rank=1, generation=2, world_size=4, backend="gloo",
+        device=None, collective_timeout_s=30,
+    )  # fmt: skip
+    member.abandon_if_decided(waited_s=recovery.WAITING_S)
+    assert heart.waiting == (2, 1) and not lines

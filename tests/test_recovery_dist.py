@@ -53,21 +53,22 @@ ATTACKED = [*ARGS, "--dataset-size", "8192", "--task", "plugins.slow_rank:task"]
 SLOW = {"SLOW_RANK": "0", "SLOW_RANK_MS": "40", "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
 TOKEN = "5d41402abc4b2a76b9719d911017c592"
 
-# Another user's program (plain TCPStore calls, nothing of ddpack's): it waits for a standby's heartbeat to appear (it
+# Another user's program (plain TCPStore calls, nothing of ddpack's): it waits for a standby's registration to appear (it
 # starts beside the job), which gives it recovery's prefix, and for `seconds` cycles through what could end, disarm or steer
 # the job: a forged decision (a fallback that makes every rank give up; a roster naming its own member), made-up
-# signatures, garbage, `closed`, the members' heartbeats deleted or forged, a failure report and the counters. It leaves
-# a forged decision behind, which the real one must replace when the real death comes.
+# signatures, garbage, `closed`, the node's heartbeat and the members' registrations deleted or forged, a failure report
+# and the counters. It leaves a forged decision behind, which the real one must replace when the real death comes.
 ATTACK = r"""
 import json, os, sys, time, datetime
 import torch.distributed as dist
 
 port, seconds = int(sys.argv[1]), float(sys.argv[2])
 store = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=120), wait_for_workers=False)
-while not (found := sorted({k[: k.index("hb/s")] for k in store.list_keys() if k.startswith("ddpack-recovery/") and "/hb/s" in k})):
+while not (found := sorted({k[: k.index("at/s")] for k in store.list_keys() if k.startswith("ddpack-recovery/") and "/at/s" in k})):
     time.sleep(0.01)  # until a standby has joined: the ranks are training by then
 p = found[0]
 keys = store.list_keys()
+nodes = [k for k in keys if k.startswith(p + "hb/")] or [p + "hb/0123456789abcdef"]
 give_up = json.dumps({"generation": 1, "roster": {"0": "r0", "1": "r1"}, "dead": {}, "replacements": {}, "fallback": "forged"})
 mine = json.dumps({"generation": 1, "roster": {"0": "r0", "1": "s9"}, "dead": {"1": "r1"}, "replacements": {"1": "s9"}, "fallback": None})
 moves = [
@@ -76,14 +77,14 @@ moves = [
     lambda: store.set(p + "gen0/decision", "[" * 100000),
     lambda: store.set(p + "gen0/decision", b"\xff\xfe"),
     lambda: store.set(p + "closed", "1"),
-    lambda: store.delete_key(p + "hb/r0"),
-    lambda: store.delete_key(p + "hb/r1"),
-    lambda: store.delete_key(p + "hb/s0"),
+    lambda: [store.delete_key(k) for k in nodes],
+    lambda: store.delete_key(p + "at/r1"),
+    lambda: store.delete_key(p + "at/s0"),
     lambda: store.add(p + "gen0/failed", 1),
     lambda: store.set(p + "gen0/failed/r0", "1"),
     lambda: store.add(p + "standbys", 3),
-    lambda: store.set(p + "hb/r1", "99999999 ddmallory-box"),
-    lambda: store.set(p + "hb/s9", "1 ddmallory-box"),
+    lambda: store.set(nodes[0], "ddmallory-box 99999999999 0 r1:99999999:0 s9:1:0"),
+    lambda: store.set(p + "at/s9", "0123456789abcdef"),
 ]
 until = time.monotonic() + seconds
 while time.monotonic() < until:

@@ -4,8 +4,10 @@ Every rank of `python -m train` prints it last, `[rank R/W] ddpack-end {...}`, w
 stopped by a signal, bad input, a failure, a hang the watchdog ended), and rank 0 appends the same fields to
 the metrics file as its `end` record (not for bad input: a run refused before it trained leaves no file).
 `make smoke`, the tests and the benches read it with `read_ends`; the job templates decide from the exit
-status alone, which the record repeats. Standard library only: host tooling imports this module (it never
-imports torch).
+status alone, which the record repeats. A standby of in-process recovery that leaves without taking a rank (the run
+ended, the job fell back, the store went, its warm-up failed) prints `[standby] ddpack-standby-end {...}` instead
+(`StandbyEnd`, exit 0: the run goes on without it), which the job's program reads and says in one line naming the
+standby, its node and why. Standard library only: host tooling imports this module (it never imports torch).
 """
 
 from __future__ import annotations
@@ -92,3 +94,47 @@ def read_ends(text: str) -> list[RunEnd]:
 def checksums(text: str) -> list[str]:
     """The final parameter checksums of the ranks that finished, in the order their records appear."""
     return [end.checksum for end in read_ends(text) if end.outcome == "done" and end.checksum is not None]
+
+
+STANDBY_MARK = "ddpack-standby-end "
+# Why a standby left without taking a rank, as a field the job's program reads (enroot/ddpack_training.py):
+#   run-over: the run ended (its ranks said `closed`): it was not needed;
+#   fallback: the job falls back to a restart of every rank (the standbys' decision says why);
+#   store-gone: the job's store does not answer (its host, rank 0's node, lost; or the run ended before it was warm);
+#   cannot-start: its warm-up failed (an import, the device): the run goes on with one standby fewer.
+STANDBY_REASONS = ("run-over", "fallback", "store-gone", "cannot-start")
+
+
+@dataclass(frozen=True)
+class StandbyEnd:
+    """A standby's leaving, the last line it prints when it never took a rank."""
+
+    member: str  # its name in the job (s<n>), or "standby" before it has one
+    host: str
+    why: str  # one of STANDBY_REASONS
+    detail: str  # the one line that says it
+    exit_code: int = 0  # what the process exits with: 0, the run goes on (or ended) without it
+
+    def __post_init__(self) -> None:
+        if self.why not in STANDBY_REASONS:
+            raise ValueError(f"why {self.why!r} is not one of {STANDBY_REASONS}")
+
+    def line(self) -> str:
+        """The record as printed, the detail made one line and cut so that the line stays one atomic write."""
+        record = {**asdict(self), "detail": " ".join(self.detail.split())[:1000]}
+        return STANDBY_MARK + json.dumps(record, separators=(",", ":"))
+
+
+def read_standby_ends(text: str) -> list[StandbyEnd]:
+    """Every standby's leaving record in `text`, in order (lines that are not one are ignored)."""
+    ends = []
+    for line in text.splitlines():
+        at = line.find(STANDBY_MARK)
+        if at < 0:
+            continue
+        try:
+            record = json.loads(line[at + len(STANDBY_MARK) :])
+            ends.append(StandbyEnd(**{k: record[k] for k in ("member", "host", "why", "detail", "exit_code")}))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return ends

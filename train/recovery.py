@@ -6,11 +6,12 @@ started Python, imported torch and built the model, and waits on the store) take
 Who learns what, and how (the store is the one channel that never waits on a collective; every key on it is signed
 with the job's token and read back checked: train/recovery_channel.py):
 - Every process (rank or standby) is a *member* of the job, named `r<rank>` for the ranks it started with and
-  `s<n>` for standbys (the launcher's by their task), and writes a heartbeat (a rising count and its host) every
-  HEARTBEAT_S.
-- Standbys watch: each reads every member's heartbeat every HEARTBEAT_S. A member whose count has not risen for
+  `s<n>` for standbys (the launcher's by their task), and beats every HEARTBEAT_S on its node; the node's two writers
+  put one signed value for the node in the store (every member's count, its age on the node's clock, its waiting
+  count: train/node_beats.py), so the store's traffic grows with nodes, not ranks.
+- Standbys watch: each reads every node's heartbeat every HEARTBEAT_S. A member that has not beaten for
   STALE_S, once a survivor has reported a failed collective (a late heartbeat on a loaded node while every collective
-  completes is no death), is dead; so is one whose count has not risen for FROZEN_S while a survivor has waited on one
+  completes is no death), is dead; so is one that has not beaten for FROZEN_S while a survivor has waited on one
   collective for WAITING_S (a frozen rank or a lost node: nothing resets a connection, nothing fails before the
   collective timeout). The first standby to see a death writes the generation's *decision* (compare-and-set, so there
   is one): the new roster, which standby takes which rank (a standby on another host than the dead rank's when one is
@@ -59,10 +60,13 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from entrypoint.plan import job_token
 from train import distributed
 from train.distributed import DistContext, default_to_one_process, first_line, node_name, turn_on_flight_recorder
 from train.metrics import RankLog
-from train.recovery_channel import Beat, Channel, Decision
+from train.node_beats import LocalBeat, LocalBeats
+from train.outcome import StandbyEnd
+from train.recovery_channel import Beat, Channel, Decision, NodeBeat
 from train.signals import PreemptionWatcher
 from train.torch_compat import abort_default_group, set_collective_timeout
 
@@ -88,6 +92,7 @@ STORE_TIMEOUT_S = 10.0
 NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 T = TypeVar("T")
 STORE_GONE_S = 1.0  # a standby whose store calls have all failed this long leaves: rank 0, the store's host, is gone
+REGISTER_S = 1.0  # a node's writers say their registration again this often (a deleted one is mended)
 
 
 class PeerDeclaredDead(RuntimeError):
@@ -166,35 +171,75 @@ def _store(is_master: bool, connect_s: float = STORE_TIMEOUT_S) -> dist.TCPStore
 
 
 class Heartbeat:
-    """A daemon thread that writes this member's signed, rising count every HEARTBEAT_S, on a store connection of its
-    own (a client is not shared between threads). A store error skips one beat, never ends the thread: a heartbeat that
-    stopped after one slow answer would make a live member look dead (it ends with the process, or `stop`)."""
+    """A daemon thread that beats for this member every HEARTBEAT_S: its count in its node's directory
+    (train/node_beats.py) and, while it is one of the node's writers, the node's signed value in the store, on a store
+    connection of its own (a client is not shared between threads). So the store sees a write a node, not a member,
+    every HEARTBEAT_S. A store error skips store writes for a while, never the node-local beat nor the thread: a
+    heartbeat that stopped after one slow answer would make a live member look dead (it ends with the process, or `stop`).
+    `waiting` is set by the rank's training thread while it waits on a collective (Membership.abandon_if_decided)."""
 
-    def __init__(self, channel: Channel, member: str, host: str, connect_s: float = STORE_TIMEOUT_S) -> None:
+    def __init__(
+        self, channel: Channel, member: str, host: str, connect_s: float = STORE_TIMEOUT_S, local: LocalBeats | None = None
+    ) -> None:
         self.member, self.host, self.errors = member, host, 0
+        self.waiting: tuple[int, int] | None = None  # (generation, a count that rises while this rank waits on a collective)
         self._stop = threading.Event()
         self._channel = channel.sibling(_store(False, connect_s))
+        try:
+            self._local = local or LocalBeats.open(os.environ, job_token(os.environ))
+        except OSError as exc:
+            raise RecoveryImpossible(
+                f"in-process recovery's heartbeats cannot be written on this node ({first_line(exc)}): they live in its temp "
+                "directory (TMPDIR)"
+            ) from None
         self._count = 1
-        self._channel.beat(member, Beat(self._count, host))
+        self._channel.register(member, self._local.node)  # a store that does not answer: the caller's RuntimeError
+        self._registered = time.monotonic()
+        self._store_from, self._failed = 0.0, 0  # no store write before this (monotonic) after `_failed` errors in a row
+        self._beat()
         self._thread = threading.Thread(target=self._run, name="ddpack-recovery-heartbeat", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        wait, failed = HEARTBEAT_S, 0
-        while not self._stop.wait(wait):
+        while not self._stop.wait(HEARTBEAT_S):
             self._count += 1
             try:
-                self._channel.beat(self.member, Beat(self._count, self.host))
-                wait, failed = HEARTBEAT_S, 0
-            except RuntimeError:  # a slow answer: the next beat tries again; a broken connection: a new one
-                self.errors, failed = self.errors + 1, failed + 1
-                wait = min(1.0, HEARTBEAT_S * 2**failed)  # a store that is gone is the readers' to notice, not logged 20x a second
-                if failed % 2 == 0:
-                    with contextlib.suppress(RuntimeError):
-                        self._channel = self._channel.sibling(_store(False, STORE_TIMEOUT_S))
+                self._beat()
+            except OSError:  # the node's directory went (its last member cleaned it up while this one was frozen): again
+                with contextlib.suppress(OSError, RuntimeError):
+                    self._local = LocalBeats.open(os.environ, job_token(os.environ), self._local.path.parent)
+                    self._channel.register(self.member, self._local.node)
+
+    def _beat(self) -> None:
+        """This member's count on its node; the node's value in the store when this member is one of its writers."""
+        now_ns = time.monotonic_ns()
+        self._local.write(self.member, LocalBeat(self._count, now_ns, self.waiting))
+        beats = self._local.read()
+        if self.member not in LocalBeats.writers(beats, now_ns) or time.monotonic() < self._store_from:
+            return
+        node = NodeBeat.of(
+            self.host, now_ns, {m: Beat(b.count, self.host, max(0, now_ns - b.at_ns) // 1_000_000, b.waiting) for m, b in beats.items()}
+        )
+        try:
+            self._channel.beat_node(self._local.node, node)
+            if time.monotonic() - self._registered >= REGISTER_S:  # a deleted registration is mended for later standbys
+                self._channel.register(self.member, self._local.node)
+                self._registered = time.monotonic()
+            self._failed = 0
+        except RuntimeError:  # a slow answer: a later beat tries again; a broken connection: a new one
+            self.errors, self._failed = self.errors + 1, self._failed + 1
+            # A store that is gone is the readers' to notice, not retried (and logged by torch) 20x a second.
+            self._store_from = time.monotonic() + min(1.0, HEARTBEAT_S * 2 ** (self._failed - 1))
+            if self._failed % 2 == 0:
+                with contextlib.suppress(RuntimeError):
+                    self._channel = self._channel.sibling(_store(False, STORE_TIMEOUT_S))
 
     def stop(self) -> None:
+        """The beats end and this member's file on the node goes (the last member's takes the node's directory with it),
+        here and not in the thread, which may be held in a store call whose host is gone when the process exits."""
         self._stop.set()
+        self._thread.join(timeout=2 * HEARTBEAT_S)
+        self._local.leave(self.member)
 
 
 def tear_down(backend: str) -> None:
@@ -276,7 +321,7 @@ class Membership:
         self.collective_timeout_s = collective_timeout_s
         self.stages: Stages | None = None
         self.counted_dead = False  # the standbys' decision left this rank out: its end must not send the standbys away
-        self._waiting, self._next_waiting = 0, 0.0  # this rank's waiting count (report_waiting), and when to say it next
+        self._waiting, self._next_waiting = 0, 0.0  # this rank's waiting count (in its heartbeat), and when to raise it next
 
     @classmethod
     def started(
@@ -309,7 +354,7 @@ class Membership:
         try:
             if waited_s >= WAITING_S and (now := time.monotonic()) >= self._next_waiting:
                 self._next_waiting, self._waiting = now + 2 * HEARTBEAT_S, self._waiting + 1
-                self.channel.report_waiting(self.generation, self.member, self._waiting)
+                self.heartbeat.waiting = (self.generation, self._waiting)  # in this rank's next beats, for the standbys
             decided = self.channel.decided(self.generation, self.world_size)
         except RuntimeError:
             return  # the store's own failure: recover() says it when the collective fails
@@ -428,23 +473,29 @@ class Standby:
         self.heartbeat = Heartbeat(self.channel, self.member, host)
         self.generation = 0
         self.roster = {rank: f"r{rank}" for rank in range(world_size)}
-        self._seen: dict[str, tuple[int | None, float]] = {}  # member -> (highest count, when it last rose)
-        self._hosts: dict[str, str] = {}  # member -> host, from its heartbeats
+        self._first: dict[str, float] = {}  # member -> when this standby first looked for it
+        self._nodes: dict[str, tuple[NodeBeat, float]] = {}  # node -> (its newest value, when it came)
+        self._on_node: dict[str, list[str]] = {}  # node -> the members located there
+        self._located = (0, 0)  # (members located, the channel's moves) when _on_node was built
         self._waits: dict[str, tuple[int | None, float]] = {}  # survivor -> (highest waiting count, when it last rose)
+        self.left: tuple[str, str] | None = None  # why `wait` ended without a rank: (a STANDBY_REASONS, a line)
 
     def wait(self) -> tuple[int, int] | None:
-        """Watch until this standby is given a rank: (generation, rank); None when the run ended (or fell back)."""
+        """Watch until this standby is given a rank: (generation, rank); None when it leaves without one (`left` says
+        why: train/outcome.py's STANDBY_REASONS and a line)."""
         log = self.log
         log(f"standby {self.member} on {self.host}: warm, watching {self.world_size} ranks")
         failing_since: float | None = None
         while True:
             try:
                 if self.channel.closed():
+                    self.left = ("run-over", "the run ended without needing it")
                     return None
                 decision = self.channel.decision(self.generation, self.world_size)
                 if decision is not None:
                     if decision.fallback is not None:
                         log(f"standby {self.member}: the job falls back to a restart ({decision.fallback})")
+                        self.left = ("fallback", f"the job falls back to a restart ({decision.fallback})")
                         return None
                     self.generation, self.roster = decision.generation, decision.roster
                     mine = [rank for rank, member in decision.replacements.items() if member == self.member]
@@ -457,44 +508,76 @@ class Standby:
                 failing_since = failing_since or time.monotonic()
                 if time.monotonic() - failing_since >= STORE_GONE_S:
                     log(f"standby {self.member}: the store stopped answering ({first_line(exc)}); leaving")
+                    self.left = (
+                        "store-gone",
+                        f"the job's store stopped answering ({first_line(exc)}): rank 0's node lost, or the run over",
+                    )
                     return None
                 time.sleep(STORE_GONE_S / 4)  # a few tries, not one a heartbeat (torch logs each failed call)
             time.sleep(HEARTBEAT_S)
 
     def _survivor_waiting(self, survivors: list[str], now: float) -> bool:
-        """Whether a survivor's waiting count rose in the last FROZEN_S (it waits on a collective now)."""
-        for member, count in self.channel.waiting(self.generation, survivors).items():
-            highest = self._waits.get(member, (None, 0.0))[0]
-            if count is not None and (highest is None or count > highest):
-                self._waits[member] = (count, now if highest is not None else now - FROZEN_S)  # the first sight is no rise
-        return any(now - when < FROZEN_S for member, (_, when) in self._waits.items() if member in survivors)
+        """Whether a survivor's waiting count (in its heartbeat) rose in the last FROZEN_S: it waits on a collective now."""
+        alive = set(survivors)
+        for value, _ in self._nodes.values():
+            for member, beat in value.members.items():
+                if member not in alive or beat.waiting is None or beat.waiting[0] != self.generation:
+                    continue
+                count, highest = beat.waiting[1], self._waits.get(member, (None, 0.0))[0]
+                if highest is None or count > highest:
+                    self._waits[member] = (count, now if highest is not None else now - FROZEN_S)  # the first sight is no rise
+        return any(now - when < FROZEN_S for member, (_, when) in self._waits.items() if member in alive)
+
+    def _silences(self, members: list[str], now: float) -> dict[str, float]:
+        """How long each member that may be stale has not beaten: its age on its node when the node's value last came
+        (measured on the node's own clock: train/node_beats.py) plus how long ago that value came; a member never seen
+        counts from this standby's first look. One read and one head a node: a node whose oldest member is younger
+        than STALE_S is not parsed further, and its members are not listed (they are not stale)."""
+        for member in members:
+            self._first.setdefault(member, now)
+        where = self.channel.locate(members)
+        for node, value in self.channel.node_beats(sorted(set(where.values()))).items():
+            if value is not None and ((seen := self._nodes.get(node)) is None or value.at_ns > seen[0].at_ns):
+                self._nodes[node] = (value, now)
+                if len(where) < len(members):  # a member not located yet: the node values say where theirs beat
+                    self.channel.learn(node, value)
+        if len(where) < len(members):
+            where = self.channel.locate([m for m in members if m not in where]) | where
+        if (len(where), self.channel.moves) != self._located:
+            self._on_node, self._located = {}, (len(where), self.channel.moves)
+            for member, node in where.items():
+                self._on_node.setdefault(node, []).append(member)
+        silent = {m: now - self._first[m] for m in members if m not in where}
+        for node, on in self._on_node.items():
+            if (seen := self._nodes.get(node)) is None:
+                silent.update((m, now - self._first[m]) for m in on)
+            elif (since := now - seen[1]) + seen[0].oldest_ms / 1000 >= STALE_S:
+                beats = seen[0].members
+                silent.update((m, since + beats[m].age_ms / 1000 if m in beats else now - self._first[m]) for m in on)
+        return silent
 
     def _watch(self) -> None:
-        """One sample of every count; a roster member whose count has not risen for STALE_S is dead once a survivor
-        has reported its collective failed: decide, once for the generation."""
+        """One look at every node's heartbeat; a roster member that has not beaten for STALE_S is dead once a survivor has
+        reported its collective failed: decide, once for the generation."""
         standbys = self.channel.standbys()
         members = [*self.roster.values(), *standbys]
         now = time.monotonic()
-        for member, beat in self.channel.beats(members).items():
-            highest = self._seen.get(member, (None, 0.0))[0]
-            if beat is not None:
-                self._hosts[member] = beat.host
-            if member not in self._seen or (beat is not None and (highest is None or beat.count > highest)):
-                self._seen[member] = (beat.count if beat is not None else highest, now)
-        stale = {m for m in members if now - self._seen[m][1] >= STALE_S}
+        silent = self._silences(members, now)
+        stale = {m for m, seconds in silent.items() if seconds >= STALE_S}
         dead = {rank: m for rank, m in self.roster.items() if m in stale}
-        survivors = [m for m in self.roster.values() if m not in stale]
         if not dead:
             return
+        survivors = [m for m in self.roster.values() if m not in stale]
         if not (reported := self.channel.failure_reported(self.generation, survivors)):
             # No collective failed: a heartbeat late on a loaded node while every collective still completes is no
             # death. One stopped for FROZEN_S while a survivor waits on a collective is a frozen rank or a lost node.
-            dead = {rank: m for rank, m in dead.items() if now - self._seen[m][1] >= FROZEN_S}
+            dead = {rank: m for rank, m in dead.items() if silent[m] >= FROZEN_S}
             if not dead or not self._survivor_waiting(survivors, now):
                 return
         used = set(self.roster.values())
         alive = [s for s in standbys if s not in stale and s not in used]
-        decision = decide(self.generation, self.roster, dead, self._hosts, alive)
+        hosts = {m: self._nodes[node][0].host for node, on in self._on_node.items() if node in self._nodes for m in on}
+        decision = decide(self.generation, self.roster, dead, hosts, alive)
         lost = ", ".join(f"rank {r}" for r in sorted(dead))
         how = "" if reported else f" for {FROZEN_S:g}s while a survivor waits on a collective (frozen, or its node lost)"
         self.log(f"standby {self.member}: heartbeat of {lost} stopped{how}; deciding generation {self.generation}")
@@ -658,15 +741,27 @@ def enter(
     host = node_name()
     settings: dict[str, Any] = {"world_size": world, "backend": backend, "device": device, "collective_timeout_s": collective_timeout_s}
     if standby:
-        warm_up(device, watcher)
+        # Every way a standby leaves without a rank ends in its record (StandbyEnd), which the job's program says.
+        index = rank - world if launched else None
+        name = f"s{index}" if index is not None else "standby"
         try:
-            waiting = Standby(world_size=world, host=host, log=log, index=rank - world if launched else None, launched=standbys)
+            warm_up(device, watcher)
+        except Exception as exc:  # an import, the device: this standby cannot start, the run goes on without it
+            log(StandbyEnd(name, host, "cannot-start", f"its warm-up failed ({type(exc).__name__}: {first_line(exc)})").line())
+            return None
+        try:
+            waiting = Standby(world_size=world, host=host, log=log, index=index, launched=standbys)
         except RuntimeError as exc:  # a run shorter than this standby's warm-up has ended, and its store with it
             log(f"standby: the job's store does not answer ({first_line(exc)}): the run ended before this standby was warm; leaving")
+            log(StandbyEnd(name, host, "store-gone", f"the job's store does not answer ({first_line(exc)})").line())
+            return None
+        except RecoveryImpossible as exc:  # its heartbeat cannot be written on this node
+            log(StandbyEnd(name, host, "cannot-start", str(exc)).line())
             return None
         assigned = waiting.wait()
         if assigned is None:
             waiting.heartbeat.stop()
+            log(StandbyEnd(waiting.member, host, *(waiting.left or ("run-over", "its wait ended"))).line())
             return None
         generation, rank = assigned
         os.environ["RANK"] = str(rank)  # the rank it is now, for whatever reads the environment after this

@@ -9,9 +9,14 @@ templates set and only the job's processes have; train.job_keys):
   parser of its shape: a value that does not verify or parse is ignored with one line (once per key and reason),
   never acted on, never a traceback;
 - the counters that `add` keeps (the standbys' indexes, a generation's failure count) are hints that cost a read,
-  never facts: a standby is one that registered a signed host, a failure is a signed report of a member's own;
+  never facts: a standby is one that registered a signed node (or that a node's signed heartbeat names), a failure is
+  a signed report of a member's own;
 - a key that is missing (deleted by someone else) is "no news", never an error: a heartbeat read with `check`
   first, so that a deletion cannot make `multi_get` wait out the store's timeout and take the reader down with it.
+
+Heartbeats are one key a node, not one a member (train/node_beats.py): `hb/<node>` holds every member's count there,
+written by the node's two writers; `at/<member>` (a member's signed registration) says which node a member beats on, so
+that a standby reads one key a node every HEARTBEAT_S.
 
 What another user can still do is deny service: delete the process group's own keys, flood the port, bump a counter
 so the readers check more keys. She cannot make a member act on anything she wrote.
@@ -23,12 +28,14 @@ import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, TypeVar
+from functools import cached_property
+from typing import Any, NamedTuple, TypeVar
 
 import torch.distributed as dist
 
 from entrypoint.plan import job_token
 from train.job_keys import HOSTNAME, BadValue, Signer, store_prefix
+from train.node_beats import NODE_ID
 
 T = TypeVar("T")
 NAME = "ddpack-recovery"
@@ -89,25 +96,77 @@ def _ranks(value: Any, name: str, world_size: int) -> dict[int, str]:
     return out
 
 
-@dataclass(frozen=True)
-class Beat:
-    """One heartbeat: a count that rises with each beat, and the member's host (re-said at every beat, so that a
-    value another user damaged is mended 50 ms later, not lost for the run)."""
+class Beat(NamedTuple):
+    """One member's heartbeat as its node's value says it: a count that rises with each of its beats, its node's host,
+    how old its last beat was when the value was written (ms, on the node's own clock), and the collective it waits on,
+    if any: (generation, a count that rises while it waits). A tuple: cheap to make by the thousand."""
 
     count: int
     host: str
+    age_ms: int = 0
+    waiting: tuple[int, int] | None = None
 
-    def text(self) -> str:
-        return f"{self.count} {self.host}"
+
+NODE_ENTRY = r"[rs][0-9]{1,7}:[0-9]{1,18}:[0-9]{1,9}(?::[0-9]{1,9}:[0-9]{1,18})?"
+NODE_ENTRIES = re.compile(rf"(?:{NODE_ENTRY})(?: {NODE_ENTRY})*")  # the shape of a node's entries, checked at once
+ENTRY_PARTS = re.compile(r"([rs][0-9]+):([0-9]+):([0-9]+)(?::([0-9]+):([0-9]+))?")
+MAX_NODE_MEMBERS = 4096
+MAX_NODE_BYTES = 128 << 10
+MAX_AGE_MS = 999_999_999
+
+
+@dataclass(frozen=True)
+class NodeBeat:
+    """One node's heartbeat (train/node_beats.py), written by the node's writers every HEARTBEAT_S, re-said in full each
+    time (a value another user damaged is mended 50 ms later): its host, when it was written (`at_ns`, the node's
+    monotonic clock: it rises with every value of the node, whichever writer wrote it), the oldest member's age then,
+    and every member's entry. Text: `host at_ns oldest_ms member:count:age_ms[:generation:waiting] ...`. A standby
+    reads the head of every node's value each beat and the entries only of a node with an old member: one member's
+    Python a node, not one a member, at 1,024 nodes x 8."""
+
+    host: str
+    at_ns: int
+    oldest_ms: int
+    entries: str = ""
 
     @classmethod
-    def parse(cls, text: str) -> Beat:
-        count, _, host = text.partition(" ")
-        if not (count.isdigit() and len(count) <= 18):
-            raise BadValue(f"a heartbeat {text[:20]!r}; expected a count and a host")
-        if not HOSTNAME.fullmatch(host):
-            raise BadValue(f"a heartbeat's host {host[:40]!r}; expected a host name")
-        return cls(int(count), host)
+    def of(cls, host: str, at_ns: int, beats: Mapping[str, Beat]) -> NodeBeat:
+        entries = " ".join(
+            f"{m}:{b.count}:{min(b.age_ms, MAX_AGE_MS)}" + (f":{b.waiting[0]}:{b.waiting[1]}" if b.waiting else "")
+            for m, b in sorted(beats.items())
+        )
+        return cls(host, at_ns, min(max((b.age_ms for b in beats.values()), default=0), MAX_AGE_MS), entries)
+
+    def text(self) -> str:
+        return f"{self.host} {self.at_ns} {self.oldest_ms} {self.entries}"
+
+    @classmethod
+    def parse(cls, text: str) -> NodeBeat:
+        parts = text.split(" ", 3)
+        if len(parts) != 4 or not HOSTNAME.fullmatch(parts[0]):
+            raise BadValue(f"a node heartbeat {text[:40]!r}; expected a host, a time, an age and members")
+        host, at_ns, oldest_ms, entries = parts
+        if not (at_ns.isdigit() and len(at_ns) <= 20 and oldest_ms.isdigit() and len(oldest_ms) <= 9):
+            raise BadValue(f"a node heartbeat's time and age {at_ns[:24]!r} {oldest_ms[:12]!r}; expected counts")
+        if entries and not NODE_ENTRIES.fullmatch(entries):
+            raise BadValue(f"a node heartbeat's entries {entries[:40]!r}; expected member:count:age[:generation:waiting] ...")
+        if entries.count(" ") >= MAX_NODE_MEMBERS:
+            raise BadValue(f"a node heartbeat of {entries.count(' ') + 1} members; expected at most {MAX_NODE_MEMBERS}")
+        return cls(host, int(at_ns), int(oldest_ms), entries)
+
+    @cached_property
+    def members(self) -> dict[str, Beat]:
+        """Every member's entry (parsed when asked: a node whose members are all young is never parsed)."""
+        return {
+            m: Beat(int(count), self.host, int(age), (int(generation), int(waited)) if generation else None)
+            for m, count, age, generation, waited in ENTRY_PARTS.findall(self.entries)
+        }
+
+
+def _node_id(text: str) -> str:
+    if not NODE_ID.fullmatch(text):
+        raise BadValue(f"a member's node {text[:20]!r}; expected 16 hex digits")
+    return text
 
 
 def _count(text: str) -> int:
@@ -130,7 +189,9 @@ class Channel:
         self.store, self.prefix, self.signer, self.log = store, prefix, signer, log
         self.launched = launched  # the launcher's standbys (DDPACK_STANDBYS): s0..s<launched-1>, named by their task
         self._said: set[tuple[str, str]] = set()  # (key, reason) already logged: one line each, not one a poll
-        self._standbys: set[int] = set()  # indexes known to have registered a signed host
+        self._standbys: set[int] = set()  # indexes known to have registered a signed node
+        self._node_of: dict[str, str] = {}  # member -> its node's id, once known
+        self.moves = 0  # how many times a known member's node changed (its node's directory made anew)
 
     @classmethod
     def of_job(cls, store: dist.Store, environ: Mapping[str, str], log: Callable[[str], None], launched: int = 0) -> Channel:
@@ -146,8 +207,14 @@ class Channel:
     # -------------------------------------------------------------- the keys, each spelled once
 
     @staticmethod
-    def heartbeat_key(member: str) -> str:
-        return f"hb/{member}"
+    def node_key(node: str) -> str:
+        """A node's heartbeat (NodeBeat): every member's count there."""
+        return f"hb/{node}"
+
+    @staticmethod
+    def member_key(member: str) -> str:
+        """Which node a member beats on (its node's id): how a standby finds the node's key."""
+        return f"at/{member}"
 
     @staticmethod
     def generation_key(generation: int, name: str) -> str:
@@ -198,18 +265,54 @@ class Channel:
 
     # -------------------------------------------------------------- members
 
-    def beat(self, member: str, beat: Beat) -> None:
-        self.put(self.heartbeat_key(member), beat.text())
+    def register(self, member: str, node: str) -> None:
+        """`member` beats on node `node` (written when it starts; the node's writers say it again every REGISTER_S, so
+        that a deleted registration is mended for a standby that starts later)."""
+        self.put(self.member_key(member), node)
 
-    def beats(self, members: Sequence[str]) -> dict[str, Beat | None]:
-        """Each member's last signed heartbeat (None: none there, or one that does not verify). Two round trips
-        while every key is there; a missing one (not yet written, or deleted) is looked for key by key."""
-        keys = [self.prefix + self.heartbeat_key(m) for m in members]
+    def beat_node(self, node: str, beat: NodeBeat) -> None:
+        self.put(self.node_key(node), beat.text())
+
+    def node_beats(self, nodes: Sequence[str]) -> dict[str, NodeBeat | None]:
+        """Each node's last signed heartbeat (None: none there, or one that does not verify or parse)."""
+        keys = [self.prefix + self.node_key(n) for n in nodes]
         raw = self._fetched(keys)
         return {
-            m: self._opened(self.heartbeat_key(m), raw[k], Beat.parse, 512) if k in raw else None
-            for m, k in zip(members, keys, strict=True)
+            n: self._opened(self.node_key(n), raw[k], NodeBeat.parse, MAX_NODE_BYTES) if k in raw else None
+            for n, k in zip(nodes, keys, strict=True)
         }
+
+    def locate(self, members: Sequence[str]) -> dict[str, str]:
+        """The node of each of `members` that is known: from a node value that named it (`learn`), else from its signed
+        registration (read until found; a missing one is no news and never waited on)."""
+        unknown = [m for m in members if m not in self._node_of]
+        keys = [self.prefix + self.member_key(m) for m in unknown]
+        raw = self._fetched(keys)
+        for m, k in zip(unknown, keys, strict=True):
+            if k in raw and (node := self._opened(self.member_key(m), raw[k], _node_id, 512)) is not None:
+                self._node_of[m] = node
+        return {m: node for m in members if (node := self._node_of.get(m)) is not None}
+
+    def learn(self, node: str, beat: NodeBeat) -> None:
+        """Where the members `beat` names beat: the job's own word (signed), so a registration another user deleted
+        before it was read is not needed."""
+        for m in beat.members:
+            if self._node_of.setdefault(m, node) != node:
+                self._node_of[m], self.moves = node, self.moves + 1
+
+    def beats(self, members: Sequence[str]) -> dict[str, Beat | None]:
+        """Each member's last beat, as its node's signed heartbeat says it (None: not seen). One read of each node's
+        key, not one of each member's: the traffic grows with nodes."""
+        nodes = sorted(set(self.locate(members).values()))
+        found: dict[str, Beat] = {}
+        for node, beat in self.node_beats(nodes).items():
+            if beat is None:
+                continue
+            self.learn(node, beat)
+            for m, seen in beat.members.items():
+                if (mine := found.get(m)) is None or seen.count > mine.count:
+                    found[m] = seen
+        return {m: found.get(m) for m in members}
 
     def new_standby(self, index: int | None = None) -> str:
         """A standby's name, s<index>: the launcher's `index`-th standby task's, or (started by hand) the next index past
@@ -219,13 +322,18 @@ class Channel:
         return f"s{self.launched + int(self.store.add(self.prefix + self.STANDBYS, 1)) - 1}"
 
     def standbys(self) -> list[str]:
-        """The standbys that have written a signed heartbeat, oldest first. The launcher's are looked for by name, so
-        a counter another user bumped cannot hide them; the counter says only where to look for standbys by hand."""
+        """The standbys that have registered a signed node (as they start to beat), oldest first. The launcher's are
+        looked for by name, so a counter another user bumped cannot hide them; the counter says only where to look for
+        standbys by hand."""
         count = self.launched + min(int(self.store.add(self.prefix + self.STANDBYS, 0)), MAX_STANDBYS)
         unknown = [f"s{index}" for index in range(count) if index not in self._standbys]
-        for member, beat in self.beats(unknown).items():
-            if beat is not None:
-                self._standbys.add(int(member[1:]))
+        keys = [self.prefix + self.member_key(m) for m in unknown]
+        for member, raw in self._fetched(keys).items():
+            name = member[len(self.prefix + self.member_key("")) :]
+            if self._opened(self.member_key(name), raw, _node_id, 512) is not None:
+                self._standbys.add(int(name[1:]))
+        # One named in a node's signed heartbeat is one too, its registration deleted or not (`beats`).
+        self._standbys |= {int(m[1:]) for m in self._node_of if m.startswith("s")}
         return [f"s{index}" for index in sorted(self._standbys) if index < count]
 
     # -------------------------------------------------------------- a generation's failure and its decision
@@ -235,21 +343,6 @@ class Channel:
         heartbeat a death (a signed report of its own; the counter beside it only says one may be there)."""
         self.put(self.generation_key(generation, f"failed/{member}"), "1")
         self.store.add(self.prefix + self.generation_key(generation, "failed"), 1)
-
-    def report_waiting(self, generation: int, member: str, count: int) -> None:
-        """`member` has waited on one collective for a while in `generation`; `count` rises while it still does: with a
-        heartbeat stopped for FROZEN_S, what tells the standbys a rank froze or a node was lost (no connection reset,
-        so no collective fails until its timeout)."""
-        self.put(self.generation_key(generation, f"waiting/{member}"), str(count))
-
-    def waiting(self, generation: int, members: Sequence[str]) -> dict[str, int | None]:
-        """Each member's signed waiting count in `generation` (None: none, or one that does not verify)."""
-        keys = {m: self.prefix + self.generation_key(generation, f"waiting/{m}") for m in members}
-        raw = self._fetched(list(keys.values()))
-        return {
-            m: self._opened(self.generation_key(generation, f"waiting/{m}"), raw[k], _count, 512) if k in raw else None
-            for m, k in keys.items()
-        }
 
     def failure_reported(self, generation: int, members: Sequence[str]) -> bool:
         if not int(self.store.add(self.prefix + self.generation_key(generation, "failed"), 0)):

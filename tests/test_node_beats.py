@@ -1,0 +1,122 @@
+"""In-process recovery's heartbeats on one node (train/node_beats.py, issue 62 point 6): each member beats in a file of
+the node, the node's two lowest fresh members write one store value for all of them, so the store's heartbeat traffic
+grows with nodes, not ranks; a dead or frozen writer is replaced and never makes its node-mates look dead."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from entrypoint.plan import JOB_TOKEN_VAR
+from train import recovery
+from train.node_beats import TAKEOVER_S, LocalBeat, LocalBeats
+from train.recovery import Heartbeat
+from train.recovery_channel import Beat, Channel, NodeBeat
+
+TOKEN = "3f9a0c1d5e7b2468ace013579bdf8642"
+ENV = {JOB_TOKEN_VAR: TOKEN, "SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": "0", "SLURM_STEP_ID": "0", "MASTER_PORT": "29500"}
+NOW = 10**12
+
+
+def beat_at(age_s: float, count: int = 1) -> LocalBeat:
+    return LocalBeat(count, NOW - int(age_s * 1e9))
+
+
+def test_the_writers_are_the_two_lowest_fresh_members_ranks_before_standbys() -> None:
+    beats = {"s0": beat_at(0), "r10": beat_at(0), "r2": beat_at(0), "r1": beat_at(TAKEOVER_S * 2)}  # r1 dead or frozen
+    assert LocalBeats.writers(beats, NOW) == ["r2", "r10"]
+    assert LocalBeats.writers({"s0": beat_at(0), "r1": beat_at(TAKEOVER_S * 2)}, NOW) == ["s0"]
+
+
+def test_a_beat_reads_back_whole_with_its_waiting_count(tmp_path: Path) -> None:
+    node = LocalBeats.open(ENV, TOKEN, tmp_path)
+    node.write("r3", LocalBeat(7, 123, (2, 5)))
+    node.write("s1", LocalBeat(9, 456))
+    (node.path / "r4").write_text("garbage")  # skipped, rewritten at its next beat
+    assert node.read() == {"r3": LocalBeat(7, 123, (2, 5)), "s1": LocalBeat(9, 456)}
+    assert LocalBeats.open(ENV, TOKEN, tmp_path).node == node.node  # every member of the node reads one id
+
+
+def test_a_directory_another_could_write_in_is_not_used(tmp_path: Path) -> None:
+    shared = LocalBeats.open(ENV, TOKEN, tmp_path).path
+    shared.chmod(0o777)
+    mine = LocalBeats.open(ENV, TOKEN, tmp_path)
+    assert mine.path != shared and not os.stat(mine.path).st_mode & 0o077
+    other_job = LocalBeats.open({**ENV, "MASTER_PORT": "29501"}, TOKEN, tmp_path)
+    assert other_job.path.name != shared.name and TOKEN not in shared.name
+
+
+@pytest.fixture
+def server() -> Iterator[dist.TCPStore]:
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10), wait_for_workers=False)
+    yield store
+    del store
+
+
+def test_three_members_make_one_store_key_and_a_dead_writers_place_is_taken(
+    server: dist.TCPStore, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """r0, r1 and s0 beat on one node: one `hb/` key in the store names all three. r0 (a writer) dies as a SIGKILL
+    leaves it (its file stays, its count stands still): r1 and s0 go on writing, their counts rise, r0's does not and
+    its age, measured on the node, grows."""
+    clients: list[dist.TCPStore] = []
+
+    def store(is_master: bool, connect_s: float = 0) -> dist.TCPStore:
+        clients.append(dist.TCPStore("127.0.0.1", server.port, None, False, timedelta(seconds=10), wait_for_workers=False))
+        return clients[-1]
+
+    monkeypatch.setattr(recovery, "_store", store)
+    monkeypatch.setattr(LocalBeats, "leave", lambda self, member: None)  # a SIGKILLed member cleans up nothing
+    job = Channel.of_job(store(False), ENV, print)
+    hearts = {m: Heartbeat(job, m, "n1", local=LocalBeats.open(ENV, TOKEN, tmp_path)) for m in ("r0", "r1", "s0")}
+    try:
+        read = lambda: job.beats(["r0", "r1", "s0"])  # noqa: E731
+        deadline = time.monotonic() + 60
+        while any(b is None or b.count < 4 for b in read().values()) and time.monotonic() < deadline:
+            time.sleep(recovery.HEARTBEAT_S)
+        assert len([k for k in server.list_keys() if "/hb/" in k]) == 1
+        hearts["r0"].stop()
+        time.sleep(2 * recovery.HEARTBEAT_S)  # its last beat written
+        before = read()
+        while any(read()[m].count < before[m].count + 4 for m in ("r1", "s0")) and time.monotonic() < deadline:
+            time.sleep(recovery.HEARTBEAT_S)
+        after = read()
+        assert after["r0"].count == before["r0"].count and after["r0"].age_ms > before["r0"].age_ms, (before, after)  # seen on the node
+        assert all(after[m].count >= before[m].count + 4 for m in ("r1", "s0")), (before, after)
+        assert LocalBeats.writers(hearts["r1"]._local.read()) == ["r1", "s0"]
+    finally:
+        for heart in hearts.values():
+            heart.stop()
+
+
+def test_a_standby_judges_a_member_by_its_age_on_its_node_and_reads_a_young_nodes_head_only(
+    server: dist.TCPStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two nodes of two ranks. r3's node still writes (its value is fresh) but r3 has not beaten there for 300 ms: once a
+    survivor reports a failed collective, the standby's one look decides r3 dead and only r3 (no wait for its own
+    clock: the age is the node's); before the report, nobody."""
+    for name, value in {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port)}.items():
+        monkeypatch.setenv(name, value)
+    job = Channel.of_job(server, ENV, print)
+    nodes = {"0000000000000001": {"r0": 0, "r1": 10}, "0000000000000002": {"r2": 20, "r3": 300}}
+    for node, ages in nodes.items():
+        for member in ages:
+            job.register(member, node)
+        job.beat_node(node, NodeBeat.of("n" + node[-1], NOW, {m: Beat(50, "n" + node[-1], age) for m, age in ages.items()}))
+    lines: list[str] = []
+    standby = recovery.Standby(world_size=4, host="spare", log=lines.append, index=0, launched=1)
+    try:
+        standby._watch()
+        assert job.decision(0, 4) is None and not lines
+        job.report_failure(0, "r0")
+        standby._watch()
+        decision = job.decision(0, 4)
+        assert decision is not None and decision.dead == {3: "r3"} and decision.replacements == {3: "s0"}, (decision, lines)
+    finally:
+        standby.heartbeat.stop()
