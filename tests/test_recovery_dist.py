@@ -28,15 +28,20 @@ pytestmark = pytest.mark.dist
 ARGS = ["--dataset-size", "2048", "--epochs", "1", "--batch-size", "32", "--log-every", "1", "--snapshot-dir", "", "--recovery"]
 
 
-def start_with_standbys(tmp: Path, world: int, args: Sequence[str], standbys: int, **extra: str) -> Job:
+def start_with_standbys(tmp: Path, world: int, args: Sequence[str], standbys: int, store_task: bool = False, **extra: str) -> Job:
     """`world` ranks and `standbys` standbys in the per-task shape, as a template's step starts them (DDPACK_STANDBYS):
     world + standbys processes of one command, each with its launcher RANK of WORLD_SIZE=world + standbys (srun tasks'
-    SLURM_PROCID, `docker run -e`) and `--standbys`; the last ones, procs[world:], are the standbys."""
+    SLURM_PROCID, `docker run -e`) and `--standbys`; the last ones, procs[world:], are the standbys. `store_task`: one
+    process more, the last, serves the job's store (DDPACK_STORE_TASK=1, as the job program's step sets it)."""
     port = extra.pop("MASTER_PORT", None) or str(free_port())
     procs, logs = [], []
-    for index in range(world + standbys):
-        logs.append(tmp / (f"standby{index - world}.log" if index >= world else f"rank{index}.log"))
-        env = clean_env(RANK=str(index), WORLD_SIZE=str(world + standbys), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **extra)
+    launched = world + standbys + int(store_task)
+    for index in range(launched):
+        name = "store" if store_task and index == launched - 1 else f"standby{index - world}" if index >= world else f"rank{index}"
+        logs.append(tmp / f"{name}.log")
+        env = clean_env(RANK=str(index), WORLD_SIZE=str(launched), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **extra)
+        if store_task:
+            env["DDPACK_STORE_TASK"] = "1"
         argv = [*ENTRYPOINT, *args, "--standbys", str(standbys)]
         with open(logs[-1], "wb") as out:
             procs.append(subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=tmp))
@@ -130,6 +135,37 @@ def test_a_killed_rank_is_replaced_by_the_standby_with_a_survivors_state_and_the
     record = next(r for r in map(json.loads, metrics.read_text().splitlines()) if r["kind"] == "recovery")
     assert record["generation"] == 1 and record["global_step"] > 10  # the first step trained after the recovery
     assert {"decide_s", "abort_s", "new_group_s", "state_s", "first_step_s", "total_s"} <= record.keys()
+
+
+def test_with_a_store_task_rank_0_killed_is_replaced_in_process_and_its_duties_pass_to_the_standby(tmp_path: Path) -> None:
+    """The store task (the launcher's last process, DDPACK_STORE_TASK=1) serves the job's store, so rank 0 is a client
+    like any rank: SIGKILLed, its place is taken by the standby, which from then on writes the run's metrics (rank 0's
+    duties). Rank 1 sleeps 60 ms a step (115 steps: room for the standby's warm-up before the kill)."""
+    args = [*ATTACKED, "--cpu-bind", "none"]
+    slow = {**SLOW, "SLOW_RANK": "1", "SLOW_RANK_MS": "60"}
+    reference = subdir(tmp_path, "reference")
+    whole = start_with_standbys(reference, 2, args, standbys=0, PYTHONPATH=SLOW["PYTHONPATH"])  # no sleep, no standby: the same trajectory
+    assert whole.wait() == [0, 0], whole.output()
+    expected = set(whole.checksums())
+
+    killed = subdir(tmp_path, "killed")
+    metrics = killed / "m.jsonl"
+    job = start_with_standbys(
+        killed, 2, [*args, "--metrics-file", str(metrics)], standbys=1, store_task=True, DDPACK_JOB_TOKEN=TOKEN, **slow
+    )
+    wait_for(lambda: metrics_step(metrics) >= 5 and "warm, watching" in job.output(2), 120, "step 5 and a warm standby")
+    job.send(signal.SIGKILL, [0])
+    codes = job.wait()
+    assert codes == [-signal.SIGKILL, 0, 0, 0], job.output()
+    assert "serving the job's store at 127.0.0.1:" in job.output(3) and "the run ended; the store closes" in job.output(3), job.output(3)
+    assert re.search(r"recovery: rank 0 lost in generation 0 \(\w+\); s0 takes rank 0", job.output(1)), job.output(1)
+    assert "[rank 0/2] standby took rank 0: state of rank 1 at epoch 1/1 step" in job.output(2), job.output(2)
+    assert [end.checksum for end in job.ends(1)] == [*expected] and [end.checksum for end in job.ends(2)] == [*expected]
+    steps = progress_steps(metrics)  # rank 0's records: the killed one's, then the standby's in its place
+    assert len(steps) == len(set(steps)) and steps == sorted(steps) and steps[-1] == job.ends(2)[-1].total_steps, steps
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.startswith("{")]
+    assert [r["kind"] for r in records].count("start") == 1 and any(r["kind"] == "recovery" for r in records), records
+    assert records[-1]["kind"] == "end" and records[-1]["outcome"] == "done", records[-1]
 
 
 def test_without_a_standby_the_survivor_falls_back_to_a_restart_and_says_why(tmp_path: Path) -> None:

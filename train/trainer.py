@@ -185,6 +185,7 @@ class Trainer:
             compiled=compile_module(self.module, world_size=ctx.world_size) if self.config.compile else None,
             find_unused_parameters=self.config.find_unused_parameters,
             path=self.path,
+            sync_initial_state=self.recovery is None or self.recovery.generation == 0,  # a new generation's: _take_state's
         )
         if self.recovery is not None:
             self.recovery.relax()
@@ -397,15 +398,19 @@ class Trainer:
 
     def fit(self) -> Result:
         cfg = self.config
-        if self.ctx.is_main:
+        replacing = self.recovery is not None and self.recovery.replacing
+        # A standby that took rank 0's place (the store task serves the store) keeps the run's segment: no `start`
+        # record, and no peak measured while the survivors wait for its state (MFU is not reported after it).
+        if self.ctx.is_main and not replacing:
             preflight = Path(cfg.metrics_file).parent / run_folder.PREFLIGHT if cfg.metrics_file else None
             self.mfu.find_peak(self.ctx.device, cfg.amp, preflight, lambda: matmul_gflops(self.ctx, CPU_MEASURE_S))
-        if self.recovery is not None and self.recovery.replacing:
+        if replacing:
             self._take_state()
         else:
             self.restore()
         start_step, started = self.global_step, time.monotonic()
-        self.metrics.opening("start", lambda: self._start_fields(start_step))
+        if not replacing:
+            self.metrics.opening("start", lambda: self._start_fields(start_step))
         if self.global_step >= self.total_steps:
             self.log(f"training already complete at global step {self.global_step}; nothing to do", main_only=True)
         self.model.train()
@@ -462,7 +467,11 @@ class Trainer:
         replacing = self.recovery is not None and self.recovery.replacing
         if self.config.cpu_bind == "auto" and (bound := bind_replacement(self.ctx, replacing)) is not None:
             self.log(f"standby took rank {self.ctx.rank}'s place on cpus {cpu_list(bound)}, left free by the rank it replaces")
-        positions = gather_objects((-1, -1) if replacing else (self.global_step, self.last_snapshot_step), self.ctx)
+        # With each position, the survivors' timeline of this recovery: the standby that took rank 0's place writes its
+        # record (rank 0's duty), and only the survivors saw the collective fail.
+        mine = (-1, -1) if replacing else (self.global_step, self.last_snapshot_step)
+        gathered = gather_objects((mine, self.recovery.timeline() if self.recovery is not None else None), self.ctx)
+        positions = [position for position, _ in gathered]
         source = positions.index(max(positions))
         self.last_snapshot_step = positions[source][1]  # the same on every rank: whether a snapshot is due is agreed
         mine = self._state([]) if self.ctx.rank == source else None
@@ -474,7 +483,7 @@ class Trainer:
         if replacing:
             self.log(f"standby took rank {self.ctx.rank}: state of rank {source} at {self._position()}")
         if self.recovery is not None:
-            self.recovery.took_state()
+            self.recovery.took_state(gathered[source][1])
 
     def _recovered(self, generation: int, times: dict[str, float]) -> None:
         """The first step after a recovery finished: its timeline, on rank 0's log and metrics."""
