@@ -672,8 +672,10 @@ def launcher_role(standbys: int, environ: MutableMapping[str, str], store_task: 
     rank, launched = int(environ["RANK"]), int(environ["WORLD_SIZE"])
     world = launched - extra
     if world < 1:
-        what = f"--standbys {standbys}" + (" and the store task" if store_task else "") if standbys else "the store task"
-        raise RecoveryImpossible(f"{what} leave(s) no rank to train: the launcher started {launched} process(es) (WORLD_SIZE={launched})")
+        what = {(True, False): f"--standbys {standbys} leaves", (False, True): "the store task leaves"}.get(
+            (standbys > 0, store_task), f"--standbys {standbys} and the store task leave"
+        )
+        raise RecoveryImpossible(f"{what} no rank to train: the launcher started {launched} process(es) (WORLD_SIZE={launched})")
     environ["WORLD_SIZE"] = str(world)
     if store_task and rank == launched - 1:
         return "store"
