@@ -137,14 +137,15 @@ def test_a_killed_rank_is_replaced_by_the_standby_with_a_survivors_state_and_the
     assert {"decide_s", "abort_s", "new_group_s", "state_s", "first_step_s", "total_s"} <= record.keys()
 
 
-def test_with_a_store_task_rank_0_killed_is_replaced_in_process_and_its_duties_pass_to_the_standby(tmp_path: Path) -> None:
+def test_with_a_store_task_rank_0_dies_twice_and_is_replaced_in_process_each_time_by_a_new_standby(tmp_path: Path) -> None:
     """The store task (the launcher's last process, DDPACK_STORE_TASK=1) serves the job's store, so rank 0 is a client
     like any rank: SIGKILLed, its place is taken by the standby, which from then on writes the run's metrics (rank 0's
-    duties). Rank 1 sleeps 60 ms a step (115 steps: room for the standby's warm-up before the kill)."""
+    duties), and the store task starts a new standby for the one consumed; the standby in rank 0's place SIGKILLed in
+    turn is replaced by that one. Rank 1 sleeps 100 ms a step (115 steps: room for two standbys' warm-up)."""
     args = [*ATTACKED, "--cpu-bind", "none"]
-    slow = {**SLOW, "SLOW_RANK": "1", "SLOW_RANK_MS": "60"}
+    slow = {**SLOW, "SLOW_RANK": "1", "SLOW_RANK_MS": "100"}
     reference = subdir(tmp_path, "reference")
-    whole = start_with_standbys(reference, 2, args, standbys=0, PYTHONPATH=SLOW["PYTHONPATH"])  # no sleep, no standby: the same trajectory
+    whole = start_with_standbys(reference, 2, args, standbys=0, PYTHONPATH=SLOW["PYTHONPATH"])  # no sleep, no standby: the same run
     assert whole.wait() == [0, 0], whole.output()
     expected = set(whole.checksums())
 
@@ -155,16 +156,23 @@ def test_with_a_store_task_rank_0_killed_is_replaced_in_process_and_its_duties_p
     )
     wait_for(lambda: metrics_step(metrics) >= 5 and "warm, watching" in job.output(2), 120, "step 5 and a warm standby")
     job.send(signal.SIGKILL, [0])
+    wait_for(lambda: "[standby] standby s1 on" in job.output(3) and "warm, watching" in job.output(3), 120, "the new standby warm")
+    assert metrics_step(metrics) < 100, "the run is almost over before the second death"
+    job.send(signal.SIGKILL, [2])  # the standby in rank 0's place
     codes = job.wait()
-    assert codes == [-signal.SIGKILL, 0, 0, 0], job.output()
-    assert "serving the job's store at 127.0.0.1:" in job.output(3) and "the run ended; the store closes" in job.output(3), job.output(3)
+    assert codes == [-signal.SIGKILL, 0, -signal.SIGKILL, 0], job.output()
+    store = job.output(3)  # the store task's lines, and the new standby's (started by it, its output beside)
+    assert "serving the job's store at 127.0.0.1:" in store and "the run ended; the store closes" in store, store
+    assert "store task: a standby took a place in generation 1; started a new one" in store, store
     assert re.search(r"recovery: rank 0 lost in generation 0 \(\w+\); s0 takes rank 0", job.output(1)), job.output(1)
+    assert re.search(r"recovery: rank 0 lost in generation 1 \(\w+\); s1 takes rank 0", job.output(1)), job.output(1)
     assert "[rank 0/2] standby took rank 0: state of rank 1 at epoch 1/1 step" in job.output(2), job.output(2)
-    assert [end.checksum for end in job.ends(1)] == [*expected] and [end.checksum for end in job.ends(2)] == [*expected]
-    steps = progress_steps(metrics)  # rank 0's records: the killed one's, then the standby's in its place
-    assert len(steps) == len(set(steps)) and steps == sorted(steps) and steps[-1] == job.ends(2)[-1].total_steps, steps
+    assert "[rank 0/2] standby took rank 0: state of rank 1 at epoch 1/1 step" in store, store
+    assert [end.checksum for end in job.ends(1)] == [*expected] and [end.checksum for end in job.ends(3)] == [*expected]
+    steps = progress_steps(metrics)  # rank 0's records: the killed one's, then each standby's in its place
+    assert len(steps) == len(set(steps)) and steps == sorted(steps) and steps[-1] == job.ends(3)[-1].total_steps, steps
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.startswith("{")]
-    assert [r["kind"] for r in records].count("start") == 1 and any(r["kind"] == "recovery" for r in records), records
+    assert [r["kind"] for r in records].count("start") == 1 and [r["kind"] for r in records].count("recovery") == 2, records
     assert records[-1]["kind"] == "end" and records[-1]["outcome"] == "done", records[-1]
 
 

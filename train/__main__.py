@@ -47,13 +47,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"train: error: {exc}", file=sys.stderr)
         return 2
     try:
-        store_task = config.store_task and launcher_role(config.standbys, dict(os.environ), store_task=True) == "store"
+        # A --standby started by the store task has its launcher environment (`spawn_standby`): a standby, not the store.
+        store_task = (
+            config.store_task and not config.standby and launcher_role(config.standbys, dict(os.environ), store_task=True) == "store"
+        )
     except RecoveryImpossible as exc:
         print(f"train: error: {exc}", file=sys.stderr)
         return 2
     if store_task:  # the launcher's last process serves the job's store and trains nothing (no device, no task)
+        launched = dict(os.environ)  # what a standby it starts is handed: the launcher's, as its own tasks had
         launcher_role(config.standbys, os.environ, store_task=True)
-        return serve_store(standbys=config.standbys, connect_s=config.collective_timeout, log=print_store_task)
+        import torch
+
+        # A new standby for each one consumed, on this node: not where a GPU would idle for it (the node's ranks hold them).
+        respawn = not torch.cuda.is_available()
+        return serve_store(
+            standbys=config.standbys, connect_s=config.collective_timeout, log=print_store_task, respawn=launched if respawn else None
+        )
     watcher = PreemptionWatcher()  # before the rendezvous, which can take a while under Slurm
     try:
         # The device first: a factory that allocates on CUDA allocates on this rank's GPU.

@@ -48,6 +48,8 @@ import contextlib
 import hashlib
 import os
 import random
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, MutableMapping
@@ -92,6 +94,9 @@ STORE_GONE_S = 1.0  # a standby whose store calls have all failed this long leav
 # STORE_IDLE_S (every member gone without closing: killed together, or the step ended by the job program).
 STORE_LINGER_S = 5.0
 STORE_IDLE_S = 30.0
+# The store task starts a new standby for each one a recovery consumed, at most this many in a run: a standby that
+# takes a place and dies at once, again and again, ends in a fallback, not in processes started without end.
+MAX_RESPAWNED = 8
 
 
 class PeerDeclaredDead(RuntimeError):
@@ -690,14 +695,30 @@ def store_address() -> str:
 STORE_LOST = "its host (the store task's process or node; rank 0 where the job has no store task) is lost"
 
 
-def serve_store(*, standbys: int, connect_s: float, log: Callable[[str], None]) -> int:
+def spawn_standby(environ: Mapping[str, str], log: Callable[[str], None]) -> subprocess.Popen[bytes] | None:
+    """A new standby on the store task's node, started as the store task itself was (`sys.orig_argv`: the trainer's
+    command and flags; `environ`: the launcher's environment, before `launcher_role`) with --standby: a standby started
+    by hand, the next by index past the launcher's (`Channel.new_standby`). Its lines and end record go where the
+    store task's go (the job's log)."""
+    try:
+        return subprocess.Popen([*sys.orig_argv, "--standby"], env=dict(environ))
+    except OSError as exc:
+        log(f"store task: cannot start a new standby ({first_line(exc)}); the next death beyond the standbys left falls back")
+        return None
+
+
+def serve_store(*, standbys: int, connect_s: float, log: Callable[[str], None], respawn: Mapping[str, str] | None = None) -> int:
     """The store task (`--store-task`, DDPACK_STORE_TASK=1: the launcher's last process, which trains nothing): torch's
     own TCPStore served at MASTER_PORT on this node (MASTER_ADDR, the step's first node), in a process that is no rank,
     so that rank 0's death is recovered as any rank's: the ranks and standbys are all its clients, and the keys on it
     are signed as ever (train.recovery_channel). It serves until the run ends: the run's `closed` key, then up to
     STORE_LINGER_S while members still beat (the standbys read it and leave), or no member's heartbeat risen for
     STORE_IDLE_S (every member gone without closing). Slurm's stop signals (SIGTERM, SIGUSR1) do not end it: a
-    preempted run's ranks close the run themselves, and srun kills what is left of the step."""
+    preempted run's ranks close the run themselves, and srun kills what is left of the step.
+
+    `respawn`, the launcher's environment (None where a standby would want a GPU the node's ranks hold): each standby a
+    recovery's decision consumed is replaced by a new one started on this node (`spawn_standby`, at most MAX_RESPAWNED
+    a run), so that a second and a third death are recovered too; it leaves once the run has ended, and its standbys."""
     import signal
 
     for stop in (signal.SIGTERM, signal.SIGUSR1):
@@ -715,25 +736,38 @@ def serve_store(*, standbys: int, connect_s: float, log: Callable[[str], None]) 
     ranks = [f"r{rank}" for rank in range(world)]
     seen: dict[str, int] = {}
     last_rise, idle_s, closed_at = time.monotonic(), max(STORE_IDLE_S, connect_s), None
-    while True:
-        time.sleep(0.2)
-        now = time.monotonic()
-        try:
-            beats = channel.beats([*ranks, *channel.standbys()])
-            closed = closed_at is not None or channel.closed()
-        except RuntimeError:  # its own server: never expected; a next look
-            continue
-        for member, beat in beats.items():
-            if beat is not None and beat.count > seen.get(member, -1):
-                seen[member], last_rise = beat.count, now
-        if closed and closed_at is None:
-            closed_at = now
-        if closed_at is not None and (now - last_rise >= 2 * STALE_S or now - closed_at >= STORE_LINGER_S):
-            log("store task: the run ended; the store closes")
-            return 0
-        if now - last_rise >= idle_s:
-            log(f"store task: no member's heartbeat rose for {idle_s:g}s (every rank and standby gone); the store closes")
-            return 0
+    generation, spawned = 0, []
+    try:
+        while True:
+            time.sleep(0.2)
+            now = time.monotonic()
+            try:
+                beats = channel.beats([*ranks, *channel.standbys()])
+                closed = closed_at is not None or channel.closed()
+                decision = channel.decision(generation, world)
+            except RuntimeError:  # its own server: never expected; a next look
+                continue
+            if decision is not None and decision.fallback is None:
+                generation = decision.generation
+                for _ in decision.replacements:
+                    if respawn is not None and len(spawned) < MAX_RESPAWNED and (child := spawn_standby(respawn, log)) is not None:
+                        spawned.append(child)
+                        log(f"store task: a standby took a place in generation {generation}; started a new one (pid {child.pid})")
+            for member, beat in beats.items():
+                if beat is not None and beat.count > seen.get(member, -1):
+                    seen[member], last_rise = beat.count, now
+            if closed and closed_at is None:
+                closed_at = now
+            if closed_at is not None and (now - last_rise >= 2 * STALE_S or now - closed_at >= STORE_LINGER_S):
+                log("store task: the run ended; the store closes")
+                return 0
+            if now - last_rise >= idle_s:
+                log(f"store task: no member's heartbeat rose for {idle_s:g}s (every rank and standby gone); the store closes")
+                return 0
+    finally:
+        for child in spawned:  # a standby the run did not need leaves on `closed`; one that took a place is a rank ending
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.wait(timeout=STORE_IDLE_S)
 
 
 def enter(
