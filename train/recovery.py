@@ -32,10 +32,16 @@ with the job's token and read back checked: train/recovery_channel.py):
 
 Falls back (the rank ends `failed`, exit 1, cause recovery-fallback, with the reason; the job program restarts every
 rank from the newest snapshot, as without --recovery): more ranks lost than live standbys; no standby running; the
-store's host (rank 0's node) lost; a collective failed but no member's heartbeat stopped (a hang, or a collective
-slower than its timeout); a failure while re-forming the group (the chosen standby died, another rank died).
+store's host lost (the store task or its node; rank 0 without a store task); a collective failed but no member's
+heartbeat stopped (a hang, or a collective slower than its timeout); a failure while re-forming the group (the chosen
+standby died, another rank died).
 
-Limits: the store host is rank 0 (MASTER_ADDR), so rank 0's death always falls back; torchrun restarts its
+The store: with the store task (--store-task, the job program's steps with standbys) torch's own TCPStore is served by
+the launcher's last process, which trains nothing (`serve_store`), so rank 0 is a client and its death is recovered as
+any rank's (its duties pass to the standby in its place, which is rank 0 from then on); the store task starts a new
+standby for each one a recovery consumed (`spawn_standby`). Without it, rank 0 hosts the store and its death falls back.
+
+Limits: the store task's node (the first) lost takes the store with it; torchrun restarts its
 workers itself, so --recovery needs one process per rank (srun tasks, docker -e); the process group's own rendezvous
 keys are torch's and not signed, and another user who reaches the store can hide a live member's heartbeat (a denial
 of service: docs/security.md); on NCCL a frozen peer costs the collective timeout (its waits are not polled) and the
