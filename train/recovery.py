@@ -51,6 +51,7 @@ path has not run across two GPUs; a rank hung with a live heartbeat is the watch
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import os
 import random
@@ -646,6 +647,7 @@ def warm_up(device: torch.device, watcher: PreemptionWatcher) -> None:
     if device.type == "cuda":
         torch.empty(1, device=device)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    model: SyncedModel | None = None
     try:
         model = SyncedModel(
             torch.nn.Linear(2, 1),
@@ -661,7 +663,12 @@ def warm_up(device: torch.device, watcher: PreemptionWatcher) -> None:
         model.finish()
         dist.all_gather_object([None], "warm")
     finally:
+        # DDP's reducer holds the group in a reference cycle: freed by a later garbage collection, its destructor joins
+        # gloo's threads holding the interpreter's lock (0.3 s here, 27 s once on the test cluster), and a collection
+        # that falls in the recovery this standby joins costs that recovery as much. Freed now, while it waits.
+        model = None
         dist.destroy_process_group()
+        gc.collect()
 
 
 # Said once at the start of a CUDA job under --recovery (docs/recovery.md's limits).
