@@ -223,13 +223,25 @@ class Heartbeat:
         self._stop.set()
 
 
+# The gloo groups recovery left, held for the life of the process. A gloo group's destructor joins its threads, and one
+# may still wait in a collective that a survivor abandoned (PeerDeclaredDead) on a peer that is alive and holds its own
+# old group open: the join lasts until that collective's timeout. Dropped by the old DDP's reducer (a garbage
+# collection, at any later moment), the destructor runs holding the interpreter's lock: on the test cluster rank 0's
+# heartbeat stopped for 1.5 s after a second recovery, the standbys counted it dead, and the job fell back. Held here,
+# the group is never destroyed while the run goes on; its threads idle once that collective times out.
+_BROKEN_GROUPS: list[Any] = []
+
+
 def tear_down(backend: str) -> None:
     """Leave a broken process group without waiting on the dead: NCCL's communicators are aborted (a kernel
-    waiting on a dead peer never returns, and the watchdog would take the process down), then destroyed."""
+    waiting on a dead peer never returns, and the watchdog would take the process down), then destroyed; a gloo group
+    is unregistered and held (`_BROKEN_GROUPS`)."""
     if not dist.is_initialized():
         return
     if backend == "nccl":
         abort_default_group()
+    else:
+        _BROKEN_GROUPS.append(dist.group.WORLD)
     if dist.is_initialized():  # an abort may have left the group registered
         dist.destroy_process_group()
 
