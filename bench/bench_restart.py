@@ -36,7 +36,12 @@ nodes, rank 3 SIGKILLed while training past step 30: `back` is the kill -> the f
 -> the first past the step the kill interrupted, `replayed` the steps trained twice; in-process also gives its recovery
 record's stages (notice: the kill -> the survivors' failed collective).
 
-    python bench/bench_restart.py --standbys [--rounds 2] [--sqsh build/IMAGE.sqsh]
+    python bench/bench_restart.py --standbys [--rounds 2] [--sqsh build/IMAGE.sqsh] [--kill-rank 0] [--second-death]
+
+`--kill-rank 0`: rank 0 is the one SIGKILLed (in-process: the store task serves the store, so its standby takes rank 0's
+place). `--second-death`: in-process, once the store task's new standby (started for the one the first recovery
+consumed) is warm, rank 2 is SIGKILLed too, and the row is that second death's; today's side is one kill, as ever.
+`twice` counts the global steps with more than one progress record (steps trained twice).
 """
 
 from __future__ import annotations
@@ -127,28 +132,45 @@ def training_again(every: list[dict], killed_at: float) -> tuple[dict, dict, int
     return None if past is None else (after[0], past, reached, every[boundary:])
 
 
-def one_kill(enroot: Path, folder: Path, sqsh: Path | None, standbys: int) -> dict[str, float]:
-    """One job of the template with DDPACK_STANDBYS=`standbys`, rank 3 SIGKILLed while it trains; the seconds after it
-    (see `--standbys` in the module's docstring)."""
+def warm(job: str, log: Path, standbys: int) -> None:
+    """Until `standbys` standbys have said they are warm in the job's log."""
+    deadline = time.monotonic() + 120
+    while log.read_text().count("warm, watching") < standbys:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"bench_restart: job {job}'s standby is not warm; see {log}")
+        time.sleep(0.1)
+
+
+def kill_task(job: str, log: Path, task: int) -> float:
+    """SIGKILL the launcher's task `task` (SLURM_PROCID) of the job's training step; the wall clock of the kill."""
+    killed_at = time.time()
+    if not any(signal_tasks(job, node, signal.SIGKILL, rank=task) for node in NODES):
+        raise SystemExit(f"bench_restart: job {job} has no task {task}; see {log}")
+    return killed_at
+
+
+def one_kill(enroot: Path, folder: Path, sqsh: Path | None, standbys: int, rank: int = 3, second: bool = False) -> dict[str, float]:
+    """One job of the template with DDPACK_STANDBYS=`standbys`, rank `rank` SIGKILLed while it trains (and with `second`,
+    rank 2 once a new standby is warm); the seconds after the last kill (see `--standbys` in the module's docstring)."""
     with submitted(enroot, folder, sqsh, "kill", f"DDPACK_STANDBYS={standbys}") as (job, metrics, log):
         wait_for_progress(metrics, 30, log, "the job did not train", timeout=300)
-        deadline = time.monotonic() + 120
-        while standbys and "warm, watching" not in log.read_text():
-            if time.monotonic() > deadline:
-                raise SystemExit(f"bench_restart: job {job}'s standby is not warm; see {log}")
-            time.sleep(0.1)
-        killed_at = time.time()
-        if not any(signal_tasks(job, node, signal.SIGKILL, rank=3) for node in NODES):
-            raise SystemExit(f"bench_restart: job {job} has no rank 3; see {log}")
+        warm(job, log, standbys)
+        killed_at = kill_task(job, log, rank)
+        if second:
+            warm(job, log, standbys + 1)  # the store task's new standby
+            killed_at = kill_task(job, log, 2)
         deadline = time.monotonic() + 300
         while (again := training_again(read_metrics(metrics), killed_at)) is None:
             if time.monotonic() > deadline:
                 raise SystemExit(f"bench_restart: job {job} did not train again past the step the kill interrupted; see {log}")
             time.sleep(0.05)
+        time.sleep(2)  # a few steps more: a step trained twice shows
+        steps = [r["global_step"] for r in read_metrics(metrics) if r["kind"] == "progress"]
     back, past, reached, records = again
     row = {"back": back["time"] - killed_at, "past": past["time"] - killed_at}
     starts = [r for r in records if r["kind"] == "start"]
     row["replayed"] = reached - starts[0]["global_step"] if starts else 0
+    row["twice"] = len(steps) - len(set(steps))
     recovery = next((r for r in records if r["kind"] == "recovery"), None)
     if recovery is not None:
         row |= {"notice": recovery["failed_at"] - killed_at, **{k[:-2]: recovery[k] for k in ("decide_s", "abort_s", "new_group_s", "state_s", "first_step_s")}}
@@ -157,7 +179,7 @@ def one_kill(enroot: Path, folder: Path, sqsh: Path | None, standbys: int) -> di
     return row
 
 
-def standbys_main(rounds: int, sqsh: Path | None) -> int:
+def standbys_main(rounds: int, sqsh: Path | None, rank: int = 3, second: bool = False) -> int:
     with tempfile.TemporaryDirectory(prefix="ddpack-bench-restart-", dir="/tmp") as tmp:
         work = Path(tmp)
         work.chmod(0o755)
@@ -165,12 +187,13 @@ def standbys_main(rounds: int, sqsh: Path | None) -> int:
         rows: dict[str, list[dict[str, float]]] = {"restart": [], "in-process": []}
         for round_ in range(rounds):
             for side, standbys in (("restart", 0), ("in-process", 1)):
-                row = one_kill(enroot, work / f"{side}-{round_}", sqsh, standbys)
+                row = one_kill(enroot, work / f"{side}-{round_}", sqsh, standbys, rank, second and standbys > 0)
                 rows[side].append(row)
                 print(f"round {round_ + 1} {side:<10} " + "  ".join(f"{k} {v:.3f}" for k, v in row.items()), flush=True)
     path = f"pyxis-per-task.sbatch, {sqsh.name}" if sqsh else "baremetal.sbatch"
     medians = {side: {k: statistics.median(r[k] for r in found) for k in found[0]} for side, found in rows.items()}
-    print(f"\na killed rank on the test cluster ({path}, 2 nodes x 2 ranks; {rounds} rounds, A B A B; medians; seconds after the SIGKILL)")
+    what = f"rank {rank} killed" + (", then rank 2 (in-process: the second death's row)" if second else "")
+    print(f"\n{what} on the test cluster ({path}, 2 nodes x 2 ranks; {rounds} rounds, A B A B; medians; seconds after the SIGKILL)")
     for side, found in medians.items():
         print(f"{side:<11} " + "  ".join(f"{k} {v:.3f}" for k, v in found.items()))
     now, before = medians["in-process"], medians["restart"]
@@ -310,6 +333,8 @@ def main() -> int:
                         help="an image (make sqsh; relative to here): the pyxis path, pyxis-per-task.sbatch, instead of bare metal")  # fmt: skip
     parser.add_argument("--local", action="store_true", help="on this host, no Slurm: today's restart against in-process recovery (issue 56)")
     parser.add_argument("--standbys", action="store_true", help="on the test cluster, this revision: today's restart against DDPACK_STANDBYS=1")
+    parser.add_argument("--kill-rank", type=int, default=3, help="with --standbys: the rank SIGKILLed (0: the store task's case)")
+    parser.add_argument("--second-death", action="store_true", help="with --standbys: in-process, rank 2 killed too once a new standby is warm")
     opts = parser.parse_args()
     if opts.local:
         return local_main(opts.rounds)
@@ -317,7 +342,7 @@ def main() -> int:
         print("bench_restart: no Slurm controller answers (sinfo); start the test cluster: .venv/bin/python testbed/slurm_cluster.py", file=sys.stderr)
         return 2
     if opts.standbys:
-        return standbys_main(opts.rounds, opts.sqsh)
+        return standbys_main(opts.rounds, opts.sqsh, opts.kill_rank, opts.second_death)
     with tempfile.TemporaryDirectory(prefix="ddpack-bench-restart-", dir="/tmp") as tmp:
         work = Path(tmp)
         work.chmod(0o755)

@@ -116,11 +116,22 @@ class StepEnd:
         return self.code
 
 
+def run_over(end: dict) -> bool:
+    """Whether a rank's end record ends the run, not that rank alone: rank 0's, unless a standby takes its place (it
+    failed of its own error, or was counted dead: the store task serves the store, so rank 0 is replaced as any rank
+    is), and any rank's that fell back to a restart."""
+    cause = end.get("cause")
+    if cause == "recovery-fallback":
+        return True
+    return int(end["rank"]) == 0 and not (end.get("outcome") == "failed" and cause in ("own", "counted-dead"))
+
+
 def run_step(argv: list[str], *, env: dict[str, str] | None = None, end_wait: float = 0) -> StepEnd:
     """Run the training step (srun), its output and errors passed through line by line as they come; how it ended,
-    read from srun's lines and the ranks' end records. `end_wait` > 0: the step is ended that many seconds after rank 0
-    ended (its end record, or srun's line that task 0 ended) if it has not ended by itself, which is what srun's --wait
-    does from the first task's end when standbys make a task's end no end of the run (`Training.standby_step`)."""
+    read from srun's lines and the ranks' end records. `end_wait` > 0 (a step with standbys and its store task): the
+    step is ended that many seconds after the run ended (`run_over`: rank 0's end record, or a fallback's) if it has
+    not ended by itself, which is what srun's --wait does from the first task's end when standbys make a task's end,
+    rank 0's included, no end of the run (`Training.standby_step`)."""
     try:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     except OSError as why:
@@ -140,7 +151,7 @@ def run_step(argv: list[str], *, env: dict[str, str] | None = None, end_wait: fl
             found = TASK_ENDED.match(line)
             if found and not found.group(3).startswith(NOT_A_CRASH):
                 ended.append((found.group(1).decode("ascii"), len(task_ids(found.group(2)))))
-            if found and 0 in task_ids(found.group(2)):
+            if found and 0 in task_ids(found.group(2)) and end_wait <= 0:
                 rank0_ended.set()
             if (at := line.find(STANDBY_END_MARK)) >= 0:
                 standby_left(step, line[at + len(STANDBY_END_MARK) :])
@@ -152,7 +163,7 @@ def run_step(argv: list[str], *, env: dict[str, str] | None = None, end_wait: fl
                         left[str(end["host"])] = left.get(str(end["host"]), 0) + 1
                     step.exits[int(end["rank"])] = int(end["exit_code"])
                     step.world = int(end["world_size"])
-                    if int(end["rank"]) == 0:
+                    if run_over(end):
                         rank0_ended.set()
 
     readers = [
@@ -187,16 +198,18 @@ def standby_left(step: StepEnd, text: bytes) -> None:
 
 
 def end_after_rank0(proc: subprocess.Popen, rank0_ended: threading.Event, wait_s: float, ended: list[bool]) -> None:
-    """End the step `wait_s` seconds after rank 0 ended, if it is still running: a task still alive then is a rank frozen
-    (SIGSTOP, a hung driver) that the standbys replaced, or a standby that cannot leave; rank 0 hosts the job's store and
-    is never replaced, so its end is the run's. srun ends its tasks on SIGTERM; KILL follows when it does not leave."""
+    """End the step `wait_s` seconds after the run ended (`run_over`), if it is still running: a task still alive then
+    is a rank frozen (SIGSTOP, a hung driver) that the standbys replaced, or a standby or store task that cannot leave.
+    srun ends its tasks on SIGTERM; KILL follows when it does not leave."""
     rank0_ended.wait()
     try:
         proc.wait(timeout=wait_s)
         return
     except subprocess.TimeoutExpired:
         pass
-    say(f"rank 0 ended {wait_s:g} s ago and the step has not (a task frozen, or a standby that cannot leave): ending it (DDPACK_STEP_WAIT)")
+    say(
+        f"the run ended {wait_s:g} s ago and the step has not (a task frozen, or a standby that cannot leave): ending it (DDPACK_STEP_WAIT)"
+    )
     ended.append(True)
     with contextlib.suppress(OSError):
         proc.terminate()
@@ -272,13 +285,14 @@ class StepRecords:
 def task_hosts(nodes: list[str], per_node: int, standbys: int) -> list[str]:
     """Each task's node, in task order, for a step with `standbys` standby tasks after the ranks (SLURM_HOSTFILE): the
     ranks as srun's block distribution places them (`per_node` on each node, in order), then the standbys one a node
-    from the first. The recovery prefers a standby on another node than the dead rank's (train/recovery.py's `decide`),
-    and the first node's rank 0 hosts the job's store, so its death is never recovered: a standby there is on another
-    node than every rank it can replace but the first node's others. The nodes go in Slurm's order whatever order the
-    placement chose: each task takes the step's first node (SLURM_STEP_NODELIST, which Slurm sorts) for rank 0's, the
-    store's address (entrypoint/plan.py), and srun's block distribution would have put rank 0 there too."""
+    from the first, then the store task (DDPACK_STORE_TASK=1, train/recovery.py's `serve_store`: the job's store in a
+    process that is no rank, so that rank 0's death is recovered as any rank's) on the first node, whose name is the
+    store's address (MASTER_ADDR). The recovery prefers a standby on another node than the dead rank's (`decide`). The
+    nodes go in Slurm's order whatever order the placement chose: each task takes the step's first node
+    (SLURM_STEP_NODELIST, which Slurm sorts) for the store's address (entrypoint/plan.py)."""
     nodes = sorted(nodes, key=natural)
-    return [node for node in nodes for _ in range(per_node)] + [nodes[index % len(nodes)] for index in range(standbys)]
+    ranks = [node for node in nodes for _ in range(per_node)]
+    return [*ranks, *(nodes[index % len(nodes)] for index in range(standbys)), nodes[0]] if standbys else ranks
 
 
 def newer(path: Path, than: Path) -> bool:
@@ -474,7 +488,10 @@ class Training:
         # The tasks are handed the count this step starts (the trainer reads its --standbys there): a count asked for
         # that this step cannot start would otherwise make its last ranks standbys that nobody started as such.
         asked = value("DDPACK_STANDBYS", env)
-        none = None if asked == "auto" or not int(asked) else {**env, "DDPACK_STANDBYS": "0"}
+        overrides = {"DDPACK_STANDBYS": "0"} if asked != "auto" and int(asked) else {}
+        if env.get("DDPACK_STORE_TASK", "0") != "0":  # no store task without standbys: the last task is a rank
+            overrides["DDPACK_STORE_TASK"] = "0"
+        none = {**env, **overrides} if overrides else None
         if not self.standbys:
             yield self.placement, none
             return
@@ -496,6 +513,7 @@ class Training:
             step_env = {name: text for name, text in env.items() if name not in ("SLURM_WAIT", "SLURM_NTASKS_PER_NODE")}
             step_env["SLURM_HOSTFILE"] = path
             step_env["DDPACK_STANDBYS"] = str(self.standbys)
+            step_env["DDPACK_STORE_TASK"] = "1"  # the last task serves the store (`task_hosts`)
             options = [
                 f"--nodes={len(nodes)}",
                 f"--ntasks={len(hosts)}",

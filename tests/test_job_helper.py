@@ -795,19 +795,20 @@ def end_line(rank: int, code: int, world: int = 4) -> str:
 
 
 def test_standbys_are_extra_tasks_of_the_training_step_placed_task_by_task_without_srun_wait(tmp_path: Path) -> None:
-    """DDPACK_STANDBYS=1 on 2 nodes x 2 ranks: one step of 5 tasks, the 5th (the standby) on the first node (rank 0's,
-    whose own death is never recovered: there it stands on another node than ranks 2 and 3); srun's --wait and the
-    job's --ntasks-per-node do not reach the step, a dead rank does not end it. Rank 3 SIGKILLed and replaced in process:
+    """DDPACK_STANDBYS=1 on 2 nodes x 2 ranks: one step of 6 tasks, the 5th (the standby) on the first node, the 6th the
+    store task (DDPACK_STORE_TASK=1) on the first node, the store's address; srun's --wait and the job's
+    --ntasks-per-node do not reach the step, a dead rank does not end it. Rank 3 SIGKILLed and replaced in process:
     srun says 137, every rank's end record says 0, and the step completed, with the recovery recorded."""
     record = f"{tmp_path}/step-env.txt"
-    shows = f'cat "$SLURM_HOSTFILE" > "{record}"; echo "wait=${{SLURM_WAIT-unset}} per-node=${{SLURM_NTASKS_PER_NODE-unset}}" >> "{record}"; '
+    seen = "wait=${SLURM_WAIT-unset} per-node=${SLURM_NTASKS_PER_NODE-unset} store-task=${DDPACK_STORE_TASK-unset}"
+    shows = f'cat "$SLURM_HOSTFILE" > "{record}"; echo "{seen}" >> "{record}"; '
     recovered = f"""echo '{{"kind": "recovery", "global_step": 11}}' >> "{tmp_path}/run/metrics.jsonl"; """
     lines = "; ".join([*(end_line(rank, 0) for rank in range(4)), 'echo "srun: error: ddnode2: task 3: Killed" >&2'])
     out, _, run_dir, steps = after_step(
         tmp_path, 137, step_also=shows + recovered + lines, DDPACK_STANDBYS="1", SLURM_WAIT="120", SLURM_JOB_NODELIST="ddnode1,ddnode2"
     )
-    assert steps == ["--nodes=2 --ntasks=5 --distribution=arbitrary --overcommit --kill-on-bad-exit=0 x"], steps
-    assert Path(record).read_text() == "ddnode1\nddnode1\nddnode2\nddnode2\nddnode1\nwait=unset per-node=unset\n"
+    assert steps == ["--nodes=2 --ntasks=6 --distribution=arbitrary --overcommit --kill-on-bad-exit=0 x"], steps
+    assert Path(record).read_text() == "ddnode1\nddnode1\nddnode2\nddnode2\nddnode1\nddnode1\nwait=unset per-node=unset store-task=1\n"
     assert out.returncode == 0, out.stdout + out.stderr
     said = [line for line in out.stdout.splitlines() if line.startswith("ddpack: ")]
     assert said == [
@@ -826,7 +827,7 @@ def test_with_standbys_a_step_whose_ranks_disagree_is_decided_by_sruns_status_an
     lines = "; ".join([end_line(0, 1), end_line(1, 1), end_line(2, 1)])
     out, _, _, steps = after_step(tmp_path, 137, step_also=lines, DDPACK_STANDBYS="1", SLURM_JOB_NODELIST="ddnode1,ddnode2")
     assert "ddpack: the step failed (exit 137); restarting it in this allocation on ddnode1,ddnode2" in out.stdout, out.stdout
-    assert len(steps) == 2 and steps[1] == steps[0] == "--nodes=2 --ntasks=5 --distribution=arbitrary --overcommit --kill-on-bad-exit=0 x"
+    assert len(steps) == 2 and steps[1] == steps[0] == "--nodes=2 --ntasks=6 --distribution=arbitrary --overcommit --kill-on-bad-exit=0 x"
 
 
 def test_with_standbys_a_task_still_alive_after_rank_0_ended_is_ended_after_the_step_wait(tmp_path: Path) -> None:
@@ -838,14 +839,23 @@ def test_with_standbys_a_task_still_alive_after_rank_0_ended_is_ended_after_the_
         tmp_path, 1, step_also=frozen, DDPACK_STANDBYS="1", DDPACK_STEP_WAIT="1", DDPACK_MAX_FAILURE_RESTARTS="0", SLURM_JOB_NODELIST="ddnode1,ddnode2"
     )
     assert len(steps) == 1 and out.returncode == 137, out.stdout + out.stderr
-    assert "ddpack: rank 0 ended 1 s ago and the step has not (a task frozen, or a standby that cannot leave): ending it (DDPACK_STEP_WAIT)" in out.stdout
+    assert "ddpack: the run ended 1 s ago and the step has not (a task frozen, or a standby that cannot leave): ending it (DDPACK_STEP_WAIT)" in out.stdout
     assert "ddpack: the step failed (exit 137) after 0 failure restarts" in out.stdout, out.stdout
+
+
+def test_with_standbys_rank_0_killed_and_replaced_does_not_end_the_step(tmp_path: Path) -> None:
+    """The store task serves the store, so rank 0 is replaced as any rank: srun's line that task 0 was killed is no end
+    of the run (the step wait does not start from it); the run ends with the ranks' end records, rank 0's the standby's."""
+    replaced = "; ".join(['echo "srun: error: ddnode1: task 0: Killed" >&2', "sleep 2", *(end_line(rank, 0) for rank in range(4))])
+    out, _, _, steps = after_step(tmp_path, 137, step_also=replaced, DDPACK_STANDBYS="1", DDPACK_STEP_WAIT="1", SLURM_JOB_NODELIST="ddnode1,ddnode2")
+    assert len(steps) == 1 and out.returncode == 0, out.stdout + out.stderr
+    assert "ending it (DDPACK_STEP_WAIT)" not in out.stdout and "ddpack: the step completed (exit 0)" in out.stdout, out.stdout
 
 
 @pytest.mark.parametrize(
     ("settings", "tres", "before_train", "options", "seen", "why"),
     [
-        ({"DDPACK_TRAIN_ARGS": "--epochs 1"}, "", "", "--nodes=2 --ntasks=5 --distribution=arbitrary --overcommit --kill-on-bad-exit=0 x",
+        ({"DDPACK_TRAIN_ARGS": "--epochs 1"}, "", "", "--nodes=2 --ntasks=6 --distribution=arbitrary --overcommit --kill-on-bad-exit=0 x",
          "1", "the default where the nodes have no GPUs"),
         ({"DDPACK_TRAIN_ARGS": "--epochs 1"}, "gres/gpu:2", "", "x", "auto", "a CUDA job: a standby would hold a GPU of its own"),
         ({"DDPACK_COMMAND": "python ddp.py"}, "", "", "x", "auto", "your own program runs"),

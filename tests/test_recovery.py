@@ -41,8 +41,10 @@ def test_no_live_standby_falls_back_and_says_so() -> None:
     assert decide(0, ROSTER, {3: "r3"}, HOSTS, []).fallback == "rank(s) 3 lost and no standby is alive"
 
 
-def test_rank_0_lost_falls_back_it_hosts_the_store() -> None:
+def test_rank_0_lost_falls_back_when_it_hosts_the_store_and_is_replaced_when_a_store_task_does() -> None:
     assert decide(0, ROSTER, {0: "r0"}, HOSTS, ["s0", "s1"]).fallback == "rank 0 lost: it hosts the job's store, which the group is formed on"
+    decision = decide(0, ROSTER, {0: "r0"}, HOSTS, ["s0", "s1"], rank0_hosts_store=False)
+    assert decision.fallback is None and decision.replacements == {0: "s1"} and decision.roster[0] == "s1"
 
 
 def test_a_decision_reads_back_as_written() -> None:
@@ -87,14 +89,23 @@ def test_each_rank_and_step_has_its_own_seed_over_a_long_run() -> None:
     assert step_seed(3, 1, 7) == step_seed(3, 1, 7) != step_seed(4, 1, 7)
 
 
-@pytest.mark.parametrize(("rank", "standby"), [(0, False), (3, False), (4, True), (5, True)])
-def test_the_launchers_last_k_ranks_are_standbys_and_the_others_train_in_a_world_of_the_rest(rank: int, standby: bool) -> None:
+@pytest.mark.parametrize(("rank", "role"), [(0, "rank"), (3, "rank"), (4, "standby"), (5, "standby")])
+def test_the_launchers_last_k_ranks_are_standbys_and_the_others_train_in_a_world_of_the_rest(rank: int, role: str) -> None:
     """A template starts K standbys as extra tasks of its step (DDPACK_STANDBYS): of 6 launcher ranks, 4 train."""
     environ = {"RANK": str(rank), "WORLD_SIZE": "6"}
-    assert recovery.launcher_role(2, environ) is standby
+    assert recovery.launcher_role(2, environ) == role
     assert environ == {"RANK": str(rank), "WORLD_SIZE": "4"}  # what train.distributed and the watchdog read next
     untouched = {"RANK": str(rank), "WORLD_SIZE": "6"}
-    assert recovery.launcher_role(0, untouched) is False and untouched["WORLD_SIZE"] == "6"
+    assert recovery.launcher_role(0, untouched) == "rank" and untouched["WORLD_SIZE"] == "6"
+
+
+@pytest.mark.parametrize(("rank", "role"), [(0, "rank"), (3, "rank"), (4, "standby"), (5, "store")])
+def test_with_a_store_task_the_launchers_last_process_serves_the_store_after_the_standbys(rank: int, role: str) -> None:
+    """DDPACK_STORE_TASK=1 with one standby: of 6 launcher processes, 4 train, one waits, the last serves the store."""
+    environ = {"RANK": str(rank), "WORLD_SIZE": "6"}
+    assert recovery.launcher_role(1, environ, store_task=True) == role and environ["WORLD_SIZE"] == "4"
+    with pytest.raises(recovery.RecoveryImpossible, match=r"^the store task leaves no rank to train: the launcher started 1 "):
+        recovery.launcher_role(0, {"RANK": "0", "WORLD_SIZE": "1"}, store_task=True)
 
 
 def test_standbys_that_leave_no_rank_to_train_are_one_line() -> None:

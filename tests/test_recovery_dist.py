@@ -28,15 +28,20 @@ pytestmark = pytest.mark.dist
 ARGS = ["--dataset-size", "2048", "--epochs", "1", "--batch-size", "32", "--log-every", "1", "--snapshot-dir", "", "--recovery"]
 
 
-def start_with_standbys(tmp: Path, world: int, args: Sequence[str], standbys: int, **extra: str) -> Job:
+def start_with_standbys(tmp: Path, world: int, args: Sequence[str], standbys: int, store_task: bool = False, **extra: str) -> Job:
     """`world` ranks and `standbys` standbys in the per-task shape, as a template's step starts them (DDPACK_STANDBYS):
     world + standbys processes of one command, each with its launcher RANK of WORLD_SIZE=world + standbys (srun tasks'
-    SLURM_PROCID, `docker run -e`) and `--standbys`; the last ones, procs[world:], are the standbys."""
+    SLURM_PROCID, `docker run -e`) and `--standbys`; the last ones, procs[world:], are the standbys. `store_task`: one
+    process more, the last, serves the job's store (DDPACK_STORE_TASK=1, as the job program's step sets it)."""
     port = extra.pop("MASTER_PORT", None) or str(free_port())
     procs, logs = [], []
-    for index in range(world + standbys):
-        logs.append(tmp / (f"standby{index - world}.log" if index >= world else f"rank{index}.log"))
-        env = clean_env(RANK=str(index), WORLD_SIZE=str(world + standbys), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **extra)
+    launched = world + standbys + int(store_task)
+    for index in range(launched):
+        name = "store" if store_task and index == launched - 1 else f"standby{index - world}" if index >= world else f"rank{index}"
+        logs.append(tmp / f"{name}.log")
+        env = clean_env(RANK=str(index), WORLD_SIZE=str(launched), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **extra)
+        if store_task:
+            env["DDPACK_STORE_TASK"] = "1"
         argv = [*ENTRYPOINT, *args, "--standbys", str(standbys)]
         with open(logs[-1], "wb") as out:
             procs.append(subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=tmp))
@@ -97,40 +102,64 @@ print(os.getuid(), len(keys), flush=True)
 
 
 def test_a_killed_rank_is_replaced_by_the_standby_with_a_survivors_state_and_the_run_ends_bit_exact(tmp_path: Path) -> None:
-    reference = subdir(tmp_path, "reference")  # runs beside the attacked job (its own port and store): the test's time is one run's
-    whole = start_with_standbys(reference, 2, [*ATTACKED, "--metrics-file", str(reference / "m.jsonl")], standbys=1, **SLOW)
+    """The step's shape on the cluster: 2 ranks, the launcher's standby and the store task (DDPACK_STORE_TASK=1), which
+    serves the job's store, so rank 0 is a client like any rank. Another user writes into the store for a second; then
+    rank 0 is SIGKILLed: the standby takes its place and its duties (it writes the run's metrics from then on), and the
+    store task starts a new standby for the one consumed; the standby in rank 0's place SIGKILLed in turn is replaced
+    by that one. Rank 1 sleeps 100 ms a step (128 steps: room for the attack and two standbys' warm-up)."""
+    slow = {**SLOW, "SLOW_RANK": "1", "SLOW_RANK_MS": "100"}
+    # The same run with no sleep and no standby, beside the attacked job (its own port and store): the test's time is one run's.
+    reference = subdir(tmp_path, "reference")
+    whole = start_with_standbys(reference, 2, [*ATTACKED, "--metrics-file", str(reference / "m.jsonl")], standbys=0, PYTHONPATH=SLOW["PYTHONPATH"])
 
     killed = subdir(tmp_path, "killed")
     metrics = killed / "m.jsonl"
     port = free_port()
     mallory, uid = run_as_another_user(ATTACK, port, 1.0)
     job = start_with_standbys(
-        killed, 2, [*ATTACKED, "--metrics-file", str(metrics)], standbys=1, MASTER_PORT=str(port), DDPACK_JOB_TOKEN=TOKEN, **SLOW
+        killed,
+        2,
+        [*ATTACKED, "--metrics-file", str(metrics)],
+        standbys=1,
+        store_task=True,
+        MASTER_PORT=str(port),
+        DDPACK_JOB_TOKEN=TOKEN,
+        **slow,
     )
     out, _ = mallory.communicate(timeout=120)
     assert mallory.returncode == 0 and int(out.split()[0]) == uid
     after_attack = metrics_step(metrics)
     wait_for(lambda: metrics_step(metrics) >= max(after_attack + 5, 10), 60, "5 steps after the attack")
-    assert [p.poll() for p in job.procs] == [None, None, None], job.output()  # nobody gave up, the standby stayed
+    assert [p.poll() for p in job.procs] == [None] * 4, job.output()  # nobody gave up, the standby and the store stayed
     ignored = [line for line in job.output().splitlines() if "recovery: ignored the store's" in line]
     assert any("gen0/decision" in line for line in ignored) and any("closed" in line for line in ignored), job.output()
-    job.send(signal.SIGKILL, [1])  # and then a real death, recovered in process all the same
+    job.send(signal.SIGKILL, [0])  # and then a real death, of rank 0, recovered in process all the same
+    store = lambda: job.output(3)  # noqa: E731 - the store task's lines, and the new standby's (started by it, its output beside)
+    wait_for(lambda: re.search(r"standby s[0-9]+ on \S+: warm, watching", store()) is not None, 120, "the store task's new standby warm")
+    assert metrics_step(metrics) < 110, "the run is almost over before the second death"
+    job.send(signal.SIGKILL, [2])  # the standby in rank 0's place
     codes = job.wait()
-    assert whole.wait() == [0, 0, 0], whole.output()  # the standby the run did not need leaves with 0
+    assert whole.wait() == [0, 0], whole.output()
     expected = set(whole.checksums())
-    assert len(expected) == 1 and "took rank" not in whole.output(), whole.output()
-    assert codes[0] == 0 and codes[2] == 0 and codes[1] == -signal.SIGKILL, job.output()
-    assert "[rank 1/2] standby took rank 1: state of rank 0 at epoch 1/1 step" in job.output(2)
-    # the standby's name is its index, past the counter the attacker bumped: s<n>
-    assert re.search(r"recovery: rank 1 lost in generation 0 \(RuntimeError\); s[0-9]+ takes rank 1", job.output(0)), job.output(0)
-    # The same parameters as the uninterrupted run, on the survivor and on the standby that took rank 1.
-    assert [end.checksum for end in job.ends(0)] == [*expected] and [end.checksum for end in job.ends(2)] == [*expected]
-    steps = progress_steps(metrics)
+    assert len(expected) == 1, whole.output()
+    assert codes == [-signal.SIGKILL, 0, -signal.SIGKILL, 0], job.output()
+    assert "serving the job's store at 127.0.0.1:" in store() and "the run ended; the store closes" in store(), store()
+    assert "store task: a standby took a place in generation 1; started a new one" in store(), store()
+    # the standbys' names are their indexes; the store task's is past the counter the attacker bumped: s<n>
+    assert re.search(r"recovery: rank 0 lost in generation 0 \(\w+\); s0 takes rank 0", job.output(1)), job.output(1)
+    assert re.search(r"recovery: rank 0 lost in generation 1 \(\w+\); s[0-9]+ takes rank 0", job.output(1)), job.output(1)
+    assert "[rank 0/2] standby took rank 0: state of rank 1 at epoch 1/1 step" in job.output(2), job.output(2)
+    assert "[rank 0/2] standby took rank 0: state of rank 1 at epoch 1/1 step" in store(), store()
+    # The same parameters as the uninterrupted run, on the survivor and on the second standby in rank 0's place.
+    assert [end.checksum for end in job.ends(1)] == [*expected] and [end.checksum for end in job.ends(3)] == [*expected]
+    steps = progress_steps(metrics)  # rank 0's records: the killed one's, then each standby's in its place
     assert len(steps) == len(set(steps)) and steps == sorted(steps), steps  # no global step trained twice
-    assert steps[-1] == job.ends(0)[-1].total_steps
-    record = next(r for r in map(json.loads, metrics.read_text().splitlines()) if r["kind"] == "recovery")
-    assert record["generation"] == 1 and record["global_step"] > 10  # the first step trained after the recovery
-    assert {"decide_s", "abort_s", "new_group_s", "state_s", "first_step_s", "total_s"} <= record.keys()
+    assert steps[-1] == job.ends(3)[-1].total_steps
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.startswith("{")]
+    assert [r["kind"] for r in records].count("start") == 1 and records[-1]["kind"] == "end" and records[-1]["outcome"] == "done"
+    recoveries = [r for r in records if r["kind"] == "recovery"]
+    assert [r["generation"] for r in recoveries] == [1, 2] and recoveries[0]["global_step"] > 10, recoveries
+    assert {"decide_s", "abort_s", "new_group_s", "state_s", "first_step_s", "total_s"} <= recoveries[0].keys()
 
 
 def test_without_a_standby_the_survivor_falls_back_to_a_restart_and_says_why(tmp_path: Path) -> None:

@@ -55,10 +55,11 @@ def test_the_restart_decision_says_why_recovery_fell_back_in_one_line_and_its_re
 
 
 def test_the_standbys_go_one_a_node_after_the_ranks_and_rank_0_on_the_steps_first_node(node: ModuleType) -> None:
-    """Each task's node for SLURM_HOSTFILE: the ranks in blocks, then the standbys one a node from the first. A placement
-    that chose ddnode2 first (its last step's node) still puts rank 0 on ddnode1: every task takes the step's first node,
-    as Slurm sorts it, for the store's address."""
-    assert node.task_hosts(["ddnode1", "ddnode2"], 2, 1) == ["ddnode1", "ddnode1", "ddnode2", "ddnode2", "ddnode1"]
+    """Each task's node for SLURM_HOSTFILE: the ranks in blocks, then the standbys one a node from the first, then the
+    store task on the first node. A placement that chose ddnode2 first (its last step's node) still puts rank 0 and the
+    store task on ddnode1: every task takes the step's first node, as Slurm sorts it, for the store's address."""
+    assert node.task_hosts(["ddnode1", "ddnode2"], 2, 1) == ["ddnode1", "ddnode1", "ddnode2", "ddnode2", "ddnode1", "ddnode1"]
+    assert node.task_hosts(["ddnode1", "ddnode2"], 2, 0) == ["ddnode1", "ddnode1", "ddnode2", "ddnode2"]  # no standby, no store task
     assert node.task_hosts(["ddnode2", "ddnode10", "ddnode1"], 1, 4) == [
         "ddnode1",
         "ddnode2",
@@ -66,6 +67,7 @@ def test_the_standbys_go_one_a_node_after_the_ranks_and_rank_0_on_the_steps_firs
         "ddnode1",
         "ddnode2",
         "ddnode10",
+        "ddnode1",
         "ddnode1",
     ]
 

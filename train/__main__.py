@@ -31,7 +31,7 @@ from train.distributed import (
 from train.metrics import MetricsFile, MetricsWriteError, RankLog
 from train.model import SetupError
 from train.outcome import RECOVERY_IMPOSSIBLE, RunEnd
-from train.recovery import Membership, Recovery, RecoveryImpossible, enter
+from train.recovery import Membership, Recovery, RecoveryImpossible, enter, launcher_role, serve_store
 from train.signals import PreemptionWatcher
 from train.snapshot import SnapshotsUnreadable, SnapshotWriteError
 from train.tasks import TaskError, load_task
@@ -46,6 +46,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PlanError as exc:
         print(f"train: error: {exc}", file=sys.stderr)
         return 2
+    try:
+        # A --standby started by the store task has its launcher environment (`spawn_standby`): a standby, not the store.
+        store_task = (
+            config.store_task and not config.standby and launcher_role(config.standbys, dict(os.environ), store_task=True) == "store"
+        )
+    except RecoveryImpossible as exc:
+        print(f"train: error: {exc}", file=sys.stderr)
+        return 2
+    if store_task:  # the launcher's last process serves the job's store and trains nothing (no device, no task)
+        launched = dict(os.environ)  # what a standby it starts is handed: the launcher's, as its own tasks had
+        launcher_role(config.standbys, os.environ, store_task=True)
+        import torch
+
+        # A new standby for each one consumed, on this node: not where a GPU would idle for it (the node's ranks hold them).
+        respawn = not torch.cuda.is_available()
+        return serve_store(
+            standbys=config.standbys, connect_s=config.collective_timeout, log=print_store_task, respawn=launched if respawn else None
+        )
     watcher = PreemptionWatcher()  # before the rendezvous, which can take a while under Slurm
     try:
         # The device first: a factory that allocates on CUDA allocates on this rank's GPU.
@@ -60,6 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             entered = enter(
                 standby=config.standby,
                 standbys=config.standbys,
+                store_task=config.store_task,
                 backend=backend,
                 device=device,
                 collective_timeout_s=config.collective_timeout,
@@ -200,6 +219,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         exit_now(end.exit_code)  # tearing down a broken process group can itself hang
     shutdown()
     return end.exit_code
+
+
+def print_store_task(line: str) -> None:
+    print(f"[store] {line}", flush=True)
 
 
 def print_standby(line: str) -> None:

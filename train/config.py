@@ -65,6 +65,7 @@ class Config:
     standby: bool = False
     standbys: int = 0  # the launcher's last this-many ranks are standbys (the templates' DDPACK_STANDBYS)
     bucket_cap_mb: float | None = None  # DDP's gradient buckets, MiB (None: train/step_path.py's for the device)
+    store_task: bool = False  # the launcher's very last task serves the job's store, not rank 0 (DDPACK_STORE_TASK)
 
     @classmethod
     def trajectory_fields(cls) -> tuple[str, ...]:
@@ -93,6 +94,12 @@ def _standby_count(text: str) -> int:
     """--standbys K, or auto (the job settings' default, DDPACK_STANDBYS): 0 here, as the job's program resolves auto
     itself and hands each task the count it started (enroot/ddpack_training.py); a process started by hand has none."""
     return 0 if text == "auto" else _non_negative_int(text)
+
+
+def _zero_or_one(text: str) -> bool:
+    if text not in ("0", "1"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not 0 or 1")
+    return text == "1"
 
 
 def _non_negative_float(text: str) -> float:
@@ -293,6 +300,15 @@ def build_parser() -> argparse.ArgumentParser:
         "how a job template starts them as extra tasks of its step; K > 0 implies --recovery (default: $DDPACK_STANDBYS, else "
         "auto: none, as the job's program hands the count it started and a process that sees auto has no standby beside it)",
     )
+    dist.add_argument(
+        "--store-task",
+        type=_zero_or_one,
+        default=os.environ.get("DDPACK_STORE_TASK") or "0",
+        metavar="0|1",
+        help="1: the launcher's last process (after the --standbys) serves the job's store and trains nothing, so that rank 0 "
+        "is a client like any rank and its death is recovered in process too; implies --recovery (default: $DDPACK_STORE_TASK, "
+        "which the job's program sets with its standbys, else 0: rank 0 hosts the store)",
+    )
     return parser
 
 
@@ -332,7 +348,7 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
             f"train: error: --metrics-file {ns.metrics_file} is {why}, not a file: rank 0 appends a JSON line a record there "
             "and reads it back on a resume (a device never ends, a pipe blocks); name a regular file, or leave the flag out\n",
         )
-    ns.recovery = ns.recovery or ns.standby or ns.standbys > 0
+    ns.recovery = ns.recovery or ns.standby or ns.standbys > 0 or ns.store_task
     if ns.hang_timeout is None:
         ns.hang_timeout = min(DEFAULT_HANG_TIMEOUT, HANG_SHARE_OF_COLLECTIVE * ns.collective_timeout)
     elif ns.hang_timeout and ns.hang_timeout >= ns.collective_timeout:

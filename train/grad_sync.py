@@ -350,7 +350,11 @@ class SyncedModel:
         compiled: Callable[..., Any] | None,
         find_unused_parameters: bool,
         path: StepPath | None = None,
+        sync_initial_state: bool = True,
     ) -> None:
+        """`sync_initial_state`: DDP hands every rank rank 0's parameters and buffers as it is built. False for a group
+        re-formed by in-process recovery, where rank 0 may be the standby that took its place, with a model just built:
+        the state then comes from the survivor furthest along (Trainer._take_state), never from rank 0."""
         path = path if path is not None else StepPath.for_device(device)
         self.sync = GradientSync(watcher, world_size, device, compress=compress, path=path)
         # Gradients are views of DDP's buckets: the collectives reduce them in place, and backward
@@ -361,6 +365,7 @@ class SyncedModel:
             gradient_as_bucket_view=True,
             bucket_cap_mb=path.bucket_cap_mb,
             find_unused_parameters=find_unused_parameters,
+            init_sync=sync_initial_state,
         )
         self.sync.attach(self.ddp)
         self._flags: torch.Tensor | None = None

@@ -34,10 +34,16 @@ with the job's token and read back checked: train/recovery_channel.py):
 
 Falls back (the rank ends `failed`, exit 1, cause recovery-fallback, with the reason; the job program restarts every
 rank from the newest snapshot, as without --recovery): more ranks lost than live standbys; no standby running; the
-store's host (rank 0's node) lost; a collective failed but no member's heartbeat stopped (a hang, or a collective
-slower than its timeout); a failure while re-forming the group (the chosen standby died, another rank died).
+store's host lost (the store task or its node; rank 0 without a store task); a collective failed but no member's
+heartbeat stopped (a hang, or a collective slower than its timeout); a failure while re-forming the group (the chosen
+standby died, another rank died).
 
-Limits: the store host is rank 0 (MASTER_ADDR), so rank 0's death always falls back; torchrun restarts its
+The store: with the store task (--store-task, the job program's steps with standbys) torch's own TCPStore is served by
+the launcher's last process, which trains nothing (`serve_store`), so rank 0 is a client and its death is recovered as
+any rank's (its duties pass to the standby in its place, which is rank 0 from then on); the store task starts a new
+standby for each one a recovery consumed (`spawn_standby`). Without it, rank 0 hosts the store and its death falls back.
+
+Limits: the store task's node (the first) lost takes the store with it; torchrun restarts its
 workers itself, so --recovery needs one process per rank (srun tasks, docker -e); the process group's own rendezvous
 keys are torch's and not signed, and another user who reaches the store can hide a live member's heartbeat (a denial
 of service: docs/security.md); on NCCL a frozen peer costs the collective timeout (its waits are not polled) and the
@@ -47,9 +53,12 @@ path has not run across two GPUs; a rank hung with a live heartbeat is the watch
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import os
 import random
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, MutableMapping
@@ -91,8 +100,16 @@ JOIN_TIMEOUT_S = 20.0  # forming the next generation's group; past it, recovery 
 STORE_TIMEOUT_S = 10.0
 NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 T = TypeVar("T")
-STORE_GONE_S = 1.0  # a standby whose store calls have all failed this long leaves: rank 0, the store's host, is gone
+STORE_GONE_S = 1.0  # a standby whose store calls have all failed this long leaves: the store's host is gone
 REGISTER_S = 1.0  # a node's writers say their registration again this often (a deleted one is mended)
+# The store task (`serve_store`) lingers this long after the run's `closed` key while members still beat, so that the
+# standbys read it and leave with a line, not on a store gone; and leaves once no member's heartbeat has risen for
+# STORE_IDLE_S (every member gone without closing: killed together, or the step ended by the job program).
+STORE_LINGER_S = 5.0
+STORE_IDLE_S = 30.0
+# The store task starts a new standby for each one a recovery consumed, at most this many in a run: a standby that
+# takes a place and dies at once, again and again, ends in a fallback, not in processes started without end.
+MAX_RESPAWNED = 8
 
 
 class PeerDeclaredDead(RuntimeError):
@@ -115,13 +132,22 @@ def collective_timeout(
     return min(ceiling_s, max(floor_s, margin * slowest_step_s))
 
 
-def decide(generation: int, roster: Mapping[int, str], dead: Mapping[int, str], hosts: Mapping[str, str], standbys: list[str]) -> Decision:
+def decide(
+    generation: int,
+    roster: Mapping[int, str],
+    dead: Mapping[int, str],
+    hosts: Mapping[str, str],
+    standbys: list[str],
+    *,
+    rank0_hosts_store: bool = True,
+) -> Decision:
     """Pure: the decision after `dead` (rank -> member) died in `generation`. `hosts`: member -> host; `standbys`:
     the live, unassigned standbys, oldest first. A standby on a host other than the dead rank's is preferred: the
-    node that made a rank die is not where the next one starts when another place exists."""
+    node that made a rank die is not where the next one starts when another place exists. `rank0_hosts_store`: the
+    job's store lives in rank 0's process (no store task, `serve_store`), so rank 0's death took it down."""
     roster, dead = dict(roster), dict(dead)
     after = generation + 1
-    if 0 in dead:
+    if 0 in dead and rank0_hosts_store:
         return Decision(
             generation=after, roster=roster, dead=dead, fallback="rank 0 lost: it hosts the job's store, which the group is formed on"
         )
@@ -159,10 +185,11 @@ def reseed(seed: int, rank: int, global_step: int) -> None:
 
 
 def _store(is_master: bool, connect_s: float = STORE_TIMEOUT_S) -> dist.TCPStore:
-    """The rendezvous store at MASTER_ADDR:MASTER_PORT: rank 0 hosts it for the whole job (the process group is
-    formed on it again under a new prefix at every recovery), everyone else is a client. A rank waits `connect_s`
-    for it (its --collective-timeout, as a rendezvous without --recovery does: rank 0 may start late); every call
-    after that has STORE_TIMEOUT_S, the bound on how long a lost store's host goes unnoticed."""
+    """The job's store at MASTER_ADDR:MASTER_PORT, which the process group is formed on again under a new prefix at
+    every recovery: hosted for the whole job by the store task (`serve_store`), or by rank 0 without one; everyone
+    else is a client. A process waits `connect_s` for it (its --collective-timeout, as a rendezvous without
+    --recovery does: the host may start late); every call after that has STORE_TIMEOUT_S, the bound on how long a
+    lost store's host goes unnoticed."""
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, is_master, timedelta(seconds=connect_s), wait_for_workers=False
     )
@@ -242,13 +269,25 @@ class Heartbeat:
         self._local.leave(self.member)
 
 
+# The gloo groups recovery left, held for the life of the process. A gloo group's destructor joins its threads, and one
+# may still wait in a collective that a survivor abandoned (PeerDeclaredDead) on a peer that is alive and holds its own
+# old group open: the join lasts until that collective's timeout. Dropped by the old DDP's reducer (a garbage
+# collection, at any later moment), the destructor runs holding the interpreter's lock: on the test cluster rank 0's
+# heartbeat stopped for 1.5 s after a second recovery, the standbys counted it dead, and the job fell back. Held here,
+# the group is never destroyed while the run goes on; its threads idle once that collective times out.
+_BROKEN_GROUPS: list[Any] = []
+
+
 def tear_down(backend: str) -> None:
     """Leave a broken process group without waiting on the dead: NCCL's communicators are aborted (a kernel
-    waiting on a dead peer never returns, and the watchdog would take the process down), then destroyed."""
+    waiting on a dead peer never returns, and the watchdog would take the process down), then destroyed; a gloo group
+    is unregistered and held (`_BROKEN_GROUPS`)."""
     if not dist.is_initialized():
         return
     if backend == "nccl":
         abort_default_group()
+    else:
+        _BROKEN_GROUPS.append(dist.group.WORLD)
     if dist.is_initialized():  # an abort may have left the group registered
         dist.destroy_process_group()
 
@@ -325,15 +364,23 @@ class Membership:
 
     @classmethod
     def started(
-        cls, *, rank: int, host: str, collective_timeout_s: float, log: Callable[[str], None], launched: int = 0, **settings: Any
+        cls,
+        *,
+        rank: int,
+        host: str,
+        collective_timeout_s: float,
+        log: Callable[[str], None],
+        launched: int = 0,
+        store_task: bool = False,
+        **settings: Any,
     ) -> Membership:
-        """A rank of generation 0: hosts the store on rank 0, names this rank's host to the standbys and starts its
-        heartbeat."""
+        """A rank of generation 0: hosts the store on rank 0 unless a store task serves it, names this rank's host to
+        the standbys and starts its heartbeat."""
         if os.environ.get("TORCHELASTIC_RUN_ID"):
             raise RecoveryImpossible(
                 "--recovery needs one process per rank (srun tasks, docker -e); under torchrun its agent restarts every worker"
             )
-        channel = Channel.of_job(_store(rank == 0, connect_s=collective_timeout_s), os.environ, log, launched=launched)
+        channel = Channel.of_job(_store(rank == 0 and not store_task, connect_s=collective_timeout_s), os.environ, log, launched=launched)
         member = f"r{rank}"
         heartbeat = Heartbeat(channel, member, host, connect_s=collective_timeout_s)
         return cls(
@@ -389,7 +436,7 @@ class Membership:
         try:
             self.channel.report_failure(self.generation, self.member)  # what the standbys wait for before they judge
         except RuntimeError as exc:
-            raise RecoveryImpossible(f"the store does not answer ({first_line(exc)}): its host, rank 0's node, is lost") from None
+            raise RecoveryImpossible(f"the store at {store_address()} does not answer ({first_line(exc)}): {STORE_LOST}") from None
         decision = self._decision(failure)
         stages.decided = time.time()
         if decision.fallback is not None:
@@ -438,10 +485,7 @@ class Membership:
         except RecoveryImpossible:
             raise
         except RuntimeError as exc:
-            where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-            raise RecoveryImpossible(
-                f"the store at {where} does not answer ({first_line(exc)}): its host, rank 0's node, is lost"
-            ) from None
+            raise RecoveryImpossible(f"the store at {store_address()} does not answer ({first_line(exc)}): {STORE_LOST}") from None
 
     def _stopped(self, members: list[str]) -> list[str]:
         """The members whose heartbeat count does not rise in STALE_S (the standbys watch; this is for when none did)."""
@@ -465,9 +509,20 @@ class Membership:
 class Standby:
     """A warm process waiting to take a dead rank's place, watching every member's heartbeat meanwhile."""
 
-    def __init__(self, *, world_size: int, host: str, log: Callable[[str], None], index: int | None = None, launched: int = 0) -> None:
-        """`index`: which of the launcher's `launched` standby tasks this is (None: started by hand, --standby)."""
+    def __init__(
+        self,
+        *,
+        world_size: int,
+        host: str,
+        log: Callable[[str], None],
+        index: int | None = None,
+        launched: int = 0,
+        rank0_hosts_store: bool = True,
+    ) -> None:
+        """`index`: which of the launcher's `launched` standby tasks this is (None: started by hand, --standby);
+        `rank0_hosts_store`: no store task serves the store (rank 0's death is then a fallback, `decide`)."""
         self.world_size, self.host, self.log = world_size, host, log
+        self.rank0_hosts_store = rank0_hosts_store
         self.channel = Channel.of_job(_store(False), os.environ, log, launched=launched)
         self.member = self.channel.new_standby(index)
         self.heartbeat = Heartbeat(self.channel, self.member, host)
@@ -507,10 +562,12 @@ class Standby:
             except RuntimeError as exc:  # one slow answer is no reason to leave; a store gone for STORE_GONE_S is
                 failing_since = failing_since or time.monotonic()
                 if time.monotonic() - failing_since >= STORE_GONE_S:
-                    log(f"standby {self.member}: the store stopped answering ({first_line(exc)}); leaving")
+                    log(
+                        f"standby {self.member}: the store at {store_address()} stopped answering ({first_line(exc)}): {STORE_LOST}; leaving"
+                    )
                     self.left = (
                         "store-gone",
-                        f"the job's store stopped answering ({first_line(exc)}): rank 0's node lost, or the run over",
+                        f"the job's store at {store_address()} stopped answering ({first_line(exc)}): {STORE_LOST}",
                     )
                     return None
                 time.sleep(STORE_GONE_S / 4)  # a few tries, not one a heartbeat (torch logs each failed call)
@@ -577,7 +634,7 @@ class Standby:
         used = set(self.roster.values())
         alive = [s for s in standbys if s not in stale and s not in used]
         hosts = {m: self._nodes[node][0].host for node, on in self._on_node.items() if node in self._nodes for m in on}
-        decision = decide(self.generation, self.roster, dead, hosts, alive)
+        decision = decide(self.generation, self.roster, dead, hosts, alive, rank0_hosts_store=self.rank0_hosts_store)
         lost = ", ".join(f"rank {r}" for r in sorted(dead))
         how = "" if reported else f" for {FROZEN_S:g}s while a survivor waits on a collective (frozen, or its node lost)"
         self.log(f"standby {self.member}: heartbeat of {lost} stopped{how}; deciding generation {self.generation}")
@@ -651,9 +708,18 @@ class Recovery:
         restarts every rank instead)."""
         self.membership.recover(failure, log)
 
-    def took_state(self) -> None:
-        """The state every rank now holds came from the survivors: this process replaces no one any more."""
+    def timeline(self) -> tuple[float, float, float, float] | None:
+        """This survivor's stages of the recovery in progress, up to the new group (None: none, or a standby's)."""
+        stages = self.membership.stages
+        return None if stages is None else (stages.failed, stages.decided, stages.torn_down, stages.joined)
+
+    def took_state(self, source_timeline: tuple[float, float, float, float] | None = None) -> None:
+        """The state every rank now holds came from the survivors: this process replaces no one any more. A standby
+        takes the state source's timeline (`timeline`) as its own: in rank 0's place, it writes the recovery's record."""
         self.replacing = False
+        if self.membership.stages is None and source_timeline is not None:
+            failed, decided, torn_down, joined = (float(t) for t in source_timeline)
+            self.membership.stages = Stages(failed=failed, decided=decided, torn_down=torn_down, joined=joined)
         if self.membership.stages is not None:
             self.membership.stages.state = time.time()
 
@@ -677,6 +743,7 @@ def warm_up(device: torch.device, watcher: PreemptionWatcher) -> None:
     if device.type == "cuda":
         torch.empty(1, device=device)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    model: SyncedModel | None = None
     try:
         model = SyncedModel(
             torch.nn.Linear(2, 1),
@@ -692,7 +759,12 @@ def warm_up(device: torch.device, watcher: PreemptionWatcher) -> None:
         model.finish()
         dist.all_gather_object([None], "warm")
     finally:
+        # DDP's reducer holds the group in a reference cycle: freed by a later garbage collection, its destructor joins
+        # gloo's threads holding the interpreter's lock (0.3 s here, 27 s once on the test cluster), and a collection
+        # that falls in the recovery this standby joins costs that recovery as much. Freed now, while it waits.
+        model = None
         dist.destroy_process_group()
+        gc.collect()
 
 
 # Said once at the start of a CUDA job under --recovery (docs/recovery.md's limits).
@@ -703,21 +775,109 @@ NCCL_UNPROVEN = (
 )
 
 
-def launcher_role(standbys: int, environ: MutableMapping[str, str]) -> bool:
-    """Whether this process is one of the launcher's last `standbys` ranks (a job template's extra tasks of the step:
-    `--standbys K`, DDPACK_STANDBYS), which are standbys; the others train in a world of WORLD_SIZE - K. WORLD_SIZE is
-    set to that world in `environ`, so that whatever reads it next (the process group, the watchdog, the preflight's
-    rules) sees the training world, as train.distributed reads it; a standby's RANK is set to the rank it takes."""
-    if standbys <= 0:
-        return False
+def launcher_role(standbys: int, environ: MutableMapping[str, str], store_task: bool = False) -> str:
+    """What this process of the launcher's is: "rank", "standby" (one of the last `standbys` before the store task: a
+    job template's extra tasks of the step, `--standbys K`, DDPACK_STANDBYS) or "store" (with `store_task`, the very
+    last one: it serves the job's store, `serve_store`). The others train in a world of WORLD_SIZE - K (- 1), which is
+    set in `environ`, so that whatever reads it next (the process group, the watchdog, the preflight's rules) sees the
+    training world, as train.distributed reads it; a standby's RANK is set to the rank it takes."""
+    extra = standbys + int(store_task)
+    if extra <= 0:
+        return "rank"
     rank, launched = int(environ["RANK"]), int(environ["WORLD_SIZE"])
-    world = launched - standbys
+    world = launched - extra
     if world < 1:
-        raise RecoveryImpossible(
-            f"--standbys {standbys} leaves no rank to train: the launcher started {launched} process(es) (WORLD_SIZE={launched})"
+        what = {(True, False): f"--standbys {standbys} leaves", (False, True): "the store task leaves"}.get(
+            (standbys > 0, store_task), f"--standbys {standbys} and the store task leave"
         )
+        raise RecoveryImpossible(f"{what} no rank to train: the launcher started {launched} process(es) (WORLD_SIZE={launched})")
     environ["WORLD_SIZE"] = str(world)
-    return rank >= world
+    if store_task and rank == launched - 1:
+        return "store"
+    return "standby" if rank >= world else "rank"
+
+
+def store_address() -> str:
+    return f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+
+
+# Why a store that stopped answering ends recovery, in every line that says it.
+STORE_LOST = "its host (the store task's process or node; rank 0 where the job has no store task) is lost"
+
+
+def spawn_standby(environ: Mapping[str, str], log: Callable[[str], None]) -> subprocess.Popen[bytes] | None:
+    """A new standby on the store task's node, started as the store task itself was (`sys.orig_argv`: the trainer's
+    command and flags; `environ`: the launcher's environment, before `launcher_role`) with --standby: a standby started
+    by hand, the next by index past the launcher's (`Channel.new_standby`). Its lines and end record go where the
+    store task's go (the job's log)."""
+    try:
+        return subprocess.Popen([*sys.orig_argv, "--standby"], env=dict(environ))
+    except OSError as exc:
+        log(f"store task: cannot start a new standby ({first_line(exc)}); the next death beyond the standbys left falls back")
+        return None
+
+
+def serve_store(*, standbys: int, connect_s: float, log: Callable[[str], None], respawn: Mapping[str, str] | None = None) -> int:
+    """The store task (`--store-task`, DDPACK_STORE_TASK=1: the launcher's last process, which trains nothing): torch's
+    own TCPStore served at MASTER_PORT on this node (MASTER_ADDR, the step's first node), in a process that is no rank,
+    so that rank 0's death is recovered as any rank's: the ranks and standbys are all its clients, and the keys on it
+    are signed as ever (train.recovery_channel). It serves until the run ends: the run's `closed` key, then up to
+    STORE_LINGER_S while members still beat (the standbys read it and leave), or no member's heartbeat risen for
+    STORE_IDLE_S (every member gone without closing). Slurm's stop signals (SIGTERM, SIGUSR1) do not end it: a
+    preempted run's ranks close the run themselves, and srun kills what is left of the step.
+
+    `respawn`, the launcher's environment (None where a standby would want a GPU the node's ranks hold): each standby a
+    recovery's decision consumed is replaced by a new one started on this node (`spawn_standby`, at most MAX_RESPAWNED
+    a run), so that a second and a third death are recovered too; it leaves once the run has ended, and its standbys."""
+    import signal
+
+    for stop in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(stop, signal.SIG_IGN)
+    world = int(os.environ["WORLD_SIZE"])
+    try:
+        server = _store(True, connect_s)
+    except (RuntimeError, ValueError) as exc:
+        log(f"store task: cannot serve the job's store at {store_address()} ({first_line(exc)})")
+        return 1
+    channel = Channel.of_job(server, os.environ, log, launched=standbys)
+    log(
+        f"store task on {node_name()}: serving the job's store at {store_address()} (pid {os.getpid()}) for {world} ranks and their standbys"
+    )
+    ranks = [f"r{rank}" for rank in range(world)]
+    seen: dict[str, int] = {}
+    last_rise, idle_s, closed_at = time.monotonic(), max(STORE_IDLE_S, connect_s), None
+    generation, spawned = 0, []
+    try:
+        while True:
+            time.sleep(0.2)
+            now = time.monotonic()
+            try:
+                beats = channel.beats([*ranks, *channel.standbys()])
+                closed = closed_at is not None or channel.closed()
+                decision = channel.decision(generation, world)
+            except RuntimeError:  # its own server: never expected; a next look
+                continue
+            if decision is not None and decision.fallback is None:
+                generation = decision.generation
+                for _ in decision.replacements:
+                    if respawn is not None and len(spawned) < MAX_RESPAWNED and (child := spawn_standby(respawn, log)) is not None:
+                        spawned.append(child)
+                        log(f"store task: a standby took a place in generation {generation}; started a new one (pid {child.pid})")
+            for member, beat in beats.items():
+                if beat is not None and beat.count > seen.get(member, -1):
+                    seen[member], last_rise = beat.count, now
+            if closed and closed_at is None:
+                closed_at = now
+            if closed_at is not None and (now - last_rise >= 2 * STALE_S or now - closed_at >= STORE_LINGER_S):
+                log("store task: the run ended; the store closes")
+                return 0
+            if now - last_rise >= idle_s:
+                log(f"store task: no member's heartbeat rose for {idle_s:g}s (every rank and standby gone); the store closes")
+                return 0
+    finally:
+        for child in spawned:  # a standby the run did not need leaves on `closed`; one that took a place is a rank ending
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.wait(timeout=STORE_IDLE_S)
 
 
 def enter(
@@ -729,12 +889,14 @@ def enter(
     log: Callable[[str], None],
     watcher: PreemptionWatcher,
     standbys: int = 0,
+    store_task: bool = False,
 ) -> tuple[DistContext, Membership] | None:
     """Join the job's process group under --recovery: a rank at once (generation 0), a standby once it is given a
     dead rank's place (None when the run ended without needing it). `standbys`: the launcher's last ranks that are
-    standbys (`launcher_role`); `standby`: this process is one whatever its rank (started by hand, --standby)."""
+    standbys (`launcher_role`); `standby`: this process is one whatever its rank (started by hand, --standby);
+    `store_task`: the launcher's last process serves the store (the caller has served it already: `store_role`)."""
     default_to_one_process()
-    launched = launcher_role(standbys, os.environ)
+    launched = launcher_role(standbys, os.environ, store_task) == "standby"
     standby = launched or standby
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -750,7 +912,7 @@ def enter(
             log(StandbyEnd(name, host, "cannot-start", f"its warm-up failed ({type(exc).__name__}: {first_line(exc)})").line())
             return None
         try:
-            waiting = Standby(world_size=world, host=host, log=log, index=index, launched=standbys)
+            waiting = Standby(world_size=world, host=host, log=log, index=index, launched=standbys, rank0_hosts_store=not store_task)
         except RuntimeError as exc:  # a run shorter than this standby's warm-up has ended, and its store with it
             log(f"standby: the job's store does not answer ({first_line(exc)}): the run ended before this standby was warm; leaving")
             log(StandbyEnd(name, host, "store-gone", f"the job's store does not answer ({first_line(exc)})").line())
@@ -770,7 +932,7 @@ def enter(
         )
     else:
         log = RankLog(rank, world)  # the trainer's own lines, before the trainer has one
-        membership = Membership.started(rank=rank, host=host, log=log, launched=standbys, **settings)
+        membership = Membership.started(rank=rank, host=host, log=log, launched=standbys, store_task=store_task, **settings)
         if backend == "nccl":
             log(NCCL_UNPROVEN, main_only=True)
     membership.join()

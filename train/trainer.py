@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.modules.batchnorm import _NormBase
 from torch.utils.data import default_collate
 
 from train import run_folder
@@ -233,6 +234,7 @@ class Trainer:
             compiled=compile_module(self.module, world_size=ctx.world_size) if self.config.compile else None,
             find_unused_parameters=self.config.find_unused_parameters,
             path=self.path,
+            sync_initial_state=self.recovery is None or self.recovery.generation == 0,  # a new generation's: _take_state's
         )
         if self.recovery is not None:
             self.recovery.relax()
@@ -445,15 +447,19 @@ class Trainer:
 
     def fit(self) -> Result:
         cfg = self.config
-        if self.ctx.is_main:
+        replacing = self.recovery is not None and self.recovery.replacing
+        # A standby that took rank 0's place (the store task serves the store) keeps the run's segment: no `start`
+        # record, and no peak measured while the survivors wait for its state (MFU is not reported after it).
+        if self.ctx.is_main and not replacing:
             preflight = Path(cfg.metrics_file).parent / run_folder.PREFLIGHT if cfg.metrics_file else None
             self.mfu.find_peak(self.ctx.device, cfg.amp, preflight, lambda: matmul_gflops(self.ctx, CPU_MEASURE_S))
-        if self.recovery is not None and self.recovery.replacing:
+        if replacing:
             self._take_state()
         else:
             self.restore()
         start_step, started = self.global_step, time.monotonic()
-        self.metrics.opening("start", lambda: self._start_fields(start_step))
+        if not replacing:
+            self.metrics.opening("start", lambda: self._start_fields(start_step))
         if self.global_step >= self.total_steps:
             self.log(f"training already complete at global step {self.global_step}; nothing to do", main_only=True)
         self.model.train()
@@ -511,10 +517,19 @@ class Trainer:
         replacing = self.recovery is not None and self.recovery.replacing
         if self.config.cpu_bind == "auto" and (bound := bind_replacement(self.ctx, replacing)) is not None:
             self.log(f"standby took rank {self.ctx.rank}'s place on cpus {cpu_list(bound)}, left free by the rank it replaces")
-        # global_step counts confirmed steps only: the optimizer of a step runs once its sync completed on this rank.
-        positions = gather_objects((-1, -1) if replacing else (self.global_step, self.last_snapshot_step), self.ctx)
+        # With each position (global_step counts confirmed steps only: the optimizer of a step runs once its sync
+        # completed on this rank), the survivors' timeline of this recovery: the standby that took rank 0's place writes
+        # its record (rank 0's duty), and only the survivors saw the collective fail.
+        mine = (-1, -1) if replacing else (self.global_step, self.last_snapshot_step)
+        gathered = gather_objects((mine, self.recovery.timeline() if self.recovery is not None else None), self.ctx)
+        positions = [position for position, _ in gathered]
         source = state_source([step for step, _ in positions])
         self.last_snapshot_step = positions[source][1]  # the same on every rank: whether a snapshot is due is agreed
+        if positions[0][0] < 0 and any(isinstance(m, _NormBase) and m.track_running_stats for m in self.module.modules()):
+            # Rank 0's buffers (BatchNorm's statistics, which DDP sends from rank 0 at every forward) died with it: the
+            # survivors' own were moved by their own batches, so going on would not be the run's. Every rank knows this
+            # from the same gather and falls back alike: never a recovery that is not exact.
+            raise RecoveryImpossible("rank 0 died holding the model's buffers (BatchNorm statistics), the run's own: no survivor has them")
         boundary = self._boundary_buffers(positions[source][0]) if self.ctx.rank == 0 and not replacing else None
         self._settle_buckets()  # moves the buffers (taken above) and leaves gradients that the redone step zeroes
         mine = self._state([]) if self.ctx.rank == source else None
@@ -530,7 +545,7 @@ class Trainer:
         if replacing:
             self.log(f"standby took rank {self.ctx.rank}: state of rank {source} at {self._position()}")
         if self.recovery is not None:
-            self.recovery.took_state()
+            self.recovery.took_state(gathered[source][1])
 
     def _settle_buckets(self) -> None:
         """Collective, on a new group, before the state arrives: one forward and backward of no consequence (a loss
