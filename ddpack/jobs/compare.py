@@ -22,7 +22,7 @@ from typing import Any
 from ddpack.errors import HostError
 from ddpack.jobs.cells import cell, duration
 from ddpack.jobs.ledger import Ledger, added_ledgers, run_ledger
-from ddpack.jobs.metrics_scan import read_digest
+from ddpack.jobs.metrics_scan import digest_stale, read_digest
 from ddpack.jobs.run_json import read_record
 from ddpack.jobs.run_metrics import Digest, Run, eval_metrics, metric_of, read_run
 from ddpack.private_files import write_atomically
@@ -158,6 +158,8 @@ def compare(run_dirs: list[Path], curves: bool = True) -> tuple[Comparison, list
     facts = [what_ran(run_dir) for run_dir in run_dirs]
     keys = sorted({key for fact in facts for key in fact})
     differ = {key: [fact.get(key) for fact in facts] for key in keys if len({json.dumps(f.get(key), sort_keys=True) for f in facts}) > 1}
+    if not curves:
+        digest_stale(run_dirs)  # the first read of big files, on every core
     ended = [outcome(run_dir, curves) for run_dir in run_dirs]
     names = []
     for run_dir in run_dirs:
@@ -274,6 +276,8 @@ def sweep_table(folder: Path, curves: bool = True) -> tuple[list[str], list[dict
     data = read_sweep(folder)
     names = data.get("names") or list(data["values"])  # the order given (the file's keys are sorted)
     rows, runs, ledgers = [], [], []
+    if not curves:
+        digest_stale(point_dirs(folder))  # the first read of big files, on every core
     for index, point_dir in enumerate(point_dirs(folder)):
         ended, run, ledger = measured(point_dir, curves)
         ledgers.append((index, ended.state, ledger))

@@ -112,7 +112,9 @@ def export_summary(runs: list[Path], path: Path) -> int:
     from dataclasses import asdict
 
     from ddpack.jobs.compare import outcome
+    from ddpack.jobs.metrics_scan import digest_stale
 
+    digest_stale(runs)  # the first read of big files, on every core
     rows = []
     for run_dir in runs:
         ended = asdict(outcome(run_dir, curves=False)[0])  # a digest: no curves

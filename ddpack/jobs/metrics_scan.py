@@ -21,12 +21,17 @@ never another answer (tests/test_metrics_scan.py holds it against the full parse
 
 from __future__ import annotations
 
+import contextlib
 import json
+import multiprocessing
+import os
 import re
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ddpack.errors import HostError
 from ddpack.jobs.run_metrics import (
     DIGEST,
     KEEP_PROGRESS,
@@ -50,6 +55,10 @@ LOSS = b'"loss": '
 # Bytes json.dumps never writes, some of which str.splitlines splits at (so the full parse's lines are not the
 # newline's): a file holding any is parsed in full.
 CONTROL = (b"\0", b"\r", b"\x0b", b"\x0c", b"\x1c", b"\x1d", b"\x1e")
+# A stretch of plain lines with every byte but braces, newlines, backslashes and CONTROL taken out is PLAIN_SHAPE once
+# a line (_stretch): one pass in C that counts its lines and finds an inner brace, an escape or a control byte.
+PLAIN_SHAPE = b"{}\n"
+NOT_SHAPE = bytes(sorted(set(range(256)) - set(PLAIN_SHAPE + b"\\" + b"".join(CONTROL))))
 
 
 class NotPlain(Exception):
@@ -152,6 +161,8 @@ def _parts(data: bytes, path: Path, warnings: list[str]) -> list[_Part]:
         if begin > cursor:
             _stretch(data, cursor, begin, add)
         end = odd[begin]
+        if any(data.find(mark, begin, end) >= 0 for mark in CONTROL):
+            raise NotPlain  # a stretch's control bytes are its shape's
         text = data[begin:end].decode("ascii")
         cursor = end + 1
         if not text.strip():
@@ -171,9 +182,14 @@ def _parts(data: bytes, path: Path, warnings: list[str]) -> list[_Part]:
 
 
 def _stretch(data: bytes, begin: int, end: int, add: Any) -> None:
-    count = data.count(b"\n", begin, end)
-    if data.count(b"{", begin, end) != count or data.find(b"\\", begin, end) >= 0:
-        raise NotPlain  # an inner brace (a torn line with the next record appended to it) or an escape
+    """Lines data[begin:end] (each begins as a plain progress line and ends with `}` and a newline, ODD_SEAM) as one
+    Stretch; NotPlain where one holds another brace (a torn line with the next record appended to it), an escape or
+    a control byte. One pass in C (NOT_SHAPE), where counting the newlines and the braces and finding each kind of
+    byte took ten (bytes.count of one byte is a plain loop, slower than translate)."""
+    shape = data[begin:end].translate(None, NOT_SHAPE)
+    count = len(shape) // len(PLAIN_SHAPE)
+    if shape != PLAIN_SHAPE * count:
+        raise NotPlain
     add(Stretch(begin, end, count))
 
 
@@ -228,7 +244,7 @@ def _last_loss(data: bytes, parts: list[_Part]) -> Any:
 def scan_digest(path: Path, data: bytes) -> Digest | None:
     """The digest of the metrics file `path` whose bytes are `data`, equal to Digest.of(read_run(path)) reduced to
     its kept records; None where the file is not in the shape the scan reads (the caller parses it in full)."""
-    if not data.isascii() or any(data.find(mark) >= 0 for mark in CONTROL):
+    if not data.isascii():
         return None
     warnings: list[str] = []
     try:
@@ -263,20 +279,12 @@ def read_digest(run_dir: Path) -> Digest:
     the metrics read once (scan_digest: the progress lines by their bytes, every other line parsed; a file in
     another shape in full) and the digest kept (best effort: a folder that cannot be written is read again next
     time). HostError (exit 2) where there is no metrics file or it holds no records."""
-    from ddpack.jobs.run_json import not_a_run_of_yours, write_json_atomic
+    from ddpack.jobs.run_json import write_json_atomic
 
     path = metrics_path(run_dir)
     key, cache = digest_key(path), path.parent / DIGEST
-    if cache.is_file() and not_a_run_of_yours(cache) is None:
-        try:
-            data = json.loads(cache.read_text())
-            if data.get("key") == key:
-                run = Run(folder=path.parent, segments=split_segments(data["records"]), preflight=data.get("preflight"),
-                          warnings=list(data.get("warnings") or []))  # fmt: skip
-                return Digest(run=run, progress_count=int(data["progress_count"]), train_loss=data.get("train_loss"),
-                              samples_per_s=data.get("samples_per_s"), mfu=data.get("mfu"))  # fmt: skip
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            pass  # a damaged digest: the metrics again
+    if (kept := _kept_digest(path, key)) is not None:
+        return kept
     try:
         scanned = scan_digest(path, path.read_bytes())
     except OSError:
@@ -291,3 +299,49 @@ def read_digest(run_dir: Path) -> Digest:
     except OSError:
         pass
     return digest
+
+
+def _kept_digest(path: Path, key: list[int]) -> Digest | None:
+    """The DIGEST beside the metrics file `path` where it was made from the file as it is now (`key`), else None."""
+    from ddpack.jobs.run_json import not_a_run_of_yours
+
+    cache = path.parent / DIGEST
+    if not cache.is_file() or not_a_run_of_yours(cache) is not None:
+        return None
+    try:
+        data = json.loads(cache.read_text())
+        if data.get("key") != key:
+            return None
+        run = Run(folder=path.parent, segments=split_segments(data["records"]), preflight=data.get("preflight"),
+                  warnings=list(data.get("warnings") or []))  # fmt: skip
+        return Digest(run=run, progress_count=int(data["progress_count"]), train_loss=data.get("train_loss"),
+                      samples_per_s=data.get("samples_per_s"), mfu=data.get("mfu"))  # fmt: skip
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None  # a damaged digest: the metrics again
+
+
+def digest_stale(run_dirs: list[Path]) -> list[Path]:
+    """Make the DIGEST of each of `run_dirs` that has a metrics file but no digest of it as it is now, a process a
+    core this process may use: a sweep's first `compare` is one scan a point, the scans are independent, and one
+    core alone takes a second or more a 100 MB. The read_digest calls that follow then find them kept; a folder that
+    cannot be written, or a file appended to meanwhile, is read again by its own read_digest (a head start, never
+    another answer). The runs digested here: none where there is one core, or one stale run (read_digest alone)."""
+    stale = []
+    for run_dir in run_dirs:
+        try:
+            path = metrics_path(run_dir)
+        except HostError:
+            continue  # no metrics: read_digest says why
+        if _kept_digest(path, digest_key(path)) is None:
+            stale.append(run_dir)
+    workers = min(len(stale), len(os.sched_getaffinity(0)))
+    if workers < 2:
+        return []
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        list(pool.map(_digest_quietly, stale))
+    return stale
+
+
+def _digest_quietly(run_dir: Path) -> None:
+    with contextlib.suppress(HostError):  # the run's own read_digest raises it where it is read
+        read_digest(run_dir)
