@@ -5,12 +5,13 @@ and the plain files, the trainer's own, taken by the fast path (not handed to th
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ddpack.jobs.metrics_scan import read_digest, scan_digest
+from ddpack.jobs.metrics_scan import digest_stale, read_digest, scan_digest
 from ddpack.jobs.run_metrics import DIGEST, Digest, kept_records, read_run
 
 
@@ -61,6 +62,11 @@ CASES = {
     "a lone start": line({"time": 1e9, "kind": "start", "global_step": 0, "total_steps": 3}),
     "windows line ends": restarted_run().replace("\n", "\r\n"),
     "padded with NULs": restarted_run() + "\0" * 64,  # a crash's sparse tail
+    # One progress line's shape broken (each line of a stretch must be one `{`, one `}`, no escape, no control byte):
+    "a brace in a progress line's string": restarted_run().replace(line(progress(7)), line(progress(7, note="a}b"))),
+    "an escape in a progress line": restarted_run().replace(line(progress(8)), line(progress(8, note='a"b'))),
+    "a control byte in a progress line": restarted_run().replace(line(progress(11)), line(progress(11)).replace('"lr": ', '"lr":\x1e ')),
+    "a control byte in an eval line": restarted_run().replace('"acc": 0.5}', '"acc":\x0c0.5}', 1),
 }
 PLAIN = {"restarted", "truncated last line", "records before the first start", "another program's progress", "odd values",
          "no newline at all", "a lone start"}  # fmt: skip
@@ -97,3 +103,23 @@ def test_the_restarted_runs_digest_keeps_the_step_the_resume_went_back_to_and_wa
     assert [r["global_step"] for r in first.progress] == [1, 45, *range(101, 151)] and len(second.progress) == 51
     assert scanned.progress_count == 150 + 255 and scanned.train_loss == 1 / 298
     assert scanned.run.warnings == [f"skipped line 124 of {path}: not a metrics record (torn: a start was killed while writing it)"]
+
+
+@pytest.mark.parametrize("cores", [2, 1])
+def test_a_sweeps_stale_digests_are_made_a_process_a_core_equal_to_the_full_parse(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cores: int
+) -> None:
+    """digest_stale (compare's and export --summary's first read) makes each missing digest in a pool of processes,
+    each equal to the full parse; a digest already kept and a run with no metrics are left alone; one core, none."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cores)))
+    stale, kept, empty = [tmp_path / "stale-1", tmp_path / "stale-2"], tmp_path / "kept", tmp_path / "empty"
+    for run_dir in [*stale, kept, empty]:
+        run_dir.mkdir()
+    for run_dir in [*stale, kept]:
+        (run_dir / "metrics.jsonl").write_text(restarted_run())
+    read_digest(kept)
+    made = digest_stale([*stale, kept, empty])
+    assert made == (stale if cores > 1 else []) and (kept / DIGEST).is_file() and not (empty / DIGEST).exists()
+    for run_dir in stale:
+        assert (run_dir / DIGEST).is_file() == (cores > 1)  # made by the pool, before any read_digest of the run
+        assert digest_fields(read_digest(run_dir)) == digest_fields(Digest.of(read_run(run_dir)))
