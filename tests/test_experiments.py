@@ -1549,7 +1549,9 @@ def test_the_ledger_charges_a_point_that_shared_its_nodes_its_share(tmp_path, sl
 
 def test_compare_and_export_summary_read_each_points_metrics_file_once(tmp_path, slurm, capfd, monkeypatch) -> None:
     """Once for status and the ledger together; then never again while the file is unchanged (its digest answers the
-    same); a file that grew is read again."""
+    same); a file that grew is read again. Two cores, so that the first reads are made in digest_stale's processes
+    (the opens are counted in a file, which they share)."""
+    import os
     import pathlib
     from collections import Counter
 
@@ -1563,15 +1565,25 @@ def test_compare_and_export_summary_read_each_points_metrics_file_once(tmp_path,
     for index in (0, 1):
         records = [start(100, 0), progress(101, 10), {"time": 101.5, "kind": "eval", "global_step": 10, "eval_loss": 1.0}, end(102, 10, "done", 0)]
         (sweep_dir / str(index) / run_folder.METRICS).write_text("".join(json.dumps(r) + "\n" for r in records))
-    opened: Counter[str] = Counter()
+    log = tmp_path / "opened.log"
     real_open = pathlib.Path.open
+
+    class Opened:
+        def __eq__(self, other: object) -> bool:
+            return Counter(log.read_text().split() if log.exists() else []) == other
+
+        def clear(self) -> None:
+            log.unlink(missing_ok=True)
 
     def counting_open(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         if self.name == run_folder.METRICS:
-            opened[str(self.parent.name)] += 1
+            with real_open(log, "a") as out:
+                out.write(self.parent.name + "\n")
         return real_open(self, *args, **kwargs)
 
+    opened = Opened()
     monkeypatch.setattr(pathlib.Path, "open", counting_open)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1})
     assert cli.main(["compare", str(sweep_dir), "--json"]) == 0
     first = json.loads(capfd.readouterr().out)
     assert [row["eval_loss"] for row in first["points"]] == [1.0, 1.0]
