@@ -15,8 +15,8 @@
   log each, the others ended (their summaries written): a live run's metrics are glanced at (head and tail), its
   log not read; the target is at most 1 s.
 - `ddpack compare SWEEP` and `ddpack export SWEEP --summary` of 100 points with 20 MB of real metrics records each
-  (the trainer's fields, 8 ranks): the first compare reads and parses each point's file once and keeps its digest
-  (metrics_scan.read_digest); compare again and export --summary read the digests of the files unchanged since. The
+  (the trainer's fields, 8 ranks): the first compare reads and scans each point's file once, a process a core, and
+  keeps its digest (metrics_scan.digest_stale, read_digest); compare again and export --summary read the digests of the files unchanged since. The
   target is at most 5 s. The floor is reading the files (`cat`).
 
 Slurm's commands are stand-ins that answer at once (what is timed is ddpack, not a controller), so it needs no
