@@ -16,9 +16,9 @@ GPU (named in the output: a stand-in too).
 Each round is a fresh process that runs both, a step of each in turn (A B A B at the finest grain: one core, one
 allocator, the same caches); a side's figure is the median of the rounds' median steady step, in the process's CPU
 time (every thread's), which a busy shared machine inflates less than wall time.
-`--confirmed`: the trainer's step as --recovery runs it (train/step_path.py's `confirmed`: ddpack's Python hook keeps
-each bucket's work, and the host waits for the step's end and checks every work before the optimizer), to measure
-what a confirmed step costs against the same bare loop; its stand-ins are named as the others are.
+`--confirmed`: the trainer's step as --recovery runs it (train/step_path.py's `confirmed`: DDP's C++ hook still syncs,
+and the host waits for the step's end and asks the backend's error state before the optimizer), to measure what a
+confirmed step costs against the same bare loop; its stand-ins are named as the others are.
 The last line: `bench-host: trainer T µs/step, bare B µs/step, overhead D µs/step (goal <= 150)`, then the trainer's
 time less the bare loop's by phase (data, zero_grad, forward, backward, hook, sync, optimizer, poll, the rest; a
 phase's own line above gives each side's).

@@ -55,7 +55,8 @@ class Aborted:
 
 
 def confirmed_step(watcher: PreemptionWatcher) -> tuple[SyncedModel, torch.optim.Optimizer]:
-    """The CUDA path's step as --recovery runs it (its Python hook, its host wait), on a CPU; gradients synced, not yet applied."""
+    """The CUDA path's step as --recovery runs it (DDP's C++ hook, or ddpack's Python hook where the backend keeps no
+    error state; the host wait), on a CPU; gradients synced, not yet applied."""
     torch.manual_seed(0)
     module = nn.Linear(4, 1)
     path = replace(StepPath.cuda_shaped(CPU), confirmed=True)
@@ -70,20 +71,38 @@ def confirmed_step(watcher: PreemptionWatcher) -> tuple[SyncedModel, torch.optim
 def test_a_confirmed_step_whose_all_reduce_completed_is_applied(watcher: PreemptionWatcher) -> None:
     model, optimizer = confirmed_step(watcher)
     before = model.ddp.module.module.weight.detach().clone()
-    model.finish()  # the host waited for the step's end (the stand-in event) and found every work whole
+    model.finish()  # the host waited for the step's end (the stand-in event) and found no collective failed
     optimizer.step()
     assert not torch.equal(before, model.ddp.module.module.weight)
 
 
-def test_a_confirmed_step_whose_all_reduce_was_aborted_raises_a_collective_failure_before_the_optimizer(
+def test_a_confirmed_step_after_the_process_group_saw_a_collective_fail_raises_before_the_optimizer(
     watcher: PreemptionWatcher, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """DDP's C++ hook syncs the step (no Python a bucket); the NCCL backend's error state, which its watchdog sets before
+    it aborts the communicator under a dead peer, says that a collective failed: the update is not applied."""
+    error_type = torch._C._distributed_c10d.ErrorType
+    monkeypatch.setattr(train.grad_sync, "comm_error_state", lambda model, device: lambda: error_type.COMM_ERROR)
+    hooked = []
+    monkeypatch.setattr(train.grad_sync.GradientSync, "hook", lambda self, state, bucket: hooked.append(bucket))
+    model, _ = confirmed_step(watcher)
+    assert not hooked  # DDP's C++ hook synced the buckets, not ddpack's Python one
+    with pytest.raises(IncompleteSync, match="the step's update is not applied") as raised:
+        model.finish()  # the trainer's optimizer.step() comes after finish(): it does not run
+    assert collective_failure(raised.value)  # recovered from as a peer's death, not this rank's own error
+
+
+def test_without_an_error_state_a_confirmed_step_whose_all_reduce_was_aborted_raises_before_the_optimizer(
+    watcher: PreemptionWatcher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A torch whose NCCL backend has no get_error: ddpack's Python hook keeps each bucket's work and finish() checks it."""
+    monkeypatch.setattr(train.grad_sync, "comm_error_state", lambda model, device: None)
     launch = dist.all_reduce
     monkeypatch.setattr(train.grad_sync.dist, "all_reduce", lambda tensor, async_op: Aborted(launch(tensor, async_op=async_op)))
     model, _ = confirmed_step(watcher)
     with pytest.raises(IncompleteSync, match="the step's update is not applied") as raised:
-        model.finish()  # the trainer's optimizer.step() comes after finish(): it does not run
-    assert collective_failure(raised.value)  # recovered from as a peer's death, not this rank's own error
+        model.finish()
+    assert collective_failure(raised.value)
 
 
 def test_the_state_comes_from_a_rank_whose_confirmed_step_is_the_greatest_the_lowest_such() -> None:

@@ -23,7 +23,7 @@ gradients are views of the buckets and the results land in them with no copy; DD
 end-of-backward bookkeeping then runs while the collectives are in flight instead of after them.
 On CUDA the collective runs on NCCL's stream and nothing waits on the host: DDP's own built-in all-reduce
 hook (C++: one division and one all-reduce a bucket, no Python on the autograd thread) does the sync, and DDP
-waits on its future as usual; ddpack's Python hook there only packs --bf16-grads buckets. The step's choices
+waits on its future as usual (confirmed steps too: below); ddpack's Python hook there only packs --bf16-grads buckets. The step's choices
 by device are train/step_path.py's.
 
 Small buckets on CPU: gloo's ring all-reduce takes 2(N-1) message rounds between N ranks, an
@@ -40,18 +40,22 @@ the middle of a step's sync, some buckets may have completed and others not (or,
 dead peer returns with partial sums and no error on the stream); an optimizer step over those gradients would put a
 half-summed update into the parameters and the optimizer state, on some ranks and not others. So `finish()` raises
 (a collective failure, recovered from as one) before the optimizer can run unless every bucket's collective completed
-on this rank: on the CPU path each polled wait raises on a failed collective; on the CUDA path the Python hook keeps
-each bucket's work (instead of DDP's C++ hook), and `finish()` makes the stream wait on each, has the host wait for
-the step's end (a CUDA event, polled with recovery's abandon check), then checks that no work ended in an error
-(ProcessGroupNCCL's watchdog sets the work's exception before it aborts the communicator). A completed ring
-all-reduce on a rank holds every rank's contribution, so a confirmed step is the uninterrupted run's step. The
-gradients a failed step left in the buckets are zeroed at the redone step's start (SyncedModel.zero_grads).
-The cost is the host's wait for the device each step (it no longer runs a step ahead) and a Python call a bucket.
+on this rank. On the CPU path each polled wait raises on a failed collective. On the CUDA path DDP's own C++ hook
+still does the sync (no Python a bucket), and `finish()` has the host wait for the step's end (a CUDA event recorded
+after DDP made the stream wait on every bucket's collective, polled with recovery's abandon check), then asks the
+process group's NCCL backend for its error state (`get_error()`): ProcessGroupNCCL's watchdog sets it, as it sets the
+failed work's exception, before it aborts the communicator, so once an aborted kernel has returned the error is there
+to read. Where torch's NCCL backend has no `get_error`, ddpack's Python hook keeps each bucket's work instead and
+`finish()` checks each one's exception after the same wait (the cost of a Python call a bucket: docs/recovery.md).
+A completed ring all-reduce on a rank holds every rank's contribution, so a confirmed step is the uninterrupted run's
+step. The gradients a failed step left in the buckets are zeroed at the redone step's start (SyncedModel.zero_grads).
+The cost is the host's wait for the device each step (it no longer runs a step ahead) and one query of the error state.
 
 DDPACK_TEST_DIE_IN_SYNC=<rank>:<global step> (tests only: tests/test_recovery_dist.py): the rank of that number
 SIGKILLs itself in its comm hook of that step once its first bucket's collective has completed, before it launches
 the second, so that the survivors see the first bucket complete and the second fail (a death *between* buckets; the
-model needs two buckets or more: --bucket-cap-mb). Armed by the trainer (Trainer._recoverable_step), never otherwise.
+model needs two buckets or more: --bucket-cap-mb). Armed by the trainer (Trainer._recoverable_step), never otherwise;
+it lives in ddpack's hook, so it fires where that hook runs (the CPU path, which the test runs), not under DDP's C++ hook.
 """
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations as real objects.
@@ -135,6 +139,25 @@ class _Reached:
         self.event.synchronize()
 
 
+def _no_error() -> str:
+    """The error state of gloo standing in for NCCL (StepPath.cuda_shaped on a CPU): gloo keeps none, and needs none
+    here, since a failed gloo collective sets an error on DDP's future for its bucket and DDP's wait on that future
+    raises it in backward, before finish() and the optimizer."""
+    return "SUCCESS"
+
+
+def comm_error_state(model: DistributedDataParallel, device: torch.device) -> Callable[[], Any] | None:
+    """What the confirmed CUDA path asks after the step's end to know that none of DDP's collectives failed: the
+    NCCL backend's `get_error()` (ErrorType; SUCCESS until its watchdog saw a collective fail or time out, then the
+    first such error, for good). None where the backend has no such call (a torch whose ProcessGroupNCCL lacks it):
+    the caller then keeps each bucket's work itself. gloo (the CPU stand-in): `_no_error`, see there."""
+    backend = model.process_group._get_backend(device)
+    query = getattr(backend, "get_error", None)
+    if query is None and device.type == "cpu":
+        return _no_error
+    return query
+
+
 class IncompleteSync(RuntimeError):
     """A bucket's collective ended in an error on the confirmed CUDA path (an NCCL communicator aborted on a dead
     peer): the step's gradients may be partial sums, so its update is not applied; recovered from as a peer's death."""
@@ -197,6 +220,7 @@ class GradientSync:
         self._late: _LateRead | None = None
         self.confirm = self.path.confirmed  # --recovery: the optimizer runs only after the step's sync is confirmed
         self._end: Any = None  # the confirmed CUDA path's event at the step's end (made at the first step)
+        self._error_state: Callable[[], Any] | None = None  # the confirmed CUDA path's check with DDP's C++ hook (attach)
         self.die_after_first_bucket = False  # DDPACK_TEST_DIE_IN_SYNC, armed by the trainer for one step (tests only)
 
     def wrap(self, module: nn.Module, forward: Callable[..., Any] | None = None, find_unused_parameters: bool = False) -> nn.Module:
@@ -217,9 +241,11 @@ class GradientSync:
             )
         if self.flags is None or not any(p is self.flags for p in model.parameters()):
             raise ValueError("GradientSync needs DistributedDataParallel(sync.wrap(module), ...): the stop flags ride in DDP's buckets")
+        if self.confirm and not self.poll_wait and not self.compress:
+            self._error_state = comm_error_state(model, self.device)  # None: this torch's NCCL keeps no error state
         if self.world_size == 1 and not self.poll_wait and not self.confirm:
             model.register_comm_hook(None, self.alone)
-        elif self.poll_wait or self.compress or self.confirm:
+        elif self.poll_wait or self.compress or (self.confirm and self._error_state is None):
             model.register_comm_hook(None, self.hook)
         else:
             # DDP's C++ hook: divide the bucket by the world size, all-reduce it; the gradients are its views.
@@ -264,10 +290,10 @@ class GradientSync:
         return done
 
     def finish(self) -> None:
-        """Wait for this step's collectives (polling on CPU; on the confirmed CUDA path the stream waits, then the
-        host: `_confirm`); an exchanged bucket's rows are summed into the bucket, that is into the gradients. Raises
-        a collective failure, before the optimizer can run, when any bucket's collective did not complete. A no-op
-        on the unconfirmed CUDA path and in no_sync() micro-batches."""
+        """Wait for this step's collectives (polling on CPU; on the confirmed CUDA path the host waits for the step's
+        end: `_confirm`); an exchanged bucket's rows are summed into the bucket, that is into the gradients. Raises
+        a collective failure, before the optimizer can run, when any bucket's collective did not complete. Called
+        once a step, after the last micro-batch's backward; a no-op on the unconfirmed CUDA path."""
         pending, self._pending = self._pending, []
         for item in pending:
             if self.poll_wait:
@@ -279,16 +305,22 @@ class GradientSync:
                 torch.sum(item.gathered.view(self.world_size, -1).to(item.bucket.dtype), 0, out=item.bucket)
             elif item.packed is not None:
                 item.bucket.copy_(item.packed)
-        if pending and self.confirm and not self.poll_wait:
+        if self.confirm and not self.poll_wait:
             self._confirm(pending)
 
     def _confirm(self, pending: list[_Pending]) -> None:
-        """The confirmed CUDA path: the host waits until the stream has passed every bucket's collective, then
-        raises IncompleteSync when any of them ended in an error (an aborted kernel returns with partial sums)."""
+        """The confirmed CUDA path: the host waits until the stream has passed every bucket's collective (DDP made it
+        wait on each, or finish() did), then raises IncompleteSync when any of them ended in an error (an aborted
+        kernel returns with partial sums): the backend's error state with DDP's C++ hook, else each kept work's."""
         if self._end is None:
             self._end = torch.cuda.Event() if self.path.cuda else _DoneEvent()
         self._end.record()
         wait_polling(_Reached(self._end))
+        if self._error_state is not None:
+            state = self._error_state()
+            if getattr(state, "name", state) != "SUCCESS":  # ErrorType by name (torch.distributed exports no spelling of it)
+                raise IncompleteSync(f"the process group's collectives ended in an error ({state}): the step's update is not applied")
+            return
         for item in pending:
             if (error := item.work.exception()) is not None:
                 raise IncompleteSync(f"a gradient bucket's all-reduce did not complete ({error}): the step's update is not applied")

@@ -9,9 +9,10 @@ A step takes one of two paths, and the device decides which:
 
 Under --recovery a step is *confirmed* (`confirmed`): the optimizer runs only once every bucket's collective is
 known to have completed on this rank, so that a step is applied whole or not at all (train/grad_sync.py's
-`GradientSync.finish`). The CPU path's polled waits confirm by construction; on the CUDA path ddpack's Python hook
-keeps each bucket's work, and `finish()` has the host wait for the step's collectives and checks that none was
-aborted (an NCCL kernel aborted on a dead peer returns with partial sums).
+`GradientSync.finish`). The CPU path's polled waits confirm by construction; on the CUDA path DDP's C++ hook still
+syncs, and `finish()` has the host wait for the step's end and asks the NCCL backend's error state whether any
+collective was aborted (an NCCL kernel aborted on a dead peer returns with partial sums); where torch's NCCL backend
+has no error state to ask, ddpack's Python hook keeps each bucket's work and `finish()` checks each.
 
 `StepPath.cuda_shaped()` takes the CUDA path's branches on any device: bench/bench_host.py measures the host
 work of the GPU step on a CPU with it, and the quick tier counts that work's calls. Where a branch cannot exist
@@ -58,11 +59,14 @@ class StepPath:
         """What stands in for a CUDA-only piece when the CUDA path runs without CUDA."""
         if self.cuda or self.polled_sync:
             return []
+        confirmed = [
+            "the host's wait for the step's end: a CUDA event, stood in for",
+            "NCCL's error state: none (gloo keeps none; a failed gloo collective raises from DDP's wait, in backward)",
+        ]
         return [
             "the stop flags' pinned host buffer: a plain CPU tensor",
             "its CUDA event: a stand-in whose query() is always true",
             "the pinned chunks batches are cut from: pageable CPU tensors",
-            "NCCL: gloo (the same C++ all-reduce hook)"
-            if not self.confirmed
-            else "NCCL: gloo (ddpack's confirming Python hook; the host's wait for the step's end: a CUDA event, stood in for)",
+            "NCCL: gloo (the same C++ all-reduce hook)",
+            *(confirmed if self.confirmed else []),
         ]
