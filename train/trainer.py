@@ -581,7 +581,7 @@ class Trainer:
             self.optimizer.load_state_dict(state.optimizer)
             self.epoch, self.step_in_epoch, self.global_step = state.epoch, state.step_in_epoch, state.global_step
         if holder is not None:  # else no buffer moves: the source's, loaded with its model, are everyone's
-            if boundary is not None:
+            if boundary:  # none where the model has no buffers
                 torch._foreach_copy_(self._buffers, boundary)
             broadcast_buffers(self.module, self.ctx, src=holder[0])
         if replacing:
