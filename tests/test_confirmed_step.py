@@ -21,7 +21,7 @@ from train.grad_sync import IncompleteSync, SyncedModel
 from train.recovery import RecoveryImpossible
 from train.signals import PreemptionWatcher
 from train.step_path import StepPath
-from train.trainer import Trainer, state_source
+from train.trainer import Trainer, buffer_holder, state_source
 
 CPU = torch.device("cpu")
 
@@ -116,14 +116,19 @@ def test_survivors_more_than_a_step_apart_fall_back() -> None:
         state_source([10, 12, -1, 12])
 
 
-def test_rank_0s_buffers_after_a_recovery_are_those_it_held_after_the_sources_step() -> None:
-    """BatchNorm's statistics are rank 0's; a step's forward moves them before its sync can fail."""
-    kept, own = [torch.tensor([1.0])], [torch.tensor([2.0])]  # the copy from the step's start, and the buffers now
+def test_the_runs_buffers_after_a_recovery_come_from_rank_0_or_from_a_survivor_that_received_them() -> None:
+    """BatchNorm's statistics are rank 0's; a step's forward moves them before its sync can fail, and each rank keeps
+    what DDP's broadcast gave it at its step's first forward (its `_received_at`)."""
+    assert buffer_holder([12, 12, 12, 12], 12, rank_0_survived=True) == (0, True)  # inside step 12, after its forward
+    assert buffer_holder([11, 11, 11, 11], 12, rank_0_survived=True) == (0, False)  # between steps: its own
+    assert buffer_holder([11, 12, 12, 12], 12, rank_0_survived=True) == (0, False)  # a step behind: its own moved to 12's
+    assert buffer_holder([-1, 12, 12, 12], 12, rank_0_survived=False) == (1, True)  # rank 0 died in step 12's sync
+    assert buffer_holder([-1, 11, 12, 12], 12, rank_0_survived=False) == (2, True)  # rank 1 a step behind: none of 12's
+    assert buffer_holder([-1, 11, 11, 11], 12, rank_0_survived=False) is None  # between steps: 12's were only on rank 0
 
-    def buffers(at: int, *, global_step: int, kept_at: int) -> float:
-        rank_0 = SimpleNamespace(_kept=kept, _buffers=own, _kept_at=kept_at, global_step=global_step)
-        return Trainer._boundary_buffers(rank_0, at)[0].item()  # type: ignore[arg-type]
 
-    assert buffers(12, global_step=12, kept_at=12) == 1.0  # it failed inside step 12, after that step's forward
-    assert buffers(12, global_step=12, kept_at=11) == 2.0  # between steps: 12 counted, step 12 not begun
-    assert buffers(12, global_step=11, kept_at=11) == 2.0  # a step behind the source: step 11's forward ran, its sync failed
+def test_rank_0s_buffers_are_its_received_copy_inside_the_step_and_its_own_outside_it() -> None:
+    received, own = [torch.tensor([1.0])], [torch.tensor([2.0])]  # the copy from the step's first forward, and now
+    holder = SimpleNamespace(_received=received, _buffers=own)
+    assert Trainer._boundary_buffers(holder, received=True)[0].item() == 1.0  # type: ignore[arg-type]
+    assert Trainer._boundary_buffers(holder, received=False)[0].item() == 2.0  # type: ignore[arg-type]

@@ -110,7 +110,9 @@ def test_a_killed_rank_is_replaced_by_the_standby_with_a_survivors_state_and_the
     slow = {**SLOW, "SLOW_RANK": "1", "SLOW_RANK_MS": "100"}
     # The same run with no sleep and no standby, beside the attacked job (its own port and store): the test's time is one run's.
     reference = subdir(tmp_path, "reference")
-    whole = start_with_standbys(reference, 2, [*ATTACKED, "--metrics-file", str(reference / "m.jsonl")], standbys=0, PYTHONPATH=SLOW["PYTHONPATH"])
+    whole = start_with_standbys(
+        reference, 2, [*ATTACKED, "--metrics-file", str(reference / "m.jsonl")], standbys=0, PYTHONPATH=SLOW["PYTHONPATH"]
+    )
 
     killed = subdir(tmp_path, "killed")
     metrics = killed / "m.jsonl"
@@ -264,24 +266,27 @@ def same_tensors(a: object, b: object) -> bool:
 
 
 def test_a_rank_killed_between_two_buckets_of_a_step_costs_no_exactness_at_four_ranks(tmp_path: Path) -> None:
-    """Rank 2 SIGKILLs itself in its comm hook at global step 11 once the step's first bucket completed, before the
-    second (DDPACK_TEST_DIE_IN_SYNC, tests only): every survivor's first bucket is summed, its second fails, its
-    optimizer must not run (train/grad_sync.py: confirmed steps), the redone step starts from zeroed gradients and from
-    rank 0's BatchNorm statistics as they stood before step 11's forward moved them (Trainer._boundary_buffers). The
-    run, and the snapshot at step 12 (the first boundary after the recovery), equal the uninterrupted run's."""
+    """Rank 0 SIGKILLs itself in its comm hook at global step 11 once the step's first bucket completed, before the
+    second (DDPACK_TEST_DIE_IN_SYNC, tests only; the store task serves the store): every survivor's first bucket is
+    summed, its second fails, its optimizer must not run (train/grad_sync.py: confirmed steps), the redone step starts
+    from zeroed gradients and from rank 0's BatchNorm statistics as they stood before step 11's forward moved them,
+    which died with rank 0 but which every survivor received in that forward's broadcast (train.trainer.buffer_holder).
+    The run, and the snapshot at step 12 (the first boundary after the recovery, written by the standby in rank 0's
+    place), equal the uninterrupted run's."""
     runs = {}
-    for name, standbys, extra in (("reference", 0, {}), ("killed", 1, {"DDPACK_TEST_DIE_IN_SYNC": "2:11"})):
+    for name, standbys, extra in (("reference", 0, {}), ("killed", 1, {"DDPACK_TEST_DIE_IN_SYNC": "0:11"})):
         folder = subdir(tmp_path, name)
         args = [*EXACT, "--metrics-file", str(folder / "m.jsonl"), "--snapshot-dir", str(folder / "snapshots")]
-        runs[name] = (folder, start_with_standbys(folder, 4, args, standbys, PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}", **extra))
+        job = start_with_standbys(folder, 4, args, standbys, store_task=bool(standbys), PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}", **extra)
+        runs[name] = (folder, job)
     reference, killed = runs["reference"][1], runs["killed"][1]
     assert reference.wait() == [0, 0, 0, 0], reference.output()
-    assert killed.wait() == [0, 0, -signal.SIGKILL, 0, 0], killed.output()
+    assert killed.wait() == [-signal.SIGKILL, 0, 0, 0, 0, 0], killed.output()
     expected = set(reference.checksums())
     assert len(expected) == 1, reference.output()
-    assert "recovery: rank 2 lost in generation 0" in killed.output(0), killed.output(0)
-    assert "standby took rank 2: state of rank 0 at epoch 1/1 step 11/24" in killed.output(4), killed.output(4)
-    survivors = [end.checksum for i in (0, 1, 3, 4) for end in killed.ends(i)]
+    assert re.search(r"recovery: rank 0 lost in generation 0 \(\w+\); s0 takes rank 0", killed.output(1)), killed.output(1)
+    assert "standby took rank 0: state of rank 1 at epoch 1/1 step 11/24" in killed.output(4), killed.output(4)
+    survivors = [end.checksum for i in (1, 2, 3, 4) for end in killed.ends(i)]
     assert survivors == [*expected] * 4, killed.output()
     metrics = runs["killed"][0] / "m.jsonl"
     steps = progress_steps(metrics)

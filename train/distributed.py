@@ -236,9 +236,10 @@ def broadcast_from_main(obj: Any, ctx: DistContext, allowed: Sequence[type] = ()
     return broadcast_objects(obj, ctx, src=0, allowed=allowed)
 
 
-def broadcast_buffers(module: torch.nn.Module, ctx: DistContext) -> None:
+def broadcast_buffers(module: torch.nn.Module, ctx: DistContext, src: int = 0) -> None:
     """Rank 0's buffers (BatchNorm's running statistics...) on every rank, one broadcast per dtype:
-    what DDP does before each forward, done once more after the last one."""
+    what DDP does before each forward, done once more after the last one. `src`: another rank's, after a
+    recovery in which a survivor holds rank 0's (train.trainer.buffer_holder)."""
     buffers = [b for b in module.buffers() if b.numel()]
     if ctx.world_size == 1 or not buffers:
         return
@@ -247,7 +248,7 @@ def broadcast_buffers(module: torch.nn.Module, ctx: DistContext) -> None:
         by_dtype.setdefault(buffer.dtype, []).append(buffer)
     for group in by_dtype.values():
         flat = torch.cat([b.reshape(-1) for b in group])
-        dist.broadcast(flat, src=0)
+        dist.broadcast(flat, src=src)
         for buffer, synced in zip(group, flat.split([b.numel() for b in group]), strict=True):
             buffer.copy_(synced.view_as(buffer))
 

@@ -155,6 +155,31 @@ def state_source(steps: list[int]) -> int:
     return steps.index(ahead)
 
 
+def buffer_holder(received: list[int], at: int, *, rank_0_survived: bool) -> tuple[int, bool] | None:
+    """The rank that holds the run's buffers after `at` confirmed steps (`at`: the state source's), and whether they
+    are its received copy (True) or its own buffers (False); None when no live rank holds them. `received`: each
+    rank's `Trainer._received_at`, the global step at whose first forward it kept what DDP's broadcast gave it
+    (-1 for a replacement). Call B(s) rank 0's buffers after its forward of step s - 1: what DDP broadcasts at step
+    s's first forward, what every rank holds from that broadcast until its own forward moves them; the run's.
+    - Rank 0 alive, received copy of step `at`: the death came inside step `at`, after rank 0's first forward of it
+      (in that step's sync, or in a later micro-batch), which moved its buffers since; the copy is B(at).
+    - Rank 0 alive, no copy of step `at` (between steps, `at` counted and step `at` not begun; or a step behind the
+      source, failed in step at - 1's sync after that step's forward moved its buffers to B(at)): its own are B(at).
+      It cannot be a step behind without having run step at - 1's forward: the source's sync of that step completed,
+      which needs rank 0's gradients, computed by that forward.
+    - Rank 0 dead, a survivor with a copy of step `at` (rank 0's death inside step `at`, after the broadcast reached
+      that survivor; a survivor a step behind never reached step `at`'s forward and has none): that copy is B(at),
+      sent by rank 0 itself. The lowest such rank supplies it.
+    - Rank 0 dead, no survivor with a copy of step `at`: rank 0 died after its forward of step at - 1 (its gradients
+      of that step were summed) and before its broadcast of step `at` reached anyone: between steps, or in step
+      at - 1's sync. B(at) existed only in rank 0's memory; no survivor's buffers are it (theirs moved by their own
+      batches, their copies B(at - 1)): None, and a model whose buffers move falls back (`Trainer._take_state`)."""
+    if rank_0_survived:
+        return 0, received[0] == at
+    holders = [rank for rank, step in enumerate(received) if step == at]
+    return (holders[0], True) if holders else None
+
+
 class Trainer:
     def __init__(
         self,
@@ -186,6 +211,15 @@ class Trainer:
         # Rank 0 finds the device's peak at start and counts the model's FLOPs at its first step.
         self.mfu = MfuMeter(log)
         self.counted = not ctx.is_main
+        # Under --recovery every rank keeps the buffers (BatchNorm's running statistics) it received from rank 0 in DDP's
+        # broadcast at the first forward of the step it is in (`_receive_buffers`, a pre-hook on the module DDP wraps: it
+        # runs after that broadcast, before the forward moves them). The run's buffers are rank 0's, and a step's forward
+        # moves them before its sync can fail: the step redone after a recovery must start from rank 0's buffers as they
+        # stood at its start, and when rank 0 is the rank that died, a survivor's received copy is where they still are.
+        self._buffers = [b for b in self.module.buffers() if b.numel()] if recovery is not None else []
+        self._received = [b.clone() for b in self._buffers]
+        self._received_at = -1  # the global step at whose first forward `_received` was taken
+        self._receiving: int | None = None  # the global step whose first forward is still to come; None between
         self._bind(ctx)
         self.trained = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = self._make_optimizer()
@@ -206,12 +240,6 @@ class Trainer:
         self.step_in_epoch = 0
         self.global_step = 0
         self.last_snapshot_step = -1
-        # Under --recovery, rank 0 keeps its buffers (BatchNorm's running statistics) as they stood at the start of the
-        # step it is in: the run's buffers are rank 0's, and a step's forward moves them before its sync can fail, so
-        # the step that is redone after a recovery must start from this copy, not from buffers it already moved.
-        self._buffers = [b for b in self.module.buffers() if b.numel()] if recovery is not None and ctx.rank == 0 else []
-        self._kept = [b.clone() for b in self._buffers]
-        self._kept_at = -1  # the global step whose start `_kept` holds
         self._die_at = _death_in_sync(os.environ) if recovery is not None and not recovery.replacing else None
 
     # ------------------------------------------------------------------ set-up
@@ -236,8 +264,18 @@ class Trainer:
             path=self.path,
             sync_initial_state=self.recovery is None or self.recovery.generation == 0,  # a new generation's: _take_state's
         )
+        if self._buffers:
+            self.model.ddp.module.register_forward_pre_hook(self._receive_buffers)
         if self.recovery is not None:
             self.recovery.relax()
+
+    def _receive_buffers(self, _module: torch.nn.Module, _inputs: Any) -> None:
+        """DDP's wrapped module's forward pre-hook, under --recovery with buffers: at a step's first forward (armed by
+        `_recoverable_step`; never the eval's, the FLOP count's or `_settle_buckets`' forward), the buffers just
+        received from rank 0 (DDP broadcasts them before it calls the module), kept before the forward moves them."""
+        if self._receiving is not None:
+            torch._foreach_copy_(self._received, self._buffers)
+            self._received_at, self._receiving = self._receiving, None
 
     def _start_fields(self, start_step: int) -> dict[str, Any]:
         """The metrics file's `start` record: one a segment (a requeued or restarted run appends another),
@@ -512,25 +550,29 @@ class Trainer:
     def _take_state(self) -> None:
         """Collective, on a new group: every rank takes the state of the rank whose confirmed step is the greatest
         (`state_source`: a survivor whose all-reduce completed before the death is a step ahead of one whose did not; a
-        replacement has none). Model, optimizer and position travel from it; the buffers are rank 0's at that step
-        (`_boundary_buffers`); the RNG is derived from the position (train.recovery.reseed)."""
+        replacement has none). Model, optimizer and position travel from it; the buffers are rank 0's at that step,
+        from rank 0 or, when it died, from a survivor that received them (`buffer_holder`); the RNG is derived from
+        the position (train.recovery.reseed)."""
         replacing = self.recovery is not None and self.recovery.replacing
         if self.config.cpu_bind == "auto" and (bound := bind_replacement(self.ctx, replacing)) is not None:
             self.log(f"standby took rank {self.ctx.rank}'s place on cpus {cpu_list(bound)}, left free by the rank it replaces")
         # With each position (global_step counts confirmed steps only: the optimizer of a step runs once its sync
         # completed on this rank), the survivors' timeline of this recovery: the standby that took rank 0's place writes
         # its record (rank 0's duty), and only the survivors saw the collective fail.
-        mine = (-1, -1) if replacing else (self.global_step, self.last_snapshot_step)
+        self._receiving = None  # a step whose first forward never ran (its broadcast failed) keeps nothing from a later one
+        mine = (-1, -1, -1) if replacing else (self.global_step, self.last_snapshot_step, self._received_at)
         gathered = gather_objects((mine, self.recovery.timeline() if self.recovery is not None else None), self.ctx)
         positions = [position for position, _ in gathered]
-        source = state_source([step for step, _ in positions])
+        source = state_source([step for step, _, _ in positions])
         self.last_snapshot_step = positions[source][1]  # the same on every rank: whether a snapshot is due is agreed
-        if positions[0][0] < 0 and any(isinstance(m, _NormBase) and m.track_running_stats for m in self.module.modules()):
-            # Rank 0's buffers (BatchNorm's statistics, which DDP sends from rank 0 at every forward) died with it: the
-            # survivors' own were moved by their own batches, so going on would not be the run's. Every rank knows this
-            # from the same gather and falls back alike: never a recovery that is not exact.
-            raise RecoveryImpossible("rank 0 died holding the model's buffers (BatchNorm statistics), the run's own: no survivor has them")
-        boundary = self._boundary_buffers(positions[source][0]) if self.ctx.rank == 0 and not replacing else None
+        holder = buffer_holder([received for _, _, received in positions], positions[source][0], rank_0_survived=positions[0][0] >= 0)
+        if holder is None and any(isinstance(m, _NormBase) and m.track_running_stats for m in self.module.modules()):
+            # Every rank knows this from the same gather and falls back alike: never a recovery that is not exact.
+            raise RecoveryImpossible(
+                "rank 0 died between a step's forward and the next step's buffer broadcast: the model's buffers "
+                "(BatchNorm statistics) after that step, the run's own, existed only on it"
+            )
+        boundary = self._boundary_buffers(received=holder[1]) if holder is not None and holder[0] == self.ctx.rank else None
         self._settle_buckets()  # moves the buffers (taken above) and leaves gradients that the redone step zeroes
         mine = self._state([]) if self.ctx.rank == source else None
         state: Snapshot = broadcast_objects(mine, self.ctx, src=source, map_location=self.ctx.device, allowed=[Snapshot])
@@ -538,10 +580,10 @@ class Trainer:
             self.module.load_state_dict(state.model)
             self.optimizer.load_state_dict(state.optimizer)
             self.epoch, self.step_in_epoch, self.global_step = state.epoch, state.step_in_epoch, state.global_step
-        if positions[0][0] >= 0:  # rank 0 survived: its buffers at the source's step are the run's (a replacement has none)
-            if boundary:
+        if holder is not None:  # else no buffer moves: the source's, loaded with its model, are everyone's
+            if boundary:  # none where the model has no buffers
                 torch._foreach_copy_(self._buffers, boundary)
-            broadcast_buffers(self.module, self.ctx)
+            broadcast_buffers(self.module, self.ctx, src=holder[0])
         if replacing:
             self.log(f"standby took rank {self.ctx.rank}: state of rank {source} at {self._position()}")
         if self.recovery is not None:
@@ -563,13 +605,11 @@ class Trainer:
         self.model.backward(loss * 0, syncs=True)
         self.model.finish()
 
-    def _boundary_buffers(self, at: int) -> list[torch.Tensor]:
-        """On rank 0: its buffers as they stood after `at` confirmed steps, the run's at that step. Inside step `at`
-        (it failed in that step's sync, after its forward moved them) that is the copy kept at the step's start; else
-        its own: between steps, or one step behind the source, failed in step `at - 1`'s sync after that step's
-        forward, which is what moves rank 0's buffers from step `at - 1`'s to step `at`'s."""
-        held = self._kept if self._kept_at == at == self.global_step else self._buffers
-        return [b.clone() for b in held]
+    def _boundary_buffers(self, *, received: bool) -> list[torch.Tensor]:
+        """On the rank `buffer_holder` names: the run's buffers after the source's confirmed steps, taken before
+        `_settle_buckets`' forward moves its own: the copy received at the source's step's first forward, or (rank 0
+        that had not begun that step's forward) its own."""
+        return [b.clone() for b in (self._received if received else self._buffers)]
 
     def _recovered(self, generation: int, times: dict[str, float]) -> None:
         """The first step after a recovery finished: its timeline, on rank 0's log and metrics."""
@@ -701,8 +741,7 @@ class Trainer:
         timeline written after the first step of a recovery."""
         assert self.recovery is not None
         if self._buffers:
-            torch._foreach_copy_(self._kept, self._buffers)
-            self._kept_at = self.global_step
+            self._receiving = self.global_step  # `_receive_buffers` keeps what this step's first forward receives
         if self._die_at is not None and self._die_at == (self.ctx.rank, self.global_step):
             self.model.sync.die_after_first_bucket = True
         done = self.recovery.step(self.config.seed, self.ctx.rank, self.global_step, lambda: self._train_step(micro_batches))
