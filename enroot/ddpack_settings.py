@@ -101,6 +101,12 @@ SETTINGS: dict[str, Setting] = {
     # Set by ddpack itself.
     "DDPACK_HOME": Setting(None, "", "the folder of the job's helpers (ddpack submit: the run folder's job/)", own=True),
     "DDPACK_JOB_TOKEN": Setting(None, "", "this start's secret for the watchdog's store (made by the template)", own=True),
+    "DDPACK_STORE_TASK": Setting(
+        r"0|1", "0", "1: the step's last task serves the job's store, not rank 0 (set by the job with its standbys)", own=True
+    ),
+    "DDPACK_TEST_DIE_IN_SYNC": Setting(
+        r"\d+:\d+", "", "tests only: RANK:STEP, that rank SIGKILLs itself between two gradient buckets of that step (--recovery)", own=True
+    ),
     "DDPACK_END_FILE": Setting(None, "", "where a program of yours records how it ended (the launcher's, per rank)", own=True),
     "DDPACK_SNAPSHOT_DIR": Setting(None, "", "the run folder's snapshots/ (the template's)", own=True),
     "DDPACK_METRICS_FILE": Setting(None, "", "the run folder's metrics.jsonl (the template's)", own=True),

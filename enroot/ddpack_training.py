@@ -489,7 +489,7 @@ class Training:
         # that this step cannot start would otherwise make its last ranks standbys that nobody started as such.
         asked = value("DDPACK_STANDBYS", env)
         overrides = {"DDPACK_STANDBYS": "0"} if asked != "auto" and int(asked) else {}
-        if env.get("DDPACK_STORE_TASK", "0") != "0":  # no store task without standbys: the last task is a rank
+        if value("DDPACK_STORE_TASK", env) != "0":  # no store task without standbys: the last task is a rank
             overrides["DDPACK_STORE_TASK"] = "0"
         none = {**env, **overrides} if overrides else None
         if not self.standbys:

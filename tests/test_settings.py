@@ -120,6 +120,7 @@ def test_a_settings_default_is_written_in_the_table_alone() -> None:
 IMAGE_COPIES = {
     ("train/config.py", "DDPACK_CPU_BIND"),
     ("train/config.py", "DDPACK_STANDBYS"),
+    ("train/config.py", "DDPACK_STORE_TASK"),
     ("entrypoint/cli.py", "DDPACK_STOP_GRACE"),
     ("entrypoint/supervise.py", "DDPACK_STOP_GRACE"),
 }
