@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,10 +30,6 @@ SHAPES: dict[str, tuple[list[str], list[str], dict[str, str]]] = {
     "arbitrary-2": ([*STEP, "--ntasks=2", "--distribution=arbitrary"], ["ds1", "ds2"], {"SRUN_CPUS_PER_TASK": "2"}),
     "plain": (["--nodes=2", "--ntasks=2", "--nodelist=ds1,ds2"], [], {"SRUN_CPUS_PER_TASK": "2"}),
 }
-
-
-def slurm(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(list(argv), env=ec.client_env(), capture_output=True, text=True, timeout=60)
 
 
 def job_script(work: Path, name: str) -> Path:
@@ -59,7 +54,7 @@ def attempt(name: str, work: Path) -> dict[str, object]:
     log = ec.LOGS / "slurmctld.log"
     start = log.stat().st_size if log.exists() else 0
     try:
-        out = slurm(
+        out = ec.slurm(
             "sbatch",
             "--parsable",
             "--nodes=3",
@@ -71,20 +66,20 @@ def attempt(name: str, work: Path) -> dict[str, object]:
         )
         job = out.stdout.strip()
         deadline = time.monotonic() + 60
-        while f"{job}.0" not in slurm("squeue", "-h", "-s", "-j", job, "-o", "%i").stdout and time.monotonic() < deadline:
+        while f"{job}.0" not in ec.slurm("squeue", "-h", "-s", "-j", job, "-o", "%i").stdout and time.monotonic() < deadline:
             time.sleep(0.5)
         time.sleep(2)
-        running = slurm("sinfo", "-h", "-N", "-o", "%N %T").stdout.split("\n")
+        running = ec.slurm("sinfo", "-h", "-N", "-o", "%N %T").stdout.split("\n")
         if down:
-            slurm("scontrol", "update", "nodename=ds2", "state=down", "reason=step-shape-tries")
+            ec.slurm("scontrol", "update", "nodename=ds2", "state=down", "reason=step-shape-tries")
         time.sleep(4)
-        slurm("scancel", job)
+        ec.slurm("scancel", job)
         time.sleep(8)
         if down:
-            slurm("scontrol", "update", "nodename=ds2", "state=resume")
-        after = slurm("sbatch", "--parsable", "--nodes=1", "--wrap=true", f"--output={work}/next-%j")
+            ec.slurm("scontrol", "update", "nodename=ds2", "state=resume")
+        after = ec.slurm("sbatch", "--parsable", "--nodes=1", "--wrap=true", f"--output={work}/next-%j")
         time.sleep(5)
-        alive = "UP" in slurm("scontrol", "ping").stdout
+        alive = "UP" in ec.slurm("scontrol", "ping").stdout
         text = log.read_text(errors="replace")[start:] if log.exists() else ""
         underflow = [line for line in text.splitlines() if "underflow" in line]
         return {
