@@ -16,27 +16,23 @@ from pathlib import Path
 from testbed import emulated_cluster as ec
 
 STEP = ["--nodes=2", "--kill-on-bad-exit=0"]
-# name: (srun's options, SLURM_HOSTFILE's lines or none, the step's environment)
-SHAPES: dict[str, tuple[list[str], list[str], dict[str, str]]] = {
-    "today": ([*STEP, "--ntasks=4", "--distribution=arbitrary", "--overcommit"], ["ds1", "ds2", "ds1", "ds1"], {"SRUN_CPUS_PER_TASK": "2"}),
-    "no-overcommit": ([*STEP, "--ntasks=4", "--distribution=arbitrary"], ["ds1", "ds2", "ds1", "ds1"], {"SRUN_CPUS_PER_TASK": "2"}),
-    "block": ([*STEP, "--ntasks=4", "--overcommit", "--nodelist=ds1,ds2"], [], {"SRUN_CPUS_PER_TASK": "2"}),
-    "standby-other": (
-        [*STEP, "--ntasks=4", "--distribution=arbitrary", "--overcommit"],
-        ["ds1", "ds2", "ds2", "ds1"],
-        {"SRUN_CPUS_PER_TASK": "2"},
-    ),
-    "plain-overcommit": (["--nodes=2", "--ntasks=2", "--nodelist=ds1,ds2", "--overcommit"], [], {"SRUN_CPUS_PER_TASK": "2"}),
-    "arbitrary-2": ([*STEP, "--ntasks=2", "--distribution=arbitrary"], ["ds1", "ds2"], {"SRUN_CPUS_PER_TASK": "2"}),
-    "plain": (["--nodes=2", "--ntasks=2", "--nodelist=ds1,ds2"], [], {"SRUN_CPUS_PER_TASK": "2"}),
+# name: (srun's options, SLURM_HOSTFILE's lines or none); every shape's step has SRUN_CPUS_PER_TASK=2
+SHAPES: dict[str, tuple[list[str], list[str]]] = {
+    "today": ([*STEP, "--ntasks=4", "--distribution=arbitrary", "--overcommit"], ["ds1", "ds2", "ds1", "ds1"]),
+    "no-overcommit": ([*STEP, "--ntasks=4", "--distribution=arbitrary"], ["ds1", "ds2", "ds1", "ds1"]),
+    "block": ([*STEP, "--ntasks=4", "--overcommit", "--nodelist=ds1,ds2"], []),
+    "standby-other": ([*STEP, "--ntasks=4", "--distribution=arbitrary", "--overcommit"], ["ds1", "ds2", "ds2", "ds1"]),
+    "plain-overcommit": (["--nodes=2", "--ntasks=2", "--nodelist=ds1,ds2", "--overcommit"], []),
+    "arbitrary-2": ([*STEP, "--ntasks=2", "--distribution=arbitrary"], ["ds1", "ds2"]),
+    "plain": (["--nodes=2", "--ntasks=2", "--nodelist=ds1,ds2"], []),
 }
 
 
 def job_script(work: Path, name: str) -> Path:
     """The job's script: the step of shape `name` as the job program runs it (SLURM_NTASKS_PER_NODE and SLURM_WAIT
     out of its environment, as `standby_step` takes them out)."""
-    options, hosts, env = SHAPES[name]
-    lines = ["#!/bin/bash", "unset SLURM_NTASKS_PER_NODE SLURM_WAIT", *(f"export {k}={v}" for k, v in env.items())]
+    options, hosts = SHAPES[name]
+    lines = ["#!/bin/bash", "unset SLURM_NTASKS_PER_NODE SLURM_WAIT", "export SRUN_CPUS_PER_TASK=2"]
     if hosts:
         (work / f"hosts-{name}").write_text("\n".join(hosts) + "\n")
         lines.append(f"export SLURM_HOSTFILE={work}/hosts-{name}")
