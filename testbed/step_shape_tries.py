@@ -8,8 +8,8 @@ shape's name ends in -nodown), the job cancelled, one more sbatch; then whether 
 from __future__ import annotations
 
 import json
-import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -94,9 +94,11 @@ def main(names: list[str]) -> int:
     if not names or unknown:
         print(f"step_shape_tries: name shapes of {', '.join(SHAPES)} (a -nodown suffix: no node set DOWN); not {unknown}", file=sys.stderr)
         return 2
-    work = Path("/tmp/ddpack-step-shape-tries")
-    work.mkdir(exist_ok=True)
-    os.chmod(work, 0o777)
+    # Made new (a fixed name in /tmp, chmod 0777, would let another user swap in the scripts root's jobs run), kept
+    # after: the jobs' outputs are its out-* and next-* files.
+    work = Path(tempfile.mkdtemp(prefix="ddpack-step-shape-tries-", dir="/tmp"))
+    work.chmod(0o755)
+    print(f"step_shape_tries: job scripts and outputs in {work}", file=sys.stderr)
     for name in names:
         print(json.dumps(attempt(name, work)), flush=True)
     return 0
