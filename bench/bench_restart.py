@@ -149,7 +149,7 @@ def kill_task(job: str, log: Path, task: int) -> float:
     return killed_at
 
 
-def one_kill(enroot: Path, folder: Path, sqsh: Path | None, standbys: int, rank: int = 3, second: bool = False) -> dict[str, float]:
+def one_kill(enroot: Path, folder: Path, sqsh: Path | None, standbys: int, rank: int, second: bool) -> dict[str, float]:
     """One job of the template with DDPACK_STANDBYS=`standbys`, rank `rank` SIGKILLed while it trains (and with `second`,
     rank 2 once a new standby is warm); the seconds after the last kill (see `--standbys` in the module's docstring)."""
     with submitted(enroot, folder, sqsh, "kill", f"DDPACK_STANDBYS={standbys}") as (job, metrics, log):
@@ -179,7 +179,7 @@ def one_kill(enroot: Path, folder: Path, sqsh: Path | None, standbys: int, rank:
     return row
 
 
-def standbys_main(rounds: int, sqsh: Path | None, rank: int = 3, second: bool = False) -> int:
+def standbys_main(rounds: int, sqsh: Path | None, rank: int, second: bool) -> int:
     with tempfile.TemporaryDirectory(prefix="ddpack-bench-restart-", dir="/tmp") as tmp:
         work = Path(tmp)
         work.chmod(0o755)

@@ -246,9 +246,9 @@ def calibrate(bench: ScaleJobs, nodes: int, rounds: int) -> tuple[list[str], dic
     a third at 16 nodes (docs/scale.md). The share depends on how busy the host's CPUs are (a run that keeps both
     saturated has little slack for the queue to overlap with), so it is measured at the size whose ratio it corrects:
     the largest by default. Only the nodes are pinned: slurmctld (about 0.05 s a swap) and the host's munged keep both CPUs."""
-    cases = {"warm start": lambda: bench.start("warm", nodes), "swap": lambda: bench.swap(nodes)}
+    cases = {"start": ("warm start", lambda: bench.start("warm", nodes)), "swap": ("swap", lambda: bench.swap(nodes))}
     lines, shares = [], {}
-    for label, run in cases.items():
+    for case, (label, run) in cases.items():
         load0 = os.getloadavg()[0]
         one: list[Result] = []
         two: list[Result] = []
@@ -262,7 +262,7 @@ def calibrate(bench: ScaleJobs, nodes: int, rounds: int) -> tuple[list[str], dic
         gap = statistics.median(r.w for r in one) - statistics.median(r.w for r in two)
         beyond = statistics.median(sum(r.node_cpu.values()) - max(r.node_cpu.values(), default=0) for r in two)
         share = min(max(2 * gap / beyond, 0.0), 1.0) if beyond > 0 else 1.0
-        shares[label.split()[-1]] = share
+        shares[case] = share
         load = max(load0, os.getloadavg()[0])
         busy = (
             f" (busy host: load {load:.1f} on {os.cpu_count()} CPUs, other work shared both runs' CPUs: not trusted)"

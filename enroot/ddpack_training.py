@@ -140,7 +140,7 @@ def run_step(argv: list[str], *, env: dict[str, str] | None = None, end_wait: fl
     ended: list[tuple[str, int]] = []
     left: dict[str, int] = {}
     step = StepEnd(0)
-    rank0_ended = threading.Event()
+    run_ended = threading.Event()
 
     def copy(stream: object, fd: int) -> None:
         for line in stream:  # type: ignore[attr-defined]
@@ -151,8 +151,6 @@ def run_step(argv: list[str], *, env: dict[str, str] | None = None, end_wait: fl
             found = TASK_ENDED.match(line)
             if found and not found.group(3).startswith(NOT_A_CRASH):
                 ended.append((found.group(1).decode("ascii"), len(task_ids(found.group(2)))))
-            if found and 0 in task_ids(found.group(2)) and end_wait <= 0:
-                rank0_ended.set()
             if (at := line.find(STANDBY_END_MARK)) >= 0:
                 standby_left(step, line[at + len(STANDBY_END_MARK) :])
             at = line.find(END_MARK)
@@ -164,7 +162,7 @@ def run_step(argv: list[str], *, env: dict[str, str] | None = None, end_wait: fl
                     step.exits[int(end["rank"])] = int(end["exit_code"])
                     step.world = int(end["world_size"])
                     if run_over(end):
-                        rank0_ended.set()
+                        run_ended.set()
 
     readers = [
         threading.Thread(target=copy, args=(stream, fd), name=f"ddpack-step-{fd}", daemon=True)
@@ -172,11 +170,11 @@ def run_step(argv: list[str], *, env: dict[str, str] | None = None, end_wait: fl
     ]
     for reader in readers:
         reader.start()
-    guard: list[bool] = []  # True once the wait after rank 0's end has ended the step
+    guard: list[bool] = []  # True once the wait after the run's end has ended the step
     if end_wait > 0:
-        threading.Thread(target=end_after_rank0, args=(proc, rank0_ended, end_wait, guard), name="ddpack-step-wait", daemon=True).start()
+        threading.Thread(target=end_after_run, args=(proc, run_ended, end_wait, guard), name="ddpack-step-wait", daemon=True).start()
     step.code = proc.wait()
-    rank0_ended.set()  # the step is over: the waiting thread ends
+    run_ended.set()  # the step is over: the waiting thread ends
     if guard:
         step.code = 137  # a task killed, as srun's --wait kills it (its own status on SIGTERM is no preemption's)
     for reader in readers:
@@ -197,11 +195,11 @@ def standby_left(step: StepEnd, text: bytes) -> None:
     say(f"standby {member} on {host} left ({why}): {detail}")
 
 
-def end_after_rank0(proc: subprocess.Popen, rank0_ended: threading.Event, wait_s: float, ended: list[bool]) -> None:
+def end_after_run(proc: subprocess.Popen, run_ended: threading.Event, wait_s: float, ended: list[bool]) -> None:
     """End the step `wait_s` seconds after the run ended (`run_over`), if it is still running: a task still alive then
     is a rank frozen (SIGSTOP, a hung driver) that the standbys replaced, or a standby or store task that cannot leave.
     srun ends its tasks on SIGTERM; KILL follows when it does not leave."""
-    rank0_ended.wait()
+    run_ended.wait()
     try:
         proc.wait(timeout=wait_s)
         return
@@ -483,7 +481,8 @@ class Training:
         --overcommit: a standby is one more task than the node's CPUs were divided for (it sleeps while it waits);
         --kill-on-bad-exit=0: a rank that dies does not end the step whatever the cluster's KillOnBadExit; srun's
         --wait (SLURM_WAIT), which kills the step DDPACK_STEP_WAIT seconds after its first task ended, is replaced by
-        the same wait after rank 0 has ended (`run_step`): the first task to end is now a rank the others outlive."""
+        the same wait after the run has ended (`run_step`, `run_over`): the first task to end is now a rank the others
+        outlive, and with the store task (the step's last, `task_hosts`) rank 0 is one of those too."""
         env = os.environ
         # The tasks are handed the count this step starts (the trainer reads its --standbys there): a count asked for
         # that this step cannot start would otherwise make its last ranks standbys that nobody started as such.

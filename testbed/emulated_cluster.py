@@ -108,6 +108,11 @@ def client_env(**extra: str) -> dict[str, str]:
     return clean_env(SLURM_CONF=str(CONF), **extra)
 
 
+def slurm(*argv: str, check: bool = False) -> subprocess.CompletedProcess:
+    """A Slurm command against the emulated cluster (`client_env`), its output captured as text, within 60 s."""
+    return subprocess.run(list(argv), env=client_env(), capture_output=True, text=True, check=check, timeout=60)
+
+
 def refusal(count: int, busy_ok: bool = False) -> str | None:
     """Why `count` nodes should not be brought up on this host now (one line), or None. Memory: MemAvailable under
     count x 64 MiB + 4 GiB. Load (unless `busy_ok`): a 1-minute load above this host's CPUs, where every node's work

@@ -140,7 +140,7 @@ class ScaleJobs:
         self.stage = stage_dir(0)
 
     def slurm(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
-        return subprocess.run(list(argv), env=ec.client_env(), capture_output=True, text=True, check=check, timeout=60)
+        return ec.slurm(*argv, check=check)
 
     def empty_nodes(self, nodes: list[str], staged_too: bool) -> None:
         """Every node's enroot data (containers) gone, and with `staged_too` its staging folder: a cold node."""

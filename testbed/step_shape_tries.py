@@ -8,40 +8,31 @@ shape's name ends in -nodown), the job cancelled, one more sbatch; then whether 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from testbed import emulated_cluster as ec
 
 STEP = ["--nodes=2", "--kill-on-bad-exit=0"]
-# name: (srun's options, SLURM_HOSTFILE's lines or none, the step's environment)
-SHAPES: dict[str, tuple[list[str], list[str], dict[str, str]]] = {
-    "today": ([*STEP, "--ntasks=4", "--distribution=arbitrary", "--overcommit"], ["ds1", "ds2", "ds1", "ds1"], {"SRUN_CPUS_PER_TASK": "2"}),
-    "no-overcommit": ([*STEP, "--ntasks=4", "--distribution=arbitrary"], ["ds1", "ds2", "ds1", "ds1"], {"SRUN_CPUS_PER_TASK": "2"}),
-    "block": ([*STEP, "--ntasks=4", "--overcommit", "--nodelist=ds1,ds2"], [], {"SRUN_CPUS_PER_TASK": "2"}),
-    "standby-other": (
-        [*STEP, "--ntasks=4", "--distribution=arbitrary", "--overcommit"],
-        ["ds1", "ds2", "ds2", "ds1"],
-        {"SRUN_CPUS_PER_TASK": "2"},
-    ),
-    "plain-overcommit": (["--nodes=2", "--ntasks=2", "--nodelist=ds1,ds2", "--overcommit"], [], {"SRUN_CPUS_PER_TASK": "2"}),
-    "arbitrary-2": ([*STEP, "--ntasks=2", "--distribution=arbitrary"], ["ds1", "ds2"], {"SRUN_CPUS_PER_TASK": "2"}),
-    "plain": (["--nodes=2", "--ntasks=2", "--nodelist=ds1,ds2"], [], {"SRUN_CPUS_PER_TASK": "2"}),
+# name: (srun's options, SLURM_HOSTFILE's lines or none); every shape's step has SRUN_CPUS_PER_TASK=2
+SHAPES: dict[str, tuple[list[str], list[str]]] = {
+    "today": ([*STEP, "--ntasks=4", "--distribution=arbitrary", "--overcommit"], ["ds1", "ds2", "ds1", "ds1"]),
+    "no-overcommit": ([*STEP, "--ntasks=4", "--distribution=arbitrary"], ["ds1", "ds2", "ds1", "ds1"]),
+    "block": ([*STEP, "--ntasks=4", "--overcommit", "--nodelist=ds1,ds2"], []),
+    "standby-other": ([*STEP, "--ntasks=4", "--distribution=arbitrary", "--overcommit"], ["ds1", "ds2", "ds2", "ds1"]),
+    "plain-overcommit": (["--nodes=2", "--ntasks=2", "--nodelist=ds1,ds2", "--overcommit"], []),
+    "arbitrary-2": ([*STEP, "--ntasks=2", "--distribution=arbitrary"], ["ds1", "ds2"]),
+    "plain": (["--nodes=2", "--ntasks=2", "--nodelist=ds1,ds2"], []),
 }
-
-
-def slurm(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(list(argv), env=ec.client_env(), capture_output=True, text=True, timeout=60)
 
 
 def job_script(work: Path, name: str) -> Path:
     """The job's script: the step of shape `name` as the job program runs it (SLURM_NTASKS_PER_NODE and SLURM_WAIT
     out of its environment, as `standby_step` takes them out)."""
-    options, hosts, env = SHAPES[name]
-    lines = ["#!/bin/bash", "unset SLURM_NTASKS_PER_NODE SLURM_WAIT", *(f"export {k}={v}" for k, v in env.items())]
+    options, hosts = SHAPES[name]
+    lines = ["#!/bin/bash", "unset SLURM_NTASKS_PER_NODE SLURM_WAIT", "export SRUN_CPUS_PER_TASK=2"]
     if hosts:
         (work / f"hosts-{name}").write_text("\n".join(hosts) + "\n")
         lines.append(f"export SLURM_HOSTFILE={work}/hosts-{name}")
@@ -59,7 +50,7 @@ def attempt(name: str, work: Path) -> dict[str, object]:
     log = ec.LOGS / "slurmctld.log"
     start = log.stat().st_size if log.exists() else 0
     try:
-        out = slurm(
+        out = ec.slurm(
             "sbatch",
             "--parsable",
             "--nodes=3",
@@ -71,20 +62,20 @@ def attempt(name: str, work: Path) -> dict[str, object]:
         )
         job = out.stdout.strip()
         deadline = time.monotonic() + 60
-        while f"{job}.0" not in slurm("squeue", "-h", "-s", "-j", job, "-o", "%i").stdout and time.monotonic() < deadline:
+        while f"{job}.0" not in ec.slurm("squeue", "-h", "-s", "-j", job, "-o", "%i").stdout and time.monotonic() < deadline:
             time.sleep(0.5)
         time.sleep(2)
-        running = slurm("sinfo", "-h", "-N", "-o", "%N %T").stdout.split("\n")
+        running = ec.slurm("sinfo", "-h", "-N", "-o", "%N %T").stdout.split("\n")
         if down:
-            slurm("scontrol", "update", "nodename=ds2", "state=down", "reason=step-shape-tries")
+            ec.slurm("scontrol", "update", "nodename=ds2", "state=down", "reason=step-shape-tries")
         time.sleep(4)
-        slurm("scancel", job)
+        ec.slurm("scancel", job)
         time.sleep(8)
         if down:
-            slurm("scontrol", "update", "nodename=ds2", "state=resume")
-        after = slurm("sbatch", "--parsable", "--nodes=1", "--wrap=true", f"--output={work}/next-%j")
+            ec.slurm("scontrol", "update", "nodename=ds2", "state=resume")
+        after = ec.slurm("sbatch", "--parsable", "--nodes=1", "--wrap=true", f"--output={work}/next-%j")
         time.sleep(5)
-        alive = "UP" in slurm("scontrol", "ping").stdout
+        alive = "UP" in ec.slurm("scontrol", "ping").stdout
         text = log.read_text(errors="replace")[start:] if log.exists() else ""
         underflow = [line for line in text.splitlines() if "underflow" in line]
         return {
@@ -103,9 +94,11 @@ def main(names: list[str]) -> int:
     if not names or unknown:
         print(f"step_shape_tries: name shapes of {', '.join(SHAPES)} (a -nodown suffix: no node set DOWN); not {unknown}", file=sys.stderr)
         return 2
-    work = Path("/tmp/ddpack-step-shape-tries")
-    work.mkdir(exist_ok=True)
-    os.chmod(work, 0o777)
+    # Made new (a fixed name in /tmp, chmod 0777, would let another user swap in the scripts root's jobs run), kept
+    # after: the jobs' outputs are its out-* and next-* files.
+    work = Path(tempfile.mkdtemp(prefix="ddpack-step-shape-tries-", dir="/tmp"))
+    work.chmod(0o755)
+    print(f"step_shape_tries: job scripts and outputs in {work}", file=sys.stderr)
     for name in names:
         print(json.dumps(attempt(name, work)), flush=True)
     return 0

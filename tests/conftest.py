@@ -20,6 +20,7 @@ from testbed.slurm_cluster import ClusterUnavailable, ensure_cluster
 
 if TYPE_CHECKING:
     from docker_support import ReadmeProject
+    from torch.distributed import TCPStore
 
 
 # The host's packages (pyproject.toml's `dev` extra) that test modules import, directly or through ddpack's host side.
@@ -50,6 +51,20 @@ def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> 
 @pytest.fixture
 def root() -> Path:
     return ROOT
+
+
+@pytest.fixture
+def server() -> Iterator[TCPStore]:
+    """A store served as rank 0, torchrun's agent or the store task serves the job's rendezvous store, on a free loopback
+    port: the tests of the watchdog's and the recovery channel's keys, the node beats' and the standbys' talk to it.
+    torch is imported here, not at the top: the session's start does not wait for it."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10), wait_for_workers=False)
+    yield store
+    del store
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -122,9 +121,9 @@ def start_standalone(tmp: Path, nproc: int, args: Sequence[str], cwd: Path | Non
 
 def start_env_mode(tmp: Path, world: int, args: Sequence[str], env: Mapping[str, str] | None = None) -> Job:
     """`docker run -e RANK=r -e WORLD_SIZE=w -e MASTER_ADDR -e MASTER_PORT IMAGE ...` once per rank, on this host."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from train.distributed import free_port  # torch: imported by the tests that start jobs, not by every importer
+
+    port = free_port()
     procs, logs = [], []
     for rank in range(world):
         logs.append(tmp / f"rank{rank}.log")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -50,13 +49,6 @@ def test_a_directory_another_could_write_in_is_not_used(tmp_path: Path) -> None:
     assert mine.path != shared and not os.stat(mine.path).st_mode & 0o077
     other_job = LocalBeats.open({**ENV, "MASTER_PORT": "29501"}, TOKEN, tmp_path)
     assert other_job.path.name != shared.name and TOKEN not in shared.name
-
-
-@pytest.fixture
-def server() -> Iterator[dist.TCPStore]:
-    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10), wait_for_workers=False)
-    yield store
-    del store
 
 
 def test_three_members_make_one_store_key_and_a_dead_writers_place_is_taken(

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -24,13 +23,6 @@ TOKEN = "3f9a0c1d5e7b2468ace013579bdf8642"
 ENV = {JOB_TOKEN_VAR: TOKEN, "SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": "0", "SLURM_STEP_ID": "0"}
 ROSTER = {0: "r0", 1: "r1", 2: "r2", 3: "r3"}
 NODE, OTHER_NODE, THIRD_NODE = "0123456789abcdef", "fedcba9876543210", "00000000000000aa"
-
-
-@pytest.fixture
-def server() -> Iterator[dist.TCPStore]:
-    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10), wait_for_workers=False)
-    yield store
-    del store
 
 
 def client(port: int, seconds: float = 10) -> dist.TCPStore:

@@ -7,8 +7,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
-from datetime import timedelta
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -24,13 +23,6 @@ from train.recovery_channel import Channel
 from train.signals import PreemptionWatcher
 
 TOKEN = "3f9a0c1d5e7b2468ace013579bdf8642"
-
-
-@pytest.fixture
-def server() -> Iterator[dist.TCPStore]:
-    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10), wait_for_workers=False)
-    yield store
-    del store
 
 
 def leave(monkeypatch: pytest.MonkeyPatch, port: int, store: Callable[..., dist.Store] | None = None) -> list[StandbyEnd]:

@@ -19,7 +19,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -131,14 +131,6 @@ def test_the_launcher_hands_the_token_to_every_rank_torchrun_starts() -> None:
 
 
 # ---------------------------------------------------------------- a real store
-
-
-@pytest.fixture
-def server() -> Iterator[dist.TCPStore]:
-    """The rendezvous store as rank 0 (or torchrun's agent) serves it, on a free loopback port."""
-    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10), wait_for_workers=False)
-    yield store
-    del store
 
 
 def client(port: int) -> Callable[[], Any]:
