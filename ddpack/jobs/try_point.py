@@ -43,26 +43,12 @@ from ddpack.jobs.submit_checks import SubmitSettings, raise_problems, setting_pr
 from ddpack.jobs.sweep_points import point_label
 from train import run_folder
 
-TRY_HELP = (
-    "run one point of a sweep (or the command) here, in the job's image, with the job's command, environment and mounts, "
-    "in a one-task world: the first lines and the exit status (--dry-run: the docker command; --json: one object)"
-)
-TIMEOUT_S = 120.0  # --timeout's default: long enough to import torch and take some steps, short enough to wait for
-LINES = 20  # --lines' default
 STOP_GRACE_S = 10  # docker stop's wait between SIGTERM and SIGKILL: the trainer's stop at a step boundary
 SCRATCH_PREFIX = "ddpack-try-"
 LOG = "try.log"
 # One task's rendezvous: the world the entrypoint resolves from them (entrypoint/plan.py's env mode) is rank 0 alone.
 ONE_TASK = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
 DOCKER_FAILED = 125  # docker run's own failure (the image, a mount, the engine), never the command's
-
-
-def add_try_options(parser: argparse.ArgumentParser) -> None:
-    """try's own options beside submit's (which it has as its parser's parent)."""
-    parser.add_argument("--index", type=int, metavar="I", help="the sweep's point I (default 0; submit's --point lists points)")
-    parser.add_argument("--timeout", type=float, default=TIMEOUT_S, metavar="S",
-                        help=f"stop it after S seconds (docker stop), exit 4 (default {TIMEOUT_S:g})")  # fmt: skip
-    parser.add_argument("--lines", type=int, default=LINES, metavar="N", help=f"how many of its first lines to print (default {LINES})")
 
 
 @dataclass(frozen=True, kw_only=True)
