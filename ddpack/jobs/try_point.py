@@ -54,9 +54,10 @@ DOCKER_FAILED = 125  # docker run's own failure (the image, a mount, the engine)
 @dataclass(frozen=True, kw_only=True)
 class TryRun:
     """What `ddpack try` runs: the docker command (values of the environment in `env`, never in argv, where `ps` shows
-    them to other users), the image, the scratch run folder and the point."""
+    them to other users), the container's name (docker stop's), the image, the scratch run folder and the point."""
 
     argv: tuple[str, ...]
+    name: str
     env: dict[str, str]
     image: str
     scratch: Path
@@ -252,7 +253,7 @@ def plan_try(opts: argparse.Namespace, settings: SubmitSettings, docker: str) ->
     name = f"{SCRATCH_PREFIX}{uuid.uuid4().hex[:12]}"
     argv = docker_argv(docker, image, alone, scratch, env, name, mounts)
     points = len(settings.points) if settings.sweep else 1
-    return TryRun(argv=argv, env=env, image=image, scratch=scratch, index=index, points=points, label=label), said
+    return TryRun(argv=argv, name=name, env=env, image=image, scratch=scratch, index=index, points=points, label=label), said
 
 
 def run_container(run: TryRun, *, timeout_s: float, lines: int, out: TextIO | None) -> Outcome:
@@ -285,15 +286,14 @@ def run_container(run: TryRun, *, timeout_s: float, lines: int, out: TextIO | No
 
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
-        name = run.argv[run.argv.index("--name") + 1]
         try:
             code: int | None = child.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            stop(run.argv[0], name)
+            stop(run.argv[0], run.name)
             child.wait()
             code = None
         except KeyboardInterrupt:
-            stop(run.argv[0], name)
+            stop(run.argv[0], run.name)
             child.wait()
             raise
         reader.join(timeout=STOP_GRACE_S)
