@@ -552,7 +552,8 @@ def export(opts: argparse.Namespace) -> int:
 
     if not (opts.csv or opts.summary or opts.tensorboard):
         raise HostError("export writes --csv FILE, --summary FILE or --tensorboard DIR: name one or more", code=2)
-    points = exporting.runs_of([resolve_run(run, runs_folder(opts)) for run in opts.run])
+    runs = runs_folder(opts)
+    points = exporting.runs_of([resolve_run(run, runs) for run in opts.run])
     said: dict[str, Any] = {"runs": [str(point) for point in points]}
     if opts.csv:
         said["csv"] = {"file": str(opts.csv.resolve()), "rows": exporting.export_csv(points, opts.csv.resolve())}
@@ -758,7 +759,8 @@ def compare(opts: argparse.Namespace) -> int:
 
     if opts.highest and not opts.best:
         raise HostError("--max goes with --best: compare SWEEP --best KEY --max", code=2)
-    folders = [resolve_run(run, runs_folder(opts)) for run in opts.run]
+    runs = runs_folder(opts)
+    folders = [resolve_run(run, runs) for run in opts.run]
     if len(folders) == 1 and is_sweep(folders[0]):  # a sweep alone: one row a point, its values as columns
         names, rows, curves, total = comparing.sweep_table(folders[0], curves=bool(opts.html))
         curve_of = {row["index"]: curve for row, curve in zip(rows, curves, strict=True)}
