@@ -47,6 +47,12 @@ if TYPE_CHECKING:
 
 TEMPLATE_CHOICES = ("per-task", "torchrun")
 IMAGES = "/fsx/images"  # the shared images folder when neither --images nor DDPACK_IMAGES names one (a host setting)
+TRY_HELP = (
+    "run one point of a sweep (or the command) here, in the job's image, with the job's command, environment and mounts, "
+    "in a one-task world: the first lines and the exit status (--dry-run: the docker command; --json: one object)"
+)
+TRY_TIMEOUT_S = 120.0  # try --timeout's default: long enough to import torch and take some steps, short enough to wait for
+TRY_LINES = 20  # try --lines' default
 
 
 def _whole(text: str) -> int:
@@ -180,9 +186,15 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("--dry-run", action="store_true", help="print the job script and run the checks; build, write and queue nothing")
     sub.add_argument("--json", action="store_true", help="print one JSON object (job_id, run_dir, ...)")
     sub.epilog = "-- COMMAND...: your program, run by every rank (default: the image's own command)"
-    from ddpack.jobs.try_point import TRY_HELP, add_try_options  # try takes submit's options (its parser's parent) and its own
-
-    add_try_options(verbs.add_parser("try", parents=[sub], add_help=False, allow_abbrev=False, help=TRY_HELP, description=TRY_HELP))
+    # try takes submit's options (its parser's parent) and its own, written here: parser() is built for every verb, and
+    # ddpack.jobs.try_point (docker, threads, submit's checks) is imported only when try runs.
+    sub = verbs.add_parser("try", parents=[sub], add_help=False, allow_abbrev=False, help=TRY_HELP, description=TRY_HELP)
+    sub.add_argument("--index", type=int, metavar="I", help="the sweep's point I (default 0; submit's --point lists points)")
+    sub.add_argument("--timeout", type=float, default=TRY_TIMEOUT_S, metavar="S",
+                     help=f"stop it after S seconds (docker stop), exit 4 (default {TRY_TIMEOUT_S:g})")  # fmt: skip
+    sub.add_argument(
+        "--lines", type=int, default=TRY_LINES, metavar="N", help=f"how many of its first lines to print (default {TRY_LINES})"
+    )
 
     for name, text in (
         ("status", "a run's state, segments, progress and ETA"),
@@ -540,7 +552,8 @@ def export(opts: argparse.Namespace) -> int:
 
     if not (opts.csv or opts.summary or opts.tensorboard):
         raise HostError("export writes --csv FILE, --summary FILE or --tensorboard DIR: name one or more", code=2)
-    points = exporting.runs_of([resolve_run(run, runs_folder(opts)) for run in opts.run])
+    runs = runs_folder(opts)
+    points = exporting.runs_of([resolve_run(run, runs) for run in opts.run])
     said: dict[str, Any] = {"runs": [str(point) for point in points]}
     if opts.csv:
         said["csv"] = {"file": str(opts.csv.resolve()), "rows": exporting.export_csv(points, opts.csv.resolve())}
@@ -746,7 +759,8 @@ def compare(opts: argparse.Namespace) -> int:
 
     if opts.highest and not opts.best:
         raise HostError("--max goes with --best: compare SWEEP --best KEY --max", code=2)
-    folders = [resolve_run(run, runs_folder(opts)) for run in opts.run]
+    runs = runs_folder(opts)
+    folders = [resolve_run(run, runs) for run in opts.run]
     if len(folders) == 1 and is_sweep(folders[0]):  # a sweep alone: one row a point, its values as columns
         names, rows, curves, total = comparing.sweep_table(folders[0], curves=bool(opts.html))
         curve_of = {row["index"]: curve for row, curve in zip(rows, curves, strict=True)}

@@ -44,9 +44,11 @@ from ddpack.jobs.run_metrics import (
     digest_key,
     kept_records,
     metrics_path,
+    metrics_record,
     read_preflight,
     read_run,
     split_segments,
+    torn_line,
 )
 
 HEAD = rb'\{"time": -?[0-9][0-9.eE+-]*, "kind": "progress", '
@@ -143,19 +145,12 @@ def _parts(data: bytes, path: Path, warnings: list[str]) -> list[_Part]:
 
     def add(item: dict[str, Any] | Stretch) -> None:
         kind = "progress" if isinstance(item, Stretch) else item["kind"]
-        if kind == "start" or not parts:
-            parts.append(_Part(segment=Segment(start=item if kind == "start" else None), pieces=[]))
-            if kind == "start":
-                return
-        part = parts[-1]
+        if kind == "start" or not parts:  # split_segments' rule; a progress line into the pieces, in its place
+            parts.append(_Part(segment=Segment(start=item if kind == "start" else None), pieces=[]))  # type: ignore[arg-type]
         if kind == "progress":
-            part.pieces.append(item)
-        elif kind == "eval":
-            part.segment.evals.append(item)  # type: ignore[arg-type]
-        elif kind == "snapshot":
-            part.segment.snapshots.append(item)  # type: ignore[arg-type]
-        elif kind == "end":
-            part.segment.end = item  # type: ignore[assignment]
+            parts[-1].pieces.append(item)
+        elif kind != "start":
+            parts[-1].segment.take(item)  # type: ignore[arg-type]
 
     cursor = 0
     for begin in sorted(odd):
@@ -171,12 +166,9 @@ def _parts(data: bytes, path: Path, warnings: list[str]) -> list[_Part]:
         if not text.strip():
             continue
         try:
-            record = json.loads(text)
-            if not isinstance(record, dict) or "kind" not in record or "time" not in record:
-                raise ValueError("not a metrics record")
+            record = metrics_record(text)
         except ValueError:
-            number = data.count(b"\n", 0, begin) + 1
-            warnings.append(f"skipped line {number} of {path}: not a metrics record (torn: a start was killed while writing it)")
+            warnings.append(torn_line(data.count(b"\n", 0, begin) + 1, path))  # counted only for a torn line
             continue
         add(record)
     if cursor < len(data):

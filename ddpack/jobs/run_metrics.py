@@ -48,6 +48,18 @@ class Segment:
     def outcome(self) -> str:
         return self.end["outcome"] if self.end else "no end record (killed, or still running)"
 
+    def take(self, record: dict[str, Any]) -> None:
+        """A record after this segment's start, filed by its kind (progress, eval, snapshot, end; another is not kept)."""
+        kind = record["kind"]
+        if kind == "progress":
+            self.progress.append(record)
+        elif kind == "eval":
+            self.evals.append(record)
+        elif kind == "snapshot":
+            self.snapshots.append(record)
+        elif kind == "end":
+            self.end = record
+
     def row(self, number: int) -> dict[str, Any]:
         """The segment as `ddpack status` shows it (and `--json` writes it): ended at its end record, else at Slurm's
         cancel, else not yet (None: running, or unknown)."""
@@ -116,36 +128,36 @@ def read_metrics(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
-            if not isinstance(record, dict) or "kind" not in record or "time" not in record:
-                raise ValueError("not a metrics record")
-        except ValueError:  # a start killed mid-write leaves half a line, the next start's records follow it
-            warnings.append(f"skipped line {number} of {path}: not a metrics record (torn: a start was killed while writing it)")
-            continue
-        records.append(record)
+            records.append(metrics_record(line))
+        except ValueError:
+            warnings.append(torn_line(number, path))
     if not records:
         raise HostError(f"{path} has no records: the run wrote nothing yet (it stopped before its first step, or is still starting)", 2)
     return records, warnings
+
+
+def metrics_record(line: str) -> dict[str, Any]:
+    """The record a line of the metrics file holds; ValueError where it holds none (torn: a start killed mid-write
+    leaves half a line, and the next start's records follow it). The full parse and the scan (metrics_scan) both ask."""
+    record = json.loads(line)
+    if not isinstance(record, dict) or "kind" not in record or "time" not in record:
+        raise ValueError("not a metrics record")
+    return record
+
+
+def torn_line(number: int, path: Path) -> str:
+    """The warning for line `number` of `path` that holds no record (metrics_record)."""
+    return f"skipped line {number} of {path}: not a metrics record (torn: a start was killed while writing it)"
 
 
 def split_segments(records: Iterable[dict[str, Any]]) -> list[Segment]:
     """A `start` record opens a segment; records before the first (files from older trainers) form one too."""
     segments: list[Segment] = []
     for record in records:
-        kind = record["kind"]
-        if kind == "start" or not segments:
-            segments.append(Segment(start=record if kind == "start" else None))
-            if kind == "start":
-                continue
-        segment = segments[-1]
-        if kind == "progress":
-            segment.progress.append(record)
-        elif kind == "eval":
-            segment.evals.append(record)
-        elif kind == "snapshot":
-            segment.snapshots.append(record)
-        elif kind == "end":
-            segment.end = record
+        if record["kind"] == "start" or not segments:
+            segments.append(Segment(start=record if record["kind"] == "start" else None))
+        if record["kind"] != "start":
+            segments[-1].take(record)
     return segments
 
 

@@ -203,17 +203,18 @@ def _report(variant: str, members: list[Member], world: int, timeout_s: float) -
     elif main is not None:
         print(f"smoke[{variant}]: rank 0 ended {main.outcome} (exit {main.exit_code}): {main.reason or main.signal or ''}")
     print(f"smoke[{variant}]: checksums {'agree' if agree else 'DISAGREE or missing'} ({len(sums)}/{world} ranks: {sorted(set(sums))})")
-    if not ok:
-        _show_failures(variant, members, timeout_s)
-    print(f"smoke[{variant}]: {'PASS' if ok else 'FAIL'}", flush=True)
-    return ok
+    return _verdict(variant, members, timeout_s, ok)
 
 
 def _app_report(variant: str, members: list[Member], timeout_s: float) -> bool:
     """A project's own program: what can be judged from outside is that every container exited 0."""
     codes = {m.name: m.exit_code for m in members}
-    ok = all(code == 0 for code in codes.values())
     print(f"smoke[{variant}]: exit codes {codes}")
+    return _verdict(variant, members, timeout_s, all(code == 0 for code in codes.values()))
+
+
+def _verdict(variant: str, members: list[Member], timeout_s: float, ok: bool) -> bool:
+    """A report's last words: the failed containers' last lines where it failed, then PASS or FAIL; `ok` again."""
     if not ok:
         _show_failures(variant, members, timeout_s)
     print(f"smoke[{variant}]: {'PASS' if ok else 'FAIL'}", flush=True)

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 from ddpack.jobs import run_metrics, slurm_cli
 from ddpack.jobs.decisions import read_decisions
 from ddpack.jobs.run_json import RunRecord, read_record
-from ddpack.jobs.run_metrics import Segment
+from ddpack.jobs.run_metrics import KEEP_PROGRESS, Segment  # a digest keeps as many as status parses (tail_of)
 from train import run_folder
 from train.metrics import format_duration
 
@@ -38,7 +38,6 @@ UNRECORDED = (
 )
 T = TypeVar("T")
 FINAL_VERDICTS = ("completed", "end")  # a step-end's verdicts after which the job starts nothing again (enroot VERDICTS)
-KEEP_PROGRESS = 50  # the last progress records parsed: enough for a rate over the segment's recent steps
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -43,12 +43,6 @@ from ddpack.jobs.submit_checks import SubmitSettings, raise_problems, setting_pr
 from ddpack.jobs.sweep_points import point_label
 from train import run_folder
 
-TRY_HELP = (
-    "run one point of a sweep (or the command) here, in the job's image, with the job's command, environment and mounts, "
-    "in a one-task world: the first lines and the exit status (--dry-run: the docker command; --json: one object)"
-)
-TIMEOUT_S = 120.0  # --timeout's default: long enough to import torch and take some steps, short enough to wait for
-LINES = 20  # --lines' default
 STOP_GRACE_S = 10  # docker stop's wait between SIGTERM and SIGKILL: the trainer's stop at a step boundary
 SCRATCH_PREFIX = "ddpack-try-"
 LOG = "try.log"
@@ -57,20 +51,13 @@ ONE_TASK = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE
 DOCKER_FAILED = 125  # docker run's own failure (the image, a mount, the engine), never the command's
 
 
-def add_try_options(parser: argparse.ArgumentParser) -> None:
-    """try's own options beside submit's (which it has as its parser's parent)."""
-    parser.add_argument("--index", type=int, metavar="I", help="the sweep's point I (default 0; submit's --point lists points)")
-    parser.add_argument("--timeout", type=float, default=TIMEOUT_S, metavar="S",
-                        help=f"stop it after S seconds (docker stop), exit 4 (default {TIMEOUT_S:g})")  # fmt: skip
-    parser.add_argument("--lines", type=int, default=LINES, metavar="N", help=f"how many of its first lines to print (default {LINES})")
-
-
 @dataclass(frozen=True, kw_only=True)
 class TryRun:
     """What `ddpack try` runs: the docker command (values of the environment in `env`, never in argv, where `ps` shows
-    them to other users), the image, the scratch run folder and the point."""
+    them to other users), the container's name (docker stop's), the image, the scratch run folder and the point."""
 
     argv: tuple[str, ...]
+    name: str
     env: dict[str, str]
     image: str
     scratch: Path
@@ -266,7 +253,7 @@ def plan_try(opts: argparse.Namespace, settings: SubmitSettings, docker: str) ->
     name = f"{SCRATCH_PREFIX}{uuid.uuid4().hex[:12]}"
     argv = docker_argv(docker, image, alone, scratch, env, name, mounts)
     points = len(settings.points) if settings.sweep else 1
-    return TryRun(argv=argv, env=env, image=image, scratch=scratch, index=index, points=points, label=label), said
+    return TryRun(argv=argv, name=name, env=env, image=image, scratch=scratch, index=index, points=points, label=label), said
 
 
 def run_container(run: TryRun, *, timeout_s: float, lines: int, out: TextIO | None) -> Outcome:
@@ -299,15 +286,14 @@ def run_container(run: TryRun, *, timeout_s: float, lines: int, out: TextIO | No
 
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
-        name = run.argv[run.argv.index("--name") + 1]
         try:
             code: int | None = child.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            stop(run.argv[0], name)
+            stop(run.argv[0], run.name)
             child.wait()
             code = None
         except KeyboardInterrupt:
-            stop(run.argv[0], name)
+            stop(run.argv[0], run.name)
             child.wait()
             raise
         reader.join(timeout=STOP_GRACE_S)
