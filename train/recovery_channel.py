@@ -169,12 +169,6 @@ def _node_id(text: str) -> str:
     return text
 
 
-def _count(text: str) -> int:
-    if not (text.isdigit() and len(text) <= 18):
-        raise BadValue(f"{text[:20]!r}; expected a count")
-    return int(text)
-
-
 def _marker(text: str) -> bool:
     if text != "1":
         raise BadValue(f"{text[:20]!r}; expected '1'")
@@ -316,7 +310,7 @@ class Channel:
 
     def new_standby(self, index: int | None = None) -> str:
         """A standby's name, s<index>: the launcher's `index`-th standby task's, or (started by hand) the next index past
-        the launcher's from the counter. It counts as a standby once its first signed heartbeat is there."""
+        the launcher's from the counter. It counts as a standby once its signed registration is there (`standbys`)."""
         if index is not None:
             return f"s{index}"
         return f"s{self.launched + int(self.store.add(self.prefix + self.STANDBYS, 1)) - 1}"
