@@ -35,11 +35,10 @@ import torch.distributed as dist
 
 from entrypoint.plan import job_token
 from train.job_keys import HOSTNAME, BadValue, Signer, store_prefix
-from train.node_beats import NODE_ID
+from train.node_beats import MEMBER, NODE_ID
 
 T = TypeVar("T")
 NAME = "ddpack-recovery"
-MEMBER = re.compile(r"[rs][0-9]{1,7}")  # r<rank> for the ranks a job started with, s<n> for standbys
 MAX_STANDBYS = 4096  # indexes past this are not read: a counter another user bumped costs the readers nothing more
 MAX_DECISION_BYTES = 1 << 20  # a roster of 8,192 ranks is ~150 KB
 MAX_REASON = 1000
