@@ -21,6 +21,7 @@ from train.config import parse_config
 from train.distributed import (
     DeviceError,
     collective_failure,
+    default_to_one_process,
     exit_now,
     first_line,
     init_distributed,
@@ -48,9 +49,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         # A --standby started by the store task has its launcher environment (`spawn_standby`): a standby, not the store.
-        store_task = (
-            config.store_task and not config.standby and launcher_role(config.standbys, dict(os.environ), store_task=True) == "store"
-        )
+        store_task = False
+        if config.store_task and not config.standby:
+            default_to_one_process()  # started by hand: one process, which the store task leaves no rank (one line, exit 2)
+            store_task = launcher_role(config.standbys, dict(os.environ), store_task=True) == "store"
     except RecoveryImpossible as exc:
         print(f"train: error: {exc}", file=sys.stderr)
         return 2

@@ -21,12 +21,10 @@ from collections.abc import Mapping
 
 from entrypoint.plan import JOB_TOKEN_VAR
 
-MAX_VALUE_BYTES = 4 << 20
+MAX_VALUE_BYTES = 4 << 20  # the largest value either reads: the watchdog's shared summary (~0.4 MB at 1,024 ranks)
 # What Slurm and DNS accept as a node name: a host a store value names is believed only in this shape (the watchdog's
 # heartbeats, whose hosts can reach Slurm's ExcNodeList; recovery's).
-HOSTNAME = re.compile(
-    r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}"
-)  # the largest value either reads: the watchdog's shared summary (~0.4 MB at 1,024 ranks)
+HOSTNAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
 
 
 class BadValue(ValueError):

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from train.job_keys import store_scope
 
-MEMBER = re.compile(r"[rs][0-9]{1,7}")  # r<rank>, s<n>: the names recovery_channel.MEMBER allows
+MEMBER = re.compile(r"[rs][0-9]{1,7}")  # r<rank> for the ranks a job started with, s<n> for standbys (recovery_channel's too)
 NODE_ID = re.compile(r"[0-9a-f]{16}")
 WRITERS = 2  # members that write the node's value: one may die, the other's values go on meanwhile
 # A member whose own beat is older than this is not a writer: a dead or frozen writer is replaced within it. Generous: a

@@ -13,7 +13,9 @@ standby, its node and why. Standard library only: host tooling imports this modu
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 MARK = "ddpack-end "
 OUTCOMES = ("done", "stopped", "bad-input", "failed", "hung")
@@ -74,18 +76,25 @@ class RunEnd:
 _NAMES = {f.name for f in fields(RunEnd)}
 
 
+def _marked(text: str, mark: str) -> Iterator[Any]:
+    """The JSON after `mark` on each line of `text` that has it, in order (any prefix before the mark; a line whose
+    JSON does not parse is skipped)."""
+    for line in text.splitlines():
+        at = line.find(mark)
+        if at < 0:
+            continue
+        try:
+            record = json.loads(line[at + len(mark) :])
+        except ValueError:
+            continue
+        yield record
+
+
 def read_ends(text: str) -> list[RunEnd]:
     """Every end record in `text` (a job log, a container's output, ranks interleaved, any prefix
     before the mark), in order. A line that is not one is ignored; fields a newer trainer adds are too."""
     ends = []
-    for line in text.splitlines():
-        at = line.find(MARK)
-        if at < 0:
-            continue
-        try:
-            record = json.loads(line[at + len(MARK) :])
-        except ValueError:
-            continue
+    for record in _marked(text, MARK):
         if isinstance(record, dict) and {"rank", "world_size", "host", "outcome", "exit_code"} <= record.keys():
             ends.append(RunEnd(**{k: v for k, v in record.items() if k in _NAMES}))
     return ends
@@ -128,12 +137,8 @@ class StandbyEnd:
 def read_standby_ends(text: str) -> list[StandbyEnd]:
     """Every standby's leaving record in `text`, in order (lines that are not one are ignored)."""
     ends = []
-    for line in text.splitlines():
-        at = line.find(STANDBY_MARK)
-        if at < 0:
-            continue
+    for record in _marked(text, STANDBY_MARK):
         try:
-            record = json.loads(line[at + len(STANDBY_MARK) :])
             ends.append(StandbyEnd(**{k: record[k] for k in ("member", "host", "why", "detail", "exit_code")}))
         except (ValueError, KeyError, TypeError):
             continue

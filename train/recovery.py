@@ -57,6 +57,7 @@ import gc
 import hashlib
 import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -829,8 +830,6 @@ def serve_store(*, standbys: int, connect_s: float, log: Callable[[str], None], 
     `respawn`, the launcher's environment (None where a standby would want a GPU the node's ranks hold): each standby a
     recovery's decision consumed is replaced by a new one started on this node (`spawn_standby`, at most MAX_RESPAWNED
     a run), so that a second and a third death are recovered too; it leaves once the run has ended, and its standbys."""
-    import signal
-
     for stop in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(stop, signal.SIG_IGN)
     world = int(os.environ["WORLD_SIZE"])

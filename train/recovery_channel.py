@@ -35,11 +35,10 @@ import torch.distributed as dist
 
 from entrypoint.plan import job_token
 from train.job_keys import HOSTNAME, BadValue, Signer, store_prefix
-from train.node_beats import NODE_ID
+from train.node_beats import MEMBER, NODE_ID
 
 T = TypeVar("T")
 NAME = "ddpack-recovery"
-MEMBER = re.compile(r"[rs][0-9]{1,7}")  # r<rank> for the ranks a job started with, s<n> for standbys
 MAX_STANDBYS = 4096  # indexes past this are not read: a counter another user bumped costs the readers nothing more
 MAX_DECISION_BYTES = 1 << 20  # a roster of 8,192 ranks is ~150 KB
 MAX_REASON = 1000
@@ -167,12 +166,6 @@ def _node_id(text: str) -> str:
     if not NODE_ID.fullmatch(text):
         raise BadValue(f"a member's node {text[:20]!r}; expected 16 hex digits")
     return text
-
-
-def _count(text: str) -> int:
-    if not (text.isdigit() and len(text) <= 18):
-        raise BadValue(f"{text[:20]!r}; expected a count")
-    return int(text)
 
 
 def _marker(text: str) -> bool:
@@ -316,7 +309,7 @@ class Channel:
 
     def new_standby(self, index: int | None = None) -> str:
         """A standby's name, s<index>: the launcher's `index`-th standby task's, or (started by hand) the next index past
-        the launcher's from the counter. It counts as a standby once its first signed heartbeat is there."""
+        the launcher's from the counter. It counts as a standby once its signed registration is there (`standbys`)."""
         if index is not None:
             return f"s{index}"
         return f"s{self.launched + int(self.store.add(self.prefix + self.STANDBYS, 1)) - 1}"

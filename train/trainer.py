@@ -607,9 +607,9 @@ class Trainer:
 
     def _boundary_buffers(self, *, received: bool) -> list[torch.Tensor]:
         """On the rank `buffer_holder` names: the run's buffers after the source's confirmed steps, taken before
-        `_settle_buckets`' forward moves its own: the copy received at the source's step's first forward, or (rank 0
-        that had not begun that step's forward) its own."""
-        return [b.clone() for b in (self._received if received else self._buffers)]
+        `_settle_buckets`' forward moves its own: the copy received at the source's step's first forward (itself: nothing
+        writes it before the next step's first forward), or (rank 0 that had not begun that step's forward) a copy of its own."""
+        return self._received if received else [b.clone() for b in self._buffers]
 
     def _recovered(self, generation: int, times: dict[str, float]) -> None:
         """The first step after a recovery finished: its timeline, on rank 0's log and metrics."""
