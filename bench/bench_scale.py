@@ -407,4 +407,7 @@ def summary(results: list[Result], sizes: list[int], swaps: list[int], busy: str
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except ec.ClusterUnavailable as why:  # what the host lacks (munged, root, cgroups): one line, as a refusal is
+        sys.exit(f"bench-scale: {why}")

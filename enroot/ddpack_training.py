@@ -369,6 +369,7 @@ class Training:
         self.now = JobFacts(self.job)  # what Slurm says of the job, read once a decision (after_step starts a new one)
         self.preflight_out = self.swapped_by_preflight()  # nodes this start's preflight found bad: out for the whole job
         self.bad_nodes += self.preflight_out
+        self.warming: tuple[list[str], subprocess.Popen] | None = None  # the spares' container step and its nodes (`warm_spares`)
 
     def choose_recovery(self, given: str, tasks_are_ranks: bool) -> Recovery:
         """The standbys each training step starts (DDPACK_STANDBYS: a count, or auto, the table's rule: one where the job
@@ -405,6 +406,7 @@ class Training:
             say(f"training on {','.join(self.last_nodes)}; spare: {self.spares_now()}{out}")
             placed = {"nodes": ",".join(self.last_nodes), "spares": self.spares_now()}
             write_record(self.run_dir, "placement", {**placed, **({"without": ",".join(self.preflight_out)} if out else {})})
+            self.warm_spares()
         if self.standbys:
             say(
                 f"{self.standbys} standby process(es) start with each training step (DDPACK_STANDBYS): a rank that dies is replaced in process"
@@ -413,6 +415,7 @@ class Training:
         while True:
             sys.stdout.flush()
             before = metrics_size(self.run_dir / METRICS)
+            self.spares_warmed(self.last_nodes)
             with self.standby_step() as (options, env):
                 end = run_step([*self.step, *options, *self.command], env=env, end_wait=self.step_wait if self.standbys else 0)
             self.crashed = end.crashed
@@ -524,6 +527,41 @@ class Training:
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(path)
+
+    def warm_spares(self) -> None:
+        """Make the job's container on the spare nodes now, beside training, so that a swap that brings a spare in starts
+        from a container that is there (pyxis reuses a named one) instead of unpacking the image after the node was
+        lost, on the swap's critical path: a second for a small image, tens of seconds for a 5 GB one. One step on the
+        spares, one task a node running `true` in the job's container (as staging's `alone` makes a node's container);
+        a pyxis template only (a bare-metal job has no container). Its failure costs that unpack, later, nothing else."""
+        spares = [node for node in self.spares_now().split(",") if node != "none"]
+        image = next((word.partition("=")[2] for word in self.step if word.startswith("--container-image=")), "")
+        if not self.container or not image or not spares:
+            return
+        options = (f"--container-image={image}", f"--container-name={self.container}")
+        argv = on_each_node(",".join(spares), len(spares), ["true"], *options)
+        try:
+            self.warming = (spares, subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL))
+        except OSError as why:
+            warn(f"{argv[0]}: {one_line(why)}")
+
+    def spares_warmed(self, nodes: list[str] | None = None) -> None:
+        """Wait for the spares' container step (`warm_spares`) before a step runs on one of its nodes (two makers of one
+        named container on a node would race: the step would start from a half-unpacked one), or before the job leaves
+        (`nodes` None: the container is then removed from every node, so its making is stopped first). A step that
+        failed says so in one line; the swap's own step makes that node's container then."""
+        if self.warming is None:
+            return
+        spares, proc = self.warming
+        if nodes is not None and not set(nodes) & set(spares):
+            return
+        if nodes is None and proc.poll() is None:
+            proc.terminate()  # srun cancels the step on SIGTERM; the container's leaving removes what it left
+        if (code := proc.wait()) != 0 and nodes is not None:
+            say(
+                f"warning: making the job's container on {','.join(spares)} beside training failed (srun exit {code}); this step makes it there"
+            )
+        self.warming = None
 
     def spares_now(self) -> str:
         """The allocation's nodes that are not the ones training uses now, nor out of the job."""
@@ -750,6 +788,7 @@ class Training:
     def leave(self, after: str) -> None:
         """After the last step of this start: the job's container leaves the nodes, then the requeue decided, or the run
         folder is free for another job."""
+        self.spares_warmed()
         if self.container:
             remove_container(self.now, self.container)
         if after == "requeue":

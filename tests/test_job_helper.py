@@ -137,6 +137,7 @@ def after_step(
     preflight: dict | None = None,
     tres: str = "",
     before_train: str = "",
+    step: str = "step",
     **settings: str,
 ):
     """`ddpack_train x` (ddpack_job.py train) with a step that exits RC, then `then` when it is started again, and
@@ -145,8 +146,8 @@ def after_step(
     those sinfo reports down; `step_also`: shell the step runs before it exits (it may print srun's lines, or change the
     run folder); `preflight`: `ddpack_preflight` first (DDPACK_PREFLIGHT=1), its step writing this preflight.json and
     exiting 1 (None: the report is left as an earlier start wrote it); `tres`: the job's TresPerNode (its GPUs);
-    `before_train`: the template's lines before ddpack_train. Returns what it printed, the calls, the run folder and each
-    step's options."""
+    `before_train`: the template's lines before ddpack_train; `step`: the template's step words. Returns what it printed, the
+    calls, the run folder and each step's options."""
     run_dir = tmp_path / "run"
     (run_dir / "forensics").mkdir(parents=True)
     if failures is not None:
@@ -186,12 +187,12 @@ esac"""
     # No standby unless a test asks (the default on CPU nodes is one): each decision here is about the step alone.
     env |= {"SLURM_JOB_PARTITION": "debug", "SLURM_NTASKS_PER_NODE": "2", "DDPACK_STANDBYS": "0", **settings}
     before = f"{before_train}; " if before_train else ""
-    script = f'. "{HELPER}"; {before}ddpack_step=(step); ddpack_train x'
+    script = f'. "{HELPER}"; {before}ddpack_step=({step}); ddpack_train x'
     if "DDPACK_PREFLIGHT" in settings:
         write = f"cat > {run_dir}/preflight.json <<'EOF'\n{json.dumps(preflight)}\nEOF\n" if preflight is not None else ""
         (tmp_path / "preflight-step").write_text(f"#!/bin/sh\n{write}exit 1\n")
         (tmp_path / "preflight-step").chmod(0o755)
-        script = f'. "{HELPER}"; {before}ddpack_step=(step); ddpack_preflight preflight-step; ddpack_train x'
+        script = f'. "{HELPER}"; {before}ddpack_step=({step}); ddpack_preflight preflight-step; ddpack_train x'
     out = subprocess.run(["bash", "-uc", script], env=env, capture_output=True, text=True, timeout=30)
     return out, calls.read_text() if calls.exists() else "", run_dir, steps.read_text().splitlines() if steps.exists() else []
 
@@ -739,6 +740,44 @@ def test_a_node_is_sent_its_own_program_alone_and_no_job_file_is_over_900_lines(
     assert len(node.encode()) < 64 * 1024 and not re.search(r"^\s*(from|import) ddpack_", node, re.MULTILINE)
     for path in (ROOT / "enroot").glob("*.py"):
         assert len(path.read_text().splitlines()) <= 900, path.name
+
+
+PYXIS_SPARE = {"SLURM_JOB_NODELIST": "ddnode1,ddnode2,ddnode3", "SLURM_JOB_NUM_NODES": "3", "DDPACK_SPARE_NODES": "1"}
+PYXIS_STEP = {"before_train": "ddpack_container_name=ddpack-77", "step": "step --container-image=/images/x.sqsh"}
+
+
+@pytest.mark.parametrize("made", [0, 1], ids=["made", "failed"])
+def test_a_spares_container_is_made_beside_training_and_a_swap_onto_it_waits_for_that(tmp_path: Path, made: int) -> None:
+    """A pyxis job with a spare makes its container on the spare while the first step trains (one srun there, `true` in
+    the job's container), so that the swap after a lost node does not unpack the image on its critical path; the swap's
+    step starts on the spare only once that making ended (the stand-in takes 1 s and the first step waits for it to
+    begin: a step that did not wait would find it still running). A making that failed is one line, and the step goes on."""
+    running, log = tmp_path / "warm-running", tmp_path / "warm.txt"
+    making = f'touch "{running}"; echo "$*" >> "{log}"; sleep 1; rm "{running}"; exit {made}'
+    (tmp_path / "srun").write_text(f'#!/bin/sh\ncase "$*" in *" true") {making} ;; esac\n')  # the container's removal: nothing
+    (tmp_path / "srun").chmod(0o755)
+    began = f'while [ ! -s "{log}" ]; do sleep 0.05; done; [ -e "{running}" ] && echo "warm still running" >> "{log}"'
+    out, _, _, steps = after_step(tmp_path, 143, job_nodes="ddnode1,ddnode3", step_also=began, **PYXIS_SPARE, **PYXIS_STEP)
+    assert steps[1].endswith("--nodelist=ddnode1,ddnode3 x"), steps
+    assert log.read_text().splitlines() == [
+        "--container-image=/images/x.sqsh --container-name=ddpack-77 --nodes=1 --ntasks=1 --ntasks-per-node=1 --nodelist=ddnode3 true",
+        "warm still running",  # the first step, on ddnode1,ddnode2, did not wait: it need not
+    ], log.read_text()
+    failed = "ddpack: warning: making the job's container on ddnode3 beside training failed (srun exit 1); this step makes it there\n"
+    assert (failed in out.stdout) == bool(made), out.stdout
+
+
+def test_a_job_that_ends_while_its_spares_container_is_being_made_stops_that_making_first(tmp_path: Path) -> None:
+    """The job's container leaves every node at its end: a making still under way on the spare is stopped first (srun
+    SIGTERMed, which cancels its step), never left racing the removal, and the job does not wait for it."""
+    log = tmp_path / "warm.txt"
+    srun = f'#!/bin/sh\ncase "$*" in *" true") trap \'echo stopped >> "{log}"; exit 143\' TERM; echo making >> "{log}"; sleep 20 & wait ;; esac\n'
+    (tmp_path / "srun").write_text(srun)
+    (tmp_path / "srun").chmod(0o755)
+    began = f'while [ ! -s "{log}" ]; do sleep 0.05; done'
+    out, _, _, steps = after_step(tmp_path, 0, job_nodes="ddnode1,ddnode2,ddnode3", step_also=began, **PYXIS_SPARE, **PYXIS_STEP)
+    assert out.returncode == 0 and len(steps) == 1, out
+    assert log.read_text().splitlines() == ["making", "stopped"], log.read_text()
 
 
 def test_a_restart_decision_asks_slurm_once_for_each_fact(tmp_path: Path) -> None:
