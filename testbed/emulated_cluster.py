@@ -360,10 +360,19 @@ def down(timeout_s: float = 30) -> list[str]:
     return done
 
 
+def _alive(pid: str) -> bool:
+    """Not a zombie: a daemon's parent that forked it and exited stays a zombie until it is reaped, which may happen
+    during a run (the test cluster just started), and would read as a daemon gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def test_cluster_now() -> dict[str, str]:
     """The 3-node test cluster's daemons (their pids) and its slurm.conf's text: equal before and after, it was untouched."""
     patterns = (("slurmctld", ["-x", "slurmctld"]), ("slurmd", ["-f", "^slurmd -N ddnode[0-9]+$"]), ("munged", ["-x", "munged"]))
-    found = {name: ",".join(sorted(_run(["pgrep", *pattern]).stdout.split())) for name, pattern in patterns}
+    found = {name: ",".join(sorted(filter(_alive, _run(["pgrep", *pattern]).stdout.split()))) for name, pattern in patterns}
     found["slurm.conf"] = TEST_CONF.read_text() if TEST_CONF.exists() else ""
     return found
 

@@ -131,3 +131,17 @@ def test_the_emulated_cluster_refuses_a_host_short_of_memory_or_too_busy_with_on
     monkeypatch.setattr(os, "getloadavg", lambda: (2.5, 2.0, 1.0))
     assert (ec.refusal(64) or "").startswith("refusing 64 emulated nodes: load 2.50 on 2 CPUs")
     assert ec.refusal(64, busy_ok=True) is None
+
+
+def test_the_test_clusters_daemons_are_counted_without_zombies() -> None:
+    """A daemon's parent that forked it and exited is a zombie until reaped, which can happen during a run: counted, it
+    made an untouched test cluster read as changed."""
+    child = os.fork()
+    if child == 0:
+        os._exit(0)
+    try:
+        while Path(f"/proc/{child}/stat").read_text().rpartition(")")[2].split()[0] != "Z":
+            pass
+        assert not ec._alive(str(child)) and ec._alive(str(os.getpid())) and not ec._alive("999999999")
+    finally:
+        os.waitpid(child, 0)
