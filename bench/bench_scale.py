@@ -236,6 +236,9 @@ def sbcast_law(work: Path, node_counts: list[int], rounds: int) -> None:
         )
 
 
+OTHER_WORK_MAX = 0.15  # of the CPUs: beyond it, other work shared the calibration's one-CPU and two-CPU runs unevenly
+
+
 def calibrate(bench: ScaleJobs, nodes: int, rounds: int) -> tuple[list[str], dict[str, float]]:
     """The correction checked and sized against runs pinned to one CPU: the same warm start of `nodes` nodes, and the
     same swap, with every node on one CPU and on both, interleaved. With W = B + f x queued, where queued is the nodes'
@@ -245,11 +248,13 @@ def calibrate(bench: ScaleJobs, nodes: int, rounds: int) -> tuple[list[str], dic
     delta: the start's for the starts, the swap's for the swaps. Taking all of it out (share 1) over-corrected by about
     a third at 16 nodes (docs/scale.md). The share depends on how busy the host's CPUs are (a run that keeps both
     saturated has little slack for the queue to overlap with), so it is measured at the size whose ratio it corrects:
-    the largest by default. Only the nodes are pinned: slurmctld (about 0.05 s a swap) and the host's munged keep both CPUs."""
+    the largest by default. It is labelled not trusted when other work (the host's busy CPU beyond the nodes' and the
+    controller's cgroups) took more than OTHER_WORK_MAX of the CPUs during it. Only the nodes are pinned: slurmctld
+    (about 0.05 s a swap) and the host's munged keep both CPUs."""
     cases = {"start": ("warm start", lambda: bench.start("warm", nodes)), "swap": ("swap", lambda: bench.swap(nodes))}
     lines, shares = [], {}
     for case, (label, run) in cases.items():
-        load0 = os.getloadavg()[0]
+        host0, ours0, wall0 = Host.ticks()[0], sum(ec.cgroup_usage().values()), time.monotonic()
         one: list[Result] = []
         two: list[Result] = []
         try:
@@ -263,12 +268,12 @@ def calibrate(bench: ScaleJobs, nodes: int, rounds: int) -> tuple[list[str], dic
         beyond = statistics.median(sum(r.node_cpu.values()) - max(r.node_cpu.values(), default=0) for r in two)
         share = min(max(2 * gap / beyond, 0.0), 1.0) if beyond > 0 else 1.0
         shares[case] = share
-        load = max(load0, os.getloadavg()[0])
-        busy = (
-            f" (busy host: load {load:.1f} on {os.cpu_count()} CPUs, other work shared both runs' CPUs: not trusted)"
-            if load > (os.cpu_count() or 1)
-            else ""
-        )
+        # Other work: the host's busy CPU less the emulated nodes' and controller's own (their cgroups). The load
+        # average cannot tell: the nodes' own tasks, queued on one CPU, are most of it.
+        cpus = os.cpu_count() or 1
+        ours = (sum(ec.cgroup_usage().values()) - ours0) / 1e9
+        other = max((Host.ticks()[0] - host0) / os.sysconf("SC_CLK_TCK") - ours, 0.0) / ((time.monotonic() - wall0) * cpus)
+        busy = f" (busy host: other work took {other:.0%} of the {cpus} CPUs during it: not trusted)" if other > OTHER_WORK_MAX else ""
         lines.append(
             f"scale: calibration, {nodes} nodes {label} ({rounds} rounds): W(1 CPU) - W(2 CPUs) = {gap:.2f} s against the queued node CPU "
             f"(beyond the busiest node's) / 2 = {beyond / 2:.2f} s: share on the critical path {share:.2f}{busy}"
