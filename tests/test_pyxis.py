@@ -388,7 +388,8 @@ def test_a_node_set_down_mid_training_is_replaced_by_the_spare_and_the_image_is_
     shared folder once, by sbcast, which sends it to every node's own disk; training runs on two nodes. ddnode2
     set DOWN mid-training (a health agent's verdict) ends the step; the template restarts it in the same job and
     allocation on ddnode1 and the spare, from the last snapshot, and the run finishes there. Each node unpacked the
-    image once; ddnode1's restart reused its container."""
+    image once, the spare beside the first step (its container made there for a swap); the restart reused ddnode1's
+    container and the spare's."""
     clear_staged_images()  # no copy from an earlier run: this job stages the image
     folder = submission_folder(shared, "spare")
     gate = hold_training(folder, 30, f"{shared}:/fsx", RESTART_ARGS)
@@ -418,7 +419,7 @@ def test_a_node_set_down_mid_training_is_replaced_by_the_spare_and_the_image_is_
     first, second = starts_of(metrics)
     assert sorted(set(first["hosts"])) == ["ddnode1", "ddnode2"] and sorted(set(second["hosts"])) == ["ddnode1", "ddnode3"]
     assert first["slurm_restart_count"] == second["slurm_restart_count"] == 0 and second["global_step"] % 20 == 0
-    assert unpacks(job) == 3 and reuses(job) == 1  # ddnode1 and ddnode2, then the spare; ddnode1 reused its own
+    assert unpacks(job) == 3 and reuses(job) == 2  # ddnode1, ddnode2 and the spare at the start; both reused at the swap
 
 
 def test_one_node_that_cannot_stage_reads_the_shared_file_alone_and_the_job_trains(sqsh: Path, shared: Path) -> None:
