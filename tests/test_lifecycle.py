@@ -553,6 +553,7 @@ def test_submit_writes_the_record_before_sbatch_and_appends_the_job(tmp_path, sl
         ("standbys for your own program", "--standbys 1: standbys are tasks of the bundled trainer's per-task step (docs/recovery.md); -- COMMAND"),
         ("standbys for the image's own command", "--standbys 1: the image in"),
         ("standbys through --env", "--env DDPACK_STANDBYS: set by submit's own flag --standbys; give that instead"),
+        ("trainer flags for your own program", "--env DDPACK_TRAIN_ARGS is for the bundled trainer, and -- COMMAND runs your own program"),
         ("run folder outside the mounts", "is under none of --mounts"),
         ("runs folder another user owns", "who could replace what lies under it; use a folder of your own"),
     ],
@@ -579,6 +580,8 @@ def test_a_dry_run_names_each_broken_setup_in_one_line_exits_2_and_queues_nothin
         args += ["--standbys", "1"]
     elif broken == "standbys through --env":
         args += ["--env", "DDPACK_STANDBYS=1"]
+    elif broken == "trainer flags for your own program":  # the job would refuse the pair at its start
+        args += ["--env", "DDPACK_TRAIN_ARGS=--epochs 1", "--", "python", "ddp.py"]
     elif broken == "runs folder another user owns":
         from testbed.users import UsersUnavailable, attacker
 

@@ -204,6 +204,8 @@ def setting_problems(settings: SubmitSettings) -> list[str]:
         parts = entry.split(":")
         if not entry or len(parts) > 3 or not all(p.startswith("/") for p in parts[:2] if p):
             problems.append(f"--mounts {settings.mounts}: {entry!r} is not SRC[:DST[:FLAGS]] with absolute paths")
+    if settings.command and settings.env.get("DDPACK_TRAIN_ARGS"):  # the job refuses the pair at its start (ddpack_job.py words)
+        problems.append("--env DDPACK_TRAIN_ARGS is for the bundled trainer, and -- COMMAND runs your own program; give one of them")
     table = settings_table().SETTINGS
     for name, value in settings.env.items():
         if not ENV_NAME.fullmatch(name):

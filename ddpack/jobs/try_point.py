@@ -97,13 +97,9 @@ def pick_point(settings: SubmitSettings, index: int | None) -> tuple[SubmitSetti
 def step_words(settings: SubmitSettings) -> list[str]:
     """What the training step runs after `entrypoint` (the job's `words COMMAND`): `--` and your program, else the
     bundled trainer's flags (DDPACK_TRAIN_ARGS), else nothing (the image's own command, or the bundled trainer)."""
-    table = settings_table()
-    train_args = settings.env.get("DDPACK_TRAIN_ARGS", "")
-    if settings.command and train_args:  # the job refuses it at its start (ddpack_job.py words): refused here first
-        raise HostError(
-            "--env DDPACK_TRAIN_ARGS is for the bundled trainer, and -- COMMAND runs your own program; give one of them", code=2
-        )
-    return ["--", *settings.command] if settings.command else table.command_words(train_args)
+    if settings.command:  # with DDPACK_TRAIN_ARGS too: refused by setting_problems, as submit refuses it
+        return ["--", *settings.command]
+    return settings_table().command_words(settings.env.get("DDPACK_TRAIN_ARGS", ""))
 
 
 def bind_mounts(mounts: str) -> tuple[list[str], list[str]]:
