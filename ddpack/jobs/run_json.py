@@ -112,10 +112,11 @@ def read_record(run_dir: Path) -> RunRecord:
     return RunRecord.from_dict(data, path)
 
 
-def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+def write_json_atomic(path: Path, data: dict[str, Any], *, durable: bool = True) -> None:
     """`data` as JSON at `path`: a private temporary file beside it, then a rename (never half a file, never
-    through a planted name). Readable as the run folder is (the umask decides who may read the folder)."""
-    write_atomically(path, json.dumps(data, indent=2, sort_keys=True) + "\n", mode=0o644 & ~current_umask())
+    through a planted name). Readable as the run folder is (the umask decides who may read the folder). Not
+    `durable`: renamed without waiting for the disk (private_files.write_atomically), for a cache."""
+    write_atomically(path, json.dumps(data, indent=2, sort_keys=True) + "\n", mode=0o644 & ~current_umask(), durable=durable)
 
 
 def current_umask() -> int:
