@@ -11,11 +11,12 @@ from pathlib import Path
 from entrypoint import atomic_file
 
 
-def write_atomically(path: Path, content: str | bytes, mode: int = 0o600) -> None:
-    """Replace `path` with `content` all at once (entrypoint/atomic_file.py, on disk before the rename); a folder
-    that is not there yet is made this user's alone (0700)."""
+def write_atomically(path: Path, content: str | bytes, mode: int = 0o600, *, durable: bool = True) -> None:
+    """Replace `path` with `content` all at once (entrypoint/atomic_file.py, on disk before the rename unless not
+    `durable`: a cache that a crash may lose, made again when it is); a folder that is not there yet is made this
+    user's alone (0700)."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    atomic_file.write_atomically(path, content, mode, durable=True)
+    atomic_file.write_atomically(path, content, mode, durable=durable)
 
 
 def not_yours_alone(path: Path, want: str = "file") -> str | None:

@@ -1602,6 +1602,26 @@ def test_compare_and_export_summary_read_each_points_metrics_file_once(tmp_path,
     assert opened == {"0": 1, "1": 1}  # --html's curves are drawn from every record: each file read, once
 
 
+def test_compare_and_export_summary_ask_slurm_once_for_all_their_runs(tmp_path, slurm, capfd) -> None:
+    """One squeue and one sacct for every point of a sweep or every run named (status.asked_for, as a sweep's status
+    asks), where each run's status asked both: two processes a point, a third of a second of 100 points. The states
+    are Slurm's still: the point squeue lists is RUNNING."""
+    from test_lifecycle import squeue_says
+
+    fake(slurm, "sbatch", '[ "$1" = --test-only ] && exit 0; echo 90')
+    assert cli.main([*sweep_args(tmp_path), "--sweep", "lr=1e-3,3e-4,1e-4", "--json", "--", "p", "{lr}"]) == 0
+    sweep_dir = Path(submitted(capfd)["run_dir"])
+    squeue_says(slurm, "RUNNING", job="90_1")
+    for argv in (["compare", str(sweep_dir), "--json"], ["compare", str(sweep_dir / "0"), str(sweep_dir / "1"), "--json"],
+                 ["export", str(sweep_dir), "--summary", str(tmp_path / "runs.csv")]):  # fmt: skip
+        (slurm / "calls.log").unlink(missing_ok=True)
+        assert cli.main(argv) == 0
+        assert len(calls(slurm, "squeue")) == 1 and len(calls(slurm, "sacct")) == 1, argv
+    out = capfd.readouterr().out
+    states = [point["state"] for point in json.loads(out[: out.index("\n}\n") + 2])["points"]]
+    assert states[1] == "RUNNING" and states.count("RUNNING") == 1, states
+
+
 def test_the_csv_says_each_records_segment_and_which_steps_a_later_segment_trained_again(tmp_path, slurm, capfd) -> None:
     import csv
 

@@ -49,6 +49,21 @@ def restarted_run() -> str:
     return text
 
 
+def mfu_first(text: str) -> str:
+    """Each progress record with its mfu right after its kind, before samples_per_s (another program's order)."""
+    lines = []
+    for each in text.splitlines(keepends=True):
+        try:
+            record = json.loads(each)
+        except ValueError:
+            lines.append(each)
+            continue
+        lines.append(
+            line({"time": record.pop("time"), "kind": record.pop("kind"), "mfu": record.pop("mfu"), **record}) if "mfu" in record else each
+        )
+    return "".join(lines)
+
+
 CASES = {
     "restarted": restarted_run(),
     "truncated last line": restarted_run() + line(progress(301))[:40],
@@ -67,9 +82,26 @@ CASES = {
     "an escape in a progress line": restarted_run().replace(line(progress(8)), line(progress(8, note='a"b'))),
     "a control byte in a progress line": restarted_run().replace(line(progress(11)), line(progress(11)).replace('"lr": ', '"lr":\x1e ')),
     "a control byte in an eval line": restarted_run().replace('"acc": 0.5}', '"acc":\x0c0.5}', 1),
+    # A line that begins or ends otherwise than a plain progress line (ODD_SEAM), read as the full parse reads it:
+    # each of these three, no record (a warning).
+    "a record with no kind among progress lines": restarted_run().replace(
+        line(progress(34)), line(progress(34)) + '{"time": 1, "step": 34}\n'
+    ),
+    "a progress record with no time": restarted_run().replace(
+        line(progress(31)), line({k: v for k, v in progress(31).items() if k != "time"})
+    ),
+    "bytes after a progress record": restarted_run().replace(line(progress(32)), line(progress(32)).replace("}\n", "}x\n")),
+    # The fields found by a byte inside their key, the key checked behind it (FIELDS): other keys that end the same,
+    # and the keys in another order, on every line.
+    "keys that end as samples_per_s and mfu do": restarted_run().replace(
+        '"lr": 0.0003, ', '"lr": 0.0003, "eval_samples_per_s": 1.0, "xmfu": 9.0, '
+    ),
+    "mfu before samples_per_s": mfu_first(restarted_run()),
+    "not ascii in an eval line": restarted_run().replace('"acc": 0.5}', '"acc": 0.5, "note": "\u00e9"}', 1),
 }
 PLAIN = {"restarted", "truncated last line", "records before the first start", "another program's progress", "odd values",
-         "no newline at all", "a lone start"}  # fmt: skip
+         "no newline at all", "a lone start", "a record with no kind among progress lines", "a progress record with no time",
+         "bytes after a progress record", "keys that end as samples_per_s and mfu do", "mfu before samples_per_s"}  # fmt: skip
 
 
 def digest_fields(digest: Digest) -> str:
@@ -103,6 +135,21 @@ def test_the_restarted_runs_digest_keeps_the_step_the_resume_went_back_to_and_wa
     assert [r["global_step"] for r in first.progress] == [1, 45, *range(101, 151)] and len(second.progress) == 51
     assert scanned.progress_count == 150 + 255 and scanned.train_loss == 1 / 298
     assert scanned.run.warnings == [f"skipped line 124 of {path}: not a metrics record (torn: a start was killed while writing it)"]
+
+
+def test_a_digest_is_kept_on_one_line_without_waiting_for_the_disk_and_one_a_crash_left_empty_is_made_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The digest is a cache: written whole (a rename) but not fsynced (an fsync a point was a second of a first
+    compare of 100 points on a shared disk), on one line (json's C encoder: an indent is 10 ms of Python a point);
+    one that a crash left empty is read as none and made again."""
+    synced: list[int] = []
+    monkeypatch.setattr(os, "fsync", synced.append)
+    (tmp_path / "metrics.jsonl").write_text(restarted_run())
+    first = read_digest(tmp_path)
+    assert (tmp_path / DIGEST).read_text().count("\n") == 1 and synced == []
+    (tmp_path / DIGEST).write_text("")
+    assert digest_fields(read_digest(tmp_path)) == digest_fields(first) and json.loads((tmp_path / DIGEST).read_text())["key"]
 
 
 @pytest.mark.parametrize("cores", [2, 1])

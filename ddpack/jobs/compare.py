@@ -15,9 +15,10 @@ from __future__ import annotations
 import base64
 import html
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ddpack.errors import HostError
 from ddpack.jobs.cells import cell, duration
@@ -27,6 +28,9 @@ from ddpack.jobs.run_json import read_record
 from ddpack.jobs.run_metrics import Digest, Run, eval_metrics, metric_of, read_run
 from ddpack.private_files import write_atomically
 from train.metrics import format_share
+
+if TYPE_CHECKING:
+    from ddpack.jobs.status import Asked
 
 # Fields of the record that name this run rather than what it ran: the same run twice always differs in them.
 OWN = (
@@ -79,16 +83,27 @@ class Outcome:
     evals: dict[str, float] = field(default_factory=dict)  # each eval metric's last value (eval_metrics)
 
 
-def outcome(run_dir: Path, curves: bool = True) -> tuple[Outcome, Run | None]:
+def outcome(run_dir: Path, curves: bool = True, asked: Asked | None = None) -> tuple[Outcome, Run | None]:
     """How the run ended, and its metrics (None where it wrote none; without `curves`, its digest's records alone)."""
-    ended, run, _ = measured(run_dir, curves)
+    ended, run, _ = measured(run_dir, curves, asked)
     return ended, run
 
 
-def measured(run_dir: Path, curves: bool = True) -> tuple[Outcome, Run | None, Ledger]:
+def slurm_said(run_dirs: list[Path]) -> Callable[[Path], Asked | None]:
+    """What Slurm says of each run's newest job, asked once for all the runs (status.asked_for: one squeue and one
+    sacct), as a sweep's status asks: each run's own status asked both, two processes a point, 0.3 s of 100 points."""
+    from ddpack.jobs.status import asked_for
+
+    jobs = {run_dir: read_record(run_dir).last_job for run_dir in run_dirs}
+    asked = asked_for(list(jobs.values()))
+    return lambda run_dir: asked(jobs[run_dir])
+
+
+def measured(run_dir: Path, curves: bool = True, asked: Asked | None = None) -> tuple[Outcome, Run | None, Ledger]:
     """How the run ended, its metrics and its ledger, the metrics file read at most once: status and the ledger take
     them from here. Without `curves` (no page to draw) the run's digest answers (metrics_scan.read_digest: a file
-    unchanged since an earlier compare is not read again) and the Run holds the digest's records alone."""
+    unchanged since an earlier compare is not read again) and the Run holds the digest's records alone. `asked`: what
+    Slurm already said of its job (slurm_said), else its status asks."""
     from ddpack.jobs.status import MetricsTail, run_status, tail_of
 
     try:
@@ -96,7 +111,7 @@ def measured(run_dir: Path, curves: bool = True) -> tuple[Outcome, Run | None, L
     except HostError:  # no metrics yet (queued), or a program that writes none
         digest = None
     run = digest.run if digest else None
-    now = run_status(run_dir, records=tail_of(run.segments, digest.progress_count) if digest and run else MetricsTail())
+    now = run_status(run_dir, asked, records=tail_of(run.segments, digest.progress_count) if digest and run else MetricsTail())
     spans = [s.ended - s.began for s in run.segments if s.began is not None and s.ended is not None] if run else []
     ledger = run_ledger(run_dir, now.state, run.segments if run else [])
     allocated = ledger.allocated_node_s / 3600 if ledger.allocations else None
@@ -160,7 +175,8 @@ def compare(run_dirs: list[Path], curves: bool = True) -> tuple[Comparison, list
     differ = {key: [fact.get(key) for fact in facts] for key in keys if len({json.dumps(f.get(key), sort_keys=True) for f in facts}) > 1}
     if not curves:
         digest_stale(run_dirs)  # the first read of big files, on every core
-    ended = [outcome(run_dir, curves) for run_dir in run_dirs]
+    said = slurm_said(run_dirs)
+    ended = [outcome(run_dir, curves, said(run_dir)) for run_dir in run_dirs]
     names = []
     for run_dir in run_dirs:
         job = read_record(run_dir).last_job
@@ -276,10 +292,12 @@ def sweep_table(folder: Path, curves: bool = True) -> tuple[list[str], list[dict
     data = read_sweep(folder)
     names = data.get("names") or list(data["values"])  # the order given (the file's keys are sorted)
     rows, runs, ledgers = [], [], []
+    points = point_dirs(folder)
     if not curves:
-        digest_stale(point_dirs(folder))  # the first read of big files, on every core
-    for index, point_dir in enumerate(point_dirs(folder)):
-        ended, run, ledger = measured(point_dir, curves)
+        digest_stale(points)  # the first read of big files, on every core
+    said = slurm_said(points)
+    for index, point_dir in enumerate(points):
+        ended, run, ledger = measured(point_dir, curves, said(point_dir))
         ledgers.append((index, ended.state, ledger))
         job = read_record(point_dir).last_job
         values = asdict(ended)

@@ -111,13 +111,14 @@ def export_summary(runs: list[Path], path: Path) -> int:
     """One row a run: identity and how it ended."""
     from dataclasses import asdict
 
-    from ddpack.jobs.compare import outcome
+    from ddpack.jobs.compare import outcome, slurm_said
     from ddpack.jobs.metrics_scan import digest_stale
 
     digest_stale(runs)  # the first read of big files, on every core
+    said = slurm_said(runs)  # one squeue and one sacct for all
     rows = []
     for run_dir in runs:
-        ended = asdict(outcome(run_dir, curves=False)[0])  # a digest: no curves
+        ended = asdict(outcome(run_dir, curves=False, asked=said(run_dir))[0])  # a digest: no curves
         evals = ended.pop("evals")  # each eval metric a column of its own (eval.val_acc): a spreadsheet ranks by any
         rows.append({**identity(run_dir), **ended, **{f"eval.{name}": value for name, value in evals.items()}})
     write_atomically(path, csv_text(rows), mode=0o600)
