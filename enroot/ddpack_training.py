@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ddpack_node import one_line, warn, write_private
@@ -57,6 +57,7 @@ def read_count(path: Path) -> int:
 # srun's line for tasks that ended badly, "srun: error: NODE: task 3: Exited with exit code 1" (or "tasks 0-1: Killed").
 TASK_ENDED = re.compile(rb"srun: error: ([A-Za-z0-9._-]+): tasks? ([0-9,-]+): (.*)")
 NOT_A_CRASH = (b"Terminated", b"Exited with exit code 0")  # srun's own TERM for a stop; a task that ended well
+RECOVERED_MARK = b"] recovery: trained global step "  # rank 0's line once a recovery's first step is done (train/trainer.py)
 END_MARK = b"ddpack-end "  # train/outcome.py's end record: {"rank", "host", "outcome", "reason", ...}
 STANDBY_END_MARK = b"ddpack-standby-end "  # train/outcome.py's StandbyEnd: {"member", "host", "why", "detail", ...}
 # train/outcome.py's CAUSES of a failed rank that crashed nothing (a peer died; recovery fell back after one did). An
@@ -126,12 +127,15 @@ def run_over(end: dict) -> bool:
     return int(end["rank"]) == 0 and not (end.get("outcome") == "failed" and cause in ("own", "counted-dead"))
 
 
-def run_step(argv: list[str], *, env: dict[str, str] | None = None, end_wait: float = 0) -> StepEnd:
+def run_step(
+    argv: list[str], *, env: dict[str, str] | None = None, end_wait: float = 0, on_recovered: Callable[[], None] | None = None
+) -> StepEnd:
     """Run the training step (srun), its output and errors passed through line by line as they come; how it ended,
     read from srun's lines and the ranks' end records. `end_wait` > 0 (a step with standbys and its store task): the
     step is ended that many seconds after the run ended (`run_over`: rank 0's end record, or a fallback's) if it has
     not ended by itself, which is what srun's --wait does from the first task's end when standbys make a task's end,
-    rank 0's included, no end of the run (`Training.standby_step`)."""
+    rank 0's included, no end of the run (`Training.standby_step`). `on_recovered` is called when a rank says it
+    trained again after a recovery in process (its `recovery` record is written by then: `Training.follow_recovery`)."""
     try:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     except OSError as why:
@@ -153,6 +157,8 @@ def run_step(argv: list[str], *, env: dict[str, str] | None = None, end_wait: fl
                 ended.append((found.group(1).decode("ascii"), len(task_ids(found.group(2)))))
             if (at := line.find(STANDBY_END_MARK)) >= 0:
                 standby_left(step, line[at + len(STANDBY_END_MARK) :])
+            if on_recovered is not None and RECOVERED_MARK in line:
+                on_recovered()
             at = line.find(END_MARK)
             if at >= 0:
                 with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
@@ -234,6 +240,25 @@ END_RECORD = b'"kind": "end"'  # train/metrics.py's end records
 RECOVERY_FALLBACK = "in-process recovery impossible: "  # train/outcome.py RECOVERY_IMPOSSIBLE: a --recovery fallback's reason
 
 
+def recovered_hosts(path: Path, since: int | None) -> list[str] | None:
+    """The ranks' hosts after the newest recovery in process that the metrics file holds after byte `since` (the
+    trainer's `recovery` record, `hosts` in rank order); None where there is none (or a record of an image older than
+    the field)."""
+    hosts = None
+    try:
+        with path.open("rb") as handle:
+            handle.seek(since or 0)
+            for line in handle:
+                if RECOVERY_RECORD in line:
+                    with contextlib.suppress(ValueError):
+                        found = json.loads(line).get("hosts")
+                        if isinstance(found, list) and all(isinstance(host, str) for host in found):
+                            hosts = found
+    except OSError:
+        return None
+    return hosts
+
+
 def left_by_a_peer(end: dict) -> bool:
     """Whether a rank's end record says it crashed nothing: its cause, or (an older image's) its reason's words."""
     if "cause" in end:
@@ -280,17 +305,27 @@ class StepRecords:
         return cls("yes" if progress else "no", fallback, recovered)
 
 
-def task_hosts(nodes: list[str], per_node: int, standbys: int) -> list[str]:
+def task_hosts(nodes: list[str], per_node: int, standbys: int, spares: list[str] | None = None) -> list[str]:
     """Each task's node, in task order, for a step with `standbys` standby tasks after the ranks (SLURM_HOSTFILE): the
     ranks as srun's block distribution places them (`per_node` on each node, in order), then the standbys one a node
     from the first, then the store task (DDPACK_STORE_TASK=1, train/recovery.py's `serve_store`: the job's store in a
     process that is no rank, so that rank 0's death is recovered as any rank's) on the first node, whose name is the
     store's address (MASTER_ADDR). The recovery prefers a standby on another node than the dead rank's (`decide`). The
     nodes go in Slurm's order whatever order the placement chose: each task takes the step's first node
-    (SLURM_STEP_NODELIST, which Slurm sorts) for the store's address (entrypoint/plan.py)."""
+    (SLURM_STEP_NODELIST, which Slurm sorts) for the store's address (entrypoint/plan.py).
+
+    With `spares` (the job's spare nodes, DDPACK_SPARE_NODES) the standbys live there instead, `per_node` on each, in
+    order, so that one spare can take a lost node's ranks at once (`decide` prefers standbys all on one node); no
+    standby shares a node that trains. The store task goes on the step's first node as ever: a training node, as
+    spares are the job's last nodes."""
     nodes = sorted(nodes, key=natural)
     ranks = [node for node in nodes for _ in range(per_node)]
-    return [*ranks, *(nodes[index % len(nodes)] for index in range(standbys)), nodes[0]] if standbys else ranks
+    if not standbys:
+        return ranks
+    if spares:
+        spares = sorted(spares, key=natural)
+        return [*ranks, *(node for node in spares for _ in range(per_node)), min(nodes[0], spares[0], key=natural)]
+    return [*ranks, *(nodes[index % len(nodes)] for index in range(standbys)), nodes[0]]
 
 
 def newer(path: Path, than: Path) -> bool:
@@ -352,6 +387,9 @@ class Training:
         self.now = JobFacts(self.job)  # what Slurm says of the job, read once a decision (after_step starts a new one)
         self.recovery = self.choose_recovery(settings["DDPACK_STANDBYS"], tasks_are_ranks)
         self.standbys = self.recovery.standbys
+        self.step_standbys = self.standbys  # the standbys the step running now started (`standby_step`)
+        self.step_spares: list[str] = []  # the spare nodes hosting them ([]: none, or the standbys on the training nodes)
+        self.moving = threading.Lock()  # `follow_recovery` is called from the step's output readers
         self.step_wait = int(settings["DDPACK_STEP_WAIT"])
         self.restarts = int(env.get("SLURM_RESTART_COUNT") or 0)
         self.failed = 0  # failure restarts counted during this start: the cap holds if the run folder's count is lost
@@ -382,7 +420,9 @@ class Training:
         image = image_command(value("DDPACK_SQSH", env)) if self.container else ""
         has_words = bool(env.get("DDPACK_TRAIN_ARGS", "").strip().strip("[]").strip())
         program = step_program(command=bool(env.get("DDPACK_COMMAND")), train_args=has_words, torchrun=torchrun, image_command=image)
-        return recovery(given, gpus=self.now.gpus_per_node if given == "auto" else 0, program=program)
+        gpus = self.now.gpus_per_node if given == "auto" else 0
+        self.plain_recovery = recovery(given, gpus=gpus, program=program)  # where no spare is left to host them
+        return recovery(given, gpus=gpus, program=program, spares=self.spares, per_node=self.per_node)
 
     @functools.cached_property
     def started(self) -> list[str] | None:
@@ -405,7 +445,12 @@ class Training:
             say(f"training on {','.join(self.last_nodes)}; spare: {self.spares_now()}{out}")
             placed = {"nodes": ",".join(self.last_nodes), "spares": self.spares_now()}
             write_record(self.run_dir, "placement", {**placed, **({"without": ",".join(self.preflight_out)} if out else {})})
-        if self.standbys:
+        if self.recovery.on_spares:
+            say(
+                f"{self.standbys} standby process(es) start with each training step on the spare nodes ({self.per_node} a spare, "
+                f"DDPACK_SPARE_NODES={self.spares}): a rank that dies, or every rank of a node lost, is replaced in process"
+            )
+        elif self.standbys:
             say(
                 f"{self.standbys} standby process(es) start with each training step (DDPACK_STANDBYS): a rank that dies is replaced in process"
             )
@@ -414,11 +459,18 @@ class Training:
             sys.stdout.flush()
             before = metrics_size(self.run_dir / METRICS)
             with self.standby_step() as (options, env):
-                end = run_step([*self.step, *options, *self.command], env=env, end_wait=self.step_wait if self.standbys else 0)
+                end = run_step(
+                    [*self.step, *options, *self.command],
+                    env=env,
+                    end_wait=self.step_wait if self.step_standbys else 0,
+                    on_recovered=functools.partial(self.follow_recovery, before) if self.step_spares else None,
+                )
+            if self.step_spares:
+                self.follow_recovery(before)  # a recovery whose line the step's end cut short: the records say it
             self.crashed = end.crashed
             wrote = StepRecords.read(self.run_dir / METRICS, before)
             self.progress, self.fallback, self.recovered = wrote.progress, wrote.fallback, wrote.recovered
-            code = end.status(self.standbys)
+            code = end.status(self.step_standbys)
             rc = 128 - code if code < 0 else code  # a step killed by a signal: its status as the shell gives it
             if code != end.code:
                 say(f"the step's tasks that ended badly were ranks replaced in process ({self.recovered} recovery); every rank ended {rc}")
@@ -491,6 +543,7 @@ class Training:
         if value("DDPACK_STORE_TASK", env) != "0":  # no store task without standbys: the last task is a rank
             overrides["DDPACK_STORE_TASK"] = "0"
         none = {**env, **overrides} if overrides else None
+        self.step_standbys, self.step_spares = self.standbys, []
         if not self.standbys:
             yield self.placement, none
             return
@@ -502,28 +555,76 @@ class Training:
             write_record(
                 self.run_dir, "recovery", {"mode": "restart", "standbys": 0, "why": f"this step could not start its standbys ({why})"}
             )
+            self.step_standbys = 0
             yield self.placement, none
             return
-        hosts = task_hosts(nodes, per_node, self.standbys)
+        if self.recovery.on_spares:
+            self.step_spares = self.healthy_spares()
+            self.step_standbys = len(self.step_spares) * per_node if self.step_spares else self.plain_recovery.standbys
+            if not self.step_spares:
+                said = f"{self.step_standbys} on the nodes that train" if self.step_standbys else "none"
+                say(f"no spare node is left to host the standbys: this step has {said} ({self.plain_recovery.why})")
+                write_record(
+                    self.run_dir, "recovery", {**self.plain_recovery.fields(), "why": f"no spare node left; {self.plain_recovery.why}"}
+                )
+            if not self.step_standbys:
+                yield self.placement, none
+                return
+        hosts = task_hosts(nodes, per_node, self.step_standbys, self.step_spares)
         fd, path = tempfile.mkstemp(prefix="ddpack-step-hosts-", text=True)  # 0600, a new name: ours alone
         try:
             with os.fdopen(fd, "w") as out:
                 out.write("\n".join(hosts) + "\n")
             step_env = {name: text for name, text in env.items() if name not in ("SLURM_WAIT", "SLURM_NTASKS_PER_NODE")}
             step_env["SLURM_HOSTFILE"] = path
-            step_env["DDPACK_STANDBYS"] = str(self.standbys)
+            step_env["DDPACK_STANDBYS"] = str(self.step_standbys)
             step_env["DDPACK_STORE_TASK"] = "1"  # the last task serves the store (`task_hosts`)
             options = [
-                f"--nodes={len(nodes)}",
+                f"--nodes={len(nodes) + len(self.step_spares)}",
                 f"--ntasks={len(hosts)}",
                 "--distribution=arbitrary",
                 "--overcommit",
                 "--kill-on-bad-exit=0",
             ]
+            # A node set DOWN leaves this --no-kill job; without --no-kill on the step, srun kills all its tasks with it.
+            options += ["--no-kill"] if self.step_spares else []
             yield options, step_env
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(path)
+
+    def healthy_spares(self) -> list[str]:
+        """The spare nodes that can host standbys now: not training, not out of the job, not down or drained in sinfo."""
+        spare = [node for node in self.now.nodes or [] if node not in self.last_nodes and node not in self.bad_nodes]
+        bad = self.now.unhealthy(spare) if spare else set()
+        return [node for node in spare if node not in bad]
+
+    def follow_recovery(self, since: int | None) -> None:
+        """After a recovery in process (the trainer's `recovery` record names the ranks' hosts): where every rank of a
+        node that trained is now on a spare's standbys (the node lost), that spare trains from now on, in this step, and
+        the node is no longer one of this step's: one line and a `placement` record, so that a restart places the ranks
+        where they are. A rank replaced on a node that still trains moves nothing. Called from the step's readers (the
+        recovery's line) and once after the step: each move is said once."""
+        with self.moving:
+            hosts = recovered_hosts(self.run_dir / METRICS, since)
+            if hosts:
+                self.move_to(hosts)
+
+    def move_to(self, hosts: list[str]) -> None:
+        training = list(dict.fromkeys(hosts))
+        left = [node for node in self.last_nodes if node not in training]
+        joined = [node for node in training if node not in self.last_nodes]
+        if not left or not joined:
+            return
+        self.last_nodes = [node for node in self.last_nodes if node not in left] + joined
+        ranks = {node: [rank for rank, host in enumerate(hosts) if host == node] for node in joined}
+        took = "; ".join(f"ranks {','.join(map(str, ranks[node]))} on {node}" for node in joined)
+        say(
+            f"{','.join(left)} left the training: its ranks were replaced in process by the standbys on the spare {','.join(joined)} "
+            f"({took}); the step goes on, and a restart places the ranks there (training on {','.join(self.last_nodes)})"
+        )
+        fields = {"nodes": ",".join(self.last_nodes), "lost": ",".join(left), "spare": ",".join(joined), "how": "in-process"}
+        write_record(self.run_dir, "placement", fields)
 
     def spares_now(self) -> str:
         """The allocation's nodes that are not the ones training uses now, nor out of the job."""

@@ -852,6 +852,47 @@ def test_with_standbys_rank_0_killed_and_replaced_does_not_end_the_step(tmp_path
     assert "ending it (DDPACK_STEP_WAIT)" not in out.stdout and "ddpack: the step completed (exit 0)" in out.stdout, out.stdout
 
 
+def test_a_node_whose_ranks_the_spares_standbys_took_in_process_is_said_recorded_and_left_out_of_the_restarts_placement(
+    tmp_path: Path,
+) -> None:
+    """DDPACK_SPARE_NODES=1 on 3 nodes x 2 ranks: the step's standbys live on the spare (2, a node's ranks), with srun's
+    --no-kill so that a node set DOWN does not end the step. ddnode2's ranks replaced in process by ddnode3's standbys
+    (the recovery record names the ranks' hosts): one line and a `placement` record say ddnode3 trains now; the step's
+    later failure restarts it where the ranks were (ddnode1, ddnode3), with ddnode2 the spare that hosts the standbys."""
+    hosts_seen = tmp_path / "hosts.txt"
+    recovery = {"time": 1.0, "kind": "recovery", "global_step": 11, "hosts": ["ddnode1", "ddnode1", "ddnode3", "ddnode3"]}
+    (tmp_path / "recovery.json").write_text(json.dumps(recovery) + "\n")
+    recovered = (
+        f'if [ "$(wc -l < "{tmp_path}/steps.txt")" -eq 1 ]; then cat "{tmp_path}/recovery.json" >> "{tmp_path}/run/metrics.jsonl"; '
+        "echo '[rank 0/4] recovery: trained global step 11 in generation 1, 0.400s after the failed collective'; fi; "
+    )
+    out, _, run_dir, steps = after_step(
+        tmp_path, 1, step_also=f'{recovered}cat "$SLURM_HOSTFILE" >> "{hosts_seen}"', job_nodes="ddnode1,ddnode2,ddnode3",
+        SLURM_JOB_NUM_NODES="3", DDPACK_SPARE_NODES="1", DDPACK_STANDBYS="1",
+    )  # fmt: skip
+    assert out.returncode == 0 and out.stderr == "", out.stdout + out.stderr
+    assert steps == [
+        "--nodes=3 --ntasks=7 --distribution=arbitrary --overcommit --kill-on-bad-exit=0 --no-kill x",
+        "--nodes=3 --ntasks=7 --distribution=arbitrary --overcommit --kill-on-bad-exit=0 --no-kill x",
+    ], steps
+    first, second = (hosts_seen.read_text().split("\n")[index * 7 : index * 7 + 7] for index in (0, 1))
+    assert first == ["ddnode1", "ddnode1", "ddnode2", "ddnode2", "ddnode3", "ddnode3", "ddnode1"]
+    assert second == ["ddnode1", "ddnode1", "ddnode3", "ddnode3", "ddnode2", "ddnode2", "ddnode1"]  # ranks where they were
+    said = [line for line in out.stdout.splitlines() if line.startswith("ddpack: ")]
+    assert said[:3] == [
+        "ddpack: training on ddnode1,ddnode2; spare: ddnode3",
+        "ddpack: 2 standby process(es) start with each training step on the spare nodes (2 a spare, DDPACK_SPARE_NODES=1): a rank "
+        "that dies, or every rank of a node lost, is replaced in process",
+        "ddpack: ddnode2 left the training: its ranks were replaced in process by the standbys on the spare ddnode3 (ranks 2,3 on "
+        "ddnode3); the step goes on, and a restart places the ranks there (training on ddnode1,ddnode3)",
+    ], out.stdout
+    assert "restarting it in this allocation on ddnode1,ddnode3 from its last snapshot" in out.stdout, out.stdout
+    records = [json.loads(line) for line in (run_dir / "decisions.jsonl").read_text().splitlines()]
+    moved = [record for record in records if record["kind"] == "placement" and record.get("how") == "in-process"]
+    assert [(r["lost"], r["spare"], r["nodes"]) for r in moved] == [("ddnode2", "ddnode3", "ddnode1,ddnode3")], records
+    assert next(r for r in records if r["kind"] == "recovery")["on_spares"] is True
+
+
 @pytest.mark.parametrize(
     ("settings", "tres", "before_train", "options", "seen", "why"),
     [

@@ -31,6 +31,16 @@ def test_two_deaths_take_two_standbys_in_rank_order() -> None:
     assert decision.replacements == {1: "s1", 3: "s0"}
 
 
+def test_a_lost_nodes_ranks_go_together_to_the_standbys_of_one_spare_node() -> None:
+    """ddnode2 lost (ranks 2 and 3): the spare n3 hosts two standbys, and an older one (the store task's new one) waits
+    on n1. Both ranks go to n3, so the new world keeps two ranks a node; where no node has standbys enough, each rank
+    takes one on another node than its own, as for one death."""
+    hosts = {**HOSTS, "s0": "n3", "s1": "n3", "s2": "n1"}
+    decision = decide(0, ROSTER, {2: "r2", 3: "r3"}, hosts, ["s2", "s0", "s1"], rank0_hosts_store=False)
+    assert decision.fallback is None and decision.replacements == {2: "s0", 3: "s1"}
+    assert decide(0, ROSTER, {2: "r2", 3: "r3"}, {**hosts, "s1": "n2"}, ["s2", "s0", "s1"]).replacements == {2: "s2", 3: "s0"}
+
+
 def test_more_ranks_lost_than_standbys_falls_back_and_says_so() -> None:
     decision = decide(0, ROSTER, {1: "r1", 2: "r2"}, HOSTS, ["s1"])
     assert decision.fallback == "2 rank(s) lost (1, 2) and 1 standby is alive: more ranks lost than standbys"

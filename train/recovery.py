@@ -144,7 +144,9 @@ def decide(
 ) -> Decision:
     """Pure: the decision after `dead` (rank -> member) died in `generation`. `hosts`: member -> host; `standbys`:
     the live, unassigned standbys, oldest first. A standby on a host other than the dead rank's is preferred: the
-    node that made a rank die is not where the next one starts when another place exists. `rank0_hosts_store`: the
+    node that made a rank die is not where the next one starts when another place exists. The dead ranks of one node
+    (a node lost: set DOWN, its tasks killed) go together to standbys all on one other node where one has enough (a
+    spare node's, enroot/ddpack_training.py `task_hosts`), so the world keeps its ranks a node. `rank0_hosts_store`: the
     job's store lives in rank 0's process (no store task, `serve_store`), so rank 0's death took it down."""
     roster, dead = dict(roster), dict(dead)
     after = generation + 1
@@ -162,12 +164,22 @@ def decide(
         )
         return Decision(generation=after, roster=roster, dead=dead, fallback=why)
     free, replacements = list(standbys), {}
+    lost_nodes: dict[str | None, list[int]] = {}  # the dead ranks by their node, in rank order
     for rank in sorted(dead):
-        elsewhere = [s for s in free if hosts.get(s) != hosts.get(dead[rank])]
-        chosen = (elsewhere or free)[0]
-        free.remove(chosen)
-        replacements[rank] = chosen
-        roster[rank] = chosen
+        lost_nodes.setdefault(hosts.get(dead[rank]), []).append(rank)
+    for node, ranks in lost_nodes.items():
+        # A node's ranks go together to one node with standbys enough (a spare's: as many as a node's ranks), so that
+        # the new world keeps its ranks a node; else each to a standby on another node where one is left.
+        counts: dict[str | None, int] = {}
+        for s in free:
+            counts[hosts.get(s)] = counts.get(hosts.get(s), 0) + 1
+        whole = next((h for h in counts if h != node and counts[h] >= len(ranks)), None)
+        for rank in ranks:
+            elsewhere = [s for s in free if hosts.get(s) != node]
+            chosen = next(s for s in free if hosts.get(s) == whole) if whole is not None else (elsewhere or free)[0]
+            free.remove(chosen)
+            replacements[rank] = chosen
+            roster[rank] = chosen
     return Decision(generation=after, roster=roster, dead=dead, replacements=replacements)
 
 
