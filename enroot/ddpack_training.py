@@ -26,6 +26,7 @@ from ddpack_records import (
     DECISIONS,
     FAILURE_RESTARTS,
     FORENSICS,
+    LOST_NODES,
     MARKER,
     METRICS,
     REPORT,
@@ -42,6 +43,7 @@ from ddpack_records import (
 from ddpack_settings import Recovery, recovery, step_program, value
 from ddpack_slurm import SQUEUE_TIMEOUT_S, JobFacts, command, hostnames, natural, on_each_node
 from ddpack_staging import image_command
+from ddpack_step_records import RECOVERY_FALLBACK, StepRecords, metrics_size, recovered_hosts
 
 
 def read_count(path: Path) -> int:
@@ -57,6 +59,7 @@ def read_count(path: Path) -> int:
 # srun's line for tasks that ended badly, "srun: error: NODE: task 3: Exited with exit code 1" (or "tasks 0-1: Killed").
 TASK_ENDED = re.compile(rb"srun: error: ([A-Za-z0-9._-]+): tasks? ([0-9,-]+): (.*)")
 NOT_A_CRASH = (b"Terminated", b"Exited with exit code 0")  # srun's own TERM for a stop; a task that ended well
+NODE_FAILED = re.compile(rb"srun: error: Node failure on ([A-Za-z0-9._-]+)")  # Slurm dropped the node from the job
 RECOVERED_MARK = b"] recovery: trained global step "  # rank 0's line once a recovery's first step is done (train/trainer.py)
 END_MARK = b"ddpack-end "  # train/outcome.py's end record: {"rank", "host", "outcome", "reason", ...}
 STANDBY_END_MARK = b"ddpack-standby-end "  # train/outcome.py's StandbyEnd: {"member", "host", "why", "detail", ...}
@@ -128,14 +131,20 @@ def run_over(end: dict) -> bool:
 
 
 def run_step(
-    argv: list[str], *, env: dict[str, str] | None = None, end_wait: float = 0, on_recovered: Callable[[], None] | None = None
+    argv: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    end_wait: float = 0,
+    on_recovered: Callable[[], None] | None = None,
+    on_node_lost: Callable[[str], None] | None = None,
 ) -> StepEnd:
     """Run the training step (srun), its output and errors passed through line by line as they come; how it ended,
     read from srun's lines and the ranks' end records. `end_wait` > 0 (a step with standbys and its store task): the
     step is ended that many seconds after the run ended (`run_over`: rank 0's end record, or a fallback's) if it has
     not ended by itself, which is what srun's --wait does from the first task's end when standbys make a task's end,
     rank 0's included, no end of the run (`Training.standby_step`). `on_recovered` is called when a rank says it
-    trained again after a recovery in process (its `recovery` record is written by then: `Training.follow_recovery`)."""
+    trained again after a recovery in process (its `recovery` record is written by then: `Training.follow_recovery`),
+    `on_node_lost` with a node srun says failed (Slurm dropped it from the job: `Training.fence`)."""
     try:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     except OSError as why:
@@ -159,6 +168,8 @@ def run_step(
                 standby_left(step, line[at + len(STANDBY_END_MARK) :])
             if on_recovered is not None and RECOVERED_MARK in line:
                 on_recovered()
+            if on_node_lost is not None and (failed := NODE_FAILED.search(line)):
+                on_node_lost(failed.group(1).decode("ascii"))
             at = line.find(END_MARK)
             if at >= 0:
                 with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
@@ -224,85 +235,12 @@ def end_after_run(proc: subprocess.Popen, run_ended: threading.Event, wait_s: fl
             proc.kill()
 
 
-PROGRESS_RECORD = b'"kind": "progress"'  # train/metrics.py's progress records, as json.dumps spells them
-
-
-def metrics_size(path: Path) -> int | None:
-    """The metrics file's size now; None where there is none (a program of your own may write none)."""
-    try:
-        return path.stat().st_size
-    except OSError:
-        return None
-
-
-RECOVERY_RECORD = b'"kind": "recovery"'  # train/trainer.py's record of a rank replaced in process
-END_RECORD = b'"kind": "end"'  # train/metrics.py's end records
-RECOVERY_FALLBACK = "in-process recovery impossible: "  # train/outcome.py RECOVERY_IMPOSSIBLE: a --recovery fallback's reason
-
-
-def recovered_hosts(path: Path, since: int | None) -> list[str] | None:
-    """The ranks' hosts after the newest recovery in process that the metrics file holds after byte `since` (the
-    trainer's `recovery` record, `hosts` in rank order); None where there is none (or a record of an image older than
-    the field)."""
-    hosts = None
-    try:
-        with path.open("rb") as handle:
-            handle.seek(since or 0)
-            for line in handle:
-                if RECOVERY_RECORD in line:
-                    with contextlib.suppress(ValueError):
-                        found = json.loads(line).get("hosts")
-                        if isinstance(found, list) and all(isinstance(host, str) for host in found):
-                            hosts = found
-    except OSError:
-        return None
-    return hosts
-
-
 def left_by_a_peer(end: dict) -> bool:
     """Whether a rank's end record says it crashed nothing: its cause, or (an older image's) its reason's words."""
     if "cause" in end:
         return end["cause"] in NOT_CRASHED
     reason = str(end.get("reason") or "")
     return reason.startswith((LEFT_BY_A_PEER, RECOVERY_FALLBACK))
-
-
-def fallback_reason(end: dict) -> str | None:
-    """Why in-process recovery fell back, from a rank's end record (None: it did not)."""
-    reason = str(end.get("reason") or "")
-    if end.get("cause", "recovery-fallback" if reason.startswith(RECOVERY_FALLBACK) else None) != "recovery-fallback":
-        return None
-    return reason.removeprefix(RECOVERY_FALLBACK)
-
-
-@dataclasses.dataclass(frozen=True)
-class StepRecords:
-    """What the step wrote to the metrics file after byte `since`, read in one pass: whether it wrote progress records
-    (it finished steps: "yes", "no", or "" where there is no metrics file, before or after: nothing to tell from), why
-    the trainer's in-process recovery (--recovery, train/recovery.py) fell back to this restart ("": it did not; from
-    the last end record that says so), and how many ranks it replaced in process."""
-
-    progress: str
-    fallback: str
-    recovered: int
-
-    @classmethod
-    def read(cls, path: Path, since: int | None) -> StepRecords:
-        progress, fallback, recovered = False, "", 0
-        try:
-            with path.open("rb") as handle:
-                handle.seek(since or 0)
-                for line in handle:
-                    if PROGRESS_RECORD in line:
-                        progress = True
-                    elif RECOVERY_RECORD in line:
-                        recovered += 1
-                    elif END_RECORD in line:
-                        with contextlib.suppress(ValueError, AttributeError):
-                            fallback = fallback_reason(json.loads(line)) or fallback
-        except OSError:
-            return cls("" if since is None else "no", "", 0)
-        return cls("yes" if progress else "no", fallback, recovered)
 
 
 def task_hosts(nodes: list[str], per_node: int, standbys: int, spares: list[str] | None = None) -> list[str]:
@@ -389,7 +327,8 @@ class Training:
         self.standbys = self.recovery.standbys
         self.step_standbys = self.standbys  # the standbys the step running now started (`standby_step`)
         self.step_spares: list[str] = []  # the spare nodes hosting them ([]: none, or the standbys on the training nodes)
-        self.moving = threading.Lock()  # `follow_recovery` is called from the step's output readers
+        self.moving = threading.Lock()  # `follow_recovery` and `fence` are called from the step's output readers
+        self.lost_in_step: list[str] = []  # the nodes srun said failed in the step running now (`fence`)
         self.step_wait = int(settings["DDPACK_STEP_WAIT"])
         self.restarts = int(env.get("SLURM_RESTART_COUNT") or 0)
         self.failed = 0  # failure restarts counted during this start: the cap holds if the run folder's count is lost
@@ -458,12 +397,15 @@ class Training:
         while True:
             sys.stdout.flush()
             before = metrics_size(self.run_dir / METRICS)
+            with contextlib.suppress(OSError):
+                (self.run_dir / LOST_NODES).unlink()  # each step's own: a node lost before is out of its placement
             with self.standby_step() as (options, env):
                 end = run_step(
                     [*self.step, *options, *self.command],
                     env=env,
                     end_wait=self.step_wait if self.step_standbys else 0,
                     on_recovered=functools.partial(self.follow_recovery, before) if self.step_spares else None,
+                    on_node_lost=self.fence if self.step_spares else None,
                 )
             if self.step_spares:
                 self.follow_recovery(before)  # a recovery whose line the step's end cut short: the records say it
@@ -543,7 +485,7 @@ class Training:
         if value("DDPACK_STORE_TASK", env) != "0":  # no store task without standbys: the last task is a rank
             overrides["DDPACK_STORE_TASK"] = "0"
         none = {**env, **overrides} if overrides else None
-        self.step_standbys, self.step_spares = self.standbys, []
+        self.step_standbys, self.step_spares, self.lost_in_step = self.standbys, [], []
         if not self.standbys:
             yield self.placement, none
             return
@@ -609,6 +551,19 @@ class Training:
             hosts = recovered_hosts(self.run_dir / METRICS, since)
             if hosts:
                 self.move_to(hosts)
+
+    def fence(self, node: str) -> None:
+        """srun says `node` failed: Slurm dropped it from the job (set DOWN). Its name goes to the run folder's LOST_NODES,
+        which the step's store task passes on to the standbys as fenced (train/recovery.py `serve_store`): its members
+        are counted dead at once, even ones still running, and never join a group again."""
+        with self.moving:
+            self.lost_in_step.append(node)
+            try:
+                write_private(self.run_dir / LOST_NODES, "".join(f"{name}\n" for name in self.lost_in_step))
+            except OSError as why:
+                warn(f"{node} left the job, and {self.run_dir / LOST_NODES} cannot be written ({one_line(why)}): it is not fenced")
+                return
+        say(f"{node} left the job (srun: node failure): fenced, so that its ranks are counted dead at once and never rejoin")
 
     def move_to(self, hosts: list[str]) -> None:
         training = list(dict.fromkeys(hosts))

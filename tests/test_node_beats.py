@@ -112,3 +112,31 @@ def test_a_standby_judges_a_member_by_its_age_on_its_node_and_reads_a_young_node
         assert decision is not None and decision.dead == {3: "r3"} and decision.replacements == {3: "s0"}, (decision, lines)
     finally:
         standby.heartbeat.stop()
+
+
+def test_a_live_member_on_a_node_the_job_lost_is_counted_dead_at_once_and_a_forged_fence_is_ignored(
+    server: dist.TCPStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """r1's node n2 still beats (a node set DOWN whose processes Slurm could not kill) and no collective failed. Another
+    user's unsigned `fenced` value naming n2 is ignored with one line; once the job fences n2 (the store task, told by
+    the job program that Slurm dropped it), the standby's next look counts r1 dead and gives s0 its place: r1, alive,
+    is never in a roster again."""
+    for name, value in {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port)}.items():
+        monkeypatch.setenv(name, value)
+    job = Channel.of_job(server, ENV, print)
+    for node, member, host in (("0000000000000001", "r0", "n1"), ("0000000000000002", "r1", "n2")):
+        job.register(member, node)
+        job.beat_node(node, NodeBeat.of(host, NOW, {member: Beat(50, host, 0)}))
+    lines: list[str] = []
+    standby = recovery.Standby(world_size=2, host="spare", log=lines.append, index=0, launched=1)
+    try:
+        server.set(job.prefix + job.FENCED, "n2")
+        standby._watch()
+        assert job.decision(0, 2) is None and len(lines) == 1 and "ignored the store's 'fenced'" in lines[0], lines
+        job.fence(frozenset({"n2"}))
+        standby._watch()
+        decision = job.decision(0, 2)
+        assert decision is not None and decision.dead == {1: "r1"} and decision.replacements == {1: "s0"}, (decision, lines)
+        assert "its node left the job (n2: fenced)" in lines[-1], lines
+    finally:
+        standby.heartbeat.stop()

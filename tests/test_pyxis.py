@@ -390,7 +390,8 @@ def test_a_node_set_down_mid_training_is_replaced_in_process_by_the_spares_stand
     shared folder once, by sbcast, which sends it to every node's own disk; training runs on two nodes x 2 ranks, and
     the spare hosts the step's two standbys (a node's ranks), the store task on ddnode1. ddnode2 set DOWN mid-training
     (a health agent's verdict) and its tasks SIGKILLed (a node that fails): the spare's standbys take ranks 2 and 3 in
-    process, in the same step, with the survivors' state; the job program says ddnode3 trains now and records it. The
+    process, in the same step, with the survivors' state; the job program fences ddnode2 (srun's node-failure line, passed
+    to the standbys by the store task), says ddnode3 trains now and records it. The
     run finishes in that step with the checksum of an uninterrupted run, every global step logged once. Each node
     unpacked the image once. The seconds from the node's loss to the next logged step are printed."""
     clear_staged_images()  # no copy from an earlier run: this job stages the image
@@ -426,6 +427,8 @@ def test_a_node_set_down_mid_training_is_replaced_in_process_by_the_spares_stand
         "ddpack: ddnode2 left the training: its ranks were replaced in process by the standbys on the spare ddnode3 (ranks 2,3 on ddnode3); "
         "the step goes on, and a restart places the ranks there (training on ddnode1,ddnode3)"
     ) in text, brief(text)
+    assert "ddpack: ddnode2 left the job (srun: node failure): fenced" in text, brief(text)  # srun's line, passed on
+    assert "store task: ddnode2 left the job (set DOWN): fenced, its members are counted dead" in text, brief(text)
     assert "restarting it in this allocation" not in text and all_agree(text, 4) and set(outcome.checksums(text)) == {expected}, brief(text)
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert len(starts_of(metrics)) == 1, brief(text)

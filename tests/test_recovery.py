@@ -4,6 +4,7 @@ timeout rule, the per-step RNG. The real thing, with processes killed, is tests/
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -132,3 +133,13 @@ def test_the_templates_setting_reaches_the_trainer_and_implies_recovery(monkeypa
     assert parse_config(["--standbys", "0"]).recovery is False
     monkeypatch.delenv("DDPACK_STANDBYS")
     assert (parse_config([]).standbys, parse_config([]).recovery) == (0, False)
+
+
+def test_the_store_task_reads_the_lost_nodes_the_job_program_names_once_each_change(tmp_path: Path) -> None:
+    """The run folder's lost-nodes file (the job program's, from srun's node-failure line): its node names, read again
+    only when the file changed; a line that is no node name is not one."""
+    lost = tmp_path / ".ddpack-lost-nodes"
+    assert recovery.lost_nodes(lost, (0, frozenset())) == (0, frozenset())  # none yet
+    lost.write_text("ddnode2\n../etc\n")
+    seen = recovery.lost_nodes(lost, (0, frozenset()))
+    assert seen[1] == frozenset({"ddnode2"}) and recovery.lost_nodes(lost, seen) is seen

@@ -134,7 +134,7 @@ def test_a_fallback_blames_the_dead_ranks_node_never_rank_0s(node: ModuleType) -
 def test_the_job_decides_from_the_ends_cause_not_its_words(
     node: ModuleType, end: dict, fallback: str | None, crashed_nothing: bool
 ) -> None:
-    assert node.fallback_reason(end) == fallback and node.left_by_a_peer(end) is crashed_nothing
+    assert module("ddpack_step_records").fallback_reason(end) == fallback and node.left_by_a_peer(end) is crashed_nothing
 
 
 def test_an_end_records_cause_is_one_of_the_known_ones() -> None:

@@ -65,6 +65,7 @@ import time
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -73,6 +74,7 @@ import torch.distributed as dist
 from entrypoint.plan import job_token
 from train import distributed
 from train.distributed import DistContext, default_to_one_process, first_line, node_name, turn_on_flight_recorder
+from train.job_keys import HOSTNAME
 from train.metrics import RankLog
 from train.node_beats import LocalBeat, LocalBeats
 from train.outcome import StandbyEnd
@@ -628,30 +630,40 @@ class Standby:
 
     def _watch(self) -> None:
         """One look at every node's heartbeat; a roster member that has not beaten for STALE_S is dead once a survivor has
-        reported its collective failed: decide, once for the generation."""
+        reported its collective failed: decide, once for the generation. A member on a node the job lost (`fenced`: Slurm
+        dropped it, the job program saw it) is dead at once, whatever it still does: it never joins a group again."""
         standbys = self.channel.standbys()
         members = [*self.roster.values(), *standbys]
         now = time.monotonic()
         silent = self._silences(members, now)
         stale = {m for m, seconds in silent.items() if seconds >= STALE_S}
-        dead = {rank: m for rank, m in self.roster.items() if m in stale}
-        if not dead:
-            return
-        survivors = [m for m in self.roster.values() if m not in stale]
-        if not (reported := self.channel.failure_reported(self.generation, survivors)):
+        fenced = self.channel.fenced()
+        out = {m for m, host in self._hosts().items() if host in fenced} if fenced else set()
+        dead = {rank: m for rank, m in self.roster.items() if m in stale and m not in out}
+        survivors = [m for m in self.roster.values() if m not in stale and m not in out]
+        reported = True
+        if dead and not (reported := self.channel.failure_reported(self.generation, survivors)):
             # No collective failed: a heartbeat late on a loaded node while every collective still completes is no
             # death. One stopped for FROZEN_S while a survivor waits on a collective is a frozen rank or a lost node.
             dead = {rank: m for rank, m in dead.items() if silent[m] >= FROZEN_S}
-            if not dead or not self._survivor_waiting(survivors, now):
-                return
+            if not self._survivor_waiting(survivors, now):
+                dead = {}
+        dead |= {rank: m for rank, m in self.roster.items() if m in out}
+        if not dead:
+            return
         used = set(self.roster.values())
-        alive = [s for s in standbys if s not in stale and s not in used]
-        hosts = {m: self._nodes[node][0].host for node, on in self._on_node.items() if node in self._nodes for m in on}
-        decision = decide(self.generation, self.roster, dead, hosts, alive, rank0_hosts_store=self.rank0_hosts_store)
+        alive = [s for s in standbys if s not in stale and s not in used and s not in out]
+        decision = decide(self.generation, self.roster, dead, self._hosts(), alive, rank0_hosts_store=self.rank0_hosts_store)
         lost = ", ".join(f"rank {r}" for r in sorted(dead))
         how = "" if reported else f" for {FROZEN_S:g}s while a survivor waits on a collective (frozen, or its node lost)"
+        if out & set(dead.values()):
+            how = f" or its node left the job ({','.join(sorted(fenced))}: fenced)"
         self.log(f"standby {self.member}: heartbeat of {lost} stopped{how}; deciding generation {self.generation}")
         self.channel.write_decision(self.generation, decision, self.world_size)
+
+    def _hosts(self) -> dict[str, str]:
+        """Each located member's host, as its node's newest heartbeat names it."""
+        return {m: self._nodes[node][0].host for node, on in self._on_node.items() if node in self._nodes for m in on}
 
 
 class CollectiveClock:
@@ -830,7 +842,27 @@ def spawn_standby(environ: Mapping[str, str], log: Callable[[str], None]) -> sub
         return None
 
 
-def serve_store(*, standbys: int, connect_s: float, log: Callable[[str], None], respawn: Mapping[str, str] | None = None) -> int:
+def lost_nodes(path: Path, seen: tuple[int, frozenset[str]]) -> tuple[int, frozenset[str]]:
+    """The nodes the job program wrote to `path` (train/run_folder.py LOST_NODES: one a line, the nodes Slurm dropped
+    from the job during this step), with the file's change time; `seen` again while the file has not changed."""
+    try:
+        changed = path.stat().st_mtime_ns
+        if changed == seen[0]:
+            return seen
+        names = frozenset(line for line in path.read_text().split() if HOSTNAME.fullmatch(line))
+    except (OSError, UnicodeDecodeError):
+        return seen
+    return changed, names
+
+
+def serve_store(
+    *,
+    standbys: int,
+    connect_s: float,
+    log: Callable[[str], None],
+    respawn: Mapping[str, str] | None = None,
+    lost_file: Path | None = None,
+) -> int:
     """The store task (`--store-task`, DDPACK_STORE_TASK=1: the launcher's last process, which trains nothing): torch's
     own TCPStore served at MASTER_PORT on this node (MASTER_ADDR, the step's first node), in a process that is no rank,
     so that rank 0's death is recovered as any rank's: the ranks and standbys are all its clients, and the keys on it
@@ -841,7 +873,11 @@ def serve_store(*, standbys: int, connect_s: float, log: Callable[[str], None], 
 
     `respawn`, the launcher's environment (None where a standby would want a GPU the node's ranks hold): each standby a
     recovery's decision consumed is replaced by a new one started on this node (`spawn_standby`, at most MAX_RESPAWNED
-    a run), so that a second and a third death are recovered too; it leaves once the run has ended, and its standbys."""
+    a run), so that a second and a third death are recovered too; it leaves once the run has ended, and its standbys.
+
+    `lost_file` (the run folder's LOST_NODES, which the job program writes when srun says a node failed: Slurm dropped it
+    from the job, set DOWN): its nodes are fenced on the store (`Channel.fence`), so that their members, even ones still
+    running and reaching the store, are counted dead by the standbys at once and never join a group again."""
     for stop in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(stop, signal.SIG_IGN)
     world = int(os.environ["WORLD_SIZE"])
@@ -858,10 +894,16 @@ def serve_store(*, standbys: int, connect_s: float, log: Callable[[str], None], 
     seen: dict[str, int] = {}
     last_rise, idle_s, closed_at = time.monotonic(), max(STORE_IDLE_S, connect_s), None
     generation, spawned = 0, []
+    lost: tuple[int, frozenset[str]] = (0, frozenset())
     try:
         while True:
             time.sleep(0.2)
             now = time.monotonic()
+            if lost_file is not None and (found := lost_nodes(lost_file, lost)) != lost:
+                with contextlib.suppress(RuntimeError):
+                    channel.fence(found[1])
+                    lost = found
+                    log(f"store task: {','.join(sorted(lost[1]))} left the job (set DOWN): fenced, its members are counted dead")
             try:
                 beats = channel.beats([*ranks, *channel.standbys()])
                 closed = closed_at is not None or channel.closed()
