@@ -549,6 +549,7 @@ class Standby:
         self._located = (0, 0)  # (members located, the channel's moves) when _on_node was built
         self._waits: dict[str, tuple[int | None, float]] = {}  # survivor -> (highest waiting count, when it last rose)
         self.left: tuple[str, str] | None = None  # why `wait` ended without a rank: (a STANDBY_REASONS, a line)
+        self._held: float | None = None  # since when a decision waits for a member half-way to STALE_S (`_watch`)
 
     def wait(self) -> tuple[int, int] | None:
         """Watch until this standby is given a rank: (generation, rank); None when it leaves without one (`left` says
@@ -650,7 +651,17 @@ class Standby:
                 dead = {}
         dead |= {rank: m for rank, m in self.roster.items() if m in out}
         if not dead:
+            self._held = None
             return
+        # A node lost goes silent member by member, each from its own last beat (its value names each one's age): a
+        # member half-way to STALE_S beside a dead one is waited for (at most STALE_S more), so that one decision takes
+        # every rank of a lost node. Deciding for the first alone leaves the next in the new roster, and the new group
+        # waits for it until JOIN_TIMEOUT_S (seen on the test cluster: a node set DOWN fell back so, 1 run in 5).
+        suspect = [m for m in survivors if silent.get(m, 0.0) >= STALE_S / 2]
+        if suspect and now - (self._held if self._held is not None else now) < STALE_S:
+            self._held = self._held if self._held is not None else now
+            return
+        self._held = None
         used = set(self.roster.values())
         alive = [s for s in standbys if s not in stale and s not in used and s not in out]
         decision = decide(self.generation, self.roster, dead, self._hosts(), alive, rank0_hosts_store=self.rank0_hosts_store)
