@@ -654,10 +654,13 @@ class Standby:
             self._held = None
             return
         # A node lost goes silent member by member, each from its own last beat (its value names each one's age): a
-        # member half-way to STALE_S beside a dead one is waited for (at most STALE_S more), so that one decision takes
-        # every rank of a lost node. Deciding for the first alone leaves the next in the new roster, and the new group
-        # waits for it until JOIN_TIMEOUT_S (seen on the test cluster: a node set DOWN fell back so, 1 run in 5).
-        suspect = [m for m in survivors if silent.get(m, 0.0) >= STALE_S / 2]
+        # member half-way to STALE_S on a dead one's node is waited for (at most STALE_S more), so that one decision
+        # takes every rank of a lost node. Deciding for the first alone leaves the next in the new roster, and the new
+        # group waits for it until JOIN_TIMEOUT_S (seen on the test cluster: a node set DOWN fell back so, 2 runs in 9).
+        # Only node-mates: a late value from another, loaded node holds no decision back.
+        gone = set(dead.values())
+        mates = {m for on in self._on_node.values() if gone.intersection(on) for m in on}
+        suspect = [m for m in survivors if m in mates and silent.get(m, 0.0) >= STALE_S / 2]
         if suspect and now - (self._held if self._held is not None else now) < STALE_S:
             self._held = self._held if self._held is not None else now
             return
