@@ -42,6 +42,14 @@ record's stages (notice: the kill -> the survivors' failed collective).
 place). `--second-death`: in-process, once the store task's new standby (started for the one the first recovery
 consumed) is warm, rank 2 is SIGKILLed too, and the row is that second death's; today's side is one kill, as ever.
 `twice` counts the global steps with more than one progress record (steps trained twice).
+
+`--node-down` (with `--standbys`): a whole node lost instead of a rank: 3 nodes of partition `big`, one a spare
+(DDPACK_SPARE_NODES=1), ddnode2 set DOWN (`scontrol update ... state=down`, as a health agent does) and its tasks
+SIGKILLed while training past step 30; today's side (DDPACK_STANDBYS=0) is the spare swap, a restart of the step on
+ddnode1 and the spare from the last snapshot; in-process (the spare hosts 2 standbys, a node's ranks) the spare's
+standbys take ranks 2 and 3 in the same step. Times are from the DOWN; the node is resumed after each job.
+
+    python bench/bench_restart.py --standbys --node-down [--rounds 2] [--sqsh build/IMAGE.sqsh]
 """
 
 from __future__ import annotations
@@ -78,17 +86,21 @@ def enroot_at(revision: str, into: Path) -> Path:
 
 
 @contextlib.contextmanager
-def submitted(enroot: Path, folder: Path, sqsh: Path | None, name: str, settings: str) -> Iterator[tuple[str, Path, Path]]:
+def submitted(enroot: Path, folder: Path, sqsh: Path | None, name: str, settings: str, spares: int = 0) -> Iterator[tuple[str, Path, Path]]:
     """A 2 x 2 job of the bare-metal template (with `sqsh`: pyxis-per-task.sbatch in that image) with the bench's
-    training and `settings` exported; (job id, its metrics file, its log) while it lives, cancelled and gone after."""
+    training and `settings` exported, and `spares` spare nodes more (partition big); (job id, its metrics file, its
+    log) while it lives, cancelled and gone after."""
     (folder / "logs").mkdir(parents=True)
-    exports = f"ALL,DDPACK_TRAIN_ARGS={TRAIN_ARGS},{settings},DDPACK_MAX_FAILURE_RESTARTS=1,DDPACK_HOME={enroot}"
+    exports = (
+        f"ALL,DDPACK_TRAIN_ARGS={TRAIN_ARGS},{settings},DDPACK_MAX_FAILURE_RESTARTS=1,DDPACK_HOME={enroot},DDPACK_SPARE_NODES={spares}"
+    )
     template = "baremetal.sbatch"
     if sqsh is not None:
         exports += f",DDPACK_SQSH={sqsh},DDPACK_MOUNTS=/tmp:/tmp"
         template = "pyxis-per-task.sbatch"
     job = subprocess.run(
-        ["sbatch", "--parsable", f"--job-name={name}", f"--export={exports}", "--nodes=2", "--ntasks-per-node=2", str(enroot / template)],
+        ["sbatch", "--parsable", f"--job-name={name}", f"--export={exports}", f"--nodes={2 + spares}", "--ntasks-per-node=2",
+         *(["--partition=big"] if spares else []), str(enroot / template)],
         cwd=folder, capture_output=True, text=True, check=True, env=env(OMP_NUM_THREADS="1"),
     ).stdout.strip()  # fmt: skip
     try:
@@ -149,13 +161,29 @@ def kill_task(job: str, log: Path, task: int) -> float:
     return killed_at
 
 
-def one_kill(enroot: Path, folder: Path, sqsh: Path | None, standbys: int, rank: int, second: bool) -> dict[str, float]:
+def lose_node(job: str, log: Path, node: str = "ddnode2") -> float:
+    """`node` set DOWN, as a health agent does, and the job's tasks there SIGKILLed, as a node that fails takes them;
+    the wall clock of the DOWN."""
+    lost_at = time.time()
+    subprocess.run(["scontrol", "update", f"nodename={node}", "state=down", "reason=bench-restart-node-down"], check=True)
+    signal_tasks(job, node, signal.SIGKILL)  # Slurm may have killed them already
+    return lost_at
+
+
+def one_kill(
+    enroot: Path, folder: Path, sqsh: Path | None, standbys: int, rank: int, second: bool, node_down: bool = False
+) -> dict[str, float]:
     """One job of the template with DDPACK_STANDBYS=`standbys`, rank `rank` SIGKILLed while it trains (and with `second`,
-    rank 2 once a new standby is warm); the seconds after the last kill (see `--standbys` in the module's docstring)."""
-    with submitted(enroot, folder, sqsh, "kill", f"DDPACK_STANDBYS={standbys}") as (job, metrics, log):
+    rank 2 once a new standby is warm; with `node_down`, ddnode2 lost instead, with a spare); the seconds after the last
+    kill (see `--standbys` and `--node-down` in the module's docstring)."""
+    spares = 1 if node_down else 0
+    with (
+        submitted(enroot, folder, sqsh, "kill", f"DDPACK_STANDBYS={standbys}", spares) as (job, metrics, log),
+        resumed("ddnode2" if node_down else None),
+    ):
         wait_for_progress(metrics, 30, log, "the job did not train", timeout=300)
-        warm(job, log, standbys)
-        killed_at = kill_task(job, log, rank)
+        warm(job, log, 2 * standbys if node_down else standbys)
+        killed_at = lose_node(job, log) if node_down else kill_task(job, log, rank)
         if second:
             warm(job, log, standbys + 1)  # the store task's new standby
             killed_at = kill_task(job, log, 2)
@@ -175,11 +203,29 @@ def one_kill(enroot: Path, folder: Path, sqsh: Path | None, standbys: int, rank:
     if recovery is not None:
         row |= {"notice": recovery["failed_at"] - killed_at, **{k[:-2]: recovery[k] for k in ("decide_s", "abort_s", "new_group_s", "state_s", "first_step_s")}}
     elif standbys:
-        raise SystemExit(f"bench_restart: job {job} did not recover in process; see {log}")
+        said = [line for line in log.read_text().splitlines() if "step " not in line or "recovery" in line]  # no progress lines
+        raise SystemExit(f"bench_restart: job {job} did not recover in process; its log without progress lines:\n" + "\n".join(said[-60:]))
     return row
 
 
-def standbys_main(rounds: int, sqsh: Path | None, rank: int, second: bool) -> int:
+@contextlib.contextmanager
+def resumed(node: str | None) -> Iterator[None]:
+    """`node` (when one is named) set back up once the job is gone, if Slurm has not, and waited for until sinfo calls it
+    idle: the next round's job must find every node up, or its placement differs (no spare, so no standby there)."""
+    try:
+        yield
+    finally:
+        if node is not None:
+            subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], capture_output=True)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                states = subprocess.run(["sinfo", "-h", "-n", node, "-o", "%T"], capture_output=True, text=True).stdout.split()
+                if states and all(state == "idle" for state in states):
+                    break
+                time.sleep(0.5)
+
+
+def standbys_main(rounds: int, sqsh: Path | None, rank: int, second: bool, node_down: bool = False) -> int:
     with tempfile.TemporaryDirectory(prefix="ddpack-bench-restart-", dir="/tmp") as tmp:
         work = Path(tmp)
         work.chmod(0o755)
@@ -187,12 +233,14 @@ def standbys_main(rounds: int, sqsh: Path | None, rank: int, second: bool) -> in
         rows: dict[str, list[dict[str, float]]] = {"restart": [], "in-process": []}
         for round_ in range(rounds):
             for side, standbys in (("restart", 0), ("in-process", 1)):
-                row = one_kill(enroot, work / f"{side}-{round_}", sqsh, standbys, rank, second and standbys > 0)
+                row = one_kill(enroot, work / f"{side}-{round_}", sqsh, standbys, rank, second and standbys > 0, node_down)
                 rows[side].append(row)
                 print(f"round {round_ + 1} {side:<10} " + "  ".join(f"{k} {v:.3f}" for k, v in row.items()), flush=True)
     path = f"pyxis-per-task.sbatch, {sqsh.name}" if sqsh else "baremetal.sbatch"
     medians = {side: {k: statistics.median(r[k] for r in found) for k in found[0]} for side, found in rows.items()}
     what = f"rank {rank} killed" + (", then rank 2 (in-process: the second death's row)" if second else "")
+    if node_down:
+        what = "ddnode2 set DOWN and its tasks killed, 1 spare (restart: the spare swap; in-process: the spare's 2 standbys)"
     print(f"\n{what} on the test cluster ({path}, 2 nodes x 2 ranks; {rounds} rounds, A B A B; medians; seconds after the SIGKILL)")
     for side, found in medians.items():
         print(f"{side:<11} " + "  ".join(f"{k} {v:.3f}" for k, v in found.items()))
@@ -335,6 +383,7 @@ def main() -> int:
     parser.add_argument("--standbys", action="store_true", help="on the test cluster, this revision: today's restart against DDPACK_STANDBYS=1")
     parser.add_argument("--kill-rank", type=int, default=3, help="with --standbys: the rank SIGKILLed (0: the store task's case)")
     parser.add_argument("--second-death", action="store_true", help="with --standbys: in-process, rank 2 killed too once a new standby is warm")
+    parser.add_argument("--node-down", action="store_true", help="with --standbys: ddnode2 set DOWN and its tasks killed, with a spare")
     opts = parser.parse_args()
     if opts.local:
         return local_main(opts.rounds)
@@ -342,7 +391,7 @@ def main() -> int:
         print("bench_restart: no Slurm controller answers (sinfo); start the test cluster: .venv/bin/python testbed/slurm_cluster.py", file=sys.stderr)
         return 2
     if opts.standbys:
-        return standbys_main(opts.rounds, opts.sqsh, opts.kill_rank, opts.second_death)
+        return standbys_main(opts.rounds, opts.sqsh, opts.kill_rank, opts.second_death, opts.node_down)
     with tempfile.TemporaryDirectory(prefix="ddpack-bench-restart-", dir="/tmp") as tmp:
         work = Path(tmp)
         work.chmod(0o755)

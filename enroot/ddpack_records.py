@@ -34,6 +34,7 @@ MARKER = ".ddpack-this-start"  # touched at each start: forensics newer than it 
 FAILURE_RESTARTS = ".ddpack-failure-restarts"  # the run folder's count of restarts after a failure, over its jobs
 # train/run_folder.py's names (a test holds them to it)
 FORENSICS, METRICS, SUMMARY, UNRESPONSIVE_NODES, REPORT = "forensics", "metrics.jsonl", "summary.json", "unresponsive-nodes", "report.html"
+LOST_NODES = ".ddpack-lost-nodes"  # the nodes srun said failed in the step running now: the store task fences them
 
 
 DECISIONS = "decisions.jsonl"  # ddpack/jobs/decisions.py reads it, for status and the ledger

@@ -167,6 +167,7 @@ class Recovery:
 
     standbys: int
     why: str
+    on_spares: bool = False  # the standbys live on the job's spare nodes (DDPACK_SPARE_NODES), as many a spare as a node's ranks
 
     @property
     def mode(self) -> str:
@@ -175,21 +176,38 @@ class Recovery:
     def line(self) -> str:
         """One line for people: which recovery and why."""
         if self.standbys:
-            return f"in-process recovery with {self.standbys} standby process(es) ({self.why})"
+            where = " on the spare nodes" if self.on_spares else ""
+            return f"in-process recovery with {self.standbys} standby process(es){where} ({self.why})"
         return f"a restart of the step from its last snapshot ({self.why})"
 
     def fields(self) -> dict[str, object]:
         """As a record holds it (the job's `recovery` decision, run.json's settings)."""
-        return {"mode": self.mode, "standbys": self.standbys, "why": self.why}
+        return {"mode": self.mode, "standbys": self.standbys, "why": self.why, **({"on_spares": True} if self.on_spares else {})}
 
 
-def recovery(given: str, *, gpus: int, program: str) -> Recovery:
+def recovery(given: str, *, gpus: int, program: str, spares: int = 0, per_node: int | None = None) -> Recovery:
     """The standbys a training step starts, from DDPACK_STANDBYS as the job sees it (`given`: a count, or auto, the
     default) and the facts: the one place the default's rule is written (the job's program and `ddpack submit` both
     ask it). A count given is taken as given (the callers refuse one that cannot hold, each in one line). auto: one
     standby where it is free, none where it is not: a standby is a task of the bundled trainer's per-task step, so
     none for any other program; on GPU nodes it would hold a GPU of its own on a node that trains, idle until a rank
-    dies, so a CUDA job has none unless it asks; on CPU nodes it is one process that sleeps while it waits."""
+    dies, so a CUDA job has none unless it asks; on CPU nodes it is one process that sleeps while it waits.
+
+    With `spares` spare nodes (DDPACK_SPARE_NODES) and `per_node` ranks a node, the spares host the standbys: as many
+    on each spare as a node has ranks, so that one spare can take every rank of a node lost (set DOWN, as a health
+    agent does) in process, and no GPU of a node that trains idles for one (a CUDA job gets them too, for the spares'
+    GPUs idle anyway). Wherever standbys are asked for or free (a count above 0, or auto's one), and only there."""
+    plain = _plain_recovery(given, gpus=gpus, program=program)
+    wanted = plain.standbys or (given == "auto" and program == TRAINER)
+    if spares > 0 and per_node and wanted:
+        given_why = plain.why if plain.standbys else "a CUDA job: on the spares no GPU of a node that trains idles for them"
+        why = f"{per_node} on each spare node, as many as a node's ranks, so that a lost node's ranks are replaced in process; {given_why}"
+        return Recovery(spares * per_node, why, on_spares=True)
+    return plain
+
+
+def _plain_recovery(given: str, *, gpus: int, program: str) -> Recovery:
+    """`recovery` without spare nodes: the standbys one a node on the nodes that train."""
     if given != "auto":
         count = int(given)
         return Recovery(count, f"{'asked for' if count else 'none asked for'}: DDPACK_STANDBYS={count} (ddpack submit --standbys {count})")

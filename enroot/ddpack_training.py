@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ddpack_node import one_line, warn, write_private
@@ -26,6 +26,7 @@ from ddpack_records import (
     DECISIONS,
     FAILURE_RESTARTS,
     FORENSICS,
+    LOST_NODES,
     MARKER,
     METRICS,
     REPORT,
@@ -42,6 +43,7 @@ from ddpack_records import (
 from ddpack_settings import Recovery, recovery, step_program, value
 from ddpack_slurm import SQUEUE_TIMEOUT_S, JobFacts, command, hostnames, natural, on_each_node
 from ddpack_staging import image_command
+from ddpack_step_records import RECOVERY_FALLBACK, StepRecords, metrics_size, recovered_hosts
 
 
 def read_count(path: Path) -> int:
@@ -57,6 +59,8 @@ def read_count(path: Path) -> int:
 # srun's line for tasks that ended badly, "srun: error: NODE: task 3: Exited with exit code 1" (or "tasks 0-1: Killed").
 TASK_ENDED = re.compile(rb"srun: error: ([A-Za-z0-9._-]+): tasks? ([0-9,-]+): (.*)")
 NOT_A_CRASH = (b"Terminated", b"Exited with exit code 0")  # srun's own TERM for a stop; a task that ended well
+NODE_FAILED = re.compile(rb"srun: error: Node failure on ([A-Za-z0-9._-]+)")  # Slurm dropped the node from the job
+RECOVERED_MARK = b"] recovery: trained global step "  # rank 0's line once a recovery's first step is done (train/trainer.py)
 END_MARK = b"ddpack-end "  # train/outcome.py's end record: {"rank", "host", "outcome", "reason", ...}
 STANDBY_END_MARK = b"ddpack-standby-end "  # train/outcome.py's StandbyEnd: {"member", "host", "why", "detail", ...}
 # train/outcome.py's CAUSES of a failed rank that crashed nothing (a peer died; recovery fell back after one did). An
@@ -126,12 +130,21 @@ def run_over(end: dict) -> bool:
     return int(end["rank"]) == 0 and not (end.get("outcome") == "failed" and cause in ("own", "counted-dead"))
 
 
-def run_step(argv: list[str], *, env: dict[str, str] | None = None, end_wait: float = 0) -> StepEnd:
+def run_step(
+    argv: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    end_wait: float = 0,
+    on_recovered: Callable[[], None] | None = None,
+    on_node_lost: Callable[[str], None] | None = None,
+) -> StepEnd:
     """Run the training step (srun), its output and errors passed through line by line as they come; how it ended,
     read from srun's lines and the ranks' end records. `end_wait` > 0 (a step with standbys and its store task): the
     step is ended that many seconds after the run ended (`run_over`: rank 0's end record, or a fallback's) if it has
     not ended by itself, which is what srun's --wait does from the first task's end when standbys make a task's end,
-    rank 0's included, no end of the run (`Training.standby_step`)."""
+    rank 0's included, no end of the run (`Training.standby_step`). `on_recovered` is called when a rank says it
+    trained again after a recovery in process (its `recovery` record is written by then: `Training.follow_recovery`),
+    `on_node_lost` with a node srun says failed (Slurm dropped it from the job: `Training.fence`)."""
     try:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     except OSError as why:
@@ -153,6 +166,10 @@ def run_step(argv: list[str], *, env: dict[str, str] | None = None, end_wait: fl
                 ended.append((found.group(1).decode("ascii"), len(task_ids(found.group(2)))))
             if (at := line.find(STANDBY_END_MARK)) >= 0:
                 standby_left(step, line[at + len(STANDBY_END_MARK) :])
+            if on_recovered is not None and RECOVERED_MARK in line:
+                on_recovered()
+            if on_node_lost is not None and (failed := NODE_FAILED.search(line)):
+                on_node_lost(failed.group(1).decode("ascii"))
             at = line.find(END_MARK)
             if at >= 0:
                 with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
@@ -218,22 +235,6 @@ def end_after_run(proc: subprocess.Popen, run_ended: threading.Event, wait_s: fl
             proc.kill()
 
 
-PROGRESS_RECORD = b'"kind": "progress"'  # train/metrics.py's progress records, as json.dumps spells them
-
-
-def metrics_size(path: Path) -> int | None:
-    """The metrics file's size now; None where there is none (a program of your own may write none)."""
-    try:
-        return path.stat().st_size
-    except OSError:
-        return None
-
-
-RECOVERY_RECORD = b'"kind": "recovery"'  # train/trainer.py's record of a rank replaced in process
-END_RECORD = b'"kind": "end"'  # train/metrics.py's end records
-RECOVERY_FALLBACK = "in-process recovery impossible: "  # train/outcome.py RECOVERY_IMPOSSIBLE: a --recovery fallback's reason
-
-
 def left_by_a_peer(end: dict) -> bool:
     """Whether a rank's end record says it crashed nothing: its cause, or (an older image's) its reason's words."""
     if "cause" in end:
@@ -242,55 +243,27 @@ def left_by_a_peer(end: dict) -> bool:
     return reason.startswith((LEFT_BY_A_PEER, RECOVERY_FALLBACK))
 
 
-def fallback_reason(end: dict) -> str | None:
-    """Why in-process recovery fell back, from a rank's end record (None: it did not)."""
-    reason = str(end.get("reason") or "")
-    if end.get("cause", "recovery-fallback" if reason.startswith(RECOVERY_FALLBACK) else None) != "recovery-fallback":
-        return None
-    return reason.removeprefix(RECOVERY_FALLBACK)
-
-
-@dataclasses.dataclass(frozen=True)
-class StepRecords:
-    """What the step wrote to the metrics file after byte `since`, read in one pass: whether it wrote progress records
-    (it finished steps: "yes", "no", or "" where there is no metrics file, before or after: nothing to tell from), why
-    the trainer's in-process recovery (--recovery, train/recovery.py) fell back to this restart ("": it did not; from
-    the last end record that says so), and how many ranks it replaced in process."""
-
-    progress: str
-    fallback: str
-    recovered: int
-
-    @classmethod
-    def read(cls, path: Path, since: int | None) -> StepRecords:
-        progress, fallback, recovered = False, "", 0
-        try:
-            with path.open("rb") as handle:
-                handle.seek(since or 0)
-                for line in handle:
-                    if PROGRESS_RECORD in line:
-                        progress = True
-                    elif RECOVERY_RECORD in line:
-                        recovered += 1
-                    elif END_RECORD in line:
-                        with contextlib.suppress(ValueError, AttributeError):
-                            fallback = fallback_reason(json.loads(line)) or fallback
-        except OSError:
-            return cls("" if since is None else "no", "", 0)
-        return cls("yes" if progress else "no", fallback, recovered)
-
-
-def task_hosts(nodes: list[str], per_node: int, standbys: int) -> list[str]:
+def task_hosts(nodes: list[str], per_node: int, standbys: int, spares: list[str] | None = None) -> list[str]:
     """Each task's node, in task order, for a step with `standbys` standby tasks after the ranks (SLURM_HOSTFILE): the
     ranks as srun's block distribution places them (`per_node` on each node, in order), then the standbys one a node
     from the first, then the store task (DDPACK_STORE_TASK=1, train/recovery.py's `serve_store`: the job's store in a
     process that is no rank, so that rank 0's death is recovered as any rank's) on the first node, whose name is the
     store's address (MASTER_ADDR). The recovery prefers a standby on another node than the dead rank's (`decide`). The
     nodes go in Slurm's order whatever order the placement chose: each task takes the step's first node
-    (SLURM_STEP_NODELIST, which Slurm sorts) for the store's address (entrypoint/plan.py)."""
+    (SLURM_STEP_NODELIST, which Slurm sorts) for the store's address (entrypoint/plan.py).
+
+    With `spares` (the job's spare nodes, DDPACK_SPARE_NODES) the standbys live there instead, `per_node` on each, in
+    order, so that one spare can take a lost node's ranks at once (`decide` prefers standbys all on one node); no
+    standby shares a node that trains. The store task goes on the step's first node as ever: a training node, as
+    spares are the job's last nodes."""
     nodes = sorted(nodes, key=natural)
     ranks = [node for node in nodes for _ in range(per_node)]
-    return [*ranks, *(nodes[index % len(nodes)] for index in range(standbys)), nodes[0]] if standbys else ranks
+    if not standbys:
+        return ranks
+    if spares:
+        spares = sorted(spares, key=natural)
+        return [*ranks, *(node for node in spares for _ in range(per_node)), min(nodes[0], spares[0], key=natural)]
+    return [*ranks, *(nodes[index % len(nodes)] for index in range(standbys)), nodes[0]]
 
 
 def newer(path: Path, than: Path) -> bool:
@@ -352,6 +325,10 @@ class Training:
         self.now = JobFacts(self.job)  # what Slurm says of the job, read once a decision (after_step starts a new one)
         self.recovery = self.choose_recovery(settings["DDPACK_STANDBYS"], tasks_are_ranks)
         self.standbys = self.recovery.standbys
+        self.step_standbys = self.standbys  # the standbys the step running now started (`standby_step`)
+        self.step_spares: list[str] = []  # the spare nodes hosting them ([]: none, or the standbys on the training nodes)
+        self.moving = threading.Lock()  # `follow_recovery` and `fence` are called from the step's output readers
+        self.lost_in_step: list[str] = []  # the nodes srun said failed in the step running now (`fence`)
         self.step_wait = int(settings["DDPACK_STEP_WAIT"])
         self.restarts = int(env.get("SLURM_RESTART_COUNT") or 0)
         self.failed = 0  # failure restarts counted during this start: the cap holds if the run folder's count is lost
@@ -383,7 +360,9 @@ class Training:
         image = image_command(value("DDPACK_SQSH", env)) if self.container else ""
         has_words = bool(env.get("DDPACK_TRAIN_ARGS", "").strip().strip("[]").strip())
         program = step_program(command=bool(env.get("DDPACK_COMMAND")), train_args=has_words, torchrun=torchrun, image_command=image)
-        return recovery(given, gpus=self.now.gpus_per_node if given == "auto" else 0, program=program)
+        gpus = self.now.gpus_per_node if given == "auto" else 0
+        self.plain_recovery = recovery(given, gpus=gpus, program=program)  # where no spare is left to host them
+        return recovery(given, gpus=gpus, program=program, spares=self.spares, per_node=self.per_node)
 
     @functools.cached_property
     def started(self) -> list[str] | None:
@@ -407,7 +386,12 @@ class Training:
             placed = {"nodes": ",".join(self.last_nodes), "spares": self.spares_now()}
             write_record(self.run_dir, "placement", {**placed, **({"without": ",".join(self.preflight_out)} if out else {})})
             self.warm_spares()
-        if self.standbys:
+        if self.recovery.on_spares:
+            say(
+                f"{self.standbys} standby process(es) start with each training step on the spare nodes ({self.per_node} a spare, "
+                f"DDPACK_SPARE_NODES={self.spares}): a rank that dies, or every rank of a node lost, is replaced in process"
+            )
+        elif self.standbys:
             say(
                 f"{self.standbys} standby process(es) start with each training step (DDPACK_STANDBYS): a rank that dies is replaced in process"
             )
@@ -416,12 +400,22 @@ class Training:
             sys.stdout.flush()
             before = metrics_size(self.run_dir / METRICS)
             self.spares_warmed(self.last_nodes)
+            with contextlib.suppress(OSError):
+                (self.run_dir / LOST_NODES).unlink()  # each step's own: a node lost before is out of its placement
             with self.standby_step() as (options, env):
-                end = run_step([*self.step, *options, *self.command], env=env, end_wait=self.step_wait if self.standbys else 0)
+                end = run_step(
+                    [*self.step, *options, *self.command],
+                    env=env,
+                    end_wait=self.step_wait if self.step_standbys else 0,
+                    on_recovered=functools.partial(self.follow_recovery, before) if self.step_spares else None,
+                    on_node_lost=self.fence if self.step_spares else None,
+                )
+            if self.step_spares:
+                self.follow_recovery(before)  # a recovery whose line the step's end cut short: the records say it
             self.crashed = end.crashed
             wrote = StepRecords.read(self.run_dir / METRICS, before)
             self.progress, self.fallback, self.recovered = wrote.progress, wrote.fallback, wrote.recovered
-            code = end.status(self.standbys)
+            code = end.status(self.step_standbys)
             rc = 128 - code if code < 0 else code  # a step killed by a signal: its status as the shell gives it
             if code != end.code:
                 say(f"the step's tasks that ended badly were ranks replaced in process ({self.recovered} recovery); every rank ended {rc}")
@@ -494,6 +488,7 @@ class Training:
         if value("DDPACK_STORE_TASK", env) != "0":  # no store task without standbys: the last task is a rank
             overrides["DDPACK_STORE_TASK"] = "0"
         none = {**env, **overrides} if overrides else None
+        self.step_standbys, self.step_spares, self.lost_in_step = self.standbys, [], []
         if not self.standbys:
             yield self.placement, none
             return
@@ -505,24 +500,39 @@ class Training:
             write_record(
                 self.run_dir, "recovery", {"mode": "restart", "standbys": 0, "why": f"this step could not start its standbys ({why})"}
             )
+            self.step_standbys = 0
             yield self.placement, none
             return
-        hosts = task_hosts(nodes, per_node, self.standbys)
+        if self.recovery.on_spares:
+            self.step_spares = self.healthy_spares()
+            self.step_standbys = len(self.step_spares) * per_node if self.step_spares else self.plain_recovery.standbys
+            if not self.step_spares:
+                said = f"{self.step_standbys} on the nodes that train" if self.step_standbys else "none"
+                say(f"no spare node is left to host the standbys: this step has {said} ({self.plain_recovery.why})")
+                write_record(
+                    self.run_dir, "recovery", {**self.plain_recovery.fields(), "why": f"no spare node left; {self.plain_recovery.why}"}
+                )
+            if not self.step_standbys:
+                yield self.placement, none
+                return
+        hosts = task_hosts(nodes, per_node, self.step_standbys, self.step_spares)
         fd, path = tempfile.mkstemp(prefix="ddpack-step-hosts-", text=True)  # 0600, a new name: ours alone
         try:
             with os.fdopen(fd, "w") as out:
                 out.write("\n".join(hosts) + "\n")
             step_env = {name: text for name, text in env.items() if name not in ("SLURM_WAIT", "SLURM_NTASKS_PER_NODE")}
             step_env["SLURM_HOSTFILE"] = path
-            step_env["DDPACK_STANDBYS"] = str(self.standbys)
+            step_env["DDPACK_STANDBYS"] = str(self.step_standbys)
             step_env["DDPACK_STORE_TASK"] = "1"  # the last task serves the store (`task_hosts`)
             options = [
-                f"--nodes={len(nodes)}",
+                f"--nodes={len(nodes) + len(self.step_spares)}",
                 f"--ntasks={len(hosts)}",
                 "--distribution=arbitrary",
                 "--overcommit",
                 "--kill-on-bad-exit=0",
             ]
+            # A node set DOWN leaves this --no-kill job; without --no-kill on the step, srun kills all its tasks with it.
+            options += ["--no-kill"] if self.step_spares else []
             yield options, step_env
         finally:
             with contextlib.suppress(OSError):
@@ -533,10 +543,12 @@ class Training:
         from a container that is there (pyxis reuses a named one) instead of unpacking the image after the node was
         lost, on the swap's critical path: a second for a small image, tens of seconds for a 5 GB one. One step on the
         spares, one task a node running `true` in the job's container (as staging's `alone` makes a node's container);
-        a pyxis template only (a bare-metal job has no container). Its failure costs that unpack, later, nothing else."""
+        a pyxis template only (a bare-metal job has no container), and not where the spares host the standbys: the
+        training step's own tasks make it there (and a second maker would race them). Its failure costs that unpack,
+        later, nothing else."""
         spares = [node for node in self.spares_now().split(",") if node != "none"]
         image = next((word.partition("=")[2] for word in self.step if word.startswith("--container-image=")), "")
-        if not self.container or not image or not spares:
+        if not self.container or not image or not spares or self.recovery.on_spares:
             return
         options = (f"--container-image={image}", f"--container-name={self.container}")
         argv = on_each_node(",".join(spares), len(spares), ["true"], *options)
@@ -562,6 +574,52 @@ class Training:
                 f"warning: making the job's container on {','.join(spares)} beside training failed (srun exit {code}); this step makes it there"
             )
         self.warming = None
+
+    def healthy_spares(self) -> list[str]:
+        """The spare nodes that can host standbys now: not training, not out of the job, not down or drained in sinfo."""
+        spare = [node for node in self.now.nodes or [] if node not in self.last_nodes and node not in self.bad_nodes]
+        bad = self.now.unhealthy(spare) if spare else set()
+        return [node for node in spare if node not in bad]
+
+    def follow_recovery(self, since: int | None) -> None:
+        """After a recovery in process (the trainer's `recovery` record names the ranks' hosts): where every rank of a
+        node that trained is now on a spare's standbys (the node lost), that spare trains from now on, in this step, and
+        the node is no longer one of this step's: one line and a `placement` record, so that a restart places the ranks
+        where they are. A rank replaced on a node that still trains moves nothing. Called from the step's readers (the
+        recovery's line) and once after the step: each move is said once."""
+        with self.moving:
+            hosts = recovered_hosts(self.run_dir / METRICS, since)
+            if hosts:
+                self.move_to(hosts)
+
+    def fence(self, node: str) -> None:
+        """srun says `node` failed: Slurm dropped it from the job (set DOWN). Its name goes to the run folder's LOST_NODES,
+        which the step's store task passes on to the standbys as fenced (train/recovery.py `serve_store`): its members
+        are counted dead at once, even ones still running, and never join a group again."""
+        with self.moving:
+            self.lost_in_step.append(node)
+            try:
+                write_private(self.run_dir / LOST_NODES, "".join(f"{name}\n" for name in self.lost_in_step))
+            except OSError as why:
+                warn(f"{node} left the job, and {self.run_dir / LOST_NODES} cannot be written ({one_line(why)}): it is not fenced")
+                return
+        say(f"{node} left the job (srun: node failure): fenced, so that its ranks are counted dead at once and never rejoin")
+
+    def move_to(self, hosts: list[str]) -> None:
+        training = list(dict.fromkeys(hosts))
+        left = [node for node in self.last_nodes if node not in training]
+        joined = [node for node in training if node not in self.last_nodes]
+        if not left or not joined:
+            return
+        self.last_nodes = [node for node in self.last_nodes if node not in left] + joined
+        ranks = {node: [rank for rank, host in enumerate(hosts) if host == node] for node in joined}
+        took = "; ".join(f"ranks {','.join(map(str, ranks[node]))} on {node}" for node in joined)
+        say(
+            f"{','.join(left)} left the training: its ranks were replaced in process by the standbys on the spare {','.join(joined)} "
+            f"({took}); the step goes on, and a restart places the ranks there (training on {','.join(self.last_nodes)})"
+        )
+        fields = {"nodes": ",".join(self.last_nodes), "lost": ",".join(left), "spare": ",".join(joined), "how": "in-process"}
+        write_record(self.run_dir, "placement", fields)
 
     def spares_now(self) -> str:
         """The allocation's nodes that are not the ones training uses now, nor out of the job."""

@@ -546,6 +546,7 @@ def test_the_helper_spells_the_run_folders_names_as_train_run_folder_defines_the
     names = {part for pair in spelled for part in pair if part and not part.startswith((".", "$"))}
     assert names == {run_folder.SNAPSHOTS, run_folder.METRICS, run_folder.PREFLIGHT, run_folder.FORENSICS}, names
     node = module("ddpack_records")
+    assert node.LOST_NODES == run_folder.LOST_NODES
     python = (node.FORENSICS, node.METRICS, node.SUMMARY, node.UNRESPONSIVE_NODES, node.REPORT, node.RUN_RECORD, node.DECISIONS)
     assert python == (run_folder.FORENSICS, run_folder.METRICS, run_folder.SUMMARY, run_folder.UNRESPONSIVE_NODES, run_folder.REPORT,
                       run_folder.RUN_RECORD, run_folder.DECISIONS)  # fmt: skip
@@ -889,6 +890,55 @@ def test_with_standbys_rank_0_killed_and_replaced_does_not_end_the_step(tmp_path
     out, _, _, steps = after_step(tmp_path, 137, step_also=replaced, DDPACK_STANDBYS="1", DDPACK_STEP_WAIT="1", SLURM_JOB_NODELIST="ddnode1,ddnode2")
     assert len(steps) == 1 and out.returncode == 0, out.stdout + out.stderr
     assert "ending it (DDPACK_STEP_WAIT)" not in out.stdout and "ddpack: the step completed (exit 0)" in out.stdout, out.stdout
+
+
+def test_a_node_whose_ranks_the_spares_standbys_took_in_process_is_said_recorded_and_left_out_of_the_restarts_placement(
+    tmp_path: Path,
+) -> None:
+    """DDPACK_SPARE_NODES=1 on 3 nodes x 2 ranks: the step's standbys live on the spare (2, a node's ranks), with srun's
+    --no-kill so that a node set DOWN does not end the step. ddnode2's ranks replaced in process by ddnode3's standbys
+    (the recovery record names the ranks' hosts): one line and a `placement` record say ddnode3 trains now; the step's
+    later failure restarts it where the ranks were (ddnode1, ddnode3), with ddnode2 the spare that hosts the standbys.
+    srun's line that ddnode2 failed puts it in the run folder's lost-nodes file, which the step's store task fences;
+    the next step starts without it."""
+    hosts_seen = tmp_path / "hosts.txt"
+    recovery = {"time": 1.0, "kind": "recovery", "global_step": 11, "hosts": ["ddnode1", "ddnode1", "ddnode3", "ddnode3"]}
+    (tmp_path / "recovery.json").write_text(json.dumps(recovery) + "\n")
+    lost = f"{tmp_path}/run/.ddpack-lost-nodes"  # what the step's store task reads (train/run_folder.py LOST_NODES)
+    recovered = (
+        f'if [ "$(wc -l < "{tmp_path}/steps.txt")" -eq 1 ]; then echo "srun: error: Node failure on ddnode2" >&2; '
+        f'for _ in $(seq 100); do [ -s "{lost}" ] && break; sleep 0.1; done; cp "{lost}" "{tmp_path}/lost-seen"; '
+        f'cat "{tmp_path}/recovery.json" >> "{tmp_path}/run/metrics.jsonl"; '
+        "echo '[rank 0/4] recovery: trained global step 11 in generation 1, 0.400s after the failed collective'; "
+        f'else [ -e "{lost}" ] && echo "a lost node of the step before is fenced again" >&2; fi; '
+    )
+    out, _, run_dir, steps = after_step(
+        tmp_path, 1, step_also=f'{recovered}cat "$SLURM_HOSTFILE" >> "{hosts_seen}"', job_nodes="ddnode1,ddnode2,ddnode3",
+        SLURM_JOB_NUM_NODES="3", DDPACK_SPARE_NODES="1", DDPACK_STANDBYS="1",
+    )  # fmt: skip
+    assert out.returncode == 0 and out.stderr == "srun: error: Node failure on ddnode2\n", out.stdout + out.stderr
+    assert steps == [
+        "--nodes=3 --ntasks=7 --distribution=arbitrary --overcommit --kill-on-bad-exit=0 --no-kill x",
+        "--nodes=3 --ntasks=7 --distribution=arbitrary --overcommit --kill-on-bad-exit=0 --no-kill x",
+    ], steps
+    first, second = (hosts_seen.read_text().split("\n")[index * 7 : index * 7 + 7] for index in (0, 1))
+    assert first == ["ddnode1", "ddnode1", "ddnode2", "ddnode2", "ddnode3", "ddnode3", "ddnode1"]
+    assert second == ["ddnode1", "ddnode1", "ddnode3", "ddnode3", "ddnode2", "ddnode2", "ddnode1"]  # ranks where they were
+    said = [line for line in out.stdout.splitlines() if line.startswith("ddpack: ")]
+    assert (tmp_path / "lost-seen").read_text() == "ddnode2\n"  # srun's line: the node is fenced for the store task
+    assert said[:4] == [
+        "ddpack: training on ddnode1,ddnode2; spare: ddnode3",
+        "ddpack: 2 standby process(es) start with each training step on the spare nodes (2 a spare, DDPACK_SPARE_NODES=1): a rank "
+        "that dies, or every rank of a node lost, is replaced in process",
+        "ddpack: ddnode2 left the job (srun: node failure): fenced, so that its ranks are counted dead at once and never rejoin",
+        "ddpack: ddnode2 left the training: its ranks were replaced in process by the standbys on the spare ddnode3 (ranks 2,3 on "
+        "ddnode3); the step goes on, and a restart places the ranks there (training on ddnode1,ddnode3)",
+    ], out.stdout
+    assert "restarting it in this allocation on ddnode1,ddnode3 from its last snapshot" in out.stdout, out.stdout
+    records = [json.loads(line) for line in (run_dir / "decisions.jsonl").read_text().splitlines()]
+    moved = [record for record in records if record["kind"] == "placement" and record.get("how") == "in-process"]
+    assert [(r["lost"], r["spare"], r["nodes"]) for r in moved] == [("ddnode2", "ddnode3", "ddnode1,ddnode3")], records
+    assert next(r for r in records if r["kind"] == "recovery")["on_spares"] is True
 
 
 @pytest.mark.parametrize(

@@ -166,6 +166,9 @@ def test_status_says_which_recovery_the_run_has_from_the_jobs_record_else_from_s
     said = status.run_status(run_dir)
     assert said.recovery == {**resolved, "from": "job"} and json.loads(said.to_json())["recovery"]["mode"] == "restart"
     assert "recovery a restart of the step from its last snapshot (this step could not start its standbys" in status.render(said)
+    on_spares = {"mode": "in-process", "standbys": 2, "why": "2 on each spare node", "on_spares": True}
+    write_decisions(run_dir, [decision(101, "recovery", **on_spares)], append=True)
+    assert "recovery in-process, 2 standby(s) on the spare nodes (2 on each spare node)" in status.render(status.run_status(run_dir))
 
 
 def test_a_running_requeued_job_shows_both_segments_the_step_of_the_total_an_eta_and_the_slowest_rank(tmp_path, slurm) -> None:
@@ -503,14 +506,24 @@ def test_a_dry_run_says_which_recovery_the_run_has_and_why_and_the_script_holds_
     assert f"export DDPACK_STANDBYS={exported}\n" in out
 
 
-def test_a_dry_run_says_spare_nodes_are_for_restarts_and_an_nccl_standby_is_not_yet_proven(tmp_path, slurm, capsys) -> None:
+def test_a_dry_run_says_the_spare_nodes_host_the_standbys_and_an_nccl_standby_is_not_yet_proven(tmp_path, slurm, capsys) -> None:
+    """With --spares the standbys live on the spare nodes, as many on each as a node's ranks (a GPU job too: no GPU of a
+    node that trains idles for them); --standbys 0 keeps the spares for restarts alone, and the dry run says so."""
     made_by_sqsh(settings(tmp_path).sqsh, app_cmd="")
-    lines, out = dry_run_says(tmp_path, capsys, "--spares", "1", "--gpus-per-node", "2", "--partition", "gpu", "--standbys", "1")
+    gpu = ("--spares", "1", "--gpus-per-node", "2", "--partition", "gpu", "--tasks-per-node", "2")
+    lines, out = dry_run_says(tmp_path, capsys, *gpu, "--standbys", "1")
     assert lines == [
-        "submit: recovery: in-process recovery with 1 standby process(es) (asked for: DDPACK_STANDBYS=1 (ddpack submit --standbys 1))",
+        "submit: recovery: in-process recovery with 2 standby process(es) on the spare nodes (2 on each spare node, as many as a "
+        "node's ranks, so that a lost node's ranks are replaced in process; asked for: DDPACK_STANDBYS=1 (ddpack submit --standbys 1))",
         "submit: recovery: in-process recovery on NCCL has not yet run across two GPUs (docs/recovery.md): a restart is the proven path",
-        "submit: spares: 1 node(s) held back for a restart in place after a node fails; spare nodes do not host standbys (not built yet)",
+        "submit: spares: 1 node(s) held back; they host the standbys (2 a spare), which take a lost node's ranks in process; where "
+        "recovery cannot, a restart in place swaps a spare in",
     ], out
+    lines, out = dry_run_says(tmp_path, capsys, *gpu, "--standbys", "0")
+    assert lines[-1] == (
+        "submit: spares: 1 node(s) held back for a restart in place after a node fails; they host no standbys "
+        "(none asked for: DDPACK_STANDBYS=0 (ddpack submit --standbys 0))"
+    ), out
 
 
 def test_a_run_files_standbys_is_the_flags_and_the_flag_wins(tmp_path, slurm, capsys) -> None:
@@ -535,7 +548,7 @@ def test_submit_writes_the_record_before_sbatch_and_appends_the_job(tmp_path, sl
     assert record.versions == {"slurm": "slurm-wlm 22.05.8", "pyxis": record.versions["pyxis"], "enroot": "3.4.1"}
     assert sorted(p.name for p in (Path(result.run_dir) / "job").iterdir()) == [
         "ddpack-job.sh", "ddpack.sbatch", "ddpack_job.py", "ddpack_node.py", "ddpack_records.py", "ddpack_settings.py", "ddpack_slurm.py",
-        "ddpack_staging.py", "ddpack_training.py",
+        "ddpack_staging.py", "ddpack_step_records.py", "ddpack_training.py",
     ]  # fmt: skip
     assert os.stat(result.run_dir).st_mode & 0o077 == 0  # the run folder is the user's alone (DDPACK_UMASK 077)
     assert os.umask(0o022) == 0o022  # and the caller's own umask is back (a library call must not change it for good)

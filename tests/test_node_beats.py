@@ -112,3 +112,63 @@ def test_a_standby_judges_a_member_by_its_age_on_its_node_and_reads_a_young_node
         assert decision is not None and decision.dead == {3: "r3"} and decision.replacements == {3: "s0"}, (decision, lines)
     finally:
         standby.heartbeat.stop()
+
+
+def test_a_live_member_on_a_node_the_job_lost_is_counted_dead_at_once_and_a_forged_fence_is_ignored(
+    server: dist.TCPStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """r1's node n2 still beats (a node set DOWN whose processes Slurm could not kill) and no collective failed. Another
+    user's unsigned `fenced` value naming n2 is ignored with one line; once the job fences n2 (the store task, told by
+    the job program that Slurm dropped it), the standby's next look counts r1 dead and gives s0 its place: r1, alive,
+    is never in a roster again."""
+    for name, value in {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port)}.items():
+        monkeypatch.setenv(name, value)
+    job = Channel.of_job(server, ENV, print)
+    for node, member, host in (("0000000000000001", "r0", "n1"), ("0000000000000002", "r1", "n2")):
+        job.register(member, node)
+        job.beat_node(node, NodeBeat.of(host, NOW, {member: Beat(50, host, 0)}))
+    lines: list[str] = []
+    standby = recovery.Standby(world_size=2, host="spare", log=lines.append, index=0, launched=1)
+    try:
+        server.set(job.prefix + job.FENCED, "n2")
+        standby._watch()
+        assert job.decision(0, 2) is None and len(lines) == 1 and "ignored the store's 'fenced'" in lines[0], lines
+        job.fence(frozenset({"n2"}))
+        standby._watch()
+        decision = job.decision(0, 2)
+        assert decision is not None and decision.dead == {1: "r1"} and decision.replacements == {1: "s0"}, (decision, lines)
+        assert "its node left the job (n2: fenced)" in lines[-1], lines
+    finally:
+        standby.heartbeat.stop()
+
+
+def test_a_lost_nodes_ranks_are_decided_together_though_they_go_silent_one_after_the_other(
+    server: dist.TCPStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ddnode2 lost: its last value says r2 last beat 300 ms before it, r3 200 ms. A survivor reports its collective
+    failed: the first look finds r2 dead and r3 half-way, and decides nothing yet; a look once r3 is stale too decides
+    both at once, to the spare's two standbys. (Deciding r2 alone left r3 in the new roster, and the group waited for
+    it until the join timeout: on the test cluster a node set DOWN fell back so.)"""
+    for name, value in {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port)}.items():
+        monkeypatch.setenv(name, value)
+    job = Channel.of_job(server, ENV, print)
+    nodes = {"0000000000000001": ("n1", {"r0": 0, "r1": 10}), "0000000000000002": ("n2", {"r2": 300, "r3": 200})}
+    for node, (host, ages) in nodes.items():
+        for member in ages:
+            job.register(member, node)
+        job.beat_node(node, NodeBeat.of(host, NOW, {m: Beat(50, host, age) for m, age in ages.items()}))
+    job.register("s1", "0000000000000003")
+    job.beat_node("0000000000000003", NodeBeat.of("n3", NOW, {"s1": Beat(50, "n3", 0)}))
+    lines: list[str] = []
+    standby = recovery.Standby(world_size=4, host="n3", log=lines.append, index=0, launched=2)
+    try:
+        job.report_failure(0, "r0")
+        standby._watch()
+        assert job.decision(0, 4) is None, lines  # r3 is half-way to STALE_S: not yet
+        while job.decision(0, 4) is None:  # the next looks, as the standby makes them every HEARTBEAT_S
+            time.sleep(recovery.HEARTBEAT_S)
+            standby._watch()
+        decision = job.decision(0, 4)
+        assert decision.dead == {2: "r2", 3: "r3"} and set(decision.replacements.values()) == {"s0", "s1"}, (decision, lines)
+    finally:
+        standby.heartbeat.stop()

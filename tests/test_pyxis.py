@@ -383,43 +383,67 @@ def starts_of(metrics: Path) -> list[dict]:
     return [json.loads(line) for line in metrics.read_text().splitlines() if '"kind": "start"' in line]
 
 
-def test_a_node_set_down_mid_training_is_replaced_by_the_spare_and_the_image_is_read_once(sqsh: Path, shared: Path) -> None:
+def test_a_node_set_down_mid_training_is_replaced_in_process_by_the_spares_standbys_and_the_image_is_read_once(
+    sqsh: Path, shared: Path
+) -> None:
     """Three nodes, one of them a spare (sbatch --nodes=3, DDPACK_SPARE_NODES=1): the squashfs is read from the
-    shared folder once, by sbcast, which sends it to every node's own disk; training runs on two nodes. ddnode2
-    set DOWN mid-training (a health agent's verdict) ends the step; the template restarts it in the same job and
-    allocation on ddnode1 and the spare, from the last snapshot, and the run finishes there. Each node unpacked the
-    image once, the spare beside the first step (its container made there for a swap); the restart reused ddnode1's
-    container and the spare's."""
+    shared folder once, by sbcast, which sends it to every node's own disk; training runs on two nodes x 2 ranks, and
+    the spare hosts the step's two standbys (a node's ranks), the store task on ddnode1. ddnode2 set DOWN mid-training
+    (a health agent's verdict) and its tasks SIGKILLed (a node that fails): the spare's standbys take ranks 2 and 3 in
+    process, in the same step, with the survivors' state; the job program fences ddnode2 (srun's node-failure line, passed
+    to the standbys by the store task), says ddnode3 trains now and records it. The
+    run finishes in that step with the checksum of an uninterrupted run, every global step logged once. Each node
+    unpacked the image once. The seconds from the node's loss to the next logged step are printed."""
     clear_staged_images()  # no copy from an earlier run: this job stages the image
     folder = submission_folder(shared, "spare")
-    gate = hold_training(folder, 30, f"{shared}:/fsx", RESTART_ARGS)
+    gate = hold_training(folder, 30, f"{shared}:/fsx", STANDBY_ARGS)
     with OpenCounter(sqsh) as readers:
         job, metrics, log = submit(
             folder, "spare", ("--partition=big", "--nodes=3", "--ntasks-per-node=2"), "pyxis-per-task.sbatch",
             DDPACK_SQSH=str(sqsh), DDPACK_MOUNTS=f"{shared}:/fsx", DDPACK_SPARE_NODES="1", DDPACK_TRAIN_ARGS=gate.train_args,
             DDPACK_STAGE="sbcast",  # auto would too from 5 nodes (the model's threshold with its default rates)
+            DDPACK_STANDBYS="1",  # the testbed's jobs have none unless asked; with a spare, a node's worth live there
             **gate.settings,
         )  # fmt: skip
-        gate.held(log, 4)  # mid-training, and held there until the node is down
+        expected = reference_checksum(folder, [*gate.train_args.split(), "--recovery"], ranks=4, cwd=folder)
+        first = gate.held(log, 4)  # mid-training, and held there until the node is lost
+        text = wait_in_log(log, lambda text: len(SPARE_STANDBY_LINE.findall(text)) == 2, "the spare's two standbys")
+        assert set(SPARE_STANDBY_LINE.findall(text)) == {"ddnode3"}, brief(text)
         try:
+            lost_at = time.time()
             subprocess.run(["scontrol", "update", "nodename=ddnode2", "state=down", "reason=ddpack-spare-test"], check=True)
-            gate.open()
+            signal_tasks(job, "ddnode2")  # a node that fails takes its processes with it (Slurm may have killed them already)
+            gate.open(first)
+            wait_in_log(log, lambda text: "recovery: trained global step" in text, "the recovery")
             state, requeues = wait_for_end(job, log)
         finally:
             subprocess.run(["scontrol", "update", "nodename=ddnode2", "state=resume"], capture_output=True)  # if Slurm has not
     text = log.read_text()
-    assert (state, requeues) == ("COMPLETED", 0), text
+    assert (state, requeues) == ("COMPLETED", 0), brief(text)
     assert "ddpack: training on ddnode1,ddnode2; spare: ddnode3" in text, text
     assert re.search(rf"ddpack: image: sent \S+ \(\d+ MiB\) once, by sbcast, to ddnode1,ddnode2,ddnode3 as {stage_dir(os.getuid())}/\S+\.sqsh", text), text
-    assert re.search(r"the step ended \(exit \d+\) when the job lost ddnode2; restarting it in this allocation on ddnode1,ddnode3 ", text), text
-    assert all_agree(text.rpartition("restarting it in this allocation")[2], 4), text
     assert [command.split()[0] for command in readers.commands.values()] == ["sbcast"], readers.commands  # one read, however many nodes
+    assert (
+        "ddpack: ddnode2 left the training: its ranks were replaced in process by the standbys on the spare ddnode3 (ranks 2,3 on ddnode3); "
+        "the step goes on, and a restart places the ranks there (training on ddnode1,ddnode3)"
+    ) in text, brief(text)
+    assert "ddpack: ddnode2 left the job (srun: node failure): fenced" in text, brief(text)  # srun's line, passed on
+    assert "store task: ddnode2 left the job (set DOWN): fenced, its members are counted dead" in text, brief(text)
+    assert "restarting it in this allocation" not in text and all_agree(text, 4) and set(outcome.checksums(text)) == {expected}, brief(text)
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert len(starts_of(metrics)) == 1, brief(text)
+    steps = [record["global_step"] for record in records if record["kind"] == "progress"]
+    assert steps == sorted(set(steps)) and steps[-1] == records[-1]["total_steps"], steps  # no global step trained twice
+    recovery = next(record for record in records if record["kind"] == "recovery")
+    assert recovery["hosts"] == ["ddnode1", "ddnode1", "ddnode3", "ddnode3"], recovery
+    decisions = [json.loads(line) for line in (metrics.parent / "decisions.jsonl").read_text().splitlines()]
+    assert any(d["kind"] == "placement" and (d.get("lost"), d.get("spare")) == ("ddnode2", "ddnode3") for d in decisions), decisions
     staged = {node: sorted(p.name for p in node_stage_dir(node, os.getuid()).glob("*.sqsh")) for node in NODES}
     assert len({tuple(names) for names in staged.values()}) == 1 and len(staged["ddnode1"]) == 1, staged
-    first, second = starts_of(metrics)
-    assert sorted(set(first["hosts"])) == ["ddnode1", "ddnode2"] and sorted(set(second["hosts"])) == ["ddnode1", "ddnode3"]
-    assert first["slurm_restart_count"] == second["slurm_restart_count"] == 0 and second["global_step"] % 20 == 0
-    assert unpacks(job) == 3 and reuses(job) == 2  # ddnode1, ddnode2 and the spare at the start; both reused at the swap
+    assert unpacks(job) == 3 and reuses(job) == 0  # each node once, in the one training step
+    next_step = next(record for record in records if record["kind"] == "progress" and record["time"] > lost_at)
+    stages = ", ".join(f"{name} {recovery[name]:.3f}" for name in ("decide_s", "abort_s", "new_group_s", "state_s", "first_step_s", "total_s"))
+    print(f"node lost, in process: global step {next_step['global_step']} logged {next_step['time'] - lost_at:.2f} s after DOWN + SIGKILL ({stages})")
 
 
 def test_one_node_that_cannot_stage_reads_the_shared_file_alone_and_the_job_trains(sqsh: Path, shared: Path) -> None:
@@ -496,6 +520,7 @@ def test_a_node_with_a_full_dev_shm_is_swapped_for_the_spare_before_training_and
 STANDBY_ARGS = "--dataset-size 4096 --epochs 2 --log-every 1 --snapshot-every 20"
 START_LINE = re.compile(r"\[rank (\d+)/4\] start: rank \d+ world 4 .* host (\S+) task \S+ pid (\d+)")
 STANDBY_LINE = re.compile(r"\[standby\] standby s0 on (\S+): warm, watching 4 ranks")
+SPARE_STANDBY_LINE = re.compile(r"\[standby\] standby s[01] on (\S+): warm, watching 4 ranks")
 RECOVERED_LINE = re.compile(
     r"\[rank (\d+)/4\] recovery: rank 3 lost in generation 0 \(\w+\); s0 takes rank 3; forming generation 1 in this process \(pid (\d+)\)"
 )

@@ -4,6 +4,7 @@ timeout rule, the per-step RNG. The real thing, with processes killed, is tests/
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -29,6 +30,16 @@ def test_the_dead_ranks_node_is_used_when_it_is_the_only_place() -> None:
 def test_two_deaths_take_two_standbys_in_rank_order() -> None:
     decision = decide(0, ROSTER, {1: "r1", 3: "r3"}, HOSTS, ["s0", "s1"])
     assert decision.replacements == {1: "s1", 3: "s0"}
+
+
+def test_a_lost_nodes_ranks_go_together_to_the_standbys_of_one_spare_node() -> None:
+    """ddnode2 lost (ranks 2 and 3): the spare n3 hosts two standbys, and an older one (the store task's new one) waits
+    on n1. Both ranks go to n3, so the new world keeps two ranks a node; where no node has standbys enough, each rank
+    takes one on another node than its own, as for one death."""
+    hosts = {**HOSTS, "s0": "n3", "s1": "n3", "s2": "n1"}
+    decision = decide(0, ROSTER, {2: "r2", 3: "r3"}, hosts, ["s2", "s0", "s1"], rank0_hosts_store=False)
+    assert decision.fallback is None and decision.replacements == {2: "s0", 3: "s1"}
+    assert decide(0, ROSTER, {2: "r2", 3: "r3"}, {**hosts, "s1": "n2"}, ["s2", "s0", "s1"]).replacements == {2: "s2", 3: "s0"}
 
 
 def test_more_ranks_lost_than_standbys_falls_back_and_says_so() -> None:
@@ -122,3 +133,13 @@ def test_the_templates_setting_reaches_the_trainer_and_implies_recovery(monkeypa
     assert parse_config(["--standbys", "0"]).recovery is False
     monkeypatch.delenv("DDPACK_STANDBYS")
     assert (parse_config([]).standbys, parse_config([]).recovery) == (0, False)
+
+
+def test_the_store_task_reads_the_lost_nodes_the_job_program_names_once_each_change(tmp_path: Path) -> None:
+    """The run folder's lost-nodes file (the job program's, from srun's node-failure line): its node names, read again
+    only when the file changed; a line that is no node name is not one."""
+    lost = tmp_path / ".ddpack-lost-nodes"
+    assert recovery.lost_nodes(lost, (0, frozenset())) == (0, frozenset())  # none yet
+    lost.write_text("ddnode2\n../etc\n")
+    seen = recovery.lost_nodes(lost, (0, frozenset()))
+    assert seen[1] == frozenset({"ddnode2"}) and recovery.lost_nodes(lost, seen) is seen

@@ -72,6 +72,36 @@ def test_the_standbys_go_one_a_node_after_the_ranks_and_rank_0_on_the_steps_firs
     ]
 
 
+def test_with_spares_the_standbys_live_on_the_spare_nodes_as_many_on_each_as_a_nodes_ranks(node: ModuleType) -> None:
+    """Spare nodes host the standbys (DDPACK_SPARE_NODES): per_node on each spare, none on a node that trains, so one
+    spare can take a lost node's ranks at once; the store task stays on the step's first node."""
+    assert node.task_hosts(["ddnode1", "ddnode2"], 2, 2, ["ddnode3"]) == [
+        *("ddnode1", "ddnode1", "ddnode2", "ddnode2"),
+        *("ddnode3", "ddnode3"),
+        "ddnode1",
+    ]
+    assert node.task_hosts(["ddnode3", "ddnode1"], 1, 2, ["ddnode10", "ddnode4"]) == [
+        "ddnode1",
+        "ddnode3",
+        "ddnode4",
+        "ddnode10",
+        "ddnode1",
+    ]
+
+
+def test_with_spares_the_recovery_rule_puts_a_nodes_worth_of_standbys_on_each_spare_gpu_jobs_too(node: ModuleType) -> None:
+    """The settings table's rule (enroot/ddpack_settings.py `recovery`): with spares, as many standbys on each as a node
+    has ranks, where standbys are asked for or free, a CUDA job's included (a spare's GPUs idle anyway); none where
+    they are refused (a count of 0) or cannot run (another program)."""
+    rule = module("ddpack_settings").recovery
+    on_spares = rule("auto", gpus=8, program="trainer", spares=2, per_node=8)
+    assert (on_spares.standbys, on_spares.on_spares, on_spares.fields()["on_spares"]) == (16, True, True)
+    assert rule("1", gpus=0, program="trainer", spares=1, per_node=2).standbys == 2
+    assert rule("auto", gpus=8, program="trainer").standbys == 0  # no spares: no GPU of a node that trains idles
+    assert rule("0", gpus=0, program="trainer", spares=1, per_node=2).standbys == 0
+    assert rule("auto", gpus=0, program="own", spares=1, per_node=2).standbys == 0
+
+
 def test_a_fallback_blames_the_dead_ranks_node_never_rank_0s(node: ModuleType) -> None:
     """Ranks 0-1 on ddnode1, 2-3 on ddnode2; rank 3 is SIGKILLed and the survivors fall back (no standby): srun names
     ddnode1 first, but its ranks' end records say, as a field, that they crashed nothing. The crash rule (whose second
@@ -104,7 +134,7 @@ def test_a_fallback_blames_the_dead_ranks_node_never_rank_0s(node: ModuleType) -
 def test_the_job_decides_from_the_ends_cause_not_its_words(
     node: ModuleType, end: dict, fallback: str | None, crashed_nothing: bool
 ) -> None:
-    assert node.fallback_reason(end) == fallback and node.left_by_a_peer(end) is crashed_nothing
+    assert module("ddpack_step_records").fallback_reason(end) == fallback and node.left_by_a_peer(end) is crashed_nothing
 
 
 def test_an_end_records_cause_is_one_of_the_known_ones() -> None:
@@ -149,7 +179,7 @@ def test_a_pyxis_job_reads_what_its_image_runs_from_make_sqshs_record_before_it_
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     training = object.__new__(node.Training)
-    training.container, training.command, training.now = "ddpack-77", command, Facts(0)
+    training.container, training.command, training.now, training.spares = "ddpack-77", command, Facts(0), 0
     chosen = training.choose_recovery(env.get("DDPACK_STANDBYS", "auto"), True)
     assert (chosen.standbys, chosen.why[: len(why)]) == (standbys, why)
     sqsh.write_bytes(b"hsqs, changed since make sqsh wrote its record")

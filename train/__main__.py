@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from entrypoint.plan import PlanError, job_token
+from train import run_folder
 from train.affinity import bind_local_ranks, cpu_list
 from train.config import parse_config
 from train.distributed import (
@@ -63,8 +64,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         # A new standby for each one consumed, on this node: not where a GPU would idle for it (the node's ranks hold them).
         respawn = not torch.cuda.is_available()
+        # The job program names the nodes Slurm drops from the job in the run folder, beside the metrics file.
+        lost = Path(config.metrics_file).parent / run_folder.LOST_NODES if config.metrics_file else None
         return serve_store(
-            standbys=config.standbys, connect_s=config.collective_timeout, log=print_store_task, respawn=launched if respawn else None
+            standbys=config.standbys,
+            connect_s=config.collective_timeout,
+            log=print_store_task,
+            respawn=launched if respawn else None,
+            lost_file=lost,
         )
     watcher = PreemptionWatcher()  # before the rendezvous, which can take a while under Slurm
     try:

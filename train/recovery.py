@@ -65,6 +65,7 @@ import time
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -73,6 +74,7 @@ import torch.distributed as dist
 from entrypoint.plan import job_token
 from train import distributed
 from train.distributed import DistContext, default_to_one_process, first_line, node_name, turn_on_flight_recorder
+from train.job_keys import HOSTNAME
 from train.metrics import RankLog
 from train.node_beats import LocalBeat, LocalBeats
 from train.outcome import StandbyEnd
@@ -144,7 +146,9 @@ def decide(
 ) -> Decision:
     """Pure: the decision after `dead` (rank -> member) died in `generation`. `hosts`: member -> host; `standbys`:
     the live, unassigned standbys, oldest first. A standby on a host other than the dead rank's is preferred: the
-    node that made a rank die is not where the next one starts when another place exists. `rank0_hosts_store`: the
+    node that made a rank die is not where the next one starts when another place exists. The dead ranks of one node
+    (a node lost: set DOWN, its tasks killed) go together to standbys all on one other node where one has enough (a
+    spare node's, enroot/ddpack_training.py `task_hosts`), so the world keeps its ranks a node. `rank0_hosts_store`: the
     job's store lives in rank 0's process (no store task, `serve_store`), so rank 0's death took it down."""
     roster, dead = dict(roster), dict(dead)
     after = generation + 1
@@ -162,12 +166,22 @@ def decide(
         )
         return Decision(generation=after, roster=roster, dead=dead, fallback=why)
     free, replacements = list(standbys), {}
+    lost_nodes: dict[str | None, list[int]] = {}  # the dead ranks by their node, in rank order
     for rank in sorted(dead):
-        elsewhere = [s for s in free if hosts.get(s) != hosts.get(dead[rank])]
-        chosen = (elsewhere or free)[0]
-        free.remove(chosen)
-        replacements[rank] = chosen
-        roster[rank] = chosen
+        lost_nodes.setdefault(hosts.get(dead[rank]), []).append(rank)
+    for node, ranks in lost_nodes.items():
+        # A node's ranks go together to one node with standbys enough (a spare's: as many as a node's ranks), so that
+        # the new world keeps its ranks a node; else each to a standby on another node where one is left.
+        counts: dict[str | None, int] = {}
+        for s in free:
+            counts[hosts.get(s)] = counts.get(hosts.get(s), 0) + 1
+        whole = next((h for h in counts if h != node and counts[h] >= len(ranks)), None)
+        for rank in ranks:
+            elsewhere = [s for s in free if hosts.get(s) != node]
+            chosen = next(s for s in free if hosts.get(s) == whole) if whole is not None else (elsewhere or free)[0]
+            free.remove(chosen)
+            replacements[rank] = chosen
+            roster[rank] = chosen
     return Decision(generation=after, roster=roster, dead=dead, replacements=replacements)
 
 
@@ -535,6 +549,7 @@ class Standby:
         self._located = (0, 0)  # (members located, the channel's moves) when _on_node was built
         self._waits: dict[str, tuple[int | None, float]] = {}  # survivor -> (highest waiting count, when it last rose)
         self.left: tuple[str, str] | None = None  # why `wait` ended without a rank: (a STANDBY_REASONS, a line)
+        self._held: float | None = None  # since when a decision waits for a member half-way to STALE_S (`_watch`)
 
     def wait(self) -> tuple[int, int] | None:
         """Watch until this standby is given a rank: (generation, rank); None when it leaves without one (`left` says
@@ -616,30 +631,53 @@ class Standby:
 
     def _watch(self) -> None:
         """One look at every node's heartbeat; a roster member that has not beaten for STALE_S is dead once a survivor has
-        reported its collective failed: decide, once for the generation."""
+        reported its collective failed: decide, once for the generation. A member on a node the job lost (`fenced`: Slurm
+        dropped it, the job program saw it) is dead at once, whatever it still does: it never joins a group again."""
         standbys = self.channel.standbys()
         members = [*self.roster.values(), *standbys]
         now = time.monotonic()
         silent = self._silences(members, now)
         stale = {m for m, seconds in silent.items() if seconds >= STALE_S}
-        dead = {rank: m for rank, m in self.roster.items() if m in stale}
-        if not dead:
-            return
-        survivors = [m for m in self.roster.values() if m not in stale]
-        if not (reported := self.channel.failure_reported(self.generation, survivors)):
+        fenced = self.channel.fenced()
+        out = {m for m, host in self._hosts().items() if host in fenced} if fenced else set()
+        dead = {rank: m for rank, m in self.roster.items() if m in stale and m not in out}
+        survivors = [m for m in self.roster.values() if m not in stale and m not in out]
+        reported = True
+        if dead and not (reported := self.channel.failure_reported(self.generation, survivors)):
             # No collective failed: a heartbeat late on a loaded node while every collective still completes is no
             # death. One stopped for FROZEN_S while a survivor waits on a collective is a frozen rank or a lost node.
             dead = {rank: m for rank, m in dead.items() if silent[m] >= FROZEN_S}
-            if not dead or not self._survivor_waiting(survivors, now):
-                return
+            if not self._survivor_waiting(survivors, now):
+                dead = {}
+        dead |= {rank: m for rank, m in self.roster.items() if m in out}
+        if not dead:
+            self._held = None
+            return
+        # A node lost goes silent member by member, each from its own last beat (its value names each one's age): a
+        # member half-way to STALE_S on a dead one's node is waited for (at most STALE_S more), so that one decision
+        # takes every rank of a lost node. Deciding for the first alone leaves the next in the new roster, and the new
+        # group waits for it until JOIN_TIMEOUT_S (seen on the test cluster: a node set DOWN fell back so, 2 runs in 9).
+        # Only node-mates: a late value from another, loaded node holds no decision back.
+        gone = set(dead.values())
+        mates = {m for on in self._on_node.values() if gone.intersection(on) for m in on}
+        suspect = [m for m in survivors if m in mates and silent.get(m, 0.0) >= STALE_S / 2]
+        if suspect and now - (self._held if self._held is not None else now) < STALE_S:
+            self._held = self._held if self._held is not None else now
+            return
+        self._held = None
         used = set(self.roster.values())
-        alive = [s for s in standbys if s not in stale and s not in used]
-        hosts = {m: self._nodes[node][0].host for node, on in self._on_node.items() if node in self._nodes for m in on}
-        decision = decide(self.generation, self.roster, dead, hosts, alive, rank0_hosts_store=self.rank0_hosts_store)
+        alive = [s for s in standbys if s not in stale and s not in used and s not in out]
+        decision = decide(self.generation, self.roster, dead, self._hosts(), alive, rank0_hosts_store=self.rank0_hosts_store)
         lost = ", ".join(f"rank {r}" for r in sorted(dead))
         how = "" if reported else f" for {FROZEN_S:g}s while a survivor waits on a collective (frozen, or its node lost)"
+        if out & set(dead.values()):
+            how = f" or its node left the job ({','.join(sorted(fenced))}: fenced)"
         self.log(f"standby {self.member}: heartbeat of {lost} stopped{how}; deciding generation {self.generation}")
         self.channel.write_decision(self.generation, decision, self.world_size)
+
+    def _hosts(self) -> dict[str, str]:
+        """Each located member's host, as its node's newest heartbeat names it."""
+        return {m: self._nodes[node][0].host for node, on in self._on_node.items() if node in self._nodes for m in on}
 
 
 class CollectiveClock:
@@ -818,7 +856,27 @@ def spawn_standby(environ: Mapping[str, str], log: Callable[[str], None]) -> sub
         return None
 
 
-def serve_store(*, standbys: int, connect_s: float, log: Callable[[str], None], respawn: Mapping[str, str] | None = None) -> int:
+def lost_nodes(path: Path, seen: tuple[int, frozenset[str]]) -> tuple[int, frozenset[str]]:
+    """The nodes the job program wrote to `path` (train/run_folder.py LOST_NODES: one a line, the nodes Slurm dropped
+    from the job during this step), with the file's change time; `seen` again while the file has not changed."""
+    try:
+        changed = path.stat().st_mtime_ns
+        if changed == seen[0]:
+            return seen
+        names = frozenset(line for line in path.read_text().split() if HOSTNAME.fullmatch(line))
+    except (OSError, UnicodeDecodeError):
+        return seen
+    return changed, names
+
+
+def serve_store(
+    *,
+    standbys: int,
+    connect_s: float,
+    log: Callable[[str], None],
+    respawn: Mapping[str, str] | None = None,
+    lost_file: Path | None = None,
+) -> int:
     """The store task (`--store-task`, DDPACK_STORE_TASK=1: the launcher's last process, which trains nothing): torch's
     own TCPStore served at MASTER_PORT on this node (MASTER_ADDR, the step's first node), in a process that is no rank,
     so that rank 0's death is recovered as any rank's: the ranks and standbys are all its clients, and the keys on it
@@ -829,7 +887,11 @@ def serve_store(*, standbys: int, connect_s: float, log: Callable[[str], None], 
 
     `respawn`, the launcher's environment (None where a standby would want a GPU the node's ranks hold): each standby a
     recovery's decision consumed is replaced by a new one started on this node (`spawn_standby`, at most MAX_RESPAWNED
-    a run), so that a second and a third death are recovered too; it leaves once the run has ended, and its standbys."""
+    a run), so that a second and a third death are recovered too; it leaves once the run has ended, and its standbys.
+
+    `lost_file` (the run folder's LOST_NODES, which the job program writes when srun says a node failed: Slurm dropped it
+    from the job, set DOWN): its nodes are fenced on the store (`Channel.fence`), so that their members, even ones still
+    running and reaching the store, are counted dead by the standbys at once and never join a group again."""
     for stop in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(stop, signal.SIG_IGN)
     world = int(os.environ["WORLD_SIZE"])
@@ -846,10 +908,16 @@ def serve_store(*, standbys: int, connect_s: float, log: Callable[[str], None], 
     seen: dict[str, int] = {}
     last_rise, idle_s, closed_at = time.monotonic(), max(STORE_IDLE_S, connect_s), None
     generation, spawned = 0, []
+    lost: tuple[int, frozenset[str]] = (0, frozenset())
     try:
         while True:
             time.sleep(0.2)
             now = time.monotonic()
+            if lost_file is not None and (found := lost_nodes(lost_file, lost)) != lost:
+                with contextlib.suppress(RuntimeError):
+                    channel.fence(found[1])
+                    lost = found
+                    log(f"store task: {','.join(sorted(lost[1]))} left the job (set DOWN): fenced, its members are counted dead")
             try:
                 beats = channel.beats([*ranks, *channel.standbys()])
                 closed = closed_at is not None or channel.closed()

@@ -168,6 +168,13 @@ def _node_id(text: str) -> str:
     return text
 
 
+def _hosts(text: str) -> frozenset[str]:
+    names = text.split(",") if text else []
+    if len(names) > 1024 or not all(HOSTNAME.fullmatch(name) for name in names):
+        raise BadValue(f"{text[:40]!r}; expected node names separated by commas")
+    return frozenset(names)
+
+
 def _marker(text: str) -> bool:
     if text != "1":
         raise BadValue(f"{text[:20]!r}; expected '1'")
@@ -215,6 +222,7 @@ class Channel:
 
     STANDBYS = "standbys"  # an `add` counter: a standby started by hand takes the next index past the launcher's
     CLOSED = "closed"  # the run ended: the standbys leave
+    FENCED = "fenced"  # the nodes Slurm dropped from the job (set DOWN): their members are dead whatever they still do
 
     # -------------------------------------------------------------- writing and reading
 
@@ -378,6 +386,14 @@ class Channel:
 
     def close(self) -> None:
         self.put(self.CLOSED, "1")
+
+    def fence(self, nodes: frozenset[str]) -> None:
+        """Every node in `nodes` is out of the job (the store task passes on what the job program saw: Slurm dropped
+        it): its members, live or not, are never in a decision's roster again (`Standby._watch`)."""
+        self.put(self.FENCED, ",".join(sorted(nodes)))
+
+    def fenced(self) -> frozenset[str]:
+        return self.read(self.FENCED, _hosts, max_bytes=65536) or frozenset()
 
     def closed(self) -> bool:
         return bool(self.read(self.CLOSED, _marker))

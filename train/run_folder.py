@@ -29,6 +29,7 @@ PREFLIGHT = "preflight.json"
 FORENSICS = "forensics"
 SUMMARY = "summary.json"
 UNRESPONSIVE_NODES = "unresponsive-nodes"
+LOST_NODES = ".ddpack-lost-nodes"  # the nodes Slurm dropped from the job during the step (the job program's), fenced
 REPORT = "report.html"
 REPORT_IMAGE = "report.png"
 RUN_RECORD = "run.json"

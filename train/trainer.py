@@ -612,15 +612,17 @@ class Trainer:
         return self._received if received else [b.clone() for b in self._buffers]
 
     def _recovered(self, generation: int, times: dict[str, float]) -> None:
-        """The first step after a recovery finished: its timeline, on rank 0's log and metrics."""
+        """The first step after a recovery finished: its timeline, on rank 0's metrics and log, the record first: the job
+        program reads it on the line (`hosts`, the ranks' hosts now: a node whose ranks all moved to a spare's standbys
+        trains no more, enroot/ddpack_training.py `Training.follow_recovery`)."""
         step = self.global_step + 1  # this step, counted once it is done (the loop counts it next)
+        self.metrics.write("recovery", global_step=step, generation=generation, hosts=self.hosts, **times)
         self.log(
             f"recovery: trained global step {step} in generation {generation}, "
             f"{times['total_s']:.3f}s after the failed collective (decision {times['decide_s']:.3f}s, abort {times['abort_s']:.3f}s, "
             f"new group {times['new_group_s']:.3f}s, state {times['state_s']:.3f}s, first step {times['first_step_s']:.3f}s)",
             main_only=True,
         )
-        self.metrics.write("recovery", global_step=step, generation=generation, **times)
 
     def position(self) -> dict[str, int]:
         """Where training stands, numbered as the progress lines number it (epochs from 1), in the end

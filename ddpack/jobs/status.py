@@ -361,7 +361,7 @@ def recovery_of(run_dir: Path, record: RunRecord) -> dict[str, Any] | None:
     if not isinstance(found, dict) or found.get("mode") not in ("in-process", "restart"):
         return None
     return {"mode": found["mode"], "standbys": found.get("standbys"), "why": str(found.get("why") or ""),
-            "from": "job" if recorded else "submit"}  # fmt: skip
+            **({"on_spares": True} if found.get("on_spares") is True else {}), "from": "job" if recorded else "submit"}  # fmt: skip
 
 
 def run_status(run_dir: Path, asked: Asked | None = None, records: MetricsTail | None = None, *, logs: bool = True) -> Status:
@@ -462,7 +462,9 @@ def render(status: Status) -> str:
     if status.recovery:
         how = status.recovery
         what = (
-            f"in-process, {how['standbys']} standby(s)" if how["mode"] == "in-process" else "a restart of the step from its last snapshot"
+            f"in-process, {how['standbys']} standby(s){' on the spare nodes' if how.get('on_spares') else ''}"
+            if how["mode"] == "in-process"
+            else "a restart of the step from its last snapshot"
         )
         lines.append(f"recovery {what} ({how['why']}{'; as submitted: the job has not said yet' if how['from'] == 'submit' else ''})")
     if status.image or status.sqsh:

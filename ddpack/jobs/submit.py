@@ -347,10 +347,14 @@ def recovery_lines(settings: SubmitSettings) -> list[str]:
         lines.append(
             "recovery: in-process recovery on NCCL has not yet run across two GPUs (docs/recovery.md): a restart is the proven path"
         )
-    if settings.spares:
+    if settings.spares and plan.on_spares:
         lines.append(
-            f"spares: {settings.spares} node(s) held back for a restart in place after a node fails; spare nodes do not host standbys "
-            "(not built yet)"
+            f"spares: {settings.spares} node(s) held back; they host the standbys ({settings.tasks_per_node} a spare), which take a "
+            "lost node's ranks in process; where recovery cannot, a restart in place swaps a spare in"
+        )
+    elif settings.spares:
+        lines.append(
+            f"spares: {settings.spares} node(s) held back for a restart in place after a node fails; they host no standbys ({plan.why})"
         )
     return lines
 

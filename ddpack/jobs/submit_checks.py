@@ -357,7 +357,7 @@ def recovery_plan(settings: SubmitSettings) -> Any:
     program = table.step_program(
         command=bool(settings.command), train_args=has_words, torchrun=settings.template != "per-task", image_command=image
     )
-    return table.recovery(given, gpus=settings.gpus_per_node, program=program)
+    return table.recovery(given, gpus=settings.gpus_per_node, program=program, spares=settings.spares, per_node=settings.tasks_per_node)
 
 
 def cluster_problems(settings: SubmitSettings, sqsh: Path | None, run_dir: Path) -> list[str]:
