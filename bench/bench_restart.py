@@ -63,6 +63,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import shutil
 import signal
 import statistics
 import subprocess
@@ -238,7 +239,9 @@ def one_after(enroot: Path, folder: Path, sqsh: Path | None, killed: bool, windo
     window_records = [r for r in records if r["kind"] == "progress" and AFTER_FROM < r["global_step"] <= last]
     steps = [r["global_step"] for r in window_records]
     if sorted(steps) != list(range(AFTER_FROM + 1, last + 1)):
-        raise SystemExit(f"bench_restart: job {job} logged steps {AFTER_FROM + 1}-{last} not once each; see {log}")
+        kept = Path(tempfile.mkdtemp(prefix="ddpack-bench-kept-", dir="/tmp"))  # the bench's folder goes as it ends
+        shutil.copytree(log.parent.parent, kept, dirs_exist_ok=True)
+        raise SystemExit(f"bench_restart: job {job} logged steps {AFTER_FROM + 1}-{last} not once each; its log and run kept in {kept}")
     return statistics.median(r["samples_per_s"] for r in window_records)
 
 
