@@ -3,6 +3,7 @@ timeout rule, the per-step RNG. The real thing, with processes killed, is tests/
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from pathlib import Path
 
@@ -143,3 +144,23 @@ def test_the_store_task_reads_the_lost_nodes_the_job_program_names_once_each_cha
     lost.write_text("ddnode2\n../etc\n")
     seen = recovery.lost_nodes(lost, (0, frozenset()))
     assert seen[1] == frozenset({"ddnode2"}) and recovery.lost_nodes(lost, seen) is seen
+
+
+def test_standbys_whose_node_is_not_known_never_stand_for_a_spare_node_with_standbys_enough() -> None:
+    """Two standbys not yet located (no node value read for them) count as no node: the lost node's two ranks still go
+    together to the spare's two standbys, not one each to the unknown ones."""
+    hosts = {"r0": "n1", "r1": "n1", "r2": "n2", "r3": "n2", "s2": "n3", "s3": "n3"}
+    decision = decide(0, ROSTER, {2: "r2", 3: "r3"}, hosts, ["s0", "s1", "s2", "s3"])
+    assert decision.replacements == {2: "s2", 3: "s3"}, decision
+
+
+def test_a_second_node_written_within_one_clock_tick_of_the_first_is_still_read(tmp_path: Path) -> None:
+    """The job program writes the lost-nodes file once a node, back to back: a second write with the same change time
+    (one clock tick) is told by its size."""
+    lost = tmp_path / ".ddpack-lost-nodes"
+    lost.write_text("ddnode2\n")
+    seen = recovery.lost_nodes(lost, (0, frozenset()))
+    stamp = lost.stat().st_mtime_ns
+    lost.write_text("ddnode2\nddnode3\n")
+    os.utime(lost, ns=(stamp, stamp))
+    assert recovery.lost_nodes(lost, seen)[1] == frozenset({"ddnode2", "ddnode3"})

@@ -52,6 +52,7 @@ path has not run across two GPUs; a rank hung with a live heartbeat is the watch
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import hashlib
@@ -166,19 +167,17 @@ def decide(
         )
         return Decision(generation=after, roster=roster, dead=dead, fallback=why)
     free, replacements = list(standbys), {}
-    lost_nodes: dict[str | None, list[int]] = {}  # the dead ranks by their node, in rank order
+    by_node: dict[str | None, list[int]] = {}  # the dead ranks by their node, in rank order
     for rank in sorted(dead):
-        lost_nodes.setdefault(hosts.get(dead[rank]), []).append(rank)
-    for node, ranks in lost_nodes.items():
-        # A node's ranks go together to one node with standbys enough (a spare's: as many as a node's ranks), so that
-        # the new world keeps its ranks a node; else each to a standby on another node where one is left.
-        counts: dict[str | None, int] = {}
-        for s in free:
-            counts[hosts.get(s)] = counts.get(hosts.get(s), 0) + 1
-        whole = next((h for h in counts if h != node and counts[h] >= len(ranks)), None)
+        by_node.setdefault(hosts.get(dead[rank]), []).append(rank)
+    for node, ranks in by_node.items():
+        # A node's ranks go together to one known node with standbys enough (a spare's: as many as a node's ranks), so
+        # that the new world keeps its ranks a node; else each to a standby on another node where one is left.
+        counts = collections.Counter(hosts.get(s) for s in free)
+        whole = next((h for h in counts if h is not None and h != node and counts[h] >= len(ranks)), None)
         for rank in ranks:
-            elsewhere = [s for s in free if hosts.get(s) != node]
-            chosen = next(s for s in free if hosts.get(s) == whole) if whole is not None else (elsewhere or free)[0]
+            pool = [s for s in free if hosts.get(s) == whole] if whole is not None else [s for s in free if hosts.get(s) != node]
+            chosen = (pool or free)[0]
             free.remove(chosen)
             replacements[rank] = chosen
             roster[rank] = chosen
@@ -661,9 +660,10 @@ class Standby:
         gone = set(dead.values())
         mates = {m for on in self._on_node.values() if gone.intersection(on) for m in on}
         suspect = [m for m in survivors if m in mates and silent.get(m, 0.0) >= STALE_S / 2]
-        if suspect and now - (self._held if self._held is not None else now) < STALE_S:
-            self._held = self._held if self._held is not None else now
-            return
+        if suspect:
+            self._held = now if self._held is None else self._held
+            if now - self._held < STALE_S:
+                return
         self._held = None
         used = set(self.roster.values())
         alive = [s for s in standbys if s not in stale and s not in used and s not in out]
@@ -856,11 +856,12 @@ def spawn_standby(environ: Mapping[str, str], log: Callable[[str], None]) -> sub
         return None
 
 
-def lost_nodes(path: Path, seen: tuple[int, frozenset[str]]) -> tuple[int, frozenset[str]]:
+def lost_nodes(path: Path, seen: tuple[object, frozenset[str]]) -> tuple[object, frozenset[str]]:
     """The nodes the job program wrote to `path` (train/run_folder.py LOST_NODES: one a line, the nodes Slurm dropped
-    from the job during this step), with the file's change time; `seen` again while the file has not changed."""
+    from the job during this step), with the file's change time and size; `seen` again while the file has not changed."""
     try:
-        changed = path.stat().st_mtime_ns
+        stat = path.stat()
+        changed = (stat.st_mtime_ns, stat.st_size)  # two writes within one clock tick differ in size: the file only grows in a step
         if changed == seen[0]:
             return seen
         names = frozenset(line for line in path.read_text().split() if HOSTNAME.fullmatch(line))
@@ -908,7 +909,7 @@ def serve_store(
     seen: dict[str, int] = {}
     last_rise, idle_s, closed_at = time.monotonic(), max(STORE_IDLE_S, connect_s), None
     generation, spawned = 0, []
-    lost: tuple[int, frozenset[str]] = (0, frozenset())
+    lost: tuple[object, frozenset[str]] = (0, frozenset())
     try:
         while True:
             time.sleep(0.2)
