@@ -168,7 +168,7 @@ def kill_task(job: str, log: Path, task: int) -> float:
     return killed_at
 
 
-def lose_node(job: str, log: Path, node: str = "ddnode2") -> float:
+def lose_node(job: str, node: str = "ddnode2") -> float:
     """`node` set DOWN, as a health agent does, and the job's tasks there SIGKILLed, as a node that fails takes them;
     the wall clock of the DOWN."""
     lost_at = time.time()
@@ -185,12 +185,12 @@ def one_kill(
     kill (see `--standbys` and `--node-down` in the module's docstring)."""
     spares = 1 if node_down else 0
     with (
+        resumed("ddnode2" if node_down else None),  # outermost: the node is resumed once the job is gone
         submitted(enroot, folder, sqsh, "kill", f"DDPACK_STANDBYS={standbys}", spares) as (job, metrics, log),
-        resumed("ddnode2" if node_down else None),
     ):
         wait_for_progress(metrics, 30, log, "the job did not train", timeout=300)
         warm(job, log, 2 * standbys if node_down else standbys)
-        killed_at = lose_node(job, log) if node_down else kill_task(job, log, rank)
+        killed_at = lose_node(job) if node_down else kill_task(job, log, rank)
         if second:
             warm(job, log, standbys + 1)  # the store task's new standby
             killed_at = kill_task(job, log, 2)
@@ -447,12 +447,16 @@ def main() -> int:
     parser.add_argument("--after", type=int, metavar="STEPS",
                         help="with --standbys: samples/s over STEPS steps after rank 1's recovery in process against an uninterrupted run")  # fmt: skip
     opts = parser.parse_args()
+    if (opts.after is not None or opts.node_down) and not opts.standbys:
+        parser.error("--after and --node-down compare the paths of --standbys: give it too")
+    if opts.after is not None and opts.after < 1:
+        parser.error(f"--after {opts.after}: expected a number of steps from 1")
     if opts.local:
         return local_main(opts.rounds)
     if subprocess.run(["sinfo", "-h"], capture_output=True).returncode != 0:
         print("bench_restart: no Slurm controller answers (sinfo); start the test cluster: .venv/bin/python testbed/slurm_cluster.py", file=sys.stderr)
         return 2
-    if opts.standbys and opts.after:
+    if opts.standbys and opts.after is not None:
         return after_main(opts.rounds, opts.sqsh, opts.after)
     if opts.standbys:
         return standbys_main(opts.rounds, opts.sqsh, opts.kill_rank, opts.second_death, opts.node_down)

@@ -232,7 +232,6 @@ def plan_try(opts: argparse.Namespace, settings: SubmitSettings, docker: str) ->
         raise HostError(f"--timeout {opts.timeout:g}: expected seconds > 0", code=2)
     if opts.lines < 0:
         raise HostError(f"--lines {opts.lines}: expected a whole number from 0", code=2)
-    step_words(alone)  # a refusal before anything is built
     mounts, missing = bind_mounts(alone.mounts)
     for src in missing:
         print(
