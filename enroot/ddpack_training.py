@@ -546,7 +546,7 @@ class Training:
         a pyxis template only (a bare-metal job has no container), and not where the spares host the standbys: the
         training step's own tasks make it there (and a second maker would race them). Its failure costs that unpack,
         later, nothing else."""
-        spares = [node for node in self.spares_now().split(",") if node != "none"]
+        spares = self.spare_nodes()
         image = next((word.partition("=")[2] for word in self.step if word.startswith("--container-image=")), "")
         if not self.container or not image or not spares or self.recovery.on_spares:
             return
@@ -577,7 +577,7 @@ class Training:
 
     def healthy_spares(self) -> list[str]:
         """The spare nodes that can host standbys now: not training, not out of the job, not down or drained in sinfo."""
-        spare = [node for node in self.now.nodes or [] if node not in self.last_nodes and node not in self.bad_nodes]
+        spare = self.spare_nodes()
         bad = self.now.unhealthy(spare) if spare else set()
         return [node for node in spare if node not in bad]
 
@@ -621,10 +621,13 @@ class Training:
         fields = {"nodes": ",".join(self.last_nodes), "lost": ",".join(left), "spare": ",".join(joined), "how": "in-process"}
         write_record(self.run_dir, "placement", fields)
 
-    def spares_now(self) -> str:
+    def spare_nodes(self) -> list[str]:
         """The allocation's nodes that are not the ones training uses now, nor out of the job."""
-        spare = [node for node in self.now.nodes or [] if node not in self.last_nodes and node not in self.bad_nodes]
-        return ",".join(spare) or "none"
+        return [node for node in self.now.nodes or [] if node not in self.last_nodes and node not in self.bad_nodes]
+
+    def spares_now(self) -> str:
+        """`spare_nodes` for a line or a record ("none" where there is none)."""
+        return ",".join(self.spare_nodes()) or "none"
 
     def swap_out(self, nodes: list[str]) -> bool:
         """The preflight verb's question, answered by the one placement every restart uses: can training start without
