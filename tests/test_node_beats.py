@@ -5,7 +5,10 @@ grows with nodes, not ranks; a dead or frozen writer is replaced and never makes
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -14,7 +17,7 @@ import torch.distributed as dist
 
 from entrypoint.plan import JOB_TOKEN_VAR
 from train import recovery
-from train.node_beats import TAKEOVER_S, LocalBeat, LocalBeats
+from train.node_beats import TAKEOVER_S, LocalBeat, LocalBeats, process_state, this_process
 from train.recovery import Heartbeat
 from train.recovery_channel import Beat, Channel, NodeBeat
 
@@ -179,3 +182,102 @@ def test_a_lost_nodes_ranks_are_decided_together_though_they_go_silent_one_after
         assert decision.dead == {2: "r2", 3: "r3"} and set(decision.replacements.values()) == {"s0", "s1"}, (decision, lines)
     finally:
         standby.heartbeat.stop()
+
+
+def test_a_beat_names_its_process_and_runs_only_while_that_process_runs_here(tmp_path: Path) -> None:
+    """A late beat's process is read back from /proc: this process runs; a child runs until SIGSTOPped (a frozen rank),
+    and not once ended; a pid whose start time differs (reused, or another pid namespace's) is not claimed to."""
+    pid, started = this_process()
+    assert pid == os.getpid() and started > 0
+    node = LocalBeats.open(ENV, TOKEN, tmp_path)
+    node.write("r0", LocalBeat(3, 99, None, pid, started))
+    assert node.read()["r0"] == LocalBeat(3, 99, None, pid, started) and node.read()["r0"].runs()
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        state = process_state(child.pid)
+        assert state is not None
+        beat = LocalBeat(1, 0, None, child.pid, state[1])
+        assert beat.runs() and not LocalBeat(1, 0, None, child.pid, state[1] + 1).runs()
+        child.send_signal(signal.SIGSTOP)
+        wait_until(lambda: not beat.runs())
+        child.send_signal(signal.SIGCONT)
+        wait_until(beat.runs)
+        child.kill()
+        wait_until(lambda: not beat.runs())  # a zombie until reaped: ended all the same
+        child.wait()
+        assert not beat.runs() and not LocalBeat(1, 0).runs()  # reaped; a beat naming no process
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_late_member_whose_process_runs_is_not_taken_for_frozen_nor_dead_and_a_stopped_ones_is(
+    server: dist.TCPStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One node: r0 waits on a collective (its waiting count rises look by look), r1 and r2 have not beaten for 2 s (past
+    FROZEN_S). While the node says both processes run (a heartbeat thread held back on a saturated node), no look
+    decides, not even once a survivor reports its collective failed; once it says r2's does not (stopped, ended), the
+    next look decides r2 dead, and only r2 (seen on the test cluster before: a live rank counted dead, its place taken)."""
+    for name, value in {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port)}.items():
+        monkeypatch.setenv(name, value)
+    job = Channel.of_job(server, ENV, print)
+    node = "0000000000000001"
+    for member in ("r0", "r1", "r2"):
+        job.register(member, node)
+    lines: list[str] = []
+    standby = recovery.Standby(world_size=3, host="spare", log=lines.append, index=0, launched=1)
+
+    def look(at: int, r2_runs: bool) -> None:
+        late = {"r1": Beat(9, "n1", 2000, None, True), "r2": Beat(9, "n1", 2000, None, r2_runs)}
+        job.beat_node(node, NodeBeat.of("n1", NOW + at, {"r0": Beat(50 + at, "n1", 0, (0, at)), **late}))
+        standby._watch()
+
+    try:
+        for at in range(1, 4):
+            look(at, r2_runs=True)
+            time.sleep(recovery.HEARTBEAT_S)
+        assert job.decision(0, 3) is None and not lines, lines
+        job.report_failure(0, "r0")
+        look(4, r2_runs=True)
+        assert job.decision(0, 3) is None and not lines, lines
+        look(5, r2_runs=False)
+        decision = job.decision(0, 3)
+        assert decision is not None and decision.dead == {2: "r2"} and decision.replacements == {2: "s0"}, (decision, lines)
+    finally:
+        standby.heartbeat.stop()
+
+
+def test_the_nodes_writer_says_a_late_members_process_runs_until_it_is_stopped(
+    server: dist.TCPStore, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A real heartbeat (r0, the node's writer) and a member r1 whose beat file stopped 1 s ago: the node's value in the
+    store marks r1 running (`+`) while its process (a child here) runs, and no more once it is SIGSTOPped."""
+    monkeypatch.setattr(
+        recovery,
+        "_store",
+        lambda is_master, connect_s=0: dist.TCPStore("127.0.0.1", server.port, None, False, timedelta(seconds=10), wait_for_workers=False),
+    )
+    job = Channel.of_job(recovery._store(False), ENV, print)
+    local = LocalBeats.open(ENV, TOKEN, tmp_path)
+    child = subprocess.Popen(["sleep", "30"])
+    state = process_state(child.pid)
+    assert state is not None
+    local.write("r1", LocalBeat(5, time.monotonic_ns() - 10**9, None, child.pid, state[1]))
+    heart = Heartbeat(job, "r0", "n1", local=local)
+    job.register("r1", local.node)
+    try:
+        running = lambda: (job.beats(["r1"])["r1"] or Beat(0, "")).running  # noqa: E731
+        wait_until(running)
+        child.send_signal(signal.SIGSTOP)
+        wait_until(lambda: not running())
+    finally:
+        heart.stop()
+        child.kill()
+        child.wait()
+
+
+def wait_until(condition: Callable[[], bool], seconds: float = 10) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "not within 10 s"
+        time.sleep(0.01)

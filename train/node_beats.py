@@ -11,6 +11,12 @@ while a third takes its place, and no live node-mate's count stands still long e
 
 A member's count in the node's value rises only while the member itself beats: a dead or frozen member's file stays
 with its last count (the standbys see it stop, as they saw its key stop before); a lost node's writers go with it.
+A member's beat also names its process (pid and start time), so the writers can say of a member whose beat is late
+whether its process still runs on the node (`LocalBeat.runs`: there, neither stopped nor ended). A heartbeat thread
+can be held back while its process lives (the interpreter's lock held by a long call, the node's cores saturated: seen
+on the test cluster, a live rank's beat 1.5 s late while a standby warmed beside it); a stopped (SIGSTOP, a debugger)
+or ended process cannot say it runs, and neither can a lost node. Where the pid is not this node's to read (members
+of one directory in separate pid namespaces), the start time does not match and nothing is claimed.
 Members of one host that do not share the directory (separate containers, separate /tmp) each have their own, and
 their own node value: correct, only not fewer writes. Standard library only.
 """
@@ -38,31 +44,62 @@ WRITERS = 2  # members that write the node's value: one may die, the other's val
 # A member whose own beat is older than this is not a writer: a dead or frozen writer is replaced within it. Generous: a
 # live member taken for late only makes a third writer for a while, which costs one more write, never a false death.
 TAKEOVER_S = 0.15
+STOPPED_OR_ENDED = "TtZXx"  # /proc/PID/stat's states of a process that does not run: stopped, traced, zombie, dead
+
+
+def process_state(pid: int) -> tuple[str, int] | None:
+    """A process's state letter and start time (clock ticks since boot) from /proc, or None where there is none to read
+    (ended and reaped, or not in this pid namespace)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rfind(")") + 2 :].split()  # after the command's name, which may hold spaces and parentheses
+    if len(fields) < 20 or not fields[19].isdigit():
+        return None
+    return fields[0], int(fields[19])
+
+
+def this_process() -> tuple[int, int]:
+    """This process's pid and start time, as its node-mates read them back from /proc (`LocalBeat.runs`)."""
+    state = process_state(os.getpid())
+    return os.getpid(), state[1] if state is not None else 0
 
 
 @dataclass(frozen=True)
 class LocalBeat:
     """One member's beat on its node: its rising count, when it wrote it (CLOCK_MONOTONIC, one clock for every process
-    of the node), and the collective it waits on, if any: (generation, a count that rises while it waits)."""
+    of the node), the collective it waits on, if any: (generation, a count that rises while it waits), and its process:
+    pid and start time (0 0 where unknown)."""
 
     count: int
     at_ns: int
     waiting: tuple[int, int] | None = None
+    pid: int = 0
+    started: int = 0
 
     def text(self) -> str:
         waiting = f"{self.waiting[0]} {self.waiting[1]}" if self.waiting else "- -"
-        return f"{self.count} {self.at_ns} {waiting}"
+        return f"{self.count} {self.at_ns} {waiting} {self.pid} {self.started}"
 
     @classmethod
     def parse(cls, text: str) -> LocalBeat | None:
         parts = text.split()
-        if len(parts) != 4 or not all(p.isdigit() for p in parts[:2]):
+        if len(parts) != 6 or not all(p.isdigit() for p in (*parts[:2], *parts[4:])):
             return None
-        if parts[2:] == ["-", "-"]:
-            return cls(int(parts[0]), int(parts[1]))
-        if not all(p.isdigit() for p in parts[2:]):
+        count, at_ns, pid, started = int(parts[0]), int(parts[1]), int(parts[4]), int(parts[5])
+        if parts[2:4] == ["-", "-"]:
+            return cls(count, at_ns, None, pid, started)
+        if not all(p.isdigit() for p in parts[2:4]):
             return None
-        return cls(int(parts[0]), int(parts[1]), (int(parts[2]), int(parts[3])))
+        return cls(count, at_ns, (int(parts[2]), int(parts[3])), pid, started)
+
+    def runs(self) -> bool:
+        """Whether the member's process still runs on this node: there, the one that wrote the beat (its start time),
+        and neither stopped (SIGSTOP, a debugger) nor ended. A process waiting on the disk or the interpreter's lock
+        runs; one this node cannot see (another pid namespace) is not claimed to."""
+        state = process_state(self.pid) if self.pid else None
+        return state is not None and state[1] == self.started and state[0] not in STOPPED_OR_ENDED
 
 
 def member_order(member: str) -> tuple[str, int]:

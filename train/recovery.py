@@ -77,7 +77,7 @@ from train import distributed
 from train.distributed import DistContext, default_to_one_process, first_line, node_name, turn_on_flight_recorder
 from train.job_keys import HOSTNAME
 from train.metrics import RankLog
-from train.node_beats import LocalBeat, LocalBeats
+from train.node_beats import LocalBeat, LocalBeats, this_process
 from train.outcome import StandbyEnd
 from train.recovery_channel import Beat, Channel, Decision, NodeBeat
 from train.signals import PreemptionWatcher
@@ -89,6 +89,7 @@ STALE_S = 0.25  # a counter unchanged this long, once a survivor reported a fail
 # node: no connection resets, so no collective fails before its timeout (up to --collective-timeout). Wider than
 # STALE_S, since nothing has failed yet: a heartbeat thread held back by a loaded node must not be taken for one.
 FROZEN_S = 1.5
+LATE_MS = int(2000 * HEARTBEAT_S)  # a member's beat this old (two beats missed) is checked on its node: does its process run?
 WAITING_S = 0.5  # a survivor that has waited on one collective this long says so (its count rises while it waits)
 # The collective timeout never goes below this. A healthy collective of a tiny model takes ~1 ms (gloo, 4 local ranks),
 # but a node whose cores are shared (here: 4 ranks, a standby and a second run on 2 cores) can hold one back for
@@ -233,7 +234,7 @@ class Heartbeat:
                 f"in-process recovery's heartbeats cannot be written on this node ({first_line(exc)}): they live in its temp "
                 "directory (TMPDIR)"
             ) from None
-        self._count = 1
+        self._count, self._process = 1, this_process()
         self._channel.register(member, self._local.node)  # a store that does not answer: the caller's RuntimeError
         self._registered = time.monotonic()
         self._store_from, self._failed = 0.0, 0  # no store write before this (monotonic) after `_failed` errors in a row
@@ -254,12 +255,15 @@ class Heartbeat:
     def _beat(self) -> None:
         """This member's count on its node; the node's value in the store when this member is one of its writers."""
         now_ns = time.monotonic_ns()
-        self._local.write(self.member, LocalBeat(self._count, now_ns, self.waiting))
+        self._local.write(self.member, LocalBeat(self._count, now_ns, self.waiting, *self._process))
         beats = self._local.read()
         if self.member not in LocalBeats.writers(beats, now_ns) or time.monotonic() < self._store_from:
             return
+        ages = {m: max(0, now_ns - b.at_ns) // 1_000_000 for m, b in beats.items()}
+        # A late beat says whether its process still runs here (one /proc read, only for a late one): a live member whose
+        # heartbeat thread is held back is not taken for a frozen one (Standby._silences).
         node = NodeBeat.of(
-            self.host, now_ns, {m: Beat(b.count, self.host, max(0, now_ns - b.at_ns) // 1_000_000, b.waiting) for m, b in beats.items()}
+            self.host, now_ns, {m: Beat(b.count, self.host, ages[m], b.waiting, ages[m] >= LATE_MS and b.runs()) for m, b in beats.items()}
         )
         try:
             self._channel.beat_node(self._local.node, node)
@@ -603,8 +607,11 @@ class Standby:
     def _silences(self, members: list[str], now: float) -> dict[str, float]:
         """How long each member that may be stale has not beaten: its age on its node when the node's value last came
         (measured on the node's own clock: train/node_beats.py) plus how long ago that value came; a member never seen
-        counts from this standby's first look. One read and one head a node: a node whose oldest member is younger
-        than STALE_S is not parsed further, and its members are not listed (they are not stale)."""
+        counts from this standby's first look. A member whose node said, in a value younger than STALE_S, that its
+        process runs (its beat late, the process neither stopped nor ended) is as silent as its node: alive, however
+        late its own beat (a heartbeat thread held back on a saturated node is no frozen rank; a stopped or ended
+        process, or a node whose values stopped, says nothing of the kind). One read and one head a node: a node whose
+        oldest member is younger than STALE_S is not parsed further, and its members are not listed (they are not stale)."""
         for member in members:
             self._first.setdefault(member, now)
         where = self.channel.locate(members)
@@ -624,8 +631,13 @@ class Standby:
             if (seen := self._nodes.get(node)) is None:
                 silent.update((m, now - self._first[m]) for m in on)
             elif (since := now - seen[1]) + seen[0].oldest_ms / 1000 >= STALE_S:
-                beats = seen[0].members
-                silent.update((m, since + beats[m].age_ms / 1000 if m in beats else now - self._first[m]) for m in on)
+                beats, fresh = seen[0].members, since < STALE_S
+                for m in on:
+                    beat = beats.get(m)
+                    if beat is None:
+                        silent[m] = now - self._first[m]
+                    else:
+                        silent[m] = since if fresh and beat.running else since + beat.age_ms / 1000
         return silent
 
     def _watch(self) -> None:

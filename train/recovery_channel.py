@@ -97,18 +97,21 @@ def _ranks(value: Any, name: str, world_size: int) -> dict[int, str]:
 
 class Beat(NamedTuple):
     """One member's heartbeat as its node's value says it: a count that rises with each of its beats, its node's host,
-    how old its last beat was when the value was written (ms, on the node's own clock), and the collective it waits on,
-    if any: (generation, a count that rises while it waits). A tuple: cheap to make by the thousand."""
+    how old its last beat was when the value was written (ms, on the node's own clock), the collective it waits on,
+    if any: (generation, a count that rises while it waits), and whether the node saw its process run then, its beat
+    late (`running`: train/node_beats.py's LocalBeat.runs; said only of a late beat). A tuple: cheap to make by the
+    thousand."""
 
     count: int
     host: str
     age_ms: int = 0
     waiting: tuple[int, int] | None = None
+    running: bool = False
 
 
-NODE_ENTRY = r"[rs][0-9]{1,7}:[0-9]{1,18}:[0-9]{1,9}(?::[0-9]{1,9}:[0-9]{1,18})?"
+NODE_ENTRY = r"[rs][0-9]{1,7}:[0-9]{1,18}:[0-9]{1,9}(?::[0-9]{1,9}:[0-9]{1,18})?\+?"
 NODE_ENTRIES = re.compile(rf"(?:{NODE_ENTRY})(?: {NODE_ENTRY})*")  # the shape of a node's entries, checked at once
-ENTRY_PARTS = re.compile(r"([rs][0-9]+):([0-9]+):([0-9]+)(?::([0-9]+):([0-9]+))?")
+ENTRY_PARTS = re.compile(r"([rs][0-9]+):([0-9]+):([0-9]+)(?::([0-9]+):([0-9]+))?(\+?)")
 MAX_NODE_MEMBERS = 4096
 MAX_NODE_BYTES = 128 << 10
 MAX_AGE_MS = 999_999_999
@@ -119,7 +122,7 @@ class NodeBeat:
     """One node's heartbeat (train/node_beats.py), written by the node's writers every HEARTBEAT_S, re-said in full each
     time (a value another user damaged is mended 50 ms later): its host, when it was written (`at_ns`, the node's
     monotonic clock: it rises with every value of the node, whichever writer wrote it), the oldest member's age then,
-    and every member's entry. Text: `host at_ns oldest_ms member:count:age_ms[:generation:waiting] ...`. A standby
+    and every member's entry. Text: `host at_ns oldest_ms member:count:age_ms[:generation:waiting][+] ...` (`+`: running). A standby
     reads the head of every node's value each beat and the entries only of a node with an old member: one member's
     Python a node, not one a member, at 1,024 nodes x 8."""
 
@@ -131,7 +134,7 @@ class NodeBeat:
     @classmethod
     def of(cls, host: str, at_ns: int, beats: Mapping[str, Beat]) -> NodeBeat:
         entries = " ".join(
-            f"{m}:{b.count}:{min(b.age_ms, MAX_AGE_MS)}" + (f":{b.waiting[0]}:{b.waiting[1]}" if b.waiting else "")
+            f"{m}:{b.count}:{min(b.age_ms, MAX_AGE_MS)}" + (f":{b.waiting[0]}:{b.waiting[1]}" if b.waiting else "") + "+" * b.running
             for m, b in sorted(beats.items())
         )
         return cls(host, at_ns, min(max((b.age_ms for b in beats.values()), default=0), MAX_AGE_MS), entries)
@@ -157,8 +160,8 @@ class NodeBeat:
     def members(self) -> dict[str, Beat]:
         """Every member's entry (parsed when asked: a node whose members are all young is never parsed)."""
         return {
-            m: Beat(int(count), self.host, int(age), (int(generation), int(waited)) if generation else None)
-            for m, count, age, generation, waited in ENTRY_PARTS.findall(self.entries)
+            m: Beat(int(count), self.host, int(age), (int(generation), int(waited)) if generation else None, running == "+")
+            for m, count, age, generation, waited, running in ENTRY_PARTS.findall(self.entries)
         }
 
 

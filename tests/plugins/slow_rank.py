@@ -1,10 +1,15 @@
 """A user's task with a straggler: the rank named by SLOW_RANK sleeps SLOW_RANK_MS in every forward, as a
-throttled GPU or a node with a noisy neighbour is slower at every step."""
+throttled GPU or a node with a noisy neighbour is slower at every step. And a rank that holds the interpreter's lock:
+the rank named by HOLD_GIL_RANK, at its first training forward after the file HOLD_GIL_FILE appears (it removes it),
+sleeps HOLD_GIL_MS in a C call that keeps the lock, as a long call of a user's extension does: its process lives, its
+heartbeat thread cannot run."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -20,10 +25,17 @@ class Straggling(nn.Module):
         self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
         slow = os.environ.get("SLOW_RANK")
         self.delay_s = float(os.environ.get("SLOW_RANK_MS", "20")) / 1e3 if slow is not None and slow == os.environ.get("RANK") else 0.0
+        holds = os.environ.get("HOLD_GIL_RANK") == os.environ.get("RANK") and "HOLD_GIL_FILE" in os.environ
+        self.hold = Path(os.environ["HOLD_GIL_FILE"]) if holds else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.delay_s and self.training:
             time.sleep(self.delay_s)
+        if self.hold is not None and self.training and self.hold.exists():
+            self.hold.unlink()
+            held = time.monotonic()
+            ctypes.PyDLL(None).usleep(int(os.environ.get("HOLD_GIL_MS", "2500")) * 1000)  # PyDLL: the lock stays held
+            print(f"held the interpreter's lock for {time.monotonic() - held:.1f}s", flush=True)
         return self.net(x)
 
 
