@@ -238,22 +238,34 @@ def test_a_frozen_rank_is_replaced_from_its_stopped_heartbeat_before_the_collect
     assert any(step < recovered_at for step in written) and 16 in written, written
 
 
-def test_a_live_rank_whose_heartbeat_cannot_run_for_2s_is_not_taken_for_frozen(tmp_path: Path) -> None:
+def test_a_live_rank_held_2s_is_not_taken_for_frozen_and_a_death_in_a_progress_line_loses_no_line(tmp_path: Path) -> None:
     """Rank 1 holds the interpreter's lock for 2.5 s in one forward (plugins/slow_rank.py: a C call that keeps it), once
     the standby watches and the timeout is tightened (8 s: rank 0 sleeps 400 ms a step): its heartbeat thread cannot
     run, rank 0 waits on the all-reduce, and rank 1's beat is late past FROZEN_S. Its node says its process runs, so
-    no standby decides: the run ends with no recovery, every rank 0 (seen on the test cluster before the node said so:
-    a live rank 1.5 s late on a saturated node counted dead and replaced)."""
-    metrics, hold = tmp_path / "m.jsonl", tmp_path / "hold"
-    args = [*ARGS, "--task", "plugins.slow_rank:task", "--max-steps", "14", "--metrics-file", str(metrics), "--cpu-bind", "none"]
+    no standby decides (seen on the test cluster before the node said so: a live rank 1.5 s late on a saturated node
+    counted dead and replaced). Then rank 1 dies entering a progress line's all-reduce (DDPACK_TEST_DIE_IN_PROGRESS,
+    tests only): the standby takes its place, and the line the death interrupted, of the step the state was taken at,
+    is written after the recovery: one progress record for every global step, none twice."""
+    metrics, hold, die = tmp_path / "m.jsonl", tmp_path / "hold", tmp_path / "die"
+    args = [*ARGS, "--task", "plugins.slow_rank:task", "--max-steps", "18", "--metrics-file", str(metrics), "--cpu-bind", "none"]
     env = {"SLOW_RANK": "0", "SLOW_RANK_MS": "400", "HOLD_GIL_RANK": "1", "HOLD_GIL_FILE": str(hold), "HOLD_GIL_MS": "2500"}
-    job = start_with_standbys(tmp_path, 2, args, standbys=1, DDPACK_JOB_TOKEN=TOKEN, PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}", **env)
+    job = start_with_standbys(
+        tmp_path, 2, args, standbys=1, DDPACK_JOB_TOKEN=TOKEN, DDPACK_TEST_DIE_IN_PROGRESS=f"1:{die}", PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}", **env
+    )
     wait_for(lambda: metrics_step(metrics) >= 8 and "warm, watching" in job.output(2), 120, "step 8, the standby watching")
     hold.touch()
-    assert job.wait() == [0, 0, 0], job.output()
+    wait_for(lambda: "held the interpreter's lock" in job.output(1), 60, "rank 1's hold")
+    held_at = metrics_step(metrics)
     assert re.search(r"held the interpreter's lock for 2\.[5-9]s", job.output(1)), job.output(1)
-    assert "heartbeat of" not in job.output(2) and "recovery:" not in job.output(), job.output()
-    assert len(set(job.checksums())) == 1 and progress_steps(metrics) == list(range(1, 15))
+    assert "heartbeat of" not in job.output(2) and "recovery:" not in job.output(0), job.output()
+    die.touch()
+    assert job.wait() == [0, -signal.SIGKILL, 0], job.output()
+    assert "stopped for 1.5s" not in job.output(2), job.output(2)  # the death's decision, not the frozen rule's
+    assert len({*job.checksums()}) == 1, job.output()
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.startswith("{")]
+    recoveries = [r["global_step"] for r in records if r["kind"] == "recovery"]
+    assert len(recoveries) == 1 and recoveries[0] > held_at, (recoveries, held_at)
+    assert progress_steps(metrics) == list(range(1, 19)), progress_steps(metrics)
 
 
 # Four ranks and a standby on a user's task with BatchNorm, dropout and a DataLoader with a worker, AdamW, two buckets a

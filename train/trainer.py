@@ -137,6 +137,22 @@ def _death_in_sync(environ: Mapping[str, str]) -> tuple[int, int] | None:
     return int(rank), int(step)
 
 
+# Tests only (tests/test_recovery_dist.py): `<rank>:<file>` makes that rank SIGKILL itself as it enters the first
+# progress line's all-reduce after the file appears, under --recovery: a death that interrupts a progress line.
+DIE_IN_PROGRESS = "DDPACK_TEST_DIE_IN_PROGRESS"
+
+
+def _death_in_progress(environ: Mapping[str, str], rank: int) -> Path | None:
+    """DIE_IN_PROGRESS's file where it names `rank`, else None; bad input is one line naming what is expected."""
+    text = environ.get(DIE_IN_PROGRESS)
+    if not text:
+        return None
+    named, _, path = text.partition(":")
+    if not (named.isdigit() and path):
+        raise ValueError(f"{DIE_IN_PROGRESS}={text!r} is not <rank>:<file>; expected such as 1:/tmp/die")
+    return Path(path) if int(named) == rank else None
+
+
 def state_source(steps: list[int]) -> int:
     """The rank whose state every rank takes after a recovery: one whose last *confirmed* step (train.grad_sync: a
     step's optimizer runs only once its all-reduce completed on that rank) is the greatest, the lowest such rank.
@@ -240,7 +256,10 @@ class Trainer:
         self.step_in_epoch = 0
         self.global_step = 0
         self.last_snapshot_step = -1
+        self.last_progress_step = -1  # the global step of the last progress line (set as the loop starts)
+        self.window = Window()  # since the last progress line: kept through a recovery, for the line its death interrupted
         self._die_at = _death_in_sync(os.environ) if recovery is not None and not recovery.replacing else None
+        self._die_in_progress = _death_in_progress(os.environ, ctx.rank) if recovery is not None and not recovery.replacing else None
 
     # ------------------------------------------------------------------ set-up
 
@@ -495,6 +514,8 @@ class Trainer:
             self._take_state()
         else:
             self.restore()
+            self.last_progress_step = self.global_step
+        self.window = Window()
         start_step, started = self.global_step, time.monotonic()
         if not replacing:
             self.metrics.opening("start", lambda: self._start_fields(start_step))
@@ -522,9 +543,15 @@ class Trainer:
     def _loop_recovering(self, start_step: int, started: float) -> float | None:
         """The loop; under --recovery a failed collective is recovered from in this process (the survivors
         re-form the group with a standby in the dead rank's place) and the interrupted step is redone."""
+        recovered_loss: float | None = None
         while True:
             try:
-                return self._loop(start_step, started)
+                if self.last_progress_step < self.global_step and self._progress_due():
+                    # After a recovery (`_take_state` agreed where the last line was): the line the death interrupted, of
+                    # the step the state was taken at, from the windows the survivors kept (a replacement brings none).
+                    recovered_loss = self._progress(start_step, started)
+                loss = self._loop(start_step, started)
+                return loss if loss is not None else recovered_loss
             except RuntimeError as exc:  # gloo and NCCL report a dead peer as RuntimeError subclasses
                 if self.recovery is None or not collective_failure(exc):
                     raise  # this rank's own error (an OOM, a failed snapshot write) ends it with its own reason
@@ -560,12 +587,16 @@ class Trainer:
         # completed on this rank), the survivors' timeline of this recovery: the standby that took rank 0's place writes
         # its record (rank 0's duty), and only the survivors saw the collective fail.
         self._receiving = None  # a step whose first forward never ran (its broadcast failed) keeps nothing from a later one
-        mine = (-1, -1, -1) if replacing else (self.global_step, self.last_snapshot_step, self._received_at)
+        mine = (-1, -1, -1, -1) if replacing else (self.global_step, self.last_snapshot_step, self._received_at, self.last_progress_step)
         gathered = gather_objects((mine, self.recovery.timeline() if self.recovery is not None else None), self.ctx)
         positions = [position for position, _ in gathered]
-        source = state_source([step for step, _, _ in positions])
+        source = state_source([step for step, *_ in positions])
         self.last_snapshot_step = positions[source][1]  # the same on every rank: whether a snapshot is due is agreed
-        holder = buffer_holder([received for _, _, received in positions], positions[source][0], rank_0_survived=positions[0][0] >= 0)
+        # Where the last progress line is, agreed alike: rank 0 writes the lines, so its word where it survived; else the
+        # furthest survivor's (a line whose all-reduce completed but which the dead rank 0 had not yet written is lost).
+        rank_0_survived = positions[0][0] >= 0
+        self.last_progress_step = positions[0][3] if rank_0_survived else max(position[3] for position in positions)
+        holder = buffer_holder([position[2] for position in positions], positions[source][0], rank_0_survived=rank_0_survived)
         if holder is None and any(isinstance(m, _NormBase) and m.track_running_stats for m in self.module.modules()):
             # Every rank knows this from the same gather and falls back alike: never a recovery that is not exact.
             raise RecoveryImpossible(
@@ -646,17 +677,21 @@ class Trainer:
             f"(global {at['global_step']}/{at['total_steps']})"
         )
 
-    def _progress(self, window: Window, start_step: int, started: float) -> float:
+    def _progress(self, start_step: int, started: float) -> float:
         """Collective, every --log-every steps: mean loss over ranks, global throughput and MFU, and every
-        rank's step times, all in the one all-reduce a progress line needs anyway; rank 0 prints and
-        records them."""
+        rank's step times over the window since the last line, all in the one all-reduce a progress line needs
+        anyway; rank 0 prints and records them. A new window starts."""
         self.progress.enter(Phase.METRICS)
+        if self._die_in_progress is not None and self._die_in_progress.exists():
+            os.kill(os.getpid(), signal.SIGKILL)  # DIE_IN_PROGRESS (tests only)
+        window = self.window
         window_s = max(time.monotonic() - window.started, 1e-9)
         mine = RankTimes.slots(self.ctx.rank, self.ctx.world_size, window_s, window.data_s, window.sync_s)
-        totals = sum_over_ranks(torch.stack(window.losses).sum(), [len(window.losses), window.samples, *mine], self.ctx)
+        losses = torch.stack(window.losses).sum() if window.losses else torch.zeros((), device=self.ctx.device)  # a replacement's
+        totals = sum_over_ranks(losses, [len(window.losses), window.samples, *mine], self.ctx)
         loss_sum, steps, samples = totals[:3]
         times = RankTimes.from_sums(totals[3:], len(window.losses))
-        loss = loss_sum / steps
+        loss = loss_sum / max(steps, 1)
         samples_per_s = samples / window_s
         rate = (self.global_step - start_step) / max(time.monotonic() - started, 1e-9)
         eta = (self.total_steps - self.global_step) / rate if rate > 0 else 0.0
@@ -690,12 +725,16 @@ class Trainer:
             eta_s=eta,
             **times.fields(),
         )
+        self.last_progress_step, self.window = self.global_step, Window()
         return loss
+
+    def _progress_due(self) -> bool:
+        """Whether the step just counted gets a progress line: every --log-every steps, and the last."""
+        return self.global_step % self.config.log_every == 0 or self.global_step >= self.total_steps
 
     def _loop(self, start_step: int, started: float) -> float | None:
         """Steps until the last one (or an agreed stop, raised); the mean loss of the last progress window."""
         cfg = self.config
-        window = Window()
         last_loss: float | None = None
         try:
             while self.global_step < self.total_steps:
@@ -705,21 +744,20 @@ class Trainer:
                     self.progress.enter(Phase.DATA)
                     waited = time.perf_counter()
                     micro_batches = [next(stream) for _ in range(count)]
-                    window.data_s += time.perf_counter() - waited
+                    self.window.data_s += time.perf_counter() - waited
                     if not self.counted:
                         counting, self.counted = time.monotonic(), True
                         self.mfu.count(self.module, micro_batches[0], self.task.loss_fn, self.autocast)
-                        window.started += time.monotonic() - counting  # not this rank's step time
+                        self.window.started += time.monotonic() - counting  # not this rank's step time
                     if self.recovery is None:
-                        window.add(*self._train_step(micro_batches))
+                        self.window.add(*self._train_step(micro_batches))
                     else:
-                        window.add(*self._recoverable_step(micro_batches))
+                        self.window.add(*self._recoverable_step(micro_batches))
                     self.global_step, self.step_in_epoch = self.global_step + 1, step + 1
                     self.progress.step_done(self.global_step)
                     done = self.global_step >= self.total_steps
-                    if self.global_step % cfg.log_every == 0 or done:
-                        last_loss = self._progress(window, start_step, started)
-                        window = Window()
+                    if self._progress_due():
+                        last_loss = self._progress(start_step, started)
                     agreed = self.model.agreed_stop()
                     if agreed is not None and not done:
                         self._stop(agreed)
