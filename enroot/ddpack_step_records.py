@@ -27,23 +27,14 @@ END_RECORD = b'"kind": "end"'  # train/metrics.py's end records
 RECOVERY_FALLBACK = "in-process recovery impossible: "  # train/outcome.py RECOVERY_IMPOSSIBLE: a --recovery fallback's reason
 
 
-def recovered_hosts(path: Path, since: int | None) -> list[str] | None:
-    """The ranks' hosts after the newest recovery in process that the metrics file holds after byte `since` (the
-    trainer's `recovery` record, `hosts` in rank order); None where there is none (or a record of an image older than
-    the field)."""
-    hosts = None
-    try:
-        with path.open("rb") as handle:
-            handle.seek(since or 0)
-            for line in handle:
-                if RECOVERY_RECORD in line:
-                    with contextlib.suppress(ValueError):
-                        found = json.loads(line).get("hosts")
-                        if isinstance(found, list) and all(isinstance(host, str) for host in found):
-                            hosts = found
-    except OSError:
-        return None
-    return hosts
+def _hosts(record: bytes) -> list[str] | None:
+    """A `recovery` record's `hosts` (the ranks' hosts, in rank order); None where it has none (a record of an image
+    older than the field) or does not parse."""
+    with contextlib.suppress(ValueError, AttributeError):
+        found = json.loads(record).get("hosts")
+        if isinstance(found, list) and all(isinstance(host, str) for host in found):
+            return found
+    return None
 
 
 def fallback_reason(end: dict) -> str | None:
@@ -59,15 +50,17 @@ class StepRecords:
     """What the step wrote to the metrics file after byte `since`, read in one pass: whether it wrote progress records
     (it finished steps: "yes", "no", or "" where there is no metrics file, before or after: nothing to tell from), why
     the trainer's in-process recovery (--recovery, train/recovery.py) fell back to this restart ("": it did not; from
-    the last end record that says so), and how many ranks it replaced in process."""
+    the last end record that says so), how many ranks it replaced in process, and the ranks' hosts after the newest
+    of those recoveries (None: none, or a record without them)."""
 
     progress: str
     fallback: str
     recovered: int
+    hosts: list[str] | None = None
 
     @classmethod
     def read(cls, path: Path, since: int | None) -> StepRecords:
-        progress, fallback, recovered = False, "", 0
+        progress, fallback, recovered, hosts = False, "", 0, None
         try:
             with path.open("rb") as handle:
                 handle.seek(since or 0)
@@ -75,10 +68,10 @@ class StepRecords:
                     if PROGRESS_RECORD in line:
                         progress = True
                     elif RECOVERY_RECORD in line:
-                        recovered += 1
+                        recovered, hosts = recovered + 1, _hosts(line) or hosts
                     elif END_RECORD in line:
                         with contextlib.suppress(ValueError, AttributeError):
                             fallback = fallback_reason(json.loads(line)) or fallback
         except OSError:
             return cls("" if since is None else "no", "", 0)
-        return cls("yes" if progress else "no", fallback, recovered)
+        return cls("yes" if progress else "no", fallback, recovered, hosts)

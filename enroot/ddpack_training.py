@@ -43,7 +43,7 @@ from ddpack_records import (
 from ddpack_settings import Recovery, recovery, step_program, value
 from ddpack_slurm import SQUEUE_TIMEOUT_S, JobFacts, command, hostnames, natural, on_each_node
 from ddpack_staging import image_command
-from ddpack_step_records import RECOVERY_FALLBACK, StepRecords, metrics_size, recovered_hosts
+from ddpack_step_records import RECOVERY_FALLBACK, StepRecords, metrics_size
 
 
 def read_count(path: Path) -> int:
@@ -323,9 +323,10 @@ class Training:
         self.max_restarts = int(settings["DDPACK_MAX_RESTARTS"])
         self.max_failed = int(settings["DDPACK_MAX_FAILURE_RESTARTS"])
         self.now = JobFacts(self.job)  # what Slurm says of the job, read once a decision (after_step starts a new one)
-        self.recovery = self.choose_recovery(settings["DDPACK_STANDBYS"], tasks_are_ranks)
+        # The standbys with the spares hosting them, and without (where no spare is left to host them).
+        self.recovery, self.plain_recovery = self.choose_recovery(settings["DDPACK_STANDBYS"], tasks_are_ranks)
         self.standbys = self.recovery.standbys
-        self.step_standbys = self.standbys  # the standbys the step running now started (`standby_step`)
+        self.step_standbys = 0  # the standbys the step running now started (`standby_step` sets it for each step)
         self.step_spares: list[str] = []  # the spare nodes hosting them ([]: none, or the standbys on the training nodes)
         self.moving = threading.Lock()  # `follow_recovery` and `fence` are called from the step's output readers
         self.lost_in_step: list[str] = []  # the nodes srun said failed in the step running now (`fence`)
@@ -343,17 +344,16 @@ class Training:
         self.recovered = 0  # ranks the last step replaced in process (the trainer's `recovery` records)
         self.crashes: dict[str, int] = {}  # crashes by node during this start: a second one puts the node out for the job
         self.avoid: list[str] = []  # nodes the next placement uses only where no other healthy node is left
-        self.now = JobFacts(self.job)  # what Slurm says of the job, read once a decision (after_step starts a new one)
         self.preflight_out = self.swapped_by_preflight()  # nodes this start's preflight found bad: out for the whole job
         self.bad_nodes += self.preflight_out
         self.warming: tuple[list[str], subprocess.Popen] | None = None  # the spares' container step and its nodes (`warm_spares`)
 
-    def choose_recovery(self, given: str, tasks_are_ranks: bool) -> Recovery:
+    def choose_recovery(self, given: str, tasks_are_ranks: bool) -> tuple[Recovery, Recovery]:
         """The standbys each training step starts (DDPACK_STANDBYS: a count, or auto, the table's rule: one where the job
         asks for no GPUs and its tasks run the bundled trainer). What the tasks run: DDPACK_COMMAND (your program), the
         trainer's flags, or the image's own command as make sqsh's record beside DDPACK_SQSH names it (pyxis templates; a
         bare-metal job runs the bundle's entrypoint, whose command is the trainer). Slurm is asked for the GPUs only
-        when the rule needs them."""
+        when the rule needs them. With the spares hosting the standbys, and without them."""
         env = os.environ
         launcher = self.command[: self.command.index("--")] if "--" in self.command else self.command
         torchrun = not tasks_are_ranks or any(word.split("=")[0] in ("--nproc-per-node", "--nproc_per_node") for word in launcher)
@@ -361,8 +361,8 @@ class Training:
         has_words = bool(env.get("DDPACK_TRAIN_ARGS", "").strip().strip("[]").strip())
         program = step_program(command=bool(env.get("DDPACK_COMMAND")), train_args=has_words, torchrun=torchrun, image_command=image)
         gpus = self.now.gpus_per_node if given == "auto" else 0
-        self.plain_recovery = recovery(given, gpus=gpus, program=program)  # where no spare is left to host them
-        return recovery(given, gpus=gpus, program=program, spares=self.spares, per_node=self.per_node)
+        plain = recovery(given, gpus=gpus, program=program)
+        return recovery(given, gpus=gpus, program=program, spares=self.spares, per_node=self.per_node), plain
 
     @functools.cached_property
     def started(self) -> list[str] | None:
@@ -410,10 +410,11 @@ class Training:
                     on_recovered=functools.partial(self.follow_recovery, before) if self.step_spares else None,
                     on_node_lost=self.fence if self.step_spares else None,
                 )
-            if self.step_spares:
-                self.follow_recovery(before)  # a recovery whose line the step's end cut short: the records say it
             self.crashed = end.crashed
             wrote = StepRecords.read(self.run_dir / METRICS, before)
+            if self.step_spares and wrote.hosts:
+                with self.moving:
+                    self.move_to(wrote.hosts)  # a recovery whose line the step's end cut short: the records say it
             self.progress, self.fallback, self.recovered = wrote.progress, wrote.fallback, wrote.recovered
             code = end.status(self.step_standbys)
             rc = 128 - code if code < 0 else code  # a step killed by a signal: its status as the shell gives it
@@ -586,10 +587,9 @@ class Training:
         node that trained is now on a spare's standbys (the node lost), that spare trains from now on, in this step, and
         the node is no longer one of this step's: one line and a `placement` record, so that a restart places the ranks
         where they are. A rank replaced on a node that still trains moves nothing. Called from the step's readers (the
-        recovery's line) and once after the step: each move is said once."""
+        recovery's line); after the step, `run` moves by the step's records, read once: each move is said once."""
         with self.moving:
-            hosts = recovered_hosts(self.run_dir / METRICS, since)
-            if hosts:
+            if hosts := StepRecords.read(self.run_dir / METRICS, since).hosts:
                 self.move_to(hosts)
 
     def fence(self, node: str) -> None:

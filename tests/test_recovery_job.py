@@ -40,6 +40,25 @@ def test_the_fallback_is_read_from_rank_0s_end_record_of_this_step_only(node: Mo
     assert node.StepRecords.read(metrics, None).fallback == ""  # a failure without --recovery
 
 
+def test_one_pass_counts_the_steps_recoveries_and_gives_the_ranks_hosts_after_the_newest(node: ModuleType, tmp_path: Path) -> None:
+    """The job program reads a step's records once after it (and at each recovery's line during it): the recoveries
+    counted, and where the ranks are after the newest one that names them (a record without `hosts`, of an older image,
+    or damaged, leaves the last known)."""
+    metrics = tmp_path / "metrics.jsonl"
+    records = [
+        {"kind": "recovery", "global_step": 40, "hosts": ["n1", "n3", "n2", "n2"]},
+        {"kind": "progress", "global_step": 41},
+        {"kind": "recovery", "global_step": 60, "hosts": ["n1", "n3", "n3", "n3"]},
+        {"kind": "recovery", "global_step": 70},
+        {"kind": "recovery", "global_step": 80, "hosts": "n1"},
+    ]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"kind": "recovery", "hosts": [\n')
+    wrote = node.StepRecords.read(metrics, None)
+    assert (wrote.recovered, wrote.hosts, wrote.progress) == (5, ["n1", "n3", "n3", "n3"], "yes")
+    assert node.StepRecords.read(metrics, metrics.stat().st_size).hosts is None
+    assert node.StepRecords.read(tmp_path / "none.jsonl", 0).hosts is None
+
+
 def test_the_restart_decision_says_why_recovery_fell_back_in_one_line_and_its_record(
     node: ModuleType, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -180,7 +199,7 @@ def test_a_pyxis_job_reads_what_its_image_runs_from_make_sqshs_record_before_it_
         monkeypatch.setenv(name, value)
     training = object.__new__(node.Training)
     training.container, training.command, training.now, training.spares = "ddpack-77", command, Facts(0), 0
-    chosen = training.choose_recovery(env.get("DDPACK_STANDBYS", "auto"), True)
-    assert (chosen.standbys, chosen.why[: len(why)]) == (standbys, why)
+    chosen, plain = training.choose_recovery(env.get("DDPACK_STANDBYS", "auto"), True)
+    assert (chosen.standbys, chosen.why[: len(why)]) == (standbys, why) and plain == chosen  # no spares: the same choice
     sqsh.write_bytes(b"hsqs, changed since make sqsh wrote its record")
-    assert training.choose_recovery("auto", True).standbys == (1 if env.get("DDPACK_TRAIN_ARGS") else 0)
+    assert training.choose_recovery("auto", True)[0].standbys == (1 if env.get("DDPACK_TRAIN_ARGS") else 0)
