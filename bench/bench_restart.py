@@ -208,7 +208,10 @@ def one_kill(
     row["twice"] = len(steps) - len(set(steps))
     recovery = next((r for r in records if r["kind"] == "recovery"), None)
     if recovery is not None:
-        row |= {"notice": recovery["failed_at"] - killed_at, **{k[:-2]: recovery[k] for k in ("decide_s", "abort_s", "new_group_s", "state_s", "first_step_s")}}
+        row |= {
+            "notice": recovery["failed_at"] - killed_at,
+            **{k[:-2]: recovery[k] for k in ("decide_s", "abort_s", "new_group_s", "state_s", "first_step_s")},
+        }
     elif standbys:
         said = [line for line in log.read_text().splitlines() if "step " not in line or "recovery" in line]  # no progress lines
         raise SystemExit(f"bench_restart: job {job} did not recover in process; its log without progress lines:\n" + "\n".join(said[-60:]))
@@ -218,10 +221,11 @@ def one_kill(
 AFTER_FROM = 40  # the throughput window's first step is the next: past the kill at step 30 and its recovery
 
 
-def one_after(enroot: Path, folder: Path, sqsh: Path | None, killed: bool, window: int) -> float:
+def one_after(enroot: Path, folder: Path, sqsh: Path | None, killed: bool, window: int) -> tuple[float, list[float]]:
     """The median samples/s over global steps AFTER_FROM + 1 to AFTER_FROM + `window` of one job with a standby (on
     ddnode1, beside ranks 0 and 1): rank 1 SIGKILLed once it trains past step 30 and replaced in process (`killed`),
-    or left alone, the run the recovered world is held to (issue 62 point 8: at least 0.9x)."""
+    or left alone, the run the recovered world is held to (issue 62 point 8: at least 0.9x); and each rank's median
+    busy ms a step there (its step less its wait for the all-reduce: which rank holds the others back)."""
     last = AFTER_FROM + window
     with submitted(enroot, folder, sqsh, "after", "DDPACK_STANDBYS=1") as (job, metrics, log):
         wait_for_progress(metrics, 30, log, "the job did not train", timeout=300)
@@ -242,7 +246,8 @@ def one_after(enroot: Path, folder: Path, sqsh: Path | None, killed: bool, windo
         kept = Path(tempfile.mkdtemp(prefix="ddpack-bench-kept-", dir="/tmp"))  # the bench's folder goes as it ends
         shutil.copytree(log.parent.parent, kept, dirs_exist_ok=True)
         raise SystemExit(f"bench_restart: job {job} logged steps {AFTER_FROM + 1}-{last} not once each; its log and run kept in {kept}")
-    return statistics.median(r["samples_per_s"] for r in window_records)
+    busy = [statistics.median(1e3 * (r["rank_step_s"][rank] - r["rank_sync_s"][rank]) for r in window_records) for rank in range(4)]
+    return statistics.median(r["samples_per_s"] for r in window_records), busy
 
 
 def after_main(rounds: int, sqsh: Path | None, window: int) -> int:
@@ -255,8 +260,10 @@ def after_main(rounds: int, sqsh: Path | None, window: int) -> int:
         rates: dict[str, list[float]] = {"uninterrupted": [], "recovered": []}
         for round_ in range(rounds):
             for side in rates:
-                rates[side].append(one_after(enroot, work / f"{side}-{round_}", sqsh, side == "recovered", window))
-                print(f"round {round_ + 1} {side:<13} {rates[side][-1]:,.0f} samples/s", flush=True)
+                rate, busy = one_after(enroot, work / f"{side}-{round_}", sqsh, side == "recovered", window)
+                rates[side].append(rate)
+                ranks = " ".join(f"{ms:.2f}" for ms in busy)
+                print(f"round {round_ + 1} {side:<13} {rate:,.0f} samples/s; busy ms a step, ranks 0-3: {ranks}", flush=True)
     path = f"pyxis-per-task.sbatch, {sqsh.name}" if sqsh else "baremetal.sbatch"
     base, now = statistics.median(rates["uninterrupted"]), statistics.median(rates["recovered"])
     ratios = ", ".join(f"{r / u:.2f}" for u, r in zip(rates["uninterrupted"], rates["recovered"], strict=True))
@@ -321,7 +328,20 @@ def import_torch_s(python: str, rounds: int = 3) -> float:
     return statistics.median(times)
 
 
-LOCAL_ARGS = ["--dataset-size", "65536", "--epochs", "1", "--log-every", "1", "--snapshot-every", "10", "--hang-timeout", "0", "--cpu-bind", "none"]
+LOCAL_ARGS = [
+    "--dataset-size",
+    "65536",
+    "--epochs",
+    "1",
+    "--log-every",
+    "1",
+    "--snapshot-every",
+    "10",
+    "--hang-timeout",
+    "0",
+    "--cpu-bind",
+    "none",
+]
 LOCAL_KILL_AT = 45  # steps: 5 past the snapshot at 40, as a failure lands on average halfway between snapshots of 10
 
 
@@ -329,7 +349,12 @@ def start_ranks(folder: Path, args: list[str], port: int, world: int = 4, standb
     """`world` ranks of `python -m train` with RANK/WORLD_SIZE/MASTER_* each (and `standbys` with --standby)."""
     procs = []
     for index in range(world + standbys):
-        rank_env = {"RANK": str(index if index < world else 0), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        rank_env = {
+            "RANK": str(index if index < world else 0),
+            "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
         with open(folder / f"task{index}.log", "ab") as out:
             argv = [sys.executable, "-m", "train", *args, *(["--standby"] if index >= world else [])]
             procs.append(subprocess.Popen(argv, env=env(OMP_NUM_THREADS="1", **rank_env), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT))
@@ -362,7 +387,9 @@ def local_restart(folder: Path) -> dict[str, float]:
     again = start_ranks(folder, args, free_port())
     try:
         deadline = time.monotonic() + 300
-        while not (past := [r for r in read_metrics(metrics) if r["kind"] == "progress" and r["time"] > killed_at and r["global_step"] > logged]):
+        while not (
+            past := [r for r in read_metrics(metrics) if r["kind"] == "progress" and r["time"] > killed_at and r["global_step"] > logged]
+        ):
             if time.monotonic() > deadline:
                 raise SystemExit(f"bench_restart: the restarted run did not train past step {logged}; see {folder}")
             time.sleep(0.01)
@@ -405,7 +432,10 @@ def local_inprocess(folder: Path) -> dict[str, float]:
             proc.kill()
             proc.wait()
     record, back = found[0], after[0]
-    stages = {"notice": record["failed_at"] - killed_at, **{k[:-2]: record[k] for k in ("decide_s", "abort_s", "new_group_s", "state_s", "first_step_s")}}
+    stages = {
+        "notice": record["failed_at"] - killed_at,
+        **{k[:-2]: record[k] for k in ("decide_s", "abort_s", "new_group_s", "state_s", "first_step_s")},
+    }
     return {**stages, "back": back["time"] - killed_at, "past": back["time"] - killed_at, "replayed": 0}
 
 
@@ -439,10 +469,16 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sqsh", type=lambda path: Path(path).resolve(),
                         help="an image (make sqsh; relative to here): the pyxis path, pyxis-per-task.sbatch, instead of bare metal")  # fmt: skip
-    parser.add_argument("--local", action="store_true", help="on this host, no Slurm: today's restart against in-process recovery (issue 56)")
-    parser.add_argument("--standbys", action="store_true", help="on the test cluster, this revision: today's restart against DDPACK_STANDBYS=1")
+    parser.add_argument(
+        "--local", action="store_true", help="on this host, no Slurm: today's restart against in-process recovery (issue 56)"
+    )
+    parser.add_argument(
+        "--standbys", action="store_true", help="on the test cluster, this revision: today's restart against DDPACK_STANDBYS=1"
+    )
     parser.add_argument("--kill-rank", type=int, default=3, help="with --standbys: the rank SIGKILLed (0: the store task's case)")
-    parser.add_argument("--second-death", action="store_true", help="with --standbys: in-process, rank 2 killed too once a new standby is warm")
+    parser.add_argument(
+        "--second-death", action="store_true", help="with --standbys: in-process, rank 2 killed too once a new standby is warm"
+    )
     parser.add_argument("--node-down", action="store_true", help="with --standbys: ddnode2 set DOWN and its tasks killed, with a spare")
     parser.add_argument("--after", type=int, metavar="STEPS",
                         help="with --standbys: samples/s over STEPS steps after rank 1's recovery in process against an uninterrupted run")  # fmt: skip
@@ -454,7 +490,10 @@ def main() -> int:
     if opts.local:
         return local_main(opts.rounds)
     if subprocess.run(["sinfo", "-h"], capture_output=True).returncode != 0:
-        print("bench_restart: no Slurm controller answers (sinfo); start the test cluster: .venv/bin/python testbed/slurm_cluster.py", file=sys.stderr)
+        print(
+            "bench_restart: no Slurm controller answers (sinfo); start the test cluster: .venv/bin/python testbed/slurm_cluster.py",
+            file=sys.stderr,
+        )
         return 2
     if opts.standbys and opts.after is not None:
         return after_main(opts.rounds, opts.sqsh, opts.after)
@@ -476,7 +515,10 @@ def main() -> int:
     print(f"{'':<8} {'detect':>7} {'decided':>8} {'started':>8} {'back':>7}")
     medians = {side: {k: statistics.median(r[k] for r in found) for k in found[0]} for side, found in rows.items()}
     for side, found in medians.items():
-        print(f"{side:<8} " + " ".join(f"{found[k]:>7.2f}" if k == "detect" else f"{found[k]:>8.2f}" for k in ("detect", "decided", "started", "back")))
+        print(
+            f"{side:<8} "
+            + " ".join(f"{found[k]:>7.2f}" if k == "detect" else f"{found[k]:>8.2f}" for k in ("detect", "decided", "started", "back"))
+        )
     now, before = medians["now"], medians["before"]
     print(f"now/before: decided {now['decided'] / before['decided']:.2f}x, back {now['back'] / before['back']:.2f}x")
     print(

@@ -239,6 +239,21 @@ def sbcast_law(work: Path, node_counts: list[int], rounds: int) -> None:
 OTHER_WORK_MAX = 0.15  # of the CPUs: beyond it, other work shared the calibration's one-CPU and two-CPU runs unevenly
 
 
+class OtherWork:
+    """The share of the host's CPUs that work other than the emulated nodes' and controller's own (their cgroups) took
+    since this was made: the host's busy CPU less theirs. The load average cannot tell: the nodes' own tasks, queued
+    on one CPU, are most of it."""
+
+    def __init__(self) -> None:
+        self.host0, self.ours0, self.wall0 = Host.ticks()[0], sum(ec.cgroup_usage().values()), time.monotonic()
+
+    def share(self) -> float:
+        cpus = os.cpu_count() or 1
+        ours = (sum(ec.cgroup_usage().values()) - self.ours0) / 1e9
+        busy = (Host.ticks()[0] - self.host0) / os.sysconf("SC_CLK_TCK")
+        return max(busy - ours, 0.0) / (max(time.monotonic() - self.wall0, 1e-9) * cpus)
+
+
 def calibrate(bench: ScaleJobs, nodes: int, rounds: int) -> tuple[list[str], dict[str, float]]:
     """The correction checked and sized against runs pinned to one CPU: the same warm start of `nodes` nodes, and the
     same swap, with every node on one CPU and on both, interleaved. With W = B + f x queued, where queued is the nodes'
@@ -254,7 +269,7 @@ def calibrate(bench: ScaleJobs, nodes: int, rounds: int) -> tuple[list[str], dic
     cases = {"start": ("warm start", lambda: bench.start("warm", nodes)), "swap": ("swap", lambda: bench.swap(nodes))}
     lines, shares = [], {}
     for case, (label, run) in cases.items():
-        host0, ours0, wall0 = Host.ticks()[0], sum(ec.cgroup_usage().values()), time.monotonic()
+        others = OtherWork()
         one: list[Result] = []
         two: list[Result] = []
         try:
@@ -268,12 +283,12 @@ def calibrate(bench: ScaleJobs, nodes: int, rounds: int) -> tuple[list[str], dic
         beyond = statistics.median(sum(r.node_cpu.values()) - max(r.node_cpu.values(), default=0) for r in two)
         share = min(max(2 * gap / beyond, 0.0), 1.0) if beyond > 0 else 1.0
         shares[case] = share
-        # Other work: the host's busy CPU less the emulated nodes' and controller's own (their cgroups). The load
-        # average cannot tell: the nodes' own tasks, queued on one CPU, are most of it.
-        cpus = os.cpu_count() or 1
-        ours = (sum(ec.cgroup_usage().values()) - ours0) / 1e9
-        other = max((Host.ticks()[0] - host0) / os.sysconf("SC_CLK_TCK") - ours, 0.0) / ((time.monotonic() - wall0) * cpus)
-        busy = f" (busy host: other work took {other:.0%} of the {cpus} CPUs during it: not trusted)" if other > OTHER_WORK_MAX else ""
+        other = others.share()
+        busy = (
+            f" (busy host: other work took {other:.0%} of the {os.cpu_count()} CPUs during it: not trusted)"
+            if other > OTHER_WORK_MAX
+            else ""
+        )
         lines.append(
             f"scale: calibration, {nodes} nodes {label} ({rounds} rounds): W(1 CPU) - W(2 CPUs) = {gap:.2f} s against the queued node CPU "
             f"(beyond the busiest node's) / 2 = {beyond / 2:.2f} s: share on the critical path {share:.2f}{busy}"
@@ -307,12 +322,10 @@ def main() -> int:
             f"bench-scale: --calibrate-at {opts.calibrate_at} is not a node count from 3 (a swap's) to {largest} (the largest size); pick one"
         )
         return 2
-    busy = ""
     if (why := ec.refusal(largest, busy_ok=opts.busy_ok)) is not None:
         print(f"bench-scale: {why}")
         return 1
-    if ec.refusal(largest) is not None:
-        busy = " (busy host)"
+    busy = " (busy host at the start)" if ec.refusal(largest) is not None else ""
     before = ec.test_cluster_now()
     if opts.sbcast_only:
         with tempfile.TemporaryDirectory(prefix="ddpack-scale-", dir="/tmp") as tmp:
@@ -329,6 +342,7 @@ def main() -> int:
         (work / "ready").mkdir(mode=0o777)
         (work / "ready").chmod(0o777)
         image = build_stub(work, opts.pad_mb)
+        others = OtherWork()
         try:
             cluster = ec.up(largest, busy_ok=True)
             size = image.stat().st_size >> 10
@@ -354,8 +368,11 @@ def main() -> int:
                     bench, opts.calibrate_at or largest, max(opts.rounds, 2)
                 )  # printed again before the summary
         finally:
+            other = others.share()  # before the teardown, while the cgroups are there to count
             left = ec.down()
             host.stop.set()
+        if other > OTHER_WORK_MAX:
+            busy = f" (busy host: other work took {other:.0%} of the CPUs)"
         if opts.sbcast_law:
             sbcast_law(work, sizes, opts.rounds)
     for line in calibration:

@@ -15,7 +15,7 @@ import torch
 from ddp_jobs import run_train
 
 from testbed.env import ROOT, clean_env
-from train.affinity import cpu_list, parse_cpu_list, plan_slices
+from train.affinity import cpu_list, crowding, parse_cpu_list, plan_slices
 from train.config import build_parser, parse_config
 from train.data import BatchKey, SeededBatches
 from train.distributed import DeviceError, choose_cuda_index
@@ -97,6 +97,40 @@ A, B = "boot-a", "boot-b"  # two machines' boot ids
 )
 def test_cpu_slices_go_to_ranks_that_share_a_machines_cpus(seen: list, expected: list) -> None:
     assert plan_slices(seen, cores_of=lambda cpus: [(cpu,) for cpu in cpus]) == expected
+
+
+def test_ranks_that_outnumber_their_machines_cpus_are_crowded_and_their_waits_sleep(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test cluster's shape (4 ranks of two nodes on one 2-CPU host, unbound) is crowded for every rank; two ranks
+    on two CPUs, ranks bound apart (srun --cpu-bind), a replacement beside bound survivors, or another machine's ranks
+    are not. A crowded rank's wait sleeps between polls instead of spinning."""
+    from train import distributed
+
+    four = [(A, (0, 1))] * 4
+    assert [crowding(four, rank) for rank in range(4)] == ["4 ranks share 2 CPUs on this machine"] * 4
+    assert crowding([(A, (0, 1)), (A, (0, 1))], 1) == ""
+    assert crowding([(A, (0,)), (A, (1,)), (A, (2, 3))], 0) == ""  # bound apart
+    assert crowding([(A, (0,)), (A, (0, 1, 2)), (A, (2,))], 1) == ""  # a replacement beside bound survivors, the slice of 1 free
+    assert crowding([(A, (0,)), (B, (0,)), (A, (0,))], 1) == "" and crowding([(A, (0,)), (B, (0,)), (A, (0,))], 0) == "2 ranks share 1 CPU on this machine"
+    assert crowding([(A, ()), (A, ())], 0) == ""  # CPUs not known: spin as before
+
+    class Work:
+        polls = 0
+
+        def is_completed(self) -> bool:
+            self.polls += 1
+            return self.polls > 3
+
+        def wait(self) -> None:
+            pass
+
+    slept: list[float] = []
+    monkeypatch.setattr(distributed.time, "sleep", slept.append)
+    monkeypatch.setattr(distributed, "crowding", "4 ranks share 2 CPUs on this machine")
+    distributed.wait_polling(Work())
+    assert slept == [distributed.CROWDED_POLL_S] * 3
+    monkeypatch.setattr(distributed, "crowding", "")
+    distributed.wait_polling(Work())
+    assert len(slept) == 3  # spun (sched_yield), slept no more
 
 
 def hyperthreaded(cpus: tuple[int, ...]) -> list[tuple[int, ...]]:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from entrypoint.plan import PlanError, job_token
-from train import run_folder
+from train import distributed, run_folder
 from train.affinity import bind_local_ranks, cpu_list
 from train.config import parse_config
 from train.distributed import (
@@ -116,6 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"start: rank {ctx.rank} world {ctx.world_size} local_rank {ctx.local_rank}/{ctx.local_world_size} "
         f"backend {ctx.backend} device {ctx.device} host {ctx.host} task {task.name} pid {os.getpid()}"
         + (f" cpus {cpu_list(bound)}" if bound is not None else "")
+        + (f"; {crowding}: its waits sleep between polls" if (crowding := distributed.crowding) else "")
     )
     metrics = MetricsFile(config.metrics_file if ctx.is_main else None, config.tensorboard if ctx.is_main else None)
 

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from train import distributed
 from train.distributed import DistContext, gather_objects
 
 
@@ -163,13 +164,28 @@ def parse_cpu_list(text: str) -> tuple[int, ...]:
     return tuple(cpus)
 
 
+def crowding(seen: list[tuple[str, tuple[int, ...]]], rank: int) -> str:
+    """From every rank's (machine, allowed CPUs): where more ranks run on `rank`'s machine than the CPUs they may run on
+    between them, how many share how few (`4 ranks share 2 CPUs on this machine`); "" where each has a CPU to itself,
+    or the CPUs are not known. Its waits then sleep (train.distributed.crowding)."""
+    machine = seen[rank][0]
+    sets = [cpus for where, cpus in seen if where == machine]
+    cpus = set().union(*sets)
+    if not cpus or not all(sets) or len(sets) <= len(cpus):
+        return ""
+    return f"{len(sets)} ranks share {len(cpus)} CPU{'s' * (len(cpus) > 1)} on this machine"
+
+
 def bind_local_ranks(ctx: DistContext) -> tuple[int, ...] | None:
     """Collective (once, at start-up): every rank says where it runs and on which CPUs; a rank that
-    shares them with others binds itself to its slice. Returns the slice, or None if left as is."""
+    shares them with others binds itself to its slice. Returns the slice, or None if left as is. Where
+    the ranks outnumber their CPUs, their waits sleep (`crowding`)."""
     if ctx.world_size == 1:  # nobody to share with: no collective at start-up
         return None
     seen = gather_objects((machine_id(), allowed_cpus(), gpu_local_cpus(ctx.device)), ctx)
-    mine = plan_slices([(machine, cpus) for machine, cpus, _ in seen], near=[local for _, _, local in seen])[ctx.rank]
+    where = [(machine, cpus) for machine, cpus, _ in seen]
+    distributed.crowding = crowding(where, ctx.rank)
+    mine = plan_slices(where, near=[local for _, _, local in seen])[ctx.rank]
     if mine is not None:
         bind_process(mine)
     return mine
@@ -191,6 +207,7 @@ def bind_replacement(ctx: DistContext, replacing: bool) -> tuple[int, ...] | Non
     the survivors' gloo threads queue on each other's cores (the recovered world trained at 0.66x before). Returns the
     CPUs it bound to, None elsewhere."""
     seen = gather_objects((machine_id(), allowed_cpus()), ctx)
+    distributed.crowding = crowding(seen, ctx.rank)  # every rank's, again: the world's processes changed
     mine = left_free(seen, ctx.rank) if replacing else None
     if mine is not None:
         bind_process(mine)

@@ -157,16 +157,31 @@ class Waitable(Protocol):
     def wait(self) -> Any: ...
 
 
+# Whether this rank's waits spin (sched_yield) or sleep between polls: they spin where the rank's CPUs are its own, and
+# sleep where more ranks share them than they have CPUs (`crowding` says how many share how few: set at start-up and
+# after a recovery by train.affinity; "" where they do not). There a spinning waiter takes the CPU from the rank it waits
+# for, and the scheduler, which balances runnable tasks by count, can leave two waiters spinning on one CPU and the two
+# ranks they wait for sharing the other: on the test cluster (4 ranks on 2 CPUs) runs went at 11-16k samples/s spinning
+# and 21-30k sleeping, and a recovered run at random half as fast. MPI libraries do the same (Open MPI stops spinning
+# when it finds a node oversubscribed).
+crowding = ""
+CROWDED_POLL_S = 0.0002  # a crowded waiter's sleep between polls: a wake-up costs about this, the CPU goes to the others
+
+
 def wait_polling(work: Waitable) -> None:
-    """Wait for a collective without letting the core go idle (see train.grad_sync for why); raises
-    the collective's error (a dead peer, --collective-timeout) as work.wait() does, or `abandon_check`'s."""
+    """Wait for a collective without letting the core go idle (see train.grad_sync for why), or, on CPUs more ranks
+    share than they have (`crowding`), sleeping between polls; raises the collective's error (a dead peer, --collective-timeout) as work.wait() does, or
+    `abandon_check`'s."""
     started = time.monotonic()
     next_check = started + ABANDON_POLL_S  # a collective done within the first poll asks nothing
     while not work.is_completed():
         if abandon_check is not None and (now := time.monotonic()) >= next_check:
             next_check = now + ABANDON_POLL_S
             abandon_check(now - started)
-        os.sched_yield()  # releases the GIL and lets this node's gloo threads run
+        if crowding:
+            time.sleep(CROWDED_POLL_S)
+        else:
+            os.sched_yield()  # releases the GIL and lets this node's gloo threads run
     work.wait()
 
 

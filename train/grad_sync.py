@@ -18,7 +18,8 @@ percentile (a scheduler tick), and that tail, not the bytes, sets the step time.
 launches every bucket's collective asynchronously, as DDP does, and hands DDP the bucket itself as
 already done; the trainer calls `finish()` after backward, just before the optimizer, which polls the
 outstanding work with sched_yield (the core never idles, the gloo threads still run) and leaves each
-result in its bucket. DDP must be built with gradient_as_bucket_view=True (`attach` checks), so the
+result in its bucket (where the ranks outnumber their CPUs it sleeps between polls instead: a spinning
+waiter would take the CPU from the rank it waits for; train.distributed.crowding). DDP must be built with gradient_as_bucket_view=True (`attach` checks), so the
 gradients are views of the buckets and the results land in them with no copy; DDP's own
 end-of-backward bookkeeping then runs while the collectives are in flight instead of after them.
 On CUDA the collective runs on NCCL's stream and nothing waits on the host: DDP's own built-in all-reduce

@@ -13,9 +13,11 @@ with the job's token and read back checked: train/recovery_channel.py):
   STALE_S, once a survivor has reported a failed collective (a late heartbeat on a loaded node while every collective
   completes is no death), is dead; so is one that has not beaten for FROZEN_S while a survivor has waited on one
   collective for WAITING_S (a frozen rank or a lost node: nothing resets a connection, nothing fails before the
-  collective timeout). The first standby to see a death writes the generation's *decision* (compare-and-set, so there
-  is one): the new roster, which standby takes which rank (a standby on another host than the dead rank's when one is
-  alive), or why recovery cannot work (`fallback`).
+  collective timeout). A member whose node says its process still runs (its beat late, the process neither stopped
+  nor ended: train/node_beats.py) is neither: a heartbeat thread held back on a saturated node is no death. The
+  first standby to see a death writes the generation's *decision* (compare-and-set, so there is one): the new roster,
+  which standby takes which rank (a standby on another host than the dead rank's when one is alive), or why recovery
+  cannot work (`fallback`).
 - A survivor learns nothing until its collective fails, or, waiting on one (gloo's polled waits), until it sees this
   generation's decision in the store (asked every 20 ms: `abandon_if_decided`): gloo cannot cancel a collective in
   flight, so without that its timeout would be how long a survivor whose own peers live waits on a dead one.
