@@ -221,6 +221,13 @@ def one_kill(
 AFTER_FROM = 40  # the throughput window's first step is the next: past the kill at step 30 and its recovery
 
 
+def kept(log: Path) -> Path:
+    """A copy of a failed job's log and run folder (the bench's own folder goes as the bench ends)."""
+    path = Path(tempfile.mkdtemp(prefix="ddpack-bench-kept-", dir="/tmp"))
+    shutil.copytree(log.parent.parent, path, dirs_exist_ok=True)
+    return path
+
+
 def one_after(enroot: Path, folder: Path, sqsh: Path | None, killed: bool, window: int) -> tuple[float, list[float]]:
     """The median samples/s over global steps AFTER_FROM + 1 to AFTER_FROM + `window` of one job with a standby (on
     ddnode1, beside ranks 0 and 1): rank 1 SIGKILLed once it trains past step 30 and replaced in process (`killed`),
@@ -235,17 +242,17 @@ def one_after(enroot: Path, folder: Path, sqsh: Path | None, killed: bool, windo
         deadline = time.monotonic() + 600
         while not any(r["kind"] == "progress" and r["global_step"] >= last for r in read_metrics(metrics)):
             if time.monotonic() > deadline:
-                raise SystemExit(f"bench_restart: job {job} did not reach step {last}; see {log}")
+                raise SystemExit(f"bench_restart: job {job} did not reach step {last}; its log and run kept in {kept(log)}")
             time.sleep(0.5)
         records = read_metrics(metrics)
     if killed and not any(r["kind"] == "recovery" for r in records):
-        raise SystemExit(f"bench_restart: job {job} did not recover in process; see {log}")
+        raise SystemExit(f"bench_restart: job {job} did not recover in process; its log and run kept in {kept(log)}")
     window_records = [r for r in records if r["kind"] == "progress" and AFTER_FROM < r["global_step"] <= last]
     steps = [r["global_step"] for r in window_records]
     if sorted(steps) != list(range(AFTER_FROM + 1, last + 1)):
-        kept = Path(tempfile.mkdtemp(prefix="ddpack-bench-kept-", dir="/tmp"))  # the bench's folder goes as it ends
-        shutil.copytree(log.parent.parent, kept, dirs_exist_ok=True)
-        raise SystemExit(f"bench_restart: job {job} logged steps {AFTER_FROM + 1}-{last} not once each; its log and run kept in {kept}")
+        raise SystemExit(
+            f"bench_restart: job {job} logged steps {AFTER_FROM + 1}-{last} not once each; its log and run kept in {kept(log)}"
+        )
     busy = [statistics.median(1e3 * (r["rank_step_s"][rank] - r["rank_sync_s"][rank]) for r in window_records) for rank in range(4)]
     return statistics.median(r["samples_per_s"] for r in window_records), busy
 
