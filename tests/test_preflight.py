@@ -5,6 +5,7 @@ a peer dies."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -178,7 +179,12 @@ def test_a_healthy_two_rank_slurm_step_passes_with_every_section(tmp_path: Path)
     assert {row["status"] for row in report["node_checks"]} == {"ok"}
     assert not list((tmp_path / "snaps").iterdir())  # the test file is gone
     out = job.output(0)
-    assert "preflight: PASS in" in out and "# Avg bus bandwidth" in out
+    # A rank whose matrix multiplies got less of a loaded host's CPU is a compute straggler (a warning, its rate against
+    # the median): the host's load, not the step's health, so the one warning a healthy step may carry here (CI's run of
+    # c5508f4 saw `median of 123 GFLOP/s (below 75%)` on its 2 cores). Any other warning fails.
+    assert all("GFLOP/s" in warning for warning in report["warnings"]), report["warnings"]
+    assert re.search(r"preflight: PASS (with \d+ warnings? \(--preflight-strict makes them failures\) )?in ", out), out
+    assert "# Avg bus bandwidth" in out
     assert job.output(1) == ""  # only rank 0 reports
 
 
