@@ -135,8 +135,9 @@ def test_a_killed_rank_is_replaced_by_the_standby_with_a_survivors_state_and_the
     assert [p.poll() for p in job.procs] == [None] * 4, job.output()  # nobody gave up, the standby and the store stayed
     ignored = [line for line in job.output().splitlines() if "recovery: ignored the store's" in line]
     assert any("gen0/decision" in line for line in ignored) and any("closed" in line for line in ignored), job.output()
-    job.send(signal.SIGKILL, [0])  # and then a real death, of rank 0, recovered in process all the same
     store = lambda: job.output(3)  # noqa: E731 - the store task's lines, and the new standby's (started by it, its output beside)
+    wait_for(lambda: "store task: new standbys fork warm from pid" in store(), 60, "the store task's forker warm")
+    job.send(signal.SIGKILL, [0])  # and then a real death, of rank 0, recovered in process all the same
     wait_for(lambda: re.search(r"standby s[0-9]+ on \S+: warm, watching", store()) is not None, 120, "the store task's new standby warm")
     assert metrics_step(metrics) < 110, "the run is almost over before the second death"
     job.send(signal.SIGKILL, [2])  # the standby in rank 0's place
@@ -146,7 +147,7 @@ def test_a_killed_rank_is_replaced_by_the_standby_with_a_survivors_state_and_the
     assert len(expected) == 1, whole.output()
     assert codes == [-signal.SIGKILL, 0, -signal.SIGKILL, 0], job.output()
     assert "serving the job's store at 127.0.0.1:" in store() and "the run ended; the store closes" in store(), store()
-    assert "store task: a standby took a place in generation 1; started a new one" in store(), store()
+    assert re.search(r"store task: a standby took a place in generation 1; started a new one \(pid \d+\)$", store(), re.M), store()
     # the standbys' names are their indexes; the store task's is past the counter the attacker bumped: s<n>
     assert re.search(r"recovery: rank 0 lost in generation 0 \(\w+\); s0 takes rank 0", job.output(1)), job.output(1)
     assert re.search(r"recovery: rank 0 lost in generation 1 \(\w+\); s[0-9]+ takes rank 0", job.output(1)), job.output(1)

@@ -36,6 +36,7 @@ from train.outcome import RECOVERY_IMPOSSIBLE, RunEnd
 from train.recovery import Membership, Recovery, RecoveryImpossible, enter, launcher_role, serve_store
 from train.signals import PreemptionWatcher
 from train.snapshot import SnapshotsUnreadable, SnapshotWriteError
+from train.standby_forker import StandbyForker
 from train.tasks import TaskError, load_task
 from train.trainer import ChecksumMismatch, Preempted, SnapshotMismatch, Trainer
 from train.watchdog import Progress, start_watchdog
@@ -49,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"train: error: {exc}", file=sys.stderr)
         return 2
     try:
-        # A --standby started by the store task has its launcher environment (`spawn_standby`): a standby, not the store.
+        # A --standby started by the store task has its launcher environment (`train.standby_forker`): a standby, not the store.
         store_task = False
         if config.store_task and not config.standby:
             default_to_one_process()  # started by hand: one process, which the store task leaves no rank (one line, exit 2)
@@ -66,13 +67,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         respawn = not torch.cuda.is_available()
         # The job program names the nodes Slurm drops from the job in the run folder, beside the metrics file.
         lost = Path(config.metrics_file).parent / run_folder.LOST_NODES if config.metrics_file else None
-        return serve_store(
-            standbys=config.standbys,
-            connect_s=config.collective_timeout,
-            log=print_store_task,
-            respawn=launched if respawn else None,
-            lost_file=lost,
-        )
+        # Forked before the store's server starts a thread: each new standby comes from it, warm (train/standby_forker.py).
+        forker = StandbyForker(launched, sys.argv[1:], main, print_store_task) if respawn else None
+        try:
+            return serve_store(
+                standbys=config.standbys, connect_s=config.collective_timeout, log=print_store_task, respawn=forker, lost_file=lost
+            )
+        finally:
+            if forker is not None:
+                forker.close()
     watcher = PreemptionWatcher()  # before the rendezvous, which can take a while under Slurm
     try:
         # The device first: a factory that allocates on CUDA allocates on this rank's GPU.

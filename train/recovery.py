@@ -43,7 +43,7 @@ standby died, another rank died).
 The store: with the store task (--store-task, the job program's steps with standbys) torch's own TCPStore is served by
 the launcher's last process, which trains nothing (`serve_store`), so rank 0 is a client and its death is recovered as
 any rank's (its duties pass to the standby in its place, which is rank 0 from then on); the store task starts a new
-standby for each one a recovery consumed (`spawn_standby`). Without it, rank 0 hosts the store and its death falls back.
+standby for each one a recovery consumed (`train.standby_forker`). Without it, rank 0 hosts the store and its death falls back.
 
 Limits: the store task's node (the first) lost takes the store with it; torchrun restarts its
 workers itself, so --recovery needs one process per rank (srun tasks, docker -e); the process group's own rendezvous
@@ -61,8 +61,6 @@ import hashlib
 import os
 import random
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, MutableMapping
@@ -83,6 +81,7 @@ from train.node_beats import LocalBeat, LocalBeats, this_process
 from train.outcome import StandbyEnd
 from train.recovery_channel import Beat, Channel, Decision, NodeBeat
 from train.signals import PreemptionWatcher
+from train.standby_forker import StandbyForker
 from train.torch_compat import abort_default_group, set_collective_timeout
 
 HEARTBEAT_S = 0.05  # each member bumps its counter this often; standbys sample every counter as often
@@ -858,18 +857,6 @@ def store_address() -> str:
 STORE_LOST = "its host (the store task's process or node; rank 0 where the job has no store task) is lost"
 
 
-def spawn_standby(environ: Mapping[str, str], log: Callable[[str], None]) -> subprocess.Popen[bytes] | None:
-    """A new standby on the store task's node, started as the store task itself was (`sys.orig_argv`: the trainer's
-    command and flags; `environ`: the launcher's environment, before `launcher_role`) with --standby: a standby started
-    by hand, the next by index past the launcher's (`Channel.new_standby`). Its lines and end record go where the
-    store task's go (the job's log)."""
-    try:
-        return subprocess.Popen([*sys.orig_argv, "--standby"], env=dict(environ))
-    except OSError as exc:
-        log(f"store task: cannot start a new standby ({first_line(exc)}); the next death beyond the standbys left falls back")
-        return None
-
-
 def lost_nodes(path: Path, seen: tuple[object, frozenset[str]]) -> tuple[object, frozenset[str]]:
     """The nodes the job program wrote to `path` (train/run_folder.py LOST_NODES: one a line, the nodes Slurm dropped
     from the job during this step), with the file's change time and size; `seen` again while the file has not changed."""
@@ -889,7 +876,7 @@ def serve_store(
     standbys: int,
     connect_s: float,
     log: Callable[[str], None],
-    respawn: Mapping[str, str] | None = None,
+    respawn: StandbyForker | None = None,
     lost_file: Path | None = None,
 ) -> int:
     """The store task (`--store-task`, DDPACK_STORE_TASK=1: the launcher's last process, which trains nothing): torch's
@@ -900,9 +887,9 @@ def serve_store(
     STORE_IDLE_S (every member gone without closing). Slurm's stop signals (SIGTERM, SIGUSR1) do not end it: a
     preempted run's ranks close the run themselves, and srun kills what is left of the step.
 
-    `respawn`, the launcher's environment (None where a standby would want a GPU the node's ranks hold): each standby a
-    recovery's decision consumed is replaced by a new one started on this node (`spawn_standby`, at most MAX_RESPAWNED
-    a run), so that a second and a third death are recovered too; it leaves once the run has ended, and its standbys.
+    `respawn` (None where a standby would want a GPU the node's ranks hold; the caller closes it): each standby a
+    recovery's decision consumed is replaced by a new one forked on this node (`StandbyForker.spawn`, at most
+    MAX_RESPAWNED a run), so that a second and a third death are recovered too.
 
     `lost_file` (the run folder's LOST_NODES, which the job program writes when srun says a node failed: Slurm dropped it
     from the job, set DOWN): its nodes are fenced on the store (`Channel.fence`), so that their members, even ones still
@@ -922,44 +909,39 @@ def serve_store(
     ranks = [f"r{rank}" for rank in range(world)]
     seen: dict[str, int] = {}
     last_rise, idle_s, closed_at = time.monotonic(), max(STORE_IDLE_S, connect_s), None
-    generation, spawned = 0, []
+    generation, spawned = 0, 0
     lost: tuple[object, frozenset[str]] = (0, frozenset())
-    try:
-        while True:
-            time.sleep(0.2)
-            now = time.monotonic()
-            if lost_file is not None and (found := lost_nodes(lost_file, lost)) != lost:
-                with contextlib.suppress(RuntimeError):
-                    channel.fence(found[1])
-                    lost = found
-                    log(f"store task: {','.join(sorted(lost[1]))} left the job (set DOWN): fenced, its members are counted dead")
-            try:
-                beats = channel.beats([*ranks, *channel.standbys()])
-                closed = closed_at is not None or channel.closed()
-                decision = channel.decision(generation, world)
-            except RuntimeError:  # its own server: never expected; a next look
-                continue
-            if decision is not None and decision.fallback is None:
-                generation = decision.generation
-                for _ in decision.replacements:
-                    if respawn is not None and len(spawned) < MAX_RESPAWNED and (child := spawn_standby(respawn, log)) is not None:
-                        spawned.append(child)
-                        log(f"store task: a standby took a place in generation {generation}; started a new one (pid {child.pid})")
-            for member, beat in beats.items():
-                if beat is not None and beat.count > seen.get(member, -1):
-                    seen[member], last_rise = beat.count, now
-            if closed and closed_at is None:
-                closed_at = now
-            if closed_at is not None and (now - last_rise >= 2 * STALE_S or now - closed_at >= STORE_LINGER_S):
-                log("store task: the run ended; the store closes")
-                return 0
-            if now - last_rise >= idle_s:
-                log(f"store task: no member's heartbeat rose for {idle_s:g}s (every rank and standby gone); the store closes")
-                return 0
-    finally:
-        for child in spawned:  # a standby the run did not need leaves on `closed`; one that took a place is a rank ending
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                child.wait(timeout=STORE_IDLE_S)
+    while True:
+        time.sleep(0.2)
+        now = time.monotonic()
+        if lost_file is not None and (found := lost_nodes(lost_file, lost)) != lost:
+            with contextlib.suppress(RuntimeError):
+                channel.fence(found[1])
+                lost = found
+                log(f"store task: {','.join(sorted(lost[1]))} left the job (set DOWN): fenced, its members are counted dead")
+        try:
+            beats = channel.beats([*ranks, *channel.standbys()])
+            closed = closed_at is not None or channel.closed()
+            decision = channel.decision(generation, world)
+        except RuntimeError:  # its own server: never expected; a next look
+            continue
+        if decision is not None and decision.fallback is None:
+            generation = decision.generation
+            for _ in decision.replacements:
+                if respawn is not None and spawned < MAX_RESPAWNED:
+                    respawn.spawn(generation)
+                    spawned += 1
+        for member, beat in beats.items():
+            if beat is not None and beat.count > seen.get(member, -1):
+                seen[member], last_rise = beat.count, now
+        if closed and closed_at is None:
+            closed_at = now
+        if closed_at is not None and (now - last_rise >= 2 * STALE_S or now - closed_at >= STORE_LINGER_S):
+            log("store task: the run ended; the store closes")
+            return 0
+        if now - last_rise >= idle_s:
+            log(f"store task: no member's heartbeat rose for {idle_s:g}s (every rank and standby gone); the store closes")
+            return 0
 
 
 def enter(

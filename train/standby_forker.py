@@ -1,0 +1,190 @@
+"""New standbys for the store task, forked from a process that has already paid for a standby's start.
+
+A standby started cold imports torch and the trainer (about 2 s of CPU here), then its first DDP construction imports
+torch._dynamo (about 2 s more; `train.recovery.warm_up`). After a recovery the store task started one that way, on
+its node, while the recovered world trained there: on the test cluster's 2 CPUs those 4 s of CPU took a fifth of the
+ranks' CPU over the ~600 steps after a recovery (0.78x an uninterrupted run's samples/s). So the store task forks one
+process (`StandbyForker`) before it serves the job's store. It has the trainer imported already (the store task is
+`python -m train`); it imports torch._dynamo at the lowest CPU priority, in a thread, so that the ranks' start and
+steps never wait for it; then it forks each new standby from that state on request: the standby is watching about
+0.3 s after the decision that consumed the last one, at about 0.2 s of CPU (its own warm-up, every module loaded).
+
+Why a fork is safe here: the forker is forked before the store's server starts its threads, and it only imports (no
+process group, no thread pool, no CUDA context: the store task starts none where a GPU is visible); it forks once its
+import thread has ended, so each standby starts from a process with no thread of ddpack's, as a DataLoader worker
+does. A request that comes before the imports are done, or once the forker is gone, starts a standby cold, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from train.distributed import first_line, run_program
+
+# How long the forker's end waits for the standbys it started (each leaves on the run's `closed` key).
+CHILDREN_WAIT_S = 30.0
+# The import thread's nice value: the lowest priority there is, so it runs on CPU time nothing else wants.
+IDLE_NICE = 19
+
+Log = Callable[[str], None]
+
+
+def started(generation: object, pid: int, cold: str | None = None) -> str:
+    """The store task's line for a new standby: forked warm, or started cold and why."""
+    how = f" cold (pid {pid}): {cold}" if cold else f" (pid {pid})"
+    return f"store task: a standby took a place in generation {generation}; started a new one{how}"
+
+
+def spawn_standby(environ: Mapping[str, str], log: Log) -> subprocess.Popen[bytes] | None:
+    """A new standby started cold, as the store task itself was (`sys.orig_argv`: the trainer's command and flags;
+    `environ`: the launcher's environment, before `launcher_role`) with --standby: a standby started by hand, the next by
+    index past the launcher's (`Channel.new_standby`). Its lines and end record go where the store task's go."""
+    try:
+        return subprocess.Popen([*sys.orig_argv, "--standby"], env=dict(environ))
+    except OSError as exc:
+        log(f"store task: cannot start a new standby ({first_line(exc)}); the next death beyond the standbys left falls back")
+        return None
+
+
+def warm_imports() -> None:
+    """What a standby's warm-up costs beyond the trainer's own imports: torch._dynamo, which DDP's first construction
+    imports (`train.recovery.warm_up`: 2.1 s of its 2.3 s here). Imports only: they start no thread."""
+    import torch._dynamo  # noqa: F401  (what is imported is the point)
+
+
+class StandbyForker:
+    """The store task's source of new standbys: a child process forked at once (call it before the store's server
+    starts a thread) that warms up (`warm_imports`, at IDLE_NICE) and then forks a standby for each `spawn`; each says
+    so in the job's log with its pid. `close()` ends it once its standbys have left."""
+
+    def __init__(self, environ: Mapping[str, str], argv: Sequence[str], main: Callable[[Sequence[str]], int], log: Log) -> None:
+        """`environ`: the launcher's environment, each standby's; `argv`: the trainer's flags (the store task's own), to
+        which each standby adds --standby; `main`: the trainer's `main`, which a forked standby runs; `log`: the store
+        task's lines."""
+        self.log = log
+        self.environ = dict(environ)
+        self._cold: list[subprocess.Popen[bytes]] = []
+        sys.stdout.flush()
+        sys.stderr.flush()
+        read, self._requests = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:  # the forker
+            try:
+                os.close(self._requests)
+                _Forker(self.environ, [*argv, "--standby"], main, log).serve(read)
+            finally:
+                sys.stdout.flush()
+                os._exit(0)
+        os.close(read)
+
+    def spawn(self, generation: int) -> None:
+        """A new standby for one that generation `generation`'s decision gave a place; cold where the forker is gone."""
+        try:
+            os.write(self._requests, f"{generation}\n".encode())
+            return
+        except OSError:  # BrokenPipeError: the forker has ended (Python ignores SIGPIPE)
+            pass
+        if (child := spawn_standby(self.environ, self.log)) is not None:
+            self._cold.append(child)
+            self.log(started(generation, child.pid, "the forker has ended"))
+
+    def close(self) -> None:
+        """No more standbys: the forker waits for those it started (each leaves on the run's `closed` key), then ends."""
+        with contextlib.suppress(OSError):
+            os.close(self._requests)
+        deadline = time.monotonic() + CHILDREN_WAIT_S + 5
+        while not _ended(self.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for child in self._cold:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.wait(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def _ended(pid: int) -> bool:
+    """Whether child `pid` has ended (reaped now, or already)."""
+    try:
+        return os.waitpid(pid, os.WNOHANG)[0] == pid
+    except ChildProcessError:
+        return True
+
+
+class _Forker:
+    """The forked process: warms up in a thread of the lowest priority, forks a standby for each request."""
+
+    def __init__(self, environ: dict[str, str], argv: list[str], main: Callable[[Sequence[str]], int], log: Log) -> None:
+        self.environ, self.argv, self.main, self.log = environ, argv, main, log
+        self.children: set[int] = set()
+        self.cold: list[subprocess.Popen[bytes]] = []
+        self.warm = threading.Event()
+        self.warming = threading.Thread(target=self._warm, name="ddpack-standby-warm", daemon=True)
+
+    def _warm(self) -> None:
+        with contextlib.suppress(OSError):  # Linux: a thread's nice value is its own; the forking thread keeps 0
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), IDLE_NICE)
+        began = time.monotonic()
+        try:
+            warm_imports()
+        except Exception as exc:
+            self.log(f"store task: the standbys' warm-up failed ({type(exc).__name__}: {first_line(exc)}); new standbys fork without it")
+        else:
+            self.log(
+                f"store task: new standbys fork warm from pid {os.getpid()} (their imports done in {time.monotonic() - began:.1f}s at nice {IDLE_NICE})"
+            )
+        self.warm.set()
+
+    def serve(self, requests: int) -> None:
+        """Requests until the store task closes the pipe (or is gone), then its standbys' ends."""
+        for stop in (signal.SIGTERM, signal.SIGUSR1):  # as the store task: Slurm's stop signals are the ranks' and standbys'
+            signal.signal(stop, signal.SIG_IGN)
+        self.warming.start()
+        pending = b""
+        while True:
+            readable, _, _ = select.select([requests], [], [], 1.0)
+            self.children = {pid for pid in self.children if not _ended(pid)}
+            if not readable:
+                continue
+            data = os.read(requests, 256)
+            if not data:
+                break
+            *lines, pending = (pending + data).split(b"\n")
+            for generation in lines:
+                self._spawn(requests, generation.decode())
+        deadline = time.monotonic() + CHILDREN_WAIT_S
+        while (self.children or any(c.poll() is None for c in self.cold)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            self.children = {pid for pid in self.children if not _ended(pid)}
+
+    def _spawn(self, requests: int, generation: str) -> None:
+        if not self.warm.is_set():  # forking beside a thread mid-import would copy its half-loaded modules
+            if (child := spawn_standby(self.environ, self.log)) is not None:
+                self.cold.append(child)
+                self.log(started(generation, child.pid, "still warming"))
+            return
+        self.warming.join()  # past its last statement: the fork copies no thread of ours
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            self.log(f"store task: cannot start a new standby ({first_line(exc)}); the next death beyond the standbys left falls back")
+            return
+        if pid == 0:
+            try:
+                os.close(requests)
+                for stop in (signal.SIGTERM, signal.SIGUSR1):  # its watcher takes them
+                    signal.signal(stop, signal.SIG_DFL)
+                os.environ.clear()
+                os.environ.update(self.environ)
+                run_program(lambda: self.main(self.argv))  # ends the process
+            finally:
+                os._exit(1)
+        self.children.add(pid)
+        self.log(started(generation, pid))
