@@ -78,10 +78,10 @@ def container_srun(args: list[str], cwd: Path, user: str | None = None) -> subpr
     return subprocess.run(argv, env=job_env, cwd=cwd, capture_output=True, text=True, timeout=900)
 
 
-# Both shapes as root, and the per-task shape (each task its own container) as a user.
-@pytest.mark.parametrize(
-    ("shape", "as_user"), [("per-task", False), ("torchrun", False), ("per-task", True)], ids=["per-task-root", "torchrun-root", "per-task-user"]
-)
+# Each shape once: torchrun (a container a node) as root, per-task (each task its own container) as a user, the case
+# with more to go wrong (enroot copies the user's shell, the snapshots are the user's). Per-task as root proved nothing
+# these two do not (14 s of CI).
+@pytest.mark.parametrize(("shape", "as_user"), [("torchrun", False), ("per-task", True)], ids=["torchrun-root", "per-task-user"])
 def test_srun_container_image_runs_one_ddp_job(sqsh: Path, shared: Path, job_user: str, shape: str, as_user: bool) -> None:
     work = Path(tempfile.mkdtemp(prefix=f"srun-{shape}-", dir=shared))
     work.chmod(0o1777)

@@ -1,5 +1,6 @@
-"""The store task's source of new standbys (train/standby_forker.py): forked warm once its imports are done, cold
-before that and once it is gone, in each case with the launcher's environment and the trainer's flags plus --standby."""
+"""The store task's source of new standbys (train/standby_forker.py): forked warm once its imports are done (a request
+before that waits for them), cold once it is gone, in each case with the launcher's environment and the trainer's flags
+plus --standby."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import os
 import re
 import signal
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,7 +37,6 @@ def writing_main(out: Path):  # type: ignore[no-untyped-def]
             "env": os.environ.get("WHO"),
             "pid": os.getpid(),
             "term": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
-            "nice": os.getpriority(os.PRIO_PROCESS, 0),
         }
         (out / f"{os.getpid()}.json").write_text(json.dumps(seen))
         return 0
@@ -58,12 +57,10 @@ def test_a_new_standby_is_forked_warm_with_the_launchers_environment_and_standby
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
     warmed = tmp_path / "warmed"
-    nice = lambda: warmed.write_text(str(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))  # noqa: E731
-    monkeypatch.setattr(standby_forker, "warm_imports", nice)  # what it imports is not this test's point: at which priority
+    monkeypatch.setattr(standby_forker, "warm_imports", warmed.touch)  # what it imports is not this test's point
     forker = StandbyForker({"WHO": "launcher"}, ["--recovery", "--store-task"], writing_main(tmp_path), printed)
     try:
         wait_for(warmed.exists)
-        time.sleep(0.3)  # the thread's last statement, after the imports
         forker.spawn(1)
         forker.spawn(2)
         found = wait_for(lambda: len(records(tmp_path)) == 2 and records(tmp_path))
@@ -71,16 +68,13 @@ def test_a_new_standby_is_forked_warm_with_the_launchers_environment_and_standby
         forker.close()
     assert [r["argv"] for r in found] == [["--recovery", "--store-task", "--standby"]] * 2
     assert {r["env"] for r in found} == {"launcher"} and all(r["term"] for r in found)  # its watcher takes SIGTERM
-    assert warmed.read_text() == "19" and {r["nice"] for r in found} == {
-        os.getpriority(os.PRIO_PROCESS, 0)
-    }  # idle warm-up, not the standbys
     assert {r["pid"] for r in found}.isdisjoint({os.getpid(), forker.pid})
     assert os.environ.get("WHO") is None  # this process's environment is its own
     with pytest.raises(ChildProcessError):
         os.waitpid(forker.pid, os.WNOHANG)  # reaped by close()
     out = capfd.readouterr().out
     assert re.search(
-        rf"^store task: new standbys fork warm from pid {forker.pid} \(their imports done in [0-9.]+s at nice 19\)$", out, re.M
+        rf"^store task: new standbys fork warm from pid {forker.pid} \(their imports done in [0-9.]+s\)$", out, re.M
     ), out
     said = [line for line in out.splitlines() if line.startswith("store task: a standby took")]
     pids = {int(line.rsplit("pid ", 1)[1].rstrip(")")) for line in said}
@@ -88,20 +82,22 @@ def test_a_new_standby_is_forked_warm_with_the_launchers_environment_and_standby
     assert pids == {r["pid"] for r in found} and all(line.split("; ")[1].startswith("started a new one (pid") for line in said), said
 
 
-def test_a_request_before_the_imports_end_starts_a_standby_cold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Forking beside a thread mid-import would copy its half-loaded modules: cold instead, the standby's own command."""
-    monkeypatch.setattr(standby_forker, "warm_imports", lambda: time.sleep(30))
-    script = tmp_path / "standby.py"
-    script.write_text("import json, os, sys\nopen(os.environ['OUT'], 'w').write(json.dumps(sys.argv[1:]))\n")
-    monkeypatch.setattr(sys, "orig_argv", [sys.executable, str(script), "--recovery"])
-    out = tmp_path / "cold.json"
-    forker = StandbyForker({"OUT": str(out)}, ["--recovery"], writing_main(tmp_path), printed)
-    forker.spawn(1)
-    wait_for(out.exists)
-    os.kill(forker.pid, signal.SIGKILL)  # its warm-up would take 30 s; what it started is done
-    forker.close()
-    assert json.loads(wait_for(lambda: out.read_text())) == ["--recovery", "--standby"]
-    assert records(tmp_path) == []  # nothing forked
+def test_a_request_while_the_forker_imports_is_forked_once_it_is_warm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A death in the job's first seconds: the request waits in the pipe for the warm-up, and the standby is forked
+    after it, never started cold beside an import half done."""
+    monkeypatch.setattr(standby_forker, "warm_imports", lambda: time.sleep(1.0))
+    forker = StandbyForker({"WHO": "launcher"}, ["--recovery"], writing_main(tmp_path), printed)
+    try:
+        forker.spawn(1)  # at once: the forker is still importing
+        found = wait_for(lambda: records(tmp_path))
+    finally:
+        forker.close()
+    assert [r["argv"] for r in found] == [["--recovery", "--standby"]]
+    out = capfd.readouterr().out
+    warm, started = out.index("store task: new standbys fork warm"), out.index(f"started a new one (pid {found[0]['pid']})")
+    assert warm < started and "cold" not in out, out
 
 
 def test_once_the_forker_is_gone_the_store_task_starts_a_standby_cold_and_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

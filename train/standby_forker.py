@@ -3,16 +3,19 @@
 A standby started cold imports torch and the trainer (about 2 s of CPU here), then its first DDP construction imports
 torch._dynamo (about 2 s more; `train.recovery.warm_up`). After a recovery the store task started one that way, on
 its node, while the recovered world trained there: on the test cluster's 2 CPUs those 4 s of CPU took a fifth of the
-ranks' CPU over the ~600 steps after a recovery (0.78x an uninterrupted run's samples/s). So the store task forks one
+ranks' CPU over the ~600 steps after a recovery (0.74x an uninterrupted run's samples/s). So the store task forks one
 process (`StandbyForker`) before it serves the job's store. It has the trainer imported already (the store task is
-`python -m train`); it imports torch._dynamo at the lowest CPU priority, in a thread, so that the ranks' start and
-steps never wait for it; then it forks each new standby from that state on request: the standby is watching about
-0.3 s after the decision that consumed the last one, at about 0.2 s of CPU (its own warm-up, every module loaded).
+`python -m train`); it imports torch._dynamo at once, at the job's start, while the ranks start (2 s of one core, once
+a job, where they import the same), and then forks each new standby from that state on request: the standby is
+watching about 0.3 s after the decision that consumed the last one, at about 0.2 s of CPU (its own warm-up, every
+module loaded), and nothing of it falls in the steps after a recovery. (A warm-up at the lowest priority instead, in a
+thread, was tried: on the test cluster's saturated CPUs it was often not done when the first rank died, and that
+standby then started cold.)
 
 Why a fork is safe here: the forker is forked before the store's server starts its threads, and it only imports (no
-process group, no thread pool, no CUDA context: the store task starts none where a GPU is visible); it forks once its
-import thread has ended, so each standby starts from a process with no thread of ddpack's, as a DataLoader worker
-does. A request that comes before the imports are done, or once the forker is gone, starts a standby cold, as before.
+process group, no thread pool, no CUDA context: the store task starts none where a GPU is visible), so each standby
+starts from a process with no thread of ddpack's, as a DataLoader worker does. A request that comes while the forker
+imports is served once it is done; once the forker is gone, the store task starts the standby cold, as before.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ import select
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -31,8 +33,7 @@ from train.distributed import first_line, run_program
 
 # How long the forker's end waits for the standbys it started (each leaves on the run's `closed` key).
 CHILDREN_WAIT_S = 30.0
-# The import thread's nice value: the lowest priority there is, so it runs on CPU time nothing else wants.
-IDLE_NICE = 19
+
 
 Log = Callable[[str], None]
 
@@ -62,7 +63,7 @@ def warm_imports() -> None:
 
 class StandbyForker:
     """The store task's source of new standbys: a child process forked at once (call it before the store's server
-    starts a thread) that warms up (`warm_imports`, at IDLE_NICE) and then forks a standby for each `spawn`; each says
+    starts a thread) that warms up (`warm_imports`) and then forks a standby for each `spawn`; each says
     so in the job's log with its pid. `close()` ends it once its standbys have left."""
 
     def __init__(self, environ: Mapping[str, str], argv: Sequence[str], main: Callable[[Sequence[str]], int], log: Log) -> None:
@@ -117,34 +118,23 @@ def _ended(pid: int) -> bool:
 
 
 class _Forker:
-    """The forked process: warms up in a thread of the lowest priority, forks a standby for each request."""
+    """The forked process: warms up, then forks a standby for each request."""
 
     def __init__(self, environ: dict[str, str], argv: list[str], main: Callable[[Sequence[str]], int], log: Log) -> None:
         self.environ, self.argv, self.main, self.log = environ, argv, main, log
         self.children: set[int] = set()
-        self.cold: list[subprocess.Popen[bytes]] = []
-        self.warm = threading.Event()
-        self.warming = threading.Thread(target=self._warm, name="ddpack-standby-warm", daemon=True)
 
-    def _warm(self) -> None:
-        with contextlib.suppress(OSError):  # Linux: a thread's nice value is its own; the forking thread keeps 0
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), IDLE_NICE)
+    def serve(self, requests: int) -> None:
+        """Warm up, then requests until the store task closes the pipe (or is gone), then its standbys' ends."""
+        for stop in (signal.SIGTERM, signal.SIGUSR1):  # as the store task: Slurm's stop signals are the ranks' and standbys'
+            signal.signal(stop, signal.SIG_IGN)
         began = time.monotonic()
         try:
             warm_imports()
-        except Exception as exc:
+        except Exception as exc:  # what failed to import, a forked standby imports (and reports) itself
             self.log(f"store task: the standbys' warm-up failed ({type(exc).__name__}: {first_line(exc)}); new standbys fork without it")
         else:
-            self.log(
-                f"store task: new standbys fork warm from pid {os.getpid()} (their imports done in {time.monotonic() - began:.1f}s at nice {IDLE_NICE})"
-            )
-        self.warm.set()
-
-    def serve(self, requests: int) -> None:
-        """Requests until the store task closes the pipe (or is gone), then its standbys' ends."""
-        for stop in (signal.SIGTERM, signal.SIGUSR1):  # as the store task: Slurm's stop signals are the ranks' and standbys'
-            signal.signal(stop, signal.SIG_IGN)
-        self.warming.start()
+            self.log(f"store task: new standbys fork warm from pid {os.getpid()} (their imports done in {time.monotonic() - began:.1f}s)")
         pending = b""
         while True:
             readable, _, _ = select.select([requests], [], [], 1.0)
@@ -158,17 +148,11 @@ class _Forker:
             for generation in lines:
                 self._spawn(requests, generation.decode())
         deadline = time.monotonic() + CHILDREN_WAIT_S
-        while (self.children or any(c.poll() is None for c in self.cold)) and time.monotonic() < deadline:
+        while self.children and time.monotonic() < deadline:
             time.sleep(0.1)
             self.children = {pid for pid in self.children if not _ended(pid)}
 
     def _spawn(self, requests: int, generation: str) -> None:
-        if not self.warm.is_set():  # forking beside a thread mid-import would copy its half-loaded modules
-            if (child := spawn_standby(self.environ, self.log)) is not None:
-                self.cold.append(child)
-                self.log(started(generation, child.pid, "still warming"))
-            return
-        self.warming.join()  # past its last statement: the fork copies no thread of ours
         sys.stdout.flush()
         sys.stderr.flush()
         try:
