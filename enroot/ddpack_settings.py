@@ -113,6 +113,12 @@ SETTINGS: dict[str, Setting] = {
         "tests only: RANK:FILE, that rank SIGKILLs itself in its next progress all-reduce once FILE exists (--recovery)",
         own=True,
     ),
+    "DDPACK_TEST_DIE_IN_SNAPSHOT": Setting(
+        r"\d+:.+",
+        "",
+        "tests only: RANK:FILE, that rank SIGKILLs itself in its next snapshot's gather once FILE exists (--recovery)",
+        own=True,
+    ),
     "DDPACK_END_FILE": Setting(None, "", "where a program of yours records how it ended (the launcher's, per rank)", own=True),
     "DDPACK_SNAPSHOT_DIR": Setting(None, "", "the run folder's snapshots/ (the template's)", own=True),
     "DDPACK_METRICS_FILE": Setting(None, "", "the run folder's metrics.jsonl (the template's)", own=True),

@@ -328,3 +328,20 @@ def test_a_rank_killed_between_two_buckets_of_a_step_costs_no_exactness_at_four_
         name = f"snapshots/snapshot-{step:010d}.pt"
         got, want = snapshot_state(runs["killed"][0] / name), snapshot_state(runs["reference"][0] / name)
         assert same_tensors(got, want), f"the snapshot of step {step} differs from the uninterrupted run's"
+
+
+def test_a_death_inside_a_snapshots_gather_is_recovered_and_every_rank_takes_that_snapshot(tmp_path: Path) -> None:
+    """Rank 1 dies entering the step-4 snapshot's gather (DDPACK_TEST_DIE_IN_SNAPSHOT, tests only), once the standby
+    watches: the standby takes its place, and the snapshot the death interrupted is taken at once by every rank of the
+    new group, the replacement too (taken by the survivors alone, as before, its gather waited on a replacement gone on
+    to the next step: on the test cluster the recovered world stuck there, its ranks waiting)."""
+    snaps, die = tmp_path / "snaps", tmp_path / "die"
+    args = [*ARGS[:-3], "--snapshot-dir", str(snaps), "--snapshot-every", "4", "--keep-snapshots", "9", "--max-steps", "10", "--recovery", "--cpu-bind", "none"]
+    args += ["--task", "plugins.slow_rank:task"]
+    job = start_with_standbys(tmp_path, 2, args, standbys=1, DDPACK_TEST_DIE_IN_SNAPSHOT=f"1:{die}", **{**SLOW, "SLOW_RANK_MS": "300"})
+    wait_for(lambda: "warm, watching" in job.output(2), 120, "the standby watching")
+    die.touch()
+    assert job.wait() == [0, -signal.SIGKILL, 0], job.output()
+    assert len({*job.checksums()}) == 1, job.output()
+    taken = re.search(r"snapshot at global step (\d+) was interrupted by the death: taking it now", job.output(0))
+    assert taken and (snaps / f"snapshot-{int(taken[1]):010d}.pt").is_file(), job.output(0)

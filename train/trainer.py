@@ -137,19 +137,22 @@ def _death_in_sync(environ: Mapping[str, str]) -> tuple[int, int] | None:
     return int(rank), int(step)
 
 
-# Tests only (tests/test_recovery_dist.py): `<rank>:<file>` makes that rank SIGKILL itself as it enters the first
-# progress line's all-reduce after the file appears, under --recovery: a death that interrupts a progress line.
+# Tests only (tests/test_recovery_dist.py), read under --recovery: `<rank>:<file>` makes that rank SIGKILL itself, once
+# the file exists, as it enters the first progress line's all-reduce (DIE_IN_PROGRESS: a death that interrupts a
+# progress line) or a snapshot's gather (DIE_IN_SNAPSHOT: a death that interrupts a snapshot).
 DIE_IN_PROGRESS = "DDPACK_TEST_DIE_IN_PROGRESS"
+DIE_IN_SNAPSHOT = "DDPACK_TEST_DIE_IN_SNAPSHOT"
 
 
-def _death_in_progress(environ: Mapping[str, str], rank: int) -> Path | None:
-    """DIE_IN_PROGRESS's file where it names `rank`, else None; bad input is one line naming what is expected."""
-    text = environ.get(DIE_IN_PROGRESS)
+def _death_on_file(environ: Mapping[str, str], name: str, rank: int) -> Path | None:
+    """The file of the test knob `name` (DIE_IN_PROGRESS, DIE_IN_SNAPSHOT) where it names `rank`, else None; bad input
+    is one line naming what is expected."""
+    text = environ.get(name)
     if not text:
         return None
     named, _, path = text.partition(":")
     if not (named.isdigit() and path):
-        raise ValueError(f"{DIE_IN_PROGRESS}={text!r} is not <rank>:<file>; expected such as 1:/tmp/die")
+        raise ValueError(f"{name}={text!r} is not <rank>:<file>; expected such as 1:/tmp/die")
     return Path(path) if int(named) == rank else None
 
 
@@ -259,7 +262,9 @@ class Trainer:
         self.last_progress_step = -1  # the global step of the last progress line (set as the loop starts)
         self.window = Window()  # since the last progress line: kept through a recovery, for the line its death interrupted
         self._die_at = _death_in_sync(os.environ) if recovery is not None and not recovery.replacing else None
-        self._die_in_progress = _death_in_progress(os.environ, ctx.rank) if recovery is not None and not recovery.replacing else None
+        armed = recovery is not None and not recovery.replacing
+        self._die_in_progress = _death_on_file(os.environ, DIE_IN_PROGRESS, ctx.rank) if armed else None
+        self._die_in_snapshot = _death_on_file(os.environ, DIE_IN_SNAPSHOT, ctx.rank) if armed else None
 
     # ------------------------------------------------------------------ set-up
 
@@ -368,6 +373,8 @@ class Trainer:
             # Timed, as every collective is: a peer frozen before the gather is a hang. Were it counted as
             # progress, the ranks waiting here would look busy to the watchdog for as long as they wait.
             self.progress.enter(Phase.SNAPSHOT_GATHER)
+            if self._die_in_snapshot is not None and self._die_in_snapshot.exists():
+                os.kill(os.getpid(), signal.SIGKILL)  # DIE_IN_SNAPSHOT (tests only)
             rng_all = gather_objects(_rng_state(self.ctx.device), self.ctx)
         self.progress.enter_counted(Phase.SNAPSHOT)  # from here on local and maybe long: the copy, a durable write
         if rng_all is not None:
@@ -561,18 +568,6 @@ class Trainer:
                     self.recovery.hosts_changed(self.hosts)  # the standby's host now stands for the dead rank's
                 self._take_state()
                 self.model.train()
-                every = self.config.snapshot_every
-                if (
-                    self.config.snapshot_dir
-                    and every
-                    and self.global_step
-                    and self.global_step % every == 0
-                    and self.last_snapshot_step != self.global_step
-                ):
-                    # The death came in this step's snapshot (its gather) or before it was taken: take it now, not at
-                    # the next interval, and say so (a snapshot skipped in silence is one a restart misses).
-                    self.log(f"snapshot at global step {self.global_step} was interrupted by the death: taking it now", main_only=True)
-                    self.snapshot()
 
     def _take_state(self) -> None:
         """Collective, on a new group: every rank takes the state of the rank whose confirmed step is the greatest
@@ -619,6 +614,20 @@ class Trainer:
             self.log(f"standby took rank {self.ctx.rank}: state of rank {source} at {self._position()}")
         if self.recovery is not None:
             self.recovery.took_state(gathered[source][1])
+        every = self.config.snapshot_every
+        if (
+            self.config.snapshot_dir
+            and every
+            and self.global_step
+            and self.global_step % every == 0
+            and self.last_snapshot_step != self.global_step
+        ):
+            # The death came in this step's snapshot (its gather) or before it was taken: take it now, not at the next
+            # interval, and say so (a snapshot skipped in silence is one a restart misses). Here, so that every rank of
+            # the new group takes it, the replacement too: taken by the survivors alone, its gather waited on a standby
+            # that had gone on to the next step (seen on the test cluster: the recovered world stuck, its ranks waiting).
+            self.log(f"snapshot at global step {self.global_step} was interrupted by the death: taking it now", main_only=True)
+            self.snapshot()
 
     def _settle_buckets(self) -> None:
         """Collective, on a new group, before the state arrives: one forward and backward of no consequence (a loss
