@@ -171,9 +171,9 @@ def test_a_lost_node_killed_tasks_and_a_frozen_rank_each_come_back_and_resume_fr
     the allocation is too small, so the template requeues (saying why ddnode2 is not kept out: the partition has
     no node to spare); the run finishes with agreeing checksums."""
     # Each of the three starts is held at its step 31 while the test takes its node, kills its tasks or freezes its rank.
-    gate = hold_training(tmp_path, 30, train_args="--dataset-size 8192 --epochs 3 --log-every 1 --snapshot-every 20 --hang-timeout 15")
+    gate = hold_training(tmp_path, 30, train_args="--dataset-size 8192 --epochs 3 --log-every 1 --snapshot-every 20 --hang-timeout 10")
     job, _, log = submit(
-        tmp_path, "lost", DDPACK_TRAIN_ARGS=gate.train_args, DDPACK_MAX_FAILURE_RESTARTS="3", DDPACK_STEP_WAIT="10", **gate.settings
+        tmp_path, "lost", DDPACK_TRAIN_ARGS=gate.train_args, DDPACK_MAX_FAILURE_RESTARTS="3", DDPACK_STEP_WAIT="5", **gate.settings
     )
     first_start = gate.held(log, 4)
     try:
