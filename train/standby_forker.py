@@ -32,8 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from train.distributed import first_line, run_program
 
 # How long the forker's end waits for the standbys it started (each leaves on the run's `closed` key).
-CHILDREN_WAIT_S = 30.0
-
+CHILDREN_WAIT_S = 30.0  # train.recovery's STORE_IDLE_S, which this module cannot import (recovery imports it)
 
 Log = Callable[[str], None]
 
@@ -117,6 +116,11 @@ def _ended(pid: int) -> bool:
         return True
 
 
+def _running(children: set[int]) -> set[int]:
+    """Those of `children` still running; the ended are reaped."""
+    return {pid for pid in children if not _ended(pid)}
+
+
 class _Forker:
     """The forked process: warms up, then forks a standby for each request."""
 
@@ -138,7 +142,7 @@ class _Forker:
         pending = b""
         while True:
             readable, _, _ = select.select([requests], [], [], 1.0)
-            self.children = {pid for pid in self.children if not _ended(pid)}
+            self.children = _running(self.children)
             if not readable:
                 continue
             data = os.read(requests, 256)
@@ -150,7 +154,7 @@ class _Forker:
         deadline = time.monotonic() + CHILDREN_WAIT_S
         while self.children and time.monotonic() < deadline:
             time.sleep(0.1)
-            self.children = {pid for pid in self.children if not _ended(pid)}
+            self.children = _running(self.children)
 
     def _spawn(self, requests: int, generation: str) -> None:
         sys.stdout.flush()
