@@ -772,7 +772,8 @@ def test_a_job_that_ends_while_its_spares_container_is_being_made_stops_that_mak
     """The job's container leaves every node at its end: a making still under way on the spare is stopped first (srun
     SIGTERMed, which cancels its step), never left racing the removal, and the job does not wait for it."""
     log = tmp_path / "warm.txt"
-    srun = f'#!/bin/sh\ncase "$*" in *" true") trap \'echo stopped >> "{log}"; exit 143\' TERM; echo making >> "{log}"; sleep 20 & wait ;; esac\n'
+    # Its sleep goes with it, as a real srun's step does when srun is ended: an orphan would hold the output pipe 20 s.
+    srun = f'#!/bin/sh\ncase "$*" in *" true") trap \'echo stopped >> "{log}"; kill $!; exit 143\' TERM; echo making >> "{log}"; sleep 20 & wait ;; esac\n'
     (tmp_path / "srun").write_text(srun)
     (tmp_path / "srun").chmod(0o755)
     began = f'while [ ! -s "{log}" ]; do sleep 0.05; done'
