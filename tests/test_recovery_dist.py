@@ -345,3 +345,27 @@ def test_a_death_inside_a_snapshots_gather_is_recovered_and_every_rank_takes_tha
     assert len({*job.checksums()}) == 1, job.output()
     taken = re.search(r"snapshot at global step (\d+) was interrupted by the death: taking it now", job.output(0))
     assert taken and (snaps / f"snapshot-{int(taken[1]):010d}.pt").is_file(), job.output(0)
+
+
+def test_a_replacement_stuck_in_its_first_step_is_a_hang_the_watchdog_ends_with_evidence(tmp_path: Path) -> None:
+    """Rank 1 dies entering a progress line's all-reduce once the standby watches (DDPACK_TEST_DIE_IN_PROGRESS); the
+    standby (launcher RANK 2) takes its place and then never finishes the redone step: it sleeps in its second training forward (the first is the settling
+    step), its heartbeat fresh (tests/plugins/slow_rank.py's STUCK_RANK). A process is untimed until its first step
+    ends (it may compile); the replacement, whose module has already run, is timed from the state it took, so the
+    watchdog ends the recovered world as hung, naming rank 1. Counted as a first step, it made the whole world look
+    busy until the collective timeout (120 s here): exit 1 on rank 0, not 124."""
+    forensics, die = tmp_path / "forensics", tmp_path / "die"
+    args = [*ARGS[:-1], "--epochs", "20", "--recovery", "--cpu-bind", "none", "--task", "plugins.slow_rank:task"]
+    args += ["--hang-timeout", "5", "--collective-timeout", "120", "--forensics-dir", str(forensics)]
+    stuck = {"STUCK_RANK": "2", "STUCK_AT_FORWARD": "2"}
+    job = start_with_standbys(tmp_path, 2, args, standbys=1, DDPACK_TEST_DIE_IN_PROGRESS=f"1:{die}", **stuck, **{**SLOW, "SLOW_RANK_MS": "100"})
+    wait_for(lambda: "warm, watching" in job.output(2), 120, "the standby watching")
+    die.touch()
+    try:
+        codes = [job.procs[0].wait(timeout=100), job.procs[1].wait(timeout=10)]
+    finally:
+        job.kill()
+    assert codes == [124, -signal.SIGKILL], job.output()
+    assert "standby took rank 1" in job.output(2) and "stuck at training forward 2" in job.output(2), job.output(2)
+    summary = json.loads((forensics / "summary.json").read_text())
+    assert summary["behind_ranks"] == [1], summary

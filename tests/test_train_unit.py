@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -74,6 +75,29 @@ def test_a_bad_setting_from_the_environment_is_one_line_exit_2(variable: str) ->
     out = subprocess.run([sys.executable, "-m", "train"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert out.stderr.startswith(f"train: error: {variable}='bogus' is not one of") and out.stderr.count("\n") == 1, out.stderr
+
+
+
+@pytest.mark.parametrize(
+    ("variable", "expected"),
+    [
+        ("DDPACK_TEST_DIE_IN_SYNC", "is not <rank>:<global step>"),
+        ("DDPACK_TEST_DIE_IN_PROGRESS", "is not <rank>:<file>"),
+        ("DDPACK_TEST_DIE_IN_SNAPSHOT", "is not <rank>:<file>"),
+    ],
+)
+def test_a_bad_tests_only_knob_is_one_line_exit_2_before_training(variable: str, expected: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The knobs tests/test_recovery_dist.py arms (read under --recovery) are refused as the settings are, by parse_config,
+    not as a traceback once the ranks are up."""
+    with pytest.raises(SystemExit) as ended, patch.dict(os.environ, {variable: "oops"}):
+        parse_config(["--recovery"])
+    assert ended.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"train: error: {variable}='oops' {expected}") and err.count("\n") == 1, err
+    with patch.dict(os.environ, {variable: "1:12" if variable.endswith("SYNC") else "1:/tmp/die"}):
+        assert parse_config(["--recovery"]).recovery  # a good value passes
+    with patch.dict(os.environ, {variable: "oops"}):
+        assert not parse_config([]).recovery  # and is not read without --recovery
 
 
 A, B = "boot-a", "boot-b"  # two machines' boot ids

@@ -6,8 +6,9 @@ import argparse
 import importlib.util
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import NoReturn
 
 from entrypoint.plan import BACKENDS, CPU_BIND_CHOICES  # one definition: the launcher checks them first
@@ -328,6 +329,42 @@ def not_a_regular_file(path: str) -> str | None:
     return next((kind for test, kind in kinds if test(mode)), "not a regular file")
 
 
+# Tests only (tests/test_recovery_dist.py): `<rank>:<global step>` makes that rank SIGKILL itself between the first and
+# the second gradient bucket of that step, under --recovery (train/grad_sync.py's DDPACK_TEST_DIE_IN_SYNC).
+DIE_IN_SYNC = "DDPACK_TEST_DIE_IN_SYNC"
+
+
+def death_in_sync(environ: Mapping[str, str]) -> tuple[int, int] | None:
+    """DIE_IN_SYNC's (rank, global step), or None when unset; ValueError naming what is expected (parse_config
+    refuses it in one line before any rank starts)."""
+    text = environ.get(DIE_IN_SYNC)
+    if not text:
+        return None
+    rank, _, step = text.partition(":")
+    if not (rank.isdigit() and step.isdigit()):
+        raise ValueError(f"{DIE_IN_SYNC}={text!r} is not <rank>:<global step>; expected two numbers such as 1:12")
+    return int(rank), int(step)
+
+
+# Tests only (tests/test_recovery_dist.py), read under --recovery: `<rank>:<file>` makes that rank SIGKILL itself, once
+# the file exists, as it enters the first progress line's all-reduce (DIE_IN_PROGRESS: a death that interrupts a
+# progress line) or a snapshot's gather (DIE_IN_SNAPSHOT: a death that interrupts a snapshot).
+DIE_IN_PROGRESS = "DDPACK_TEST_DIE_IN_PROGRESS"
+DIE_IN_SNAPSHOT = "DDPACK_TEST_DIE_IN_SNAPSHOT"
+
+
+def death_on_file(environ: Mapping[str, str], name: str, rank: int) -> Path | None:
+    """The file of the test knob `name` (DIE_IN_PROGRESS, DIE_IN_SNAPSHOT) where it names `rank`, else None;
+    ValueError naming what is expected (parse_config refuses it in one line before any rank starts)."""
+    text = environ.get(name)
+    if not text:
+        return None
+    named, _, path = text.partition(":")
+    if not (named.isdigit() and path):
+        raise ValueError(f"{name}={text!r} is not <rank>:<file>; expected such as 1:/tmp/die")
+    return Path(path) if int(named) == rank else None
+
+
 def parse_config(argv: Sequence[str] | None = None) -> Config:
     parser = build_parser()
     ns = parser.parse_args(argv)
@@ -349,6 +386,13 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
             "and reads it back on a resume (a device never ends, a pipe blocks); name a regular file, or leave the flag out\n",
         )
     ns.recovery = ns.recovery or ns.standby or ns.standbys > 0 or ns.store_task
+    if ns.recovery:  # the tests-only knobs are read under --recovery: a bad one is refused here, not as a traceback mid-run
+        try:
+            death_in_sync(os.environ)
+            for knob in (DIE_IN_PROGRESS, DIE_IN_SNAPSHOT):
+                death_on_file(os.environ, knob, 0)
+        except ValueError as exc:
+            parser.exit(2, f"train: error: {exc} (a tests-only setting); correct it or unset it\n")
     if ns.hang_timeout is None:
         ns.hang_timeout = min(DEFAULT_HANG_TIMEOUT, HANG_SHARE_OF_COLLECTIVE * ns.collective_timeout)
     elif ns.hang_timeout and ns.hang_timeout >= ns.collective_timeout:

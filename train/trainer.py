@@ -13,7 +13,6 @@ import os
 import random
 import signal
 import time
-from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -26,7 +25,7 @@ from torch.utils.data import default_collate
 
 from train import run_folder
 from train.affinity import bind_replacement, cpu_list
-from train.config import Config
+from train.config import DIE_IN_PROGRESS, DIE_IN_SNAPSHOT, Config, death_in_sync, death_on_file
 from train.data import Batch, EpochOrder, default_num_workers, make_batches
 from train.distributed import (
     DistContext,
@@ -119,41 +118,6 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     random.setstate(state["python"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
-
-
-# Tests only (tests/test_recovery_dist.py): `<rank>:<global step>` makes that rank SIGKILL itself between the first and
-# the second gradient bucket of that step, under --recovery (train/grad_sync.py's DDPACK_TEST_DIE_IN_SYNC).
-DIE_IN_SYNC = "DDPACK_TEST_DIE_IN_SYNC"
-
-
-def _death_in_sync(environ: Mapping[str, str]) -> tuple[int, int] | None:
-    """DIE_IN_SYNC's (rank, global step), or None when unset; bad input is one line naming what is expected."""
-    text = environ.get(DIE_IN_SYNC)
-    if not text:
-        return None
-    rank, _, step = text.partition(":")
-    if not (rank.isdigit() and step.isdigit()):
-        raise ValueError(f"{DIE_IN_SYNC}={text!r} is not <rank>:<global step>; expected two numbers such as 1:12")
-    return int(rank), int(step)
-
-
-# Tests only (tests/test_recovery_dist.py), read under --recovery: `<rank>:<file>` makes that rank SIGKILL itself, once
-# the file exists, as it enters the first progress line's all-reduce (DIE_IN_PROGRESS: a death that interrupts a
-# progress line) or a snapshot's gather (DIE_IN_SNAPSHOT: a death that interrupts a snapshot).
-DIE_IN_PROGRESS = "DDPACK_TEST_DIE_IN_PROGRESS"
-DIE_IN_SNAPSHOT = "DDPACK_TEST_DIE_IN_SNAPSHOT"
-
-
-def _death_on_file(environ: Mapping[str, str], name: str, rank: int) -> Path | None:
-    """The file of the test knob `name` (DIE_IN_PROGRESS, DIE_IN_SNAPSHOT) where it names `rank`, else None; bad input
-    is one line naming what is expected."""
-    text = environ.get(name)
-    if not text:
-        return None
-    named, _, path = text.partition(":")
-    if not (named.isdigit() and path):
-        raise ValueError(f"{name}={text!r} is not <rank>:<file>; expected such as 1:/tmp/die")
-    return Path(path) if int(named) == rank else None
 
 
 def state_source(steps: list[int]) -> int:
@@ -261,10 +225,10 @@ class Trainer:
         self.last_snapshot_step = -1
         self.last_progress_step = -1  # the global step of the last progress line (set as the loop starts)
         self.window = Window()  # since the last progress line: kept through a recovery, for the line its death interrupted
-        self._die_at = _death_in_sync(os.environ) if recovery is not None and not recovery.replacing else None
+        self._die_at = death_in_sync(os.environ) if recovery is not None and not recovery.replacing else None
         armed = recovery is not None and not recovery.replacing
-        self._die_in_progress = _death_on_file(os.environ, DIE_IN_PROGRESS, ctx.rank) if armed else None
-        self._die_in_snapshot = _death_on_file(os.environ, DIE_IN_SNAPSHOT, ctx.rank) if armed else None
+        self._die_in_progress = death_on_file(os.environ, DIE_IN_PROGRESS, ctx.rank) if armed else None
+        self._die_in_snapshot = death_on_file(os.environ, DIE_IN_SNAPSHOT, ctx.rank) if armed else None
 
     # ------------------------------------------------------------------ set-up
 
@@ -612,6 +576,11 @@ class Trainer:
             broadcast_buffers(self.module, self.ctx, src=holder[0])
         if replacing:
             self.log(f"standby took rank {self.ctx.rank}: state of rank {source} at {self._position()}")
+            # Timed from here on, as a rank is after its first step: its module has run forward and backward (the settling
+            # step above, compiled there where the run compiles), so nothing first-time is left. Left untimed until its own
+            # first step ended, a replacement stuck in the redone step counted as making progress (train.watchdog), and
+            # hid the whole recovered world from the watchdog until the collective timeout.
+            self.progress.step_done(self.global_step)
         if self.recovery is not None:
             self.recovery.took_state(gathered[source][1])
         every = self.config.snapshot_every
