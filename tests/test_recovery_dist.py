@@ -139,6 +139,9 @@ def test_a_killed_rank_is_replaced_by_the_standby_with_a_survivors_state_and_the
     wait_for(lambda: "store task: new standbys fork warm from pid" in store(), 60, "the store task's forker warm")
     job.send(signal.SIGKILL, [0])  # and then a real death, of rank 0, recovered in process all the same
     wait_for(lambda: re.search(r"standby s[0-9]+ on \S+: warm, watching", store()) is not None, 120, "the store task's new standby warm")
+    # and the first recovery's record written, by the standby in rank 0's place once the redone step ended: forked
+    # warm, the new standby can be watching before that step ends, and a death in it leaves generation 1 no record
+    wait_for(lambda: "recovery: trained global step" in job.output(2), 60, "generation 1's record")
     assert metrics_step(metrics) < 110, "the run is almost over before the second death"
     job.send(signal.SIGKILL, [2])  # the standby in rank 0's place
     codes = job.wait()
