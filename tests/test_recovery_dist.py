@@ -352,11 +352,11 @@ def test_a_death_inside_a_snapshots_gather_is_recovered_and_every_rank_takes_tha
 
 def test_a_replacement_stuck_in_its_first_step_is_a_hang_the_watchdog_ends_with_evidence(tmp_path: Path) -> None:
     """Rank 1 dies entering a progress line's all-reduce once the standby watches (DDPACK_TEST_DIE_IN_PROGRESS); the
-    standby (launcher RANK 2) takes its place and then never finishes the redone step: it sleeps in its second training forward (the first is the settling
-    step), its heartbeat fresh (tests/plugins/slow_rank.py's STUCK_RANK). A process is untimed until its first step
-    ends (it may compile); the replacement, whose module has already run, is timed from the state it took, so the
-    watchdog ends the recovered world as hung, naming rank 1. Counted as a first step, it made the whole world look
-    busy until the collective timeout (120 s here): exit 1 on rank 0, not 124."""
+    standby (launcher RANK 2) takes its place and then never finishes the redone step: it sleeps in its second training
+    forward (the first is the settling step), its heartbeat fresh (tests/plugins/slow_rank.py's STUCK_RANK). A process
+    is untimed until its first step ends (it may compile); the replacement, whose module has already run, is timed from
+    the state it took, so the watchdog ends the recovered world as hung, naming rank 1. Counted as a first step, it made
+    the whole world look busy until the collective timeout (120 s here): rank 0 did not end within this test's wait."""
     forensics, die = tmp_path / "forensics", tmp_path / "die"
     args = [*ARGS[:-1], "--epochs", "20", "--recovery", "--cpu-bind", "none", "--task", "plugins.slow_rank:task"]
     args += ["--hang-timeout", "5", "--collective-timeout", "120", "--forensics-dir", str(forensics)]

@@ -77,7 +77,6 @@ def test_a_bad_setting_from_the_environment_is_one_line_exit_2(variable: str) ->
     assert out.stderr.startswith(f"train: error: {variable}='bogus' is not one of") and out.stderr.count("\n") == 1, out.stderr
 
 
-
 @pytest.mark.parametrize(
     ("variable", "expected"),
     [

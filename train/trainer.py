@@ -225,8 +225,8 @@ class Trainer:
         self.last_snapshot_step = -1
         self.last_progress_step = -1  # the global step of the last progress line (set as the loop starts)
         self.window = Window()  # since the last progress line: kept through a recovery, for the line its death interrupted
-        self._die_at = death_in_sync(os.environ) if recovery is not None and not recovery.replacing else None
-        armed = recovery is not None and not recovery.replacing
+        armed = recovery is not None and not recovery.replacing  # the tests-only deaths (train.config's DIE_IN_*)
+        self._die_at = death_in_sync(os.environ) if armed else None
         self._die_in_progress = death_on_file(os.environ, DIE_IN_PROGRESS, ctx.rank) if armed else None
         self._die_in_snapshot = death_on_file(os.environ, DIE_IN_SNAPSHOT, ctx.rank) if armed else None
 
