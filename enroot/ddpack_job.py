@@ -6,6 +6,7 @@ the job's user. Its concerns live beside it, each a file (all of them are the jo
     ddpack_job.py       this table, the start (settings, run folder, banner) and the verbs' answers to the shell
     ddpack_staging.py   the image on the nodes: DDPACK_STAGE's choice, sbcast
     ddpack_training.py  the training step, a restart in place, the job's end or its requeue
+    ddpack_step.py      one step's srun, its output read as it comes: tasks ended, nodes failed, end records
     ddpack_step_records.py  what the step wrote to the metrics file: progress, a fallback, recoveries and their hosts
     ddpack_records.py   the run folder, its lock, decisions.jsonl, a hand-made run.json, the lines for people
     ddpack_slurm.py     what the job asks Slurm, once a decision (JobFacts), and the one shape of a step on each node

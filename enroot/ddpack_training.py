@@ -8,7 +8,6 @@ line for people and a record for `ddpack status` (ddpack_records).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import json
 import os
@@ -18,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 from ddpack_node import one_line, warn, write_private
@@ -43,7 +42,8 @@ from ddpack_records import (
 from ddpack_settings import Recovery, recovery, step_program, value
 from ddpack_slurm import SQUEUE_TIMEOUT_S, JobFacts, command, hostnames, natural, on_each_node
 from ddpack_staging import image_command
-from ddpack_step_records import RECOVERY_FALLBACK, StepRecords, metrics_size
+from ddpack_step import run_step
+from ddpack_step_records import StepRecords, metrics_size
 
 
 def read_count(path: Path) -> int:
@@ -57,192 +57,6 @@ def read_count(path: Path) -> int:
 
 
 # srun's line for tasks that ended badly, "srun: error: NODE: task 3: Exited with exit code 1" (or "tasks 0-1: Killed").
-TASK_ENDED = re.compile(rb"srun: error: ([A-Za-z0-9._-]+): tasks? ([0-9,-]+): (.*)")
-NOT_A_CRASH = (b"Terminated", b"Exited with exit code 0")  # srun's own TERM for a stop; a task that ended well
-NODE_FAILED = re.compile(rb"srun: error: Node failure on ([A-Za-z0-9._-]+)")  # Slurm dropped the node from the job
-RECOVERED_MARK = b"] recovery: trained global step "  # rank 0's line once a recovery's first step is done (train/trainer.py)
-END_MARK = b"ddpack-end "  # train/outcome.py's end record: {"rank", "host", "outcome", "reason", ...}
-STANDBY_END_MARK = b"ddpack-standby-end "  # train/outcome.py's StandbyEnd: {"member", "host", "why", "detail", ...}
-# train/outcome.py's CAUSES of a failed rank that crashed nothing (a peer died; recovery fell back after one did). An
-# image older than the field says the first in its reason's words, LEFT_BY_A_PEER, and a fallback in FALLBACK's.
-NOT_CRASHED = ("peer", "recovery-fallback", "counted-dead")
-LEFT_BY_A_PEER = "a collective failed"
-
-
-def task_ids(tasks: bytes) -> list[int]:
-    """The tasks srun's list names ("3", "0-1,4")."""
-    ids: list[int] = []
-    for part in tasks.split(b","):
-        low, _, high = part.partition(b"-")
-        ids.extend(range(int(low), int(high or low) + 1))
-    return ids
-
-
-def crashed_node(ended: list[tuple[str, int]], left: dict[str, int]) -> str:
-    """The node whose task crashed, from srun's lines (`ended`: node and task count, in srun's order) and the ranks'
-    end records (`left`: per host, the ranks that say a peer left them, which crashed nothing): the first node srun
-    names with more tasks that ended badly than ranks a peer left; else the first srun names ("" for none). A rank
-    that crashes is often not the first srun hears of: its peers may exit before its own teardown ends."""
-    counts: dict[str, int] = {}
-    for node, count in ended:  # srun may name one node's tasks on several lines (one killed, one exited)
-        counts[node] = counts.get(node, 0) + count
-    for node, count in counts.items():  # in the order srun first named them
-        if count > left.get(node, 0):
-            return node
-    return ended[0][0] if ended else ""
-
-
-@dataclasses.dataclass
-class StepEnd:
-    """What one training step said of its end: its status (as `command` gives it), the node whose task crashed ("" for
-    none), and each rank's last end record's exit status (train/outcome.py's, printed by every rank of the bundled
-    trainer) with the world size the records name."""
-
-    code: int
-    crashed: str = ""
-    exits: dict[int, int] = dataclasses.field(default_factory=dict)
-    world: int = 0
-    standbys_left: list[dict] = dataclasses.field(default_factory=list)  # the standbys' leaving records (StandbyEnd)
-
-    def status(self, standbys: int) -> int:
-        """The step's exit status for the restart decision. srun's own is the worst of its tasks', and with standbys a
-        task that died and was replaced in process (a rank SIGKILLed, its place taken by a standby) is a task that ended
-        badly in a run that went on: when every rank of the world ended with one status (their end records; a standby
-        the run did not need ends 0 and says nothing), that is the step's."""
-        if (
-            standbys
-            and self.code != 0
-            and self.world
-            and sorted(self.exits) == list(range(self.world))
-            and len(set(self.exits.values())) == 1
-        ):
-            return next(iter(self.exits.values()))
-        return self.code
-
-
-def run_over(end: dict) -> bool:
-    """Whether a rank's end record ends the run, not that rank alone: rank 0's, unless a standby takes its place (it
-    failed of its own error, or was counted dead: the store task serves the store, so rank 0 is replaced as any rank
-    is), and any rank's that fell back to a restart."""
-    cause = end.get("cause")
-    if cause == "recovery-fallback":
-        return True
-    return int(end["rank"]) == 0 and not (end.get("outcome") == "failed" and cause in ("own", "counted-dead"))
-
-
-def run_step(
-    argv: list[str],
-    *,
-    env: dict[str, str] | None = None,
-    end_wait: float = 0,
-    on_recovered: Callable[[], None] | None = None,
-    on_node_lost: Callable[[str], None] | None = None,
-) -> StepEnd:
-    """Run the training step (srun), its output and errors passed through line by line as they come; how it ended,
-    read from srun's lines and the ranks' end records. `end_wait` > 0 (a step with standbys and its store task): the
-    step is ended that many seconds after the run ended (`run_over`: rank 0's end record, or a fallback's) if it has
-    not ended by itself, which is what srun's --wait does from the first task's end when standbys make a task's end,
-    rank 0's included, no end of the run (`Training.standby_step`). `on_recovered` is called when a rank says it
-    trained again after a recovery in process (its `recovery` record is written by then: `Training.follow_recovery`),
-    `on_node_lost` with a node srun says failed (Slurm dropped it from the job: `Training.fence`)."""
-    try:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    except OSError as why:
-        warn(f"{argv[0]}: {one_line(why)}")
-        return StepEnd(127)
-    ended: list[tuple[str, int]] = []
-    left: dict[str, int] = {}
-    step = StepEnd(0)
-    run_ended = threading.Event()
-
-    def copy(stream: object, fd: int) -> None:
-        for line in stream:  # type: ignore[attr-defined]
-            data = line
-            with contextlib.suppress(OSError):
-                while data:
-                    data = data[os.write(fd, data) :]
-            found = TASK_ENDED.match(line)
-            if found and not found.group(3).startswith(NOT_A_CRASH):
-                ended.append((found.group(1).decode("ascii"), len(task_ids(found.group(2)))))
-            if (at := line.find(STANDBY_END_MARK)) >= 0:
-                standby_left(step, line[at + len(STANDBY_END_MARK) :])
-            if on_recovered is not None and RECOVERED_MARK in line:
-                on_recovered()
-            if on_node_lost is not None and (failed := NODE_FAILED.search(line)):
-                on_node_lost(failed.group(1).decode("ascii"))
-            at = line.find(END_MARK)
-            if at >= 0:
-                with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
-                    end = json.loads(line[at + len(END_MARK) :])
-                    if left_by_a_peer(end):
-                        left[str(end["host"])] = left.get(str(end["host"]), 0) + 1
-                    step.exits[int(end["rank"])] = int(end["exit_code"])
-                    step.world = int(end["world_size"])
-                    if run_over(end):
-                        run_ended.set()
-
-    readers = [
-        threading.Thread(target=copy, args=(stream, fd), name=f"ddpack-step-{fd}", daemon=True)
-        for stream, fd in ((proc.stdout, 1), (proc.stderr, 2))
-    ]
-    for reader in readers:
-        reader.start()
-    guard: list[bool] = []  # True once the wait after the run's end has ended the step
-    if end_wait > 0:
-        threading.Thread(target=end_after_run, args=(proc, run_ended, end_wait, guard), name="ddpack-step-wait", daemon=True).start()
-    step.code = proc.wait()
-    run_ended.set()  # the step is over: the waiting thread ends
-    if guard:
-        step.code = 137  # a task killed, as srun's --wait kills it (its own status on SIGTERM is no preemption's)
-    for reader in readers:
-        reader.join(timeout=5)  # a process the step left behind may hold a pipe open: never wait on it for long
-    step.crashed = crashed_node(ended, left)
-    return step
-
-
-def standby_left(step: StepEnd, text: bytes) -> None:
-    """A standby's leaving record (it never took a rank): one line of the job's log naming it, its node and why, and the
-    record kept with the step's end. A line that is not one is passed through as it came, and nothing more."""
-    try:
-        record = json.loads(text)
-        member, host, why, detail = (" ".join(str(record[k]).split())[:200] for k in ("member", "host", "why", "detail"))
-    except (ValueError, KeyError, TypeError):
-        return
-    step.standbys_left.append(record)
-    say(f"standby {member} on {host} left ({why}): {detail}")
-
-
-def end_after_run(proc: subprocess.Popen, run_ended: threading.Event, wait_s: float, ended: list[bool]) -> None:
-    """End the step `wait_s` seconds after the run ended (`run_over`), if it is still running: a task still alive then
-    is a rank frozen (SIGSTOP, a hung driver) that the standbys replaced, or a standby or store task that cannot leave.
-    srun ends its tasks on SIGTERM; KILL follows when it does not leave."""
-    run_ended.wait()
-    try:
-        proc.wait(timeout=wait_s)
-        return
-    except subprocess.TimeoutExpired:
-        pass
-    say(
-        f"the run ended {wait_s:g} s ago and the step has not (a task frozen, or a standby that cannot leave): ending it (DDPACK_STEP_WAIT)"
-    )
-    ended.append(True)
-    with contextlib.suppress(OSError):
-        proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(OSError):
-            proc.kill()
-
-
-def left_by_a_peer(end: dict) -> bool:
-    """Whether a rank's end record says it crashed nothing: its cause, or (an older image's) its reason's words."""
-    if "cause" in end:
-        return end["cause"] in NOT_CRASHED
-    reason = str(end.get("reason") or "")
-    return reason.startswith((LEFT_BY_A_PEER, RECOVERY_FALLBACK))
-
-
 def task_hosts(nodes: list[str], per_node: int, standbys: int, spares: list[str] | None = None) -> list[str]:
     """Each task's node, in task order, for a step with `standbys` standby tasks after the ranks (SLURM_HOSTFILE): the
     ranks as srun's block distribution places them (`per_node` on each node, in order), then the standbys one a node
@@ -327,6 +141,7 @@ class Training:
         self.recovery, self.plain_recovery = self.choose_recovery(settings["DDPACK_STANDBYS"], tasks_are_ranks)
         self.standbys = self.recovery.standbys
         self.step_standbys = 0  # the standbys the step running now started (`standby_step` sets it for each step)
+        self.store_task: int | None = None  # the task of the step running now that serves the job's store (its last)
         self.step_spares: list[str] = []  # the spare nodes hosting them ([]: none, or the standbys on the training nodes)
         self.moving = threading.Lock()  # `follow_recovery` and `fence` are called from the step's output readers
         self.lost_in_step: list[str] = []  # the nodes srun said failed in the step running now (`fence`)
@@ -409,6 +224,7 @@ class Training:
                     end_wait=self.step_wait if self.step_standbys else 0,
                     on_recovered=functools.partial(self.follow_recovery, before) if self.step_spares else None,
                     on_node_lost=self.fence if self.step_spares else None,
+                    store_task=self.store_task,
                 )
             self.crashed = end.crashed
             wrote = StepRecords.read(self.run_dir / METRICS, before)
@@ -419,7 +235,10 @@ class Training:
             code = end.status(self.step_standbys)
             rc = 128 - code if code < 0 else code  # a step killed by a signal: its status as the shell gives it
             if code != end.code:
-                say(f"the step's tasks that ended badly were ranks replaced in process ({self.recovered} recovery); every rank ended {rc}")
+                which = (
+                    f"ranks replaced in process ({self.recovered} recovery)" if self.recovered else "no ranks (the store task, a standby)"
+                )
+                say(f"the step's tasks that ended badly were {which}; every rank ended {rc}")
             after = self.after_step(rc)
             if after != "restart":
                 break
@@ -489,7 +308,7 @@ class Training:
         if value("DDPACK_STORE_TASK", env) != "0":  # no store task without standbys: the last task is a rank
             overrides["DDPACK_STORE_TASK"] = "0"
         none = {**env, **overrides} if overrides else None
-        self.step_standbys, self.step_spares, self.lost_in_step = self.standbys, [], []
+        self.step_standbys, self.step_spares, self.lost_in_step, self.store_task = self.standbys, [], [], None
         if not self.standbys:
             yield self.placement, none
             return
@@ -517,6 +336,7 @@ class Training:
                 yield self.placement, none
                 return
         hosts = task_hosts(nodes, per_node, self.step_standbys, self.step_spares)
+        self.store_task = len(hosts) - 1
         fd, path = tempfile.mkstemp(prefix="ddpack-step-hosts-", text=True)  # 0600, a new name: ours alone
         try:
             with os.fdopen(fd, "w") as out:

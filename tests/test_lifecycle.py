@@ -548,7 +548,7 @@ def test_submit_writes_the_record_before_sbatch_and_appends_the_job(tmp_path, sl
     assert record.versions == {"slurm": "slurm-wlm 22.05.8", "pyxis": record.versions["pyxis"], "enroot": "3.4.1"}
     assert sorted(p.name for p in (Path(result.run_dir) / "job").iterdir()) == [
         "ddpack-job.sh", "ddpack.sbatch", "ddpack_job.py", "ddpack_node.py", "ddpack_records.py", "ddpack_settings.py", "ddpack_slurm.py",
-        "ddpack_staging.py", "ddpack_step_records.py", "ddpack_training.py",
+        "ddpack_staging.py", "ddpack_step.py", "ddpack_step_records.py", "ddpack_training.py",
     ]  # fmt: skip
     assert os.stat(result.run_dir).st_mode & 0o077 == 0  # the run folder is the user's alone (DDPACK_UMASK 077)
     assert os.umask(0o022) == 0o022  # and the caller's own umask is back (a library call must not change it for good)

@@ -19,12 +19,17 @@ def node() -> ModuleType:
     return module("ddpack_training")
 
 
+@pytest.fixture(scope="module")
+def steps() -> ModuleType:
+    return module("ddpack_step")
+
+
 def end_record(reason: str) -> str:
     return json.dumps({"time": 1.0, "kind": "end", "rank": 0, "outcome": "failed", "exit_code": 1, "reason": reason})
 
 
 def test_the_fallback_is_read_from_rank_0s_end_record_of_this_step_only(node: ModuleType, tmp_path: Path) -> None:
-    assert node.RECOVERY_FALLBACK == RECOVERY_IMPOSSIBLE  # the trainer's words, which the job reads
+    assert module("ddpack_step_records").RECOVERY_FALLBACK == RECOVERY_IMPOSSIBLE  # the trainer's words, which the job reads
     metrics = tmp_path / "metrics.jsonl"
     earlier = end_record("in-process recovery impossible: rank 0 lost: it hosts the job's store, which the group is formed on")
     metrics.write_text(earlier + "\n")
@@ -121,7 +126,7 @@ def test_with_spares_the_recovery_rule_puts_a_nodes_worth_of_standbys_on_each_sp
     assert rule("auto", gpus=0, program="own", spares=1, per_node=2).standbys == 0
 
 
-def test_a_fallback_blames_the_dead_ranks_node_never_rank_0s(node: ModuleType) -> None:
+def test_a_fallback_blames_the_dead_ranks_node_never_rank_0s(steps: ModuleType) -> None:
     """Ranks 0-1 on ddnode1, 2-3 on ddnode2; rank 3 is SIGKILLed and the survivors fall back (no standby): srun names
     ddnode1 first, but its ranks' end records say, as a field, that they crashed nothing. The crash rule (whose second
     hit on a node puts it in ExcNodeList) names ddnode2."""
@@ -135,8 +140,57 @@ def test_a_fallback_blames_the_dead_ranks_node_never_rank_0s(node: ModuleType) -
         "srun: error: ddnode2: task 3: Killed",
     ]
     script = f"import sys; sys.stdout.write({chr(10).join(lines) + chr(10)!r}); sys.exit(1)"
-    step = node.run_step([sys.executable, "-c", script])
+    step = steps.run_step([sys.executable, "-c", script])
     assert step.code == 1 and step.crashed == "ddnode2" and step.exits == {0: 1, 1: 1, 2: 1}
+
+
+def fake_step(lines: list[str], wait_s: float = 60) -> list[str]:
+    """A step (srun's stand-in) that prints `lines` and then waits `wait_s`, as ranks wait for a store that is not there,
+    unless it is ended (SIGTERM), which it says."""
+    body = (
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *_: (print('fake srun: terminated', flush=True), sys.exit(143)))\n"
+        f"sys.stdout.write({chr(10).join(lines) + chr(10)!r}); sys.stdout.flush()\n"
+        f"time.sleep({wait_s})\n"
+    )
+    return [sys.executable, "-c", body]
+
+
+STORE_FAILED = "srun: error: ddnode1: task 5: Exited with exit code 1"  # ranks 0-3, a standby (4), the store task (5)
+
+
+def test_a_store_task_that_ends_before_it_serves_ends_the_step_at_once_with_one_line(
+    steps: ModuleType, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The store task failed at its start (its port taken): every rank would wait for the store until its collective
+    timeout (300 s by default; a minute here). The job program ends the step when srun says so; rank 1's own end
+    before it ends nothing."""
+    step = steps.run_step(fake_step(["srun: error: ddnode2: task 1: Exited with exit code 1", STORE_FAILED]), end_wait=30, store_task=5)
+    said = capfd.readouterr().out
+    assert "fake srun: terminated" in said and step.code == 137, said  # ended by the job program, not by the minute
+    assert said.count("ddpack: the job's store task") == 1, said
+    assert (
+        "ddpack: the job's store task (task 5 on ddnode1) ended before it served the job's store (Exited with exit code 1; "
+        "its lines above say why): no rank can start without it; ending the step" in said
+    )
+
+
+def test_a_store_task_that_ends_after_it_served_leaves_the_run_training_without_recovery(
+    steps: ModuleType, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Once it served, the ranks' group needs no store: the run goes on (only recovery is lost), said in one line; and
+    the store task's end after the run's is no failure at all."""
+    serving = "[store] store task on ddnode1: serving the job's store at ddnode1:29500 (pid 7) for 4 ranks and their standbys"
+    step = steps.run_step(fake_step([serving, STORE_FAILED], wait_s=1), end_wait=30, store_task=5)
+    said = capfd.readouterr().out
+    assert step.code == 0 and "fake srun: terminated" not in said, said
+    assert (
+        "ddpack: the job's store task (task 5 on ddnode1) ended (Exited with exit code 1): the run goes on without in-process "
+        "recovery; a rank's death now restarts the step" in said
+    )
+    done = RunEnd(rank=0, world_size=2, host="ddnode1", outcome="done", exit_code=0, reason="")
+    step = steps.run_step(fake_step([done.line(), "srun: error: ddnode1: task 3: Killed"], wait_s=0), end_wait=30, store_task=3)
+    assert step.code == 0 and "store task" not in capfd.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -151,9 +205,9 @@ def test_a_fallback_blames_the_dead_ranks_node_never_rank_0s(node: ModuleType) -
     ],
 )
 def test_the_job_decides_from_the_ends_cause_not_its_words(
-    node: ModuleType, end: dict, fallback: str | None, crashed_nothing: bool
+    steps: ModuleType, end: dict, fallback: str | None, crashed_nothing: bool
 ) -> None:
-    assert module("ddpack_step_records").fallback_reason(end) == fallback and node.left_by_a_peer(end) is crashed_nothing
+    assert module("ddpack_step_records").fallback_reason(end) == fallback and steps.left_by_a_peer(end) is crashed_nothing
 
 
 def test_an_end_records_cause_is_one_of_the_known_ones() -> None:

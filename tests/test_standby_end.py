@@ -78,15 +78,15 @@ def test_a_standby_the_run_did_not_need_says_the_run_ended(monkeypatch: pytest.M
 
 
 @pytest.fixture(scope="module")
-def node() -> ModuleType:
-    return module("ddpack_training")
+def steps() -> ModuleType:
+    return module("ddpack_step")
 
 
-def test_the_job_program_says_which_standby_left_on_which_node_and_why(node: ModuleType, capfd: pytest.CaptureFixture[str]) -> None:
-    assert node.STANDBY_END_MARK.decode() == STANDBY_MARK  # the trainer's mark, which the job reads
+def test_the_job_program_says_which_standby_left_on_which_node_and_why(steps: ModuleType, capfd: pytest.CaptureFixture[str]) -> None:
+    assert steps.STANDBY_END_MARK.decode() == STANDBY_MARK  # the trainer's mark, which the job reads
     record = StandbyEnd("s1", "ddnode3", "store-gone", "the job's store stopped answering (Broken pipe): rank 0's node lost")
     script = f"import sys; print('[standby] ' + {record.line()!r}); print('[standby] ddpack-standby-end not json')"
-    step = node.run_step([sys.executable, "-c", script])
+    step = steps.run_step([sys.executable, "-c", script])
     said = capfd.readouterr().out.splitlines()
     assert step.code == 0 and [r["member"] for r in step.standbys_left] == ["s1"]
     assert "ddpack: standby s1 on ddnode3 left (store-gone): the job's store stopped answering (Broken pipe): rank 0's node lost" in said

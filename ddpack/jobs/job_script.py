@@ -21,7 +21,7 @@ from train import run_folder
 
 # The job's files beside its script (enroot/ddpack_job.py's docstring says what each holds).
 HELPERS = ("ddpack-job.sh", "ddpack_job.py", "ddpack_node.py", "ddpack_records.py", "ddpack_settings.py", "ddpack_slurm.py", "ddpack_staging.py",
-           "ddpack_step_records.py", "ddpack_training.py")  # fmt: skip
+           "ddpack_step.py", "ddpack_step_records.py", "ddpack_training.py")  # fmt: skip
 
 
 def sbatch_directive(option: str) -> str:
