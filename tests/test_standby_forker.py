@@ -115,3 +115,30 @@ def test_once_the_forker_is_gone_the_store_task_starts_a_standby_cold_and_says_s
     assert len(lines) == 1 and re.fullmatch(
         r"store task: a standby took a place in generation 3; started a new one cold \(pid \d+\): the forker has ended", lines[0]
     ), lines
+
+
+def test_a_store_task_that_cannot_serve_ends_its_forker_before_it_says_it_is_warm(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The store's port is taken: the store task says it cannot serve, and its forker (still importing) is ended then,
+    so the job's log does not say next that new standbys fork warm (seen on the test cluster before)."""
+    import socket
+
+    from train import recovery
+
+    monkeypatch.setattr(standby_forker, "warm_imports", lambda: time.sleep(1.0))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(taken.getsockname()[1]), "WORLD_SIZE": "2"}.items():
+            monkeypatch.setenv(name, value)
+        forker = StandbyForker({}, ["--recovery"], writing_main(Path("/nonexistent")), printed)
+        try:
+            assert recovery.serve_store(standbys=1, connect_s=5, log=printed, respawn=forker) == 1
+        finally:
+            forker.close()
+    time.sleep(1.5)  # past the forker's warm-up, had it lived
+    out = capfd.readouterr().out
+    assert "store task: cannot serve the job's store at 127.0.0.1:" in out and "fork warm" not in out, out
+    with pytest.raises(ChildProcessError):
+        os.waitpid(forker.pid, os.WNOHANG)  # reaped

@@ -900,6 +900,8 @@ def serve_store(
     try:
         server = _store(True, connect_s)
     except (RuntimeError, ValueError) as exc:
+        if respawn is not None:
+            respawn.end_unused()
         log(f"store task: cannot serve the job's store at {store_address()} ({first_line(exc)})")
         return 1
     channel = Channel.of_job(server, os.environ, log, launched=standbys)

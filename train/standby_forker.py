@@ -31,9 +31,6 @@ from collections.abc import Callable, Mapping, Sequence
 
 from train.distributed import first_line, run_program
 
-# How long the forker's end waits for the standbys it started (each leaves on the run's `closed` key).
-CHILDREN_WAIT_S = 30.0  # train.recovery's STORE_IDLE_S, which this module cannot import (recovery imports it)
-
 Log = Callable[[str], None]
 
 
@@ -52,6 +49,14 @@ def spawn_standby(environ: Mapping[str, str], log: Log) -> subprocess.Popen[byte
     except OSError as exc:
         log(f"store task: cannot start a new standby ({first_line(exc)}); the next death beyond the standbys left falls back")
         return None
+
+
+def children_wait_s() -> float:
+    """How long the forker's end waits for the standbys it started (each leaves on the run's `closed` key): as long as
+    the store task waits for members that beat no more (imported here: train.recovery imports this module)."""
+    from train.recovery import STORE_IDLE_S
+
+    return STORE_IDLE_S
 
 
 def warm_imports() -> None:
@@ -96,11 +101,19 @@ class StandbyForker:
             self._cold.append(child)
             self.log(started(generation, child.pid, "the forker has ended"))
 
+    def end_unused(self) -> None:
+        """The store never served, so no standby will be asked for: the forker is ended now, while it may still import,
+        so that it does not say it is warm after the store task said it cannot serve (`close` then returns at once)."""
+        with contextlib.suppress(OSError):
+            os.kill(self.pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, 0)
+
     def close(self) -> None:
         """No more standbys: the forker waits for those it started (each leaves on the run's `closed` key), then ends."""
         with contextlib.suppress(OSError):
             os.close(self._requests)
-        deadline = time.monotonic() + CHILDREN_WAIT_S + 5
+        deadline = time.monotonic() + children_wait_s() + 5
         while not _ended(self.pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         for child in self._cold:
@@ -151,7 +164,7 @@ class _Forker:
             *lines, pending = (pending + data).split(b"\n")
             for generation in lines:
                 self._spawn(requests, generation.decode())
-        deadline = time.monotonic() + CHILDREN_WAIT_S
+        deadline = time.monotonic() + children_wait_s()
         while self.children and time.monotonic() < deadline:
             time.sleep(0.1)
             self.children = _running(self.children)
