@@ -20,11 +20,16 @@ from ddpack_node import one_line, warn
 from ddpack_records import say
 from ddpack_step_records import RECOVERY_FALLBACK
 
+# srun's line for tasks that ended badly, "srun: error: NODE: task 3: Exited with exit code 1" (or "tasks 0-1: Killed").
 TASK_ENDED = re.compile(rb"srun: error: ([A-Za-z0-9._-]+): tasks? ([0-9,-]+): (.*)")
 NOT_A_CRASH = (b"Terminated", b"Exited with exit code 0")  # srun's own TERM for a stop; a task that ended well
 NODE_FAILED = re.compile(rb"srun: error: Node failure on ([A-Za-z0-9._-]+)")  # Slurm dropped the node from the job
 RECOVERED_MARK = b"] recovery: trained global step "  # rank 0's line once a recovery's first step is done (train/trainer.py)
 STORE_SERVING_MARK = b": serving the job's store at "  # the store task's line once it serves (train/recovery.py serve_store)
+# How long srun's line that the store task ended waits for the store task's own line that it served: the two come on
+# two pipes (srun's stderr, the tasks' stdout), each read by its own thread, in either order.
+SERVING_LINE_WAIT_S = 2.0
+BAD_INPUT = "Exited with exit code 2"  # a task that refused its input (the trainer's one line): no restart retries it
 END_MARK = b"ddpack-end "  # train/outcome.py's end record: {"rank", "host", "outcome", "reason", ...}
 STANDBY_END_MARK = b"ddpack-standby-end "  # train/outcome.py's StandbyEnd: {"member", "host", "why", "detail", ...}
 # train/outcome.py's CAUSES of a failed rank that crashed nothing (a peer died; recovery fell back after one did). An
@@ -34,11 +39,15 @@ LEFT_BY_A_PEER = "a collective failed"
 
 
 def task_ids(tasks: bytes) -> list[int]:
-    """The tasks srun's list names ("3", "0-1,4")."""
+    """The tasks srun's list names ("3", "0-1,4"); none where it is no such list (a task's own line that looks like
+    srun's, "task 3,: x": the tasks share srun's pipes, and a reader that raised would leave them full, the step stuck)."""
     ids: list[int] = []
-    for part in tasks.split(b","):
-        low, _, high = part.partition(b"-")
-        ids.extend(range(int(low), int(high or low) + 1))
+    try:
+        for part in tasks.split(b","):
+            low, _, high = part.partition(b"-")
+            ids.extend(range(int(low), int(high or low) + 1))
+    except ValueError:
+        return []
     return ids
 
 
@@ -110,8 +119,8 @@ def run_step(
     rank 0's included, no end of the run (`Training.standby_step`). `on_recovered` is called when a rank says it
     trained again after a recovery in process (its `recovery` record is written by then: `Training.follow_recovery`),
     `on_node_lost` with a node srun says failed (Slurm dropped it from the job: `Training.fence`). `store_task`: the
-    task that serves the job's store (the step's last), whose end before the run's is said in one line, and ends the
-    step at once where it came before the store served (`store_task_ended`)."""
+    task that serves the job's store (the step's last), whose end (srun naming it alone) before the run's is said in
+    one line, and ends the step where it came before the store served (`store_task_ended`)."""
     try:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     except OSError as why:
@@ -121,7 +130,7 @@ def run_step(
     left: dict[str, int] = {}
     step = StepEnd(0)
     run_ended = threading.Event()
-    guard: list[bool] = []  # True once the step was ended: by the wait after the run's end, or the store task's end
+    guard: list[int] = []  # the status to report once the step was ended: by the wait after the run's end, or the store task's end
     serving = threading.Event()  # the store task said it serves the job's store
 
     def copy(stream: object, fd: int) -> None:
@@ -132,9 +141,12 @@ def run_step(
                     data = data[os.write(fd, data) :]
             found = TASK_ENDED.match(line)
             if found and not found.group(3).startswith(NOT_A_CRASH):
-                ended.append((found.group(1).decode("ascii"), len(task_ids(found.group(2)))))
-                if store_task in task_ids(found.group(2)) and not run_ended.is_set() and not guard:
-                    store_task_ended(proc, found, store_task, serving.is_set(), guard)
+                ids = task_ids(found.group(2))
+                ended.append((found.group(1).decode("ascii"), len(ids)))
+                if store_task is not None and ids == [store_task]:  # with others, srun is ending the step itself
+                    node, status = found.group(1).decode("ascii"), found.group(3).decode("ascii", "replace").strip()
+                    args = (proc, node, status, store_task, serving, run_ended, guard)
+                    threading.Thread(target=store_task_ended, args=args, name="ddpack-step-store", daemon=True).start()
             if STORE_SERVING_MARK in line:
                 serving.set()
             if (at := line.find(STANDBY_END_MARK)) >= 0:
@@ -165,19 +177,25 @@ def run_step(
     step.code = proc.wait()
     run_ended.set()  # the step is over: the waiting thread ends
     if guard:
-        step.code = 137  # a task killed, as srun's --wait kills it (its own status on SIGTERM is no preemption's)
+        step.code = guard[0]  # a task killed (137), as srun's --wait kills it (its own status on SIGTERM is no preemption's)
     for reader in readers:
         reader.join(timeout=5)  # a process the step left behind may hold a pipe open: never wait on it for long
     step.crashed = crashed_node(ended, left)
     return step
 
 
-def store_task_ended(proc: subprocess.Popen, found: re.Match[bytes], task: int, served: bool, ended: list[bool]) -> None:
-    """srun says the step's store task (`found`: its line) ended badly before the run did. Before it served the store
-    (`served`), no rank can form a group: each waits for the store until its collective timeout (300 s by default), so
-    the step is ended now (`ended`). After, the ranks train on (their group needs no store once formed) and only
-    recovery is lost: a rank's death then ends the run as without standbys, and the job restarts it."""
-    node, status = found.group(1).decode("ascii"), found.group(3).decode("ascii", "replace").strip()
+def store_task_ended(
+    proc: subprocess.Popen, node: str, status: str, task: int, serving: threading.Event, run_ended: threading.Event, ended: list[int]
+) -> None:
+    """srun says the step's store task, and it alone, ended badly (`status`). Before the run's end and before it served
+    the store (its line awaited SERVING_LINE_WAIT_S), no rank can form a group: each waits for the store until its
+    collective timeout (300 s by default), so the step is ended now, its status then 137 (a failed step's, restarted
+    under DDPACK_MAX_FAILURE_RESTARTS) or 2 where the store task refused its input (`ended`). Once it served, the ranks
+    train on (their group needs no store once formed) and only recovery is lost: a rank's death then ends the run as
+    without standbys, and the job restarts it."""
+    served = serving.wait(SERVING_LINE_WAIT_S)
+    if run_ended.is_set() or proc.poll() is not None:
+        return  # the run is over, or srun ended the step itself
     if served:
         say(
             f"the job's store task (task {task} on {node}) ended ({status}): the run goes on without in-process recovery; "
@@ -188,8 +206,8 @@ def store_task_ended(proc: subprocess.Popen, found: re.Match[bytes], task: int, 
         f"the job's store task (task {task} on {node}) ended before it served the job's store ({status}; its lines above "
         "say why): no rank can start without it; ending the step"
     )
-    ended.append(True)
-    threading.Thread(target=end_step, args=(proc,), name="ddpack-step-end", daemon=True).start()
+    ended.append(2 if status == BAD_INPUT else 137)
+    end_step(proc)
 
 
 def standby_left(step: StepEnd, text: bytes) -> None:
@@ -204,7 +222,7 @@ def standby_left(step: StepEnd, text: bytes) -> None:
     say(f"standby {member} on {host} left ({why}): {detail}")
 
 
-def end_after_run(proc: subprocess.Popen, run_ended: threading.Event, wait_s: float, ended: list[bool]) -> None:
+def end_after_run(proc: subprocess.Popen, run_ended: threading.Event, wait_s: float, ended: list[int]) -> None:
     """End the step `wait_s` seconds after the run ended (`run_over`), if it is still running: a task still alive then
     is a rank frozen (SIGSTOP, a hung driver) that the standbys replaced, or a standby or store task that cannot leave."""
     run_ended.wait()
@@ -216,7 +234,7 @@ def end_after_run(proc: subprocess.Popen, run_ended: threading.Event, wait_s: fl
     say(
         f"the run ended {wait_s:g} s ago and the step has not (a task frozen, or a standby that cannot leave): ending it (DDPACK_STEP_WAIT)"
     )
-    ended.append(True)
+    ended.append(137)
     end_step(proc)
 
 

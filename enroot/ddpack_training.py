@@ -56,7 +56,6 @@ def read_count(path: Path) -> int:
     return int(text) if re.fullmatch(r"[0-9]{1,9}", text) else 0
 
 
-# srun's line for tasks that ended badly, "srun: error: NODE: task 3: Exited with exit code 1" (or "tasks 0-1: Killed").
 def task_hosts(nodes: list[str], per_node: int, standbys: int, spares: list[str] | None = None) -> list[str]:
     """Each task's node, in task order, for a step with `standbys` standby tasks after the ranks (SLURM_HOSTFILE): the
     ranks as srun's block distribution places them (`per_node` on each node, in order), then the standbys one a node

@@ -1,5 +1,5 @@
-"""The job program's side of in-process recovery (enroot/ddpack_training.py): when the trainer's --recovery falls back, the
-restart decision says why, in one line and in its step-end record."""
+"""The job program's side of in-process recovery (enroot/ddpack_training.py, enroot/ddpack_step.py): when the trainer's
+--recovery falls back, the restart decision says why, in one line and in its step-end record; the store task's end."""
 
 from __future__ import annotations
 
@@ -22,6 +22,12 @@ def node() -> ModuleType:
 @pytest.fixture(scope="module")
 def steps() -> ModuleType:
     return module("ddpack_step")
+
+
+@pytest.fixture
+def quick_store_wait(steps: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wait for the store task's serving line after srun's line, 0.5 s here (each step below outlives it)."""
+    monkeypatch.setattr(steps, "SERVING_LINE_WAIT_S", 0.5)
 
 
 def end_record(reason: str) -> str:
@@ -144,53 +150,69 @@ def test_a_fallback_blames_the_dead_ranks_node_never_rank_0s(steps: ModuleType) 
     assert step.code == 1 and step.crashed == "ddnode2" and step.exits == {0: 1, 1: 1, 2: 1}
 
 
-def fake_step(lines: list[str], wait_s: float = 60) -> list[str]:
-    """A step (srun's stand-in) that prints `lines` and then waits `wait_s`, as ranks wait for a store that is not there,
-    unless it is ended (SIGTERM), which it says."""
+def fake_step(out: list[str], err: list[str], wait_s: float = 60, code: int = 0) -> list[str]:
+    """srun's stand-in: the tasks' lines `out` on stdout, then srun's own `err` on stderr (two pipes, as srun's), then a
+    wait of `wait_s`, as ranks wait for a store that is not there, unless it is ended (SIGTERM), which it says; `code`."""
     body = (
         "import signal, sys, time\n"
         "signal.signal(signal.SIGTERM, lambda *_: (print('fake srun: terminated', flush=True), sys.exit(143)))\n"
-        f"sys.stdout.write({chr(10).join(lines) + chr(10)!r}); sys.stdout.flush()\n"
-        f"time.sleep({wait_s})\n"
+        f"sys.stdout.write({''.join(line + chr(10) for line in out)!r}); sys.stdout.flush()\n"
+        f"sys.stderr.write({''.join(line + chr(10) for line in err)!r}); sys.stderr.flush()\n"
+        f"time.sleep({wait_s}); sys.exit({code})\n"
     )
     return [sys.executable, "-c", body]
 
 
-STORE_FAILED = "srun: error: ddnode1: task 5: Exited with exit code 1"  # ranks 0-3, a standby (4), the store task (5)
+SERVING = "[store] store task on ddnode1: serving the job's store at ddnode1:29500 (pid 7) for 4 ranks and their standbys"
 
 
+@pytest.mark.parametrize(("status", "code"), [("Exited with exit code 1", 137), ("Exited with exit code 2", 2)])
 def test_a_store_task_that_ends_before_it_serves_ends_the_step_at_once_with_one_line(
-    steps: ModuleType, capfd: pytest.CaptureFixture[str]
+    steps: ModuleType, capfd: pytest.CaptureFixture[str], quick_store_wait: None, status: str, code: int
 ) -> None:
-    """The store task failed at its start (its port taken): every rank would wait for the store until its collective
-    timeout (300 s by default; a minute here). The job program ends the step when srun says so; rank 1's own end
-    before it ends nothing."""
-    step = steps.run_step(fake_step(["srun: error: ddnode2: task 1: Exited with exit code 1", STORE_FAILED]), end_wait=30, store_task=5)
-    said = capfd.readouterr().out
-    assert "fake srun: terminated" in said and step.code == 137, said  # ended by the job program, not by the minute
+    """Ranks 0-3, a standby (task 4), the store task (task 5), which failed at its start (its port taken; or it refused its
+    input: 2, which no restart retries): every rank would wait for the store until its collective timeout (300 s by
+    default; a minute here). The job program ends the step when srun says so; rank 1's own end before it ends nothing."""
+    lines = ["srun: error: ddnode2: task 1: Exited with exit code 1", f"srun: error: ddnode1: task 5: {status}"]
+    step = steps.run_step(fake_step([], lines), end_wait=30, store_task=5)
+    captured = capfd.readouterr()
+    said = captured.out
+    assert "fake srun: terminated" in said and step.code == code, said + captured.err  # ended by the job program, not by the minute
     assert said.count("ddpack: the job's store task") == 1, said
     assert (
-        "ddpack: the job's store task (task 5 on ddnode1) ended before it served the job's store (Exited with exit code 1; "
-        "its lines above say why): no rank can start without it; ending the step" in said
+        f"ddpack: the job's store task (task 5 on ddnode1) ended before it served the job's store ({status}; its lines above "
+        "say why): no rank can start without it; ending the step" in said
     )
 
 
 def test_a_store_task_that_ends_after_it_served_leaves_the_run_training_without_recovery(
-    steps: ModuleType, capfd: pytest.CaptureFixture[str]
+    steps: ModuleType, capfd: pytest.CaptureFixture[str], quick_store_wait: None
 ) -> None:
-    """Once it served, the ranks' group needs no store: the run goes on (only recovery is lost), said in one line; and
-    the store task's end after the run's is no failure at all."""
-    serving = "[store] store task on ddnode1: serving the job's store at ddnode1:29500 (pid 7) for 4 ranks and their standbys"
-    step = steps.run_step(fake_step([serving, STORE_FAILED], wait_s=1), end_wait=30, store_task=5)
+    """Once it served, the ranks' group needs no store: the run goes on (only recovery is lost), said in one line, though
+    srun's line (stderr) may be read before the store task's own (stdout); its end after the run's is no failure at all."""
+    step = steps.run_step(fake_step([SERVING], ["srun: error: ddnode1: task 5: Killed"], wait_s=1), end_wait=30, store_task=5)
     said = capfd.readouterr().out
     assert step.code == 0 and "fake srun: terminated" not in said, said
     assert (
-        "ddpack: the job's store task (task 5 on ddnode1) ended (Exited with exit code 1): the run goes on without in-process "
-        "recovery; a rank's death now restarts the step" in said
+        "ddpack: the job's store task (task 5 on ddnode1) ended (Killed): the run goes on without in-process recovery; a rank's "
+        "death now restarts the step" in said
     )
     done = RunEnd(rank=0, world_size=2, host="ddnode1", outcome="done", exit_code=0, reason="")
-    step = steps.run_step(fake_step([done.line(), "srun: error: ddnode1: task 3: Killed"], wait_s=0), end_wait=30, store_task=3)
+    step = steps.run_step(fake_step([done.line()], ["srun: error: ddnode1: task 3: Killed"], wait_s=1), end_wait=30, store_task=3)
     assert step.code == 0 and "store task" not in capfd.readouterr().out
+
+
+def test_every_task_refusing_its_input_stays_bad_input_and_a_task_line_that_only_looks_like_sruns_is_passed_through(
+    steps: ModuleType, capfd: pytest.CaptureFixture[str], quick_store_wait: None
+) -> None:
+    """srun names the store task among the others (they all refused their input, exit 2): srun ends the step itself, whose
+    status stays 2 (not retried), and nothing is said of the store task. A task's own line that looks like srun's but
+    names no tasks ("task 3,") is passed through; the readers go on."""
+    lines = ["srun: error: ddnode1: task 3,: x", "srun: error: ddnode1: tasks 0-5: Exited with exit code 2"]
+    step = steps.run_step(fake_step([], lines, wait_s=1, code=2), end_wait=30, store_task=5)  # srun's own end comes later
+    captured = capfd.readouterr()
+    assert step.code == 2 and "store task" not in captured.out and "task 3,: x" in captured.err, captured
+    assert step.crashed == "ddnode1"  # srun's line after it was read
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
 """A standby that leaves without taking a rank, or cannot start, says so to the job's program in a record (issue 62,
-point 3): its last line is train/outcome.py's StandbyEnd, and the job's program (enroot/ddpack_training.py) says one
+point 3): its last line is train/outcome.py's StandbyEnd, and the job's program (enroot/ddpack_step.py) says one
 line naming the standby, its node and why."""
 
 from __future__ import annotations

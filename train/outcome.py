@@ -21,7 +21,7 @@ MARK = "ddpack-end "
 OUTCOMES = ("done", "stopped", "bad-input", "failed", "hung")
 # A failed end's reason when --recovery fell back to a restart of every rank (what follows says why).
 RECOVERY_IMPOSSIBLE = "in-process recovery impossible: "
-# Why a failed rank ended, as a field the job's program decides from (enroot/ddpack_training.py: which node crashed,
+# Why a failed rank ended, as a field the job's program decides from (enroot/ddpack_step.py: which node crashed,
 # whether recovery fell back), never from the words of `reason`:
 #   peer: a collective failed (a peer died, or did not answer in time): this rank crashed nothing;
 #   recovery-fallback: in-process recovery could not replace the dead (the job restarts every rank): nor did this one;
@@ -106,7 +106,7 @@ def checksums(text: str) -> list[str]:
 
 
 STANDBY_MARK = "ddpack-standby-end "
-# Why a standby left without taking a rank, as a field the job's program reads (enroot/ddpack_training.py):
+# Why a standby left without taking a rank, as a field the job's program reads (enroot/ddpack_step.py):
 #   run-over: the run ended (its ranks said `closed`): it was not needed;
 #   fallback: the job falls back to a restart of every rank (the standbys' decision says why);
 #   store-gone: the job's store does not answer (its host, rank 0's node, lost; or the run ended before it was warm);

@@ -106,8 +106,9 @@ class StandbyForker:
         so that it does not say it is warm after the store task said it cannot serve (`close` then returns at once)."""
         with contextlib.suppress(OSError):
             os.kill(self.pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(self.pid, 0)
+        deadline = time.monotonic() + 2  # one held in an import from a stalled file system dies when that returns: `close` reaps it
+        while not _ended(self.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     def close(self) -> None:
         """No more standbys: the forker waits for those it started (each leaves on the run's `closed` key), then ends."""
