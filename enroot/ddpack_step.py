@@ -26,8 +26,13 @@ NOT_A_CRASH = (b"Terminated", b"Exited with exit code 0")  # srun's own TERM for
 NODE_FAILED = re.compile(rb"srun: error: Node failure on ([A-Za-z0-9._-]+)")  # Slurm dropped the node from the job
 RECOVERED_MARK = b"] recovery: trained global step "  # rank 0's line once a recovery's first step is done (train/trainer.py)
 STORE_SERVING_MARK = b": serving the job's store at "  # the store task's line once it serves (train/recovery.py serve_store)
-# How long srun's line that the store task ended waits for the store task's own line that it served: the two come on
-# two pipes (srun's stderr, the tasks' stdout), each read by its own thread, in either order.
+GROUP_FORMED_MARK = b"] start: rank "  # each rank's first line, printed once the ranks formed their group (train/__main__.py)
+# srun's and slurmstepd's lines when the step is being ended (scancel, a preemption, the time limit, end_step's TERM):
+# the tasks' ends that follow are the stop's, not failures to act on.
+STEP_STOPPING = re.compile(rb"\*\*\* STEP \S+ ON \S+ CANCELLED|srun: forcing job termination|srun: Job step aborted")
+# How long srun's line that a task ended waits for the line that would make that end harmless (the store task's that it
+# served, a rank's that the group formed, srun's that the step is being ended): they come on two pipes (srun's stderr,
+# the tasks' stdout), each read by its own thread, in either order.
 SERVING_LINE_WAIT_S = 2.0
 BAD_INPUT = "Exited with exit code 2"  # a task that refused its input (the trainer's one line): no restart retries it
 END_MARK = b"ddpack-end "  # train/outcome.py's end record: {"rank", "host", "outcome", "reason", ...}
@@ -111,6 +116,7 @@ def run_step(
     on_recovered: Callable[[], None] | None = None,
     on_node_lost: Callable[[str], None] | None = None,
     store_task: int | None = None,
+    ranks: int = 0,
 ) -> StepEnd:
     """Run the training step (srun), its output and errors passed through line by line as they come; how it ended,
     read from srun's lines and the ranks' end records. `end_wait` > 0 (a step with standbys and its store task): the
@@ -120,7 +126,8 @@ def run_step(
     trained again after a recovery in process (its `recovery` record is written by then: `Training.follow_recovery`),
     `on_node_lost` with a node srun says failed (Slurm dropped it from the job: `Training.fence`). `store_task`: the
     task that serves the job's store (the step's last), whose end (srun naming it alone) before the run's is said in
-    one line, and ends the step where it came before the store served (`store_task_ended`)."""
+    one line, and ends the step where it came before the store served (`store_task_ended`); with it, a rank's (tasks
+    0 to `ranks` - 1) before the ranks formed their group ends the step too (`rank_ended_early`)."""
     try:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     except OSError as why:
@@ -132,6 +139,8 @@ def run_step(
     run_ended = threading.Event()
     guard: list[int] = []  # the status to report once the step was ended: by the wait after the run's end, or the store task's end
     serving = threading.Event()  # the store task said it serves the job's store
+    formed = threading.Event()  # a rank said it started: the ranks formed their group
+    stopping = threading.Event()  # srun or slurmstepd said the step is being ended
 
     def copy(stream: object, fd: int) -> None:
         for line in stream:  # type: ignore[attr-defined]
@@ -143,12 +152,20 @@ def run_step(
             if found and not found.group(3).startswith(NOT_A_CRASH):
                 ids = task_ids(found.group(2))
                 ended.append((found.group(1).decode("ascii"), len(ids)))
+                node, status = found.group(1).decode("ascii"), found.group(3).decode("ascii", "replace").strip()
+                watch = (stopping, run_ended)
                 if store_task is not None and ids == [store_task]:  # with others, srun is ending the step itself
-                    node, status = found.group(1).decode("ascii"), found.group(3).decode("ascii", "replace").strip()
-                    args = (proc, node, status, store_task, serving, run_ended, guard)
+                    args = (proc, node, status, store_task, serving, watch, guard)
                     threading.Thread(target=store_task_ended, args=args, name="ddpack-step-store", daemon=True).start()
+                elif store_task is not None and ids and max(ids) < ranks:
+                    args = (proc, node, found.group(2).decode("ascii"), status, formed, watch, guard)
+                    threading.Thread(target=rank_ended_early, args=args, name="ddpack-step-rank", daemon=True).start()
             if STORE_SERVING_MARK in line:
                 serving.set()
+            if GROUP_FORMED_MARK in line:
+                formed.set()
+            if STEP_STOPPING.search(line):
+                stopping.set()
             if (at := line.find(STANDBY_END_MARK)) >= 0:
                 standby_left(step, line[at + len(STANDBY_END_MARK) :])
             if on_recovered is not None and RECOVERED_MARK in line:
@@ -185,7 +202,13 @@ def run_step(
 
 
 def store_task_ended(
-    proc: subprocess.Popen, node: str, status: str, task: int, serving: threading.Event, run_ended: threading.Event, ended: list[int]
+    proc: subprocess.Popen,
+    node: str,
+    status: str,
+    task: int,
+    serving: threading.Event,
+    watch: tuple[threading.Event, ...],
+    ended: list[int],
 ) -> None:
     """srun says the step's store task, and it alone, ended badly (`status`). Before the run's end and before it served
     the store (its line awaited SERVING_LINE_WAIT_S), no rank can form a group: each waits for the store until its
@@ -194,8 +217,8 @@ def store_task_ended(
     train on (their group needs no store once formed) and only recovery is lost: a rank's death then ends the run as
     without standbys, and the job restarts it."""
     served = serving.wait(SERVING_LINE_WAIT_S)
-    if run_ended.is_set() or proc.poll() is not None:
-        return  # the run is over, or srun ended the step itself
+    if any(event.is_set() for event in watch) or proc.poll() is not None:
+        return  # the step is being stopped, the run is over, or srun ended the step itself
     if served:
         say(
             f"the job's store task (task {task} on {node}) ended ({status}): the run goes on without in-process recovery; "
@@ -205,6 +228,30 @@ def store_task_ended(
     say(
         f"the job's store task (task {task} on {node}) ended before it served the job's store ({status}; its lines above "
         "say why): no rank can start without it; ending the step"
+    )
+    ended.append(2 if status == BAD_INPUT else 137)
+    end_step(proc)
+
+
+def rank_ended_early(
+    proc: subprocess.Popen,
+    node: str,
+    tasks: str,
+    status: str,
+    formed: threading.Event,
+    watch: tuple[threading.Event, ...],
+    ended: list[int],
+) -> None:
+    """srun says ranks' tasks (`tasks` on `node`) ended badly before any rank said it started: before the ranks formed
+    their group, where a standby cannot take a place (a recovery replaces a rank of a group that formed), and the other
+    ranks wait for the dead one until their collective timeout (300 s by default). So the step is ended now, 137 (a
+    failed step's, restarted) or 2 where the rank refused its input (`ended`); not where the step is being stopped, the
+    run is over, or srun ended it itself."""
+    if formed.wait(SERVING_LINE_WAIT_S) or any(event.is_set() for event in watch) or proc.poll() is not None:
+        return
+    say(
+        f"rank task(s) {tasks} on {node} ended before the ranks formed their group ({status}; its lines above say why): "
+        "a standby takes a place only in a group that formed, and the others would wait for it; ending the step"
     )
     ended.append(2 if status == BAD_INPUT else 137)
     end_step(proc)

@@ -224,6 +224,7 @@ class Training:
                     on_recovered=functools.partial(self.follow_recovery, before) if self.step_spares else None,
                     on_node_lost=self.fence if self.step_spares else None,
                     store_task=self.store_task,
+                    ranks=self.store_task - self.step_standbys if self.store_task is not None else 0,
                 )
             self.crashed = end.crashed
             wrote = StepRecords.read(self.run_dir / METRICS, before)

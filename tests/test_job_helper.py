@@ -886,8 +886,10 @@ def test_with_standbys_a_task_still_alive_after_rank_0_ended_is_ended_after_the_
 
 def test_with_standbys_rank_0_killed_and_replaced_does_not_end_the_step(tmp_path: Path) -> None:
     """The store task serves the store, so rank 0 is replaced as any rank: srun's line that task 0 was killed is no end
-    of the run (the step wait does not start from it); the run ends with the ranks' end records, rank 0's the standby's."""
-    replaced = "; ".join(['echo "srun: error: ddnode1: task 0: Killed" >&2', "sleep 2", *(end_line(rank, 0) for rank in range(4))])
+    of the run (the step wait does not start from it); the run ends with the ranks' end records, rank 0's the standby's.
+    The ranks had formed their group (their start lines): a death before that ends the step (test_recovery_job.py)."""
+    started = 'echo "[rank 0/4] start: rank 0 world 4 local_rank 0/2 backend gloo device cpu host ddnode1"'
+    replaced = "; ".join([started, 'echo "srun: error: ddnode1: task 0: Killed" >&2', "sleep 2", *(end_line(rank, 0) for rank in range(4))])
     out, _, _, steps = after_step(tmp_path, 137, step_also=replaced, DDPACK_STANDBYS="1", DDPACK_STEP_WAIT="1", SLURM_JOB_NODELIST="ddnode1,ddnode2")
     assert len(steps) == 1 and out.returncode == 0, out.stdout + out.stderr
     assert "ending it (DDPACK_STEP_WAIT)" not in out.stdout and "ddpack: the step completed (exit 0)" in out.stdout, out.stdout
