@@ -35,6 +35,13 @@ STEP_STOPPING = re.compile(rb"\*\*\* STEP \S+ ON \S+ CANCELLED|srun: forcing job
 # the tasks' stdout), each read by its own thread, in either order.
 SERVING_LINE_WAIT_S = 2.0
 BAD_INPUT = "Exited with exit code 2"  # a task that refused its input (the trainer's one line): no restart retries it
+# How long srun's line that ranks ended before the group formed waits for a rank's start line: longer than the store's
+# wait, because the start line's reader first copies every line before it into the job's log (a slow shared disk,
+# torch's start-up warnings from every rank), and a death just after the group formed is recovery's to mend.
+GROUP_LINE_WAIT_S = 15.0
+# A task's end by a stop's signal (the time limit's warning, SIGUSR1, before the trainer's watcher takes it; a TERM the
+# trainer passed on): the stop's to decide (requeue), never a failure of the start.
+STOP_STATUSES = ("User defined signal 1", "Exited with exit code 138", "Exited with exit code 143")
 END_MARK = b"ddpack-end "  # train/outcome.py's end record: {"rank", "host", "outcome", "reason", ...}
 STANDBY_END_MARK = b"ddpack-standby-end "  # train/outcome.py's StandbyEnd: {"member", "host", "why", "detail", ...}
 # train/outcome.py's CAUSES of a failed rank that crashed nothing (a peer died; recovery fell back after one did). An
@@ -141,6 +148,7 @@ def run_step(
     serving = threading.Event()  # the store task said it serves the job's store
     formed = threading.Event()  # a rank said it started: the ranks formed their group
     stopping = threading.Event()  # srun or slurmstepd said the step is being ended
+    first = threading.Lock()  # one early end a step: srun names each node's tasks on a line of its own
 
     def copy(stream: object, fd: int) -> None:
         for line in stream:  # type: ignore[attr-defined]
@@ -157,8 +165,8 @@ def run_step(
                 if store_task is not None and ids == [store_task]:  # with others, srun is ending the step itself
                     args = (proc, node, status, store_task, serving, watch, guard)
                     threading.Thread(target=store_task_ended, args=args, name="ddpack-step-store", daemon=True).start()
-                elif store_task is not None and ids and max(ids) < ranks:
-                    args = (proc, node, found.group(2).decode("ascii"), status, formed, watch, guard)
+                elif store_task is not None and ids and min(ids) < ranks and store_task not in ids and status not in STOP_STATUSES:
+                    args = (proc, node, found.group(2).decode("ascii"), status, formed, watch, guard, first)
                     threading.Thread(target=rank_ended_early, args=args, name="ddpack-step-rank", daemon=True).start()
             if STORE_SERVING_MARK in line:
                 serving.set()
@@ -241,14 +249,18 @@ def rank_ended_early(
     formed: threading.Event,
     watch: tuple[threading.Event, ...],
     ended: list[int],
+    first: threading.Lock,
 ) -> None:
     """srun says ranks' tasks (`tasks` on `node`) ended badly before any rank said it started: before the ranks formed
     their group, where a standby cannot take a place (a recovery replaces a rank of a group that formed), and the other
     ranks wait for the dead one until their collective timeout (300 s by default). So the step is ended now, 137 (a
     failed step's, restarted) or 2 where the rank refused its input (`ended`); not where the step is being stopped, the
-    run is over, or srun ended it itself."""
-    if formed.wait(SERVING_LINE_WAIT_S) or any(event.is_set() for event in watch) or proc.poll() is not None:
+    run is over, or srun ended it itself; never for a stop's signal (STOP_STATUSES). A line that names a standby with
+    ranks (one node's, killed together) counts; one that names the store task too is srun ending the step."""
+    if formed.wait(GROUP_LINE_WAIT_S) or any(event.is_set() for event in watch) or proc.poll() is not None:
         return
+    if not first.acquire(blocking=False) or ended:
+        return  # another line's thread is ending the step (or the wait after the run's end did)
     say(
         f"rank task(s) {tasks} on {node} ended before the ranks formed their group ({status}; its lines above say why): "
         "a standby takes a place only in a group that formed, and the others would wait for it; ending the step"

@@ -26,8 +26,10 @@ def steps() -> ModuleType:
 
 @pytest.fixture
 def quick_store_wait(steps: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The wait for the store task's serving line after srun's line, 0.5 s here (each step below outlives it)."""
+    """The waits for the store task's serving line and a rank's start line after srun's line, 0.5 s here (each step below
+    outlives them)."""
     monkeypatch.setattr(steps, "SERVING_LINE_WAIT_S", 0.5)
+    monkeypatch.setattr(steps, "GROUP_LINE_WAIT_S", 0.5)
 
 
 def end_record(reason: str) -> str:
@@ -202,34 +204,46 @@ def test_a_store_task_that_ends_after_it_served_leaves_the_run_training_without_
     assert step.code == 0 and "store task" not in capfd.readouterr().out
 
 
+@pytest.mark.parametrize(
+    ("lines", "named"),
+    [
+        (["srun: error: ddnode1: task 4: Exited with exit code 1", "srun: error: ddnode2: task 2: Killed"], "2 on ddnode2"),
+        (["srun: error: ddnode1: tasks 0,4: Killed"], "0,4 on ddnode1"),  # a node's rank and standby, killed together
+        (["srun: error: ddnode1: tasks 0-1: Killed", "srun: error: ddnode2: tasks 2-3: Killed"], "0-1 on ddnode1"),  # said once
+    ],
+    ids=["a rank alone", "a rank and a standby", "two nodes' lines"],
+)
 def test_a_rank_that_dies_before_the_ranks_formed_their_group_ends_the_step_at_once(
-    steps: ModuleType, capfd: pytest.CaptureFixture[str], quick_store_wait: None
+    steps: ModuleType, capfd: pytest.CaptureFixture[str], quick_store_wait: None, lines: list[str], named: str
 ) -> None:
     """Rank 2 killed while it imported (the OOM killer, a node's bad library): the other ranks wait for it in the group's
     rendezvous, where no standby can take its place, until their collective timeout (on the test cluster: 300 s before
-    this). The job program ends the step; a standby's own end (task 4) ends nothing."""
-    lines = ["srun: error: ddnode1: task 4: Exited with exit code 1", "srun: error: ddnode2: task 2: Killed"]
+    this). The job program ends the step, once; a standby's own end (task 4) ends nothing."""
     step = steps.run_step(fake_step([], lines), end_wait=30, store_task=5, ranks=4)
     said = capfd.readouterr().out
     assert "fake srun: terminated" in said and step.code == 137, said
     assert said.count("ddpack: rank task") == 1 and (
-        "ddpack: rank task(s) 2 on ddnode2 ended before the ranks formed their group (Killed; its lines above say why): a standby "
+        f"ddpack: rank task(s) {named} ended before the ranks formed their group (Killed; its lines above say why): a standby "
         "takes a place only in a group that formed, and the others would wait for it; ending the step" in said
     ), said
+
+
+KILLED = "srun: error: ddnode2: task 2: Killed"
 
 
 @pytest.mark.parametrize(
     ("out", "err"),
     [
-        (["[rank 0/4] start: rank 0 world 4 local_rank 0/2 backend gloo device cpu host ddnode1"], []),  # the group formed: recovery's
-        ([], ["slurmstepd-ddnode1: error: *** STEP 7.0 ON ddnode1 CANCELLED AT 2026-11-29T09:00:00 DUE TO PREEMPTION ***"]),
+        (["[rank 0/4] start: rank 0 world 4 local_rank 0/2 backend gloo device cpu host ddnode1"], [KILLED]),  # recovery's
+        ([], ["slurmstepd-ddnode1: error: *** STEP 7.0 ON ddnode1 CANCELLED AT 2026-11-29T09:00:00 DUE TO PREEMPTION ***", KILLED]),
+        ([], ["srun: error: ddnode2: task 2: User defined signal 1"]),  # the time limit's warning before the trainer's watcher
     ],
-    ids=["after the group formed", "the step being stopped"],
+    ids=["after the group formed", "the step being stopped", "a stop's signal"],
 )
 def test_a_ranks_death_after_the_group_formed_or_in_a_stop_is_not_the_job_programs_to_end(
     steps: ModuleType, capfd: pytest.CaptureFixture[str], quick_store_wait: None, out: list[str], err: list[str]
 ) -> None:
-    step = steps.run_step(fake_step(out, [*err, "srun: error: ddnode2: task 2: Killed"], wait_s=1), end_wait=30, store_task=5, ranks=4)
+    step = steps.run_step(fake_step(out, err, wait_s=1), end_wait=30, store_task=5, ranks=4)
     said = capfd.readouterr().out
     assert step.code == 0 and "fake srun: terminated" not in said and "rank task" not in said, said
 
