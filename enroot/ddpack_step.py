@@ -148,7 +148,7 @@ def run_step(
     serving = threading.Event()  # the store task said it serves the job's store
     formed = threading.Event()  # a rank said it started: the ranks formed their group
     stopping = threading.Event()  # srun or slurmstepd said the step is being ended
-    first = threading.Lock()  # one early end a step: srun names each node's tasks on a line of its own
+    first = threading.Lock()  # one early end a step (EarlyEnd): srun names each node's tasks on a line of its own
 
     def copy(stream: object, fd: int) -> None:
         for line in stream:  # type: ignore[attr-defined]
@@ -159,14 +159,14 @@ def run_step(
             found = TASK_ENDED.match(line)
             if found and not found.group(3).startswith(NOT_A_CRASH):
                 ids = task_ids(found.group(2))
-                ended.append((found.group(1).decode("ascii"), len(ids)))
                 node, status = found.group(1).decode("ascii"), found.group(3).decode("ascii", "replace").strip()
-                watch = (stopping, run_ended)
+                ended.append((node, len(ids)))
+                early = EarlyEnd(proc, status, (stopping, run_ended), guard, first)
                 if store_task is not None and ids == [store_task]:  # with others, srun is ending the step itself
-                    args = (proc, node, status, store_task, serving, watch, guard)
+                    args = (early, f"task {store_task} on {node}", serving)
                     threading.Thread(target=store_task_ended, args=args, name="ddpack-step-store", daemon=True).start()
                 elif store_task is not None and ids and min(ids) < ranks and store_task not in ids and status not in STOP_STATUSES:
-                    args = (proc, node, found.group(2).decode("ascii"), status, formed, watch, guard, first)
+                    args = (early, f"{found.group(2).decode('ascii')} on {node}", formed)
                     threading.Thread(target=rank_ended_early, args=args, name="ddpack-step-rank", daemon=True).start()
             if STORE_SERVING_MARK in line:
                 serving.set()
@@ -209,64 +209,66 @@ def run_step(
     return step
 
 
-def store_task_ended(
-    proc: subprocess.Popen,
-    node: str,
-    status: str,
-    task: int,
-    serving: threading.Event,
-    watch: tuple[threading.Event, ...],
-    ended: list[int],
-) -> None:
-    """srun says the step's store task, and it alone, ended badly (`status`). Before the run's end and before it served
-    the store (its line awaited SERVING_LINE_WAIT_S), no rank can form a group: each waits for the store until its
-    collective timeout (300 s by default), so the step is ended now, its status then 137 (a failed step's, restarted
-    under DDPACK_MAX_FAILURE_RESTARTS) or 2 where the store task refused its input (`ended`). Once it served, the ranks
-    train on (their group needs no store once formed) and only recovery is lost: a rank's death then ends the run as
-    without standbys, and the job restarts it."""
+@dataclasses.dataclass(frozen=True)
+class EarlyEnd:
+    """What ending the step before the run's end needs, for a task srun said ended badly with `status`: the step (srun),
+    the events that make that end harmless (`watch`: the step being stopped, the run over), where the status to report
+    goes (`ended`, run_step's guard) and the lock that lets one line's thread alone end it (`first`)."""
+
+    proc: subprocess.Popen
+    status: str
+    watch: tuple[threading.Event, ...]
+    ended: list[int]
+    first: threading.Lock
+
+    def moot(self) -> bool:
+        """The step is being stopped, the run is over, or srun ended the step itself."""
+        return any(event.is_set() for event in self.watch) or self.proc.poll() is not None
+
+    def end(self, line: str) -> None:
+        """Say `line` and end the step, 137 (a failed step's, restarted under DDPACK_MAX_FAILURE_RESTARTS) or 2 where
+        the task refused its input; unless another line's thread (or the wait after the run's end) ended it."""
+        if not self.first.acquire(blocking=False) or self.ended:
+            return
+        say(line)
+        self.ended.append(2 if self.status == BAD_INPUT else 137)
+        end_step(self.proc)
+
+
+def store_task_ended(early: EarlyEnd, task: str, serving: threading.Event) -> None:
+    """srun says the step's store task (`task`: "task N on NODE"), and it alone, ended badly. Before the run's end and
+    before it served the store (its line awaited SERVING_LINE_WAIT_S), no rank can form a group: each waits for the
+    store until its collective timeout (300 s by default), so the step is ended now. Once it served, the ranks train on
+    (their group needs no store once formed) and only recovery is lost: a rank's death then ends the run as without
+    standbys, and the job restarts it."""
     served = serving.wait(SERVING_LINE_WAIT_S)
-    if any(event.is_set() for event in watch) or proc.poll() is not None:
-        return  # the step is being stopped, the run is over, or srun ended the step itself
+    if early.moot():
+        return
     if served:
         say(
-            f"the job's store task (task {task} on {node}) ended ({status}): the run goes on without in-process recovery; "
-            "a rank's death now restarts the step"
+            f"the job's store task ({task}) ended ({early.status}): the run goes on without in-process recovery; a rank's "
+            "death now restarts the step"
         )
         return
-    say(
-        f"the job's store task (task {task} on {node}) ended before it served the job's store ({status}; its lines above "
-        "say why): no rank can start without it; ending the step"
+    early.end(
+        f"the job's store task ({task}) ended before it served the job's store ({early.status}; its lines above say why): "
+        "no rank can start without it; ending the step"
     )
-    ended.append(2 if status == BAD_INPUT else 137)
-    end_step(proc)
 
 
-def rank_ended_early(
-    proc: subprocess.Popen,
-    node: str,
-    tasks: str,
-    status: str,
-    formed: threading.Event,
-    watch: tuple[threading.Event, ...],
-    ended: list[int],
-    first: threading.Lock,
-) -> None:
-    """srun says ranks' tasks (`tasks` on `node`) ended badly before any rank said it started: before the ranks formed
-    their group, where a standby cannot take a place (a recovery replaces a rank of a group that formed), and the other
-    ranks wait for the dead one until their collective timeout (300 s by default). So the step is ended now, 137 (a
-    failed step's, restarted) or 2 where the rank refused its input (`ended`); not where the step is being stopped, the
-    run is over, or srun ended it itself; never for a stop's signal (STOP_STATUSES). A line that names a standby with
-    ranks (one node's, killed together) counts; one that names the store task too is srun ending the step."""
-    if formed.wait(GROUP_LINE_WAIT_S) or any(event.is_set() for event in watch) or proc.poll() is not None:
+def rank_ended_early(early: EarlyEnd, tasks: str, formed: threading.Event) -> None:
+    """srun says ranks' tasks (`tasks`: "LIST on NODE") ended badly before any rank said it started: before the ranks
+    formed their group, where a standby cannot take a place (a recovery replaces a rank of a group that formed), and the
+    other ranks wait for the dead one until their collective timeout (300 s by default). So the step is ended now; not
+    where the step is being stopped, the run is over, or srun ended it itself; never for a stop's signal (STOP_STATUSES:
+    the caller's). A line that names a standby with ranks (one node's, killed together) counts; one that names the
+    store task too is srun ending the step."""
+    if formed.wait(GROUP_LINE_WAIT_S) or early.moot():
         return
-    if not first.acquire(blocking=False) or ended:
-        return  # another line's thread is ending the step (or the wait after the run's end did)
-    say(
-        f"rank task(s) {tasks} on {node} ended before the ranks formed their group ({status}; its lines above say why): "
-        "a standby takes a place only in a group that formed, and the others would wait for it; ending the step"
+    early.end(
+        f"rank task(s) {tasks} ended before the ranks formed their group ({early.status}; its lines above say why): a "
+        "standby takes a place only in a group that formed, and the others would wait for it; ending the step"
     )
-    ended.append(2 if status == BAD_INPUT else 137)
-    end_step(proc)
 
 
 def standby_left(step: StepEnd, text: bytes) -> None:
