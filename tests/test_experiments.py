@@ -517,13 +517,14 @@ def test_resubmit_of_a_point_is_its_element_of_the_sweeps_array(tmp_path, slurm,
 def test_the_experiments_bench_runs_and_prints_its_figures(tmp_path) -> None:
     """bench/bench_experiments.py, small (one round, 20 runs): it runs, and prints the figures it is for."""
     bench = Path(__file__).resolve().parents[1] / "bench" / "bench_experiments.py"
-    small = ["--rounds", "1", "--runs", "20", "--big-runs", "3", "--points", "2", "--point-mb", "0.05", "--live", "3"]
+    small = ["--rounds", "1", "--runs", "20", "--big-runs", "3", "--points", "2", "--point-mb", "0.05", "--live", "3", "--compare-rounds", "1"]
     out = subprocess.run([sys.executable, str(bench), *small], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "the sweep's own work beyond one submit:" in out.stdout and "ls, squeue lists none" in out.stdout, out.stdout
     assert "ls, cold (summaries written)" in out.stdout and "ls, warm" in out.stdout, out.stdout
     assert "ls, 3 live of 20" in out.stdout and "export SWEEP --summary" in out.stdout, out.stdout
     assert "compare SWEEP, first" in out.stdout and "compare SWEEP, again" in out.stdout, out.stdout
+    assert "export SWEEP --summary, first" in out.stdout and "the first compare's CPU" in out.stdout, out.stdout
 
 
 def test_compare_of_a_sweep_is_one_row_a_point_with_its_values_sortable(tmp_path, slurm, capfd) -> None:
