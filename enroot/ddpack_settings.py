@@ -226,7 +226,11 @@ def _plain_recovery(given: str, *, gpus: int, program: str) -> Recovery:
     if program == TORCHRUN:
         return Recovery(0, "torchrun starts a node's ranks itself, so a task is no rank and none can be a standby")
     if program == OWN:
-        return Recovery(0, "your own program runs, and standbys are tasks of the bundled trainer's per-task step")
+        return Recovery(
+            0,
+            "your own program runs (a command after --, `python -m train` too), and standbys are tasks of the bundled"
+            " trainer's per-task step: its flags as DDPACK_TRAIN_ARGS, with no command, let it have them",
+        )
     if program == IMAGE:
         return Recovery(0, "the image runs its own command (its APP_CMD), and standbys are tasks of the bundled trainer")
     if program == UNKNOWN:

@@ -484,7 +484,7 @@ def dry_run_says(tmp_path: Path, capsys, *args: str) -> tuple[list[str], str]:
         (
             ("--", "python", "ddp.py"),
             "",
-            "a restart of the step from its last snapshot (your own program runs, and standbys are tasks",
+            "a restart of the step from its last snapshot (your own program runs (a command after --, `python -m train` too), and standbys",
             "0",
         ),
         (("--template", "torchrun"), "", "a restart of the step from its last snapshot (torchrun starts a node's ranks itself", "0"),
