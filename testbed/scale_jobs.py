@@ -101,7 +101,7 @@ class Result:
     node_cpu: dict[str, float] = field(default_factory=dict)
     ctld_cpu: float = 0.0
     munged_cpu: float = 0.0
-    saturated: float = 0.0
+    waited: float = 0.0  # the seconds of the window some task waited for a CPU (PSI's "some")
     calls: dict[str, int] = field(default_factory=dict)  # the batch host's Slurm commands, by command
     steps: int = 0
     python_batch: int = 0
@@ -120,9 +120,9 @@ class Result:
 
     @property
     def delta(self) -> float:
-        """What the correction takes out: the queued CPU's critical-path share, never more than the seconds both CPUs
-        were saturated."""
-        return min(self.share * self.queued, self.saturated)
+        """What the correction takes out: the queued CPU's critical-path share, never more than the seconds some task
+        waited for a CPU (a queue costs the critical path no more than that)."""
+        return min(self.share * self.queued, self.waited)
 
     @property
     def r(self) -> float:
@@ -131,11 +131,11 @@ class Result:
 
 class ScaleJobs:
     """Jobs on the emulated cluster: its work folder (the shared filesystem, /fsx in the container), the stub image,
-    and the figures of each start or swap. `saturated(start, end)`: the seconds of that window this host's CPUs were all
-    busy (bench_scale samples them; 0 where nobody does, and then nothing is taken out)."""
+    and the figures of each start or swap. `waited(start, end)`: the seconds of that window some task waited for one of
+    this host's CPUs (bench_scale samples the kernel's count; 0 where nobody does, and then nothing is taken out)."""
 
-    def __init__(self, work: Path, image: Path, saturated: Callable[[float, float], float] = lambda start, end: 0.0) -> None:
-        self.work, self.image, self.saturated = work, image, saturated
+    def __init__(self, work: Path, image: Path, waited: Callable[[float, float], float] = lambda start, end: 0.0) -> None:
+        self.work, self.image, self.waited = work, image, waited
         self.env = ec.client_env(PATH=f"{ec.SHIM}:{os.environ.get('PATH', '/usr/sbin:/usr/bin:/sbin:/bin')}")
         self.stage = stage_dir(0)
 
@@ -232,7 +232,7 @@ class ScaleJobs:
         result.node_cpu = {n: (cpu1.get(n, 0) - cpu0.get(n, 0)) / 1e9 for n in cpu1 if n != "ctld"}
         result.ctld_cpu = (cpu1.get("ctld", 0) - ctld0) / 1e9
         result.munged_cpu = munge
-        result.saturated = self.saturated(t0, last)
+        result.waited = self.waited(t0, last)
         for line in batch:
             if line.cmd in ec.SLURM_COMMANDS:
                 result.calls[line.cmd] = result.calls.get(line.cmd, 0) + 1
