@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 
@@ -23,7 +24,8 @@ HOST_PACKAGES = {
 
 
 def run_verb(verb: str, body: Callable[[], int | None]) -> int:
-    """Run a verb's body; turn HostError, a missing host package and Ctrl-C into a one-line message and an exit code."""
+    """Run a verb's body; turn HostError, a missing host package and Ctrl-C into a one-line message and an exit code,
+    and a reader that closed the pipe (`| head`) into a quiet end."""
     try:
         return body() or 0
     except HostError as exc:
@@ -42,3 +44,8 @@ def run_verb(verb: str, body: Callable[[], int | None]) -> int:
     except KeyboardInterrupt:
         print(f"ddpack {verb}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`ddpack ls | head`): stop quietly, as a program that SIGPIPE ends does (141), with
+        # stdout pointed at /dev/null so that the interpreter's last flush has nowhere to fail.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -18,6 +19,19 @@ def test_no_engine_is_one_line_naming_the_socket_and_the_fix() -> None:
     assert out.stderr.count("\n") == 1
     assert out.stderr.startswith("ddpack engine: error: no Docker engine reachable at unix:///tmp/ddpack-no-such.sock")
     assert "make engine" in out.stderr
+
+
+def test_a_reader_that_closed_the_pipe_ends_a_verb_quietly_as_sigpipe_would() -> None:
+    """`ddpack ls | head`: the reader gone before the verb writes is exit 141 and nothing on stderr, not a traceback
+    (nor the interpreter's "Exception ignored" at its last flush). Without the handler: exit 1 and a traceback."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        out = subprocess.run([sys.executable, "-m", "ddpack.cli", "completion", "bash"], stdout=write_end, stderr=subprocess.PIPE,
+                             env=clean_env(), cwd=ROOT, text=True, timeout=60)  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert (out.returncode, out.stderr) == (141, "")
 
 
 def test_unknown_variant_is_rejected() -> None:
