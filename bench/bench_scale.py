@@ -115,12 +115,21 @@ def row(result: Result) -> str:
         f"scale  {result.nodes:5d} {result.case:5s} {fmt(result.w)} | {phases} | {sum(cpus):6.2f} {max(cpus, default=0):5.2f} "
         f"{result.delta:6.2f} {fmt(result.r)} | {result.ctld_cpu:5.2f} {result.munged_cpu:5.2f} | {calls} steps {result.steps} "
         f"py {result.python_batch}+{result.python_per_node:.0f}/node node-side {result.node_side_calls} shared {result.shared_readers}"
+        f"; busiest {busiest(result)}"
     )
+
+
+def busiest(result: Result) -> str:
+    """The node whose CPU is the max column (the part of R the correction leaves in), and whether it is the batch host."""
+    if not result.node_cpu:
+        return "-"
+    name = max(result.node_cpu, key=result.node_cpu.__getitem__)
+    return f"{name} (the batch host)" if name == result.batch_host else name
 
 
 HEADER = (
     "scale  nodes case      W | " + " ".join(f"{p:>6s}" for p in PHASES) + " | nodeCPU   max  delta      R | ctld munged | "
-    "batch host's Slurm calls, steps, python starts (batch+per node), node-side calls, nodes reading the shared file"
+    "batch host's Slurm calls, steps, python starts (batch+per node), node-side calls, nodes reading the shared file; the busiest node"
 )
 
 

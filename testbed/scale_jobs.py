@@ -109,6 +109,7 @@ class Result:
     node_side_calls: int = 0
     shared_readers: int = 0
     job: str = ""
+    batch_host: str = ""  # the node the batch script ran on (its lines in the command log)
     ranks_on: tuple[list[str], list[str]] = ([], [])  # a swap's: the nodes of the step before the DOWN, and after
     share: float = 1.0  # of the queued node CPU, the part on the critical path (bench_scale's calibration; 1: all of it)
 
@@ -237,6 +238,7 @@ class ScaleJobs:
             if line.cmd in ec.SLURM_COMMANDS:
                 result.calls[line.cmd] = result.calls.get(line.cmd, 0) + 1
         result.steps = result.calls.get("srun", 0)
+        result.batch_host = batch[0].node if batch else ""
         result.python_batch = sum(1 for line in batch if line.cmd == "python3")
         result.python_per_node = sum(1 for line in calls if line.cmd == "python3" and line.step != BATCH_STEP) / nodes
         result.node_side_calls = sum(1 for line in calls if line.cmd in ec.SLURM_COMMANDS and line.step != BATCH_STEP)
