@@ -16,11 +16,12 @@ the nodes' counted python3 and enroot): queue (sbatch to the batch script's firs
 step), prepare, holder (the receive step), sbcast, install, launch (the training step's srun to its first rank ready,
 with the unpacks: first create to last end), spread (first to last rank ready). Each node's CPU is its cgroup's; the
 correction takes out what a cluster runs side by side and this host queues: delta = share x (sum of node CPU - the
-largest) / CPUs, bounded by the time some task waited for a CPU (the kernel's pressure count, PSI); R = W - delta. The share is the part of that queued CPU
-on the critical path, calibrated after the jobs against runs pinned to one CPU (a warm start and a swap at the
-largest size, or --calibrate-at N; each case's own: `calibrate`); 1 with --no-calibrate, which over-corrects where
-the host is not saturated all along. slurmctld's CPU is its cgroup's, munged's from /proc
-(the host's one munged: the test cluster's use in the window is in it too).
+largest) / CPUs, bounded by the time some task waited for a CPU (the kernel's pressure count, PSI); R = W - delta.
+The share is the part of that queued CPU on the critical path, calibrated after the jobs against runs pinned to one
+CPU (a warm start and a swap at the largest size, or --calibrate-at N; each case's own: `calibrate`); 1 with
+--no-calibrate, which over-corrects where the host is not saturated all along. slurmctld's CPU is its cgroup's,
+munged's from /proc (the host's one munged: the test cluster's use in the window is in it too). Each row names its
+busiest node, whose CPU the correction leaves in R.
 
     python bench/bench_scale.py [--sizes 2,16,64] [--swap-sizes 3,16,64] [--rounds 1] [--pad-mb 0] [--busy-ok]
                                 [--sbcast-law | --sbcast-only] [--no-calibrate] [--calibrate-at N]
